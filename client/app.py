@@ -1,0 +1,34 @@
+"""The ClientApp: local training on the task and client share the server assigns.
+
+A message may start a fresh process (deployment) or reuse a long-lived one (Ray
+simulation); the runtime (data, backbone, query cache) is cached per process and
+configuration, so reuse is free and a fresh start rebuilds only what it must.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from client.learner import read_task_round
+from common.config import ExperimentConfig
+from common.records import CONFIG
+from common.runtime import get_runtime
+from strategies import learner_class
+
+log = logging.getLogger("promptfcl")
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Load the global prompts and head, train on this client's share, reply the update."""
+    cfg = ExperimentConfig.from_dict(context.run_config)
+    runtime = get_runtime(cfg)
+    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    task, round_, client_id = read_task_round(msg.content[CONFIG])
+    reply = learner.fit(msg.content, task, round_, client_id)
+    return Message(content=reply, reply_to=msg)

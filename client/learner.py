@@ -1,0 +1,146 @@
+"""Local learning on a client: the one training loop every method shares.
+
+``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the
+current task's classes). A method changes local learning by subclassing it and
+overriding hooks, never by copying the loop:
+
+* ``round_start(content)``  read extra records the server sent (prototypes, ...)
+* ``extra_loss(batch)``     add a term to the loss of each batch
+* ``round_end(index)``      return extra records to upload (statistics, ...)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from common.data import client_indices, task_classes
+from common.model import masked_logits
+from common.records import ARRAYS, METRICS, to_array_record, to_torch
+from common.runtime import Runtime
+
+log = logging.getLogger("promptfcl")
+
+
+@dataclass
+class Batch:
+    """One training batch and what the forward pass made of it."""
+
+    images: torch.Tensor  # preprocessed (B, C, H, W)
+    labels: torch.Tensor  # (B,)
+    query: torch.Tensor  # (B, D)
+    features: torch.Tensor  # prompted pre-logit features (B, D)
+    logits: torch.Tensor  # masked to the current task's classes (B, num_classes)
+
+
+class LocalLearner:
+    """FedAvg-Prompt local learning (CODA-P prompts + linear head, CE on the current task).
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model, device and query cache of this process.
+    options : dict
+        Method options (``<strategy>.*`` keys of the run config, prefix removed).
+    """
+
+    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+        self.rt = runtime
+        self.cfg = runtime.cfg
+        self.options = options or {}
+
+    # ------------------------------------------------------------------ hooks
+    def round_start(self, content: RecordDict, task: int) -> None:
+        """Read method-specific records sent by the server."""
+
+    def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
+        """Extra loss term for one batch (None: plain cross-entropy)."""
+        return None
+
+    def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
+        """Extra records to upload, by record name."""
+        return {}
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """Train on this client's share of ``task`` starting from the global parameters."""
+        cfg, rt, model = self.cfg, self.rt, self.rt.model
+        started = time.perf_counter()
+        index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
+
+        model.load_trainable_state(to_torch(content[ARRAYS]))
+        model.prompt.set_task(task)
+        self.round_start(content, task)
+        if len(index) == 0:
+            # Nothing to learn from: reply zero examples, the server leaves this client out.
+            return self._reply(index, task, started, losses=[])
+
+        allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
+        allowed[task_classes(task, rt.data.num_classes, cfg.num_tasks)] = True
+        seed = [cfg.seed, client_id, task, round_]
+        torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
+        rng = np.random.default_rng(seed + [0xBA7C4])
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=cfg.lr)
+        steps = cfg.local_epochs * math.ceil(len(index) / cfg.batch_size)
+        scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+                     if cfg.lr_schedule == "cosine" else None)
+        queries = rt.queries("train", index)  # (n, D) on device, or None: computed per batch
+        images = rt.data.train.images
+        labels = torch.as_tensor(rt.data.train.labels[index])
+
+        model.train()
+        losses: list[float] = []
+        for _ in range(cfg.local_epochs):
+            order = rng.permutation(len(index))
+            for start in range(0, len(order), cfg.batch_size):
+                pos = order[start : start + cfg.batch_size]
+                x = model.preprocess(torch.from_numpy(images[index[pos]]).to(rt.device))
+                q = queries[pos] if queries is not None else model.query(x)
+                y = labels[pos].to(rt.device)
+                feats = model.features(x, q)
+                logits = masked_logits(model.head(feats), allowed)
+                loss = F.cross_entropy(logits, y)
+                extra = self.extra_loss(Batch(x, y, q, feats, logits), task)
+                if extra is not None:
+                    loss = loss + extra
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                losses.append(float(loss.detach()))
+        model.eval()
+        return self._reply(index, task, started, losses)
+
+    def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float]) -> RecordDict:
+        extras = self.round_end(index, task) if len(index) else {}
+        metrics = MetricRecord({
+            "num-examples": int(len(index)),
+            "train-loss": float(np.mean(losses)) if losses else 0.0,
+            "train-seconds": time.perf_counter() - started,
+        })
+        reply = RecordDict({ARRAYS: to_array_record(self.rt.model.trainable_state()), METRICS: metrics})
+        for name, record in extras.items():
+            reply[name] = record
+        return reply
+
+
+def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
+    """(task, round within task, client id) from a train message's config."""
+    try:
+        return int(config["task"]), int(config["round"]), int(config["client-id"])
+    except KeyError as exc:
+        raise ValueError(f"train message config lacks {exc}") from None
+
+
+__all__ = ["Batch", "LocalLearner", "read_task_round", "ArrayRecord"]

@@ -1,0 +1,228 @@
+"""Experiment configuration: one typed, validated object built from Flower's run config.
+
+Flower hands every ServerApp and ClientApp the same flat ``context.run_config``
+(``[tool.flwr.app.config]`` in pyproject.toml plus ``--run-config`` overrides).
+Keys are kebab-case (``num-tasks``); method-specific keys are namespaced by the
+strategy name (``hepco.lambda-kl``) and are validated by the strategy itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
+PROMPT_MODES = ("prefix", "prompt")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass
+class ExperimentConfig:
+    """Everything that defines one run. Defaults are the offline default experiment.
+
+    The paper-scale settings live in ``configs/*.toml``; see README.
+    """
+
+    # --- run ---
+    strategy: str = "fedavg"
+    seed: int = 0
+    out_dir: str = "runs/latest"
+    device: str = "auto"
+    threads: int = 0  # torch threads per process; 0 = all cores shared by the parallel clients
+
+    # --- data and task stream ---
+    dataset: str = "digits"
+    data_dir: str = ""  # source-specific; fashion-mnist defaults to the Debian package path
+    num_tasks: int = 5
+    test_fraction: float = 0.25  # held-out share for sources that ship no test split
+    max_train_per_class: int = 0  # 0 = all; caps big sources for quick runs
+    max_test_per_class: int = 0
+
+    # --- federation ---
+    num_clients: int = 10  # size of the (virtual) client population
+    clients_per_round: int = 5  # 0 with client_fraction > 0 means "fraction of the population"
+    client_fraction: float = 0.0
+    rounds_per_task: int = 3
+    partition: str = "dirichlet"
+    dirichlet_beta: float = 0.5
+    classes_per_client: int = 1  # for partition = quantity
+    min_partition_size: int = 1  # dirichlet: smallest share of a task a client may get
+    # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
+    category_ratio: float = 0.6
+    split_ratio: float = 0.1
+    imbalance_ratio: float = 1.0
+    centralised: bool = False  # one client with all data: the upper-bound reference
+    round_timeout: float = 3600.0
+
+    # --- local training ---
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 1e-3
+    lr_schedule: str = "cosine"  # "cosine" or "constant", over one round's local steps
+    query_cache: bool = True
+
+    # --- backbone ---
+    backbone: str = "vit_tiny_patch16_224"
+    weights: str = "random"  # "timm" (pretrained from the hub), "random", or a checkpoint path
+    image_size: int = 32
+    patch_size: int = 4  # 0 = the model's own
+    embed_dim: int = 96  # 0 = the model's own
+    depth: int = 4  # 0 = the model's own
+    num_heads: int = 3  # 0 = the model's own
+
+    # --- prompts (CODA-P) ---
+    prompt_mode: str = "prefix"
+    prompt_layers: str = "0,1,2"  # comma-separated block indices
+    pool_size: int = 20  # M, split evenly over the tasks
+    prompt_length: int = 8  # L (prefix: half keys, half values)
+    ortho_init: bool = True
+
+    # --- method-specific options, "<strategy>.<key>" -> value ---
+    method: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def layers(self) -> list[int]:
+        return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
+
+    def method_options(self, name: str) -> dict[str, Any]:
+        """Options namespaced ``name.*`` with the prefix removed (keys kebab-case)."""
+        prefix = name + "."
+        return {k[len(prefix):]: v for k, v in self.method.items() if k.startswith(prefix)}
+
+    # ------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict[str, Any]:
+        """Flat kebab-case dict, the same shape as Flower's run config."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "method":
+                continue
+            out[f.name.replace("_", "-")] = getattr(self, f.name)
+        out.update(self.method)
+        return out
+
+    def fingerprint(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "ExperimentConfig":
+        """Build from a flat kebab-case mapping; unknown keys are an error, not ignored."""
+        known = {f.name.replace("_", "-"): f for f in fields(cls) if f.name != "method"}
+        values: dict[str, Any] = {}
+        method: dict[str, Any] = {}
+        for key, value in raw.items():
+            if "." in key:
+                method[key] = value
+                continue
+            f = known.get(key) or known.get(key.replace("_", "-"))
+            if f is None:
+                raise ConfigError(
+                    f"unknown configuration key {key!r}; known keys: {', '.join(sorted(known))}"
+                )
+            values[f.name] = _coerce(key, value, f.type)
+        cfg = cls(**values, method=method)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **changes: Any) -> "ExperimentConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ConfigError for values that cannot work; checked before any training."""
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.num_tasks >= 1, f"num-tasks must be >= 1, got {self.num_tasks}")
+        need(self.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {self.rounds_per_task}")
+        need(self.num_clients >= 1, f"num-clients must be >= 1, got {self.num_clients}")
+        need(self.clients_per_round >= 0, "clients-per-round must be >= 0")
+        need(0.0 <= self.client_fraction <= 1.0, f"client-fraction must be in [0, 1], got {self.client_fraction}")
+        need(self.clients_per_round > 0 or self.client_fraction > 0,
+             "set clients-per-round > 0 or client-fraction > 0")
+        need(self.clients_per_round <= self.num_clients,
+             f"clients-per-round ({self.clients_per_round}) exceeds num-clients ({self.num_clients})")
+        need(self.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        need(self.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {self.dirichlet_beta}")
+        need(self.classes_per_client >= 1, "classes-per-client must be >= 1")
+        need(self.min_partition_size >= 0, "min-partition-size must be >= 0")
+        for name in ("category_ratio", "split_ratio"):
+            v = getattr(self, name)
+            need(0.0 < v <= 1.0, f"{name.replace('_', '-')} must be in (0, 1], got {v}")
+        need(0.0 < self.imbalance_ratio <= 1.0, f"imbalance-ratio must be in (0, 1], got {self.imbalance_ratio}")
+        need(0.0 < self.test_fraction < 1.0, f"test-fraction must be in (0, 1), got {self.test_fraction}")
+        need(self.local_epochs >= 1, "local-epochs must be >= 1")
+        need(self.batch_size >= 1, "batch-size must be >= 1")
+        need(self.lr > 0, "lr must be > 0")
+        need(self.lr_schedule in ("cosine", "constant"), "lr-schedule must be 'cosine' or 'constant'")
+        need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        need(self.prompt_mode in PROMPT_MODES, f"prompt-mode must be one of {PROMPT_MODES}")
+        need(self.prompt_length >= 1, "prompt-length must be >= 1")
+        need(self.prompt_mode != "prefix" or self.prompt_length % 2 == 0,
+             "prefix-tuning splits a prompt into key and value halves: prompt-length must be even")
+        need(self.pool_size >= self.num_tasks and self.pool_size % self.num_tasks == 0,
+             f"pool-size ({self.pool_size}) must be a positive multiple of num-tasks ({self.num_tasks})")
+        try:
+            layers = self.layers
+        except ValueError as exc:
+            raise ConfigError(f"prompt-layers must be comma-separated integers, got {self.prompt_layers!r}") from exc
+        need(len(layers) == len(set(layers)), "prompt-layers has duplicates")
+        need(all(v >= 0 for v in layers), "prompt-layers must be >= 0")
+        need(self.image_size >= 8, "image-size must be >= 8")
+        need(self.round_timeout > 0, "round-timeout must be > 0")
+        need(self.threads >= 0, "threads must be >= 0")
+
+
+def _coerce(key: str, value: Any, type_name: Any) -> Any:
+    """Convert a run-config value (TOML or CLI string) to the field's type, strictly."""
+    t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
+    try:
+        if t == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if t == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if t == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if t == "str":
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} = {value!r} is not a valid {t}") from None
+    raise ConfigError(f"{key}: unsupported field type {t}")
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["num-tasks=5", "lr=1e-3"]`` -> dict; values parsed as TOML scalars where possible."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} is not of the form key=value")
+        key, raw = pair.split("=", 1)
+        key, raw = key.strip(), raw.strip()
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw  # bare strings such as dataset=digits
+    return out

@@ -1,0 +1,424 @@
+"""Datasets, the class-incremental task stream, and client partitions.
+
+Images are kept as uint8 arrays (N, C, H, W); the model resizes and normalises
+per batch, so one copy of the data serves any backbone. Labels are remapped once
+by the seeded class order, so task ``t`` owns classes ``[t*k, (t+1)*k)``.
+
+Every client's share is a pure function of (seed, client id, task, round): the
+server never stores per-client data state, and a ClientApp started fresh in any
+process recomputes exactly the same indices.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.config import ConfigError, ExperimentConfig
+
+log = logging.getLogger("promptfcl")
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+# Known Hugging Face names for the papers' datasets (any hub name works with hf:<name>).
+HF_ALIASES = {
+    "cifar100": "uoft-cs/cifar100",
+    "tiny-imagenet": "zh-plus/tiny-imagenet",
+    "imagenet-r": "axiong/imagenet-r",
+    "domainnet": "wltjr1007/DomainNet",
+    "cub200": "bentrevett/caltech-ucsd-birds-200-2011",
+}
+IMAGE_COLUMNS = ("img", "image", "pixel_values", "png", "jpg")
+LABEL_COLUMNS = ("fine_label", "label", "labels", "class", "target")
+
+
+class DataError(RuntimeError):
+    """A dataset is missing, unreadable or inconsistent with the run."""
+
+
+@dataclass
+class ArraySplit:
+    """One split of a dataset held in memory."""
+
+    images: np.ndarray  # uint8 (N, C, H, W)
+    labels: np.ndarray  # int64 (N,)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass
+class Dataset:
+    """Train and test splits with labels already remapped to the seeded class order."""
+
+    name: str
+    train: ArraySplit
+    test: ArraySplit
+    num_classes: int
+    class_names: list[str]  # indexed by remapped label
+    fingerprint: str  # identifies the exact arrays (for caches keyed by data)
+
+
+# ---------------------------------------------------------------------------- sources
+def _digits(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None]  # (N,1,8,8)
+    labels = bunch.target.astype(np.int64)
+    tr, te = train_test_split(
+        np.arange(len(labels)), test_size=cfg.test_fraction, stratify=labels, random_state=cfg.seed
+    )
+    names = [str(i) for i in range(10)]
+    return ArraySplit(images[tr], labels[tr]), ArraySplit(images[te], labels[te]), names
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an idx file (optionally gzipped) as used by MNIST and Fashion-MNIST."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+        zero, dtype_code, ndim = struct.unpack(">HBB", raw[:4])
+        if zero != 0 or dtype_code != 0x08:
+            raise ValueError("not an unsigned-byte idx file")
+        shape = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        return data.reshape(shape)
+    except (OSError, EOFError, ValueError, struct.error) as exc:
+        raise DataError(f"cannot read idx file {path}: {exc}") from exc
+
+
+def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+    root = Path(cfg.data_dir or FASHION_MNIST_DIR)
+    if not root.is_dir():
+        raise DataError(
+            f"Fashion-MNIST directory {root} does not exist. Install it with "
+            "`apt-get install -y dataset-fashion-mnist` or set data-dir to a folder holding "
+            "{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]."
+        )
+
+    def find(stem: str) -> Path:
+        for suffix in (".gz", ""):
+            p = root / f"{stem}{suffix}"
+            if p.is_file():
+                return p
+        raise DataError(f"Fashion-MNIST file {stem}[.gz] missing in {root}")
+
+    splits = []
+    for prefix in ("train", "t10k"):
+        x = _read_idx(find(f"{prefix}-images-idx3-ubyte"))
+        y = _read_idx(find(f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+        if x.ndim != 3 or len(x) != len(y):
+            raise DataError(f"Fashion-MNIST {prefix}: {len(x)} images but {len(y)} labels")
+        splits.append(ArraySplit(x[:, None].copy(), y))
+    names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+    return splits[0], splits[1], names
+
+
+def _to_uint8_chw(img: object, size: int | None) -> np.ndarray:
+    from PIL import Image
+
+    if not isinstance(img, Image.Image):
+        img = Image.fromarray(np.asarray(img))
+    if img.mode not in ("L", "RGB"):
+        img = img.convert("RGB")
+    if size is not None and img.size != (size, size):
+        img = img.resize((size, size), Image.BILINEAR)
+    arr = np.asarray(img, dtype=np.uint8)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def _stack_images(images: list[object], image_size: int) -> np.ndarray:
+    """Keep native size when all images share it (resizing happens per batch); else resize."""
+    from PIL import Image
+
+    sizes = {im.size if isinstance(im, Image.Image) else np.asarray(im).shape[:2] for im in images[:256]}
+    size = None if len(sizes) == 1 else image_size
+    arrays = [_to_uint8_chw(im, size) for im in images]
+    channels = max(a.shape[0] for a in arrays)
+    if channels == 3:
+        arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]
+    try:
+        return np.stack(arrays)
+    except ValueError:  # sizes differed beyond the first 256
+        return np.stack([_to_uint8_chw(im, image_size) for im in images])
+
+
+def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+    try:
+        import datasets as hf
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise DataError("the `datasets` package is required for hf: sources") from exc
+    hub_name = HF_ALIASES.get(name, name)
+    try:
+        dd = hf.load_dataset(hub_name)
+    except Exception as exc:  # the hub raises many types (ConnectionError, OfflineModeIsEnabled, ...)
+        raise DataError(
+            f"cannot load Hugging Face dataset {hub_name!r} ({type(exc).__name__}: {exc}). "
+            "The hub must be reachable (or the dataset in the local HF cache)."
+        ) from exc
+    split_names = list(dd.keys())
+    train_name = "train" if "train" in dd else split_names[0]
+    test_name = next((s for s in ("test", "validation", "valid", "val") if s in dd), None)
+    first = dd[train_name]
+    img_col = next((c for c in IMAGE_COLUMNS if c in first.column_names), None)
+    lab_col = next((c for c in LABEL_COLUMNS if c in first.column_names), None)
+    if img_col is None or lab_col is None:
+        raise DataError(f"{hub_name}: cannot find image/label columns in {first.column_names}")
+    feature = first.features[lab_col]
+    names = list(getattr(feature, "names", []) or [])
+
+    def convert(split: object) -> ArraySplit:
+        return ArraySplit(
+            _stack_images(list(split[img_col]), cfg.image_size),  # type: ignore[index]
+            np.asarray(split[lab_col], dtype=np.int64),  # type: ignore[index]
+        )
+
+    if test_name is None:
+        parts = first.train_test_split(test_size=cfg.test_fraction, seed=cfg.seed, stratify_by_column=lab_col)
+        train, test = convert(parts["train"]), convert(parts["test"])
+    else:
+        train, test = convert(first), convert(dd[test_name])
+    if not names:
+        names = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
+    return train, test, names
+
+
+def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+    """``root/<class>/*.png`` (split by test-fraction) or ``root/{train,test}/<class>/*``."""
+    from PIL import Image, UnidentifiedImageError
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise DataError(f"folder dataset {root} does not exist")
+    has_splits = (root / "train").is_dir() and (root / "test").is_dir()
+    base = root / "train" if has_splits else root
+    names = sorted(p.name for p in base.iterdir() if p.is_dir())
+    if len(names) < 2:
+        raise DataError(f"folder dataset {base} needs one sub-folder per class (found {len(names)})")
+    exts = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+    def read(split_root: Path) -> ArraySplit:
+        images, labels = [], []
+        for label, cls in enumerate(names):
+            cls_dir = split_root / cls
+            if not cls_dir.is_dir():
+                raise DataError(f"class folder {cls_dir} missing")
+            for f in sorted(cls_dir.iterdir()):
+                if f.suffix.lower() not in exts:
+                    continue
+                try:
+                    with Image.open(f) as im:
+                        images.append(im.copy())
+                except (OSError, UnidentifiedImageError) as exc:
+                    raise DataError(f"cannot read image {f}: {exc}") from exc
+                labels.append(label)
+        if not images:
+            raise DataError(f"no images under {split_root}")
+        return ArraySplit(_stack_images(images, cfg.image_size), np.asarray(labels, dtype=np.int64))
+
+    if has_splits:
+        return read(root / "train"), read(root / "test"), names
+    full = read(root)
+    from sklearn.model_selection import train_test_split
+
+    tr, te = train_test_split(
+        np.arange(len(full)), test_size=cfg.test_fraction, stratify=full.labels, random_state=cfg.seed
+    )
+    return ArraySplit(full.images[tr], full.labels[tr]), ArraySplit(full.images[te], full.labels[te]), names
+
+
+def _cap_per_class(split: ArraySplit, cap: int, seed: int) -> ArraySplit:
+    if cap <= 0:
+        return split
+    rng = np.random.default_rng(seed)
+    keep = []
+    for c in np.unique(split.labels):
+        idx = np.flatnonzero(split.labels == c)
+        keep.append(idx if len(idx) <= cap else np.sort(rng.choice(idx, cap, replace=False)))
+    sel = np.sort(np.concatenate(keep))
+    return ArraySplit(split.images[sel], split.labels[sel])
+
+
+def check_source(cfg: ExperimentConfig) -> None:
+    """Cheap checks of the dataset name, without loading anything."""
+    name = cfg.dataset
+    if name in ("digits", "fashion-mnist") or name.startswith(("hf:", "folder:")):
+        return
+    raise ConfigError(
+        f"unknown dataset {name!r}: use digits, fashion-mnist, hf:<name> "
+        f"(aliases: {', '.join(HF_ALIASES)}) or folder:<path>"
+    )
+
+
+def load_dataset(cfg: ExperimentConfig) -> Dataset:
+    """Load a source, remap labels to the seeded class order, and check the task split."""
+    check_source(cfg)
+    name = cfg.dataset
+    if name == "digits":
+        train, test, names = _digits(cfg)
+    elif name == "fashion-mnist":
+        train, test, names = _fashion_mnist(cfg)
+    elif name.startswith("hf:"):
+        train, test, names = _huggingface(name[3:], cfg)
+    else:
+        train, test, names = _folder(name[len("folder:"):], cfg)
+
+    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
+    if num_classes % cfg.num_tasks != 0:
+        raise ConfigError(
+            f"{name} has {num_classes} classes, not divisible into num-tasks = {cfg.num_tasks} equal tasks"
+        )
+    missing = set(range(num_classes)) - set(np.unique(train.labels).tolist())
+    if missing:
+        raise DataError(f"{name}: classes {sorted(missing)[:10]} have no training images")
+    train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
+    test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
+
+    order = class_order(num_classes, cfg.seed)
+    remap = np.empty(num_classes, dtype=np.int64)
+    remap[order] = np.arange(num_classes)
+    train = ArraySplit(train.images, remap[train.labels])
+    test = ArraySplit(test.images, remap[test.labels])
+    names = [names[c] if c < len(names) else str(c) for c in order]
+
+    digest = hashlib.sha1()
+    for arr in (train.images, train.labels, test.images, test.labels):
+        digest.update(np.ascontiguousarray(arr).data)
+    return Dataset(name, train, test, num_classes, names, digest.hexdigest()[:16])
+
+
+DATA_KEYS = ("dataset", "data-dir", "seed", "num-tasks", "test-fraction", "image-size",
+             "max-train-per-class", "max-test-per-class")
+_loaded: dict[str, Dataset] = {}
+
+
+def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
+    """Per-process cache keyed by the data-defining keys: a ClientApp in a long-lived
+    Ray actor loads its data once, whatever the other settings of the run."""
+    import json
+
+    full = cfg.to_dict()
+    key = json.dumps({k: full[k] for k in DATA_KEYS}, sort_keys=True)
+    if key not in _loaded:
+        _loaded.clear()  # one dataset per process is enough; keeps memory bounded
+        _loaded[key] = load_dataset(cfg)
+    return _loaded[key]
+
+
+# ---------------------------------------------------------------------------- task stream
+def class_order(num_classes: int, seed: int) -> np.ndarray:
+    """Seeded permutation of the original class ids; position = remapped label."""
+    return np.random.default_rng([seed, 0xC1A55]).permutation(num_classes)
+
+
+def task_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
+    k = num_classes // num_tasks
+    if not 0 <= task < num_tasks:
+        raise ValueError(f"task {task} out of range [0, {num_tasks})")
+    return np.arange(task * k, (task + 1) * k)
+
+
+def seen_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
+    return np.arange((task + 1) * (num_classes // num_tasks))
+
+
+# ---------------------------------------------------------------------------- partitions
+def client_indices(
+    labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, client_id: int, task: int, round_: int
+) -> np.ndarray:
+    """Training indices of ``client_id`` for ``task`` (and, for stateless populations, ``round_``).
+
+    A pure function of its arguments: the same inputs give the same indices in any process.
+    """
+    if not 0 <= client_id < max(cfg.num_clients, 1):
+        raise ValueError(f"client id {client_id} outside the population of {cfg.num_clients}")
+    classes = task_classes(task, num_classes, cfg.num_tasks)
+    pool = np.flatnonzero(np.isin(labels, classes))
+    if cfg.centralised:
+        return pool
+    if cfg.partition == "stateless":
+        return _stateless_indices(labels, pool, classes, cfg, client_id, task, round_)
+    parts = _static_partition(
+        labels[pool].tobytes(), cfg.partition, cfg.num_clients, cfg.seed, task,
+        cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
+    )
+    return pool[parts[client_id]]
+
+
+@functools.lru_cache(maxsize=16)
+def _static_partition(
+    task_labels_bytes: bytes, scheme: str, num_clients: int, seed: int, task: int,
+    beta: float, classes_per_client: int, min_size: int,
+) -> list[np.ndarray]:
+    """Split one task's samples across the whole population, once per (seed, task).
+
+    Uses flwr-datasets partitioners; returns positions into the task's sample pool.
+    Cost is O(samples + clients) once per process, never per round.
+    """
+    import datasets as hf
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
+    task_labels = np.frombuffer(task_labels_bytes, dtype=np.int64)
+    pos = np.arange(len(task_labels))
+    part_seed = int(np.random.default_rng([seed, task, 0x9A27]).integers(2**31 - 1))
+    if scheme == "iid":
+        # IidPartitioner shards a shuffled dataset; shuffle by seed first.
+        shuffled = np.random.default_rng(part_seed).permutation(pos)
+        ds = hf.Dataset.from_dict({"label": task_labels[shuffled], "pos": shuffled})
+        partitioner = IidPartitioner(num_partitions=num_clients)
+    elif scheme == "dirichlet":
+        ds = hf.Dataset.from_dict({"label": task_labels, "pos": pos})
+        partitioner = DirichletPartitioner(
+            num_partitions=num_clients, partition_by="label", alpha=beta,
+            min_partition_size=min_size, self_balancing=False, shuffle=True, seed=part_seed,
+        )
+    elif scheme == "quantity":
+        n_classes = len(np.unique(task_labels))
+        if classes_per_client > n_classes:
+            raise ConfigError(f"classes-per-client = {classes_per_client} exceeds the {n_classes} classes of a task")
+        ds = hf.Dataset.from_dict({"label": task_labels, "pos": pos})
+        partitioner = PathologicalPartitioner(
+            num_partitions=num_clients, partition_by="label",
+            num_classes_per_partition=classes_per_client, class_assignment_mode="random",
+            shuffle=True, seed=part_seed,
+        )
+    else:  # pragma: no cover - validated in config
+        raise ConfigError(f"unknown partition {scheme!r}")
+    partitioner.dataset = ds
+    try:
+        return [np.asarray(partitioner.load_partition(i)["pos"], dtype=np.int64) for i in range(num_clients)]
+    except ValueError as exc:
+        raise ConfigError(f"cannot partition task {task} with {scheme} over {num_clients} clients: {exc}") from exc
+
+
+def _stateless_indices(
+    labels: np.ndarray, pool: np.ndarray, classes: np.ndarray, cfg: ExperimentConfig,
+    client_id: int, task: int, round_: int,
+) -> np.ndarray:
+    """HePCo's stateless population: each (client, round) draws afresh.
+
+    A category ratio kappa of the task's classes, a split ratio gamma of each chosen
+    class's images, then a long-tail profile with imbalance ratio beta (the
+    rarest chosen class keeps a fraction beta of the most frequent one).
+    """
+    rng = np.random.default_rng([cfg.seed, client_id, task, round_, 0x57A7E])
+    n_cls = max(1, int(round(cfg.category_ratio * len(classes))))
+    chosen = rng.permutation(classes)[:n_cls]
+    out = []
+    for rank, c in enumerate(chosen):
+        idx = pool[labels[pool] == c]
+        n = max(1, int(round(cfg.split_ratio * len(idx))))
+        # exponential long-tail profile over ranks: 1 -> beta
+        frac = cfg.imbalance_ratio ** (rank / max(n_cls - 1, 1))
+        n = max(1, int(round(n * frac)))
+        out.append(rng.choice(idx, size=min(n, len(idx)), replace=False))
+    return np.sort(np.concatenate(out))

@@ -1,0 +1,56 @@
+"""Continual-learning metrics, exactly as the papers define them (shared/REFERENCE.md).
+
+``acc[i][t]`` is the accuracy on task i's test classes after learning task t
+(NaN for i > t). With T tasks (0-indexed here):
+
+* A_t  = mean_{i<=t} acc[i][t]
+* final average accuracy A_N = A_{T-1}
+* average incremental accuracy AIA = mean_t A_t
+* average forgetting F = mean_{i<T-1} max_{t<T-1} (acc[i][t] - acc[i][T-1])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def empty_matrix(num_tasks: int) -> np.ndarray:
+    return np.full((num_tasks, num_tasks), np.nan)
+
+
+def average_accuracies(acc: np.ndarray, upto: int | None = None) -> np.ndarray:
+    """A_t for t = 0..upto (default: the last task with any entry)."""
+    last = acc.shape[1] - 1 if upto is None else upto
+    return np.array([np.nanmean(acc[: t + 1, t]) for t in range(last + 1)])
+
+
+def final_average_accuracy(acc: np.ndarray, upto: int | None = None) -> float:
+    return float(average_accuracies(acc, upto)[-1])
+
+
+def average_incremental_accuracy(acc: np.ndarray, upto: int | None = None) -> float:
+    return float(np.mean(average_accuracies(acc, upto)))
+
+
+def average_forgetting(acc: np.ndarray, upto: int | None = None, include_last: bool = False) -> float:
+    """Mean over old tasks of the largest drop from an earlier accuracy to the final one.
+
+    ``include_last=True`` averages over all tasks seen (the last contributes 0),
+    as FPPL's code does; the papers' definition (default) averages over i < T-1.
+    Returns 0.0 when only one task has been learnt.
+    """
+    last = acc.shape[1] - 1 if upto is None else upto
+    if last == 0:
+        return 0.0
+    drops = [np.nanmax(acc[i, i:last]) - acc[i, last] for i in range(last)]
+    if include_last:
+        return float(np.sum(drops) / (last + 1))
+    return float(np.mean(drops))
+
+
+def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float]:
+    return {
+        "final_average_accuracy": final_average_accuracy(acc, upto),
+        "average_incremental_accuracy": average_incremental_accuracy(acc, upto),
+        "average_forgetting": average_forgetting(acc, upto),
+    }

@@ -1,0 +1,347 @@
+"""Frozen timm ViT backbone, CODA-P decomposed prompts, and the prompted classifier.
+
+Reads top to bottom: ``build_backbone`` -> ``CodaPrompt`` -> ``PromptedViT``.
+Only the prompt module and the linear head are trainable; the backbone is frozen
+and never leaves the machine it runs on.
+
+Prompt insertion (notation of shared/REFERENCE.md):
+* prefix-tuning: a prompt of length L is split into L/2 key and L/2 value tokens
+  prepended to K and V of a block's attention (sequence length unchanged);
+* prompt-tuning: L tokens are inserted after the CLS token at the block input and
+  removed again at its output (the "append then truncate" of VPT-deep / FPPL code).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ConfigError, ExperimentConfig
+
+log = logging.getLogger("promptfcl")
+
+
+# ---------------------------------------------------------------------------- backbone
+def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
+    """Create a frozen timm ViT by name; return it with a sentence saying which weights it has."""
+    import timm
+
+    overrides: dict[str, int] = {"num_classes": 0, "img_size": cfg.image_size}
+    for key in ("patch_size", "embed_dim", "depth", "num_heads"):
+        value = getattr(cfg, key)
+        if value:
+            overrides[key] = value
+    pretrained = cfg.weights == "timm"
+    try:
+        model = timm.create_model(cfg.backbone, pretrained=pretrained, **overrides)
+    except RuntimeError as exc:
+        if "Unknown model" in str(exc):
+            raise ConfigError(f"unknown timm model {cfg.backbone!r}") from exc
+        raise
+    except Exception as exc:  # hub errors come in many types
+        if pretrained:
+            raise ConfigError(
+                f"cannot fetch pretrained weights for {cfg.backbone!r} from the hub "
+                f"({type(exc).__name__}: {exc}); set weights=<checkpoint path> or weights=random"
+            ) from exc
+        raise
+    if not hasattr(model, "blocks") or not hasattr(model, "patch_embed"):
+        raise ConfigError(f"{cfg.backbone!r} is not a ViT (no blocks/patch_embed)")
+
+    if cfg.weights == "timm":
+        source = f"pretrained timm weights for {cfg.backbone}"
+    elif cfg.weights == "random":
+        source = (f"RANDOMLY INITIALISED {cfg.backbone} (seed {cfg.seed}) - "
+                  "a stand-in backbone, not a pretrained one")
+        _seeded_reinit(model, cfg.seed)
+    else:
+        path = Path(cfg.weights).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"weights checkpoint {path} does not exist")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConfigError(f"cannot read weights checkpoint {path}: {exc}") from exc
+        state = state.get("model", state) if isinstance(state, dict) else state
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError(
+                f"checkpoint {path} does not match {cfg.backbone} with the configured sizes: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        source = f"{cfg.backbone} weights from checkpoint {path}"
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model, source
+
+
+def _seeded_reinit(model: nn.Module, seed: int) -> None:
+    """Re-initialise deterministically so every process builds the same random backbone."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters") and m is not model:
+            m.reset_parameters()
+    for name in ("cls_token", "pos_embed", "reg_token"):
+        t = getattr(model, name, None)
+        if isinstance(t, torch.Tensor):
+            nn.init.trunc_normal_(t, std=0.02)
+    torch.random.set_rng_state(gen_state)
+
+
+# ---------------------------------------------------------------------------- prompts
+def gram_schmidt_rows(new: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """Rows of ``new`` made orthonormal to each other and to the rows of ``previous``.
+
+    Flattened per row. When rows outnumber dimensions, the excess rows cannot be
+    orthogonal; they are kept as random unit vectors (as CODA-P's code also degrades).
+    """
+    dim = new[0].numel()
+    basis = [r / r.norm() for r in previous.reshape(previous.shape[0], -1)] if previous.numel() else []
+    basis = basis[-dim:] if len(basis) >= dim else basis
+    out = []
+    for row in new.reshape(new.shape[0], -1):
+        v = row.clone()
+        if len(basis) < dim:
+            for b in basis:
+                v = v - (v @ b) * b
+        v = v / v.norm().clamp_min(1e-12)
+        out.append(v)
+        if len(basis) < dim:
+            basis.append(v)
+    return torch.stack(out).reshape_as(new)
+
+
+class CodaPrompt(nn.Module):
+    """CODA-P decomposed prompts for a list of blocks.
+
+    Per prompted block: components P (M, L, D), keys K (M, D), attention vectors
+    A (M, D). With query q, component m weighs ``alpha_m = cos(q * A_m, K_m)``
+    and the block's prompt is ``sum_m alpha_m P_m``. The pool is split evenly over
+    tasks; while on task t, slices before t are used but detached, slices after t unused.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Token width D of the backbone.
+    layers : list[int]
+        Indices of the prompted blocks.
+    pool_size : int
+        Components M per block (a multiple of ``num_tasks``).
+    length : int
+        Prompt length L.
+    num_tasks : int
+        Number of task slices.
+    """
+
+    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+        super().__init__()
+        self.embed_dim, self.layers, self.pool_size = embed_dim, list(layers), pool_size
+        self.length, self.num_tasks = length, num_tasks
+        self.per_task = pool_size // num_tasks
+        self.task = 0
+        for layer in self.layers:
+            self.register_parameter(f"p{layer}", nn.Parameter(torch.empty(pool_size, length, embed_dim)))
+            self.register_parameter(f"k{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
+            self.register_parameter(f"a{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
+            for kind in "pka":
+                nn.init.uniform_(getattr(self, f"{kind}{layer}"))
+
+    def slice_of(self, task: int) -> slice:
+        return slice(task * self.per_task, (task + 1) * self.per_task)
+
+    def init_task_slice(self, task: int, generator: torch.Generator, orthogonal: bool = True) -> None:
+        """(Re)initialise the components of ``task``: orthogonal to all earlier slices."""
+        s = self.slice_of(task)
+        with torch.no_grad():
+            for layer in self.layers:
+                for kind in "pka":
+                    param = getattr(self, f"{kind}{layer}")
+                    fresh = torch.randn(param[s].shape, generator=generator)
+                    if orthogonal:
+                        fresh = gram_schmidt_rows(fresh, param[: s.start])
+                    else:
+                        fresh = fresh * (1.0 / math.sqrt(fresh[0].numel()))
+                    param[s] = fresh
+
+    def set_task(self, task: int) -> None:
+        if not 0 <= task < self.num_tasks:
+            raise ValueError(f"task {task} out of range [0, {self.num_tasks})")
+        self.task = task
+
+    def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
+        """Components of slices 0..task; earlier slices detached while training."""
+        param = getattr(self, f"{kind}{layer}")
+        s = self.slice_of(self.task)
+        if train:
+            return torch.cat([param[: s.start].detach(), param[s]], dim=0)
+        return param[: s.stop]
+
+    def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
+        """alpha (B, M_active): cosine of the attended query with each key."""
+        train = self.training
+        keys, attn = self._active("k", layer, train), self._active("a", layer, train)
+        attended = query[:, None, :] * attn[None]  # (B, M, D)
+        return torch.einsum("bmd,md->bm", F.normalize(attended, dim=-1), F.normalize(keys, dim=-1))
+
+    def forward(self, query: torch.Tensor, layer: int) -> torch.Tensor:
+        """Prompt (B, L, D) for ``layer``."""
+        alpha = self.weights(query, layer)
+        comps = self._active("p", layer, self.training)
+        return torch.einsum("bm,mld->bld", alpha, comps)
+
+    def orthogonality_penalty(self) -> torch.Tensor:
+        """CODA-P's ||K K^T - I||^2 style regulariser (off by default; kept for the code's option)."""
+        total = torch.zeros(())
+        for layer in self.layers:
+            for kind in "pka":
+                m = self._active(kind, layer, True).reshape(-1, self.embed_dim * (self.length if kind == "p" else 1))
+                gram = m @ m.T
+                total = total + ((gram - torch.eye(len(m))) ** 2).mean()
+        return total
+
+
+# ---------------------------------------------------------------------------- prompted ViT
+def _prefix_attention(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+    """timm Attention forward with optional prefix keys/values (B, L, D), L split in halves."""
+    B, N, _ = x.shape
+    qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    if prefix is not None:
+        half = prefix.shape[1] // 2
+        pk = prefix[:, :half].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
+        pv = prefix[:, half:].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v)
+    out = out.transpose(1, 2).reshape(B, N, attn.attn_dim if hasattr(attn, "attn_dim") else -1)
+    out = attn.norm(out) if hasattr(attn, "norm") else out
+    return attn.proj_drop(attn.proj(out))
+
+
+def _block_forward(block: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+    x = x + block.drop_path1(block.ls1(_prefix_attention(block.attn, block.norm1(x), prefix)))
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+class PromptedViT(nn.Module):
+    """Frozen ViT + CODA-P prompts + one linear head over all classes.
+
+    ``forward(images, query)`` returns logits over all classes; masking to the
+    current task (training) or to the seen classes (evaluation) is the caller's,
+    via :func:`masked_logits`.
+    """
+
+    def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix") -> None:
+        super().__init__()
+        self.backbone, self.prompt, self.mode = backbone, prompt, mode
+        self.embed_dim = int(backbone.embed_dim)
+        depth = len(backbone.blocks)
+        bad = [layer for layer in prompt.layers if layer >= depth]
+        if bad:
+            raise ConfigError(f"prompt-layers {bad} do not exist in a backbone of depth {depth}")
+        if mode == "prefix" and self.embed_dim % backbone.blocks[0].attn.num_heads:
+            raise ConfigError("embed dim not divisible by heads")
+        self.head = nn.Linear(self.embed_dim, num_classes)
+        cfg = getattr(backbone, "pretrained_cfg", {}) or {}
+        mean, std = cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5))
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+        self.in_chans = int(backbone.patch_embed.proj.in_channels)
+        self.image_size = int(backbone.patch_embed.img_size[0])
+
+    # -- parameters that travel ------------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The parameters clients train and exchange: prompt components, keys, attention, head."""
+        return {f"prompt.{k}": v for k, v in self.prompt.state_dict().items()} | {
+            f"head.{k}": v for k, v in self.head.state_dict().items()
+        }
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.trainable_state())
+        if set(state) != expected:
+            raise ValueError(f"trainable state keys differ: missing {expected - set(state)}, extra {set(state) - expected}")
+        self.prompt.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("prompt.")})
+        self.head.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("head.")})
+
+    def train(self, mode: bool = True) -> "PromptedViT":
+        super().train(mode)
+        self.backbone.eval()  # frozen: dropout/droppath stay off
+        return self
+
+    # -- forward ------------------------------------------------------------------
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, C, H, W) -> normalised float at the backbone's size and channels."""
+        x = images.float().div_(255.0)
+        if x.shape[1] != self.in_chans:
+            x = x.expand(-1, self.in_chans, -1, -1) if x.shape[1] == 1 else x[:, : self.in_chans]
+        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        return (x - self.mean) / self.std
+
+    @torch.no_grad()
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """q(x): final-layer CLS feature of the frozen backbone without prompts."""
+        b = self.backbone
+        return b.forward_head(b.forward_features(x), pre_logits=True)
+
+    def features(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """Prompted pre-logit feature (B, D)."""
+        b = self.backbone
+        tokens = b.norm_pre(b.patch_drop(b._pos_embed(b.patch_embed(x))))
+        prompted = set(self.prompt.layers)
+        for i, block in enumerate(b.blocks):
+            if i not in prompted:
+                tokens = block(tokens)
+                continue
+            prompt = self.prompt(query, i)
+            if self.mode == "prefix":
+                tokens = _block_forward(block, tokens, prompt)
+            else:
+                n = prompt.shape[1]
+                extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
+                out = _block_forward(block, extended, None)
+                tokens = torch.cat([out[:, :1], out[:, 1 + n :]], dim=1)
+        return b.forward_head(b.norm(tokens), pre_logits=True)
+
+    def forward(self, x: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor:
+        if query is None:
+            query = self.query(x)
+        return self.head(self.features(x, query))
+
+
+def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits with every class outside ``allowed`` (bool mask over classes) set to -inf."""
+    return logits.masked_fill(~allowed.to(logits.device)[None, :], float("-inf"))
+
+
+def build_model(cfg: ExperimentConfig, num_classes: int) -> tuple[PromptedViT, str]:
+    """Backbone + prompt + head from the configuration; the prompt init is seeded."""
+    backbone, source = build_backbone(cfg)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.seed)
+    prompt = CodaPrompt(int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+    model = PromptedViT(backbone, prompt, num_classes, cfg.prompt_mode)
+    torch.random.set_rng_state(state)
+    return model, source
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError("device=mps but MPS is not available")
+    return torch.device(name)

@@ -1,0 +1,41 @@
+"""Encoding between torch/NumPy state and Flower records, and exact payload sizes.
+
+Record names used in every message (methods may add their own):
+
+* ``arrays``  (ArrayRecord)  trainable parameters: prompt components, keys, attention, head
+* ``config``  (ConfigRecord) task, round and client assignment for this message
+* ``metrics`` (MetricRecord) client replies: ``num-examples``, ``train-loss``, ``train-seconds``
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+
+def to_array_record(state: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:
+    """Named tensors -> ArrayRecord (CPU, contiguous NumPy, names preserved)."""
+    out = {}
+    for name, value in state.items():
+        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        out[name] = Array(np.ascontiguousarray(arr))
+    return ArrayRecord(out)
+
+
+def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {name: record[name].numpy() for name in record.keys()}
+
+
+def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in from_array_record(record).items()}
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """Bytes of a message's content as Flower transmits it (its deflated object tree)."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())

@@ -1,0 +1,41 @@
+"""The ServerApp: reads the run config, runs the task stream, writes the results."""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from common.config import ExperimentConfig
+from common.data import check_source
+from server.loop import run_experiment
+from server.report import table, write_outputs
+from strategies import check_method
+
+log = logging.getLogger("promptfcl")
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point for `flwr run` (simulation or deployment) and `promptfcl simulate`."""
+    setup_logging()
+    cfg = ExperimentConfig.from_dict(context.run_config)
+    check_method(cfg.strategy)
+    check_source(cfg)
+    results = run_experiment(grid, cfg)
+    path = write_outputs(results, cfg.out_dir)
+    print("\n" + table(results) + "\n")
+    log.info("results written to %s", path)
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logger = logging.getLogger("promptfcl")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s promptfcl %(levelname)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)

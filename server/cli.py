@@ -1,0 +1,114 @@
+"""``promptfcl`` command line.
+
+    promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
+    promptfcl show DIR                     print the result table of a finished run
+    promptfcl strategies                   list the available methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, ExperimentConfig, parse_overrides
+from common.data import DataError, check_source
+from strategies import METHODS, check_method
+
+log = logging.getLogger("promptfcl")
+
+
+def load_config(config_file: str | None, overrides: list[str], strategy: str | None, out: str | None) -> ExperimentConfig:
+    """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- --set <- flags."""
+    raw: dict[str, Any] = {}
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        doc = doc.get("tool", {}).get("flwr", {}).get("app", {}).get("config", doc)
+        raw.update(_flatten(doc))
+    raw.update(parse_overrides(overrides))
+    if strategy:
+        raw["strategy"] = strategy
+    if out:
+        raw["out-dir"] = out
+    cfg = ExperimentConfig.from_dict(raw)
+    check_method(cfg.strategy)
+    check_source(cfg)
+    return cfg
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser("simulate", help="run an experiment in Flower's Ray simulation")
+    sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(METHODS))}")
+    sim.add_argument("--config", help="TOML file of run-config keys (e.g. configs/*.toml)")
+    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    sim.add_argument("--out", help="output directory (default: out-dir of the config)")
+    sim.add_argument("--supernodes", type=int, help="Flower nodes to start (default: clients per round)")
+    sim.add_argument("--cpus-per-client", type=int, help="CPUs per client actor (default: machine cores / parallel clients)")
+    sim.add_argument("--verbose", action="store_true", help="Flower's debug logging")
+    show = sub.add_parser("show", help="print the result table of a finished run")
+    show.add_argument("dir")
+    sub.add_parser("strategies", help="list the available methods")
+    args = parser.parse_args(argv)
+
+    from server.app import setup_logging
+
+    setup_logging()
+    if args.command == "strategies":
+        print("\n".join(sorted(METHODS)))
+        return 0
+    if args.command == "show":
+        from server.report import table
+
+        path = Path(args.dir) / "results.json"
+        if not path.is_file():
+            print(f"error: {path} does not exist", file=sys.stderr)
+            return 2
+        print(table(json.loads(path.read_text())))
+        return 0
+
+    try:
+        cfg = load_config(args.config, args.set, args.strategy, args.out)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from server.simulation import run_simulation
+
+    log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
+    try:
+        run_simulation(cfg, supernodes=args.supernodes, cpus_per_client=args.cpus_per_client, verbose=args.verbose)
+    except Exception as exc:  # the ServerApp's own error is the useful part
+        cause = exc.__cause__ or exc
+        print(f"error: simulation failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+        return 1
+    results = Path(cfg.out_dir) / "results.json"
+    if not results.is_file():
+        print(f"error: the run ended without writing {results}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

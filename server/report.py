@@ -1,0 +1,109 @@
+"""Outputs of a run: results.json, a readable table, and two plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write then rename, so a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, allow_nan=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_outputs(results: dict[str, Any], out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    write_json_atomic(out / "results.json", results)
+    plot(results, out)
+    (out / "table.md").write_text(table(results) + "\n")
+    return out / "results.json"
+
+
+def table(results: dict[str, Any]) -> str:
+    """Markdown table: the accuracy matrix, then the summary metrics."""
+    acc = results["accuracy_matrix"]
+    n = len(acc)
+    head = "| task \\ after | " + " | ".join(f"T{t + 1}" for t in range(n)) + " |"
+    sep = "|---" * (n + 1) + "|"
+    rows = [head, sep]
+    for i, row in enumerate(acc):
+        cells = ["" if v is None else f"{v:.1f}" for v in row]
+        rows.append(f"| T{i + 1} | " + " | ".join(cells) + " |")
+    rows.append(f"| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"]) + " |")
+    comm, timing = results["communication"], results["timing"]
+    cfg = results["config"]
+    rows += [
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| strategy | {cfg['strategy']} |",
+        f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |",
+        f"| final average accuracy A_N | {results['final_average_accuracy']:.2f} |",
+        f"| average incremental accuracy | {results['average_incremental_accuracy']:.2f} |",
+        f"| average forgetting | {results['average_forgetting']:.2f} |",
+        f"| bytes S2C / C2S per round | {comm['bytes_s2c_per_round']:,.0f} / {comm['bytes_c2s_per_round']:,.0f} |",
+        f"| trainable parameters | {comm['trainable_parameters']:,} |",
+        f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / {timing['server_seconds_per_round']:.3f} |",
+        f"| total run time | {timing['total_seconds']:.1f} s |",
+    ]
+    return "\n".join(rows)
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rounds = results["rounds"]
+    n = len(results["accuracy_matrix"])
+    x = [r["server_round"] for r in rounds]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i in range(n):
+        xs = [r["server_round"] for r in rounds if len(r["task_accuracies"]) > i]
+        ys = [r["task_accuracies"][i] for r in rounds if len(r["task_accuracies"]) > i]
+        ax.plot(xs, ys, marker=".", label=f"task {i + 1}")
+    ax.plot(x, [r["accuracy"] for r in rounds], color="black", linewidth=2, label="average (seen)")
+    for r in rounds:
+        if r["round"] == 0 and r["task"] > 0:
+            ax.axvline(r["server_round"] - 0.5, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("server round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"{results['config']['strategy']} on {results['config']['dataset']}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_over_rounds.png", dpi=120)
+    plt.close(fig)
+
+    acc = np.array([[np.nan if v is None else v for v in row] for row in results["accuracy_matrix"]])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.6 * n, 0.8 + 0.6 * n))
+    im = ax.imshow(acc, vmin=0, vmax=100, cmap="viridis")
+    for i in range(n):
+        for t in range(n):
+            if not np.isnan(acc[i, t]):
+                ax.text(t, i, f"{acc[i, t]:.0f}", ha="center", va="center", fontsize=7,
+                        color="white" if acc[i, t] < 60 else "black")
+    ax.set_xticks(range(n), [f"T{t + 1}" for t in range(n)])
+    ax.set_yticks(range(n), [f"T{t + 1}" for t in range(n)])
+    ax.set_xlabel("after learning task")
+    ax.set_ylabel("accuracy on task")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_matrix.png", dpi=120)
+    plt.close(fig)

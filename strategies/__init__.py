@@ -1,0 +1,37 @@
+"""Methods, found by name from the run configuration (``strategy = "<name>"``).
+
+Each method is one module here (its server strategy) plus, when local learning
+changes, a learner class on the client side. The registry maps a name to both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from common.config import ConfigError
+
+# name -> (strategy "module:Class", client learner "module:Class")
+METHODS: dict[str, tuple[str, str]] = {
+    "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
+}
+
+
+def _load(path: str) -> Any:
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def check_method(name: str) -> None:
+    if name not in METHODS:
+        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(METHODS))}")
+
+
+def strategy_class(name: str) -> Any:
+    check_method(name)
+    return _load(METHODS[name][0])
+
+
+def learner_class(name: str) -> Any:
+    check_method(name)
+    return _load(METHODS[name][1])

@@ -1,0 +1,213 @@
+"""The strategy every method builds on: Flower's Message-API FedAvg, made task-aware.
+
+``PromptStrategy`` keeps Flower's ``configure_train`` / ``aggregate_train``
+contract (typed records in and out) and adds the hooks the papers' methods need:
+
+* ``client_payload(client_id, arrays, config)``  per-client server-to-client content
+* ``consolidate(server_round, arrays, replies)``  server-side step after averaging
+* ``on_task_start(task, arrays)`` / ``on_task_end(task, arrays)``
+* ``state_dict()`` / ``load_state_dict()``  everything a checkpoint must hold
+
+Clients are a *virtual population*: the server samples client ids (a pure
+function of seed, task and round) and tells each Flower node which client it
+plays this round, so the per-round cost does not depend on the population size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from common.config import ExperimentConfig
+from common.model import CodaPrompt
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+
+log = logging.getLogger("promptfcl")
+
+
+class PromptStrategy(FedAvg):
+    """Sample-weighted FedAvg over prompt and head parameters, aware of the task schedule.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's configuration (sampling, seed, prompt sizes).
+    num_classes : int
+        Classes of the whole stream (size of the head).
+    options : dict, optional
+        Method options (``<strategy>.*`` run-config keys without the prefix).
+    """
+
+    name = "fedavg"
+
+    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
+        # Sampling is ours (seeded, see sample_clients); Flower's fraction settings are unused.
+        super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
+        self.cfg = cfg
+        self.num_classes = num_classes
+        self.options = dict(options or {})
+        self.sent_arrays: ArrayRecord | None = None  # what this round's replies must match
+        self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
+
+    def summary(self) -> None:
+        log.info("strategy %s: %s clients per round out of %d, options %s",
+                 self.name, self.clients_per_round, self.cfg.num_clients, self.options or "{}")
+
+    # ------------------------------------------------------------------ sampling
+    @property
+    def clients_per_round(self) -> int:
+        if self.cfg.centralised:
+            return 1
+        if self.cfg.clients_per_round > 0:
+            return self.cfg.clients_per_round
+        return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
+
+    def sample_clients(self, task: int, round_: int) -> list[int]:
+        """Client ids for (task, round): seeded, independent of history and of node ids."""
+        population = 1 if self.cfg.centralised else self.cfg.num_clients
+        rng = np.random.default_rng([self.cfg.seed, task, round_, 0x5A3])
+        return sorted(rng.choice(population, size=self.clients_per_round, replace=False).tolist())
+
+    # ------------------------------------------------------------------ hooks
+    def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        """Content sent to one client. Methods add records or send a subset of the arrays."""
+        return RecordDict({ARRAYS: arrays, CONFIG: config})
+
+    def consolidate(self, server_round: int, arrays: ArrayRecord, replies: list[RecordDict]) -> ArrayRecord:
+        """Server-side step after averaging (distillation, debiasing, ...). Default: none."""
+        return arrays
+
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Initialise the new task's prompt slice orthogonally to the earlier ones (CODA-P)."""
+        state = from_array_record(arrays)
+        prompt = self._prompt_from(state)
+        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, task, 0x0A7]).integers(2**31)))
+        prompt.init_task_slice(task, gen, orthogonal=self.cfg.ortho_init)
+        state.update({f"prompt.{k}": v.numpy() for k, v in prompt.state_dict().items()})
+        return to_array_record(state)
+
+    def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Called after the last round of ``task``. Default: nothing to do."""
+        return arrays
+
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state a checkpoint must hold (NumPy arrays and plain values)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+    # ------------------------------------------------------------------ Flower contract
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One message per sampled client; ``config`` must carry ``task`` and ``round``."""
+        task, round_ = int(config["task"]), int(config["round"])
+        clients = self.sample_clients(task, round_)
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) < len(clients):
+            raise RuntimeError(
+                f"{len(clients)} clients sampled but only {len(nodes)} Flower nodes are connected; "
+                "start more SuperNodes or lower clients-per-round"
+            )
+        self.sent_arrays = arrays
+        messages = []
+        for node_id, client_id in zip(nodes, clients):
+            node_config = ConfigRecord(dict(config))
+            node_config["client-id"] = client_id
+            node_config["server-round"] = server_round
+            content = self.client_payload(client_id, arrays, node_config)
+            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, average the accepted ones by sample count, then consolidate."""
+        accepted = self.accept_replies(list(replies))
+        if not accepted:
+            log.warning("round %d: no usable reply; the global model is unchanged", server_round)
+            return None, None
+        weights = np.array([int(c[METRICS]["num-examples"]) for c in accepted], dtype=np.float64)
+        arrays = weighted_average([c[ARRAYS] for c in accepted], weights)
+        arrays = self.consolidate(server_round, arrays, accepted)
+        metrics = MetricRecord({
+            "num-examples": int(weights.sum()),
+            "clients": len(accepted),
+            "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in accepted], weights=weights)),
+        })
+        return arrays, metrics
+
+    def accept_replies(self, replies: list[Message]) -> list[RecordDict]:
+        """Keep replies that carry well-formed, finite parameters for a positive sample count."""
+        self.rejected = []
+        accepted = []
+        for msg in replies:
+            reason = self.check_reply(msg)
+            if reason is None:
+                accepted.append(msg.content)
+            else:
+                node = msg.metadata.src_node_id
+                self.rejected.append((node, reason))
+                level = logging.DEBUG if reason == "no training examples" else logging.WARNING
+                log.log(level, "reply from node %s excluded: %s", node, reason)
+        return accepted
+
+    def check_reply(self, msg: Message) -> str | None:
+        """Why a reply cannot be aggregated, or None if it can."""
+        if msg.has_error():
+            return f"client error: {msg.error.reason}"
+        content = msg.content
+        if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+            return "missing 'arrays' or 'metrics' record"
+        n = content[METRICS].get("num-examples")
+        if not isinstance(n, int) or n < 0:
+            return f"invalid num-examples {n!r}"
+        if n == 0:
+            return "no training examples"
+        reply, sent = content[ARRAYS], self.sent_arrays
+        if sent is not None:
+            if set(reply.keys()) != set(sent.keys()):
+                return f"array names differ from those sent: {sorted(set(reply.keys()) ^ set(sent.keys()))[:4]}"
+            for name in sent.keys():
+                if tuple(reply[name].shape) != tuple(sent[name].shape) or reply[name].dtype != sent[name].dtype:
+                    return f"array {name}: {reply[name].dtype}{reply[name].shape} != sent {sent[name].dtype}{sent[name].shape}"
+        for name in reply.keys():
+            if not np.isfinite(reply[name].numpy()).all():
+                return f"array {name} has non-finite values"
+        return None
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation is centralised by the server loop (simulation); no client messages."""
+        return []
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_from(self, state: dict[str, np.ndarray]) -> CodaPrompt:
+        layer0 = self.cfg.layers[0]
+        dim = int(state[f"prompt.k{layer0}"].shape[1])
+        prompt = CodaPrompt(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
+        prompt.load_state_dict({k[7:]: torch.from_numpy(v.copy()) for k, v in state.items() if k.startswith("prompt.")})
+        return prompt
+
+
+def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
+    """Sum_i w_i x_i / Sum_i w_i per array, accumulated in float64, cast back to the input dtype."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out: dict[str, np.ndarray] = {}
+    for name in records[0].keys():
+        first = records[0][name].numpy()
+        acc = np.zeros(first.shape, dtype=np.float64)
+        for wi, rec in zip(w, records):
+            acc += wi * rec[name].numpy()
+        out[name] = acc.astype(first.dtype)
+    return to_array_record(out)
