@@ -110,6 +110,22 @@ class ExperimentConfig:
     def fingerprint(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
+    def digest(self) -> str:
+        """Short hash of the full configuration; server and clients must agree on it."""
+        import hashlib
+
+        return hashlib.sha1(self.fingerprint().encode()).hexdigest()[:12]
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> "ExperimentConfig":
+        """From Flower's ``context.run_config``; an empty one is an error, not the defaults."""
+        if not run_config:
+            raise ConfigError(
+                "the run config is empty: Flower did not pass the app's configuration "
+                "(run with `flwr run .` or `promptfcl simulate`)"
+            )
+        return cls.from_dict(run_config)
+
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ExperimentConfig":
         """Build from a flat kebab-case mapping; unknown keys are an error, not ignored."""

@@ -322,12 +322,13 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device)[None, :], float("-inf"))
 
 
-def build_model(cfg: ExperimentConfig, num_classes: int) -> tuple[PromptedViT, str]:
-    """Backbone + prompt + head from the configuration; the prompt init is seeded."""
+def build_model(cfg: ExperimentConfig, num_classes: int,
+                prompt_class: type[CodaPrompt] | None = None) -> tuple[PromptedViT, str]:
+    """Backbone + prompt (CODA-P unless a method gives its own) + head; seeded init."""
     backbone, source = build_backbone(cfg)
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
-    prompt = CodaPrompt(int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+    prompt = (prompt_class or CodaPrompt)(int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
     model = PromptedViT(backbone, prompt, num_classes, cfg.prompt_mode)
     torch.random.set_rng_state(state)
     return model, source

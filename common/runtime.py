@@ -22,7 +22,7 @@ import torch
 
 from common.config import ExperimentConfig
 from common.data import ArraySplit, Dataset, load_dataset_cached
-from common.model import PromptedViT, build_model, resolve_device
+from common.model import CodaPrompt, PromptedViT, build_model, resolve_device
 
 log = logging.getLogger("promptfcl")
 
@@ -91,17 +91,17 @@ def configure_threads(cfg: ExperimentConfig) -> None:
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(fingerprint: str) -> Runtime:
+def _runtime(fingerprint: str, prompt_class: type[CodaPrompt]) -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
     configure_threads(cfg)
     data = load_dataset_cached(cfg)
     device = resolve_device(cfg.device)
-    model, source = build_model(cfg, data.num_classes)
+    model, source = build_model(cfg, data.num_classes, prompt_class)
     model.to(device)
     log.info("model: %s on %s", source, device)
     return Runtime(cfg, data, model, device, source)
 
 
-def get_runtime(cfg: ExperimentConfig) -> Runtime:
+def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt) -> Runtime:
     """The process-wide runtime for this configuration (the backbone is built once)."""
-    return _runtime(cfg.fingerprint())
+    return _runtime(cfg.fingerprint(), prompt_class)

@@ -22,7 +22,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Entry point for `flwr run` (simulation or deployment) and `promptfcl simulate`."""
     setup_logging()
-    cfg = ExperimentConfig.from_dict(context.run_config)
+    cfg = ExperimentConfig.from_run_config(context.run_config)
     check_method(cfg.strategy)
     check_source(cfg)
     results = run_experiment(grid, cfg)

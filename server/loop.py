@@ -62,12 +62,13 @@ def _bytes(messages: list[Message]) -> int:
 def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     """Run the whole task stream; return the results dictionary (see server.report)."""
     started = time.perf_counter()
-    runtime = get_runtime(cfg)
+    method = strategy_class(cfg.strategy)
+    runtime = get_runtime(cfg, method.prompt_class)
     log.info("backbone: %s", runtime.weights_source)
     data = runtime.data
     log.info("data: %s, %d classes in %d tasks, %d train / %d test images",
              data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
-    strategy: PromptStrategy = strategy_class(cfg.strategy)(cfg, data.num_classes, cfg.method_options(cfg.strategy))
+    strategy: PromptStrategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
     strategy.summary()
     evaluate = CentralEvaluator(runtime)
     arrays = to_array_record(runtime.model.trainable_state())

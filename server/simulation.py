@@ -88,6 +88,7 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, cpus_pe
             backend_config=backend_config,
             server_app_context=context,
             app_dir=str(app_dir),
+            is_app=True,  # makes Flower fuse each node's run config from app_dir/pyproject.toml
             verbose_logging=verbose,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
         )

@@ -35,3 +35,8 @@ def strategy_class(name: str) -> Any:
 def learner_class(name: str) -> Any:
     check_method(name)
     return _load(METHODS[name][1])
+
+
+def prompt_class(name: str) -> Any:
+    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
+    return strategy_class(name).prompt_class

@@ -46,6 +46,9 @@ class PromptStrategy(FedAvg):
     """
 
     name = "fedavg"
+    #: prompt module of this method (clients build their model with it; the server
+    #: uses it to initialise task slices). Must take CodaPrompt's constructor arguments.
+    prompt_class: type[CodaPrompt] = CodaPrompt
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         # Sampling is ours (seeded, see sample_clients); Flower's fraction settings are unused.
@@ -123,6 +126,7 @@ class PromptStrategy(FedAvg):
             node_config = ConfigRecord(dict(config))
             node_config["client-id"] = client_id
             node_config["server-round"] = server_round
+            node_config["config-digest"] = self.cfg.digest()
             content = self.client_payload(client_id, arrays, node_config)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
         return messages
@@ -192,9 +196,10 @@ class PromptStrategy(FedAvg):
 
     # ------------------------------------------------------------------ helpers
     def _prompt_from(self, state: dict[str, np.ndarray]) -> CodaPrompt:
+        """A prompt module holding the prompt arrays of ``state`` (no backbone needed)."""
         layer0 = self.cfg.layers[0]
         dim = int(state[f"prompt.k{layer0}"].shape[1])
-        prompt = CodaPrompt(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
+        prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
         prompt.load_state_dict({k[7:]: torch.from_numpy(v.copy()) for k, v in state.items() if k.startswith("prompt.")})
         return prompt
 

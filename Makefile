@@ -1,0 +1,30 @@
+# promptfcl: everything installs from this file and pyproject.toml.
+#   make run    create/update .venv, then run the default experiment offline
+#   make test   same environment, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+export FLWR_TELEMETRY_ENABLED = 0
+export HF_HUB_OFFLINE ?= 0
+
+.PHONY: run test install clean-venv
+
+install: $(STAMP)
+
+# Re-install whenever pyproject.toml changes; a broken venv is rebuilt from scratch.
+$(STAMP): pyproject.toml
+	@if [ ! -x $(PY) ] || ! $(PY) -c "import sys" >/dev/null 2>&1; then rm -rf $(VENV); $(PYTHON) -m venv $(VENV); fi
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/promptfcl simulate --out runs/default
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
