@@ -63,13 +63,15 @@ class ExperimentConfig:
     # --- local training ---
     local_epochs: int = 2
     batch_size: int = 32
-    lr: float = 1e-3
+    lr: float = 1e-3  # CODA-P's Adam learning rate
     lr_schedule: str = "cosine"  # "cosine" or "constant", over one round's local steps
     query_cache: bool = True
 
     # --- backbone ---
     backbone: str = "vit_tiny_patch16_224"
-    weights: str = "random"  # "timm" (pretrained from the hub), "random", or a checkpoint path
+    # "timm" (pretrained, from the hub), "pretrained:<source>" (built offline by
+    # `promptfcl pretrain`), "random", or a checkpoint path
+    weights: str = "pretrained:fashion-mnist"
     image_size: int = 32
     patch_size: int = 4  # 0 = the model's own
     embed_dim: int = 96  # 0 = the model's own

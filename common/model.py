@@ -60,26 +60,40 @@ def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
                   "a stand-in backbone, not a pretrained one")
         _seeded_reinit(model, cfg.seed)
     else:
-        path = Path(cfg.weights).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"weights checkpoint {path} does not exist")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ConfigError(f"cannot read weights checkpoint {path}: {exc}") from exc
-        state = state.get("model", state) if isinstance(state, dict) else state
-        state = {k: v for k, v in state.items() if not k.startswith("head.")}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ConfigError(
-                f"checkpoint {path} does not match {cfg.backbone} with the configured sizes: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        source = f"{cfg.backbone} weights from checkpoint {path}"
+        if cfg.weights.startswith("pretrained:"):
+            from common.pretrain import checkpoint_meta, resolve_weights
+
+            path = resolve_weights(cfg)
+            meta = checkpoint_meta(path)
+            overlap = "OVERLAPS" if meta.get("source") == cfg.dataset else "does not overlap"
+            source = (f"{cfg.backbone} pretrained offline on {meta.get('source', '?')} "
+                      f"({meta.get('source_test_accuracy', float('nan')):.1f}% on its test set; "
+                      f"{overlap} the evaluation dataset {cfg.dataset}) from {path}")
+        else:
+            path = Path(cfg.weights).expanduser()
+            source = f"{cfg.backbone} weights from checkpoint {path}"
+        _load_checkpoint(model, path, cfg.backbone)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
     return model, source
+
+
+def _load_checkpoint(model: nn.Module, path: Path, name: str) -> None:
+    if not path.is_file():
+        raise ConfigError(f"weights checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"cannot read weights checkpoint {path}: {exc}") from exc
+    state = state.get("model", state) if isinstance(state, dict) else state
+    state = {k: v for k, v in state.items() if not k.startswith("head.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {path} does not match {name} with the configured sizes: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
 def _seeded_reinit(model: nn.Module, seed: int) -> None:

@@ -1,6 +1,8 @@
 """``promptfcl`` command line.
 
     promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
+    promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
+                                           build the offline backbone (cached; skipped if present)
     promptfcl show DIR                     print the result table of a finished run
     promptfcl strategies                   list the available methods
 """
@@ -68,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--supernodes", type=int, help="Flower nodes to start (default: clients per round)")
     sim.add_argument("--cpus-per-client", type=int, help="CPUs per client actor (default: machine cores / parallel clients)")
     sim.add_argument("--verbose", action="store_true", help="Flower's debug logging")
+    pre = sub.add_parser("pretrain", help="pretrain the configured small ViT offline and cache it")
+    pre.add_argument("--source", default="fashion-mnist", help="labelled dataset to pretrain on")
+    pre.add_argument("--epochs", type=int, default=2)
+    pre.add_argument("--config", help="TOML file of run-config keys (the architecture is taken from it)")
+    pre.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pre.add_argument("--force", action="store_true", help="rebuild even if a cached backbone exists")
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
@@ -89,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(path.read_text())))
         return 0
 
+    if args.command == "pretrain":
+        return _pretrain(args)
     try:
         cfg = load_config(args.config, args.set, args.strategy, args.out)
+        _check_weights(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +118,33 @@ def main(argv: list[str] | None = None) -> int:
     if not results.is_file():
         print(f"error: the run ended without writing {results}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _check_weights(cfg: ExperimentConfig) -> None:
+    if cfg.weights.startswith("pretrained:"):
+        from common.pretrain import resolve_weights
+
+        resolve_weights(cfg)
+    elif cfg.weights not in ("timm", "random") and not Path(cfg.weights).expanduser().is_file():
+        raise ConfigError(f"weights checkpoint {cfg.weights} does not exist")
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from common.pretrain import checkpoint_path, pretrain
+
+    try:
+        cfg = load_config(args.config, args.set, None, None)
+        path = checkpoint_path(cfg, args.source)
+        if path.is_file() and not args.force:
+            log.info("backbone pretrained on %s already cached at %s", args.source, path)
+            return 0
+        if args.epochs < 1:
+            raise ConfigError("--epochs must be >= 1")
+        pretrain(cfg, args.source, epochs=args.epochs)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -36,9 +36,32 @@ def tiny_config(**overrides: Any) -> ExperimentConfig:
     """A configuration small enough for unit tests; keys in kebab-case or snake_case."""
     raw = dict(TINY)
     raw.update({k.replace("_", "-") if "." not in k else k: v for k, v in overrides.items()})
+    if "pool-size" not in {k.replace("_", "-") for k in overrides}:
+        raw["pool-size"] = 2 * int(raw["num-tasks"])  # two components per task
     return ExperimentConfig.from_dict(raw)
 
 
 @pytest.fixture
 def tiny() -> ExperimentConfig:
     return tiny_config()
+
+
+@pytest.fixture
+def flower_identity():
+    """Flower's process identity, which building Message objects outside a run needs."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def reply_from(node_id: int, content=None, error: str | None = None):
+    """A reply Message as a client on ``node_id`` would send it."""
+    from flwr.app import Error, Message, RecordDict
+
+    request = Message(content=RecordDict(), dst_node_id=node_id, message_type="train")
+    if error is not None:
+        return Message(Error(code=0, reason=error), reply_to=request)
+    return Message(content=content, reply_to=request)

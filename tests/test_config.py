@@ -1,0 +1,69 @@
+"""Configuration: strict parsing, clear errors, and pyproject defaults in sync."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, ExperimentConfig, parse_overrides
+from server.cli import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_run_config_equals_the_dataclass_defaults():
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    run_config = doc["tool"]["flwr"]["app"]["config"]
+    assert run_config == ExperimentConfig().to_dict()
+    assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "client.app:app"}
+
+
+def test_round_trip_through_flat_dict():
+    cfg = ExperimentConfig.from_dict({"num-tasks": 10, "pool-size": 100, "hepco.lambda-kl": 0.5})
+    again = ExperimentConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.method_options("hepco") == {"lambda-kl": 0.5}
+    assert again.digest() == cfg.digest()
+    assert ExperimentConfig.from_dict({"seed": 1}).digest() != cfg.digest()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"num-taks": 3}, "unknown configuration key 'num-taks'"),
+    ({"num-tasks": "three"}, "not a valid int"),
+    ({"num-tasks": 2.5}, "not a valid int"),
+    ({"dirichlet-beta": 0}, "dirichlet-beta must be > 0"),
+    ({"category-ratio": 1.5}, "category-ratio must be in"),
+    ({"partition": "random"}, "partition must be one of"),
+    ({"prompt-length": 7}, "prompt-length must be even"),
+    ({"clients-per-round": 20}, "exceeds num-clients"),
+    ({"num-tasks": 3}, "pool-size (20) must be a positive multiple of num-tasks (3)"),
+    ({"device": "tpu"}, "device must be one of"),
+    ({"prompt-layers": "a,b"}, "prompt-layers must be comma-separated integers"),
+    ({"query-cache": "maybe"}, "not a valid bool"),
+])
+def test_bad_values_are_rejected_with_a_clear_message(raw, message):
+    with pytest.raises(ConfigError) as err:
+        ExperimentConfig.from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_empty_run_config_is_an_error_not_the_defaults():
+    with pytest.raises(ConfigError, match="run config is empty"):
+        ExperimentConfig.from_run_config({})
+
+
+def test_cli_overrides_parse_as_toml_scalars():
+    assert parse_overrides(["lr=1e-3", "dataset=digits", "query-cache=false", 'prompt-layers="0,1"']) == {
+        "lr": 1e-3, "dataset": "digits", "query-cache": False, "prompt-layers": "0,1"}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["lr"])
+
+
+def test_config_files_flatten_method_tables(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('num-tasks = 10\npool-size = 100\n[hepco]\nlambda-kl = 0.5\n')
+    cfg = load_config(str(f), ["seed=3"], "fedavg", None)
+    assert cfg.num_tasks == 10 and cfg.seed == 3 and cfg.method_options("hepco") == {"lambda-kl": 0.5}
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "none.toml"), [], None, None)
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        load_config(None, [], "nope", None)

@@ -1,0 +1,169 @@
+"""Task stream and client partitions: coverage, disjointness, skew, determinism, errors."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError
+from common.data import (
+    DataError, class_order, client_indices, load_dataset, seen_classes, task_classes,
+)
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset(tiny_config(num_tasks=5))
+
+
+def shares(data, cfg, task, round_=0):
+    return [client_indices(data.train.labels, cfg, data.num_classes, c, task, round_) for c in range(cfg.num_clients)]
+
+
+def test_class_order_is_a_seeded_permutation():
+    a, b, c = class_order(100, 0), class_order(100, 0), class_order(100, 1)
+    assert sorted(a.tolist()) == list(range(100))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_labels_are_remapped_so_tasks_own_contiguous_classes(digits):
+    assert digits.num_classes == 10
+    assert list(task_classes(2, 10, 5)) == [4, 5]
+    assert list(seen_classes(2, 10, 5)) == list(range(6))
+    # the remapping follows the class order: remapped label j holds original class order[j]
+    order = class_order(10, 0)
+    assert digits.class_names == [str(c) for c in order]
+    assert set(np.unique(digits.train.labels)) == set(range(10))
+
+
+def test_train_test_split_is_disjoint_and_seeded():
+    a, b = load_dataset(tiny_config()), load_dataset(tiny_config())
+    assert a.fingerprint == b.fingerprint
+    assert len(a.train) + len(a.test) == 1797
+    assert load_dataset(tiny_config(seed=1)).fingerprint != a.fingerprint
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "quantity"])
+def test_static_partitions_cover_the_task_disjointly(digits, partition):
+    cfg = tiny_config(num_tasks=5, num_clients=6, clients_per_round=2, partition=partition,
+                      dirichlet_beta=0.5, min_partition_size=0, classes_per_client=1)
+    parts = shares(digits, cfg, task=1)
+    union = np.concatenate(parts)
+    assert len(union) == len(np.unique(union)), "a sample was given to two clients"
+    task_pool = np.flatnonzero(np.isin(digits.train.labels, task_classes(1, 10, 5)))
+    if partition != "quantity":  # quantity-based may leave classes' shares unassigned only if no client holds them
+        assert set(union.tolist()) == set(task_pool.tolist())
+    assert set(np.unique(digits.train.labels[union])) <= set(task_classes(1, 10, 5).tolist())
+    # pure function of (seed, client, task): recomputed identically
+    again = shares(digits, cfg, task=1)
+    assert all(np.array_equal(x, y) for x, y in zip(parts, again))
+
+
+def test_quantity_partition_gives_each_client_k_classes(digits):
+    cfg = tiny_config(num_tasks=2, num_clients=6, partition="quantity", classes_per_client=2)
+    for part in shares(digits, cfg, task=0):
+        assert len(np.unique(digits.train.labels[part])) == 2
+
+
+def test_dirichlet_skew_grows_as_beta_shrinks(digits):
+    def mean_max_share(beta):
+        cfg = tiny_config(num_tasks=2, num_clients=8, partition="dirichlet", dirichlet_beta=beta, min_partition_size=0)
+        fractions = []
+        for part in shares(digits, cfg, task=0):
+            if len(part):
+                counts = np.bincount(digits.train.labels[part], minlength=10)
+                fractions.append(counts.max() / counts.sum())
+        return np.mean(fractions)
+
+    iid_like, skewed = mean_max_share(100.0), mean_max_share(0.05)
+    assert iid_like < 0.45  # 5 classes per task: near-uniform shares
+    assert skewed > 0.8  # nearly one class per client
+
+
+def test_partitions_differ_by_seed_and_task(digits):
+    cfg0 = tiny_config(num_tasks=5, num_clients=4, partition="dirichlet", min_partition_size=0)
+    cfg1 = tiny_config(num_tasks=5, num_clients=4, partition="dirichlet", min_partition_size=0, seed=1)
+    assert not np.array_equal(shares(digits, cfg0, 0)[0], shares(digits, cfg1, 0)[0])
+
+
+def test_stateless_population_draws_afresh_each_round(digits):
+    cfg = tiny_config(num_tasks=2, num_clients=1000, partition="stateless", category_ratio=0.6,
+                      split_ratio=0.1, imbalance_ratio=0.1)
+    a = client_indices(digits.train.labels, cfg, 10, 17, 0, 0)
+    b = client_indices(digits.train.labels, cfg, 10, 17, 0, 0)
+    c = client_indices(digits.train.labels, cfg, 10, 17, 0, 1)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    labels = digits.train.labels[a]
+    classes = np.unique(labels)
+    assert len(classes) == 3  # round(0.6 * 5)
+    counts = np.sort(np.bincount(labels)[classes])[::-1]
+    assert counts[-1] < counts[0]  # long tail: beta = 0.1
+    per_class_pool = np.sum(digits.train.labels == classes[0])
+    assert counts[0] <= round(0.1 * per_class_pool) + 1  # split ratio
+
+
+def test_centralised_client_holds_the_whole_task(digits):
+    cfg = tiny_config(num_tasks=5, centralised=True)
+    idx = client_indices(digits.train.labels, cfg, 10, 0, 3, 0)
+    assert len(idx) == np.isin(digits.train.labels, [6, 7]).sum()
+
+
+def test_class_count_must_divide_into_tasks():
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_dataset(tiny_config(num_tasks=4, pool_size=4))
+
+
+def test_unknown_dataset_and_missing_directories_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown dataset"):
+        load_dataset(tiny_config(dataset="imagenet"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path / "nowhere")))
+    with pytest.raises(DataError, match="missing"):
+        load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(tiny_config(dataset=f"folder:{tmp_path / 'nope'}"))
+
+
+def _write_idx(path, array):
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_reader_on_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 20)):
+        _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 28, 28)))
+        _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    data = load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
+    assert data.train.images.shape == (40, 1, 28, 28) and len(data.test) == 20
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"corrupt")
+    with pytest.raises(DataError, match="cannot read"):
+        load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
+
+
+def test_folder_source_reads_one_folder_per_class(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (tmp_path / f"class{c}").mkdir()
+        for i in range(8):
+            Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)).save(tmp_path / f"class{c}" / f"{i}.png")
+    data = load_dataset(tiny_config(dataset=f"folder:{tmp_path}", num_tasks=2))
+    assert data.num_classes == 4 and len(data.train) + len(data.test) == 32
+    assert data.train.images.shape[1:] == (3, 12, 12)
+    (tmp_path / "class0" / "bad.png").write_bytes(b"not an image")
+    with pytest.raises(DataError, match="cannot read image"):
+        load_dataset(tiny_config(dataset=f"folder:{tmp_path}", num_tasks=2))
+
+
+def test_hub_unreachable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="cannot load Hugging Face dataset"):
+        load_dataset(tiny_config(dataset="hf:cifar100"))

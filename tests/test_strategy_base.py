@@ -1,0 +1,104 @@
+"""The shared strategy: seeded sampling, sample-weighted averaging, reply validation, task hooks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+from common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from strategies.base import weighted_average
+from strategies.fedavg import FedAvgPrompt
+from tests.conftest import reply_from, tiny_config
+
+
+class NodeList:
+    """The one Grid query configure_train makes: which nodes are connected."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self):
+        return self.ids
+
+
+def content(w: float, n: int, shape=(3, 2)):
+    return RecordDict({
+        ARRAYS: to_array_record({"head.weight": np.full(shape, w, np.float32)}),
+        METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1}),
+    })
+
+
+def test_weighted_average_uses_sample_counts():
+    recs = [to_array_record({"a": np.array([0.0, 2.0], np.float32)}),
+            to_array_record({"a": np.array([4.0, 6.0], np.float32)})]
+    out = from_array_record(weighted_average(recs, np.array([3, 1])))["a"]
+    np.testing.assert_allclose(out, [1.0, 3.0])
+    assert out.dtype == np.float32
+
+
+def test_sampling_is_seeded_and_independent_of_node_ids():
+    s = FedAvgPrompt(tiny_config(num_clients=50, clients_per_round=5), 10)
+    a, b = s.sample_clients(1, 2), s.sample_clients(1, 2)
+    assert a == b and len(set(a)) == 5 and all(0 <= c < 50 for c in a)
+    assert s.sample_clients(1, 3) != a
+    other_seed = FedAvgPrompt(tiny_config(num_clients=50, clients_per_round=5, seed=9), 10)
+    assert other_seed.sample_clients(1, 2) != a
+
+
+def test_configure_train_assigns_clients_to_nodes(flower_identity):
+    cfg = tiny_config(num_clients=50, clients_per_round=3)
+    s = FedAvgPrompt(cfg, 10)
+    arrays = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
+    msgs = list(s.configure_train(7, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(4)))
+    assert [m.metadata.dst_node_id for m in msgs] == [100, 101, 102]
+    assert [m.content["config"]["client-id"] for m in msgs] == s.sample_clients(1, 0)
+    assert all(m.content["config"]["config-digest"] == cfg.digest() for m in msgs)
+    with pytest.raises(RuntimeError, match="only 2 Flower nodes"):
+        s.configure_train(8, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(2))
+
+
+def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
+    s = FedAvgPrompt(tiny_config(), 10)
+    s.sent_arrays = content(0.0, 1)[ARRAYS]
+    nan = content(1.0, 5)
+    nan[ARRAYS] = to_array_record({"head.weight": np.full((3, 2), np.nan, np.float32)})
+    missing = RecordDict({METRICS: MetricRecord({"num-examples": 5})})
+    replies = [
+        reply_from(1, content(1.0, 10)),
+        reply_from(2, content(4.0, 30)),
+        reply_from(3, nan),
+        reply_from(4, content(9.0, 10, shape=(2, 2))),
+        reply_from(5, missing),
+        reply_from(6, content(9.0, 0)),
+        reply_from(7, error="boom"),
+    ]
+    arrays, metrics = s.aggregate_train(1, replies)
+    np.testing.assert_allclose(from_array_record(arrays)["head.weight"], 3.25)  # (10*1 + 30*4) / 40
+    assert metrics["num-examples"] == 40 and metrics["clients"] == 2
+    reasons = dict(s.rejected)
+    assert set(reasons) == {3, 4, 5, 6, 7}
+    assert "non-finite" in reasons[3] and "shape" not in reasons[3]
+    assert "(2, 2)" in reasons[4] and "missing" in reasons[5] and "no training" in reasons[6] and "boom" in reasons[7]
+
+
+def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
+    s = FedAvgPrompt(tiny_config(), 10)
+    assert s.aggregate_train(1, [reply_from(1, error="x")]) == (None, None)
+
+
+def test_task_start_initialises_only_the_new_slice_orthogonally():
+    from common.model import build_model
+
+    cfg = tiny_config(num_tasks=2, pool_size=4)
+    model, _ = build_model(cfg, 10)
+    s = FedAvgPrompt(cfg, 10)
+    a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
+    a1 = s.on_task_start(1, a0)
+    p0, p1 = from_array_record(a0)["prompt.k0"], from_array_record(a1)["prompt.k0"]
+    np.testing.assert_array_equal(p0[:2], p1[:2])  # task 0's slice untouched
+    k = torch.from_numpy(p1)
+    torch.testing.assert_close(k @ k.T, torch.eye(4), atol=1e-5, rtol=0)
+    again = s.on_task_start(1, a0)  # seeded: the same init every time
+    np.testing.assert_array_equal(from_array_record(again)["prompt.k0"], p1)
