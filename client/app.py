@@ -12,6 +12,7 @@ import logging
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from client import faults
 from client.learner import read_task_round
 from common.config import ExperimentConfig
 from common.records import CONFIG
@@ -31,7 +32,9 @@ def train(msg: Message, context: Context) -> Message:
     runtime = get_runtime(cfg, prompt_class(cfg.strategy))
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
     task, round_, client_id = read_task_round(msg.content[CONFIG])
+    faults.before_training(cfg, client_id, task, round_)
     reply = learner.fit(msg.content, task, round_, client_id)
+    reply = faults.corrupt_reply(cfg, reply, client_id, task, round_)
     return Message(content=reply, reply_to=msg)
 
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
+FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count")
+# Keys that do not change what a run computes (excluded from the digest clients check).
+RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir"})
 PROMPT_MODES = ("prefix", "prompt")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
@@ -58,7 +61,15 @@ class ExperimentConfig:
     split_ratio: float = 0.1
     imbalance_ratio: float = 1.0
     centralised: bool = False  # one client with all data: the upper-bound reference
-    round_timeout: float = 3600.0
+    round_timeout: float = 3600.0  # seconds the server waits for replies; late ones are dropped
+    min_replies: int = 1  # fewer usable replies than this and the round is retried
+    round_retries: int = 2  # retries (with freshly sampled clients) before the run stops with an error
+    max_reply_bytes: int = 256_000_000  # replies above this size are rejected
+    resume: bool = False  # continue the run checkpointed in out-dir
+    # Fault injection for robustness experiments: a seeded share of client replies misbehave.
+    fault: str = ""  # "", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count"
+    fault_rate: float = 0.0
+    fault_hang_seconds: float = 30.0
 
     # --- local training ---
     local_epochs: int = 2
@@ -116,7 +127,8 @@ class ExperimentConfig:
         """Short hash of the full configuration; server and clients must agree on it."""
         import hashlib
 
-        return hashlib.sha1(self.fingerprint().encode()).hexdigest()[:12]
+        relevant = {k: v for k, v in self.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
+        return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ExperimentConfig":
@@ -198,6 +210,14 @@ class ExperimentConfig:
         need(self.image_size >= 8, "image-size must be >= 8")
         need(self.round_timeout > 0, "round-timeout must be > 0")
         need(self.threads >= 0, "threads must be >= 0")
+        need(self.min_replies >= 1, "min-replies must be >= 1")
+        need(self.min_replies <= max(1, self.clients_per_round or self.num_clients),
+             f"min-replies ({self.min_replies}) exceeds the clients sampled per round")
+        need(self.round_retries >= 0, "round-retries must be >= 0")
+        need(self.max_reply_bytes > 0, "max-reply-bytes must be > 0")
+        need(self.fault in FAULTS, f"fault must be one of {FAULTS}, got {self.fault!r}")
+        need(0.0 <= self.fault_rate <= 1.0, f"fault-rate must be in [0, 1], got {self.fault_rate}")
+        need(self.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
 
 
 def _coerce(key: str, value: Any, type_name: Any) -> Any:

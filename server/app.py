@@ -9,7 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.config import ExperimentConfig
 from common.data import check_source
-from server.loop import run_experiment
+from server.loop import finish, run_experiment
 from server.report import table, write_outputs
 from strategies import check_method
 
@@ -27,6 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     check_source(cfg)
     results = run_experiment(grid, cfg)
     path = write_outputs(results, cfg.out_dir)
+    finish(cfg)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 

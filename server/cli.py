@@ -3,6 +3,7 @@
     promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
     promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
                                            build the offline backbone (cached; skipped if present)
+    promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
     promptfcl show DIR                     print the result table of a finished run
     promptfcl strategies                   list the available methods
 """
@@ -76,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--config", help="TOML file of run-config keys (the architecture is taken from it)")
     pre.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     pre.add_argument("--force", action="store_true", help="rebuild even if a cached backbone exists")
+    res = sub.add_parser("resume", help="continue a stopped run from the checkpoint in its output directory")
+    res.add_argument("dir")
+    res.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="only keys that do not change results (round-timeout, threads, device)")
+    res.add_argument("--supernodes", type=int)
+    res.add_argument("--cpus-per-client", type=int)
+    res.add_argument("--verbose", action="store_true")
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
@@ -100,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pretrain":
         return _pretrain(args)
     try:
-        cfg = load_config(args.config, args.set, args.strategy, args.out)
+        if args.command == "resume":
+            cfg = _resume_config(args.dir, args.set)
+        else:
+            cfg = load_config(args.config, args.set, args.strategy, args.out)
+            _prepare_out_dir(cfg)
         _check_weights(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -119,6 +131,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the run ended without writing {results}", file=sys.stderr)
         return 1
     return 0
+
+
+def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
+    from server import checkpoint
+
+    saved = checkpoint.load(out_dir)
+    if saved is None:
+        raise ConfigError(f"{out_dir} holds no checkpoint to resume")
+    raw = dict(saved.config)
+    raw.update(parse_overrides(overrides))
+    raw.update({"resume": True, "out-dir": out_dir})
+    cfg = ExperimentConfig.from_dict(raw)
+    checkpoint.check_compatible(saved, cfg)
+    return cfg
+
+
+def _prepare_out_dir(cfg: ExperimentConfig) -> None:
+    """Refuse to clobber an unfinished run; move a finished run's files aside, never delete them."""
+    import shutil
+    import time as _time
+
+    from server import checkpoint
+
+    out = Path(cfg.out_dir)
+    if cfg.resume:
+        return
+    if (out / checkpoint.FILENAME).exists():
+        raise ConfigError(f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` "
+                          "or choose another --out")
+    if (out / "results.json").exists():
+        stamp = _time.strftime("%Y%m%d-%H%M%S", _time.localtime((out / "results.json").stat().st_mtime))
+        archive = out / "previous" / stamp
+        archive.mkdir(parents=True, exist_ok=True)
+        for item in out.iterdir():
+            if item.name != "previous":
+                shutil.move(str(item), archive / item.name)
+        log.info("moved the previous results in %s to %s", out, archive)
 
 
 def _check_weights(cfg: ExperimentConfig) -> None:

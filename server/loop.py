@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +18,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from common import metrics
-from common.config import ExperimentConfig
+from common.config import ConfigError, ExperimentConfig
 from common.evaluation import accuracies, correct_counts
-from common.records import METRICS, payload_bytes, to_array_record, to_torch
+from common.records import METRICS, from_array_record, payload_bytes, to_array_record, to_torch
 from common.runtime import Runtime, get_runtime
+from server import checkpoint
 from strategies import strategy_class
 from strategies.base import PromptStrategy
 
@@ -59,8 +61,12 @@ def _bytes(messages: list[Message]) -> int:
     return total
 
 
+class RoundFailed(RuntimeError):
+    """A round got too few usable replies even after its retries."""
+
+
 def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
-    """Run the whole task stream; return the results dictionary (see server.report)."""
+    """Run (or resume) the whole task stream; return the results dictionary (see server.report)."""
     started = time.perf_counter()
     method = strategy_class(cfg.strategy)
     runtime = get_runtime(cfg, method.prompt_class)
@@ -69,67 +75,141 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     log.info("data: %s, %d classes in %d tasks, %d train / %d test images",
              data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
     strategy: PromptStrategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
+    strategy.max_examples = len(data.train)
     strategy.summary()
     evaluate = CentralEvaluator(runtime)
     arrays = to_array_record(runtime.model.trainable_state())
     state = RunState(metrics.empty_matrix(cfg.num_tasks))
 
-    server_round = 0
-    for task in range(cfg.num_tasks):
-        arrays = strategy.on_task_start(task, arrays)
-        for round_ in range(cfg.rounds_per_task):
-            server_round += 1
-            t0 = time.perf_counter()
-            messages = list(strategy.configure_train(
-                server_round, arrays, ConfigRecord({"task": task, "round": round_}), grid))
-            t1 = time.perf_counter()
-            replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
-            t2 = time.perf_counter()
-            new_arrays, agg = strategy.aggregate_train(server_round, replies)
-            if new_arrays is not None:
-                arrays = new_arrays
-            t3 = time.perf_counter()
-            task_acc = evaluate(arrays, task)
-            t4 = time.perf_counter()
+    # Where to start: the beginning, or just after the last checkpointed round.
+    first_task, first_round, server_round, task_started, elapsed_before = 0, 0, 0, False, 0.0
+    saved = checkpoint.load(cfg.out_dir)
+    if saved is not None and not cfg.resume:
+        raise ConfigError(
+            f"{cfg.out_dir} already holds a checkpoint (task {saved.task + 1}, round {saved.round + 1}); "
+            "continue it with resume=true (`promptfcl resume DIR`) or choose another out-dir"
+        )
+    if cfg.resume:
+        if saved is None:
+            raise ConfigError(f"resume=true but {cfg.out_dir} holds no checkpoint")
+        checkpoint.check_compatible(saved, cfg)
+        arrays = to_array_record(saved.arrays)
+        strategy.load_state_dict(saved.strategy_state)
+        state = RunState(saved.accuracy_matrix.copy(), list(saved.rounds))
+        checkpoint.restore_rng(saved.rng)
+        server_round, elapsed_before = saved.server_round, saved.elapsed_seconds
+        first_task, first_round, task_started = saved.task, saved.round + 1, True
+        if saved.task_finished:
+            first_task, first_round, task_started = saved.task + 1, 0, False
+        log.info("resuming after task %d round %d (server round %d)", saved.task + 1, saved.round + 1, server_round)
 
-            ok = [m for m in replies if not m.has_error()]
-            client_secs = [float(m.content[METRICS]["train-seconds"]) for m in ok if METRICS in m.content.metric_records]
-            record = {
-                "task": task,
-                "round": round_,
-                "server_round": server_round,
-                "accuracy": float(np.nanmean(task_acc)),
-                "task_accuracies": [float(a) for a in task_acc],
-                "bytes_s2c": _bytes(messages),
-                "bytes_c2s": _bytes(ok),
-                "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
-                "client_seconds_max": float(np.max(client_secs)) if client_secs else 0.0,
-                "server_seconds": (t1 - t0) + (t3 - t2),
-                "round_seconds": t3 - t0,
-                "eval_seconds": t4 - t3,
-                "clients_sampled": len(messages),
-                "clients_aggregated": int(agg["clients"]) if agg is not None else 0,
-                "rejected": [{"node": int(n), "reason": r} for n, r in strategy.rejected],
-                "train_loss": float(agg["train-loss"]) if agg is not None else None,
-            }
+    def save(task: int, round_: int, finished: bool) -> None:
+        checkpoint.save(checkpoint.Checkpoint(
+            config=cfg.to_dict(), task=task, round=round_, server_round=server_round, task_finished=finished,
+            arrays=from_array_record(arrays), strategy_state=strategy.state_dict(),
+            accuracy_matrix=state.accuracy_matrix.copy(), rounds=list(state.rounds), rng=checkpoint.capture_rng(),
+            elapsed_seconds=elapsed_before + time.perf_counter() - started,
+        ), cfg.out_dir)
+
+    for task in range(first_task, cfg.num_tasks):
+        if not task_started:
+            arrays = strategy.on_task_start(task, arrays)
+        task_started = False
+        for round_ in range(first_round if task == first_task else 0, cfg.rounds_per_task):
+            server_round += 1
+            arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
             state.rounds.append(record)
             log.info(
-                "task %d/%d round %d/%d | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs",
+                "task %d/%d round %d/%d | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
                 task + 1, cfg.num_tasks, round_ + 1, cfg.rounds_per_task, record["accuracy"],
-                " ".join(f"{a:.0f}" for a in task_acc), _human(record["bytes_s2c"]),
+                " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
                 _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
+                f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
             )
+            save(task, round_, finished=False)
         end_arrays = strategy.on_task_end(task, arrays)
+        task_acc = np.array(state.rounds[-1]["task_accuracies"])
         if end_arrays is not arrays:
             arrays = end_arrays
             task_acc = evaluate(arrays, task)
         state.accuracy_matrix[: task + 1, task] = task_acc
+        save(task, cfg.rounds_per_task - 1, finished=True)
         summary = metrics.summary(state.accuracy_matrix, upto=task)
         log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f", task + 1,
                  summary["final_average_accuracy"], summary["average_incremental_accuracy"],
                  summary["average_forgetting"])
 
-    return build_results(cfg, runtime, state, arrays, time.perf_counter() - started)
+    return build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started)
+
+
+def finish(cfg: ExperimentConfig) -> None:
+    """After results are written: the checkpoint has served its purpose."""
+    path = Path(cfg.out_dir) / checkpoint.FILENAME
+    if path.exists():
+        path.unlink()
+
+
+def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator, arrays: ArrayRecord,
+              task: int, round_: int, server_round: int) -> tuple[ArrayRecord, dict[str, Any]]:
+    """One training round (retried with fresh clients if too few replies are usable) and its evaluation."""
+    cfg = strategy.cfg
+    bytes_s2c = bytes_c2s = sampled = 0
+    server_seconds = round_seconds = 0.0
+    client_secs: list[float] = []
+    rejected: list[dict[str, Any]] = []
+    for attempt in range(cfg.round_retries + 1):
+        t0 = time.perf_counter()
+        config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
+        messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        t1 = time.perf_counter()
+        replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        t2 = time.perf_counter()
+        new_arrays, agg = strategy.aggregate_train(server_round, replies)
+        t3 = time.perf_counter()
+        ok = [m for m in replies if not m.has_error()]
+        bytes_s2c += _bytes(messages)
+        bytes_c2s += _bytes(ok)
+        sampled += len(messages)
+        server_seconds += (t1 - t0) + (t3 - t2)
+        round_seconds += t3 - t0
+        client_secs += [float(m.content[METRICS].get("train-seconds", 0.0))
+                        for m in ok if METRICS in m.content.metric_records]
+        missing = len(messages) - len(replies)
+        rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
+        rejected += [{"node": None, "reason": "no reply before round-timeout", "attempt": attempt}] * missing
+        if new_arrays is not None:
+            break
+        log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
+                    len(ok) - len(strategy.rejected), len(messages),
+                    "; retrying with fresh clients" if attempt < cfg.round_retries else "")
+    else:
+        raise RoundFailed(
+            f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
+            f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
+            f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in rejected})[:5]}"
+        )
+    t4 = time.perf_counter()
+    task_acc = evaluate(new_arrays, task)
+    record = {
+        "task": task,
+        "round": round_,
+        "server_round": server_round,
+        "accuracy": float(np.nanmean(task_acc)),
+        "task_accuracies": [float(a) for a in task_acc],
+        "bytes_s2c": bytes_s2c,
+        "bytes_c2s": bytes_c2s,
+        "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
+        "client_seconds_max": float(np.max(client_secs)) if client_secs else 0.0,
+        "server_seconds": server_seconds,
+        "round_seconds": round_seconds,
+        "eval_seconds": time.perf_counter() - t4,
+        "attempts": attempt + 1,
+        "clients_sampled": sampled,
+        "clients_aggregated": int(agg["clients"]),
+        "rejected": rejected,
+        "train_loss": float(agg["train-loss"]),
+    }
+    return new_arrays, record
 
 
 def build_results(cfg: ExperimentConfig, runtime: Runtime, state: RunState, arrays: ArrayRecord,

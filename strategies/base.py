@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from common.config import ExperimentConfig
 from common.model import CodaPrompt
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
 
 log = logging.getLogger("promptfcl")
 
@@ -49,6 +49,9 @@ class PromptStrategy(FedAvg):
     #: prompt module of this method (clients build their model with it; the server
     #: uses it to initialise task slices). Must take CodaPrompt's constructor arguments.
     prompt_class: type[CodaPrompt] = CodaPrompt
+    #: record names a client reply must carry, exactly (None: "arrays" and "metrics"
+    #: required, extra records allowed). Methods that upload statistics list them here.
+    reply_records: frozenset[str] | None = frozenset({ARRAYS, METRICS})
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         # Sampling is ours (seeded, see sample_clients); Flower's fraction settings are unused.
@@ -58,6 +61,7 @@ class PromptStrategy(FedAvg):
         self.options = dict(options or {})
         self.sent_arrays: ArrayRecord | None = None  # what this round's replies must match
         self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
+        self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
@@ -72,10 +76,13 @@ class PromptStrategy(FedAvg):
             return self.cfg.clients_per_round
         return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
 
-    def sample_clients(self, task: int, round_: int) -> list[int]:
-        """Client ids for (task, round): seeded, independent of history and of node ids."""
+    def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
+        """Client ids for (task, round): seeded, independent of history and of node ids.
+
+        ``attempt`` > 0 draws afresh when a round is retried after too few usable replies.
+        """
         population = 1 if self.cfg.centralised else self.cfg.num_clients
-        rng = np.random.default_rng([self.cfg.seed, task, round_, 0x5A3])
+        rng = np.random.default_rng([self.cfg.seed, task, round_, attempt, 0x5A3])
         return sorted(rng.choice(population, size=self.clients_per_round, replace=False).tolist())
 
     # ------------------------------------------------------------------ hooks
@@ -113,7 +120,7 @@ class PromptStrategy(FedAvg):
     ) -> Iterable[Message]:
         """One message per sampled client; ``config`` must carry ``task`` and ``round``."""
         task, round_ = int(config["task"]), int(config["round"])
-        clients = self.sample_clients(task, round_)
+        clients = self.sample_clients(task, round_, int(config.get("attempt", 0)))
         nodes = sorted(grid.get_node_ids())
         if len(nodes) < len(clients):
             raise RuntimeError(
@@ -136,8 +143,9 @@ class PromptStrategy(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, average the accepted ones by sample count, then consolidate."""
         accepted = self.accept_replies(list(replies))
-        if not accepted:
-            log.warning("round %d: no usable reply; the global model is unchanged", server_round)
+        if len(accepted) < self.cfg.min_replies:
+            log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
+                        server_round, len(accepted), self.cfg.min_replies)
             return None, None
         weights = np.array([int(c[METRICS]["num-examples"]) for c in accepted], dtype=np.float64)
         arrays = weighted_average([c[ARRAYS] for c in accepted], weights)
@@ -171,11 +179,19 @@ class PromptStrategy(FedAvg):
         content = msg.content
         if ARRAYS not in content.array_records or METRICS not in content.metric_records:
             return "missing 'arrays' or 'metrics' record"
+        if self.reply_records is not None and set(content.keys()) != set(self.reply_records):
+            extra, missing = set(content.keys()) - self.reply_records, self.reply_records - set(content.keys())
+            return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
         n = content[METRICS].get("num-examples")
         if not isinstance(n, int) or n < 0:
             return f"invalid num-examples {n!r}"
         if n == 0:
             return "no training examples"
+        if self.max_examples is not None and n > self.max_examples:
+            return f"implausible num-examples {n} (a client holds at most {self.max_examples})"
+        size = payload_bytes(content)
+        if size > self.cfg.max_reply_bytes:
+            return f"reply of {size} bytes exceeds max-reply-bytes = {self.cfg.max_reply_bytes}"
         reply, sent = content[ARRAYS], self.sent_arrays
         if sent is not None:
             if set(reply.keys()) != set(sent.keys()):

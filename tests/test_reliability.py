@@ -1,0 +1,141 @@
+"""Fault injection: killed servers resume exactly, bad replies are excluded, failures are clear."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError
+from server import checkpoint
+from tests.conftest import TINY, tiny_config
+from tests.test_simulation_e2e import simulate
+
+SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round": 3, "lr": 0.01}
+
+
+def cli_args(out: Path, **overrides) -> list[str]:
+    args = [sys.executable, "-m", "server.cli", "simulate", "--out", str(out)]
+    for key, value in {**SETTINGS, **overrides}.items():
+        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
+    return args
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+def make_ckpt(server_round: int) -> checkpoint.Checkpoint:
+    return checkpoint.Checkpoint(
+        config=tiny_config().to_dict(), task=0, round=server_round - 1, server_round=server_round,
+        task_finished=False, arrays={"head.weight": np.ones((2, 2), np.float32) * server_round},
+        strategy_state={}, accuracy_matrix=np.full((2, 2), np.nan), rounds=[], rng=checkpoint.capture_rng(),
+        elapsed_seconds=1.0)
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+    checkpoint.save(make_ckpt(1), tmp_path)
+
+    def dump_then_die(obj, fh, protocol=None):
+        fh.write(b"half a checkpoint")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(checkpoint.pickle, "dump", dump_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(make_ckpt(2), tmp_path)
+    monkeypatch.undo()
+    restored = checkpoint.load(tmp_path)
+    assert restored.server_round == 1 and restored.arrays["head.weight"][0, 0] == 1
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.FILENAME]  # no temporary debris
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / checkpoint.FILENAME).write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="unreadable"):
+        checkpoint.load(tmp_path)
+    (tmp_path / checkpoint.FILENAME).write_bytes(pickle.dumps({"version": 99}))
+    with pytest.raises(ConfigError, match="format version"):
+        checkpoint.load(tmp_path)
+
+
+def test_resume_refuses_a_different_configuration():
+    ckpt = make_ckpt(1)
+    checkpoint.check_compatible(ckpt, tiny_config(round_timeout=5.0, resume=True))  # neutral keys are fine
+    with pytest.raises(ConfigError, match="lr"):
+        checkpoint.check_compatible(ckpt, tiny_config(lr=0.5))
+
+
+# ----------------------------------------------------------------------------- whole runs
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("clean")
+    proc = subprocess.run(cli_args(out), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / checkpoint.FILENAME).exists()  # a finished run clears its checkpoint
+    return json.loads((out / "results.json").read_text())
+
+
+def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli_args(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:  # kill as soon as the third round is checkpointed (mid-run)
+            try:
+                ckpt = checkpoint.load(out)
+            except ConfigError:
+                ckpt = None  # caught between write and rename: not possible, but do not flake
+            if ckpt is not None and ckpt.server_round >= 3:
+                break
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert not (out / "results.json").exists()
+    # a plain re-run must not clobber the unfinished one
+    again = subprocess.run(cli_args(out), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "unfinished run" in again.stderr
+    resumed = subprocess.run([sys.executable, "-m", "server.cli", "resume", str(out)],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["accuracy_matrix"] == clean_run["accuracy_matrix"]
+    assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3, 4]  # none lost, none twice
+
+
+@pytest.mark.parametrize("fault, rate", [("nan", 0.4), ("huge-count", 0.4), ("extra-record", 0.4)])
+def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate):
+    results = simulate(tmp_path, **{**SETTINGS, "fault": fault, "fault-rate": rate})
+    rejected = [r for rnd in results["rounds"] for r in rnd["rejected"]]
+    assert rejected, "the injected faults should have hit some replies"
+    expected = {"nan": "non-finite", "huge-count": "implausible num-examples", "extra-record": "unexpected records"}
+    assert all(expected[fault] in r["reason"] for r in rejected)
+    for rnd in results["rounds"]:
+        assert rnd["clients_aggregated"] + sum(r["attempt"] == rnd["attempts"] - 1 for r in rnd["rejected"]) == 3
+        assert all(0 <= a <= 100 for a in rnd["task_accuracies"])  # the global model stayed finite
+
+
+def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
+    # the timeout leaves room for a cold start (Ray actors, backbone) but not for the hang
+    results = simulate(tmp_path, **{**SETTINGS, "fault": "hang", "fault-rate": 0.3, "fault-hang-seconds": 25.0,
+                                    "round-timeout": 15.0, "rounds-per-task": 1})
+    reasons = [r["reason"] for rnd in results["rounds"] for r in rnd["rejected"]]
+    assert "no reply before round-timeout" in reasons
+    assert all(rnd["round_seconds"] < 60 for rnd in results["rounds"])  # the server did not wait forever
+
+
+def test_all_clients_failing_ends_with_a_clear_error(tmp_path):
+    out = tmp_path / "doomed"
+    # every client fails (rate 1) on every attempt: no round can be completed
+    proc = subprocess.run(cli_args(out, fault="raise", **{"fault-rate": 1.0, "round-retries": 1}),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "fewer than min-replies" in proc.stderr + proc.stdout
+    assert not (out / "results.json").exists()
