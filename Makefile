@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export FLWR_TELEMETRY_ENABLED = 0
 export HF_HUB_OFFLINE ?= 0
 
-.PHONY: run test install clean-venv
+.PHONY: run test install clean-venv flwr-run
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ run: $(STAMP)
 	bash scripts/offline-data.sh
 	$(VENV)/bin/promptfcl pretrain --source fashion-mnist
 	$(VENV)/bin/promptfcl simulate --out runs/default
+
+# Flower's own launcher (local simulation through a managed SuperLink); the app is pre-installed,
+# so the SuperLink must not try to install dependencies from the network.
+flwr-run: $(STAMP)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
+	  $(VENV)/bin/flwr run . --stream --federation-config "num-supernodes=5"
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

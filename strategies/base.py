@@ -62,6 +62,7 @@ class PromptStrategy(FedAvg):
         self.sent_arrays: ArrayRecord | None = None  # what this round's replies must match
         self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
+        self._warned_few_nodes = False
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
@@ -122,14 +123,16 @@ class PromptStrategy(FedAvg):
         task, round_ = int(config["task"]), int(config["round"])
         clients = self.sample_clients(task, round_, int(config.get("attempt", 0)))
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) < len(clients):
-            raise RuntimeError(
-                f"{len(clients)} clients sampled but only {len(nodes)} Flower nodes are connected; "
-                "start more SuperNodes or lower clients-per-round"
-            )
+        if not nodes:
+            raise RuntimeError("no Flower nodes are connected")
+        if len(nodes) < len(clients) and not self._warned_few_nodes:
+            log.warning("%d clients per round but %d Flower nodes: nodes play several clients in turn "
+                        "(start more SuperNodes / num-supernodes for parallelism)", len(clients), len(nodes))
+            self._warned_few_nodes = True
         self.sent_arrays = arrays
         messages = []
-        for node_id, client_id in zip(nodes, clients):
+        for i, client_id in enumerate(clients):
+            node_id = nodes[i % len(nodes)]  # virtual clients: any node can play any client
             node_config = ConfigRecord(dict(config))
             node_config["client-id"] = client_id
             node_config["server-round"] = server_round
