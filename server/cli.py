@@ -4,6 +4,8 @@
     promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
                                            build the offline backbone (cached; skipped if present)
     promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
+    promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
+    promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
     promptfcl show DIR                     print the result table of a finished run
     promptfcl strategies                   list the available methods
 """
@@ -84,6 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     res.add_argument("--supernodes", type=int)
     res.add_argument("--cpus-per-client", type=int)
     res.add_argument("--verbose", action="store_true")
+    bench = sub.add_parser("bench", help="benchmarks (they print figures)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    perf = bench_sub.add_parser("perf", help="client speed vs compute bound, per-round cost vs population, memory, bytes")
+    perf.add_argument("--out", default="runs/bench-perf")
+    perf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    perf.add_argument("--populations", default="10,100,1000")
+    perf.add_argument("--methods", default="", help="comma-separated (default: all)")
+    cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
+    cmp_.add_argument("--out", default="runs/bench-compare")
+    cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    cmp_.add_argument("--methods", default="", help="comma-separated (default: all)")
+    cmp_.add_argument("--seeds", default="0,1,2")
+    cmp_.add_argument("--settings", default="dirichlet:0.5,dirichlet:0.1,quantity:1",
+                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k>, iid")
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
@@ -107,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "pretrain":
         return _pretrain(args)
+    if args.command == "bench":
+        return _bench(args)
     try:
         if args.command == "resume":
             cfg = _resume_config(args.dir, args.set)
@@ -168,6 +186,40 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
             if item.name != "previous":
                 shutil.move(str(item), archive / item.name)
         log.info("moved the previous results in %s to %s", out, archive)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from server import bench
+
+    try:
+        base = load_config(None, args.set, None, None).to_dict()
+        _check_weights(ExperimentConfig.from_dict(base))
+        methods = [m for m in args.methods.split(",") if m] or sorted(METHODS)
+        for m in methods:
+            check_method(m)
+        base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
+        if args.bench == "perf":
+            pops = tuple(int(v) for v in args.populations.split(","))
+            bench.perf(Path(args.out), base, populations=pops, methods=tuple(methods))
+        else:
+            settings = [_parse_setting(s) for s in args.settings.split(",") if s]
+            seeds = [int(v) for v in args.seeds.split(",")]
+            bench.compare(Path(args.out), base, methods, seeds, settings)
+    except (ConfigError, DataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parse_setting(text: str) -> dict[str, Any]:
+    kind, _, value = text.partition(":")
+    if kind == "dirichlet":
+        return {"partition": "dirichlet", "dirichlet-beta": float(value or 0.5)}
+    if kind == "quantity":
+        return {"partition": "quantity", "classes-per-client": int(value or 1)}
+    if kind == "iid":
+        return {"partition": "iid"}
+    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k> or iid")
 
 
 def _check_weights(cfg: ExperimentConfig) -> None:

@@ -1,0 +1,85 @@
+"""Paper-scale configurations: each file parses, states the paper's main setting, and builds
+the right partitions on a small stand-in with the same number of classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.data import client_indices, load_dataset, task_classes
+from server.cli import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CLASSES = {"hf:cifar100": 100, "hf:imagenet-r": 200, "hf:tiny-imagenet": 200, "hf:domainnet": 345, "hf:cub200": 200}
+
+# The main setting of each paper (shared/REFERENCE.md), as run-config values.
+EXPECTED = {
+    "hepco-cifar100.toml": {"strategy": "hepco", "dataset": "hf:cifar100", "num-tasks": 10, "partition": "stateless",
+                            "clients-per-round": 5, "category-ratio": 0.6, "split-ratio": 0.1, "rounds-per-task": 10,
+                            "local-epochs": 10, "batch-size": 64, "pool-size": 100, "prompt-length": 20},
+    "fppl-imagenet-r.toml": {"strategy": "fppl", "dataset": "hf:imagenet-r", "num-tasks": 20, "num-clients": 10,
+                             "rounds-per-task": 10, "dirichlet-beta": 0.5, "local-epochs": 5, "batch-size": 128,
+                             "lr": 1e-3, "prompt-mode": "prompt"},
+    "hgp-cifar100.toml": {"strategy": "hgp", "dataset": "hf:cifar100", "num-tasks": 10, "num-clients": 10,
+                          "clients-per-round": 10, "rounds-per-task": 5, "local-epochs": 5},
+    "fedcprompt-cifar100.toml": {"strategy": "fedcprompt", "dataset": "hf:cifar100", "num-tasks": 10,
+                                 "num-clients": 10, "rounds-per-task": 40, "local-epochs": 5, "lr": 1e-4,
+                                 "batch-size": 128, "pool-size": 100, "prompt-length": 8},
+}
+FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
+
+
+def test_every_config_file_is_checked():
+    assert set(FILES) <= set(EXPECTED), f"add the paper's setting of {set(FILES) - set(EXPECTED)} to EXPECTED"
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """A folder dataset with n classes of tiny images, made once per class count."""
+    from PIL import Image
+
+    made: dict[int, Path] = {}
+
+    def make(n_classes: int) -> Path:
+        if n_classes not in made:
+            root = tmp_path_factory.mktemp(f"standin{n_classes}")
+            rng = np.random.default_rng(0)
+            for c in range(n_classes):
+                d = root / f"c{c:03d}"
+                d.mkdir()
+                for i in range(6):
+                    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(d / f"{i}.png")
+            made[n_classes] = root
+        return made[n_classes]
+
+    return make
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_paper_config_parses_and_partitions(name, stand_in):
+    cfg = load_config(str(CONFIGS / name), [], None, None)
+    for key, value in EXPECTED.get(name, {}).items():
+        assert cfg.to_dict()[key] == value, f"{name}: {key}"
+    assert cfg.weights == "timm" and cfg.backbone.startswith("vit_base_patch16_224")
+    assert cfg.method_options(cfg.strategy), "method options should be spelled out"
+
+    # stand-in: same class count and task split, tiny images, random tiny backbone
+    n_classes = CLASSES[cfg.dataset]
+    small = cfg.replace(dataset=f"folder:{stand_in(n_classes)}", test_fraction=0.34,
+                        weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4)
+    data = load_dataset(small)
+    assert data.num_classes == n_classes
+    classes = set(task_classes(0, n_classes, cfg.num_tasks).tolist())
+    assert len(classes) == n_classes // cfg.num_tasks
+    shares = [client_indices(data.train.labels, small, n_classes, c, 0, 0)
+              for c in range(min(cfg.num_clients, 20))]
+    for idx in shares:
+        assert set(data.train.labels[idx].tolist()) <= classes
+    if cfg.partition == "stateless":
+        for idx in shares:
+            assert len(np.unique(data.train.labels[idx])) == round(cfg.category_ratio * len(classes))
+    elif cfg.partition in ("dirichlet", "iid"):
+        union = np.concatenate(shares)
+        assert len(union) == len(np.unique(union))  # disjoint across clients
