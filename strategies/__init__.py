@@ -14,6 +14,7 @@ from common.config import ConfigError
 # name -> (strategy "module:Class", client learner "module:Class")
 METHODS: dict[str, tuple[str, str]] = {
     "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
+    "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
 }
 
 

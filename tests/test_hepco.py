@@ -1,0 +1,437 @@
+"""HePCo: latent generator, latent distillation, ablation switches, server state, end to end."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+
+from common.config import ConfigError
+from common.records import from_array_record, to_array_record
+from strategies import METHODS, strategy_class
+from strategies.hepco import (
+    HePCoOptions,
+    HePCoPrompt,
+    HePCoStrategy,
+    LatentGenerator,
+    LatentStudent,
+    PromptGrams,
+    Teachers,
+    distill,
+    generator_losses,
+    train_generator,
+)
+from tests.conftest import tiny_config
+
+D, NUM_CLASSES = 48, 10  # tiny_config: embed-dim 48, digits, 2 tasks of 5 classes, pool 4, layers 0,1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The machine is shared: one torch thread keeps these tests fast and deterministic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------- helpers
+def make_strategy(**options) -> HePCoStrategy:
+    cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
+    return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+
+
+def reply(state: dict[str, np.ndarray], n: int = 20) -> RecordDict:
+    return RecordDict({"arrays": to_array_record(state),
+                       "metrics": MetricRecord({"num-examples": n, "train-loss": 1.0})})
+
+
+class Scenario:
+    """Task 1 (classes 5-9) of the tiny stream, with a previous-task server model for 0-4.
+
+    Class y has a latent mean ``mu[y]``; every teacher's head maps ``mu[y]`` to ``y``
+    (clients for the current classes, the previous server for the old ones); clients'
+    current prompt slices differ from each other.
+    """
+
+    def __init__(self, strategy: HePCoStrategy, seed: int = 0, clients: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        cfg = strategy.cfg
+        self.mu = F.normalize(torch.randn(NUM_CLASSES, D, generator=g), dim=-1) * 4
+        torch.manual_seed(seed)
+        prompt = HePCoPrompt(D, cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+        for t in range(2):
+            prompt.init_task_slice(t, g)
+        base = {f"prompt.{k}": v.detach().numpy().copy() for k, v in prompt.state_dict().items()}
+        head_w = torch.zeros(NUM_CLASSES, D)
+        head_w[:5] = self.mu[:5]
+        base |= {"head.weight": head_w.numpy().copy(), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
+        strategy.on_task_end(0, to_array_record(base))  # previous task's final model
+        strategy.task, strategy.round = 1, 0
+        per = cfg.pool_size // cfg.num_tasks
+        cur = slice(per, 2 * per)
+        self.clients = []
+        for _ in range(clients):
+            s = {k: v.copy() for k, v in base.items()}
+            for name in s:
+                if name.startswith("prompt."):
+                    s[name][cur] += 0.5 * torch.randn(s[name][cur].shape, generator=g).numpy()
+            s["head.weight"][5:] = (self.mu[5:] + 0.3 * torch.randn(5, D, generator=g)).numpy()
+            self.clients.append(s)
+        # A poor provisional model: perturbed current prompt slice, uninformative head.
+        prov = {k: np.mean([c[k] for c in self.clients], axis=0).astype(np.float32) for k in base}
+        for name in prov:
+            if name.startswith("prompt."):
+                prov[name][cur] += 1.0 * torch.randn(prov[name][cur].shape, generator=g).numpy()
+        prov["head.weight"] = 0.1 * torch.randn(NUM_CLASSES, D, generator=g).numpy()
+        self.provisional = prov
+        self.replies = [reply(c) for c in self.clients]
+        self.strategy = strategy
+
+    def latents(self, classes, n_per_class: int = 40, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        y = torch.as_tensor(classes).repeat_interleave(n_per_class)
+        return self.mu[y] + 0.5 * torch.randn(len(y), D, generator=g), y
+
+    def consolidate(self, provisional: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        arrays = to_array_record(provisional or self.provisional)
+        return from_array_record(self.strategy.consolidate(2, arrays, self.replies))
+
+
+def prompt_mse(state: dict[str, np.ndarray], teachers: list[dict[str, np.ndarray]], z: torch.Tensor,
+               layers: list[int], stop: int) -> float:
+    """Sum over teachers and layers of the MSE between ``state``'s final prompts and theirs."""
+    student = LatentStudent(state, layers, slice(stop, stop), torch.device("cpu"))
+    stack = Teachers.stack(teachers, layers, stop, torch.device("cpu"))
+    with torch.no_grad():
+        return float(sum((student.final_prompts(z, l)[None] - stack.final_prompts(z, l)).pow(2).mean(dim=(1, 2, 3)).sum()
+                         for l in layers))
+
+
+def head_accuracy(state: dict[str, np.ndarray], z: torch.Tensor, y: torch.Tensor, seen: int) -> float:
+    logits = z @ torch.from_numpy(state["head.weight"][:seen]).T + torch.from_numpy(state["head.bias"][:seen])
+    return float((logits.argmax(1) == y).float().mean() * 100)
+
+
+# ---------------------------------------------------------------------------- options and registry
+def test_registered_with_paper_defaults_and_own_prompt():
+    assert METHODS["hepco"] == ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner")
+    assert strategy_class("hepco").prompt_class is HePCoPrompt
+    o = HePCoOptions()
+    assert (o.noise_dim, o.label_embed_dim, o.hidden) == (64, 64, [256, 1024])
+    assert (o.generator_epochs, o.generator_batch_size, o.generator_lr) == (100, 64, 1e-4)
+    assert (o.distill_epochs, o.distill_lr, o.lambda_kl, o.lambda_mse, o.replay_ratio) == (200, 1e-4, 1.0, 0.1, 0.5)
+    assert o.use_previous and o.use_kl and o.use_mse and o.distill_prompts and o.distill_head
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lambda-kl": -1}, "lambda-kl"),
+    ({"replay-ratio": "lots"}, "replay-ratio"),
+    ({"ablate": "kl,nonsense"}, "nonsense"),
+    ({"generator-hidden": "256,x"}, "generator-hidden"),
+    ({"averaging": "median"}, "averaging"),
+    ({"distill-epoch": 3}, "unknown option hepco.distill-epoch"),
+])
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        make_strategy(**options)
+
+
+def test_options_reach_the_strategy_from_the_run_config():
+    s = make_strategy(**{"lambda-kl": 0.5, "ablate": "kl,mse", "generator-epochs": 7})
+    assert s.opts.lambda_kl == 0.5 and s.opts.generator_epochs == 7
+    assert not s.opts.use_kl and not s.opts.use_mse and s.opts.distill_prompts
+
+
+# ---------------------------------------------------------------------------- prompt variant
+def test_prompt_is_cosine_weighted_without_attention_vectors():
+    torch.manual_seed(0)
+    prompt = HePCoPrompt(16, [0, 2], 8, 4, 4)
+    assert not any(name.startswith("a") for name in prompt.state_dict())
+    prompt.init_task_slice(1, torch.Generator().manual_seed(0))
+    prompt.set_task(1)
+    prompt.eval()
+    q = torch.randn(5, 16)
+    keys = prompt.k0[:4]
+    expected = torch.stack([F.cosine_similarity(q, k[None], dim=-1) for k in keys], dim=1)
+    torch.testing.assert_close(prompt.weights(q, 0), expected)
+    # The server's batched teacher pass gives each client's own prompt module output.
+    state = {f"prompt.{k}": v.detach().numpy() for k, v in prompt.state_dict().items()}
+    state |= {"head.weight": np.zeros((3, 16), np.float32), "head.bias": np.zeros(3, np.float32)}
+    stack = Teachers.stack([state, state], [0, 2], 4, torch.device("cpu"))
+    student = LatentStudent(state, [0, 2], slice(2, 4), torch.device("cpu"))
+    for layer in (0, 2):
+        torch.testing.assert_close(stack.final_prompts(q, layer)[1], prompt(q, layer))
+        torch.testing.assert_close(student.final_prompts(q, layer), prompt(q, layer))
+
+
+@pytest.mark.parametrize("teacher_stop", [4, 2])  # clients (same slices) / previous model (fewer)
+def test_gram_prompt_mse_equals_the_direct_computation(teacher_stop):
+    s = make_strategy()
+    sc = Scenario(s)
+    states = sc.clients if teacher_stop == 4 else [s.previous]
+    teachers = Teachers.stack(states, s.cfg.layers, teacher_stop, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    z_direct, y = sc.latents(range(5, 10), 6)
+    z_direct.requires_grad_(True)
+    z_gram = z_direct.detach().clone().requires_grad_(True)
+    classes = torch.arange(5, 10)
+    direct = generator_losses(z_direct, y, classes, teachers, student)["mse"]
+    gram = generator_losses(z_gram, y, classes, teachers, student, grams=PromptGrams(student, teachers))["mse"]
+    assert float(direct.detach()) > 0
+    torch.testing.assert_close(gram, direct, rtol=1e-4, atol=1e-7)
+    direct.backward()
+    gram.backward()
+    torch.testing.assert_close(z_gram.grad, z_direct.grad, rtol=1e-3, atol=1e-7)
+
+
+def test_gram_distillation_matches_the_direct_one():
+    """Same steps with the cheap Gram loss and with every teacher prompt formed explicitly."""
+    s = make_strategy(**{"distill-epochs": 5, "distill-lr": 1e-2})
+    sc = Scenario(s)
+    cpu = torch.device("cpu")
+    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, cpu)
+    prev = Teachers.stack([s.previous], s.cfg.layers, 2, cpu)
+    torch.manual_seed(0)
+    gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
+    results = []
+    for use_grams in (True, False):
+        student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), cpu)
+        report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
+                         torch.arange(10), torch.Generator().manual_seed(0), use_grams=use_grams)
+        results.append((report, [p.detach().clone() for p in student.prompt_parameters()]))
+    (gram_report, gram_params), (direct_report, direct_params) = results
+    assert gram_report["prompt-loss"] == pytest.approx(direct_report["prompt-loss"], rel=1e-3)
+    for a, b in zip(gram_params, direct_params):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- generator
+def test_generator_shapes_and_label_conditioning():
+    torch.manual_seed(0)
+    gen = LatentGenerator(NUM_CLASSES, D)
+    assert [m.in_features for m in gen.net if isinstance(m, torch.nn.Linear)] == [128, 256, 1024]
+    noise = torch.randn(6, 64)
+    gen.eval()
+    a = gen(noise, torch.full((6,), 2))
+    b = gen(noise, torch.full((6,), 7))
+    assert a.shape == (6, D)
+    assert not torch.allclose(a, b)  # the label changes the latent
+    # Trained against fixed heads (classification only), latents carry their label.
+    s = make_strategy(ablate="kl,mse", **{"generator-lr": 1e-3})
+    sc = Scenario(s)
+    classes = torch.arange(5, 10)
+    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    gen = LatentGenerator(NUM_CLASSES, D)
+    train_generator(gen, classes, clients, student, s.opts, 150, torch.Generator().manual_seed(0))
+    y = classes.repeat(40)
+    with torch.no_grad():
+        z = gen.sample(y, torch.Generator().manual_seed(1))
+        pred = clients.logits(z, classes).argmax(-1) + 5  # (clients, B)
+    assert (pred == y).float().mean() > 0.9
+
+
+def _one_step(opts: HePCoOptions, student: LatentStudent, clients: Teachers, seed: int = 0):
+    """Losses on one batch before and after one generator step on exactly that batch."""
+    torch.manual_seed(seed)
+    gen = LatentGenerator(NUM_CLASSES, D)
+    classes = torch.arange(5, 10)
+    rng_state = torch.Generator().manual_seed(3).get_state()
+
+    def losses() -> dict[str, float]:
+        rng = torch.Generator()
+        rng.set_state(rng_state)
+        labels = classes[torch.randint(len(classes), (opts.generator_batch_size,), generator=rng)]
+        with torch.no_grad():
+            parts = generator_losses(gen.sample(labels, rng), labels, classes, clients, student)
+        return {k: float(v) for k, v in parts.items()}
+
+    before = losses()
+    rng = torch.Generator()
+    rng.set_state(rng_state)
+    train_generator(gen, classes, clients, student, opts, 1, rng)
+    return before, losses(), gen
+
+
+@pytest.mark.parametrize("term, options", [
+    ("kl", {"lambda-kl": 1000.0, "ablate": "mse", "generator-lr": 1e-3}),
+    ("mse", {"lambda-mse": 1000.0, "ablate": "kl", "generator-lr": 1e-3}),
+])
+def test_one_generator_step_increases_the_disagreement_it_maximises(term, options):
+    s = make_strategy(**options)
+    sc = Scenario(s)
+    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    before, after, _ = _one_step(s.opts, student, clients)
+    assert after[term] > before[term]
+
+
+@pytest.mark.parametrize("ablate, perturb", [("kl", "head"), ("mse", "prompts"), ("kl,mse", "both")])
+def test_ablated_disagreement_term_no_longer_steers_the_generator(ablate, perturb):
+    """Without L_KL the student's head has no say in generation; without L_MSE its prompts have none."""
+    def gen_after_step(options: dict, change: bool) -> list[torch.Tensor]:
+        s = make_strategy(**options)
+        sc = Scenario(s)
+        prov = copy.deepcopy(sc.provisional)
+        if change:
+            for name in prov:
+                is_head = name.startswith("head.")
+                if (perturb in ("head", "both") and is_head) or (perturb in ("prompts", "both") and not is_head):
+                    prov[name] = prov[name] + 0.7
+        clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
+        student = LatentStudent(prov, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+        *_, gen = _one_step(s.opts, student, clients)
+        return [p.detach().clone() for p in gen.parameters()]
+
+    off = {"ablate": ablate, "generator-lr": 1e-3}
+    same = all(torch.equal(a, b) for a, b in zip(gen_after_step(off, False), gen_after_step(off, True)))
+    assert same
+    on = {"generator-lr": 1e-3}
+    differs = any(not torch.equal(a, b) for a, b in zip(gen_after_step(on, False), gen_after_step(on, True)))
+    assert differs
+    s = make_strategy(ablate=ablate)
+    sc = Scenario(s)
+    z, y = sc.latents(range(5, 10), 4)
+    parts = generator_losses(z, y, torch.arange(5, 10), Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu")),
+                             LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu")),
+                             s.opts.use_kl, s.opts.use_mse)
+    for term in ablate.split(","):
+        assert float(parts[term]) == 0.0
+
+
+# ---------------------------------------------------------------------------- distillation
+# Paper generator lr; a larger distillation step so 150 steps show the effect clearly.
+FAST = {"generator-epochs": 60, "distill-epochs": 150, "distill-lr": 1e-2, "averaging": "samples"}
+
+
+@pytest.fixture(scope="module")
+def distilled():
+    torch.set_num_threads(1)
+    s = make_strategy(**FAST)
+    sc = Scenario(s)
+    return sc, sc.consolidate()
+
+
+def test_distillation_moves_prompts_towards_the_teachers(distilled):
+    sc, out = distilled
+    layers = sc.strategy.cfg.layers
+    z_new, _ = sc.latents(range(5, 10))
+    z_old, _ = sc.latents(range(0, 5))
+    before = prompt_mse(sc.provisional, sc.clients, z_new, layers, 4)
+    after = prompt_mse(out, sc.clients, z_new, layers, 4)
+    assert after < 0.7 * before
+    # Earlier prompt slices are never touched by the server (they are frozen as on clients).
+    for name in out:
+        if name.startswith("prompt."):
+            np.testing.assert_array_equal(out[name][:2], sc.provisional[name][:2])
+    assert prompt_mse(out, [sc.strategy.previous], z_old, layers, 2) >= 0.0
+
+
+def test_distillation_raises_head_accuracy_on_known_classes(distilled):
+    sc, out = distilled
+    z, y = sc.latents(range(10))
+    before = head_accuracy(sc.provisional, z, y, 10)
+    after = head_accuracy(out, z, y, 10)
+    z_old, y_old = sc.latents(range(5))
+    assert after > before + 40 and after > 70
+    assert head_accuracy(out, z_old, y_old, 10) > 50  # old classes are replayed, not forgotten
+    assert sc.strategy.last_report["consolidation-seconds"] > 0
+    assert "past-gen-cls" in sc.strategy.last_report
+
+
+# ---------------------------------------------------------------------------- ablations at the server
+SMALL = {"generator-epochs": 3, "distill-epochs": 4, "distill-lr": 1e-2, "averaging": "samples"}
+
+
+def test_prompt_distillation_switch():
+    sc = Scenario(make_strategy(ablate="prompt-distillation", **SMALL))
+    out = sc.consolidate()
+    for name in out:
+        if name.startswith("prompt."):
+            np.testing.assert_array_equal(out[name], sc.provisional[name])
+    assert not np.allclose(out["head.weight"], sc.provisional["head.weight"])
+    assert "prompt-loss" not in sc.strategy.last_report
+
+
+def test_classifier_distillation_switch():
+    sc = Scenario(make_strategy(ablate="classifier-distillation", **SMALL))
+    out = sc.consolidate()
+    np.testing.assert_array_equal(out["head.weight"], sc.provisional["head.weight"])
+    np.testing.assert_array_equal(out["head.bias"], sc.provisional["head.bias"])
+    assert not np.allclose(out["prompt.p0"], sc.provisional["prompt.p0"])
+
+
+def test_both_distillations_off_is_the_plain_average():
+    s = make_strategy(ablate="prompt-distillation,classifier-distillation", averaging="uniform")
+    sc = Scenario(s)
+    replies = [reply(c, n) for c, n in zip(sc.clients, (1, 50, 200))]  # uniform: counts do not matter
+    out = from_array_record(s.consolidate(2, to_array_record(sc.provisional), replies))
+    for name in out:
+        np.testing.assert_allclose(out[name], np.mean([c[name] for c in sc.clients], axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_previous_model_switch():
+    def run(options: dict, shift: float) -> tuple[dict, dict]:
+        sc = Scenario(make_strategy(**options))
+        prev = sc.strategy.previous
+        if prev is not None:  # a class-dependent change (a common shift would cancel in the softmax)
+            prev["head.weight"] = prev["head.weight"] + shift * np.random.default_rng(0).standard_normal(
+                prev["head.weight"].shape).astype(np.float32)
+        return sc.consolidate(), sc.strategy.last_report
+
+    # With the previous model: a second generator, and its model shapes the result.
+    out_a, report = run(SMALL, 0.0)
+    out_b, _ = run(SMALL, 0.5)
+    assert "past-gen-cls" in report
+    assert np.abs(out_a["head.weight"] - out_b["head.weight"]).max() > 1e-3
+    # Ablated: nothing is kept at the end of a task, no old-class generator, no replay.
+    sc = Scenario(make_strategy(ablate="previous-model", **SMALL))
+    assert sc.strategy.previous is None and "previous.head.weight" not in sc.strategy.state_dict()
+    sc.strategy.previous, sc.strategy.previous_task = {"bogus": np.zeros(1)}, 0  # even if state were there
+    sc.consolidate()
+    assert "past-gen-cls" not in sc.strategy.last_report
+    assert sc.strategy.last_report["past-generator-seconds"] == pytest.approx(0.0, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------- server state
+def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
+    s = make_strategy(**SMALL)
+    sc = Scenario(s)
+    state = s.state_dict()
+    kept = {k for k in state if k.startswith("previous.")}
+    assert kept == {"previous.prompt.p0", "previous.prompt.k0", "previous.prompt.p1", "previous.prompt.k1",
+                    "previous.head.weight", "previous.head.bias"}
+    assert state["previous.prompt.p0"].shape == (2, 4, D)  # only the slices of tasks seen so far
+    assert state["previous-task"] == 0
+    first = sc.consolidate()
+    # A fresh server restored from the checkpoint consolidates identically.
+    fresh = make_strategy(**SMALL)
+    fresh.load_state_dict(copy.deepcopy(state))
+    fresh.task, fresh.round = 1, 0
+    again = from_array_record(fresh.consolidate(2, to_array_record(sc.provisional), sc.replies))
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name])
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_simulation_end_to_end(tmp_path):
+    from tests.test_simulation_e2e import simulate
+
+    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
+        "hepco.generator-epochs": 5, "hepco.distill-epochs": 5})
+    assert results["config"]["strategy"] == "hepco"
+    assert results["config"]["hepco.generator-epochs"] == 5
+    acc = results["accuracy_matrix"]
+    assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
+    rounds = results["rounds"]
+    assert len(rounds) == 4 and all(r["server_seconds"] > 0 and r["clients_aggregated"] == 3 for r in rounds)
+    # What travels: prompts and keys (no attention vectors) and the head, nothing else.
+    cfg = tiny_config()
+    n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1)
+    assert results["communication"]["trainable_parameters"] == n
+    assert 4 * n <= results["communication"]["bytes_per_client_exchange"] <= 4 * n * 1.05 + 4096
