@@ -15,6 +15,7 @@ from common.config import ConfigError
 METHODS: dict[str, tuple[str, str]] = {
     "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
     "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
+    "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
 }
 
 

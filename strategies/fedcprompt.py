@@ -1,0 +1,310 @@
+"""Fed-CPrompt (papers/001, sections 2-3, Appendices C-D): asynchronous prompt learning + C2L.
+
+Clients run CODA-P (decomposed prompts, task slices of the pool). While a client is on
+task m it uses the server's slices of every *other known* task frozen -- past ones
+(1..m-1) and future ones (m+1..n, learnt by clients that are ahead) -- and trains its
+own slice and the head (eq. 2). Its loss is CE + lambda * C2L (eq. 3-4), see
+``client/fedcprompt.py``.
+
+The server averages *per task slice*: for every task m trained this round, slice m of
+every prompt array (P, K, A of each prompted block) and the head rows of task m's
+classes are the sample-weighted average over the clients that trained m; slices and
+head rows nobody trained keep the server's values. When all clients are on the same
+task (the platform's synchronous schedule) this equals FedAvg on what they trained.
+The task a reply trained is the one the server assigned in that client's message
+config (kept per message in ``configure_train``), never what the client claims.
+
+Wire additions: every train message's config carries ``known-tasks`` (the number of
+tasks whose slices the server has initialised), so a client knows which future
+slices exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from common.config import ConfigError, ExperimentConfig, _coerce
+from common.data import task_classes
+from common.model import CodaPrompt
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from strategies.base import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+#: config key of a train message: how many task slices the server knows (0..known-1)
+KNOWN_TASKS = "known-tasks"
+C2L_PARAMS = ("p", "pka")
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class FedCPromptOptions:
+    """Fed-CPrompt's options (run-config keys ``fedcprompt.<key>``, kebab-case).
+
+    The paper gives ranges, not values: gamma > 0, alpha in [0, 1], lambda in [0, 1].
+    """
+
+    # weight of the distance to the nearest other task's prompt (eq. 3). At 1 the hinge never
+    # opens once another task is known (orthogonal slices sit ~sqrt(2 * rows) apart, far more
+    # than a round's drift); 0.1 keeps C2L active (the authors' code weighs the two terms 1e3 : 1e1).
+    gamma: float = 0.1
+    alpha: float = 0.5  # margin of the hinge (eq. 3)
+    lambda_: float = 1.0  # run-config key "lambda": weight of C2L in the loss (eq. 4)
+    c2l: bool = True  # false = CE only (the paper's "w/o C2L" ablation, Table 4)
+    c2l_params: str = "p"  # C2L on the prompt components P (eq. 3) or on P, K and A ("pka", eq. 4's w)
+    prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w_global||^2 (Table 4: c2l=false, prox-mu>0)
+
+    @classmethod
+    def key_of(cls, name: str) -> str:
+        return "lambda" if name == "lambda_" else name.replace("_", "-")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "FedCPromptOptions":
+        """Validate ``fedcprompt.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
+        known = {cls.key_of(f.name): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (options or {}).items():
+            f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
+            if f is None:
+                raise ConfigError(f"unknown option fedcprompt.{key}; known: "
+                                  f"{', '.join('fedcprompt.' + k for k in sorted(known))}")
+            values[f.name] = _coerce(f"fedcprompt.{key}", raw, str(f.type))
+        opts = cls(**values)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError("fedcprompt." + msg)
+
+        need(np.isfinite(self.gamma) and self.gamma > 0, f"gamma must be > 0, got {self.gamma}")
+        need(np.isfinite(self.alpha) and self.alpha >= 0, f"alpha must be >= 0 (paper: [0, 1]), got {self.alpha}")
+        need(np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}")
+        need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
+        need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------- prompting
+class FedCPromptPrompt(CodaPrompt):
+    """CODA-P prompts that also use the known *future* task slices, frozen (eq. 2).
+
+    ``known_tasks`` is the number of task slices the server has initialised (set by
+    the client from the server's message; None = only slices 0..task, plain CODA-P).
+    While training task m: slices < m and m < slices < known_tasks are used detached,
+    slice m is trained, slices >= known_tasks are unused. Evaluation uses every known slice.
+    """
+
+    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+        super().__init__(embed_dim, layers, pool_size, length, num_tasks)
+        self.known_tasks: int | None = None
+
+    def known_stop(self) -> int:
+        """End (exclusive) of the pool rows in use: the last known slice, at least the current one."""
+        known = self.task + 1 if self.known_tasks is None else max(int(self.known_tasks), self.task + 1)
+        return min(known, self.num_tasks) * self.per_task
+
+    def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
+        param = getattr(self, f"{kind}{layer}")
+        stop = self.known_stop()
+        if not train:
+            return param[:stop]
+        s = self.slice_of(self.task)
+        return torch.cat([param[: s.start].detach(), param[s], param[s.stop : stop].detach()], dim=0)
+
+
+# ---------------------------------------------------------------------------- per-slice FedAvg
+def aggregate_per_task(
+    base: Mapping[str, np.ndarray],
+    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    pool_size: int,
+    num_tasks: int,
+    num_classes: int,
+) -> dict[str, np.ndarray]:
+    """FedAvg per task slice, all tasks of the round in parallel.
+
+    Parameters
+    ----------
+    base : dict
+        The server's arrays this round started from (values of slices nobody trained).
+    updates : list of (task, arrays, weight)
+        Each accepted reply: the task its client trained, its arrays, its sample count.
+    pool_size, num_tasks, num_classes : int
+        Sizes that locate a task's rows: prompt arrays (first dimension ``pool_size``)
+        by the task's slice of the pool, head arrays (first dimension ``num_classes``)
+        by the task's classes. Any other array is averaged over all replies.
+    """
+    per_task = pool_size // num_tasks
+
+    def rows_of(name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
+        """The rows of ``name`` that belong to ``task`` (None: the array is not task-structured)."""
+        if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == pool_size:
+            return slice(task * per_task, (task + 1) * per_task)
+        if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == num_classes:
+            return task_classes(task, num_classes, num_tasks)
+        return None
+
+    groups: dict[int, list[tuple[Mapping[str, np.ndarray], float]]] = {}
+    for task, arrays, weight in updates:
+        groups.setdefault(int(task), []).append((arrays, float(weight)))
+    all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
+    for name, value in base.items():
+        value = np.asarray(value)
+        if rows_of(name, value, 0) is None:  # not task-structured: plain FedAvg over every reply
+            acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
+                      zip(updates, all_weights / all_weights.sum()))
+            out[name] = np.asarray(acc).astype(value.dtype)
+            continue
+        merged = value.copy()
+        for task, members in groups.items():
+            rows = rows_of(name, value, task)
+            w = np.array([m[1] for m in members], dtype=np.float64)
+            w = w / w.sum()
+            acc = np.zeros(value[rows].shape, dtype=np.float64)
+            for wi, (arrays, _) in zip(w, members):
+                acc += wi * np.asarray(arrays[name])[rows]
+            merged[rows] = acc.astype(value.dtype)
+        out[name] = merged
+    return out
+
+
+# ---------------------------------------------------------------------------- strategy
+class FedCPromptStrategy(PromptStrategy):
+    """Fed-CPrompt's server: FedAvg per task slice (in parallel over the tasks clients are on).
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's configuration.
+    num_classes : int
+        Classes of the whole stream.
+    options : dict, optional
+        ``fedcprompt.*`` options (validated here; the clients read the loss options).
+    """
+
+    name = "fedcprompt"
+    prompt_class = FedCPromptPrompt
+    options_class = FedCPromptOptions  # the CLI validates ``fedcprompt.*`` options with it before training
+
+    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, num_classes, options)
+        self.opts = FedCPromptOptions.from_options(self.options)
+        self.known_tasks = 0  # task slices initialised so far (0..known_tasks-1)
+        self.sent: list[tuple[Message, int, int]] = []  # this round's (message, client id, task)
+        self.client_tasks: dict[int, int] = {}  # client id -> task it was sent this round
+        self.last_tasks: dict[int, int] = {}  # task -> clients aggregated for it, last round
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("fedcprompt: %s", self.opts.to_dict())
+
+    # ------------------------------------------------------------------ hooks
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        self.known_tasks = max(self.known_tasks, task + 1)
+        return super().on_task_start(task, arrays)
+
+    def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        task = int(config["task"])
+        if task >= self.known_tasks:
+            raise RuntimeError(f"client {client_id} assigned task {task}, whose slice was never initialised "
+                               f"(known tasks: {self.known_tasks}); call on_task_start first")
+        config[KNOWN_TASKS] = self.known_tasks
+        return super().client_payload(client_id, arrays, config)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"known-tasks": int(self.known_tasks)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.known_tasks = int(state.get("known-tasks", 0))
+
+    # ------------------------------------------------------------------ Flower contract
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The base messages; remembers which task each message (client) was given."""
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.sent = []
+        for m in messages:
+            sent_config = m.content[CONFIG]
+            self.sent.append((m, int(sent_config["client-id"]), int(sent_config["task"])))
+        self.client_tasks = {client: task for _, client, task in self.sent}
+        return messages
+
+    def task_of_reply(self, msg: Message) -> int | None:
+        """The task the server assigned to the client that sent ``msg`` (None: unknown).
+
+        Matched by message id (the grid sets ids when it sends); if the sent messages
+        carry no ids, by node, provided that node was given a single task this round.
+        """
+        reply_to = msg.metadata.reply_to_message_id
+        with_ids = {m.metadata.message_id: task for m, _, task in self.sent if m.metadata.message_id}
+        if reply_to and reply_to in with_ids:
+            return with_ids[reply_to]
+        if with_ids:
+            return None
+        tasks = {task for m, _, task in self.sent if m.metadata.dst_node_id == msg.metadata.src_node_id}
+        return tasks.pop() if len(tasks) == 1 else None
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies (the base's checks), then FedAvg per task slice, then consolidate."""
+        replies = list(replies)
+        if self.sent_arrays is None:
+            raise RuntimeError("aggregate_train before configure_train: no server arrays to start from")
+        tasks_by_content = {id(m.content): self.task_of_reply(m) for m in replies if m.has_content()}
+        accepted: list[tuple[int, RecordDict]] = []
+        dropped: list[tuple[int, str]] = []
+        for content, msg in zip(*self._accepted_with_messages(replies)):
+            task = tasks_by_content.get(id(content))
+            if task is None or not 0 <= task < self.cfg.num_tasks:
+                dropped.append((msg.metadata.src_node_id, "cannot tell which task this reply trained "
+                                "(no matching message sent this round)"))
+                continue
+            accepted.append((task, content))
+        for node, reason in dropped:
+            log.warning("reply from node %s excluded: %s", node, reason)
+        self.rejected += dropped
+        if len(accepted) < self.cfg.min_replies:
+            log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
+                        server_round, len(accepted), self.cfg.min_replies)
+            return None, None
+        weights = np.array([int(c[METRICS]["num-examples"]) for _, c in accepted], dtype=np.float64)
+        merged = aggregate_per_task(
+            from_array_record(self.sent_arrays),
+            [(task, from_array_record(c[ARRAYS]), w) for (task, c), w in zip(accepted, weights)],
+            self.cfg.pool_size, self.cfg.num_tasks, self.num_classes,
+        )
+        contents = [c for _, c in accepted]
+        arrays = self.consolidate(server_round, to_array_record(merged), contents)
+        self.last_tasks = {}
+        for task, _ in accepted:
+            self.last_tasks[task] = self.last_tasks.get(task, 0) + 1
+        metrics = MetricRecord({
+            "num-examples": int(weights.sum()),
+            "clients": len(accepted),
+            "tasks-aggregated": len(self.last_tasks),
+            "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in contents], weights=weights)),
+        })
+        return arrays, metrics
+
+    def _accepted_with_messages(self, replies: list[Message]) -> tuple[list[RecordDict], list[Message]]:
+        """The base's ``accept_replies`` (same checks, same ``rejected`` list), with each reply's message."""
+        accepted = self.accept_replies(replies)
+        by_content = {id(m.content): m for m in replies if m.has_content()}
+        return accepted, [by_content[id(c)] for c in accepted]
+
+
+__all__ = ["FedCPromptOptions", "FedCPromptPrompt", "FedCPromptStrategy", "aggregate_per_task", "KNOWN_TASKS"]

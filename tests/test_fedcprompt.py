@@ -1,0 +1,342 @@
+"""Fed-CPrompt: C2L, frozen past/future slices, per-slice aggregation, options, end to end."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from client.fedcprompt import FedCPromptLearner, c2l_loss
+from common.config import ConfigError
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from common.runtime import get_runtime
+from strategies import learner_class, prompt_class, strategy_class
+from strategies.base import weighted_average
+from strategies.fedcprompt import (
+    KNOWN_TASKS,
+    FedCPromptOptions,
+    FedCPromptPrompt,
+    FedCPromptStrategy,
+    aggregate_per_task,
+)
+from tests.conftest import reply_from, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class NodeList:
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self):
+        return self.ids
+
+
+def start(cfg, tasks: int):
+    """Runtime with Fed-CPrompt's prompt, strategy, and arrays with ``tasks`` slices initialised."""
+    rt = get_runtime(cfg, FedCPromptPrompt)
+    s = FedCPromptStrategy(cfg, rt.data.num_classes)
+    arrays = to_array_record(rt.model.trainable_state())
+    for t in range(tasks):
+        arrays = s.on_task_start(t, arrays)
+    return rt, s, arrays
+
+
+def train_content(arrays, task: int, known: int) -> RecordDict:
+    return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"task": task, "round": 0, "client-id": 0,
+                                                              KNOWN_TASKS: known})})
+
+
+# ---------------------------------------------------------------------------- options
+def test_options_defaults_validation_and_registry():
+    o = FedCPromptOptions.from_options({})
+    assert (o.gamma, o.alpha, o.lambda_, o.c2l, o.c2l_params, o.prox_mu) == (0.1, 0.5, 1.0, True, "p", 0.0)
+    o = FedCPromptOptions.from_options({"lambda": "0.3", "c2l": "false", "prox-mu": 0.01, "c2l_params": "pka"})
+    assert (o.lambda_, o.c2l, o.prox_mu, o.c2l_params) == (0.3, False, 0.01, "pka")
+    for bad in ({"gamma": 0}, {"alpha": -1}, {"lambda": -0.1}, {"prox-mu": -1}, {"c2l-params": "q"},
+                {"gamma": "x"}, {"c2l": "maybe"}, {"beta": 1.0}):
+        with pytest.raises(ConfigError, match="fedcprompt"):
+            FedCPromptOptions.from_options(bad)
+    with pytest.raises(ConfigError, match="unknown option fedcprompt.nope"):
+        FedCPromptStrategy(tiny_config(), 10, {"nope": 1})
+    with pytest.raises(ConfigError, match="gamma"):
+        FedCPromptStrategy.check_options({"gamma": -1})  # what the CLI runs before any training
+    FedCPromptStrategy.check_options({"lambda": 0.5})
+    assert strategy_class("fedcprompt") is FedCPromptStrategy
+    assert learner_class("fedcprompt") is FedCPromptLearner
+    assert prompt_class("fedcprompt") is FedCPromptPrompt
+
+
+def test_paper_scale_config_loads():
+    from server.cli import load_config
+
+    cfg = load_config(str(ROOT / "configs/fedcprompt-cifar100.toml"), [], None, None)
+    assert cfg.strategy == "fedcprompt" and cfg.dataset == "hf:cifar100" and cfg.num_tasks == 10
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.rounds_per_task, cfg.local_epochs) == (10, 10, 40, 5)
+    assert (cfg.lr, cfg.batch_size, cfg.pool_size, cfg.prompt_length) == (1e-4, 128, 100, 8)
+    assert cfg.layers == [1, 2, 3, 4, 5] and cfg.prompt_mode == "prefix" and cfg.weights == "timm"
+    assert (cfg.partition, cfg.dirichlet_beta) == ("dirichlet", 0.5)
+    opts = FedCPromptOptions.from_options(cfg.method_options("fedcprompt"))
+    assert opts == FedCPromptOptions()  # the file spells out the defaults
+
+
+# ---------------------------------------------------------------------------- C2L (eq. 3)
+def test_c2l_is_zero_past_the_margin_and_grows_with_drift():
+    gen = torch.Generator().manual_seed(0)
+    prev = torch.randn(50, generator=gen)
+    others = torch.stack([prev + 3.0, prev - 5.0])  # nearest other task at distance 3*sqrt(50)
+    direction = torch.randn(50, generator=gen)
+    direction /= direction.norm()
+    # no drift, nearest other far away: the hinge is inactive
+    assert c2l_loss(prev, prev, others, gamma=1.0, alpha=0.5).item() == 0.0
+    values = [c2l_loss(prev + d * direction, prev, others, gamma=0.5, alpha=0.5).item() for d in (0, 5, 20, 30, 40)]
+    assert values[0] == 0.0 and values[1] == 0.0  # still past the margin
+    assert 0 < values[2] < values[3] < values[4]  # grows with drift once active
+    # exactly the formula when active: drift - gamma * nearest + alpha
+    cur = prev + 40 * direction
+    nearest = torch.linalg.vector_norm(cur[None] - others, dim=1).min()
+    assert values[-1] == pytest.approx((40 - 0.5 * nearest + 0.5).item(), rel=1e-5)
+    # drifting towards another task's prompt activates it sooner than drifting away
+    toward = (others[0] - prev) / (others[0] - prev).norm()
+    assert c2l_loss(prev + 12 * toward, prev, others, 1.0, 0.5) > 0 == c2l_loss(prev - 12 * toward, prev, others, 1.0, 0.5)
+    # a closer other task raises the loss; a larger gamma lowers it
+    near = torch.stack([prev + 0.01])
+    assert c2l_loss(prev + direction, prev, near, 1.0, 0.5) > c2l_loss(prev + direction, prev, others, 1.0, 0.5)
+    assert c2l_loss(cur, prev, others, 0.6, 0.5) < c2l_loss(cur, prev, others, 0.5, 0.5)
+    # no other task known: drift + alpha, the gradient is the drift's (zero, not NaN, at no drift)
+    x = prev.clone().requires_grad_(True)
+    loss = c2l_loss(x, prev, prev.new_zeros((0, 50)), 1.0, 0.5)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5) and torch.equal(x.grad, torch.zeros(50))
+
+
+def test_c2l_in_the_learner_uses_the_server_prompts_of_this_round():
+    cfg = tiny_config(num_tasks=5, centralised=True)
+    rt, _, arrays = start(cfg, tasks=3)
+    learner = FedCPromptLearner(rt, {"gamma": 1.0, "alpha": 0.5})
+    rt.model.load_trainable_state({k: torch.from_numpy(v.copy()) for k, v in from_array_record(arrays).items()})
+    rt.model.prompt.set_task(1)
+    learner.round_start(train_content(arrays, 1, 3), 1)
+    assert learner.others.shape[0] == 2  # tasks 0 and 2 (a known future task) are the "other" prompts
+    assert learner.c2l(1).item() == 0.0  # the incoming prompt: no drift, orthogonal slices far apart
+    s = rt.model.prompt.slice_of(1)
+    losses = []
+    for step in (1.0, 2.0, 3.0):
+        with torch.no_grad():
+            for layer in cfg.layers:
+                getattr(rt.model.prompt, f"p{layer}")[s] += 1.0
+        losses.append(learner.c2l(1).item())
+    assert losses[-1] > 0 and losses == sorted(losses) and losses[-1] > losses[-2]
+    # only the task's own slice gets the C2L gradient
+    rt.model.prompt.zero_grad()
+    learner.c2l(1).backward()
+    for layer in cfg.layers:
+        g = getattr(rt.model.prompt, f"p{layer}").grad
+        assert g[s].abs().sum() > 0
+        assert g[: s.start].abs().sum() == 0 and g[s.stop :].abs().sum() == 0
+    rt.model.prompt.zero_grad(set_to_none=True)
+    rt.model.prompt.known_tasks = None  # the runtime is shared with the other tests
+
+
+# ---------------------------------------------------------------------------- eq. 2: frozen past and future
+def test_frozen_past_and_future_slices_get_no_gradient():
+    torch.manual_seed(0)
+    prompt = FedCPromptPrompt(embed_dim=8, layers=[0], pool_size=8, length=2, num_tasks=4)
+    prompt.set_task(1)
+    prompt.known_tasks = 3  # task 2 is known (a client is ahead); task 3 is not
+    prompt.train()
+    q = torch.randn(5, 8)
+    out = prompt(q, 0)
+    assert prompt.weights(q, 0).shape == (5, 6)  # slices 0, 1, 2 take part
+    out.pow(2).sum().backward()
+    for kind in "pka":
+        g = getattr(prompt, f"{kind}0").grad
+        assert g[2:4].abs().sum() > 0  # the current task's slice learns
+        assert g[0:2].abs().sum() == 0 and g[4:8].abs().sum() == 0  # past, future and unknown: frozen
+    # the future slice is used (eq. 2's third term); the unknown one is not
+    with torch.no_grad():
+        prompt.eval()
+        before = prompt(q, 0)
+        prompt.p0[4:6] += 1.0
+        assert not torch.allclose(prompt(q, 0), before)
+        after_future = prompt(q, 0)
+        prompt.p0[6:8] += 1.0
+        torch.testing.assert_close(prompt(q, 0), after_future)
+    # without a known-tasks value it is plain CODA-P: slices 0..task
+    prompt.known_tasks = None
+    assert prompt.weights(q, 0).shape == (5, 4)
+
+
+def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
+    cfg = tiny_config(num_tasks=5, centralised=True, lr=0.05, local_epochs=2)
+    rt, _, arrays = start(cfg, tasks=3)  # tasks 3 and 4 not known yet
+    learner = FedCPromptLearner(rt, {"alpha": 1.0, "gamma": 0.05, "prox-mu": 0.01})  # C2L active from the start
+    before = from_array_record(arrays)
+    reply = learner.fit(train_content(arrays, 1, 3), task=1, round_=0, client_id=0)
+    after = from_array_record(reply[ARRAYS])
+    assert learner.last_c2l is not None and learner.last_c2l > 0
+    per_task = cfg.pool_size // cfg.num_tasks
+    mine = slice(per_task, 2 * per_task)
+    for layer in cfg.layers:
+        for kind in "pka":
+            name = f"prompt.{kind}{layer}"
+            np.testing.assert_array_equal(after[name][: mine.start], before[name][: mine.start])  # past
+            np.testing.assert_array_equal(after[name][mine.stop :], before[name][mine.stop :])  # future
+            assert not np.array_equal(after[name][mine], before[name][mine])
+    k = rt.data.num_classes // cfg.num_tasks
+    other_rows = np.r_[0:k, 2 * k : rt.data.num_classes]
+    np.testing.assert_array_equal(after["head.weight"][other_rows], before["head.weight"][other_rows])
+    assert not np.array_equal(after["head.weight"][k : 2 * k], before["head.weight"][k : 2 * k])
+    assert rt.model.prompt.known_tasks is None  # the shared runtime is left as plain CODA-P
+
+
+def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
+    from client.learner import LocalLearner
+
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
+    rt, _, arrays = start(cfg, tasks=2)
+    content = train_content(arrays, 1, 2)
+    plain = from_array_record(LocalLearner(rt).fit(content, 1, 0, 0)[ARRAYS])
+    off = from_array_record(FedCPromptLearner(rt, {"c2l": False}).fit(content, 1, 0, 0)[ARRAYS])
+    on = from_array_record(FedCPromptLearner(rt, {"gamma": 0.05, "alpha": 1.0}).fit(content, 1, 0, 0)[ARRAYS])
+    for name in plain:
+        np.testing.assert_array_equal(off[name], plain[name])  # synchronous, C2L off: FedAvg-Prompt's client
+    drift = lambda st: sum(np.linalg.norm(st[f"prompt.p{l}"] - from_array_record(arrays)[f"prompt.p{l}"])  # noqa: E731
+                           for l in cfg.layers)
+    assert drift(on) < drift(plain)  # C2L restrains the drift from the previous round
+
+
+# ---------------------------------------------------------------------------- per-slice aggregation
+def reply_content(value: float, n: int, shapes: dict[str, tuple]) -> RecordDict:
+    """A reply whose every array is ``value`` (it "changed" every slice: only its own may count)."""
+    return RecordDict({
+        ARRAYS: to_array_record({k: np.full(s, value, np.float32) for k, s in shapes.items()}),
+        METRICS: MetricRecord({"num-examples": n, "train-loss": value, "train-seconds": 0.1}),
+    })
+
+
+class ScheduledStrategy(FedCPromptStrategy):
+    """What an asynchronous schedule does: clients on different tasks in the same round."""
+
+    schedule: dict[int, int] = {}
+
+    def client_payload(self, client_id, arrays, config):
+        config["task"] = self.schedule.get(client_id, int(config["task"]))
+        return super().client_payload(client_id, arrays, config)
+
+
+def async_setup(num_tasks=3, known=2):
+    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks)
+    num_classes = 2 * num_tasks
+    s = ScheduledStrategy(cfg, num_classes)
+    shapes = {"prompt.p0": (cfg.pool_size, 4, 3), "prompt.k0": (cfg.pool_size, 3),
+              "head.weight": (num_classes, 3), "head.bias": (num_classes,)}
+    base = to_array_record({k: np.full(v, -1.0, np.float32) for k, v in shapes.items()})
+    s.known_tasks = known  # as if on_task_start had run for tasks 0..known-1 (values irrelevant here)
+    return cfg, s, shapes, base
+
+
+def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
+    cfg, s, shapes, base = async_setup(num_tasks=3, known=2)
+    s.schedule = {0: 0, 1: 1, 2: 0, 3: 1}  # clients 0 and 2 on task 0, clients 1 and 3 a task ahead
+    msgs = list(s.configure_train(5, base, ConfigRecord({"task": 0, "round": 3}), NodeList(2)))
+    assert [m.content[CONFIG]["task"] for m in msgs] == [0, 1, 0, 1]
+    assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
+    assert s.client_tasks == {0: 0, 1: 1, 2: 0, 3: 1}
+    for m in msgs:  # the grid gives every sent message an id
+        m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+    # nodes 100 and 101 each play a task-0 and a task-1 client: only message ids can tell them apart
+    values, counts = {0: 1.0, 1: 10.0, 2: 3.0, 3: 20.0}, {0: 10, 1: 10, 2: 30, 3: 30}
+    replies = [Message(content=reply_content(values[i], counts[i], shapes), reply_to=m) for i, m in enumerate(msgs)]
+    stray = reply_from(100, reply_content(99.0, 5, shapes))  # answers no message of this round
+    arrays, metrics = s.aggregate_train(5, replies[::-1] + [stray])
+    out = from_array_record(arrays)
+    t0, t1 = (10 * 1.0 + 30 * 3.0) / 40, (10 * 10.0 + 30 * 20.0) / 40
+    for name in ("prompt.p0", "prompt.k0"):
+        np.testing.assert_allclose(out[name][0:2], t0)  # task 0: clients 0 and 2 only
+        np.testing.assert_allclose(out[name][2:4], t1)  # task 1: clients 1 and 3 only
+        np.testing.assert_array_equal(out[name][4:6], -1.0)  # task 2: nobody trained it, unchanged
+    for name in ("head.weight", "head.bias"):
+        np.testing.assert_allclose(out[name][0:2], t0)  # head rows of task 0's classes
+        np.testing.assert_allclose(out[name][2:4], t1)
+        np.testing.assert_array_equal(out[name][4:6], -1.0)
+    assert metrics["clients"] == 4 and metrics["tasks-aggregated"] == 2 and metrics["num-examples"] == 80
+    assert s.last_tasks == {0: 2, 1: 2}
+    assert len(s.rejected) == 1 and "which task" in s.rejected[0][1]
+
+
+def test_per_slice_aggregation_reuses_the_base_validation(flower_identity):
+    cfg, s, shapes, base = async_setup(num_tasks=3, known=3)
+    s.schedule = {0: 2, 1: 0, 2: 0, 3: 0}
+    msgs = list(s.configure_train(1, base, ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
+    # no message ids (as in a unit test): replies are matched by node, one client per node here
+    nan = reply_content(1.0, 5, shapes)
+    nan[ARRAYS] = to_array_record({k: np.full(v, np.nan, np.float32) for k, v in shapes.items()})
+    replies = [reply_from(100, reply_content(7.0, 10, shapes)), reply_from(101, nan),
+               reply_from(102, reply_content(2.0, 10, shapes)), reply_from(103, error="boom")]
+    arrays, metrics = s.aggregate_train(1, replies)
+    out = from_array_record(arrays)
+    np.testing.assert_allclose(out["prompt.p0"][4:6], 7.0)  # task 2 from client 0 alone
+    np.testing.assert_allclose(out["prompt.p0"][0:2], 2.0)  # task 0: the NaN reply is excluded
+    np.testing.assert_array_equal(out["prompt.p0"][2:4], -1.0)  # task 1: nobody
+    reasons = dict(s.rejected)
+    assert "non-finite" in reasons[101] and "boom" in reasons[103] and metrics["clients"] == 2
+    assert s.aggregate_train(2, [reply_from(100, error="x")]) == (None, None)
+
+
+def test_synchronous_rounds_equal_fedavg_on_what_was_trained(flower_identity):
+    gen = np.random.default_rng(0)
+    cfg, s, shapes, base = async_setup(num_tasks=3, known=2)
+    msgs = list(s.configure_train(1, base, ConfigRecord({"task": 1, "round": 0}), NodeList(4)))
+    contents, base_np = [], from_array_record(base)
+    for i, m in enumerate(msgs):
+        state = {k: v.copy() for k, v in base_np.items()}
+        for name in ("prompt.p0", "prompt.k0", "head.weight", "head.bias"):
+            state[name][2:4] = gen.normal(size=state[name][2:4].shape)  # each client changes task 1 only
+        contents.append(RecordDict({ARRAYS: to_array_record(state),
+                                    METRICS: MetricRecord({"num-examples": 5 + 7 * i, "train-loss": 1.0})}))
+    arrays, _ = s.aggregate_train(1, [reply_from(100 + i, c) for i, c in enumerate(contents)])
+    fedavg = from_array_record(weighted_average([c[ARRAYS] for c in contents], np.array([5 + 7 * i for i in range(4)])))
+    for name, value in from_array_record(arrays).items():
+        np.testing.assert_allclose(value, fedavg[name], rtol=1e-6, atol=1e-7)
+
+
+def test_aggregate_per_task_averages_other_arrays_over_everyone():
+    base = {"prompt.p0": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.float32)}
+    updates = [(0, {"prompt.p0": np.ones((4, 2)), "extra": np.full(3, 2.0)}, 1.0),
+               (1, {"prompt.p0": np.full((4, 2), 3.0), "extra": np.full(3, 4.0)}, 3.0)]
+    out = aggregate_per_task(base, updates, pool_size=4, num_tasks=2, num_classes=2)
+    np.testing.assert_allclose(out["prompt.p0"], [[1, 1], [1, 1], [3, 3], [3, 3]])
+    np.testing.assert_allclose(out["extra"], 3.5)
+    assert out["extra"].dtype == np.float32 and out["prompt.p0"].dtype == np.float32
+
+
+def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
+    cfg = tiny_config(num_tasks=5)
+    rt, s, arrays = start(cfg, tasks=2)
+    assert s.known_tasks == 2
+    msgs = list(s.configure_train(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(2)))
+    assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
+    with pytest.raises(RuntimeError, match="never initialised"):
+        list(s.configure_train(2, arrays, ConfigRecord({"task": 2, "round": 0}), NodeList(2)))
+    again = FedCPromptStrategy(cfg, rt.data.num_classes)
+    again.load_state_dict(s.state_dict())
+    assert again.known_tasks == 2
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_end_to_end_synchronous_simulation(tmp_path):
+    from tests.test_simulation_e2e import simulate
+
+    results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"fedcprompt.gamma": 0.5})
+    assert results["config"]["strategy"] == "fedcprompt" and results["config"]["fedcprompt.gamma"] == 0.5
+    assert len(results["rounds"]) == 2 * 2
+    for r in results["rounds"]:
+        assert r["clients_aggregated"] == r["clients_sampled"] == 3 and not r["rejected"]
+    acc = results["accuracy_matrix"]
+    assert acc[1][0] is None and all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
+    assert results["final_average_accuracy"] == pytest.approx((acc[0][1] + acc[1][1]) / 2)
