@@ -16,6 +16,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
     "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
     "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
+    "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
 }
 
 

@@ -1,0 +1,55 @@
+"""HGP's client: the shared local loop, then a generative prototype per local class.
+
+Local learning is the shared loop (CE over the current task's classes) with HGP's
+prompt module (keys only, normalised cosine weights; see strategies/hgp.py). After
+training, the client runs its local data through the prompted model once more and
+uploads, for every class it holds, the sample count, mean and covariance of the
+prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+
+from client.learner import LocalLearner
+from common.runtime import Runtime
+from strategies.hgp import STATS, HGPOptions, class_statistics
+
+
+class HGPLearner(LocalLearner):
+    """FedAvg-Prompt local learning plus per-class feature statistics (generative prototypes).
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model, device and query cache of this process.
+    options : dict
+        ``hgp.*`` options (prefix removed); the covariance encoding is read here.
+    """
+
+    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+        super().__init__(runtime, options)
+        self.hgp = HGPOptions.from_options(self.options)
+
+    @torch.no_grad()
+    def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompted features (N, D) and labels (N,) of the training samples ``index``, eval mode."""
+        rt, model = self.rt, self.rt.model
+        model.eval()
+        queries = rt.queries("train", index)
+        feats = []
+        for start in range(0, len(index), batch_size):
+            sel = index[start : start + batch_size]
+            x = model.preprocess(torch.from_numpy(rt.data.train.images[sel]).to(rt.device))
+            q = queries[start : start + batch_size] if queries is not None else model.query(x)
+            feats.append(model.features(x, q).float().cpu())
+        return torch.cat(feats), torch.as_tensor(rt.data.train.labels[index])
+
+    def round_end(self, index: np.ndarray, task: int) -> dict[str, ArrayRecord]:
+        """Upload the generative prototypes of this client's classes."""
+        features, labels = self.prompted_features(index)
+        return {STATS: class_statistics(features, labels, self.hgp)}
