@@ -17,6 +17,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
     "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
     "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
+    "fppl": ("strategies.fppl:FPPLStrategy", "client.fppl:FPPLLearner"),
 }
 
 

@@ -1,0 +1,293 @@
+"""FPPL on the server: global prototypes, prototype pool and classifier debiasing.
+
+Per round (Algorithm 1 of papers/002, lines 8-12):
+
+1. sample-size-weighted FedAvg of task prompts, fusion layer and head (the base class);
+2. classifier debiasing: the head is trained with cross-entropy on the prototype pool
+   C_g plus this round's local prototypes for E_server epochs (eq. 4);
+3. global prototypes G^y = mean of the local prototypes of class y over the clients
+   holding y (eq. 5); sent to every client of the next round for L_ur.
+
+At the end of each task the pool grows by that task's local prototypes (line 14).
+The client side (prompt, loss, local prototypes) is in :mod:`client.fppl`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from client.fppl import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt
+from common.config import ExperimentConfig
+from common.model import CodaPrompt
+from common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from strategies.base import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+
+# ---------------------------------------------------------------------------- prototype sets
+@dataclass
+class PrototypeSet:
+    """A flat list of prototypes: one row per (client, class).
+
+    Attributes
+    ----------
+    classes : (n,) int64 class of each prototype.
+    means : (n, D) float32 prototypes.
+    clients : (n,) int64 client id that produced it (-1 when unknown).
+    """
+
+    classes: np.ndarray
+    means: np.ndarray
+    clients: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.classes = np.asarray(self.classes, np.int64).reshape(-1)
+        self.means = np.asarray(self.means, np.float32)
+        self.clients = np.asarray(self.clients, np.int64).reshape(-1)
+
+    @classmethod
+    def empty(cls, dim: int = 0) -> "PrototypeSet":
+        return cls(np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return int(self.classes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.classes.nbytes + self.means.nbytes + self.clients.nbytes)
+
+    def concat(self, other: "PrototypeSet") -> "PrototypeSet":
+        if not len(self):
+            return other
+        if not len(other):
+            return self
+        return PrototypeSet(np.concatenate([self.classes, other.classes]),
+                            np.concatenate([self.means, other.means]),
+                            np.concatenate([self.clients, other.clients]))
+
+    def replace_clients(self, newer: "PrototypeSet") -> "PrototypeSet":
+        """Keep only the newest prototypes of each client: drop ours of clients in ``newer``."""
+        keep = ~np.isin(self.clients, np.unique(newer.clients))
+        return PrototypeSet(self.classes[keep], self.means[keep], self.clients[keep]).concat(newer)
+
+    def class_means(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 5: per class, the plain (unweighted) mean over the clients holding it."""
+        classes = np.unique(self.classes)
+        means = np.stack([self.means[self.classes == c].astype(np.float64).mean(axis=0) for c in classes]) \
+            if len(classes) else np.zeros((0, self.means.shape[1]))
+        return classes.astype(np.int64), means.astype(np.float32)
+
+    def to_state(self, prefix: str) -> dict[str, np.ndarray]:
+        return {f"{prefix}_classes": self.classes, f"{prefix}_means": self.means, f"{prefix}_clients": self.clients}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], prefix: str) -> "PrototypeSet":
+        return cls(state[f"{prefix}_classes"], state[f"{prefix}_means"], state[f"{prefix}_clients"])
+
+
+# ---------------------------------------------------------------------------- debiasing
+def debias_head(weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray,
+                epochs: int, lr: float, batch_size: int, seed: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 4: train the linear head with CE on prototypes; returns the new (weight, bias).
+
+    Logits are restricted to the classes present among the prototypes (as the authors'
+    code does): classes without a prototype are neither pushed up nor down, which
+    matters for FPPL-WOP, where only the current task's classes have prototypes.
+    Adam, shuffled mini-batches (seeded), a fresh optimiser per call.
+    """
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(torch.from_numpy(np.asarray(weight, np.float32)))
+        head.bias.copy_(torch.from_numpy(np.asarray(bias, np.float32)))
+    x = torch.from_numpy(np.asarray(features, np.float32))
+    y = torch.from_numpy(np.asarray(labels, np.int64))
+    allowed = torch.zeros(weight.shape[0], dtype=torch.bool)
+    allowed[y.unique()] = True
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = torch.from_numpy(rng.permutation(len(y)))
+        for start in range(0, len(y), batch_size):
+            sel = order[start : start + batch_size]
+            logits = head(x[sel]).masked_fill(~allowed[None, :], float("-inf"))
+            loss = F.cross_entropy(logits, y[sel])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    return (head.weight.detach().numpy().astype(weight.dtype, copy=False),
+            head.bias.detach().numpy().astype(bias.dtype, copy=False))
+
+
+# ---------------------------------------------------------------------------- strategy
+class FPPLStrategy(PromptStrategy):
+    """FPPL's server: FedAvg + prototype aggregation, prototype pool and classifier debiasing.
+
+    State a checkpoint must hold (:meth:`state_dict`): the prototype pool C_g, the
+    current task's local prototypes (they join the pool at the task's end) and the
+    global prototypes G to send next round.
+
+    Parameters
+    ----------
+    cfg, num_classes, options
+        As :class:`~strategies.base.PromptStrategy`; ``options`` are the ``fppl.*`` keys
+        (see :class:`client.fppl.FPPLOptions`).
+    """
+
+    name = "fppl"
+    prompt_class: type[CodaPrompt] = FPPLPrompt
+    options_class = FPPLOptions  # the CLI validates ``fppl.*`` options with it before training
+    #: The base only requires "arrays" and "metrics" (so an empty client is still logged
+    #: as "no training examples"); :meth:`check_reply` then requires exactly these records.
+    reply_records = None
+    fppl_reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
+
+    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, num_classes, options)
+        self.opts = FPPLOptions.from_options(self.options)
+        self.task = 0
+        self.pool = PrototypeSet.empty()  # C_g: prototypes of finished tasks
+        self.current = PrototypeSet.empty()  # {C_k^t}: the current task's local prototypes
+        self.global_classes = np.zeros(0, np.int64)  # G: classes ...
+        self.global_means = np.zeros((0, 0), np.float32)  # ... and their global prototypes
+        self._global_record: ArrayRecord | None = None  # built once per round, shared by all messages
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("fppl: options %s (one prompt per task: pool-size %d is not used)",
+                 self.opts.as_dict(), self.cfg.pool_size)
+
+    # ------------------------------------------------------------------ task hooks
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """New task: prompt p_t <- p_{t-1} (task 0: random); fusion switch; G restarts empty.
+
+        Global prototypes of the previous task's classes play no part in the new task's
+        L_ur (eq. 6 uses the current classes only), so G is cleared.
+        """
+        self.task = task
+        self.current = PrototypeSet.empty()
+        self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+        state = from_array_record(arrays)
+        state["prompt.hard_selection"] = np.full((1,), 0.0 if self.opts.fusion else 1.0, np.float32)
+        return super().on_task_start(task, to_array_record(state))
+
+    def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """C_g <- C_g U {C_k^t} (Algorithm 1, line 14); nothing for FPPL-WOP."""
+        if self.opts.pool:
+            self.pool = self.pool.concat(self.current)
+        log.info("fppl: after task %d the prototype pool holds %d prototypes of %d classes (%.1f KB)",
+                 task + 1, len(self.pool), len(np.unique(self.pool.classes)), self.pool.nbytes / 1e3)
+        return arrays
+
+    # ------------------------------------------------------------------ messages
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.task = int(config["task"])
+        self._global_record = None
+        if self.opts.unified_loss and len(self.global_classes):
+            self._global_record = to_array_record({"classes": self.global_classes, "means": self.global_means})
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        """Parameters and config, plus G (the current classes' global prototypes) once there is one."""
+        content = super().client_payload(client_id, arrays, config)
+        if self._global_record is not None:
+            content[GLOBAL_PROTOTYPES] = self._global_record
+        return content
+
+    def check_reply(self, msg: Message) -> str | None:
+        """The base checks, plus a well-formed, finite local-prototype record."""
+        reason = super().check_reply(msg)
+        if reason is not None:
+            return reason
+        content = msg.content
+        if set(content.keys()) != self.fppl_reply_records:
+            extra, missing = set(content.keys()) - self.fppl_reply_records, self.fppl_reply_records - set(content.keys())
+            return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
+        if LOCAL_PROTOTYPES not in content.array_records:
+            return f"{LOCAL_PROTOTYPES!r} is not an array record"
+        rec = content[LOCAL_PROTOTYPES]
+        if not {"classes", "means"} <= set(rec.keys()):
+            return f"{LOCAL_PROTOTYPES!r} record lacks 'classes' or 'means'"
+        classes, means = rec["classes"].numpy(), rec["means"].numpy()
+        dim = self.sent_arrays["prompt.fusion"].shape[1] if self.sent_arrays is not None else means.shape[-1]
+        if means.ndim != 2 or means.shape != (classes.shape[0], dim):
+            return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
+        if classes.size and (classes.min() < 0 or classes.max() >= self.num_classes):
+            return "prototype classes out of range"
+        if not np.isfinite(means).all():
+            return "prototypes have non-finite values"
+        return None
+
+    # ------------------------------------------------------------------ aggregation
+    def consolidate(self, server_round: int, arrays: ArrayRecord, replies: list[RecordDict]) -> ArrayRecord:
+        """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5)."""
+        received = self._collect(replies)
+        self.current = self.current.replace_clients(received) if self.opts.latest_per_client else received
+        if self.opts.debias:
+            arrays = self._debias(server_round, arrays)
+        if len(self.current):
+            self.global_classes, self.global_means = self.current.class_means()
+        return arrays
+
+    def _collect(self, replies: list[RecordDict]) -> PrototypeSet:
+        out = PrototypeSet.empty()
+        for content in replies:
+            rec = content[LOCAL_PROTOTYPES]
+            classes = rec["classes"].numpy().astype(np.int64)
+            client = int(rec["client"].numpy().reshape(-1)[0]) if "client" in rec.keys() else -1
+            out = out.concat(PrototypeSet(classes, rec["means"].numpy().astype(np.float32),
+                                          np.full(len(classes), client, np.int64)))
+        return out
+
+    def debias_set(self) -> PrototypeSet:
+        """Prototypes the head is debiased on: C_g U {C_k^t}, or {C_k^t} alone for FPPL-WOP."""
+        return self.pool.concat(self.current) if self.opts.pool else self.current
+
+    def _debias(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        data = self.debias_set()
+        if not len(data):
+            return arrays
+        state = from_array_record(arrays)
+        state["head.weight"], state["head.bias"] = debias_head(
+            state["head.weight"], state["head.bias"], data.means, data.classes,
+            epochs=self.opts.server_epochs, lr=self.opts.server_lr, batch_size=self.opts.server_batch_size,
+            seed=[self.cfg.seed, server_round, 0xDEB1A5])
+        return to_array_record(state)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Prototype pool, current task's local prototypes, global prototypes, task."""
+        return {
+            "task": self.task,
+            **self.pool.to_state("pool"),
+            **self.current.to_state("current"),
+            "global_classes": self.global_classes,
+            "global_means": self.global_means,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.task = int(state["task"])
+        self.pool = PrototypeSet.from_state(state, "pool")
+        self.current = PrototypeSet.from_state(state, "current")
+        self.global_classes = np.asarray(state["global_classes"], np.int64)
+        self.global_means = np.asarray(state["global_means"], np.float32)
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_from(self, state: dict[str, np.ndarray]) -> CodaPrompt:
+        """An FPPL prompt module holding the prompt arrays of ``state``."""
+        dim = int(state["prompt.fusion"].shape[1])
+        prompt = FPPLPrompt(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
+        prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
+                                for k, v in state.items() if k.startswith("prompt.")})
+        return prompt

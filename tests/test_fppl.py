@@ -1,0 +1,403 @@
+"""FPPL: fused task prompts, unified-representation loss, global prototypes, pool and debiasing."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+from client.fppl import (
+    GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLLearner, FPPLOptions, FPPLPrompt, local_prototypes,
+    unified_representation_loss,
+)
+from common.config import ConfigError
+from common.model import build_model
+from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
+from common.runtime import get_runtime
+from strategies import learner_class, prompt_class, strategy_class
+from strategies.fppl import FPPLStrategy, PrototypeSet, debias_head
+from tests.conftest import reply_from, tiny_config
+
+NUM_CLASSES = 10  # digits: 2 tasks x 5 classes in the tiny configuration
+
+
+class NodeList:
+    """The one Grid query configure_train makes: which nodes are connected."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self):
+        return self.ids
+
+
+def fppl_config(**overrides):
+    return tiny_config(strategy="fppl", **overrides)
+
+
+def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) -> tuple[FPPLStrategy, object]:
+    """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
+    cfg = fppl_config(**overrides)
+    model, _ = build_model(cfg, NUM_CLASSES, FPPLPrompt)
+    s = FPPLStrategy(cfg, NUM_CLASSES, options or {})
+    arrays = to_array_record(model.trainable_state())
+    for t in range(task + 1):
+        if t:
+            s.on_task_end(t - 1, arrays)
+        arrays = s.on_task_start(t, arrays)
+    s.sent_arrays = arrays
+    return s, arrays
+
+
+def client_reply(arrays, n: int, classes, means, client: int = 0, head_shift: float = 0.0) -> RecordDict:
+    """A well-formed FPPL client reply: parameters, metrics and local prototypes."""
+    state = from_array_record(arrays)
+    state["head.bias"] = state["head.bias"] + np.float32(head_shift)
+    return RecordDict({
+        ARRAYS: to_array_record(state),
+        METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1}),
+        LOCAL_PROTOTYPES: to_array_record({
+            "classes": np.asarray(classes, np.int64), "means": np.asarray(means, np.float32),
+            "counts": np.ones(len(classes), np.int64), "client": np.array([client], np.int64)}),
+    })
+
+
+# ---------------------------------------------------------------------------- prompt and fusion
+def test_fusion_weights_sum_to_one_over_seen_tasks_and_unseen_tasks_get_none():
+    torch.manual_seed(0)
+    prompt = FPPLPrompt(embed_dim=8, layers=[0, 1], pool_size=4, length=3, num_tasks=4)
+    q = torch.randn(16, 8)
+    for task in range(4):
+        prompt.set_task(task)
+        w = prompt.weights(q)
+        assert w.shape == (16, 4)
+        torch.testing.assert_close(w.sum(dim=1), torch.ones(16))
+        assert (w[:, task + 1 :] == 0).all() and (w[:, : task + 1] > 0).all()
+    # eq. 2: softmax of the cosine of q with psi over the seen tasks, weighting the task prompts
+    prompt.set_task(2)
+    cos = F.normalize(q, dim=-1) @ F.normalize(prompt.fusion[:3], dim=-1).T
+    torch.testing.assert_close(prompt.weights(q)[:, :3], torch.softmax(cos, dim=1))
+    prompt.eval()
+    expected = torch.einsum("bt,tld->bld", torch.softmax(cos, dim=1), prompt.p1[:3])
+    torch.testing.assert_close(prompt(q, 1), expected)
+
+
+def test_only_the_current_task_prompt_and_seen_fusion_rows_get_gradients():
+    prompt = FPPLPrompt(embed_dim=8, layers=[0], pool_size=4, length=2, num_tasks=4)
+    prompt.train()
+    prompt.set_task(2)
+    prompt(torch.randn(5, 8), 0).pow(2).sum().backward()
+    grad = prompt.p0.grad
+    assert (grad[:2] == 0).all() and (grad[3] == 0).all()  # finished tasks frozen, future unused
+    assert grad[2].abs().sum() > 0
+    assert prompt.fusion.grad[:3].abs().sum() > 0 and (prompt.fusion.grad[3] == 0).all()
+
+
+def test_new_task_prompt_starts_as_a_copy_of_the_previous_one():
+    s, a0 = strategy_at_task(0)
+    p0 = from_array_record(a0)["prompt.p0"]
+    assert np.abs(p0[0]).max() <= 1.0 and p0[0].std() > 0.3  # task 0: uniform in [-1, 1]
+    trained = from_array_record(a0)
+    trained["prompt.p0"][0] += 0.5  # as if task 0 had been learnt
+    a1 = s.on_task_start(1, to_array_record(trained))
+    p1 = from_array_record(a1)["prompt.p0"]
+    np.testing.assert_array_equal(p1[1], trained["prompt.p0"][0])  # p_1 <- p_0
+    np.testing.assert_array_equal(p1[0], trained["prompt.p0"][0])  # p_0 itself untouched
+
+
+def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
+    cfg = fppl_config(centralised=True, lr=0.01)
+    rt = get_runtime(cfg, FPPLPrompt)
+    s = FPPLStrategy(cfg, rt.data.num_classes)
+    arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
+    before = from_array_record(arrays)
+    content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
+    reply = FPPLLearner(rt).fit(content, task=1, round_=0, client_id=0)
+    after = from_array_record(reply[ARRAYS])
+    for layer in cfg.layers:
+        np.testing.assert_array_equal(after[f"prompt.p{layer}"][0], before[f"prompt.p{layer}"][0])
+        assert not np.array_equal(after[f"prompt.p{layer}"][1], before[f"prompt.p{layer}"][1])
+    assert not np.array_equal(after["prompt.fusion"][:2], before["prompt.fusion"][:2])  # psi learns
+    np.testing.assert_array_equal(after["prompt.fusion_scale"], [1.0])  # the paper's plain cosine
+    np.testing.assert_array_equal(after["head.weight"][:5], before["head.weight"][:5])  # task 0's rows
+
+    # eq. 3: the uploaded prototypes are the per-class means of the trained model's features
+    protos = reply[LOCAL_PROTOTYPES]
+    classes, means = protos["classes"].numpy(), protos["means"].numpy()
+    np.testing.assert_array_equal(classes, np.arange(5, 10))
+    rt.model.load_trainable_state(to_torch(reply[ARRAYS]))
+    rt.model.prompt.set_task(1)
+    rt.model.eval()
+    idx = np.flatnonzero(rt.data.train.labels == 7)
+    x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[idx]))
+    with torch.no_grad():
+        direct = rt.model.features(x, rt.model.query(x)).mean(0).numpy()
+    np.testing.assert_allclose(means[2], direct, rtol=1e-4, atol=1e-5)
+    assert protos["counts"].numpy()[2] == len(idx) and protos["client"].numpy()[0] == 0
+
+
+# ---------------------------------------------------------------------------- unified-representation loss
+def test_infonce_is_lowest_when_features_sit_on_their_class_prototype():
+    gen = torch.Generator().manual_seed(0)
+    classes = torch.arange(5, 10)
+    protos = torch.randn(5, 32, generator=gen)
+    labels = classes.repeat(4)
+    on_prototype = 2.5 * protos[labels - 5]  # cosine ignores the scale
+    tau = FPPLOptions().temperature
+    assert tau == 0.2
+    best = unified_representation_loss(on_prototype, labels, classes, protos, tau)
+    for eps in (0.3, 1.0, 3.0):
+        noisy = on_prototype + eps * torch.randn(on_prototype.shape, generator=gen)
+        assert unified_representation_loss(noisy, labels, classes, protos, tau) > best
+    wrong = protos[(labels - 5 + 1) % 5]
+    assert unified_representation_loss(wrong, labels, classes, protos, tau) > best
+    # exactly -log softmax(cos / tau) at the positive
+    sims = F.normalize(on_prototype, dim=-1) @ F.normalize(protos, dim=-1).T / tau
+    torch.testing.assert_close(best, -torch.log_softmax(sims, dim=1)[torch.arange(20), labels - 5].mean())
+
+
+def test_infonce_leaves_out_samples_whose_class_has_no_global_prototype():
+    protos, classes = torch.randn(3, 8), torch.tensor([0, 1, 2])
+    feats = torch.randn(4, 8)
+    with_stranger = unified_representation_loss(feats, torch.tensor([0, 1, 2, 7]), classes, protos, 0.2)
+    without = unified_representation_loss(feats[:3], torch.tensor([0, 1, 2]), classes, protos, 0.2)
+    torch.testing.assert_close(with_stranger, without)
+    assert unified_representation_loss(feats, torch.tensor([7, 7, 8, 9]), classes, protos, 0.2) is None
+
+
+# ---------------------------------------------------------------------------- server: prototypes
+def test_global_prototypes_are_the_per_class_mean_over_holders_and_reach_every_client(flower_identity):
+    s, arrays = strategy_at_task(0)
+    d = from_array_record(arrays)["prompt.fusion"].shape[1]
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(2, d)), rng.normal(size=(2, d))
+    replies = [reply_from(1, client_reply(arrays, 900, [0, 1], a, client=4)),  # many samples
+               reply_from(2, client_reply(arrays, 10, [1, 2], b, client=7))]
+    s.aggregate_train(1, replies)
+    np.testing.assert_array_equal(s.global_classes, [0, 1, 2])
+    np.testing.assert_allclose(s.global_means[0], a[0], rtol=1e-6)
+    np.testing.assert_allclose(s.global_means[1], (a[1] + b[0]) / 2, rtol=1e-6)  # holders, not samples
+    np.testing.assert_allclose(s.global_means[2], b[1], rtol=1e-6)
+
+    messages = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(2)))
+    for m in messages:
+        record = m.content[GLOBAL_PROTOTYPES]
+        np.testing.assert_array_equal(record["classes"].numpy(), [0, 1, 2])
+        np.testing.assert_array_equal(record["means"].numpy(), s.global_means)
+
+    # a new task starts without global prototypes (eq. 6 only uses the current task's classes)
+    s.on_task_end(0, arrays)
+    a1 = s.on_task_start(1, arrays)
+    messages = list(s.configure_train(3, a1, ConfigRecord({"task": 1, "round": 0}), NodeList(2)))
+    assert all(GLOBAL_PROTOTYPES not in m.content.array_records for m in messages)
+
+
+def test_learner_uses_the_global_prototypes_of_the_current_task_only():
+    rt = get_runtime(fppl_config(), FPPLPrompt)
+    learner = FPPLLearner(rt)
+    d = rt.model.embed_dim
+    record = to_array_record({"classes": np.array([3, 5, 6], np.int64), "means": np.ones((3, d), np.float32)})
+    learner.round_start(RecordDict({GLOBAL_PROTOTYPES: record}), task=1)
+    np.testing.assert_array_equal(learner.proto_classes.numpy(), [5, 6])  # class 3 is task 0's
+
+
+def test_malformed_prototypes_are_rejected(flower_identity):
+    s, arrays = strategy_at_task(0)
+    d = from_array_record(arrays)["prompt.fusion"].shape[1]
+    good = client_reply(arrays, 10, [0], np.zeros((1, d)))
+    nan = client_reply(arrays, 10, [0], np.full((1, d), np.nan))
+    wrong_dim = client_reply(arrays, 10, [0], np.zeros((1, d + 1)))
+    missing = client_reply(arrays, 10, [0], np.zeros((1, d)))
+    del missing[LOCAL_PROTOTYPES]
+    s.aggregate_train(1, [reply_from(1, good), reply_from(2, nan), reply_from(3, wrong_dim), reply_from(4, missing)])
+    reasons = dict(s.rejected)
+    assert set(reasons) == {2, 3, 4}
+    assert "non-finite" in reasons[2] and "shape" in reasons[3] and "missing" in reasons[4]
+
+
+# ---------------------------------------------------------------------------- server: debiasing
+def _biased_setup(options: dict):
+    """Task 1 of 2; the pool holds task 0's prototypes (class 3 from one client only) and the
+    averaged head favours the current task's classes 5-9, as local CE on new data leaves it."""
+    s, arrays = strategy_at_task(0, options)
+    state = from_array_record(arrays)
+    d = state["prompt.fusion"].shape[1]
+    rng = np.random.default_rng(1)
+    centres = 3.0 * rng.normal(size=(NUM_CLASSES, d)) / np.sqrt(d)
+    holders = {0: 4, 1: 4, 2: 3, 3: 1, 4: 2}  # class 3 is under-represented
+    old = PrototypeSet(
+        np.repeat(list(holders), list(holders.values())),
+        np.concatenate([centres[c] + 0.3 * rng.normal(size=(n, d)) / np.sqrt(d) for c, n in holders.items()]),
+        np.concatenate([np.arange(n) for n in holders.values()]))
+    s.current = old.concat(PrototypeSet.empty())
+    s.on_task_end(0, arrays)
+    state["head.weight"] = (0.5 * centres).astype(np.float32)
+    state["head.bias"] = np.where(np.arange(NUM_CLASSES) >= 5, 5.0, 0.0).astype(np.float32)
+    arrays = s.on_task_start(1, to_array_record(state))
+    s.sent_arrays = arrays
+    replies = [client_reply(arrays, 50, np.arange(5, 10), centres[5:] + 0.3 * rng.normal(size=(5, d)) / np.sqrt(d),
+                            client=k) for k in range(3)]
+    return s, arrays, replies, old
+
+
+def _accuracy(arrays, protos: PrototypeSet, classes) -> float:
+    state = from_array_record(arrays)
+    logits = protos.means @ state["head.weight"].T + state["head.bias"]
+    masked = np.full_like(logits, -np.inf)
+    masked[:, classes] = logits[:, classes]
+    return float((masked.argmax(1) == protos.classes).mean())
+
+
+def test_debiasing_improves_the_head_on_held_prototypes_of_under_represented_classes():
+    s, arrays, replies, old = _biased_setup({"server-epochs": 40, "server-lr": 0.02})
+    seen = np.arange(10)
+    rare = PrototypeSet(old.classes[old.classes == 3], old.means[old.classes == 3], old.clients[old.classes == 3])
+    assert _accuracy(arrays, old, seen) < 0.5 and _accuracy(arrays, rare, seen) == 0.0
+    out = s.consolidate(1, arrays, replies)
+    assert _accuracy(out, old, seen) > 0.9
+    assert _accuracy(out, rare, seen) == 1.0
+    assert _accuracy(out, s.current, seen) == 1.0  # current classes still right
+
+
+def test_debias_head_touches_only_classes_with_prototypes():
+    w, b = np.zeros((6, 4), np.float32), np.zeros(6, np.float32)
+    feats = np.eye(4, dtype=np.float32)[:2]
+    w2, b2 = debias_head(w, b, feats, np.array([1, 2]), epochs=3, lr=0.1, batch_size=2, seed=0)
+    changed = np.flatnonzero(np.abs(w2 - w).sum(1) + np.abs(b2 - b) > 0)
+    np.testing.assert_array_equal(changed, [1, 2])
+
+
+# ---------------------------------------------------------------------------- ablation switches
+def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower_identity):
+    rt = get_runtime(fppl_config(), FPPLPrompt)
+    d = rt.model.embed_dim
+    record = to_array_record({"classes": np.arange(5, 10), "means": np.ones((5, d), np.float32)})
+    batch = type("B", (), {"features": torch.randn(4, d), "labels": torch.tensor([5, 6, 7, 8])})()
+    on, off = FPPLLearner(rt), FPPLLearner(rt, {"unified-loss": False})
+    for learner in (on, off):
+        learner.round_start(RecordDict({GLOBAL_PROTOTYPES: record}), task=1)
+    assert on.extra_loss(batch, 1) is not None
+    assert off.extra_loss(batch, 1) is None
+
+    for flag, expect in ((True, True), (False, False)):
+        s, arrays = strategy_at_task(0, {"unified-loss": flag})
+        s.aggregate_train(1, [reply_from(1, client_reply(arrays, 10, [0, 1], np.zeros((2, d))))])
+        messages = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(2)))
+        assert (GLOBAL_PROTOTYPES in messages[0].content.array_records) is expect
+
+
+def test_without_fusion_each_sample_uses_one_task_prompt():
+    for fusion in (True, False):
+        s, arrays = strategy_at_task(2, {"fusion": fusion}, num_tasks=4, pool_size=4)
+        state = to_torch(arrays)
+        np.testing.assert_array_equal(state["prompt.hard_selection"].numpy(), [0.0 if fusion else 1.0])
+        prompt = FPPLPrompt(state["prompt.fusion"].shape[1], [0, 1], 4, 4, 4)
+        prompt.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("prompt.")})
+        prompt.p0.data = torch.randn_like(prompt.p0)  # distinct task prompts
+        prompt.set_task(2)
+        prompt.eval()
+        q = torch.randn(12, prompt.embed_dim)
+        w = prompt.weights(q)
+        if fusion:
+            assert ((w[:, :3] > 0) & (w[:, :3] < 1)).all()
+        else:
+            chosen = prompt.task_scores(q)[:, :3].argmax(1)
+            torch.testing.assert_close(w, F.one_hot(chosen, 4).float())
+            torch.testing.assert_close(prompt(q, 0), prompt.p0[chosen])
+
+
+def test_without_debias_the_head_is_the_plain_average():
+    s, arrays, replies, _ = _biased_setup({"debias": False})
+    out = s.consolidate(1, arrays, replies)
+    for name in ("head.weight", "head.bias"):
+        np.testing.assert_array_equal(from_array_record(out)[name], from_array_record(arrays)[name])
+    s, arrays, replies, _ = _biased_setup({})
+    out = s.consolidate(1, arrays, replies)
+    assert not np.array_equal(from_array_record(out)["head.bias"], from_array_record(arrays)["head.bias"])
+
+
+def test_without_pool_debiasing_uses_only_current_prototypes():
+    s, arrays, replies, old = _biased_setup({"pool": False, "server-epochs": 40, "server-lr": 0.02})
+    assert len(s.pool) == 0  # task 0's prototypes were not kept
+    out = s.consolidate(1, arrays, replies)
+    np.testing.assert_array_equal(np.unique(s.debias_set().classes), np.arange(5, 10))
+    before, after = from_array_record(arrays), from_array_record(out)
+    np.testing.assert_array_equal(after["head.weight"][:5], before["head.weight"][:5])  # old rows untouched
+    assert _accuracy(out, old, np.arange(10)) < 0.5  # so old classes stay under-predicted
+
+    s, arrays, replies, old = _biased_setup({"server-epochs": 40, "server-lr": 0.02})
+    assert len(s.pool) == len(old)
+    s.consolidate(1, arrays, replies)
+    np.testing.assert_array_equal(np.unique(s.debias_set().classes), np.arange(10))
+
+
+# ---------------------------------------------------------------------------- state and options
+def test_pool_and_global_prototypes_survive_a_checkpoint():
+    s, arrays, replies, _ = _biased_setup({})
+    s.consolidate(1, arrays, replies)
+    saved = pickle.loads(pickle.dumps(s.state_dict()))
+    restored = FPPLStrategy(s.cfg, NUM_CLASSES, {})
+    restored.load_state_dict(saved)
+    for a, b in ((s.pool, restored.pool), (s.current, restored.current)):
+        for field in ("classes", "means", "clients"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    np.testing.assert_array_equal(restored.global_means, s.global_means)
+    assert restored.task == 1
+    # the next round behaves identically
+    restored.sent_arrays = s.sent_arrays
+    out_a, out_b = s.consolidate(2, arrays, replies), restored.consolidate(2, arrays, replies)
+    np.testing.assert_array_equal(from_array_record(out_a)["head.weight"], from_array_record(out_b)["head.weight"])
+
+
+def test_latest_per_client_keeps_each_clients_newest_prototypes():
+    s, arrays = strategy_at_task(0, {"latest-per-client": True})
+    d = from_array_record(arrays)["prompt.fusion"].shape[1]
+    s.consolidate(1, arrays, [client_reply(arrays, 5, [0, 1], np.zeros((2, d)), client=c) for c in (1, 2)])
+    s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.ones((1, d)), client=2)])
+    assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist())) == [(1, 0), (1, 1), (2, 0)]
+    np.testing.assert_allclose(s.global_means[0], np.full(d, 0.5))  # client 1's old, client 2's new
+
+
+def test_options_are_validated():
+    assert FPPLOptions.from_options({}) == FPPLOptions()
+    opts = FPPLOptions.from_options({"fusion": "false", "server-epochs": 3, "temperature": "0.5"})
+    assert opts.fusion is False and opts.server_epochs == 3 and opts.temperature == 0.5
+    for bad in ({"temprature": 0.2}, {"temperature": 0}, {"server-epochs": 1.5}, {"fusion": "maybe"},
+                {"fusion-scale": "huge"}):
+        with pytest.raises(ConfigError):
+            FPPLOptions.from_options(bad)
+    with pytest.raises(ConfigError):
+        FPPLStrategy(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
+    with pytest.raises(ConfigError, match="fppl.bogus"):
+        FPPLStrategy.check_options({"bogus": 1})  # what the CLI runs before any training
+
+
+def test_registered():
+    assert strategy_class("fppl") is FPPLStrategy
+    assert learner_class("fppl") is FPPLLearner
+    assert prompt_class("fppl") is FPPLPrompt
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_fppl_end_to_end_simulation(tmp_path):
+    from tests.test_simulation_e2e import simulate
+
+    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01)
+    acc = results["accuracy_matrix"]
+    assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
+    assert results["config"]["strategy"] == "fppl"
+    rounds = results["rounds"]
+    assert len(rounds) == 4 and all(r["clients_aggregated"] == 3 and not r["rejected"] for r in rounds)
+    d = results["config"]["embed-dim"]
+    for first, second in ((rounds[0], rounds[1]), (rounds[2], rounds[3])):
+        assert first["round"] == 0 and second["round"] == 1
+        # the second round of a task carries the global prototypes (<= 5 classes x D floats per client)
+        extra = second["bytes_s2c"] - first["bytes_s2c"]
+        assert second["clients_sampled"] * d * 4 <= extra <= second["clients_sampled"] * (5 * (d * 4 + 8) + 2048)
+    # clients upload prototypes on top of the parameters
+    n_params = results["communication"]["trainable_parameters"]
+    assert all(r["bytes_c2s"] / r["clients_aggregated"] > 4 * n_params + d * 4 for r in rounds)
