@@ -1,22 +1,37 @@
-"""The ClientApp: local training on the task and client share the server assigns.
+"""The ClientApp: local training on the task and client share the server assigns,
+and (federated evaluation) per-task correct/total counts of the global model.
 
 A message may start a fresh process (deployment) or reuse a long-lived one (Ray
 simulation); the runtime (data, backbone, query cache) is cached per process and
-configuration, so reuse is free and a fresh start rebuilds only what it must.
+configuration, so reuse is free and a fresh start rebuilds only what it must: the
+backbone weights come from the node's disk cache, and so do the queries
+(``query-cache-disk``) and decoded image folders (``client/node_data.py``).
+
+Two populations (run-config ``population``):
+
+* ``virtual``: the server says which client this node plays (``client-id``) and every
+  node holds the run's whole dataset (simulation).
+* ``nodes``: this node *is* a client with its own data, given by its node config
+  (``data-dir``, ``dataset``, or ``partition-id``/``num-partitions``); see client/node_data.py.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
-from flwr.app import ConfigRecord, Context, Message
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client import faults
 from client.learner import read_task_round
+from client.node_data import NodeDataError, check_classes, node_data, original_names
 from common.config import ExperimentConfig
-from common.records import CONFIG
-from common.runtime import get_runtime
+from common.evaluation import correct_counts
+from common.records import ARRAYS, CONFIG, METRICS, to_torch
+from common.runtime import Runtime, get_runtime
 from strategies import learner_class, prompt_class
 
 log = logging.getLogger("promptfcl")
@@ -28,14 +43,77 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     """Load the global prompts and head, train on this client's share, reply the update."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    check_same_config(cfg, msg.content[CONFIG])
-    runtime = get_runtime(cfg, prompt_class(cfg.strategy))
+    config = msg.content[CONFIG]
+    check_same_config(cfg, config)
+    started = time.perf_counter()
+    runtime, client_id = client_runtime(cfg, context, config)
+    setup = time.perf_counter() - started
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
-    task, round_, client_id = read_task_round(msg.content[CONFIG])
+    task, round_, assigned = read_task_round(config)
+    if cfg.population == "virtual":
+        client_id = assigned
     faults.before_training(cfg, client_id, task, round_)
     reply = learner.fit(msg.content, task, round_, client_id)
+    if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
+        reply[METRICS]["setup-seconds"] = setup
+        reply[METRICS]["process-seconds"] = process_age()
     reply = faults.corrupt_reply(cfg, reply, client_id, task, round_)
     return Message(content=reply, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Per-task correct/total counts of the global model on this node's held-out data.
+
+    The reply carries counts only (``metrics``: ``correct``, ``total`` per task seen so
+    far, ``num-examples``); the server sums them over nodes into accuracies.
+    """
+    cfg = ExperimentConfig.from_run_config(context.run_config)
+    config = msg.content[CONFIG]
+    check_same_config(cfg, config)
+    runtime, _ = client_runtime(cfg, context, config)
+    try:
+        task = int(config["task"])
+    except KeyError:
+        raise ValueError("evaluate message config lacks 'task'") from None
+    runtime.model.load_trainable_state(to_torch(msg.content[ARRAYS]))
+    correct, total = correct_counts(runtime, task)
+    metrics = MetricRecord({
+        "correct": [int(v) for v in correct],
+        "total": [int(v) for v in total],
+        "num-examples": int(np.sum(total)),
+    })
+    return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord) -> tuple[Runtime, int]:
+    """This process's runtime and the client id it trains as (``-1``: the server assigns it).
+
+    ``population = "nodes"``: the node's own data from its node config, checked against
+    the run's classes (``num-classes`` sent by the server, ``class-names`` of the run).
+    """
+    method_prompt = prompt_class(cfg.strategy)
+    if cfg.population == "virtual":
+        return get_runtime(cfg, method_prompt), -1
+    node = node_data(cfg, context.node_config)
+    sent = config.get("num-classes")
+    if sent is not None:
+        check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
+                      f"this node's data ({node.data.name})", run_num_classes=int(sent))
+    return get_runtime(node.cfg, method_prompt, data=node.data), node.client_id
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0.0 elsewhere): with a fresh process per
+    message, this is the message's whole cost on the node, imports included."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
@@ -46,3 +124,6 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
             f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs}); "
             "both sides must run the same promptfcl configuration"
         )
+
+
+__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "train", "NodeDataError"]

@@ -16,9 +16,11 @@ from typing import Any, Mapping
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count")
 # Keys that do not change what a run computes (excluded from the digest clients check).
-RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir"})
+RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk"})
 PROMPT_MODES = ("prefix", "prompt")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
+EVALUATIONS = ("central", "federated")
 
 
 class ConfigError(ValueError):
@@ -55,7 +57,7 @@ class ExperimentConfig:
     partition: str = "dirichlet"
     dirichlet_beta: float = 0.5
     classes_per_client: int = 1  # for partition = quantity
-    min_partition_size: int = 1  # dirichlet: smallest share of a task a client may get
+    min_partition_size: int = 0  # dirichlet: smallest share of a task a client may get (0: empty shares allowed)
     # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
     category_ratio: float = 0.6
     split_ratio: float = 0.1
@@ -71,6 +73,19 @@ class ExperimentConfig:
     fault_rate: float = 0.0
     fault_hang_seconds: float = 30.0
 
+    # --- deployment (deploy/README.md) ---
+    # "virtual": the server samples client ids and any node plays any client (simulation).
+    # "nodes": every Flower node is one client with its own data (node-config `data-dir`,
+    # `dataset`, or `partition-id`/`num-partitions`); num-clients is the number of nodes the
+    # server waits for before the first round, then it samples among all connected nodes.
+    population: str = "virtual"
+    # "central": the server evaluates on its own copy of the test data. "federated": every
+    # connected node evaluates the global model on its held-out data and the server sums the
+    # per-task counts; the server then needs neither data nor backbone weights.
+    evaluation: str = "central"
+    num_classes: int = 0  # classes of the stream; 0 = from the server's data (needed with federated evaluation)
+    class_names: str = ""  # comma-separated class names in original label order; nodes must match them
+
     # --- local training ---
     local_epochs: int = 5
     batch_size: int = 32
@@ -79,6 +94,9 @@ class ExperimentConfig:
     lr: float = 1e-2
     lr_schedule: str = "cosine"  # "cosine" or "constant", over one round's local steps
     query_cache: bool = True
+    # Persist q(x) in the node's cache dir so a fresh ClientApp process reuses it: "auto" (on
+    # with population=nodes, where every message may start a new process), "on" or "off".
+    query_cache_disk: str = "auto"
 
     # --- backbone ---
     backbone: str = "vit_tiny_patch16_224"
@@ -105,6 +123,11 @@ class ExperimentConfig:
     @property
     def layers(self) -> list[int]:
         return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
+
+    @property
+    def class_name_list(self) -> list[str]:
+        """``class-names`` split at commas (empty list when unset)."""
+        return [v.strip() for v in self.class_names.split(",") if v.strip()]
 
     def method_options(self, name: str) -> dict[str, Any]:
         """Options namespaced ``name.*`` with the prefix removed (keys kebab-case)."""
@@ -220,6 +243,22 @@ class ExperimentConfig:
         need(self.fault in FAULTS, f"fault must be one of {FAULTS}, got {self.fault!r}")
         need(0.0 <= self.fault_rate <= 1.0, f"fault-rate must be in [0, 1], got {self.fault_rate}")
         need(self.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
+        need(self.query_cache_disk in ("auto", "on", "off"),
+             f"query-cache-disk must be 'auto', 'on' or 'off', got {self.query_cache_disk!r}")
+        need(self.population in POPULATIONS, f"population must be one of {POPULATIONS}, got {self.population!r}")
+        need(self.evaluation in EVALUATIONS, f"evaluation must be one of {EVALUATIONS}, got {self.evaluation!r}")
+        need(self.num_classes >= 0, f"num-classes must be >= 0, got {self.num_classes}")
+        need(self.num_classes == 0 or self.num_classes % self.num_tasks == 0,
+             f"num-classes ({self.num_classes}) is not divisible into num-tasks = {self.num_tasks} equal tasks")
+        names = self.class_name_list
+        need(len(names) == len(set(names)), "class-names has duplicates")
+        need(not names or self.num_classes in (0, len(names)),
+             f"class-names lists {len(names)} classes but num-classes = {self.num_classes}")
+        need(self.evaluation == "central" or self.population == "nodes",
+             "evaluation=federated needs population=nodes (virtual clients share the server's dataset; "
+             "evaluate centrally)")
+        need(self.evaluation == "central" or self.num_classes > 0,
+             "evaluation=federated: the server holds no data, so set num-classes (and optionally class-names)")
 
 
 def _coerce(key: str, value: Any, type_name: Any) -> Any:

@@ -6,16 +6,24 @@ it across rounds, so the backbone and the queries are made once, not per message
 The query cache: q(x) (final CLS of the frozen backbone without prompts) depends
 only on the backbone and the image, so with no random augmentation it is computed
 once per sample and reused across epochs, rounds and tasks.
+
+In deployment every message starts a fresh ClientApp process, so the query cache is
+also kept on disk (``query-cache-disk``): one file per (backbone, data, split) under
+``<cache dir>/queries``, merged under a file lock, written atomically. A fresh process
+then reads its queries instead of running the backbone over its data again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,13 +39,28 @@ BACKBONE_KEYS = ("backbone", "weights", "image-size", "patch-size", "embed-dim",
 
 
 class QueryCache:
-    """Lazily filled (N, D) table of q(x) for one split, one backbone."""
+    """Lazily filled (N, D) table of q(x) for one split, one backbone.
 
-    def __init__(self, split: ArraySplit, dim: int) -> None:
+    Parameters
+    ----------
+    split : ArraySplit
+        The images the table is indexed by.
+    dim : int
+        Query dimension (the backbone's embedding width).
+    path : Path, optional
+        On-disk copy (``.npz``): read at construction, updated whenever new queries
+        are computed. None keeps the cache in memory only.
+    """
+
+    def __init__(self, split: ArraySplit, dim: int, path: Path | None = None) -> None:
         self.split = split
         self.table = torch.zeros(len(split), dim)
         self.filled = torch.zeros(len(split), dtype=torch.bool)
         self.computed = 0  # how many queries this cache has had to compute
+        self.path = path
+        self.loaded = 0  # how many queries were read from disk
+        if path is not None:
+            self.loaded = self._merge_from_disk()
 
     def get(self, model: PromptedViT, index: np.ndarray, device: torch.device, batch: int = 256) -> torch.Tensor:
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -48,7 +71,50 @@ class QueryCache:
             self.table[chunk] = model.query(x).float().cpu()
             self.filled[chunk] = True
             self.computed += len(chunk)
+        if len(missing) and self.path is not None:
+            self._save()
         return self.table[idx]
+
+    # ------------------------------------------------------------------ disk copy
+    def _merge_from_disk(self) -> int:
+        """Copy entries filled on disk but not here; return how many. Bad files are ignored."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        try:
+            with np.load(self.path) as doc:
+                table, filled = doc["table"], doc["filled"].astype(bool)
+        except (OSError, ValueError, KeyError, EOFError) as exc:
+            log.warning("query cache %s unreadable (%s); recomputing", self.path, exc)
+            return 0
+        if table.shape != tuple(self.table.shape) or filled.shape != (len(self.split),):
+            log.warning("query cache %s has shape %s, expected %s; ignoring it",
+                        self.path, table.shape, tuple(self.table.shape))
+            return 0
+        new = torch.from_numpy(filled) & ~self.filled
+        self.table[new] = torch.from_numpy(table)[new]
+        self.filled |= new
+        return int(new.sum())
+
+    def _save(self) -> None:
+        """Merge with what other processes wrote, then replace the file atomically."""
+        assert self.path is not None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._merge_from_disk()
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "wb") as fh:
+                        np.savez(fh, table=self.table.numpy(), filled=self.filled.numpy())
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                    raise
+        except OSError as exc:  # a read-only or full cache dir must not stop training
+            log.warning("cannot write query cache %s (%s); keeping it in memory", self.path, exc)
+            self.path = None
 
 
 @dataclass
@@ -59,10 +125,14 @@ class Runtime:
     device: torch.device
     weights_source: str
     caches: dict[str, QueryCache] = field(default_factory=dict)
+    disk_dir: Path | None = None  # where query caches persist (None: memory only)
 
     def query_cache(self, split: str) -> QueryCache:
         if split not in self.caches:
-            self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim)
+            path = None
+            if self.disk_dir is not None:
+                path = self.disk_dir / f"{disk_backbone_id(self.cfg)}-{self.data.fingerprint}-{split}.npz"
+            self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path)
         return self.caches[split]
 
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:
@@ -83,6 +153,37 @@ def backbone_id(cfg: ExperimentConfig) -> str:
     return hashlib.sha1((_subset_fingerprint(cfg, BACKBONE_KEYS) + extra).encode()).hexdigest()[:16]
 
 
+def disk_backbone_id(cfg: ExperimentConfig) -> str:
+    """``backbone_id`` plus the weights file's size and time, so a rebuilt checkpoint
+    (``promptfcl pretrain --force``) never reuses queries of the old one."""
+    stamp = ""
+    if cfg.weights.startswith("pretrained:") or cfg.weights not in ("timm", "random"):
+        try:
+            if cfg.weights.startswith("pretrained:"):
+                from common.pretrain import checkpoint_path
+
+                path = checkpoint_path(cfg, cfg.weights.split(":", 1)[1])
+            else:
+                path = Path(cfg.weights).expanduser()
+            st = path.stat()
+            stamp = f"{st.st_size}-{st.st_mtime_ns}"
+        except OSError:
+            stamp = "missing"
+    return hashlib.sha1((backbone_id(cfg) + stamp).encode()).hexdigest()[:16]
+
+
+def query_disk_dir(cfg: ExperimentConfig) -> Path | None:
+    """``<cache dir>/queries`` when the disk query cache is on for ``cfg``, else None."""
+    if not cfg.query_cache:
+        return None
+    on = cfg.query_cache_disk == "on" or (cfg.query_cache_disk == "auto" and cfg.population == "nodes")
+    if not on:
+        return None
+    from common.pretrain import cache_dir
+
+    return cache_dir() / "queries"
+
+
 def configure_threads(cfg: ExperimentConfig) -> None:
     """Use cfg.threads if set; otherwise respect OMP_NUM_THREADS (Ray sets it per actor)."""
     n = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -90,18 +191,62 @@ def configure_threads(cfg: ExperimentConfig) -> None:
         torch.set_num_threads(n)
 
 
-@functools.lru_cache(maxsize=2)
-def _runtime(fingerprint: str, prompt_class: type[CodaPrompt]) -> Runtime:
-    cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
+def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> Runtime:
     configure_threads(cfg)
-    data = load_dataset_cached(cfg)
     device = resolve_device(cfg.device)
     model, source = build_model(cfg, data.num_classes, prompt_class)
     model.to(device)
     log.info("model: %s on %s", source, device)
-    return Runtime(cfg, data, model, device, source)
+    return Runtime(cfg, data, model, device, source, disk_dir=query_disk_dir(cfg))
 
 
-def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt) -> Runtime:
-    """The process-wide runtime for this configuration (the backbone is built once)."""
-    return _runtime(cfg.fingerprint(), prompt_class)
+@functools.lru_cache(maxsize=2)
+def _runtime(fingerprint: str, prompt_class: type[CodaPrompt]) -> Runtime:
+    cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
+    configure_threads(cfg)
+    return _build_runtime(cfg, load_dataset_cached(cfg), prompt_class)
+
+
+# Runtimes over data a caller loaded itself (a node's own data), keyed by config and data.
+_with_data: dict[tuple[str, type[CodaPrompt], str], Runtime] = {}
+
+
+def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt,
+                data: Dataset | None = None) -> Runtime:
+    """The process-wide runtime for this configuration (the backbone is built once).
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's configuration.
+    prompt_class : type of CodaPrompt
+        The method's prompt module.
+    data : Dataset, optional
+        Data loaded by the caller (a deployed node's own data); by default the
+        run's dataset is loaded from ``cfg``.
+    """
+    if data is None:
+        return _runtime(cfg.fingerprint(), prompt_class)
+    key = (cfg.fingerprint(), prompt_class, data.fingerprint)
+    if key not in _with_data:
+        previous = next(iter(_with_data.values()), None)
+        _with_data.clear()  # one node dataset per process
+        if previous is not None and _same_model(previous, cfg, data, prompt_class):
+            # another node's data in this process (simulated nodes share Ray actors): keep the model
+            _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
+                                      disk_dir=query_disk_dir(cfg))
+        else:
+            _with_data[key] = _build_runtime(cfg, data, prompt_class)
+    return _with_data[key]
+
+
+# Keys that say where a node's data is, not what the model is.
+_DATA_LOCATION_KEYS = frozenset({"dataset", "data-dir", "centralised", "num-clients"})
+
+
+def _same_model(rt: Runtime, cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> bool:
+    def model_part(c: ExperimentConfig) -> dict:
+        return {k: v for k, v in c.to_dict().items() if k not in _DATA_LOCATION_KEYS}
+
+    return (type(rt.model.prompt) is prompt_class and rt.data.num_classes == data.num_classes
+            and model_part(rt.cfg) == model_part(cfg))

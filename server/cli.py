@@ -22,7 +22,7 @@ from typing import Any
 
 from common.config import ConfigError, ExperimentConfig, parse_overrides
 from common.data import DataError, check_source
-from strategies import METHODS, check_method
+from strategies import METHODS, check_method, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -47,6 +47,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
         raw["out-dir"] = out
     cfg = ExperimentConfig.from_dict(raw)
     check_method(cfg.strategy)
+    strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
     check_source(cfg)
     return cfg
 

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from common import metrics
 from common.config import ConfigError, ExperimentConfig
 from common.evaluation import accuracies, correct_counts
-from common.records import METRICS, from_array_record, payload_bytes, to_array_record, to_torch
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record, to_torch
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
 from strategies import strategy_class
@@ -40,6 +40,9 @@ class RunState:
 class CentralEvaluator:
     """Evaluates global parameters on the server's test data (simulation's usual setting)."""
 
+    #: extra fields for the round's record (the federated evaluator fills them)
+    last_record: dict[str, Any] = {}
+
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
 
@@ -47,6 +50,90 @@ class CentralEvaluator:
         self.rt.model.load_trainable_state(to_torch(arrays))
         correct, total = correct_counts(self.rt, task)
         return accuracies(correct, total)
+
+
+class FederatedEvaluator:
+    """Every connected node evaluates the global parameters on its own held-out data.
+
+    ``evaluation = "federated"`` (deployment, where the server holds no test data): one
+    EVALUATE message per node carrying the prompt/head arrays; replies carry per-task
+    ``correct`` / ``total`` counts, summed over nodes before dividing, so the accuracy is
+    that of the union of the nodes' held-out sets. Nodes that fail or time out are left
+    out and counted in the round's record.
+    """
+
+    def __init__(self, grid: Grid, strategy: PromptStrategy) -> None:
+        self.grid = grid
+        self.strategy = strategy
+        self.last_record: dict[str, Any] = {}
+        self.last_total = 0  # held-out samples behind the last evaluation
+
+    def __call__(self, arrays: ArrayRecord, task: int) -> np.ndarray:
+        from flwr.app import MessageType, RecordDict
+
+        cfg = self.strategy.cfg
+        nodes = self.strategy.connected_nodes(self.grid, 1, cfg.round_timeout)
+        config = ConfigRecord({"task": task, "config-digest": cfg.digest(),
+                               "num-classes": self.strategy.num_classes})
+        content = RecordDict({ARRAYS: arrays, CONFIG: config})
+        messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
+        replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
+        used, failed = 0, []
+        for reply in replies:
+            counts = _eval_counts(reply, task)
+            if isinstance(counts, str):
+                failed.append({"node": int(reply.metadata.src_node_id), "reason": counts})
+                continue
+            correct += counts[0]
+            total += counts[1]
+            used += 1
+        failed += [{"node": None, "reason": "no evaluation reply before round-timeout"}] * (len(messages) - len(replies))
+        for f in failed:
+            log.warning("evaluation on node %s left out: %s", f["node"], f["reason"])
+        self.last_total = int(total.sum())
+        self.last_record = {
+            "eval_nodes": used,
+            "eval_failed": failed,
+            "eval_bytes_s2c": _bytes(messages),
+            "eval_bytes_c2s": _bytes([m for m in replies if not m.has_error()]),
+            "eval_test_size": self.last_total,
+        }
+        if used == 0:
+            log.warning("no node returned evaluation counts for task %d", task + 1)
+        return accuracies(correct, total)
+
+
+def _eval_counts(reply: Message, task: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """(correct, total) per task from an evaluation reply, or why it cannot be used."""
+    if reply.has_error():
+        return f"client error: {reply.error.reason}"
+    if METRICS not in reply.content.metric_records:
+        return "no 'metrics' record"
+    m = reply.content[METRICS]
+    correct, total = m.get("correct"), m.get("total")
+    if not isinstance(correct, list) or not isinstance(total, list) or len(correct) != task + 1 \
+            or len(total) != task + 1:
+        return f"counts for {task + 1} tasks expected, got correct={correct!r} total={total!r}"
+    c, t = np.asarray(correct, dtype=np.int64), np.asarray(total, dtype=np.int64)
+    if (c < 0).any() or (c > t).any():
+        return "inconsistent counts (correct < 0 or correct > total)"
+    return c, t
+
+
+def server_model_without_data(cfg: ExperimentConfig, prompt_class: type) -> ArrayRecord:
+    """Initial prompt and head parameters, built without data or backbone weights.
+
+    The trainable parameters' initialisation is seeded and independent of the backbone's
+    weights, so a randomly initialised backbone of the same architecture gives exactly the
+    arrays the nodes would build; the server never needs the (possibly large) weights.
+    """
+    import dataclasses
+
+    from common.model import build_model
+
+    model, _ = build_model(dataclasses.replace(cfg, weights="random"), cfg.num_classes, prompt_class)
+    return to_array_record(model.trainable_state())
 
 
 def _bytes(messages: list[Message]) -> int:
@@ -69,16 +156,29 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     """Run (or resume) the whole task stream; return the results dictionary (see server.report)."""
     started = time.perf_counter()
     method = strategy_class(cfg.strategy)
-    runtime = get_runtime(cfg, method.prompt_class)
-    log.info("backbone: %s", runtime.weights_source)
-    data = runtime.data
-    log.info("data: %s, %d classes in %d tasks, %d train / %d test images",
-             data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
-    strategy: PromptStrategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
-    strategy.max_examples = len(data.train)
+    runtime: Runtime | None = None
+    evaluate: CentralEvaluator | FederatedEvaluator
+    if cfg.evaluation == "federated":
+        # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
+        log.info("federated evaluation: %d classes in %d tasks; the nodes hold the data and the backbone",
+                 cfg.num_classes, cfg.num_tasks)
+        strategy: PromptStrategy = method(cfg, cfg.num_classes, cfg.method_options(cfg.strategy))
+        evaluate = FederatedEvaluator(grid, strategy)
+        arrays = server_model_without_data(cfg, method.prompt_class)
+    else:
+        runtime = get_runtime(cfg, method.prompt_class)
+        log.info("backbone: %s", runtime.weights_source)
+        data = runtime.data
+        log.info("data: %s, %d classes in %d tasks, %d train / %d test images",
+                 data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
+        if cfg.num_classes and cfg.num_classes != data.num_classes:
+            raise ConfigError(f"num-classes = {cfg.num_classes} but {data.name} has {data.num_classes} classes")
+        strategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
+        if cfg.population == "virtual":  # nodes with their own data may hold more than the server's copy
+            strategy.max_examples = len(data.train)
+        evaluate = CentralEvaluator(runtime)
+        arrays = to_array_record(runtime.model.trainable_state())
     strategy.summary()
-    evaluate = CentralEvaluator(runtime)
-    arrays = to_array_record(runtime.model.trainable_state())
     state = RunState(metrics.empty_matrix(cfg.num_tasks))
 
     # Where to start: the beginning, or just after the last checkpointed round.
@@ -139,7 +239,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                  summary["final_average_accuracy"], summary["average_incremental_accuracy"],
                  summary["average_forgetting"])
 
-    return build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started)
+    return build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
 
 
 def finish(cfg: ExperimentConfig) -> None:
@@ -149,13 +249,15 @@ def finish(cfg: ExperimentConfig) -> None:
         path.unlink()
 
 
-def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator, arrays: ArrayRecord,
+def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
+              arrays: ArrayRecord,
               task: int, round_: int, server_round: int) -> tuple[ArrayRecord, dict[str, Any]]:
     """One training round (retried with fresh clients if too few replies are usable) and its evaluation."""
     cfg = strategy.cfg
     bytes_s2c = bytes_c2s = sampled = 0
     server_seconds = round_seconds = 0.0
     client_secs: list[float] = []
+    process_secs: list[float] = []
     rejected: list[dict[str, Any]] = []
     for attempt in range(cfg.round_retries + 1):
         t0 = time.perf_counter()
@@ -174,6 +276,9 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator, 
         round_seconds += t3 - t0
         client_secs += [float(m.content[METRICS].get("train-seconds", 0.0))
                         for m in ok if METRICS in m.content.metric_records]
+        # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
+        process_secs += [float(m.content[METRICS].get("process-seconds", 0.0))
+                         for m in ok if METRICS in m.content.metric_records]
         missing = len(messages) - len(replies)
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
         rejected += [{"node": None, "reason": "no reply before round-timeout", "attempt": attempt}] * missing
@@ -200,6 +305,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator, 
         "bytes_c2s": bytes_c2s,
         "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
         "client_seconds_max": float(np.max(client_secs)) if client_secs else 0.0,
+        "client_process_seconds_max": float(np.max(process_secs)) if process_secs else 0.0,
         "server_seconds": server_seconds,
         "round_seconds": round_seconds,
         "eval_seconds": time.perf_counter() - t4,
@@ -208,28 +314,47 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator, 
         "clients_aggregated": int(agg["clients"]),
         "rejected": rejected,
         "train_loss": float(agg["train-loss"]),
+        # anything else the strategy reports (consolidation time, loss terms, ...)
+        "strategy_metrics": {k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
+        **evaluate.last_record,  # federated evaluation: nodes, failures, bytes
     }
     return new_arrays, record
 
 
-def build_results(cfg: ExperimentConfig, runtime: Runtime, state: RunState, arrays: ArrayRecord,
-                  seconds: float) -> dict[str, Any]:
+def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunState, arrays: ArrayRecord,
+                  seconds: float, evaluate: CentralEvaluator | FederatedEvaluator | None = None) -> dict[str, Any]:
     acc = state.accuracy_matrix
     n_params = sum(int(np.prod(arrays[k].shape)) for k in arrays.keys())
     rounds = state.rounds
     total_s2c = sum(r["bytes_s2c"] for r in rounds)
     total_c2s = sum(r["bytes_c2s"] for r in rounds)
-    return {
-        "config": cfg.to_dict(),
-        "backbone": runtime.weights_source,
-        "dataset": {
+    if runtime is not None:
+        backbone = runtime.weights_source
+        dataset = {
             "name": runtime.data.name,
             "num_classes": runtime.data.num_classes,
             "class_order_names": runtime.data.class_names,
             "train_size": len(runtime.data.train),
             "test_size": len(runtime.data.test),
             "fingerprint": runtime.data.fingerprint,
-        },
+        }
+    else:  # federated evaluation: what the server knows of the nodes' data
+        from common.data import class_order
+
+        names = cfg.class_name_list
+        backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"
+        dataset = {
+            "name": "the nodes' own data (federated evaluation)",
+            "num_classes": cfg.num_classes,
+            "class_order_names": [names[c] for c in class_order(cfg.num_classes, cfg.seed)] if names else None,
+            "train_size": None,
+            "test_size": getattr(evaluate, "last_total", None),  # held-out samples in the last evaluation
+            "fingerprint": None,
+        }
+    return {
+        "config": cfg.to_dict(),
+        "backbone": backbone,
+        "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],
         **metrics.summary(acc),
         "average_accuracy_per_task": [float(v) for v in metrics.average_accuracies(acc)],

@@ -51,7 +51,9 @@ def table(results: dict[str, Any]) -> str:
         "| metric | value |",
         "|---|---|",
         f"| strategy | {cfg['strategy']} |",
-        f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |",
+        (f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
+         if cfg.get("population", "virtual") != "nodes" else  # deployment: each node brings its data
+         f"| dataset | each node's own ({n} tasks, {cfg['num-clients']} nodes, {cfg.get('evaluation')} evaluation) |"),
         f"| final average accuracy A_N | {results['final_average_accuracy']:.2f} |",
         f"| average incremental accuracy | {results['average_incremental_accuracy']:.2f} |",
         f"| average forgetting | {results['average_forgetting']:.2f} |",

@@ -31,6 +31,8 @@ def resources(cfg: ExperimentConfig, cpus: int | None = None) -> tuple[int, int,
     total = cpus or os.cpu_count() or 1
     sampled = 1 if cfg.centralised else (cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients)))
     parallel = max(1, min(total, sampled))
+    if cfg.population == "nodes":  # every node is one client (partition-id of num-partitions = num-clients)
+        return cfg.num_clients, total, max(1, total // parallel)
     return sampled, total, max(1, total // parallel)
 
 

@@ -14,10 +14,10 @@ from common.config import ConfigError
 # name -> (strategy "module:Class", client learner "module:Class")
 METHODS: dict[str, tuple[str, str]] = {
     "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
+    "fppl": ("strategies.fppl:FPPLStrategy", "client.fppl:FPPLLearner"),
+    "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
     "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
     "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
-    "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
-    "fppl": ("strategies.fppl:FPPLStrategy", "client.fppl:FPPLLearner"),
 }
 
 

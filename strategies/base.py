@@ -11,6 +11,8 @@ contract (typed records in and out) and adds the hooks the papers' methods need:
 Clients are a *virtual population*: the server samples client ids (a pure
 function of seed, task and round) and tells each Flower node which client it
 plays this round, so the per-round cost does not depend on the population size.
+With ``population = "nodes"`` (deployment, deploy/README.md) every Flower node is one
+client with its own data instead (``configure_train_nodes``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from common.config import ExperimentConfig
+from common.config import ConfigError, ExperimentConfig
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
 
@@ -52,6 +54,17 @@ class PromptStrategy(FedAvg):
     #: record names a client reply must carry, exactly (None: "arrays" and "metrics"
     #: required, extra records allowed). Methods that upload statistics list them here.
     reply_records: frozenset[str] | None = frozenset({ARRAYS, METRICS})
+    #: the method's options dataclass (with a ``from_options(dict)`` classmethod that
+    #: raises ConfigError on a bad value or unknown key); None: the method takes none
+    options_class: Any = None
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Validate ``<strategy>.*`` options before any training (raises ConfigError)."""
+        if cls.options_class is not None:
+            cls.options_class.from_options(options)
+        elif options:
+            raise ConfigError(f"strategy {cls.name!r} takes no options, got {sorted(options)}")
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         # Sampling is ours (seeded, see sample_clients); Flower's fraction settings are unused.
@@ -63,6 +76,7 @@ class PromptStrategy(FedAvg):
         self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
         self._warned_few_nodes = False
+        self._nodes_ready = False  # population = "nodes": the first round has found its nodes
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
@@ -121,6 +135,8 @@ class PromptStrategy(FedAvg):
     ) -> Iterable[Message]:
         """One message per sampled client; ``config`` must carry ``task`` and ``round``."""
         task, round_ = int(config["task"]), int(config["round"])
+        if self.cfg.population == "nodes":
+            return self.configure_train_nodes(server_round, arrays, config, grid)
         clients = self.sample_clients(task, round_, int(config.get("attempt", 0)))
         nodes = sorted(grid.get_node_ids())
         if not nodes:
@@ -137,6 +153,57 @@ class PromptStrategy(FedAvg):
             node_config["client-id"] = client_id
             node_config["server-round"] = server_round
             node_config["config-digest"] = self.cfg.digest()
+            content = self.client_payload(client_id, arrays, node_config)
+            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
+        return messages
+
+    # ------------------------------------------------------------------ deployment: one client per node
+    # population = "nodes": every connected Flower node is one client with its own data
+    # (deploy/README.md). The server samples among the connected node ids with a seeded
+    # RNG over the sorted ids; each node trains as itself.
+    def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
+        """Sorted ids of the connected nodes, waiting up to ``timeout`` s for ``minimum`` of them."""
+        import time
+
+        started = last_log = time.monotonic()
+        while True:
+            nodes = sorted(int(n) for n in grid.get_node_ids())
+            if len(nodes) >= minimum:
+                return nodes
+            now = time.monotonic()
+            if now - started > timeout:
+                raise RuntimeError(
+                    f"only {len(nodes)} of the {minimum} nodes the run needs connected within {timeout:.0f} s; "
+                    "start more SuperNodes (or lower num-clients / min-replies)")
+            if now - last_log > 10 or now == started:
+                log.info("waiting for nodes: %d of %d connected", len(nodes), minimum)
+                last_log = now
+            time.sleep(1.0)
+
+    def sample_nodes(self, nodes: list[int], task: int, round_: int, attempt: int = 0) -> list[int]:
+        """``clients-per-round`` of the connected ``nodes`` (all if fewer), seeded by (seed, task, round)."""
+        rng = np.random.default_rng([self.cfg.seed, task, round_, attempt, 0x5A3])
+        k = min(self.clients_per_round, len(nodes))
+        return [nodes[i] for i in sorted(rng.choice(len(nodes), size=k, replace=False).tolist())]
+
+    def configure_train_nodes(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """One message per sampled node; ``client-id`` is the node's (62-bit) id."""
+        task, round_ = int(config["task"]), int(config["round"])
+        # before the first round, wait for the whole population; later, for enough to aggregate
+        minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
+        nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
+        self._nodes_ready = True
+        self.sent_arrays = arrays
+        messages = []
+        for node_id in self.sample_nodes(nodes, task, round_, int(config.get("attempt", 0))):
+            client_id = node_client_id(node_id)
+            node_config = ConfigRecord(dict(config))
+            node_config["client-id"] = client_id
+            node_config["server-round"] = server_round
+            node_config["config-digest"] = self.cfg.digest()
+            node_config["num-classes"] = self.num_classes
             content = self.client_payload(client_id, arrays, node_config)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
         return messages
@@ -221,6 +288,11 @@ class PromptStrategy(FedAvg):
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
         prompt.load_state_dict({k[7:]: torch.from_numpy(v.copy()) for k, v in state.items() if k.startswith("prompt.")})
         return prompt
+
+
+def node_client_id(node_id: int) -> int:
+    """A Flower node id (uint64) as a non-negative int64 client id (its low 62 bits)."""
+    return int(node_id) & ((1 << 62) - 1)
 
 
 def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:

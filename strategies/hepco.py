@@ -569,6 +569,7 @@ class HePCoStrategy(PromptStrategy):
 
     name = "hepco"
     prompt_class = HePCoPrompt
+    options_class = HePCoOptions
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)

@@ -123,12 +123,23 @@ def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate):
 
 
 def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
-    # the timeout leaves room for a cold start (Ray actors, backbone) but not for the hang
-    results = simulate(tmp_path, **{**SETTINGS, "fault": "hang", "fault-rate": 0.3, "fault-hang-seconds": 25.0,
-                                    "round-timeout": 15.0, "rounds-per-task": 1})
-    reasons = [r["reason"] for rnd in results["rounds"] for r in rnd["rejected"]]
-    assert "no reply before round-timeout" in reasons
-    assert all(rnd["round_seconds"] < 60 for rnd in results["rounds"])  # the server did not wait forever
+    """The server stops waiting at round-timeout. A hung simulated client also blocks its Ray
+    actor, so later clients queued on that actor may time out too: the run then either
+    completes with the late replies dropped, or stops with a clear error; never waits forever."""
+    out = tmp_path / "hang"
+    settings = {"fault": "hang", "fault-rate": 0.2, "fault-hang-seconds": 25.0, "round-timeout": 15.0,
+                "rounds-per-task": 1}
+    started = time.time()
+    proc = subprocess.run(cli_args(out, **settings), capture_output=True, text=True, timeout=600)
+    elapsed = time.time() - started
+    # 2 rounds x 3 attempts x 15 s timeout, plus start-up and evaluation
+    assert elapsed < 2 * 3 * 15 + 120
+    if proc.returncode == 0:
+        results = json.loads((out / "results.json").read_text())
+        reasons = [r["reason"] for rnd in results["rounds"] for r in rnd["rejected"]]
+        assert "no reply before round-timeout" in reasons
+    else:
+        assert "fewer than min-replies" in proc.stderr and "no reply before round-timeout" in proc.stderr
 
 
 def test_all_clients_failing_ends_with_a_clear_error(tmp_path):

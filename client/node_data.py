@@ -1,0 +1,435 @@
+"""A deployed node's own data: what ``--node-config`` says, loaded, checked and cached.
+
+With ``population = "nodes"`` every Flower node is one client and brings its own data.
+The SuperNode's ``--node-config`` says where it is (values are TOML: quote strings):
+
+* ``data-dir="/srv/data"``  a folder of images, ``<class>/*.png`` (split into train and
+  held-out test by ``test-fraction``) or ``train/<class>/*`` + ``test/<class>/*``. Class
+  folders are matched to the run's classes *by name* (``class-names`` in the run config);
+  a node may lack some classes, but a folder that is not one of the run's classes is an error.
+* ``dataset="fashion-mnist" data-dir="/srv/fmnist"``  any source promptfcl can read
+  (``digits``, ``fashion-mnist``, ``hf:<name>``, ``folder:<path>``) held by this node.
+* ``partition-id=0 num-partitions=3``  a simulated share of the run's own dataset (Flower's
+  simulation sets these keys itself): train data by the run's partition scheme, held-out
+  data as the disjoint test shard ``test[partition-id::num-partitions]``.
+
+Optional: ``device="cuda"|"mps"|"cpu"|"auto"``, ``threads=N`` (torch threads),
+``client-id=N`` (seeds this node's local training; default: the partition id, or a
+number derived from the data's fingerprint).
+
+A node whose data is missing, unreadable or not the run's classes refuses with a
+:class:`NodeDataError` that says what to fix; ``python -m client.node_data`` runs the
+same checks before a SuperNode is started (``deploy/start-client.sh`` does).
+
+Decoded folder datasets are cached as ``.npz`` under ``<cache dir>/node-data`` (keyed by
+the file listing and the data-defining run keys), so a fresh ClientApp process does not
+decode every image again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from common.config import DEVICES, ConfigError, ExperimentConfig, parse_overrides
+from common.data import (
+    ArraySplit,
+    DataError,
+    Dataset,
+    _cap_per_class,
+    _stack_images,
+    class_order,
+    load_dataset,
+    load_dataset_cached,
+)
+
+log = logging.getLogger("promptfcl")
+
+NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id")
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+# Run-config keys that decide what a node's folder data decodes to.
+FOLDER_KEYS = ("seed", "test-fraction", "image-size", "class-names", "max-train-per-class", "max-test-per-class")
+
+
+class NodeDataError(DataError):
+    """A node's data is missing, unreadable or does not match the run."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Where a node's data comes from, parsed from its ``--node-config``."""
+
+    kind: str  # "local" (its own data) or "partition" (a simulated share of the run's dataset)
+    dataset: str = ""  # local: the source name ("folder:<dir>", "fashion-mnist", ...)
+    data_dir: str = ""  # local: the source's directory ("" for sources that need none)
+    partition_id: int = -1
+    num_partitions: int = 0
+    device: str = ""  # "" = the run config's
+    threads: int = 0  # 0 = the run config's
+    client_id: int | None = None
+
+
+HOW_TO = ("start the SuperNode with --node-config 'data-dir=\"/path/to/images\"' (its own data, "
+          "<class>/*.png or train|test/<class>/*.png) or 'partition-id=I num-partitions=N' "
+          "(a simulated share of the run's dataset)")
+
+
+def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
+    """Read a node's data location, device and id from its node config.
+
+    Raises
+    ------
+    NodeDataError
+        Unknown keys, missing data, a directory that does not exist, bad values.
+    """
+    unknown = sorted(set(node_config) - set(NODE_KEYS))
+    if unknown:
+        raise NodeDataError(f"unknown node-config keys {unknown}; known keys: {', '.join(NODE_KEYS)}")
+    device = str(node_config.get("device", ""))
+    if device and device not in DEVICES:
+        raise NodeDataError(f"node-config device must be one of {DEVICES}, got {device!r}")
+    threads = _int(node_config, "threads", 0)
+    if threads < 0:
+        raise NodeDataError("node-config threads must be >= 0")
+    client_id = _int(node_config, "client-id", -1)
+    common = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None}
+
+    if "data-dir" in node_config or "dataset" in node_config:
+        if "partition-id" in node_config:
+            raise NodeDataError("node-config has both data-dir/dataset and partition-id: choose one")
+        data_dir = str(node_config.get("data-dir", ""))
+        dataset = str(node_config.get("dataset", "")) or "folder"
+        if dataset == "folder":
+            if not data_dir:
+                raise NodeDataError(f"node-config dataset=\"folder\" needs data-dir; {HOW_TO}")
+            dataset = f"folder:{data_dir}"
+        if data_dir and not Path(data_dir).expanduser().is_dir():
+            raise NodeDataError(f"this node's data directory {data_dir} does not exist; {HOW_TO}")
+        if dataset.startswith("folder:") and not Path(dataset[7:]).expanduser().is_dir():
+            raise NodeDataError(f"this node's data directory {dataset[7:]} does not exist; {HOW_TO}")
+        return NodeSpec("local", dataset=dataset, data_dir=data_dir, **common)
+
+    if "partition-id" in node_config:
+        pid, n = _int(node_config, "partition-id", -1), _int(node_config, "num-partitions", 0)
+        if n < 1 or not 0 <= pid < n:
+            raise NodeDataError(f"node-config partition-id={pid} num-partitions={n}: need 0 <= partition-id < "
+                                "num-partitions")
+        return NodeSpec("partition", partition_id=pid, num_partitions=n,
+                        **{**common, "client_id": common["client_id"] if common["client_id"] is not None else pid})
+    raise NodeDataError(f"this node was started without data: {HOW_TO}")
+
+
+def _int(node_config: Mapping[str, Any], key: str, default: int) -> int:
+    value = node_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise NodeDataError(f"node-config {key} must be an integer, got {value!r}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------- the node's view of a run
+@dataclass
+class NodeData:
+    """What a node trains and evaluates on, and how the learner must see it."""
+
+    spec: NodeSpec
+    data: Dataset
+    cfg: ExperimentConfig  # the run config as this node's learner and runtime must see it
+    client_id: int  # seeds local training; indexes the partition for "partition" nodes
+
+
+_loaded: dict[str, NodeData] = {}
+
+
+def node_data(cfg: ExperimentConfig, node_config: Mapping[str, Any]) -> NodeData:
+    """This node's data for run ``cfg`` (cached per process); checked against the run's classes.
+
+    Raises
+    ------
+    NodeDataError
+        The data is missing, unreadable, or not the run's classes.
+    """
+    spec = parse_node_config(node_config)
+    key = json.dumps([cfg.fingerprint(), dataclasses.asdict(spec)], sort_keys=True, default=str)
+    if key not in _loaded:
+        _loaded.clear()
+        _loaded[key] = _load(cfg, spec)
+    return _loaded[key]
+
+
+def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
+    node_cfg = cfg
+    if spec.device:
+        node_cfg = dataclasses.replace(node_cfg, device=spec.device)
+    if spec.threads:
+        node_cfg = dataclasses.replace(node_cfg, threads=spec.threads)
+
+    if spec.kind == "partition":
+        if spec.num_partitions != cfg.num_clients:
+            raise NodeDataError(
+                f"this node is partition {spec.partition_id} of {spec.num_partitions}, but the run has "
+                f"num-clients = {cfg.num_clients} nodes: start the nodes with num-partitions={cfg.num_clients}")
+        full = load_dataset_cached(cfg)
+        check_classes(cfg, full.num_classes, original_names(full, cfg.seed), "the run's dataset")
+        # Held-out data: a disjoint shard of the test split, so the nodes' counts add up
+        # to exactly the central evaluation over the whole test split.
+        shard = np.arange(spec.partition_id, len(full.test), spec.num_partitions)
+        test = ArraySplit(full.test.images[shard], full.test.labels[shard])
+        fp = hashlib.sha1(f"{full.fingerprint} test {spec.partition_id}/{spec.num_partitions}".encode())
+        data = dataclasses.replace(full, test=test, fingerprint=fp.hexdigest()[:16])
+        return NodeData(spec, data, node_cfg, spec.partition_id)
+
+    if spec.dataset.startswith("folder:"):
+        data = load_folder(cfg, Path(spec.dataset[len("folder:"):]).expanduser())
+        names = original_names(data, cfg.seed)
+    else:
+        source_cfg = dataclasses.replace(cfg, dataset=spec.dataset, data_dir=spec.data_dir or cfg.data_dir)
+        try:
+            data = load_dataset(source_cfg)
+        except ConfigError as exc:
+            raise NodeDataError(f"this node's data ({spec.dataset}): {exc}") from exc
+        names = original_names(data, cfg.seed)
+    check_classes(cfg, data.num_classes, names, f"this node's data ({spec.dataset})")
+    if len(data.train) == 0:
+        raise NodeDataError(f"this node's data ({spec.dataset}) has no training images")
+    client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
+    # The node's data is all its own: every sample of a task's classes is its share
+    # (`centralised` on a client = "the runtime's data is this client's data").
+    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
+                                   num_clients=max(cfg.num_clients, client_id + 1))
+    return NodeData(spec, data, node_cfg, client_id)
+
+
+def original_names(data: Dataset, seed: int) -> list[str]:
+    """Class names in original label order (``Dataset.class_names`` is in the seeded order)."""
+    order = class_order(data.num_classes, seed)
+    names = [""] * data.num_classes
+    for position, original in enumerate(order):
+        names[original] = data.class_names[position]
+    return names
+
+
+def check_classes(cfg: ExperimentConfig, num_classes: int, names: list[str], what: str,
+                  run_num_classes: int | None = None) -> None:
+    """Refuse data whose classes are not the run's (``num-classes``, ``class-names``).
+
+    ``run_num_classes`` is the head size the server sent (it overrides an unset num-classes).
+    """
+    expected = cfg.num_classes or run_num_classes or 0
+    if expected and num_classes != expected:
+        raise NodeDataError(f"{what} has {num_classes} classes but the run has {expected}; "
+                            "every node must hold data of the run's classes")
+    wanted = cfg.class_name_list
+    if wanted and names != wanted:
+        extra = [n for n in names if n not in wanted]
+        raise NodeDataError(
+            f"{what} does not match the run's classes: "
+            + (f"classes {extra[:5]} are not among the run's class-names" if extra
+               else f"class order {names[:5]}... differs from class-names {wanted[:5]}..."))
+
+
+# ---------------------------------------------------------------------------- folder data
+def _listing(root: Path) -> list[tuple[str, int, int]]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            if p.suffix.lower() in IMAGE_EXTENSIONS:
+                st = p.stat()
+                out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
+    """A node's image folder as a Dataset in the run's class order (decoded once, then cached).
+
+    Layout ``root/<class>/*`` or ``root/{train,test}/<class>/*``; classes are matched by
+    folder name to ``class-names`` when the run sets it, else taken as the sorted folders.
+    """
+    if not root.is_dir():
+        raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
+    from common.pretrain import cache_dir
+
+    full = cfg.to_dict()
+    listing = _listing(root)
+    if not listing:
+        raise NodeDataError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}; {HOW_TO}")
+    key = hashlib.sha1(json.dumps([str(root.resolve()), {k: full[k] for k in FOLDER_KEYS}, listing]).encode())
+    cache = cache_dir() / "node-data" / f"{key.hexdigest()[:20]}.npz"
+    if cache.is_file():
+        try:
+            with np.load(cache, allow_pickle=False) as doc:
+                names = [str(n) for n in doc["names"]]
+                return _as_dataset(cfg, root, names, ArraySplit(doc["train_x"], doc["train_y"]),
+                                   ArraySplit(doc["test_x"], doc["test_y"]))
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("node data cache %s unreadable (%s); decoding the images again", cache, exc)
+
+    has_splits = (root / "train").is_dir() and (root / "test").is_dir()
+    base = root / "train" if has_splits else root
+    folders = sorted(p.name for p in base.iterdir() if p.is_dir())
+    names = cfg.class_name_list or folders
+    extra = [f for f in folders if f not in names]
+    if extra:
+        raise NodeDataError(f"this node's data {base} has class folders {extra[:5]} that are not among "
+                            f"the run's classes {names[:10]}{'...' if len(names) > 10 else ''}")
+    if len(names) < 2:
+        raise NodeDataError(f"this node's data {base} needs one sub-folder per class (found {len(names)}); "
+                            "or set the run's class-names")
+    if has_splits:
+        train, test = _read_split(root / "train", names, cfg), _read_split(root / "test", names, cfg)
+    else:
+        train, test = _split(_read_split(root, names, cfg), cfg)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, names=np.array(names), train_x=train.images, train_y=train.labels,
+                     test_x=test.images, test_y=test.labels)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("cannot cache decoded node data in %s (%s)", cache.parent, exc)
+    return _as_dataset(cfg, root, names, train, test)
+
+
+def _read_split(split_root: Path, names: list[str], cfg: ExperimentConfig) -> ArraySplit:
+    from PIL import Image, UnidentifiedImageError
+
+    images, labels = [], []
+    for label, cls in enumerate(names):
+        cls_dir = split_root / cls
+        if not cls_dir.is_dir():
+            continue  # this node holds no images of the class
+        for f in sorted(cls_dir.iterdir()):
+            if f.suffix.lower() not in IMAGE_EXTENSIONS:
+                continue
+            try:
+                with Image.open(f) as im:
+                    images.append(im.copy())
+            except (OSError, UnidentifiedImageError) as exc:
+                raise NodeDataError(f"cannot read image {f}: {exc}") from exc
+            labels.append(label)
+    if not images:
+        return ArraySplit(np.zeros((0, 1, cfg.image_size, cfg.image_size), np.uint8), np.zeros(0, np.int64))
+    return ArraySplit(_stack_images(images, cfg.image_size), np.asarray(labels, dtype=np.int64))
+
+
+def _split(full: ArraySplit, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit]:
+    """Seeded per-class held-out split by ``test-fraction`` (classes with one image stay in train)."""
+    rng = np.random.default_rng([cfg.seed, 0x7E57])
+    test_idx = []
+    for c in np.unique(full.labels):
+        idx = np.flatnonzero(full.labels == c)
+        n_test = int(round(cfg.test_fraction * len(idx))) if len(idx) > 1 else 0
+        test_idx.append(rng.permutation(idx)[:n_test])
+    test_mask = np.zeros(len(full), dtype=bool)
+    test_mask[np.concatenate(test_idx) if test_idx else []] = True
+    return (ArraySplit(full.images[~test_mask], full.labels[~test_mask]),
+            ArraySplit(full.images[test_mask], full.labels[test_mask]))
+
+
+def _as_dataset(cfg: ExperimentConfig, root: Path, names: list[str], train: ArraySplit, test: ArraySplit) -> Dataset:
+    """Cap, remap labels to the seeded class order, fingerprint (as ``load_dataset`` does)."""
+    num_classes = len(names)
+    if len(test) and train.images.shape[1:] != test.images.shape[1:]:
+        raise NodeDataError(f"{root}: train images {train.images.shape[1:]} and test images "
+                            f"{test.images.shape[1:]} differ in shape")
+    train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
+    test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
+    order = class_order(num_classes, cfg.seed)
+    remap = np.empty(num_classes, dtype=np.int64)
+    remap[order] = np.arange(num_classes)
+    train = ArraySplit(train.images, remap[train.labels])
+    test = ArraySplit(test.images, remap[test.labels])
+    digest = hashlib.sha1()
+    for arr in (train.images, train.labels, test.images, test.labels):
+        digest.update(np.ascontiguousarray(arr).data)
+    return Dataset(f"folder:{root}", train, test, num_classes, [names[c] for c in order], digest.hexdigest()[:16])
+
+
+# ---------------------------------------------------------------------------- export (demo data)
+def export_digits(out: Path, nodes: int, seed: int = 0) -> list[Path]:
+    """Write scikit-learn's digits as ``out/node<i>/{train,test}/<digit>/*.png``, one disjoint share per node.
+
+    For trying a deployment without a dataset of one's own: each node gets a stratified
+    share of the digits' train and test images.
+    """
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    if nodes < 1:
+        raise ValueError("nodes must be >= 1")
+    bunch = load_digits()
+    images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)
+    labels = bunch.target
+    rng = np.random.default_rng([seed, 0xE4])
+    dirs = [out / f"node{i}" for i in range(nodes)]
+    for c in range(10):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_test = len(idx) // 4
+        for split, part in (("test", idx[:n_test]), ("train", idx[n_test:])):
+            for i, share in enumerate(np.array_split(part, nodes)):
+                folder = dirs[i] / split / str(c)
+                folder.mkdir(parents=True, exist_ok=True)
+                for j in share:
+                    Image.fromarray(images[j], mode="L").save(folder / f"{j:04d}.png")
+    return dirs
+
+
+# ---------------------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> int:
+    """``python -m client.node_data check|export-digits``: check a node's data before starting it."""
+    parser = argparse.ArgumentParser(prog="python -m client.node_data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    chk = sub.add_parser("check", help="load this node's data as the ClientApp would, and check it against the run")
+    chk.add_argument("--node-config", required=True, help="the SuperNode's --node-config string")
+    chk.add_argument("--config", help="the run's config overrides (TOML), as given to `flwr run -c`")
+    chk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    exp = sub.add_parser("export-digits", help="write digits as per-node image folders (demo data)")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--nodes", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    if args.command == "export-digits":
+        for d in export_digits(Path(args.out), args.nodes):
+            print(d)
+        return 0
+
+    from flwr.common.config import parse_config_args
+
+    from server.cli import _check_weights, load_config
+
+    try:
+        try:
+            node_config = parse_config_args([args.node_config])
+        except Exception as exc:  # click's exception: values must be TOML (quote strings)
+            raise NodeDataError(f"--node-config {args.node_config!r} is not key=value pairs with TOML values "
+                                f"(quote strings: data-dir=\"/path\"): {exc}") from None
+        cfg = load_config(args.config, args.set, None, None)
+        node = node_data(cfg, node_config)
+        _check_weights(cfg)  # the backbone must be on this node (the server has none)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    d = node.data
+    k = d.num_classes // cfg.num_tasks
+    per_task = [int(np.sum(d.train.labels // k == t)) for t in range(cfg.num_tasks)]
+    held = [int(np.sum(d.test.labels // k == t)) for t in range(cfg.num_tasks)]
+    print(f"ok: {d.name}: {d.num_classes} classes, {len(d.train)} train / {len(d.test)} held-out images; "
+          f"train per task {per_task}, held-out per task {held}; client-id {node.client_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

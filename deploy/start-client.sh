@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Start a SuperNode (one client) on this machine, with its own data, in the foreground.
+#
+#   deploy/start-client.sh --superlink HOST:PORT --ca ca.crt --key keys/node1
+#                          --data-dir /path/to/images [--device auto|cuda|mps|cpu]
+#                          [--config deploy/run.toml] [--set KEY=VALUE ...] [--state DIR] [--port 9094]
+#   deploy/start-client.sh ... --partition-id I --num-partitions N    (a simulated share of the run's dataset)
+#   deploy/start-client.sh ... --dataset fashion-mnist --data-dir DIR (another source held by this node)
+#   deploy/start-client.sh ... --insecure                             (TLS off: test setups only)
+#
+#   --key FILE      this node's private key (deploy/make-node-key.sh); its .pub must be registered
+#   --data-dir DIR  this node's images: DIR/<class>/*.png or DIR/{train,test}/<class>/*.png
+#   --device        where the ClientApp computes (default auto: cuda, then mps, then cpu)
+#   --config/--set  the run configuration the server will use (default deploy/run.toml); the node's
+#                   data is checked against it (classes, number of nodes) before the node starts
+#   --state DIR     this node's Flower state (installed app bundles); default ./supernode-state
+#   --port          local port between the SuperNode and its ClientApp processes (one per node
+#                   on a machine; default 9094)
+#   --threads N     torch threads per ClientApp process (default: all cores)
+#
+# The node refuses to start if its data is missing or does not match the run's classes.
+# Caches (backbone weights, decoded images, backbone queries) live in $PROMPTFCL_CACHE
+# (default ~/.cache/promptfcl): a new ClientApp process per message reuses them.
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+
+superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
+config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --superlink) superlink=$2; shift 2 ;;
+    --ca) ca=$2; shift 2 ;;
+    --key) key=$2; shift 2 ;;
+    --no-node-auth) no_auth=1; shift ;;
+    --insecure) insecure=1; shift ;;
+    --data-dir) data_dir=$2; shift 2 ;;
+    --dataset) dataset=$2; shift 2 ;;
+    --partition-id) pid=$2; shift 2 ;;
+    --num-partitions) nparts=$2; shift 2 ;;
+    --device) device=$2; shift 2 ;;
+    --config) config=$2; shift 2 ;;
+    --set) sets+=("$2"); shift 2 ;;
+    --state) state=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+[ -n "$superlink" ] || die "--superlink HOST:PORT is required"
+case "$device" in auto|cpu|cuda|mps) ;; *) die "--device must be auto, cpu, cuda or mps" ;; esac
+[[ "$threads" =~ ^[0-9]+$ ]] || die "--threads must be a number"
+
+# this node's data, as node-config (TOML values; strings quoted)
+node_config="device=\"$device\""
+[ "$threads" = 0 ] || node_config="$node_config threads=$threads"
+if [ -n "$pid" ] || [ -n "$nparts" ]; then
+  [ -z "$data_dir$dataset" ] || die "give either --data-dir/--dataset or --partition-id/--num-partitions"
+  [[ "$pid" =~ ^[0-9]+$ && "$nparts" =~ ^[0-9]+$ ]] || die "--partition-id and --num-partitions must both be numbers"
+  node_config="$node_config partition-id=$pid num-partitions=$nparts"
+else
+  [ -n "$data_dir$dataset" ] || die "this node needs data: --data-dir DIR (or --dataset NAME, or --partition-id/--num-partitions)"
+  if [ -n "$data_dir" ]; then
+    [ -d "$data_dir" ] || die "data directory $data_dir does not exist"
+    data_dir="$(cd "$data_dir" && pwd)"
+    node_config="$node_config data-dir=\"$data_dir\""
+  fi
+  [ -z "$dataset" ] || node_config="$node_config dataset=\"$dataset\""
+fi
+
+args=(--superlink "$superlink" --port "$port" --node-config "$node_config")
+if [ "$insecure" = 1 ]; then
+  echo "WARNING: connecting WITHOUT TLS (--insecure): traffic is readable and forgeable" >&2
+  args+=(--insecure)
+else
+  [ -n "$ca" ] || die "--ca ca.crt is required (the SuperLink's CA; --insecure only for test networks)"
+  need_file "$ca" "CA certificate"
+  args+=(--root-certificates "$(cd "$(dirname "$ca")" && pwd)/$(basename "$ca")")
+fi
+if [ "$no_auth" = 0 ]; then
+  [ -n "$key" ] || die "--key FILE is required (deploy/make-node-key.sh; --no-node-auth if the SuperLink does not authenticate nodes)"
+  need_file "$key" "node private key"
+  args+=(--auth-supernode-private-key "$(cd "$(dirname "$key")" && pwd)/$(basename "$key")")
+fi
+
+# Refuse to start with missing or mismatched data (the ClientApp would fail on the first message).
+check=(check --node-config "$node_config")
+[ -n "$config" ] && check+=(--config "$(abspath "$config")")
+for s in ${sets[@]+"${sets[@]}"}; do check+=(--set "$s"); done
+(cd "$REPO_DIR" && "$PYTHON" -m client.node_data "${check[@]}") || die "this node's data is not usable for the run (see above)"
+
+mkdir -p "$state"
+export FLWR_HOME="$(cd "$state" && pwd)/flwr-home"
+# The SuperExec polls this node's local runtime API for new ClientApp tasks (default every 1 s):
+# a shorter interval takes up to a second off every message (a local call, cheap).
+export FLWR_SUPEREXEC_TASK_POLL_INTERVAL=${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.2}
+command -v flower-supernode >/dev/null || die "flower-supernode not found: install promptfcl (make install) first"
+echo "SuperNode -> $superlink, node-config: $node_config" >&2
+exec flower-supernode "${args[@]}"

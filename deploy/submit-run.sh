@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Submit a promptfcl run to a SuperLink and follow its log until it ends.
+#
+#   deploy/submit-run.sh --superlink HOST:PORT --ca certs/ca.crt [--config deploy/run.toml]
+#                        [--set KEY=VALUE ...] [--app DIR] [--no-stream]
+#   deploy/submit-run.sh --superlink HOST:PORT --insecure ...        (TLS off: test setups only)
+#
+#   --config FILE   run-config overrides (flat TOML; default deploy/run.toml: nodes with their
+#                   own data, federated evaluation)
+#   --set KEY=VAL   further overrides (TOML values: quote strings, e.g. --set out-dir='"runs/x"')
+#   --app DIR       the Flower app to submit (default: this repository)
+#   --no-stream     submit and return at once (follow later with `flwr log RUN_ID promptfcl`)
+#
+# The merged configuration is validated here first (unknown keys and bad values stop before
+# anything is sent). Results are written on the SuperLink machine, in its --state directory
+# (or at out-dir if that is an absolute path).
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+
+superlink=""; ca=""; insecure=0; config="$DEPLOY_DIR/run.toml"; app="$REPO_DIR"; stream=1; sets=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --superlink) superlink=$2; shift 2 ;;
+    --ca) ca=$2; shift 2 ;;
+    --insecure) insecure=1; shift ;;
+    --config) config=$2; shift 2 ;;
+    --set) sets+=("$2"); shift 2 ;;
+    --app) app=$2; shift 2 ;;
+    --no-stream) stream=0; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+[ -n "$superlink" ] || die "--superlink HOST:PORT is required"
+if [ "$insecure" = 0 ]; then
+  [ -n "$ca" ] || die "--ca certs/ca.crt is required (or --insecure for a test setup without TLS)"
+  need_file "$ca" "CA certificate"
+fi
+need_file "$config" "run config"
+need_file "$app/pyproject.toml" "Flower app"
+config="$(abspath "$config")"
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/promptfcl-submit.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
+# Merge --config and --set into one flat TOML file (`flwr run -c` takes a file or pairs, not both)
+# and validate it with promptfcl's own configuration checks.
+(cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
+import sys
+from common.config import ConfigError, ExperimentConfig, parse_overrides
+from server.cli import load_config
+from server.simulation import _toml_value
+
+src, dst, *sets = sys.argv[1:]
+try:
+    cfg = load_config(src, sets, None, None)
+    wanted = load_config(src, [], None, None).to_dict()
+    wanted.update(parse_overrides(sets))
+except ConfigError as exc:
+    sys.exit(f"error: {exc}")
+# only the keys the user set (the app's pyproject.toml holds the defaults)
+defaults = ExperimentConfig().to_dict()
+final = cfg.to_dict()
+keys = [k for k in final if k in wanted and (k not in defaults or final[k] != defaults[k])]
+with open(dst, "w") as fh:
+    for k in keys:
+        fh.write(f'"{k}" = {_toml_value(final[k])}\n')
+print(f"run config: {cfg.population} population, {cfg.evaluation} evaluation, strategy {cfg.strategy}, "
+      f"{cfg.num_tasks} tasks x {cfg.rounds_per_task} rounds, {cfg.num_clients} nodes", file=sys.stderr)
+EOF
+
+write_connection promptfcl "$superlink" "$ca" "$insecure"
+args=("$app" promptfcl --run-config "$merged")
+[ "$stream" = 1 ] && args+=(--stream)
+log="$work/flwr-run.log"
+flwr run "${args[@]}" 2>&1 | tee "$log"
+[ "${PIPESTATUS[0]}" = 0 ] || die "flwr run failed (see above)"
+run_id=$(sed -n 's/.*Successfully started run \([0-9]*\).*/\1/p' "$log" | head -1)
+[ -n "$run_id" ] || die "the SuperLink did not start the run (see above)"
+[ "$stream" = 1 ] || { echo "run $run_id submitted; follow it with: flwr log $run_id promptfcl"; exit 0; }
+# `flwr run --stream` ends when the run does, with status 0 either way: ask the SuperLink how it ended.
+status=$(flwr list promptfcl --run-id "$run_id" --format json | "$PYTHON" -c '
+import json, sys
+run = json.load(sys.stdin)["runs"][0]
+traffic = run.get("network-traffic", {})
+print(run["status"], "|", run.get("status-details", ""), "|", traffic.get("total-bytes", "?"))')
+echo "run $run_id: ${status%% |*} (SuperLink traffic: ${status##*| } bytes)"
+case "$status" in
+  finished:completed*) exit 0 ;;
+  *) echo "error: run $run_id did not complete: $(echo "$status" | cut -d'|' -f2)" >&2; exit 1 ;;
+esac

@@ -1,0 +1,626 @@
+"""Deployment across machines, tried on loopback with real processes (deploy/README.md).
+
+A SuperLink with TLS (an openssl CA and server certificate) and SuperNode authentication,
+three SuperNodes each with its own image folder, started and driven by the deploy/
+scripts exactly as the README says; a recording TLS proxy (tests/wiretap.py) between the
+nodes and the SuperLink sees every byte of every message. Also: an unregistered node key
+is refused, a node without the CA cannot connect, a node with missing or foreign data
+refuses to start, and the pieces underneath (node data, the on-disk query cache,
+federated evaluation, node sampling) are checked in-process.
+
+The end-to-end tests are marked ``deploy`` (about 3 minutes on 2 cores):
+``make test PYTEST_ARGS='-m "not deploy"'`` leaves them out. They use free ports, their own
+FLWR_HOME and cache directories, and stop every process they started (and its
+descendants) even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
+from common.config import ConfigError, ExperimentConfig
+from common.data import class_order
+from tests.conftest import TINY, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+VENV_BIN = Path(sys.executable).parent
+NUM_NODES = 3
+
+# The tiny two-task run the deployed federation executes (deploy/run.toml's keys, tiny sizes).
+RUN = {
+    **{k: v for k, v in TINY.items() if k not in ("num-clients", "clients-per-round")},
+    "population": "nodes", "evaluation": "federated", "num-classes": 10,
+    "class-names": ",".join(str(d) for d in range(10)), "num-clients": NUM_NODES, "clients-per-round": NUM_NODES,
+    "num-tasks": 2, "rounds-per-task": 1, "out-dir": "runs/deployed", "round-timeout": 600.0,
+}
+
+
+def toml_file(path: Path, values: dict) -> Path:
+    from server.simulation import _toml_value
+
+    path.write_text("".join(f'"{k}" = {_toml_value(v)}\n' for k, v in values.items()))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env.update(extra)
+    return env
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children first found first."""
+    tree, found, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass
+class Processes:
+    """Processes this test module started; stopped (with their descendants) at the end."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    known: set[int] = field(default_factory=set)
+
+    def start(self, args: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+        fh = open(log, "wb")
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        fh.close()
+        self.procs.append(proc)
+        return proc
+
+    def remember_descendants(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                self.known.update(descendants(p.pid))
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """SIGTERM to the process's group (its SuperExec and ClientApp children), then SIGKILL."""
+        self.known.update(descendants(proc.pid))
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)  # started with start_new_session: group id == pid
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+    def run_to_exit(self, args: list[str], log: Path, env: dict[str, str], cwd: Path,
+                    timeout: float) -> tuple[int, str]:
+        """Run until the process itself exits (output to a file: children may keep pipes open)."""
+        proc = self.start(args, log, env, cwd)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.stop(proc)  # leftover children (a SuperExec waiting for its parent to go)
+        out = log.read_text(errors="replace")
+        assert code is not None, f"{args[:2]} still running after {timeout:.0f} s:\n{out[-3000:]}"
+        return code, out
+
+    def stop_all(self) -> None:
+        self.remember_descendants()
+        for p in reversed(self.procs):
+            self.stop(p)
+        deadline = time.time() + 10
+        for pid in self.known:  # SuperExec / ClientApp processes in sessions of their own
+            while time.time() < deadline and Path(f"/proc/{pid}").exists():
+                time.sleep(0.2)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def wait_for_log(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and text in log.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before '{text}':\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"'{text}' not in {log} after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def run_script(name: str, *args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(DEPLOY / name), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- the deployed federation
+@dataclass
+class Deployment:
+    root: Path
+    port: int  # the SuperLink's
+    tap_port: int
+    results: dict
+    submit_output: str
+    exchanges: list
+    started: float
+    finished: float
+    processes: Processes
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Deployment:
+    from tests.wiretap import WireTap
+
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the TLS certificates (deploy/make-certs.sh)")
+
+    root = tmp_path_factory.mktemp("deploy")
+    env = script_env(FLWR_HOME=str(root / "cli-home"))
+    # Each node's data directory: a disjoint share of the digits as PNG folders.
+    export_digits(root / "data", NUM_NODES)
+    for cmd in (["make-certs.sh", "--out", "certs", "127.0.0.1"],
+                *[["make-node-key.sh", "--out", "keys", f"node{i}"] for i in range(1, NUM_NODES + 1)],
+                ["make-node-key.sh", "--out", "keys", "stranger"]):
+        done = run_script(cmd[0], *cmd[1:], env=env, cwd=root)
+        assert done.returncode == 0, done.stderr
+    run_toml = toml_file(root / "run.toml", RUN)
+
+    procs = Processes()
+    tap = None
+    try:
+        port = free_port()
+        link = procs.start(["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
+                            "--host", "127.0.0.1", "--port", str(port)], root / "superlink.log", env, cwd=root)
+        wait_for_log(root / "superlink.log", "Uvicorn running", link, timeout=180)
+        for i in range(1, NUM_NODES + 1):
+            done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
+                              "--name", f"node{i}", f"keys/node{i}.pub", env=env, cwd=root)
+            assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
+
+        # Every node talks to the SuperLink through the recording proxy.
+        tap = WireTap(("127.0.0.1", port), str(root / "certs/server.pem"), str(root / "certs/server.key"),
+                      str(root / "certs/ca.crt"))
+        tap_port = tap.start()
+        for i in range(1, NUM_NODES + 1):
+            node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"))
+            args = ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{tap_port}",
+                    "--ca", "certs/ca.crt", "--key", f"keys/node{i}", "--data-dir", f"data/node{i - 1}",
+                    "--config", "run.toml", "--state", f"node{i}", "--port", str(free_port()), "--threads", "1"]
+            if i == 1:
+                args += ["--device", "cpu"]  # the others use the default, auto
+            node = procs.start(args, root / f"node{i}.log", node_env, cwd=root)
+            wait_for_log(root / f"node{i}.log", "SuperNode ID", node, timeout=180)
+
+        started = time.time()
+        submit = run_script("submit-run.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
+                            "--config", str(run_toml), env=env, cwd=root, timeout=1500)
+        finished = time.time()
+        procs.remember_descendants()
+        output = submit.stdout + submit.stderr
+        assert submit.returncode == 0, output[-4000:]
+        results_path = root / "server" / RUN["out-dir"] / "results.json"
+        assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
+        yield Deployment(root, port, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
+                         started, finished, procs)
+    finally:
+        if tap is not None:
+            tap.stop()
+        procs.stop_all()
+
+
+def seen_test_images(data_root: Path, task: int, seed: int = 0) -> int:
+    """Held-out images of the classes seen up to ``task`` across all node folders."""
+    seen = class_order(10, seed)[: (task + 1) * 5]  # original digits of remapped classes 0..(task+1)*5-1
+    return sum(len(list((data_root / f"node{i}" / "test" / str(d)).glob("*.png")))
+               for i in range(NUM_NODES) for d in seen)
+
+
+@pytest.mark.deploy
+def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deployment):
+    r = deployment.results
+    acc = r["accuracy_matrix"]
+    assert len(acc) == 2 and acc[1][0] is None and acc[0][0] is not None and acc[1][1] is not None
+    assert all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
+    assert [x["server_round"] for x in r["rounds"]] == [1, 2]
+    for rnd in r["rounds"]:
+        assert rnd["clients_sampled"] == NUM_NODES and rnd["clients_aggregated"] == NUM_NODES and not rnd["rejected"]
+        # federated evaluation: every node answered; the counts cover exactly the nodes' held-out
+        # images of the classes seen so far (the server itself holds no data)
+        assert rnd["eval_nodes"] == NUM_NODES and not rnd["eval_failed"]
+        assert rnd["eval_test_size"] == seen_test_images(deployment.root / "data", rnd["task"])
+        assert rnd["client_process_seconds_max"] > 0  # a fresh ClientApp process per message
+    assert r["dataset"]["train_size"] is None and "held by the nodes" in r["backbone"]
+    assert r["config"]["population"] == "nodes" and r["config"]["evaluation"] == "federated"
+    # the ServerApp's log reached the submitter (flwr run --stream)
+    assert "results written to" in deployment.submit_output
+
+
+@pytest.mark.deploy
+def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
+    """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
+    import torch
+
+    from common.model import CodaPrompt, build_backbone
+    from server.loop import server_model_without_data
+    from tests.wiretap import fab_files, wire_messages, wire_objects
+
+    cfg = ExperimentConfig.from_dict(RUN)
+    trainable = server_model_without_data(cfg, CodaPrompt)
+    shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
+    backbone, _ = build_backbone(cfg)
+    backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
+                      if t.numel() > 8}
+    messages = wire_messages(deployment.exchanges)
+    kinds = [(d, t) for d, t, _ in messages]
+    rounds = len(deployment.results["rounds"])
+    # per round: a train and an evaluate message to every node, and a reply from every node
+    for direction in ("s2c", "c2s"):
+        assert kinds.count((direction, "train")) == rounds * NUM_NODES
+        assert kinds.count((direction, "evaluate")) == rounds * NUM_NODES
+
+    for direction, kind, content in messages:
+        assert content is not None, f"{direction} {kind} message without content"
+        assert set(content.keys()) <= {"arrays", "config", "metrics"}, sorted(content.keys())
+        for name, record in content.array_records.items():
+            assert set(record.keys()) <= set(shapes), f"{direction} {kind}: unexpected arrays {set(record) - set(shapes)}"
+            for arr_name in record.keys():
+                arr = record[arr_name].numpy()
+                assert arr.dtype == np.float32, f"{arr_name}: {arr.dtype} (raw images are uint8)"
+                assert arr.shape == shapes[arr_name], f"{arr_name}: {arr.shape} != {shapes[arr_name]}"
+                assert np.ascontiguousarray(arr).tobytes() not in backbone_bytes, f"{arr_name} is a backbone tensor"
+        for record in (*content.config_records.values(), *content.metric_records.values()):
+            for key, value in record.items():
+                if isinstance(value, (list, bytes, str)):
+                    assert len(value) <= 64, f"{direction} {kind}: {key} carries {len(value)} values"
+        if direction == "s2c":
+            assert set(content["arrays"].keys()) == set(shapes)  # the whole prompt + head, nothing else
+        elif kind == "train":
+            assert set(content.keys()) == {"arrays", "metrics"}
+        else:  # evaluation replies: counts only
+            assert set(content.keys()) == {"metrics"}
+            assert set(content["metrics"].keys()) == {"correct", "total", "num-examples"}
+
+    # every object on the wire belongs to one of those messages (nothing smuggled beside them)
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: F401
+    from flwr.supercore.inflatable.inflatable_object import get_object_type_from_object_content
+
+    down, up = wire_objects(deployment.exchanges)
+    types = {get_object_type_from_object_content(c) for c in (*down.values(), *up.values())}
+    assert types <= {"Message", "RecordDict", "ArrayRecord", "Array", "ArrayChunk", "ConfigRecord", "MetricRecord"}
+    # the app bundle nodes fetched: code and text only, no weights, no data
+    files = fab_files(deployment.exchanges)
+    assert "pyproject.toml" in files and "client/app.py" in files
+    assert all(f.startswith(".info/") or f.endswith((".py", ".toml", ".md", ".yaml", ".yml", ".json", ".jsonl"))
+               for f in files), files
+    assert max(files.values()) < 200_000
+    del torch
+
+
+@pytest.mark.deploy
+def test_bytes_on_the_wire_per_round(deployment, capsys):
+    """What crosses the wire per round: message objects match the server's accounting."""
+    from tests.wiretap import bytes_by_call, wire_objects
+
+    r = deployment.results
+    rounds = len(r["rounds"])
+    calls = bytes_by_call(deployment.exchanges)
+    down, up = wire_objects(deployment.exchanges)
+    wire_down = sum(len(c) for c in down.values())  # distinct objects; a node pulls each one once
+    accounted_down = sum(x["bytes_s2c"] + x["eval_bytes_s2c"] for x in r["rounds"])
+    accounted_up = sum(x["bytes_c2s"] + x["eval_bytes_c2s"] for x in r["rounds"])
+    pulled = calls["pull-object"]["down"]
+    pushed = calls["push-object"]["up"]
+    # every message content byte the server counted crossed the wire (plus protobuf framing),
+    # and nothing much else did: no more than the counted bytes plus 10% framing per object
+    assert accounted_down <= pulled <= 1.10 * accounted_down + 20_000
+    assert pushed <= 1.10 * accounted_up + 20_000
+    assert wire_down <= pulled
+    total = sum(c["up"] + c["down"] for c in calls.values())
+    import re
+
+    flower_count = re.search(r"SuperLink traffic: (\d+) bytes", deployment.submit_output)
+    summary = {
+        "superlink_reported_traffic_total": int(flower_count.group(1)) if flower_count else None,
+        "rounds": rounds,
+        "fleet_bytes_total": total,
+        "fleet_bytes_per_round": total / rounds,
+        "message_objects_down_per_round": pulled / rounds,
+        "message_objects_up_per_round": pushed / rounds,
+        "server_accounted_down_per_round": accounted_down / rounds,
+        "server_accounted_up_per_round": accounted_up / rounds,
+        "by_call": calls,
+        "round_seconds": [x["round_seconds"] for x in r["rounds"]],
+        "eval_seconds": [x["eval_seconds"] for x in r["rounds"]],
+        "client_process_seconds_max": [x["client_process_seconds_max"] for x in r["rounds"]],
+        "run_seconds": deployment.finished - deployment.started,
+    }
+    (deployment.root / "wire.json").write_text(json.dumps(summary, indent=1))
+    with capsys.disabled():
+        print(f"\nwire summary ({deployment.root / 'wire.json'}): " + json.dumps(
+            {k: v for k, v in summary.items() if k != "by_call"}))
+
+
+@pytest.mark.deploy
+def test_unregistered_node_key_is_refused(deployment):
+    root = deployment.root
+    code, out = deployment.processes.run_to_exit(
+        ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{deployment.port}", "--ca",
+         "certs/ca.crt", "--key", "keys/stranger", "--data-dir", "data/node0", "--config", "run.toml",
+         "--state", "stranger", "--port", str(free_port())],
+        root / "stranger.log", script_env(PROMPTFCL_CACHE=str(root / "cache-stranger")), root, timeout=180)
+    assert code != 0
+    assert "Failed to activate SuperNode" in out, out[-3000:]
+    assert "No SuperNode found with the given public key" in (root / "superlink.log").read_text()
+
+
+@pytest.mark.deploy
+def test_node_without_the_ca_certificate_cannot_connect(deployment):
+    root = deployment.root
+    # the script refuses outright ...
+    done = run_script("start-client.sh", "--superlink", f"127.0.0.1:{deployment.port}", "--key", "keys/node1",
+                      "--data-dir", "data/node0", env=script_env(), cwd=root)
+    assert done.returncode != 0 and "--ca" in done.stderr
+    # ... and a SuperNode started by hand without --root-certificates fails the TLS handshake
+    code, out = deployment.processes.run_to_exit(
+        [str(VENV_BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{deployment.port}",
+         "--auth-supernode-private-key", "keys/node1", "--port", str(free_port()),
+         "--node-config", f'data-dir="{root / "data/node0"}"'],
+        root / "noca.log", script_env(FLWR_HOME=str(root / "noca-home")), root, timeout=180)
+    assert code != 0
+    assert "CERTIFICATE_VERIFY_FAILED" in out, out[-3000:]
+
+
+# ----------------------------------------------------------------------------- refusing bad node data
+def test_start_client_refuses_missing_or_foreign_data(tmp_path):
+    env = script_env(PROMPTFCL_CACHE=str(tmp_path / "cache"))
+    run_toml = toml_file(tmp_path / "run.toml", RUN)
+    common = ["--superlink", "127.0.0.1:1", "--ca", str(tmp_path / "ca.crt"), "--key", str(tmp_path / "k"),
+              "--config", str(run_toml)]
+    (tmp_path / "ca.crt").write_text("x")
+    (tmp_path / "k").write_text("x")
+    done = run_script("start-client.sh", *common, "--data-dir", str(tmp_path / "nowhere"), env=env, cwd=tmp_path)
+    assert done.returncode != 0 and "does not exist" in done.stderr
+    done = run_script("start-client.sh", *common, env=env, cwd=tmp_path)
+    assert done.returncode != 0 and "needs data" in done.stderr
+    foreign = tmp_path / "pets"
+    export_digits(tmp_path / "digits", 1)
+    (tmp_path / "digits/node0/train/cat").mkdir()
+    done = run_script("start-client.sh", *common, "--data-dir", str(tmp_path / "digits/node0"), env=env, cwd=tmp_path)
+    assert done.returncode != 0 and "['cat'] that are not among the run's classes" in done.stderr, done.stderr
+    del foreign
+
+
+# ----------------------------------------------------------------------------- in-process pieces
+def nodes_config(**overrides) -> ExperimentConfig:
+    return tiny_config(**{"population": "nodes", "num-clients": 3, "clients-per-round": 3, **overrides})
+
+
+def test_node_config_errors_say_what_to_do(tmp_path):
+    with pytest.raises(NodeDataError, match="started without data"):
+        parse_node_config({})
+    with pytest.raises(NodeDataError, match="does not exist"):
+        parse_node_config({"data-dir": str(tmp_path / "missing")})
+    with pytest.raises(NodeDataError, match="unknown node-config keys \\['data_dir'\\]"):
+        parse_node_config({"data_dir": str(tmp_path)})
+    with pytest.raises(NodeDataError, match="partition-id"):
+        parse_node_config({"partition-id": 3, "num-partitions": 3})
+    with pytest.raises(NodeDataError, match="device"):
+        parse_node_config({"partition-id": 0, "num-partitions": 3, "device": "tpu"})
+    spec = parse_node_config({"data-dir": str(tmp_path), "device": "cpu"})
+    assert spec.kind == "local" and spec.dataset == f"folder:{tmp_path}" and spec.device == "cpu"
+    with pytest.raises(NodeDataError, match="num-clients = 3"):
+        node_data(nodes_config(), {"partition-id": 0, "num-partitions": 4})
+
+
+def test_config_requires_what_federated_evaluation_needs():
+    with pytest.raises(ConfigError, match="needs population=nodes"):
+        tiny_config(evaluation="federated", num_classes=10)
+    with pytest.raises(ConfigError, match="set num-classes"):
+        nodes_config(evaluation="federated")
+    with pytest.raises(ConfigError, match="class-names lists 3 classes"):
+        nodes_config(num_classes=10, class_names="a,b,c")
+
+
+def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
+    (node,) = export_digits(tmp_path / "data", 1)
+    names = ",".join(str(d) for d in range(10))
+    cfg = nodes_config(num_classes=10, class_names=names)
+    full = node_data(cfg, {"data-dir": str(node)})
+    assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
+    assert full.cfg.centralised  # all of a node's own data is its share
+    # a node that lacks some classes keeps the others' labels (matched by name, not position)
+    import shutil
+
+    from client import node_data as node_data_module
+
+    shutil.rmtree(node / "train" / "0")
+    shutil.rmtree(node / "test" / "0")
+    node_data_module._loaded.clear()  # a new process, as in deployment (the file listing changed)
+    partial = node_data(cfg, {"data-dir": str(node)})
+    order = list(class_order(10, 0))
+    assert partial.data.num_classes == 10 and order.index(0) not in set(partial.data.train.labels.tolist())
+    label_of_7 = order.index(7)
+    assert (partial.data.train.labels == label_of_7).sum() == (full.data.train.labels == label_of_7).sum()
+    # without class-names the folders define the classes, and the server's count is enforced
+    from client.node_data import check_classes, original_names
+
+    sorted_cfg = nodes_config()
+    nine = node_data(sorted_cfg, {"data-dir": str(node)})
+    with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
+        check_classes(sorted_cfg, nine.data.num_classes, original_names(nine.data, 0), "this node", run_num_classes=10)
+
+
+def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
+    cfg = nodes_config()
+    shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3}).data.test for i in range(3)]
+    from common.data import load_dataset_cached
+
+    full = load_dataset_cached(cfg).test
+    assert sum(len(s) for s in shards) == len(full)
+    assert sorted(np.concatenate([s.labels for s in shards]).tolist()) == sorted(full.labels.tolist())
+
+
+DISK_CACHE_PROBE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from flwr.app import ConfigRecord, Context, RecordDict
+from client.app import client_runtime
+from common.config import ExperimentConfig
+cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
+ctx = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
+t1 = time.perf_counter()
+rt, _ = client_runtime(cfg, ctx, ConfigRecord({"num-classes": 10}))
+q = rt.queries("train", __import__("numpy").arange(len(rt.data.train)))
+t2 = time.perf_counter()
+c = rt.query_cache("train")
+print(json.dumps({"computed": c.computed, "loaded": c.loaded, "imports_s": t1 - t0, "setup_s": t2 - t1,
+                  "checksum": float(q.sum())}))
+"""
+
+
+def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
+    """Two fresh processes, as two messages in deployment: the second decodes and computes nothing."""
+    (node,) = export_digits(tmp_path / "data", 1)
+    cfg = nodes_config(num_classes=10, class_names=",".join(str(d) for d in range(10)))
+    env = script_env(PROMPTFCL_CACHE=str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", DISK_CACHE_PROBE, json.dumps(cfg.to_dict()), str(node)],
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["computed"] > 1000 and first["loaded"] == 0
+    assert second["computed"] == 0 and second["loaded"] == first["computed"]
+    assert second["checksum"] == first["checksum"]  # exactly the same queries
+    assert list((tmp_path / "cache" / "node-data").glob("*.npz")), "decoded images are cached too"
+    print(f"\nfresh ClientApp process: cold {first['setup_s']:.2f} s, warm {second['setup_s']:.2f} s "
+          f"(imports {first['imports_s']:.2f} / {second['imports_s']:.2f} s)")
+
+
+def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_path):
+    import torch
+
+    from common.data import ArraySplit
+    from common.runtime import QueryCache
+
+    class Model:  # q(x) = mean pixel, enough to tell entries apart
+        def preprocess(self, x):
+            return x.float()
+
+        def query(self, x):
+            return x.mean(dim=(1, 2, 3), keepdim=False)[:, None].repeat(1, 4)
+
+    split = ArraySplit(np.arange(10 * 4, dtype=np.uint8).reshape(10, 1, 2, 2), np.zeros(10, np.int64))
+    path = tmp_path / "q.npz"
+    a, b = QueryCache(split, 4, path), QueryCache(split, 4, path)
+    a.get(Model(), np.array([0, 1, 2]), torch.device("cpu"))
+    b.get(Model(), np.array([7, 8]), torch.device("cpu"))  # b merges a's entries before writing
+    c = QueryCache(split, 4, path)
+    assert c.loaded == 5 and c.filled.sum() == 5
+    torch.testing.assert_close(c.table[8], torch.full((4,), float(split.images[8].mean())))
+    path.write_bytes(b"not a cache")
+    assert QueryCache(split, 4, path).loaded == 0  # unreadable: recomputed, not a crash
+
+
+class FakeGrid:
+    """A Grid whose nodes answer evaluation messages with given counts (or an error)."""
+
+    def __init__(self, answers: dict[int, tuple[list[int], list[int]] | str]) -> None:
+        self.answers = answers
+        self.sent: list = []
+
+    def get_node_ids(self):
+        return list(self.answers)
+
+    def send_and_receive(self, messages, timeout=None):
+        from tests.conftest import reply_from
+        from flwr.app import MetricRecord, RecordDict
+
+        self.sent = list(messages)
+        out = []
+        for m in self.sent:
+            answer = self.answers[m.metadata.dst_node_id]
+            if isinstance(answer, str):
+                out.append(reply_from(m.metadata.dst_node_id, error=answer))
+            else:
+                correct, total = answer
+                out.append(reply_from(m.metadata.dst_node_id, RecordDict({"metrics": MetricRecord(
+                    {"correct": correct, "total": total, "num-examples": sum(total)})})))
+        return out
+
+
+def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
+    from common.records import to_array_record
+    from server.loop import FederatedEvaluator
+    from strategies.fedavg import FedAvgPrompt
+
+    cfg = nodes_config(evaluation="federated", num_classes=10)
+    strategy = FedAvgPrompt(cfg, 10)
+    grid = FakeGrid({11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: "node 13 crashed", 14: ([1], [1])})
+    acc = FederatedEvaluator(grid, strategy)(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
+    # (5 + 10) / 30 and (1 + 9) / 20; the crashed node and the malformed reply are left out
+    np.testing.assert_allclose(acc, [50.0, 50.0])
+    assert {m.metadata.message_type for m in grid.sent} == {"evaluate"}
+    evaluator = FederatedEvaluator(grid, strategy)
+    evaluator(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
+    rec = evaluator.last_record
+    assert rec["eval_nodes"] == 2 and rec["eval_test_size"] == 50 and len(rec["eval_failed"]) == 2
+
+
+def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity):
+    from flwr.app import ConfigRecord
+
+    from common.records import to_array_record
+    from strategies.fedavg import FedAvgPrompt
+
+    cfg = nodes_config(clients_per_round=2, num_clients=3)
+    strategy = FedAvgPrompt(cfg, 10)
+    grid = FakeGrid({30: "", 10: "", 20: ""})
+    arrays = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
+    msgs = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), grid)
+    chosen = sorted(m.metadata.dst_node_id for m in msgs)
+    assert len(chosen) == 2 and set(chosen) <= {10, 20, 30}
+    assert chosen == strategy.sample_nodes([10, 20, 30], 0, 0)  # a pure function of the sorted ids
+    assert all(m.content["config"]["num-classes"] == 10 for m in msgs)
+    # fewer nodes than the population: the first round waits, then says how many came
+    strategy = FedAvgPrompt(nodes_config(num_clients=3, round_timeout=1.5), 10)
+    with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
+        strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
