@@ -29,7 +29,7 @@ from flwr.app import RecordDict
 from torch import nn
 
 from client.learner import Batch, LocalLearner
-from common.config import ConfigError
+from common.config import ConfigError, coerce_value
 from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import CONFIG, to_array_record
@@ -106,7 +106,7 @@ class FPPLOptions:
             f = known.get(key.replace("_", "-"))
             if f is None:
                 raise ConfigError(f"unknown option fppl.{key}; known: {', '.join('fppl.' + k for k in sorted(known))}")
-            values[f.name] = _coerce(f"fppl.{key}", value, f.type)
+            values[f.name] = coerce_value(f"fppl.{key}", value, f.type)
         opts = cls(**values)
         opts.validate()
         return opts
@@ -128,36 +128,6 @@ class FPPLOptions:
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
 
-def _coerce(key: str, value: Any, type_name: Any) -> Any:
-    """TOML / CLI value -> the option's type, strictly (no silent truncation or truthiness)."""
-    t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
-    if t == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-    elif t == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-    elif t == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif t == "str":
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{key} = {value!r} is not a valid {t}")
-
-
-# ---------------------------------------------------------------------------- prompt
 class FPPLPrompt(CodaPrompt):
     """One prompt per task, fused by a cosine-linear layer on the query (eq. 2).
 

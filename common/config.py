@@ -180,7 +180,7 @@ class ExperimentConfig:
                 raise ConfigError(
                     f"unknown configuration key {key!r}; known keys: {', '.join(sorted(known))}"
                 )
-            values[f.name] = _coerce(key, value, f.type)
+            values[f.name] = coerce_value(key, value, f.type)
         cfg = cls(**values, method=method)
         cfg.validate()
         return cfg
@@ -261,8 +261,10 @@ class ExperimentConfig:
              "evaluation=federated: the server holds no data, so set num-classes (and optionally class-names)")
 
 
-def _coerce(key: str, value: Any, type_name: Any) -> Any:
-    """Convert a run-config value (TOML or CLI string) to the field's type, strictly."""
+def coerce_value(key: str, value: Any, type_name: Any) -> Any:
+    """Convert a run-config value (TOML or CLI string) to the field's type, strictly.
+
+    Shared by the run config and every method's options dataclass."""
     t = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
     try:
         if t == "bool":
@@ -305,3 +307,4 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         except tomllib.TOMLDecodeError:
             out[key] = raw  # bare strings such as dataset=digits
     return out
+

@@ -31,7 +31,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common.config import ConfigError, ExperimentConfig, _coerce
+from common.config import ConfigError, ExperimentConfig, coerce_value
 from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
@@ -76,7 +76,7 @@ class FedCPromptOptions:
             if f is None:
                 raise ConfigError(f"unknown option fedcprompt.{key}; known: "
                                   f"{', '.join('fedcprompt.' + k for k in sorted(known))}")
-            values[f.name] = _coerce(f"fedcprompt.{key}", raw, str(f.type))
+            values[f.name] = coerce_value(f"fedcprompt.{key}", raw, str(f.type))
         opts = cls(**values)
         opts.validate()
         return opts

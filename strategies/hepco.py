@@ -43,7 +43,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
-from common.config import ConfigError, ExperimentConfig
+from common.config import ConfigError, ExperimentConfig, coerce_value
 from common.data import task_classes
 from common.model import CodaPrompt, gram_schmidt_rows, resolve_device
 from common.records import ARRAYS, from_array_record, to_array_record
@@ -141,7 +141,7 @@ class HePCoOptions:
             f = known.get(key)
             if f is None:
                 raise ConfigError(f"unknown option hepco.{key}; known: {', '.join('hepco.' + k for k in sorted(known))}")
-            values[f.name] = _coerce(f"hepco.{key}", raw, f.type if isinstance(f.type, str) else f.type.__name__)
+            values[f.name] = coerce_value(f"hepco.{key}", raw, f.type if isinstance(f.type, str) else f.type.__name__)
         opts = cls(**values)
         opts.validate()
         return opts
@@ -168,28 +168,6 @@ class HePCoOptions:
         need(self.averaging in ("uniform", "samples"), f"averaging must be 'uniform' or 'samples', got {self.averaging!r}")
 
 
-def _coerce(key: str, value: Any, type_name: str) -> Any:
-    try:
-        if type_name == "bool":
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                return value.lower() in ("true", "1", "yes", "on")
-            raise ValueError
-        if type_name == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if type_name == "float":
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} = {value!r} is not a valid {type_name}") from None
-
-
-# ---------------------------------------------------------------------------- client prompt
 class HePCoPrompt(CodaPrompt):
     """The paper's decomposed prompting (sec. 5.1): ``p = sum_m cos(q, K_m) P_m``.
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 
-from common.config import ConfigError, ExperimentConfig
+from common.config import ConfigError, ExperimentConfig, coerce_value
 from common.data import seen_classes, task_classes
 from common.model import CodaPrompt, gram_schmidt_rows
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
@@ -107,7 +107,7 @@ class HGPOptions:
             f = known.get(key) or known.get(str(key).replace("_", "-"))
             if f is None:
                 raise ConfigError(f"unknown option hgp.{key}; known: {', '.join('hgp.' + k for k in sorted(known))}")
-            values[f.name] = _coerce_option(key, raw, str(f.type))
+            values[f.name] = coerce_value(f"hgp.{key}", raw, str(f.type))
         opts = cls(**values)
         opts.validate()
         return opts
@@ -134,30 +134,6 @@ class HGPOptions:
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
 
 
-def _coerce_option(key: str, value: Any, type_name: str) -> Any:
-    try:
-        if type_name == "bool":
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                return value.lower() in ("true", "1", "yes", "on")
-            raise ValueError
-        if type_name == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if type_name == "float":
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if isinstance(value, str):
-            return value
-        raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"hgp.{key} = {value!r} is not a valid {type_name}") from None
-
-
-# ---------------------------------------------------------------------------- prompting
 class HGPPrompt(CodaPrompt):
     """A pool of prompts with keys, weighted by normalised cosine scores (paper 3.2.1).
 
