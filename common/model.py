@@ -155,6 +155,10 @@ class CodaPrompt(nn.Module):
         Number of task slices.
     """
 
+    #: parameter kinds per prompted block: components P, keys K, attention vectors A.
+    #: Variants without attention vectors (HePCo, HGP) set ``kinds = "pk"``.
+    kinds = "pka"
+
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__()
         self.embed_dim, self.layers, self.pool_size = embed_dim, list(layers), pool_size
@@ -164,8 +168,9 @@ class CodaPrompt(nn.Module):
         for layer in self.layers:
             self.register_parameter(f"p{layer}", nn.Parameter(torch.empty(pool_size, length, embed_dim)))
             self.register_parameter(f"k{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
-            self.register_parameter(f"a{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
-            for kind in "pka":
+            if "a" in self.kinds:
+                self.register_parameter(f"a{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
+            for kind in self.kinds:
                 nn.init.uniform_(getattr(self, f"{kind}{layer}"))
 
     def slice_of(self, task: int) -> slice:
@@ -176,7 +181,7 @@ class CodaPrompt(nn.Module):
         s = self.slice_of(task)
         with torch.no_grad():
             for layer in self.layers:
-                for kind in "pka":
+                for kind in self.kinds:
                     param = getattr(self, f"{kind}{layer}")
                     fresh = torch.randn(param[s].shape, generator=generator)
                     if orthogonal:
@@ -215,7 +220,7 @@ class CodaPrompt(nn.Module):
         """CODA-P's ||K K^T - I||^2 style regulariser (off by default; kept for the code's option)."""
         total = torch.zeros(())
         for layer in self.layers:
-            for kind in "pka":
+            for kind in self.kinds:
                 m = self._active(kind, layer, True).reshape(-1, self.embed_dim * (self.length if kind == "p" else 1))
                 gram = m @ m.T
                 total = total + ((gram - torch.eye(len(m))) ** 2).mean()

@@ -31,7 +31,6 @@ to pass over (the authors' code does the same).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -45,7 +44,7 @@ from torch import nn
 
 from common.config import ConfigError, ExperimentConfig, coerce_value
 from common.data import task_classes
-from common.model import CodaPrompt, gram_schmidt_rows, resolve_device
+from common.model import CodaPrompt, resolve_device
 from common.records import ARRAYS, from_array_record, to_array_record
 from strategies.base import PromptStrategy, weighted_average
 
@@ -177,39 +176,12 @@ class HePCoPrompt(CodaPrompt):
     Smith et al. (2022)".
     """
 
-    kinds = "pk"
-
-    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
-        super().__init__(embed_dim, layers, pool_size, length, num_tasks)
-        for layer in self.layers:
-            delattr(self, f"a{layer}")
-
-    def init_task_slice(self, task: int, generator: torch.Generator, orthogonal: bool = True) -> None:
-        s = self.slice_of(task)
-        with torch.no_grad():
-            for layer in self.layers:
-                for kind in self.kinds:
-                    param = getattr(self, f"{kind}{layer}")
-                    fresh = torch.randn(param[s].shape, generator=generator)
-                    if orthogonal:
-                        fresh = gram_schmidt_rows(fresh, param[: s.start])
-                    else:
-                        fresh = fresh * (1.0 / math.sqrt(fresh[0].numel()))
-                    param[s] = fresh
+    kinds = "pk"  # no attention vectors
 
     def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """alpha (B, M_active): cosine of the query with each active key."""
         keys = self._active("k", layer, self.training)
         return F.normalize(query, dim=-1) @ F.normalize(keys, dim=-1).T
-
-    def orthogonality_penalty(self) -> torch.Tensor:
-        total = torch.zeros(())
-        for layer in self.layers:
-            for kind in self.kinds:
-                m = self._active(kind, layer, True).reshape(-1, self.embed_dim * (self.length if kind == "p" else 1))
-                total = total + ((m @ m.T - torch.eye(len(m))) ** 2).mean()
-        return total
-
 
 # ---------------------------------------------------------------------------- latent models
 class LatentGenerator(nn.Module):

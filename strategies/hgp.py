@@ -49,7 +49,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from common.config import ConfigError, ExperimentConfig, coerce_value
 from common.data import seen_classes, task_classes
-from common.model import CodaPrompt, gram_schmidt_rows
+from common.model import CodaPrompt
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
 
@@ -144,39 +144,13 @@ class HGPPrompt(CodaPrompt):
     slices and orthogonal initialisation are CODA-P's, as in the shared base.
     """
 
-    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
-        super().__init__(embed_dim, layers, pool_size, length, num_tasks)
-        for layer in self.layers:  # HGP has no attention vectors: do not train or transmit them
-            delattr(self, f"a{layer}")
-
-    def init_task_slice(self, task: int, generator: torch.Generator, orthogonal: bool = True) -> None:
-        """(Re)initialise the prompts and keys of ``task``, orthogonal to earlier slices."""
-        s = self.slice_of(task)
-        with torch.no_grad():
-            for layer in self.layers:
-                for kind in "pk":
-                    param = getattr(self, f"{kind}{layer}")
-                    fresh = torch.randn(param[s].shape, generator=generator)
-                    if orthogonal:
-                        fresh = gram_schmidt_rows(fresh, param[: s.start])
-                    else:
-                        fresh = fresh * (1.0 / math.sqrt(fresh[0].numel()))
-                    param[s] = fresh
+    kinds = "pk"  # no attention vectors: they are neither trained nor transmitted
 
     def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """alpha (B, M_active): cosine of the query with each key, L1-normalised over the pool."""
         keys = self._active("k", layer, self.training)
         scores = F.normalize(query, dim=-1) @ F.normalize(keys, dim=-1).T
         return scores / scores.abs().sum(dim=-1, keepdim=True).clamp_min(1e-8)
-
-    def orthogonality_penalty(self) -> torch.Tensor:
-        total = torch.zeros(())
-        for layer in self.layers:
-            for kind in "pk":
-                m = self._active(kind, layer, True).reshape(-1, self.embed_dim * (self.length if kind == "p" else 1))
-                total = total + ((m @ m.T - torch.eye(len(m))) ** 2).mean()
-        return total
-
 
 # ---------------------------------------------------------------------------- statistics on the wire
 @dataclass
