@@ -44,11 +44,12 @@ import numpy as np
 
 from common.config import DEVICES, ConfigError, ExperimentConfig, parse_overrides
 from common.data import (
+    IMAGE_EXTENSIONS,
+    read_class_folders,
     ArraySplit,
     DataError,
     Dataset,
     _cap_per_class,
-    _stack_images,
     class_order,
     load_dataset,
     load_dataset_cached,
@@ -57,7 +58,6 @@ from common.data import (
 log = logging.getLogger("promptfcl")
 
 NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id")
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 # Run-config keys that decide what a node's folder data decodes to.
 FOLDER_KEYS = ("seed", "test-fraction", "image-size", "class-names", "max-train-per-class", "max-test-per-class")
 
@@ -303,25 +303,11 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
 
 
 def _read_split(split_root: Path, names: list[str], cfg: ExperimentConfig) -> ArraySplit:
-    from PIL import Image, UnidentifiedImageError
-
-    images, labels = [], []
-    for label, cls in enumerate(names):
-        cls_dir = split_root / cls
-        if not cls_dir.is_dir():
-            continue  # this node holds no images of the class
-        for f in sorted(cls_dir.iterdir()):
-            if f.suffix.lower() not in IMAGE_EXTENSIONS:
-                continue
-            try:
-                with Image.open(f) as im:
-                    images.append(im.copy())
-            except (OSError, UnidentifiedImageError) as exc:
-                raise NodeDataError(f"cannot read image {f}: {exc}") from exc
-            labels.append(label)
-    if not images:
-        return ArraySplit(np.zeros((0, 1, cfg.image_size, cfg.image_size), np.uint8), np.zeros(0, np.int64))
-    return ArraySplit(_stack_images(images, cfg.image_size), np.asarray(labels, dtype=np.int64))
+    """The node's images of the run's classes (a node may lack some classes)."""
+    try:
+        return read_class_folders(split_root, names, cfg.image_size, skip_missing=True)
+    except DataError as exc:
+        raise NodeDataError(str(exc)) from exc
 
 
 def _split(full: ArraySplit, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit]:

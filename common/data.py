@@ -204,26 +204,11 @@ def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, l
     names = sorted(p.name for p in base.iterdir() if p.is_dir())
     if len(names) < 2:
         raise DataError(f"folder dataset {base} needs one sub-folder per class (found {len(names)})")
-    exts = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
     def read(split_root: Path) -> ArraySplit:
-        images, labels = [], []
-        for label, cls in enumerate(names):
-            cls_dir = split_root / cls
-            if not cls_dir.is_dir():
-                raise DataError(f"class folder {cls_dir} missing")
-            for f in sorted(cls_dir.iterdir()):
-                if f.suffix.lower() not in exts:
-                    continue
-                try:
-                    with Image.open(f) as im:
-                        images.append(im.copy())
-                except (OSError, UnidentifiedImageError) as exc:
-                    raise DataError(f"cannot read image {f}: {exc}") from exc
-                labels.append(label)
-        if not images:
+        split = read_class_folders(split_root, names, cfg.image_size, skip_missing=False)
+        if not len(split):
             raise DataError(f"no images under {split_root}")
-        return ArraySplit(_stack_images(images, cfg.image_size), np.asarray(labels, dtype=np.int64))
+        return split
 
     if has_splits:
         return read(root / "train"), read(root / "test"), names
@@ -234,6 +219,38 @@ def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, l
         np.arange(len(full)), test_size=cfg.test_fraction, stratify=full.labels, random_state=cfg.seed
     )
     return ArraySplit(full.images[tr], full.labels[tr]), ArraySplit(full.images[te], full.labels[te]), names
+
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool) -> ArraySplit:
+    """Images of ``split_root/<class>/*`` labelled by position in ``names``.
+
+    A missing class folder is an error unless ``skip_missing`` (a node may hold only some
+    classes); an unreadable image is always an error. No images gives an empty split.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    images, labels = [], []
+    for label, cls in enumerate(names):
+        cls_dir = split_root / cls
+        if not cls_dir.is_dir():
+            if skip_missing:
+                continue
+            raise DataError(f"class folder {cls_dir} missing")
+        for f in sorted(cls_dir.iterdir()):
+            if f.suffix.lower() not in IMAGE_EXTENSIONS:
+                continue
+            try:
+                with Image.open(f) as im:
+                    images.append(im.copy())
+            except (OSError, UnidentifiedImageError) as exc:
+                raise DataError(f"cannot read image {f}: {exc}") from exc
+            labels.append(label)
+    if not images:
+        return ArraySplit(np.zeros((0, 1, image_size, image_size), np.uint8), np.zeros(0, np.int64))
+    return ArraySplit(_stack_images(images, image_size), np.asarray(labels, dtype=np.int64))
 
 
 def _cap_per_class(split: ArraySplit, cap: int, seed: int) -> ArraySplit:
