@@ -56,4 +56,5 @@ command -v flower-superlink >/dev/null || die "flower-superlink not found: insta
   || die "promptfcl is not importable by $PYTHON: install it on this machine first (make install)"
 cd "$state"
 echo "SuperLink on $host:$port, state in $state, node authentication $([ $auth = 1 ] && echo on || echo off)" >&2
-exec flower-superlink "${args[@]}"
+# flower-superlink with a longer HTTP keep-alive (deploy/superlink.py says why).
+exec "$PYTHON" "$DEPLOY_DIR/superlink.py" "${args[@]}"

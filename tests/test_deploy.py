@@ -233,7 +233,8 @@ def deployment(tmp_path_factory) -> Deployment:
         finished = time.time()
         procs.remember_descendants()
         output = submit.stdout + submit.stderr
-        assert submit.returncode == 0, output[-4000:]
+        superlink_log = (root / "superlink.log").read_text(errors="replace")
+        assert submit.returncode == 0, f"{output[-4000:]}\n--- superlink.log (tail) ---\n{superlink_log[-6000:]}"
         results_path = root / "server" / RUN["out-dir"] / "results.json"
         assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
         yield Deployment(root, port, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
@@ -624,3 +625,30 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     strategy = FedAvgPrompt(nodes_config(num_clients=3, round_timeout=1.5), 10)
     with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
         strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
+
+
+@pytest.mark.deploy
+def test_superlink_keeps_idle_connections_longer_than_its_clients(deployment):
+    """Idle past httpx's 5 s keep-alive expiry, a connection to the SuperLink still serves requests.
+
+    With uvicorn's default (5 s, equal to the clients' expiry) a client could reuse a connection
+    as the server closed it and die on an SSL EOF (deploy/superlink.py).
+    """
+    import http.client
+    import ssl
+
+    import httpx
+
+    assert httpx.Limits().keepalive_expiry == 5.0  # the clients' expiry this guards against
+    context = ssl.create_default_context(cafile=str(deployment.root / "certs" / "ca.crt"))
+    conn = http.client.HTTPSConnection("127.0.0.1", deployment.port, context=context, timeout=10)
+    try:
+        for pause in (0.0, 6.5):
+            time.sleep(pause)
+            conn.request("GET", "/")  # any path: a reply at all means the connection stayed open
+            reply = conn.getresponse()
+            reply.read()
+            assert reply.status in (200, 404, 405), reply.status
+            assert not reply.will_close
+    finally:
+        conn.close()
