@@ -243,8 +243,12 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
         if method == "upper-bound":
             strategy, run_settings = "fedavg", {**run_settings, "centralised": True}
         run_dir = out_dir / "runs" / f"{method}-{label}-seed{seed}"
-        log.info("[%d/%d] %s, %s, seed %d", i, len(runs), method, label, seed)
-        results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
+        results = finished_run(run_dir, {**run_settings, "strategy": strategy})
+        if results is not None:
+            log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
+        else:
+            log.info("[%d/%d] %s, %s, seed %d", i, len(runs), method, label, seed)
+            results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
         comm, timing = results["communication"], results["timing"]
         rows.append({
             "method": method, "setting": label, "seed": seed,
@@ -257,6 +261,25 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
         _write_compare(out_dir, rows)
     print(summary_table(rows))
     return rows
+
+
+def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The results of an earlier run in ``run_dir`` with exactly these settings, else None.
+
+    An interrupted ``bench compare`` started again redoes only the runs it lacks; a run
+    whose configuration differs (other code defaults, other --set values) is redone.
+    """
+    path = run_dir / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text())
+        done = ExperimentConfig.from_dict(results["config"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s unreadable (%s): running again", path, exc)
+        return None
+    wanted = ExperimentConfig.from_dict({**settings, "out-dir": str(run_dir)})
+    return results if done.digest() == wanted.digest() else None
 
 
 def _setting_label(setting: dict[str, Any]) -> str:

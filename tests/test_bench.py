@@ -1,0 +1,38 @@
+"""bench compare's bookkeeping: reusing finished runs, and the summary table's figures."""
+
+from __future__ import annotations
+
+import json
+
+from server.bench import finished_run, summary_table
+from tests.conftest import TINY
+
+
+def _write_results(run_dir, settings):
+    from common.config import ExperimentConfig
+
+    run_dir.mkdir(parents=True)
+    cfg = ExperimentConfig.from_dict({**settings, "out-dir": str(run_dir)})
+    (run_dir / "results.json").write_text(json.dumps({"config": cfg.to_dict(), "final_average_accuracy": 42.0}))
+
+
+def test_a_finished_run_is_reused_only_with_the_same_configuration(tmp_path):
+    settings = {**TINY, "seed": 3, "strategy": "fedavg"}
+    run_dir = tmp_path / "fedavg-seed3"
+    assert finished_run(run_dir, settings) is None  # nothing there yet
+    _write_results(run_dir, settings)
+    assert finished_run(run_dir, settings)["final_average_accuracy"] == 42.0
+    assert finished_run(run_dir, {**settings, "seed": 4}) is None
+    assert finished_run(run_dir, {**settings, "strategy": "hgp"}) is None
+    assert finished_run(run_dir, {**settings, "threads": 2}) is not None  # result-neutral key
+    (run_dir / "results.json").write_text("{ truncated")
+    assert finished_run(run_dir, settings) is None  # unreadable: run again, no crash
+
+
+def test_summary_table_reports_mean_and_spread_per_setting_and_method():
+    rows = [{"method": "fedavg", "setting": "iid", "seed": s, "A_N": a, "AIA": a + 10, "forgetting": 5.0,
+             "bytes_s2c_per_round": 2000.0, "bytes_c2s_per_round": 1000.0,
+             "client_seconds_per_round": 0.5, "server_seconds_per_round": 0.01} for s, a in ((0, 40.0), (1, 50.0))]
+    table = summary_table(rows)
+    line = [l for l in table.splitlines() if l.startswith("| iid | fedavg")][0]
+    assert "| 2 | 45.0 ± 5.0 | 55.0 ± 5.0 | 5.0 ± 0.0 | 2 | 1 |" in line
