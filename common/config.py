@@ -54,6 +54,10 @@ class ExperimentConfig:
     clients_per_round: int = 5  # 0 with client_fraction > 0 means "fraction of the population"
     client_fraction: float = 0.0
     rounds_per_task: int = 3
+    # Task arrival (common/schedule.py): every `switch-every` rounds (0: rounds-per-task) a
+    # `switch-fraction` of the clients moves on to its next task; 1.0 is the synchronous stream.
+    switch_every: int = 0
+    switch_fraction: float = 1.0
     partition: str = "dirichlet"
     dirichlet_beta: float = 0.5
     classes_per_client: int = 1  # for partition = quantity
@@ -206,6 +210,9 @@ class ExperimentConfig:
              "set clients-per-round > 0 or client-fraction > 0")
         need(self.clients_per_round <= self.num_clients,
              f"clients-per-round ({self.clients_per_round}) exceeds num-clients ({self.num_clients})")
+        from common.schedule import TaskSchedule
+
+        TaskSchedule.from_config(self)  # switch-every / switch-fraction: raises ConfigError
         need(self.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         need(self.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {self.dirichlet_beta}")
         need(self.classes_per_client >= 1, "classes-per-client must be >= 1")

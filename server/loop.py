@@ -182,7 +182,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     state = RunState(metrics.empty_matrix(cfg.num_tasks))
 
     # Where to start: the beginning, or just after the last checkpointed round.
-    first_task, first_round, server_round, task_started, elapsed_before = 0, 0, 0, False, 0.0
+    first_task, first_round, server_round, elapsed_before = 0, 0, 0, 0.0
     saved = checkpoint.load(cfg.out_dir)
     if saved is not None and not cfg.resume:
         raise ConfigError(
@@ -198,9 +198,9 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         state = RunState(saved.accuracy_matrix.copy(), list(saved.rounds))
         checkpoint.restore_rng(saved.rng)
         server_round, elapsed_before = saved.server_round, saved.elapsed_seconds
-        first_task, first_round, task_started = saved.task, saved.round + 1, True
+        first_task, first_round = saved.task, saved.round + 1
         if saved.task_finished:
-            first_task, first_round, task_started = saved.task + 1, 0, False
+            first_task, first_round = saved.task + 1, 0
         log.info("resuming after task %d round %d (server round %d)", saved.task + 1, saved.round + 1, server_round)
 
     def save(task: int, round_: int, finished: bool) -> None:
@@ -211,17 +211,22 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             elapsed_seconds=elapsed_before + time.perf_counter() - started,
         ), cfg.out_dir)
 
+    # Rounds follow the nominal stream (task j ends after round (j+1)R, where the accuracy
+    # matrix takes column j); with asynchronous arrival the schedule gives each client its own
+    # task, and a task's slice is initialised in the round its first client reaches it.
     for task in range(first_task, cfg.num_tasks):
-        if not task_started:
-            arrays = strategy.on_task_start(task, arrays)
-        task_started = False
         for round_ in range(first_round if task == first_task else 0, cfg.rounds_per_task):
             server_round += 1
+            for new_task in strategy.schedule.tasks_starting(server_round - 1):
+                arrays = strategy.on_task_start(new_task, arrays)
             arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
             state.rounds.append(record)
+            on_tasks = sorted(set(record["client_tasks"]))
             log.info(
-                "task %d/%d round %d/%d | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
-                task + 1, cfg.num_tasks, round_ + 1, cfg.rounds_per_task, record["accuracy"],
+                "task %d/%d round %d/%d%s | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
+                task + 1, cfg.num_tasks, round_ + 1, cfg.rounds_per_task,
+                "" if on_tasks == [task] else f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})",
+                record["accuracy"],
                 " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
                 _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
                 f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
@@ -259,6 +264,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
     client_secs: list[float] = []
     process_secs: list[float] = []
     rejected: list[dict[str, Any]] = []
+    client_tasks: list[int] = []
     for attempt in range(cfg.round_retries + 1):
         t0 = time.perf_counter()
         config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
@@ -272,6 +278,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         bytes_s2c += _bytes(messages)
         bytes_c2s += _bytes(ok)
         sampled += len(messages)
+        client_tasks = [int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records]
         server_seconds += (t1 - t0) + (t3 - t2)
         round_seconds += t3 - t0
         client_secs += [float(m.content[METRICS].get("train-seconds", 0.0))
@@ -311,6 +318,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "eval_seconds": time.perf_counter() - t4,
         "attempts": attempt + 1,
         "clients_sampled": sampled,
+        "client_tasks": client_tasks,  # the task each client of the (last) attempt trained
         "clients_aggregated": int(agg["clients"]),
         "rejected": rejected,
         "train_loss": float(agg["train-loss"]),

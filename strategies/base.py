@@ -30,6 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from common.config import ConfigError, ExperimentConfig
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from common.schedule import TaskSchedule
 
 log = logging.getLogger("promptfcl")
 
@@ -57,6 +58,10 @@ class PromptStrategy(FedAvg):
     #: the method's options dataclass (with a ``from_options(dict)`` classmethod that
     #: raises ConfigError on a bad value or unknown key); None: the method takes none
     options_class: Any = None
+    #: whether the method works when clients are on different tasks in the same round
+    #: (``switch-fraction`` < 1, common/schedule.py); methods whose task-end step assumes
+    #: every client has finished the task set this False
+    asynchronous_tasks: bool = True
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -77,10 +82,15 @@ class PromptStrategy(FedAvg):
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
+        self.schedule = TaskSchedule.from_config(cfg)
+        if not self.schedule.synchronous and not self.asynchronous_tasks:
+            raise ConfigError(f"strategy {self.name!r} needs synchronous task arrival (switch-fraction = 1 and "
+                              f"switch-every = 0): {self.schedule.describe()}")
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
                  self.name, self.clients_per_round, self.cfg.num_clients, self.options or "{}")
+        log.info("task arrival: %s", self.schedule.describe())
 
     # ------------------------------------------------------------------ sampling
     @property
@@ -149,13 +159,22 @@ class PromptStrategy(FedAvg):
         messages = []
         for i, client_id in enumerate(clients):
             node_id = nodes[i % len(nodes)]  # virtual clients: any node can play any client
-            node_config = ConfigRecord(dict(config))
-            node_config["client-id"] = client_id
-            node_config["server-round"] = server_round
-            node_config["config-digest"] = self.cfg.digest()
+            node_config = self.client_config(config, client_id, client_id, server_round)
             content = self.client_payload(client_id, arrays, node_config)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
         return messages
+
+    def client_config(self, config: ConfigRecord, client_id: int, client_index: int,
+                      server_round: int) -> ConfigRecord:
+        """The round's config for one client: its id, and its own task when tasks arrive asynchronously."""
+        node_config = ConfigRecord(dict(config))
+        node_config["client-id"] = client_id
+        node_config["server-round"] = server_round
+        node_config["config-digest"] = self.cfg.digest()
+        if not self.schedule.synchronous:
+            task, round_ = self.schedule.assignment(client_index % self.schedule.num_clients, server_round - 1)
+            node_config["task"], node_config["round"] = task, round_
+        return node_config
 
     # ------------------------------------------------------------------ deployment: one client per node
     # population = "nodes": every connected Flower node is one client with its own data
@@ -199,10 +218,8 @@ class PromptStrategy(FedAvg):
         messages = []
         for node_id in self.sample_nodes(nodes, task, round_, int(config.get("attempt", 0))):
             client_id = node_client_id(node_id)
-            node_config = ConfigRecord(dict(config))
-            node_config["client-id"] = client_id
-            node_config["server-round"] = server_round
-            node_config["config-digest"] = self.cfg.digest()
+            # a node's place in the sorted connected ids is its turn in the task schedule
+            node_config = self.client_config(config, client_id, nodes.index(node_id), server_round)
             node_config["num-classes"] = self.num_classes
             content = self.client_payload(client_id, arrays, node_config)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))

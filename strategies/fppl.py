@@ -144,6 +144,7 @@ class FPPLStrategy(PromptStrategy):
     """
 
     name = "fppl"
+    asynchronous_tasks = False  # its prototype pool grows when every client has finished a task
     prompt_class: type[CodaPrompt] = FPPLPrompt
     options_class = FPPLOptions  # the CLI validates ``fppl.*`` options with it before training
     #: The base only requires "arrays" and "metrics" (so an empty client is still logged

@@ -518,6 +518,7 @@ class HePCoStrategy(PromptStrategy):
     """
 
     name = "hepco"
+    asynchronous_tasks = False  # its task-end step keeps the previous task's server model as teacher
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
 

@@ -498,6 +498,7 @@ class HGPStrategy(PromptStrategy):
     """
 
     name = "hgp"
+    asynchronous_tasks = False  # its Gaussian mixtures of a task are closed when every client has finished it
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     options_class = HGPOptions

@@ -220,12 +220,12 @@ def reply_content(value: float, n: int, shapes: dict[str, tuple]) -> RecordDict:
 
 
 class ScheduledStrategy(FedCPromptStrategy):
-    """What an asynchronous schedule does: clients on different tasks in the same round."""
+    """Clients on different tasks in the same round, each client's task set by hand."""
 
-    schedule: dict[int, int] = {}
+    task_of_client: dict[int, int] = {}
 
     def client_payload(self, client_id, arrays, config):
-        config["task"] = self.schedule.get(client_id, int(config["task"]))
+        config["task"] = self.task_of_client.get(client_id, int(config["task"]))
         return super().client_payload(client_id, arrays, config)
 
 
@@ -242,7 +242,7 @@ def async_setup(num_tasks=3, known=2):
 
 def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
     cfg, s, shapes, base = async_setup(num_tasks=3, known=2)
-    s.schedule = {0: 0, 1: 1, 2: 0, 3: 1}  # clients 0 and 2 on task 0, clients 1 and 3 a task ahead
+    s.task_of_client = {0: 0, 1: 1, 2: 0, 3: 1}  # clients 0 and 2 on task 0, clients 1 and 3 a task ahead
     msgs = list(s.configure_train(5, base, ConfigRecord({"task": 0, "round": 3}), NodeList(2)))
     assert [m.content[CONFIG]["task"] for m in msgs] == [0, 1, 0, 1]
     assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
@@ -271,7 +271,7 @@ def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
 
 def test_per_slice_aggregation_reuses_the_base_validation(flower_identity):
     cfg, s, shapes, base = async_setup(num_tasks=3, known=3)
-    s.schedule = {0: 2, 1: 0, 2: 0, 3: 0}
+    s.task_of_client = {0: 2, 1: 0, 2: 0, 3: 0}
     msgs = list(s.configure_train(1, base, ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
     # no message ids (as in a unit test): replies are matched by node, one client per node here
     nan = reply_content(1.0, 5, shapes)
@@ -340,3 +340,17 @@ def test_end_to_end_synchronous_simulation(tmp_path):
     acc = results["accuracy_matrix"]
     assert acc[1][0] is None and all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
     assert results["final_average_accuracy"] == pytest.approx((acc[0][1] + acc[1][1]) / 2)
+
+
+def test_end_to_end_asynchronous_simulation(tmp_path):
+    """Every round 2 of 3 clients move on: in round 2 two clients train task 2 while one is on task 1."""
+    from tests.test_simulation_e2e import simulate
+
+    results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"switch-every": 1, "switch-fraction": 0.5})
+    rounds = results["rounds"]
+    assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    for r in rounds:
+        assert r["clients_aggregated"] == 3 and not r["rejected"]
+    assert rounds[1]["strategy_metrics"]["tasks-aggregated"] == 2  # two task slices averaged in parallel
+    acc = results["accuracy_matrix"]
+    assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None

@@ -1,0 +1,149 @@
+"""Task arrival: which task each client is on in each round.
+
+Every client walks the same class-incremental stream (task 0, 1, ..., N-1) at its own
+pace. Every ``switch-every`` rounds (K) a ``switch-fraction`` (f) of the clients moves
+to its next task (Powder, papers/003 section 5.1: every 3 rounds, 40 %; Fed-CPrompt,
+papers/001 Appendix D.3: half of the clients one task ahead of the others). The movers
+are taken in turn from a seeded permutation of the clients, so the fastest and slowest
+client are never more than one task apart and every client has moved after 1/f switches.
+
+The synchronous stream is the special case K = rounds-per-task (R), f = 1: every client
+moves to task r // R at round r. With K = R * f the slowest clients leave task j exactly
+at the end of round (j + 1) R, as in the synchronous stream, and the fastest ones
+started it R - K rounds earlier.
+
+Everything here is a pure function of (configuration, client, round): the server stores
+no schedule state, and a resumed run recomputes exactly the same assignment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from common.config import ConfigError, ExperimentConfig
+
+
+@dataclass(frozen=True)
+class TaskSchedule:
+    """Per-client task positions over the run's rounds.
+
+    Parameters
+    ----------
+    num_tasks, num_clients, rounds_per_task : int
+        The stream (N tasks), the population and the nominal rounds per task (R); the
+        run has N * R rounds.
+    switch_every : int
+        K, rounds between two switch points (0: R).
+    switch_fraction : float
+        f, share of the clients that moves at each switch point (1.0: all).
+    seed : int
+        Seeds the order in which clients take their turn.
+    """
+
+    num_tasks: int
+    num_clients: int
+    rounds_per_task: int
+    switch_every: int = 0
+    switch_fraction: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> "TaskSchedule":
+        if cfg.centralised:  # one client holding all data: the upper bound sees the stream in order
+            return cls(cfg.num_tasks, 1, cfg.rounds_per_task, seed=cfg.seed)
+        return cls(cfg.num_tasks, cfg.num_clients, cfg.rounds_per_task, cfg.switch_every, cfg.switch_fraction,
+                   cfg.seed)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.switch_fraction <= 1.0:
+            raise ConfigError(f"switch-fraction must be in (0, 1], got {self.switch_fraction}")
+        if self.switch_every < 0:
+            raise ConfigError(f"switch-every must be >= 0 (0: rounds-per-task), got {self.switch_every}")
+        slowest = self.position(self.slowest_client, self.total_rounds - 1)
+        if slowest < self.num_tasks - 1:
+            raise ConfigError(
+                f"with switch-every = {self.every} and switch-fraction = {self.switch_fraction}, the slowest "
+                f"client reaches only task {slowest + 1} of {self.num_tasks} in {self.total_rounds} rounds; "
+                f"use switch-every <= rounds-per-task x switch-fraction "
+                f"({self.rounds_per_task * self.switch_fraction:g})")
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def every(self) -> int:
+        """K: rounds between switch points."""
+        return self.switch_every or self.rounds_per_task
+
+    @property
+    def movers(self) -> int:
+        """Clients that move at each switch point."""
+        return max(1, math.ceil(self.switch_fraction * self.num_clients - 1e-9))
+
+    @property
+    def total_rounds(self) -> int:
+        return self.num_tasks * self.rounds_per_task
+
+    @property
+    def synchronous(self) -> bool:
+        return self.movers >= self.num_clients and self.every == self.rounds_per_task
+
+    @cached_property
+    def rank(self) -> np.ndarray:
+        """Each client's turn in the order of moving (a seeded permutation; identity when synchronous)."""
+        if self.movers >= self.num_clients:
+            return np.arange(self.num_clients)
+        order = np.random.default_rng([self.seed, 0x7A5C]).permutation(self.num_clients)
+        rank = np.empty(self.num_clients, dtype=np.int64)
+        rank[order] = np.arange(self.num_clients)
+        return rank
+
+    @property
+    def slowest_client(self) -> int:
+        return int(np.argmax(self.rank))
+
+    # ------------------------------------------------------------------ positions
+    def _moves(self, client: int, round_index: int) -> int:
+        """Moves ``client`` has made by round ``round_index`` (0-based), uncapped."""
+        switches = round_index // self.every  # switch points at rounds K, 2K, ... (<= round_index)
+        slots = switches * self.movers  # turns handed out so far, cyclically over the ranks
+        rank = int(self.rank[client])
+        return 0 if slots <= rank else -(-(slots - rank) // self.num_clients)
+
+    def position(self, client: int, round_index: int) -> int:
+        """The task ``client`` trains in round ``round_index`` (0-based over the whole run)."""
+        return min(self._moves(client, round_index), self.num_tasks - 1)
+
+    def assignment(self, client: int, round_index: int) -> tuple[int, int]:
+        """(task, rounds the client has already spent on it) for ``client`` in ``round_index``."""
+        if not 0 <= client < self.num_clients:
+            raise ValueError(f"client {client} outside the population of {self.num_clients}")
+        task = self.position(client, round_index)
+        if task == 0:
+            return 0, round_index
+        # the task-th move used turn (task-1) * C + rank, handed out at switch point turn // movers + 1
+        turn = (task - 1) * self.num_clients + int(self.rank[client])
+        entered = (turn // self.movers + 1) * self.every
+        return task, round_index - entered
+
+    def newest_task(self, round_index: int) -> int:
+        """The furthest task any client is on in ``round_index`` (-1 before the first round)."""
+        if round_index < 0:
+            return -1
+        fastest = int(np.argmin(self.rank))
+        return self.position(fastest, round_index)
+
+    def tasks_starting(self, round_index: int) -> list[int]:
+        """Tasks some client begins for the first time in ``round_index`` (their slices need initialising)."""
+        return list(range(self.newest_task(round_index - 1) + 1, self.newest_task(round_index) + 1))
+
+    def describe(self) -> str:
+        if self.synchronous:
+            return f"synchronous: all clients move to the next task every {self.rounds_per_task} rounds"
+        return (f"asynchronous: every {self.every} rounds {self.movers} of {self.num_clients} clients move to "
+                f"their next task (in a seeded turn order)")
+
+
+__all__ = ["TaskSchedule"]
