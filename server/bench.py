@@ -231,18 +231,19 @@ def format_perf(report: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- compare
 def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list[int],
-            settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            settings: list[dict[str, Any]], upper_bound: bool = True) -> list[dict[str, Any]]:
     """Every method (+ the centralised upper bound) x heterogeneity setting x seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    runs = [(m, s, h) for h in settings for m in methods + ["upper-bound"] for s in seeds]
+    runs = [(m, s, h) for h in settings for m in methods + ["upper-bound"] * upper_bound for s in seeds]
     for i, (method, seed, setting) in enumerate(runs, 1):
         label = _setting_label(setting)
         run_settings = {**base, **setting, "seed": seed}
         strategy = method
-        if method == "upper-bound":
-            strategy, run_settings = "fedavg", {**run_settings, "centralised": True}
         run_dir = out_dir / "runs" / f"{method}-{label}-seed{seed}"
+        if method == "upper-bound":  # one client with all data: the partition plays no part, one run per seed
+            strategy, run_settings = "fedavg", {**base, "seed": seed, "centralised": True}
+            run_dir = out_dir / "runs" / f"upper-bound-seed{seed}"
         results = finished_run(run_dir, {**run_settings, "strategy": strategy})
         if results is not None:
             log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
