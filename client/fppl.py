@@ -19,8 +19,8 @@ the method options (:class:`FPPLOptions`), the record names and the pure loss fu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from flwr.app import RecordDict
 from torch import nn
 
 from client.learner import Batch, LocalLearner
-from common.config import ConfigError, coerce_value
+from common.config import ConfigError, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import CONFIG, to_array_record
@@ -45,7 +45,7 @@ FUSION_SCALES = ("fixed", "learnable")
 
 # ---------------------------------------------------------------------------- options
 @dataclass(frozen=True)
-class FPPLOptions:
+class FPPLOptions(MethodOptions):
     """FPPL's ``fppl.*`` run-config options (kebab-case keys, e.g. ``fppl.server-epochs``).
 
     Defaults follow the paper; where it is silent, the authors' code
@@ -85,6 +85,8 @@ class FPPLOptions:
         differs only when not all clients take part in every round.
     """
 
+    prefix = "fppl"
+
     temperature: float = 0.2
     ur_weight: float = 1.0
     unified_loss: bool = True
@@ -96,20 +98,6 @@ class FPPLOptions:
     server_batch_size: int = 128
     fusion_scale: str = "fixed"
     latest_per_client: bool = False
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "FPPLOptions":
-        """Parse ``fppl.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
-        known = {f.name.replace("_", "-"): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in (options or {}).items():
-            f = known.get(key.replace("_", "-"))
-            if f is None:
-                raise ConfigError(f"unknown option fppl.{key}; known: {', '.join('fppl.' + k for k in sorted(known))}")
-            values[f.name] = coerce_value(f"fppl.{key}", value, f.type)
-        opts = cls(**values)
-        opts.validate()
-        return opts
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -123,9 +111,6 @@ class FPPLOptions:
         need(self.server_batch_size >= 1, f"fppl.server-batch-size must be >= 1, got {self.server_batch_size}")
         need(self.fusion_scale in FUSION_SCALES,
              f"fppl.fusion-scale must be one of {FUSION_SCALES}, got {self.fusion_scale!r}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
 
 class FPPLPrompt(CodaPrompt):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count")
@@ -315,3 +315,41 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             out[key] = raw  # bare strings such as dataset=digits
     return out
 
+
+
+class MethodOptions:
+    """Base of every method's options dataclass (run-config keys ``<prefix>.<key>``, kebab-case).
+
+    A method declares a dataclass subclass with its fields (a trailing underscore keeps a
+    Python keyword usable: ``lambda_`` is the key ``lambda``), sets ``prefix`` and
+    overrides ``validate``; parsing, coercion and unknown-key errors live here once.
+    """
+
+    prefix: ClassVar[str] = ""
+
+    @classmethod
+    def key_of(cls, name: str) -> str:
+        """The run-config key of field ``name`` (without the prefix)."""
+        return name.rstrip("_").replace("_", "-")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> Any:
+        """Parse ``<prefix>.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
+        known = {cls.key_of(f.name): f for f in fields(cls)}  # type: ignore[arg-type]
+        values: dict[str, Any] = {}
+        for key, raw in (options or {}).items():
+            f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
+            if f is None:
+                raise ConfigError(f"unknown option {cls.prefix}.{key}; known: "
+                                  f"{', '.join(f'{cls.prefix}.{k}' for k in sorted(known))}")
+            values[f.name] = coerce_value(f"{cls.prefix}.{key}", raw, f.type)
+        opts = cls(**values)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        """Raise ConfigError for values that cannot work."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as run-config keys (prefix removed)."""
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]

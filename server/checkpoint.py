@@ -17,7 +17,7 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -55,13 +55,19 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def save(ckpt: Checkpoint, out_dir: str | Path) -> Path:
     """Atomically replace ``out_dir/checkpoint.pkl``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / FILENAME
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{FILENAME}.", suffix=".tmp")
+    path = Path(out_dir) / FILENAME
+    write_atomic(path, lambda fh: pickle.dump({"version": FORMAT_VERSION, "checkpoint": ckpt}, fh,
+                                              protocol=pickle.HIGHEST_PROTOCOL))
+    return path
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write to a temporary file beside ``path``, sync, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            pickle.dump({"version": FORMAT_VERSION, "checkpoint": ckpt}, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -69,7 +75,6 @@ def save(ckpt: Checkpoint, out_dir: str | Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
 def load(out_dir: str | Path) -> Checkpoint | None:

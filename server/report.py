@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from server.checkpoint import write_atomic
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write then rename, so a crash never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, allow_nan=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    text = json.dumps(obj, indent=2, allow_nan=False).encode()
+    write_atomic(path, lambda fh: fh.write(text))
 
 
 def write_outputs(results: dict[str, Any], out_dir: str | Path) -> Path:

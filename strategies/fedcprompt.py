@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common.config import ConfigError, ExperimentConfig, coerce_value
+from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
@@ -46,11 +46,13 @@ C2L_PARAMS = ("p", "pka")
 
 # ---------------------------------------------------------------------------- options
 @dataclass(frozen=True)
-class FedCPromptOptions:
+class FedCPromptOptions(MethodOptions):
     """Fed-CPrompt's options (run-config keys ``fedcprompt.<key>``, kebab-case).
 
     The paper gives ranges, not values: gamma > 0, alpha in [0, 1], lambda in [0, 1].
     """
+
+    prefix = "fedcprompt"
 
     # weight of the distance to the nearest other task's prompt (eq. 3). At 1 the hinge never
     # opens once another task is known (orthogonal slices sit ~sqrt(2 * rows) apart, far more
@@ -62,25 +64,6 @@ class FedCPromptOptions:
     c2l_params: str = "p"  # C2L on the prompt components P (eq. 3) or on P, K and A ("pka", eq. 4's w)
     prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w_global||^2 (Table 4: c2l=false, prox-mu>0)
 
-    @classmethod
-    def key_of(cls, name: str) -> str:
-        return "lambda" if name == "lambda_" else name.replace("_", "-")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "FedCPromptOptions":
-        """Validate ``fedcprompt.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
-        known = {cls.key_of(f.name): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in (options or {}).items():
-            f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
-            if f is None:
-                raise ConfigError(f"unknown option fedcprompt.{key}; known: "
-                                  f"{', '.join('fedcprompt.' + k for k in sorted(known))}")
-            values[f.name] = coerce_value(f"fedcprompt.{key}", raw, str(f.type))
-        opts = cls(**values)
-        opts.validate()
-        return opts
-
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:
@@ -91,9 +74,6 @@ class FedCPromptOptions:
         need(np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}")
         need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
         need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
 
 
 # ---------------------------------------------------------------------------- prompting

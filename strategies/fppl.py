@@ -165,7 +165,7 @@ class FPPLStrategy(PromptStrategy):
     def summary(self) -> None:
         super().summary()
         log.info("fppl: options %s (one prompt per task: pool-size %d is not used)",
-                 self.opts.as_dict(), self.cfg.pool_size)
+                 self.opts.to_dict(), self.cfg.pool_size)
 
     # ------------------------------------------------------------------ task hooks
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
-from common.config import ConfigError, ExperimentConfig, coerce_value
+from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt, resolve_device
 from common.records import ARRAYS, from_array_record, to_array_record
@@ -56,7 +56,7 @@ ABLATIONS = ("previous-model", "kl", "mse", "prompt-distillation", "classifier-d
 
 # ---------------------------------------------------------------------------- options
 @dataclass
-class HePCoOptions:
+class HePCoOptions(MethodOptions):
     """``hepco.*`` run-config options (kebab-case keys), paper defaults (Appendix B).
 
     Attributes
@@ -83,6 +83,8 @@ class HePCoOptions:
         Provisional model: ``"uniform"`` (1/C sum, sec. 5.2 and the code) or
         ``"samples"`` (the platform's sample-weighted FedAvg).
     """
+
+    prefix = "hepco"
 
     noise_dim: int = 64
     label_embed_dim: int = 64
@@ -131,20 +133,6 @@ class HePCoOptions:
         return [int(v) for v in self.generator_hidden.split(",") if v.strip()]
 
     # ---------------------------------------------------------------- parsing
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "HePCoOptions":
-        """Parse and validate; unknown keys and bad values raise :class:`ConfigError`."""
-        known = {f.name.replace("_", "-"): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in options.items():
-            f = known.get(key)
-            if f is None:
-                raise ConfigError(f"unknown option hepco.{key}; known: {', '.join('hepco.' + k for k in sorted(known))}")
-            values[f.name] = coerce_value(f"hepco.{key}", raw, f.type if isinstance(f.type, str) else f.type.__name__)
-        opts = cls(**values)
-        opts.validate()
-        return opts
-
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
             if not ok:

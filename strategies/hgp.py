@@ -39,7 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 
-from common.config import ConfigError, ExperimentConfig, coerce_value
+from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import seen_classes, task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
@@ -70,12 +70,14 @@ FLOAT16_MAX = 65504.0
 
 # ---------------------------------------------------------------------------- options
 @dataclass(frozen=True)
-class HGPOptions:
+class HGPOptions(MethodOptions):
     """HGP's options (run-config keys ``hgp.<key>``, kebab-case).
 
     Defaults follow the paper; values its copy leaves blank come from the authors'
     code (marked "code"). Authors'-code behaviours are available as options.
     """
+
+    prefix = "hgp"
 
     cov_type: str = "full"  # "full" (paper), "diag" (authors' code default), "lowrank"
     cov_rank: int = 16  # r of the low-rank-plus-diagonal encoding
@@ -97,20 +99,6 @@ class HGPOptions:
     resample_each_epoch: bool = False  # a fresh synthetic set every epoch (authors' code)
     loss: str = "ce"  # "ce" (paper) or "logit-norm" (authors' code: logits / ||logits|| / T)
     logit_temperature: float = 0.1  # T of the logit-normalised CE
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "HGPOptions":
-        """Validate ``hgp.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
-        known = {f.name.replace("_", "-"): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in (options or {}).items():
-            f = known.get(key) or known.get(str(key).replace("_", "-"))
-            if f is None:
-                raise ConfigError(f"unknown option hgp.{key}; known: {', '.join('hgp.' + k for k in sorted(known))}")
-            values[f.name] = coerce_value(f"hgp.{key}", raw, str(f.type))
-        opts = cls(**values)
-        opts.validate()
-        return opts
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
