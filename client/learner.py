@@ -105,14 +105,15 @@ class LocalLearner:
             for start in range(0, len(order), cfg.batch_size):
                 pos = order[start : start + cfg.batch_size]
                 x = model.preprocess(torch.from_numpy(images[index[pos]]).to(rt.device))
-                q = queries[pos] if queries is not None else model.query(x)
                 y = labels[pos].to(rt.device)
-                feats = model.features(x, q)
-                logits = masked_logits(model.head(feats), allowed)
-                loss = F.cross_entropy(logits, y)
-                extra = self.extra_loss(Batch(x, y, q, feats, logits), task)
-                if extra is not None:
-                    loss = loss + extra
+                with rt.autocast():
+                    q = queries[pos] if queries is not None else model.query(x)
+                    feats = model.features(x, q)
+                    logits = masked_logits(model.head(feats), allowed)
+                    loss = F.cross_entropy(logits, y)
+                    extra = self.extra_loss(Batch(x, y, q, feats, logits), task)
+                    if extra is not None:
+                        loss = loss + extra
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

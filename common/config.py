@@ -19,6 +19,7 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk"})
 PROMPT_MODES = ("prefix", "prompt")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 
@@ -40,6 +41,9 @@ class ExperimentConfig:
     out_dir: str = "runs/latest"
     device: str = "auto"
     threads: int = 0  # torch threads per process; 0 = all cores shared by the parallel clients
+    # Forward passes under bfloat16 autocast ("bf16"), or not ("fp32"); "auto": bf16 on CUDA
+    # devices that support it, fp32 elsewhere (CPUs gain nothing). Parameters stay float32.
+    precision: str = "auto"
 
     # --- data and task stream ---
     dataset: str = "digits"
@@ -226,6 +230,7 @@ class ExperimentConfig:
         need(self.batch_size >= 1, "batch-size must be >= 1")
         need(self.lr > 0, "lr must be > 0")
         need(self.lr_schedule in ("cosine", "constant"), "lr-schedule must be 'cosine' or 'constant'")
+        need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.prompt_mode in PROMPT_MODES, f"prompt-mode must be one of {PROMPT_MODES}")
         need(self.prompt_length >= 1, "prompt-length must be >= 1")

@@ -31,8 +31,10 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
         x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device))
-        q = queries[start : start + batch_size] if queries is not None else model.query(x)
-        preds[start : start + len(sel)] = masked_logits(model(x, q), allowed).argmax(1).cpu().numpy()
+        with rt.autocast():
+            q = queries[start : start + batch_size] if queries is not None else model.query(x)
+            logits = model(x, q)
+        preds[start : start + len(sel)] = masked_logits(logits.float(), allowed).argmax(1).cpu().numpy()
     labels = data.labels[index]
     task_of = labels // k
     correct = np.bincount(task_of, weights=(preds == labels), minlength=task + 1)[: task + 1]

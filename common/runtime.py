@@ -15,13 +15,13 @@ then reads its queries instead of running the backbone over its data again.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 
 from common.config import ExperimentConfig
 from common.data import ArraySplit, Dataset, load_dataset_cached
+from common.files import write_atomic
 from common.model import CodaPrompt, PromptedViT, build_model, resolve_device
 
 log = logging.getLogger("promptfcl")
@@ -103,15 +104,7 @@ class QueryCache:
             with open(self.path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self._merge_from_disk()
-                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-                try:
-                    with os.fdopen(fd, "wb") as fh:
-                        np.savez(fh, table=self.table.numpy(), filled=self.filled.numpy())
-                    os.replace(tmp, self.path)
-                except BaseException:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-                    raise
+                write_atomic(self.path, lambda fh: np.savez(fh, table=self.table.numpy(), filled=self.filled.numpy()))
         except OSError as exc:  # a read-only or full cache dir must not stop training
             log.warning("cannot write query cache %s (%s); keeping it in memory", self.path, exc)
             self.path = None
@@ -127,6 +120,19 @@ class Runtime:
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
 
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether forward passes run under bfloat16 autocast (config ``precision``)."""
+        if self.cfg.precision == "auto":
+            return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return self.cfg.precision == "bf16"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast on this device when ``mixed_precision``, else nothing."""
+        if not self.mixed_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
     def query_cache(self, split: str) -> QueryCache:
         if split not in self.caches:
             path = None
@@ -139,7 +145,8 @@ class Runtime:
         """Cached queries for ``index`` (None when the cache is switched off)."""
         if not self.cfg.query_cache:
             return None
-        return self.query_cache(split).get(self.model, index, self.device).to(self.device)
+        with self.autocast():  # the cache stores float32 whatever the forward's precision
+            return self.query_cache(split).get(self.model, index, self.device).to(self.device)
 
 
 def _subset_fingerprint(cfg: ExperimentConfig, keys: tuple[str, ...]) -> str:

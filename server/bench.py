@@ -119,9 +119,10 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     model = rt.model
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[task_classes(0, rt.data.num_classes, cfg.num_tasks)] = True
-    x_all = model.preprocess(torch.from_numpy(rt.data.train.images[index]))
-    q_all = model.query(x_all)
-    y_all = torch.as_tensor(rt.data.train.labels[index])
+    x_all = model.preprocess(torch.from_numpy(rt.data.train.images[index]).to(rt.device))
+    with torch.no_grad(), rt.autocast():
+        q_all = model.query(x_all).float()
+    y_all = torch.as_tensor(rt.data.train.labels[index]).to(rt.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=cfg.lr)
     model.train()
@@ -130,8 +131,10 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         t = time.perf_counter()
         for _epoch in range(cfg.local_epochs):
             for s in range(0, len(index), cfg.batch_size):
-                logits = masked_logits(model.head(model.features(x_all[s : s + cfg.batch_size], q_all[s : s + cfg.batch_size])), allowed)
-                loss = F.cross_entropy(logits, y_all[s : s + cfg.batch_size])
+                with rt.autocast():
+                    feats = model.features(x_all[s : s + cfg.batch_size], q_all[s : s + cfg.batch_size])
+                    logits = masked_logits(model.head(feats), allowed)
+                    loss = F.cross_entropy(logits, y_all[s : s + cfg.batch_size])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -140,9 +143,10 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     out["compute_bound_images_per_s"] = n_images / statistics.median(timings[1:])
     # the query pass alone, which the cache removes
     t = time.perf_counter()
-    for _ in range(repeats):
-        for s in range(0, len(index), cfg.batch_size):
-            model.query(x_all[s : s + cfg.batch_size])
+    with torch.no_grad(), rt.autocast():
+        for _ in range(repeats):
+            for s in range(0, len(index), cfg.batch_size):
+                model.query(x_all[s : s + cfg.batch_size])
     out["query_pass_images_per_s"] = repeats * len(index) / (time.perf_counter() - t)
     out["framework_over_bound"] = out["compute_bound_images_per_s"] / out["framework_cached_images_per_s"]
     out["query_cache_speedup"] = out["framework_cached_images_per_s"] / out["framework_uncached_images_per_s"]

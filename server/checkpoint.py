@@ -11,13 +11,13 @@ while writing leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any
+
+from common.files import write_atomic
 
 import numpy as np
 import torch
@@ -60,21 +60,6 @@ def save(ckpt: Checkpoint, out_dir: str | Path) -> Path:
                                               protocol=pickle.HIGHEST_PROTOCOL))
     return path
 
-
-def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write to a temporary file beside ``path``, sync, then rename: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load(out_dir: str | Path) -> Checkpoint | None:

@@ -70,3 +70,21 @@ def test_query_cache_computes_each_query_once_and_matches_the_backbone():
 def test_query_cache_switch_off():
     rt = get_runtime(tiny_config(query_cache=False))
     assert rt.queries("train", np.arange(4)) is None
+
+
+def test_bfloat16_autocast_trains_float32_parameters_and_still_learns():
+    """precision = bf16 runs the forward passes in bfloat16 (here on CPU; on GPUs "auto" picks it)."""
+    assert not get_runtime(tiny_config()).mixed_precision  # auto on a CPU: float32
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=3, precision="bf16")
+    rt, arrays = start(cfg)
+    assert rt.mixed_precision
+    rt.model.load_trainable_state(to_torch(arrays))
+    chance_level = accuracies(*correct_counts(rt, 0))[0]
+    reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    assert all(reply[ARRAYS][k].numpy().dtype == np.float32 for k in reply[ARRAYS].keys())
+    assert np.isfinite(reply["metrics"]["train-loss"])
+    fp32_rt, _ = start(tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=3))
+    fp32 = LocalLearner(fp32_rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    assert not np.array_equal(reply[ARRAYS]["head.weight"].numpy(), fp32[ARRAYS]["head.weight"].numpy())
+    rt.model.load_trainable_state(to_torch(reply[ARRAYS]))
+    assert accuracies(*correct_counts(rt, 0))[0] > max(chance_level, 20.0) + 15
