@@ -149,6 +149,9 @@ class FPPLStrategy(PromptStrategy):
     options_class = FPPLOptions  # the CLI validates ``fppl.*`` options with it before training
     #: The base only requires "arrays" and "metrics" (so an empty client is still logged
     #: as "no training examples"); :meth:`check_reply` then requires exactly these records.
+    # Checked in check_reply after the base checks, not by the base: a client with no examples
+    # of the task replies without prototypes and must be skipped quietly ("no training
+    # examples"), not logged as a malformed reply.
     reply_records = None
     fppl_reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
 
