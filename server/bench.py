@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -239,6 +240,7 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
     """Every method (+ the centralised upper bound) x heterogeneity setting x seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    failed: list[str] = []
     runs = [(m, s, h) for h in settings for m in methods + ["upper-bound"] * upper_bound for s in seeds]
     for i, (method, seed, setting) in enumerate(runs, 1):
         label = _setting_label(setting)
@@ -253,7 +255,14 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
             log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
         else:
             log.info("[%d/%d] %s, %s, seed %d", i, len(runs), method, label, seed)
-            results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
+            try:
+                results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one broken run must not cost the others
+                log.error("[%d/%d] %s, %s, seed %d FAILED; going on with the rest:\n%s",
+                          i, len(runs), method, label, seed, str(exc)[-1500:])
+                failed.append(f"{method}, {label}, seed {seed} (log: {run_dir})")
+                _write_compare(out_dir, rows, failed)
+                continue
         comm, timing = results["communication"], results["timing"]
         rows.append({
             "method": method, "setting": label, "seed": seed,
@@ -263,8 +272,10 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
             "client_seconds_per_round": timing["client_seconds_per_round"],
             "server_seconds_per_round": timing["server_seconds_per_round"],
         })
-        _write_compare(out_dir, rows)
+        _write_compare(out_dir, rows, failed)
     print(summary_table(rows))
+    if failed:
+        print("failed runs (left out of the table):\n  " + "\n  ".join(failed))
     return rows
 
 
@@ -317,12 +328,15 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _write_compare(out_dir: Path, rows: list[dict[str, Any]]) -> None:
+def _write_compare(out_dir: Path, rows: list[dict[str, Any]], failed: Sequence[str] = ()) -> None:
+    if not rows:
+        return
     with open(out_dir / "compare.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (out_dir / "compare.md").write_text(summary_table(rows) + "\n")
+    failures = "".join(f"\n* failed, left out: {f}" for f in failed)
+    (out_dir / "compare.md").write_text(summary_table(rows) + "\n" + failures + ("\n" if failed else ""))
     _plot_compare(out_dir, rows)
 
 

@@ -36,3 +36,21 @@ def test_summary_table_reports_mean_and_spread_per_setting_and_method():
     table = summary_table(rows)
     line = [l for l in table.splitlines() if l.startswith("| iid | fedavg")][0]
     assert "| 2 | 45.0 ± 5.0 | 55.0 ± 5.0 | 5.0 ± 0.0 | 2 | 1 |" in line
+
+
+def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypatch):
+    from server import bench
+
+    def fake_run(settings, out, strategy="fedavg", **_):
+        if strategy == "hgp":
+            raise RuntimeError("simulation failed (hgp): boom")
+        return {"final_average_accuracy": 50.0 + settings["seed"], "average_incremental_accuracy": 60.0,
+                "average_forgetting": 5.0, "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
+                "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
+
+    monkeypatch.setattr(bench, "run_simulation_subprocess", fake_run)
+    rows = bench.compare(tmp_path, dict(TINY), ["fedavg", "hgp"], [0, 1], [{"partition": "iid"}], upper_bound=False)
+    assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedavg", 1)]
+    md = (tmp_path / "compare.md").read_text()
+    assert "| iid | fedavg | 2 | 50.5 ± 0.5" in md
+    assert "failed, left out: hgp, iid, seed 0" in md and "failed, left out: hgp, iid, seed 1" in md
