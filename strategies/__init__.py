@@ -18,6 +18,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
     "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
     "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
+    "powder": ("strategies.powder:PowderStrategy", "client.powder:PowderLearner"),
 }
 
 

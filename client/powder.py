@@ -1,0 +1,257 @@
+"""Powder's client: local pool from the server, alpha measurement, CE + lambda * dual distillation.
+
+The shared loop (client/learner.py) trains the current task's slice and the head with CE
+over the current task's classes; this learner
+
+* rebuilds full-size arrays from the server's per-client payload (only the slices of its
+  local pool and its task's head rows travel) and restricts the prompt module to that local
+  pool (eq. 4, :class:`PowderPrompt`);
+* when the server asks (``powder-measure``), measures before training the average
+  prompt-selection weights alpha (eq. 6) of its current task and of the task it has just
+  finished, per task and per class, over the whole pool it was sent;
+* adds, per batch, lambda * L_dual (eq. 5): the KL divergence from the model at the start
+  of the round (the teacher, holding the transferred knowledge) to the current model over
+  the non-true classes of the task (the true-class logit removed, as in FedNTD), each
+  sample weighted by beta = softmax over the batch of its class's total correlation
+  sum_i G_class[y, i]. ``distillation = "classic"`` uses plain KD over all the task's
+  classes instead (Table 5, DIS);
+* replies only its task's slice of every prompt array and its task's head rows, plus the
+  ``powder-alpha`` record.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, RecordDict
+
+from client.learner import Batch, LocalLearner
+from common.data import client_indices, task_classes
+from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
+from common.runtime import Runtime
+from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PowderOptions, PowderPrompt
+
+
+def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Eq. 5: sum_b beta_b KL(teacher_b || student_b) over the non-true classes.
+
+    Parameters
+    ----------
+    student, teacher : (B, C) tensors
+        Logits; classes outside the task are -inf (``masked_logits``) and take no part.
+    labels : (B,) tensor
+        True classes: their logit is removed from both distributions (FedNTD).
+    weights : (B,) tensor, optional
+        beta, summing to 1 over the batch (None: 1/B each, a plain mean).
+    temperature : float
+        Softening of both distributions; the loss is scaled by its square (as FedNTD).
+    """
+    keep = torch.isfinite(student) & torch.isfinite(teacher)
+    keep[torch.arange(len(labels), device=labels.device), labels] = False
+    per_row = keep.sum(dim=1)
+    if len(labels) == 0 or int(per_row.max()) == 0:
+        return student.new_zeros(())
+    if not bool((per_row == per_row[0]).all()):
+        raise ValueError("every sample must have the same classes in play")
+    s = student[keep].view(len(labels), -1) / temperature
+    t = teacher[keep].view(len(labels), -1) / temperature
+    p_t = F.softmax(t, dim=1)
+    kl = (p_t * (F.log_softmax(t, dim=1) - F.log_softmax(s, dim=1))).sum(dim=1)
+    if weights is None:
+        weights = torch.full_like(kl, 1.0 / len(kl))
+    return temperature**2 * (weights * kl).sum()
+
+
+def classic_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Plain KD (the DIS ablation): mean KL(teacher || student) over all the task's classes."""
+    keep = torch.isfinite(student[0]) & torch.isfinite(teacher[0])
+    s, t = student[:, keep] / temperature, teacher[:, keep] / temperature
+    kl = (F.softmax(t, dim=1) * (F.log_softmax(t, dim=1) - F.log_softmax(s, dim=1))).sum(dim=1)
+    return temperature**2 * kl.mean()
+
+
+def sample_weights(class_total: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """beta: softmax over the batch of each sample's class total correlation (eq. 5)."""
+    return F.softmax(class_total[labels].float(), dim=0)
+
+
+class PowderLearner(LocalLearner):
+    """Local learning of Powder (eq. 8) on the local pool the server sent.
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model (with :class:`PowderPrompt`), device and query cache.
+    options : dict
+        ``powder.*`` options (prefix removed).
+    """
+
+    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+        super().__init__(runtime, options)
+        self.opts = PowderOptions.from_options(self.options)
+        self.local_tasks: list[int] = []
+        self.measure = False
+        self.client_id = 0
+        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per class (1 where unknown)
+        self.teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # round-start prompt and head
+        self.alpha_record = ArrayRecord()
+        self.last_distillation: float | None = None  # the last batch's term (diagnostics, tests)
+
+    @property
+    def prompt(self) -> PowderPrompt:
+        prompt = self.rt.model.prompt
+        if not isinstance(prompt, PowderPrompt):
+            raise TypeError(f"Powder needs the model built with PowderPrompt, got {type(prompt).__name__}")
+        return prompt
+
+    # ------------------------------------------------------------------ wire format
+    def expand(self, sent: ArrayRecord, task: int) -> ArrayRecord:
+        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere."""
+        full = {k: v.detach().cpu().numpy() for k, v in self.rt.model.trainable_state().items()}
+        got = from_array_record(sent)
+        if set(got) != set(full):
+            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(full)}")
+        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
+        out = {}
+        for name, value in full.items():
+            value = np.zeros_like(value)
+            if name.startswith("prompt.") and value.shape[0] == self.cfg.pool_size:
+                rows = np.concatenate([np.arange(self.cfg.pool_size)[self.prompt.slice_of(t)] for t in self.local_tasks])
+                value[rows] = got[name]
+            elif name.startswith("head.") and value.shape[0] == self.rt.data.num_classes:
+                value[classes] = got[name]
+            else:
+                value = got[name]
+            out[name] = value
+        return to_array_record(out)
+
+    def own_part(self, arrays: ArrayRecord, task: int) -> ArrayRecord:
+        """The reply: the task's slice of every prompt array and the task's head rows."""
+        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
+        out = {}
+        for name, value in from_array_record(arrays).items():
+            if name.startswith("prompt.") and value.shape[0] == self.cfg.pool_size:
+                out[name] = value[self.prompt.slice_of(task)]
+            elif name.startswith("head.") and value.shape[0] == self.rt.data.num_classes:
+                out[name] = value[classes]
+            else:
+                out[name] = value
+        return to_array_record(out)
+
+    # ------------------------------------------------------------------ the round
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        config = content[CONFIG]
+        local = [int(t) for t in config[LOCAL_TASKS]]
+        if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
+            raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
+        self.local_tasks, self.client_id, self.round_ = local, client_id, round_
+        self.measure = bool(config.get(MEASURE, False))
+        total = torch.ones(self.rt.data.num_classes)
+        corr = [float(v) for v in config.get(CLASS_CORR, [])]
+        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
+        if corr:
+            if len(corr) != len(classes):
+                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(classes)} classes")
+            total[classes] = torch.tensor(corr)
+        self.class_total = total.to(self.rt.device)
+        self.alpha_record = ArrayRecord()
+        inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
+        try:
+            reply = super().fit(inner, task, round_, client_id)
+        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
+            self.prompt.local_tasks = None
+            self.teacher = None
+        reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
+        reply[ALPHA] = self.alpha_record
+        return reply
+
+    def round_start(self, content: RecordDict, task: int) -> None:
+        """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""
+        self.prompt.local_tasks = list(self.local_tasks)
+        if self.measure:
+            measured = [task] + ([task - 1] if self.round_ == 0 and task > 0 else [])
+            self.alpha_record = self.measure_alphas(measured)
+        if self.opts.dual and self.opts.lambda_ > 0:
+            model = self.rt.model
+            self.teacher = (copy.deepcopy(model.prompt).eval(), copy.deepcopy(model.head).eval())
+
+    @torch.no_grad()
+    def measure_alphas(self, tasks: list[int], batch_size: int = 256) -> ArrayRecord:
+        """Eq. 6 per task and per class: mean selection weights over the client's samples,
+        laid out over every pool row of every prompted block (zeros for rows not in the pool)."""
+        rt, prompt = self.rt, self.prompt
+        rows = prompt.pool_rows()
+        width = len(prompt.layers) * self.cfg.pool_size
+        labels_all = rt.data.train.labels
+        out = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [], "class-count": []}
+        was_training = prompt.training
+        prompt.eval()
+        try:
+            for t in tasks:
+                index = client_indices(labels_all, self.cfg, rt.data.num_classes, self.client_id, t,
+                                       self.round_ if t == tasks[0] else 0)
+                if len(index) == 0:
+                    continue
+                queries = rt.queries("train", index)
+                alphas = np.zeros((len(index), width), dtype=np.float64)
+                for start in range(0, len(index), batch_size):
+                    if queries is not None:
+                        q = queries[start : start + batch_size]
+                    else:
+                        x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[start : start + batch_size]])
+                                                .to(rt.device))
+                        q = rt.model.query(x)
+                    for li, layer in enumerate(prompt.layers):
+                        w = prompt.weights(q, layer).double().cpu().numpy()
+                        alphas[start : start + len(q), li * self.cfg.pool_size + rows] = w
+                out["tasks"].append(t)
+                out["task-alpha"].append(alphas.mean(axis=0))
+                out["task-count"].append(len(index))
+                labels = labels_all[index]
+                for c in np.unique(labels):
+                    mask = labels == c
+                    out["classes"].append(int(c))
+                    out["class-alpha"].append(alphas[mask].mean(axis=0))
+                    out["class-count"].append(int(mask.sum()))
+        finally:
+            prompt.train(was_training)
+        return to_array_record({
+            "tasks": np.asarray(out["tasks"], dtype=np.int64),
+            "task-alpha": np.asarray(out["task-alpha"], dtype=np.float64).reshape(-1, width),
+            "task-count": np.asarray(out["task-count"], dtype=np.int64),
+            "classes": np.asarray(out["classes"], dtype=np.int64),
+            "class-alpha": np.asarray(out["class-alpha"], dtype=np.float64).reshape(-1, width),
+            "class-count": np.asarray(out["class-count"], dtype=np.int64),
+        })
+
+    @torch.no_grad()
+    def teacher_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits of the round-start model on the batch, masked like the student's."""
+        model = self.rt.model
+        prompt, head = model.prompt, model.head
+        model.prompt, model.head = self.teacher
+        try:
+            logits = model.head(model.features(batch.images, batch.query))
+        finally:
+            model.prompt, model.head = prompt, head
+        return logits.masked_fill(~torch.isfinite(batch.logits), float("-inf"))
+
+    def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
+        if self.teacher is None:
+            return None
+        teacher = self.teacher_logits(batch)
+        if self.opts.distillation == "classic":
+            loss = classic_distillation(batch.logits, teacher, self.opts.temperature)
+        else:
+            beta = sample_weights(self.class_total, batch.labels)
+            loss = dual_distillation(batch.logits, teacher, batch.labels, beta, self.opts.temperature)
+        self.last_distillation = float(loss.detach())
+        return self.opts.lambda_ * loss
+
+
+__all__ = ["PowderLearner", "classic_distillation", "dual_distillation", "sample_weights"]

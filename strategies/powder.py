@@ -1,0 +1,535 @@
+"""Powder (papers/003, sections 3-5, Appendices A-B): two-step prompt aggregation driven by
+task and class correlation, per-client top-k payloads, dual distillation.
+
+Clients run CODA-style prompts whose pool is split into per-task slices (``CodaPrompt``).
+The server keeps
+
+* the global prompt pool P_g (the run's arrays: every task slice as its clients last
+  trained it, and the head);
+* the measured average prompt-selection weights alpha of every task (eq. 6) and of every
+  class, from which it builds the task correlation matrix G_task and the class correlation
+  matrix G_class: ``[G]_nm = max(cos(alpha_n, alpha_m), 0) ** p`` (eq. 7; the clamp keeps an
+  even p from turning anti-correlation into correlation). A task or class without a
+  measurement has an identity row (correlated with itself only), as eq. 7's initialisation.
+
+Each round, for a client on task t:
+
+1. first-step aggregation (eq. 3): ``P_hat[n] = sum_m G_task[n, m] P_g[m]`` over the known
+   task slices (components P, keys K and attention vectors A alike, the paper's
+   P_g in R^{M_g x (2+L) x D});
+2. second-step selection (eq. 4): only the slices of the ``k`` tasks most correlated with t
+   (t itself included) are sent, with the head rows of t's classes; the client's local pool
+   is those slices. In a *measuring* round the client instead gets every known slice of
+   P_hat and replies the alphas of its current task (and of the task it just finished) over
+   them (Algorithm 1, lines 4-10). A client measures when a task started since the last
+   aggregation, when its task has never been measured, or when it has just switched tasks.
+
+Replies carry only the client's own task slice and its head rows (the paper's "client c
+transmits optimized P_c^t"), plus the ``powder-alpha`` record (empty when not measuring).
+The server merges them per task slice (sample-weighted FedAvg over the clients that trained
+each task; untouched slices keep their values), then replaces the measured alphas and so
+G_task and G_class for the next round.
+
+Wire additions (train message config): ``powder-tasks`` (ascending task slices in the
+payload), ``powder-measure`` (reply alphas this round), ``powder-class-corr`` (for each of
+the task's classes y, ``sum_i G_class[y, i]``: the dual distillation's per-sample weight).
+
+Platform simplifications (see README): tasks are the platform's global class-incremental
+tasks (every client walks the same stream, task t owns classes [t k, (t+1) k)), so G_task is
+over those tasks, not over per-client tasks of random classes; the alpha exchange of a
+measuring round happens in the same message as that round's training (the client measures
+before it trains, on the full pool it then trains with), not in a separate exchange; the
+server evaluates the raw global pool P_g with CODA-P (all slices up to the nominal task).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from common.config import ConfigError, ExperimentConfig, coerce_value
+from common.data import task_classes
+from common.model import CodaPrompt
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from strategies.base import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+#: reply record: measured alphas (empty when the server did not ask)
+ALPHA = "powder-alpha"
+#: config keys of a train message
+LOCAL_TASKS = "powder-tasks"
+MEASURE = "powder-measure"
+CLASS_CORR = "powder-class-corr"
+SELECTIONS = ("top-k", "random")
+DISTILLATIONS = ("dual", "classic")
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class PowderOptions:
+    """Powder's options (run-config keys ``powder.<key>``, kebab-case).
+
+    Defaults are the paper's (Appendix B: lambda 1, p 30; section 5.4: k 3). The ablation
+    switches are Table 5's: ``first-step = false`` (w/o FUS), ``selection = "random"`` (w/o
+    SEL), ``dual = false`` (w/o DUAL), ``distillation = "classic"`` (DIS: plain KD).
+    ``temperature`` and ``row-top`` are the authors' code choices (3 and a few top entries
+    per correlation row, renormalised); the paper states neither, so they default off.
+    """
+
+    k: int = 3  # tasks in a client's local pool (eq. 4), its own included
+    p: float = 30.0  # sharpening exponent of the correlation (eq. 7)
+    lambda_: float = 1.0  # run-config key "lambda": weight of the distillation term (eq. 8)
+    first_step: bool = True  # false: no first-step aggregation, P_hat = P_g
+    selection: str = "top-k"  # "random": own task + k-1 random known tasks
+    dual: bool = True  # false: CE only
+    distillation: str = "dual"  # "classic": KD over all current-task classes, no beta
+    temperature: float = 1.0  # softening of the distillation (authors' code: 3)
+    row_top: int = 0  # > 0: keep that many top entries per G_task row, rows renormalised (authors' code)
+
+    @classmethod
+    def key_of(cls, name: str) -> str:
+        return "lambda" if name == "lambda_" else name.replace("_", "-")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "PowderOptions":
+        """Validate ``powder.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
+        known = {cls.key_of(f.name): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (options or {}).items():
+            f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
+            if f is None:
+                raise ConfigError(f"unknown option powder.{key}; known: "
+                                  f"{', '.join('powder.' + k for k in sorted(known))}")
+            values[f.name] = coerce_value(f"powder.{key}", raw, str(f.type))
+        opts = cls(**values)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError("powder." + msg)
+
+        need(self.k >= 1, f"k must be >= 1, got {self.k}")
+        need(np.isfinite(self.p) and self.p > 0, f"p must be > 0, got {self.p}")
+        need(np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0, got {self.lambda_}")
+        need(self.selection in SELECTIONS, f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        need(self.distillation in DISTILLATIONS,
+             f"distillation must be one of {DISTILLATIONS}, got {self.distillation!r}")
+        need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------- prompting
+class PowderPrompt(CodaPrompt):
+    """CODA-P prompts restricted to a client's local pool (eq. 4).
+
+    ``local_tasks`` (set by the client from the server's message; None = plain CODA-P over
+    slices 0..task, as the server's evaluation uses) lists the task slices in use. While
+    training, the current task's slice learns and the others are used detached.
+    """
+
+    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+        super().__init__(embed_dim, layers, pool_size, length, num_tasks)
+        self.local_tasks: list[int] | None = None
+
+    def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
+        if self.local_tasks is None:
+            return super()._active(kind, layer, train)
+        param = getattr(self, f"{kind}{layer}")
+        parts = []
+        for t in self.local_tasks:
+            part = param[self.slice_of(t)]
+            parts.append(part if (not train or t == self.task) else part.detach())
+        return torch.cat(parts, dim=0)
+
+    def pool_rows(self) -> np.ndarray:
+        """Pool rows of the local tasks, in the order ``_active`` stacks them."""
+        tasks = range(self.task + 1) if self.local_tasks is None else self.local_tasks
+        return np.concatenate([np.arange(self.pool_size)[self.slice_of(t)] for t in tasks])
+
+
+# ---------------------------------------------------------------------------- correlation (eq. 6-7)
+def correlation_matrix(alphas: np.ndarray, measured: np.ndarray, p: float) -> np.ndarray:
+    """G (n, n): ``max(cos(alpha_i, alpha_j), 0) ** p`` between measured rows, identity elsewhere.
+
+    Parameters
+    ----------
+    alphas : (n, W) array
+        Average prompt-selection weights per task (or class); rows not measured are ignored.
+    measured : (n,) bool array
+        Which rows hold a measurement.
+    p : float
+        Sharpening exponent (the paper's 30).
+    """
+    n = len(alphas)
+    g = np.eye(n, dtype=np.float64)
+    idx = np.flatnonzero(np.asarray(measured, dtype=bool))
+    if len(idx):
+        a = np.asarray(alphas, dtype=np.float64)[idx]
+        unit = a / np.maximum(np.linalg.norm(a, axis=1), 1e-12)[:, None]
+        block = np.clip(unit @ unit.T, 0.0, 1.0) ** p
+        np.fill_diagonal(block, 1.0)  # a task is fully correlated with itself (a zero alpha included)
+        g[np.ix_(idx, idx)] = block
+    return g
+
+
+def sparsify_rows(g: np.ndarray, top: int) -> np.ndarray:
+    """Keep the ``top`` largest entries of each row (ties: lower index first), rows renormalised to 1."""
+    if top <= 0:
+        return g
+    out = np.zeros_like(g)
+    for i, row in enumerate(g):
+        keep = np.argsort(-row, kind="stable")[:top]
+        out[i, keep] = row[keep]
+    return out / np.maximum(out.sum(axis=1, keepdims=True), 1e-12)
+
+
+def first_step_aggregation(state: Mapping[str, np.ndarray], g: np.ndarray, known: int, pool_size: int,
+                           num_tasks: int) -> dict[str, np.ndarray]:
+    """Eq. 3 on every prompt array: slice n of P_hat = sum_m G[n, m] * slice m of P, m < ``known``.
+
+    Arrays that are not prompt pools (first dimension ``pool_size``) are returned unchanged;
+    slices of tasks not yet known are copied as they are.
+    """
+    per_task = pool_size // num_tasks
+    rows = known * per_task
+    weights = np.asarray(g, dtype=np.float64)[:known, :known]
+    out: dict[str, np.ndarray] = {}
+    for name, value in state.items():
+        value = np.asarray(value)
+        if not (name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == pool_size) or known == 0:
+            out[name] = value
+            continue
+        slices = value[:rows].reshape(known, per_task, *value.shape[1:]).astype(np.float64)
+        mixed = np.tensordot(weights, slices, axes=(1, 0)).reshape(rows, *value.shape[1:])
+        merged = value.copy()
+        merged[:rows] = mixed.astype(value.dtype)
+        out[name] = merged
+    return out
+
+
+def select_tasks(row: np.ndarray, own: int, known: int, k: int, mode: str = "top-k",
+                 rng: np.random.Generator | None = None) -> list[int]:
+    """Eq. 4: the ``k`` known tasks most correlated with ``own`` (itself always in), ascending.
+
+    ``mode = "random"`` (the w/o SEL ablation) takes ``own`` and k-1 other known tasks at random.
+    Ties are broken towards the lower task index.
+    """
+    others = [m for m in range(known) if m != own]
+    take = min(k, known) - 1
+    if mode == "random":
+        rng = rng or np.random.default_rng(0)
+        chosen = rng.choice(len(others), size=take, replace=False).tolist() if take > 0 else []
+        picked = [others[i] for i in chosen]
+    else:
+        order = sorted(others, key=lambda m: (-float(row[m]), m))
+        picked = order[:take]
+    return sorted([own] + picked)
+
+
+# ---------------------------------------------------------------------------- strategy
+@dataclass
+class _Sent:
+    """What the server sent one client this round: what its reply must look like."""
+
+    message: Message
+    client: int
+    task: int
+    local_tasks: list[int]
+    expected: ArrayRecord  # the reply's arrays: the task slice of every prompt array, the task's head rows
+    measure: tuple[int, ...] = field(default_factory=tuple)  # tasks whose alphas may come back
+
+
+class PowderStrategy(PromptStrategy):
+    """Powder's server: correlation-weighted first step, per-client top-k payloads, per-slice merge.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run's configuration.
+    num_classes : int
+        Classes of the whole stream.
+    options : dict, optional
+        ``powder.*`` options (validated here; the clients read the loss options).
+    """
+
+    name = "powder"
+    prompt_class = PowderPrompt
+    options_class = PowderOptions
+    reply_records = frozenset({ARRAYS, METRICS, ALPHA})
+
+    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
+        super().__init__(cfg, num_classes, options)
+        self.opts = PowderOptions.from_options(self.options)
+        self.width = len(cfg.layers) * cfg.pool_size  # alpha: selection weights of every pool row, per layer
+        self.known_tasks = 0
+        self.task_alpha = np.zeros((cfg.num_tasks, self.width))
+        self.task_measured = np.zeros(cfg.num_tasks, dtype=bool)
+        self.class_alpha = np.zeros((num_classes, self.width))
+        self.class_measured = np.zeros(num_classes, dtype=bool)
+        self.new_tasks_pending = False  # a task started since the last aggregation: every client measures
+        self.global_arrays: ArrayRecord | None = None  # P_g at the start of this round
+        self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round
+        self.sent: list[_Sent] = []
+        self._payloads: list[tuple] = []  # what client_payload made, in message order
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("powder: %s", self.opts.to_dict())
+
+    # ------------------------------------------------------------------ correlation
+    def task_correlation(self) -> np.ndarray:
+        """G_task (num_tasks x num_tasks) from the measured task alphas (identity rows elsewhere)."""
+        return correlation_matrix(self.task_alpha, self.task_measured, self.opts.p)
+
+    def class_correlation(self) -> np.ndarray:
+        """G_class (num_classes x num_classes), built like G_task from the class alphas."""
+        return correlation_matrix(self.class_alpha, self.class_measured, self.opts.p)
+
+    def mixing_matrix(self) -> np.ndarray:
+        """The matrix of the first step: G_task (optionally sparsified), or identity (w/o FUS)."""
+        if not self.opts.first_step:
+            return np.eye(self.cfg.num_tasks)
+        g = self.task_correlation()
+        if self.opts.row_top > 0:  # sparsify among the known tasks only
+            k = self.known_tasks
+            g = g.copy()
+            g[:k, :k] = sparsify_rows(g[:k, :k], self.opts.row_top)
+        return g
+
+    # ------------------------------------------------------------------ hooks
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        self.known_tasks = max(self.known_tasks, task + 1)
+        self.new_tasks_pending = True  # Algorithm 1 line 4: new tasks, every current task is re-measured
+        return super().on_task_start(task, arrays)
+
+    def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
+        """The client's local pool: the top-k tasks' aggregated slices, or all of them when measuring."""
+        task, round_ = int(config["task"]), int(config["round"])
+        if not 0 <= task < self.known_tasks:
+            raise RuntimeError(f"client {client_id} assigned task {task}, whose slice was never initialised "
+                               f"(known tasks: {self.known_tasks}); call on_task_start first")
+        if not self.aggregated:
+            self.prepare_round(arrays)
+        switched = round_ == 0 and task > 0
+        measure = self.new_tasks_pending or not self.task_measured[task] or switched
+        if measure:
+            local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
+        else:
+            rng = np.random.default_rng([self.cfg.seed, int(config.get("server-round", 0)), client_id, 0x50D])
+            local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
+                                 self.opts.selection, rng)
+        classes = task_classes(task, self.num_classes, self.cfg.num_tasks)
+        out, expected = {}, {}
+        for name, value in self.aggregated.items():
+            if self._is_pool(name, value):
+                out[name] = np.concatenate([value[self._rows(t)] for t in local])
+                expected[name] = np.zeros_like(value[self._rows(task)])
+            elif self._is_head(name, value):
+                out[name] = value[classes]
+                expected[name] = np.zeros_like(value[classes])
+            else:  # not task-structured: travels whole
+                out[name] = value
+                expected[name] = np.zeros_like(value)
+        g_class = self.class_correlation()
+        config[LOCAL_TASKS] = [int(t) for t in local]
+        config[MEASURE] = bool(measure)
+        config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
+        content = RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
+        measured = (task, task - 1) if switched else (task,)
+        self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else ()))
+        return content
+
+    def prepare_round(self, arrays: ArrayRecord) -> None:
+        """P_g of this round and its first-step aggregation P_hat (eq. 3)."""
+        self.global_arrays = arrays
+        self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), self.known_tasks,
+                                                 self.cfg.pool_size, self.cfg.num_tasks)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "known-tasks": int(self.known_tasks),
+            "task-alpha": self.task_alpha.copy(),
+            "task-measured": self.task_measured.copy(),
+            "class-alpha": self.class_alpha.copy(),
+            "class-measured": self.class_measured.copy(),
+            "new-tasks-pending": bool(self.new_tasks_pending),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.known_tasks = int(state.get("known-tasks", 0))
+        if "task-alpha" in state:
+            self.task_alpha = np.array(state["task-alpha"], dtype=np.float64)
+            self.task_measured = np.array(state["task-measured"], dtype=bool)
+            self.class_alpha = np.array(state["class-alpha"], dtype=np.float64)
+            self.class_measured = np.array(state["class-measured"], dtype=bool)
+        self.new_tasks_pending = bool(state.get("new-tasks-pending", False))
+
+    # ------------------------------------------------------------------ Flower contract
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Per-client payloads; remembers what each message sent and so what its reply must hold."""
+        self.prepare_round(arrays)
+        self._payloads = []
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        # client_payload ran once per message, in order
+        self.sent = [_Sent(m, *made) for m, made in zip(messages, self._payloads)]
+        self.sent_arrays = None  # replies are checked against their own message (check_reply)
+        return messages
+
+    def sent_for(self, msg: Message) -> _Sent | None:
+        """The message ``msg`` answers (by message id; without ids, by node if it got one message)."""
+        reply_to = msg.metadata.reply_to_message_id
+        with_ids = {s.message.metadata.message_id: s for s in self.sent if s.message.metadata.message_id}
+        if reply_to and reply_to in with_ids:
+            return with_ids[reply_to]
+        if with_ids:
+            return None
+        mine = [s for s in self.sent if s.message.metadata.dst_node_id == msg.metadata.src_node_id]
+        return mine[0] if len(mine) == 1 else None
+
+    def check_reply(self, msg: Message) -> str | None:
+        """The base's checks against what this client was sent, then the alpha record's."""
+        if msg.has_error():
+            return super().check_reply(msg)
+        sent = self.sent_for(msg)
+        if sent is None:
+            return "cannot tell which message this reply answers (no matching message sent this round)"
+        saved, self.sent_arrays = self.sent_arrays, sent.expected
+        try:
+            reason = super().check_reply(msg)
+        finally:
+            self.sent_arrays = saved
+        if reason is None and int(msg.content[METRICS]["num-examples"]) > 0:
+            reason = self.check_alpha(msg.content[ALPHA], sent)
+        return reason
+
+    def check_alpha(self, record: ArrayRecord, sent: _Sent) -> str | None:
+        """Why an alpha record cannot be used (None: it can)."""
+        names = set(record.keys())
+        if not sent.measure:
+            return None if not names else "alphas sent back although the server did not ask for them"
+        need = {"tasks", "task-alpha", "task-count", "classes", "class-alpha", "class-count"}
+        if names != need:
+            return f"alpha record must hold {sorted(need)}, got {sorted(names)}"
+        a = {k: record[k].numpy() for k in need}
+        allowed_classes = set()
+        for t in sent.measure:
+            if t >= 0:
+                allowed_classes |= set(task_classes(t, self.num_classes, self.cfg.num_tasks).tolist())
+        for kind, ids, allowed in (("task", a["tasks"], set(sent.measure)), ("class", a["classes"], allowed_classes)):
+            alpha, count = a[f"{kind}-alpha"], a[f"{kind}-count"]
+            if ids.ndim != 1 or alpha.shape != (len(ids), self.width) or count.shape != (len(ids),):
+                return f"{kind} alphas of shape {alpha.shape} for {ids.shape} ids (width {self.width} expected)"
+            if not set(ids.tolist()) <= allowed or len(set(ids.tolist())) != len(ids):
+                return f"{kind} alphas for {sorted(ids.tolist())}, the server asked for {sorted(allowed)}"
+            if not np.isfinite(alpha).all() or not (count > 0).all():
+                return f"{kind} alphas not finite or counts not positive"
+        return None
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate, merge the returned task slices into P_g per task, update the correlations."""
+        replies = list(replies)
+        if self.global_arrays is None:
+            raise RuntimeError("aggregate_train before configure_train: no server arrays to start from")
+        accepted = self.accept_replies(replies)
+        by_content = {id(m.content): self.sent_for(m) for m in replies if m.has_content()}
+        pairs = [(by_content[id(c)], c) for c in accepted]
+        self.aggregated = {}  # the next round recomputes P_hat
+        if len(pairs) < self.cfg.min_replies:
+            log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
+                        server_round, len(pairs), self.cfg.min_replies)
+            return None, None
+        weights = np.array([int(c[METRICS]["num-examples"]) for _, c in pairs], dtype=np.float64)
+        merged = self.merge(from_array_record(self.global_arrays),
+                            [(s.task, from_array_record(c[ARRAYS]), w) for (s, c), w in zip(pairs, weights)])
+        measured_tasks = self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
+        if any(s.measure for s, _ in pairs):
+            self.new_tasks_pending = False
+        contents = [c for _, c in pairs]
+        arrays = self.consolidate(server_round, to_array_record(merged), contents)
+        tasks = {s.task for s, _ in pairs}
+        metrics = MetricRecord({
+            "num-examples": int(weights.sum()),
+            "clients": len(pairs),
+            "tasks-aggregated": len(tasks),
+            "tasks-measured": measured_tasks,
+            "local-pool-tasks": float(np.mean([len(s.local_tasks) for s, _ in pairs])),
+            "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in contents], weights=weights)),
+        })
+        return arrays, metrics
+
+    def merge(self, base: Mapping[str, np.ndarray],
+              updates: list[tuple[int, Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+        """P_g with every trained task slice (and its head rows) replaced by the sample-weighted
+        average of the clients that trained it; other arrays averaged over every reply."""
+        groups: dict[int, list[tuple[Mapping[str, np.ndarray], float]]] = {}
+        for task, arrays, w in updates:
+            groups.setdefault(task, []).append((arrays, w))
+        total = sum(w for _, _, w in updates)
+        out: dict[str, np.ndarray] = {}
+        for name, value in base.items():
+            value = np.asarray(value)
+            if not (self._is_pool(name, value) or self._is_head(name, value)):
+                acc = sum((w / total) * np.asarray(a[name], dtype=np.float64) for _, a, w in updates)
+                out[name] = np.asarray(acc).astype(value.dtype)
+                continue
+            merged = value.copy()
+            for task, members in groups.items():
+                rows = self._rows(task) if self._is_pool(name, value) else \
+                    task_classes(task, self.num_classes, self.cfg.num_tasks)
+                wsum = sum(w for _, w in members)
+                acc = sum((w / wsum) * np.asarray(a[name], dtype=np.float64) for a, w in members)
+                merged[rows] = np.asarray(acc).astype(value.dtype)
+            out[name] = merged
+        return out
+
+    def update_correlation(self, records: list[ArrayRecord]) -> int:
+        """Replace the alphas of every task and class measured this round (count-weighted over
+        the clients that measured them); returns how many tasks were measured."""
+        sums: dict[str, dict[int, list]] = {"task": {}, "class": {}}
+        for record in records:
+            if not list(record.keys()):
+                continue
+            for kind, ids_name in (("task", "tasks"), ("class", "classes")):
+                ids = record[ids_name].numpy()
+                alpha, count = record[f"{kind}-alpha"].numpy(), record[f"{kind}-count"].numpy()
+                for i, a, n in zip(ids.tolist(), alpha, count.tolist()):
+                    acc = sums[kind].setdefault(int(i), [np.zeros(self.width), 0.0])
+                    acc[0] += float(n) * np.asarray(a, dtype=np.float64)
+                    acc[1] += float(n)
+        for i, (s, n) in sums["task"].items():
+            self.task_alpha[i], self.task_measured[i] = s / n, True
+        for i, (s, n) in sums["class"].items():
+            self.class_alpha[i], self.class_measured[i] = s / n, True
+        return len(sums["task"])
+
+    # ------------------------------------------------------------------ helpers
+    def _rows(self, task: int) -> slice:
+        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        return slice(task * per_task, (task + 1) * per_task)
+
+    def _is_pool(self, name: str, value: np.ndarray) -> bool:
+        return name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == self.cfg.pool_size
+
+    def _is_head(self, name: str, value: np.ndarray) -> bool:
+        return name.startswith("head.") and value.ndim >= 1 and value.shape[0] == self.num_classes
+
+
+__all__ = ["ALPHA", "CLASS_CORR", "LOCAL_TASKS", "MEASURE", "PowderOptions", "PowderPrompt", "PowderStrategy",
+           "correlation_matrix", "first_step_aggregation", "select_tasks", "sparsify_rows"]
