@@ -1,0 +1,441 @@
+"""Powder: correlation, two-step aggregation, per-client payloads, dual distillation, ablations, end to end."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from client.learner import LocalLearner
+from client.powder import PowderLearner, classic_distillation, dual_distillation, sample_weights
+from common.config import ConfigError
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from common.runtime import get_runtime
+from strategies import learner_class, prompt_class, strategy_class
+from strategies.powder import (
+    ALPHA,
+    CLASS_CORR,
+    LOCAL_TASKS,
+    MEASURE,
+    PowderOptions,
+    PowderPrompt,
+    PowderStrategy,
+    correlation_matrix,
+    first_step_aggregation,
+    select_tasks,
+    sparsify_rows,
+)
+from tests.conftest import reply_from, tiny_config
+
+
+class NodeList:
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self):
+        return self.ids
+
+
+# ---------------------------------------------------------------------------- options
+def test_options_defaults_validation_and_registry():
+    o = PowderOptions.from_options({})
+    assert (o.k, o.p, o.lambda_, o.first_step, o.selection, o.dual, o.distillation, o.temperature, o.row_top) == \
+        (3, 30.0, 1.0, True, "top-k", True, "dual", 1.0, 0)
+    o = PowderOptions.from_options({"k": "2", "lambda": 0.5, "first-step": "false", "selection": "random",
+                                    "distillation": "classic", "row_top": 2, "temperature": 3})
+    assert (o.k, o.lambda_, o.first_step, o.selection, o.distillation, o.row_top, o.temperature) == \
+        (2, 0.5, False, "random", "classic", 2, 3.0)
+    for bad in ({"k": 0}, {"p": 0}, {"lambda": -1}, {"selection": "all"}, {"distillation": "x"},
+                {"temperature": 0}, {"row-top": -1}, {"k": 1.5}, {"gamma": 1}):
+        with pytest.raises(ConfigError, match="powder"):
+            PowderOptions.from_options(bad)
+    PowderStrategy.check_options({"k": 2})
+    assert strategy_class("powder") is PowderStrategy
+    assert learner_class("powder") is PowderLearner
+    assert prompt_class("powder") is PowderPrompt
+    assert PowderStrategy.asynchronous_tasks
+
+
+# ---------------------------------------------------------------------------- correlation (eq. 7)
+def test_correlation_is_symmetric_unit_diagonal_and_sharpened_by_p():
+    rng = np.random.default_rng(0)
+    alphas = np.abs(rng.normal(size=(5, 12)))
+    alphas[3] = -alphas[0]  # anti-correlated with task 0: clamped to 0, not raised to a positive power
+    measured = np.array([True, True, True, True, False])
+    g1 = correlation_matrix(alphas, measured, 1.0)
+    g30 = correlation_matrix(alphas, measured, 30.0)
+    for g in (g1, g30):
+        np.testing.assert_allclose(g, g.T)
+        np.testing.assert_allclose(np.diag(g), 1.0)
+        assert (g >= 0).all() and (g <= 1 + 1e-12).all()
+    np.testing.assert_array_equal(g30[4], np.eye(5)[4])  # not measured: correlated with itself only
+    assert g30[0, 3] == 0.0 and g1[0, 3] == 0.0
+    unit = alphas / np.linalg.norm(alphas, axis=1, keepdims=True)
+    assert g1[0, 1] == pytest.approx(unit[0] @ unit[1])
+    np.testing.assert_allclose(g30[:3, :3], g1[:3, :3] ** 30)  # eq. 7
+    off = ~np.eye(5, dtype=bool) & (g1 > 0) & (g1 < 1)
+    assert off.any() and (g30[off] < g1[off]).all()  # p > 1 separates weak from strong correlation
+    # a zero alpha (no rows selected) is still correlated with itself only
+    z = correlation_matrix(np.zeros((2, 3)), np.array([True, True]), 30.0)
+    np.testing.assert_array_equal(z, np.eye(2))
+
+
+def test_sparsified_rows_keep_top_entries_and_sum_to_one():
+    g = np.array([[1.0, 0.5, 0.2, 0.1], [0.5, 1.0, 0.3, 0.0], [0.2, 0.3, 1.0, 0.9], [0.1, 0.0, 0.9, 1.0]])
+    s = sparsify_rows(g, 2)
+    np.testing.assert_allclose(s.sum(axis=1), 1.0)
+    assert ((s > 0).sum(axis=1) == 2).all()
+    np.testing.assert_allclose(s[0], [1 / 1.5, 0.5 / 1.5, 0, 0])
+    assert sparsify_rows(g, 0) is g
+
+
+def test_first_step_aggregation_is_g_times_p_per_task_slice():
+    pool, tasks, per = 8, 4, 2
+    rng = np.random.default_rng(1)
+    state = {"prompt.p0": rng.normal(size=(pool, 3, 2)).astype(np.float32),
+             "prompt.k0": rng.normal(size=(pool, 2)).astype(np.float32),
+             "head.weight": rng.normal(size=(6, 2)).astype(np.float32)}
+    g = np.array([[1.0, 0.5, 0.0, 9.0], [0.5, 1.0, 0.25, 9.0], [0.0, 0.25, 1.0, 9.0], [9.0] * 4])
+    out = first_step_aggregation(state, g, known=3, pool_size=pool, num_tasks=tasks)
+    for name in ("prompt.p0", "prompt.k0"):
+        p = state[name].astype(np.float64)
+        sl = [p[t * per:(t + 1) * per] for t in range(tasks)]
+        np.testing.assert_allclose(out[name][0:2], sl[0] + 0.5 * sl[1], rtol=1e-5)
+        np.testing.assert_allclose(out[name][2:4], 0.5 * sl[0] + sl[1] + 0.25 * sl[2], rtol=1e-5)
+        np.testing.assert_allclose(out[name][4:6], 0.25 * sl[1] + sl[2], rtol=1e-5)
+        np.testing.assert_array_equal(out[name][6:8], state[name][6:8])  # task 3 not known: untouched
+        assert out[name].dtype == np.float32
+    np.testing.assert_array_equal(out["head.weight"], state["head.weight"])
+    same = first_step_aggregation(state, np.eye(4), known=4, pool_size=pool, num_tasks=tasks)
+    np.testing.assert_allclose(same["prompt.p0"], state["prompt.p0"])
+
+
+def test_top_k_selection_returns_the_most_correlated_tasks():
+    row = np.array([0.1, 0.9, 1.0, 0.3, 0.95, 0.0])
+    assert select_tasks(row, own=2, known=6, k=3) == [1, 2, 4]
+    assert select_tasks(row, own=2, known=4, k=3) == [1, 2, 3]  # only known tasks compete
+    assert select_tasks(row, own=2, known=6, k=1) == [2]
+    assert select_tasks(np.zeros(6), own=5, known=6, k=3) == [0, 1, 5]  # itself always, ties to lower index
+    assert select_tasks(row, own=0, known=2, k=3) == [0, 1]  # fewer known tasks than k: all of them
+    picks = {tuple(select_tasks(row, 2, 6, 3, "random", np.random.default_rng(s))) for s in range(30)}
+    assert all(2 in p and len(p) == 3 for p in picks) and len(picks) > 3  # random: own + 2 others, varying
+
+
+# ---------------------------------------------------------------------------- server: payloads and replies
+def strategy_with_pool(num_tasks=4, known=4, **options):
+    """A strategy with ``known`` task slices initialised and task alphas giving a known G_task."""
+    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks)
+    num_classes = 2 * num_tasks
+    s = PowderStrategy(cfg, num_classes, options)
+    rng = np.random.default_rng(0)
+    state = {"prompt.p0": rng.normal(size=(cfg.pool_size, 4, 6)).astype(np.float32),
+             "prompt.k0": rng.normal(size=(cfg.pool_size, 6)).astype(np.float32),
+             "prompt.a0": rng.normal(size=(cfg.pool_size, 6)).astype(np.float32),
+             "head.weight": rng.normal(size=(num_classes, 6)).astype(np.float32),
+             "head.bias": rng.normal(size=(num_classes,)).astype(np.float32)}
+    s.known_tasks = known
+    s.width = 8  # alphas of this hand-made pool
+    base = np.eye(8)
+    # task 0 ~ task 2 (strongly), task 0 ~ task 1 (weakly), task 3 alone
+    alphas = np.array([base[0] + base[1], base[0] + 0.2 * base[2], base[1] + 0.9 * base[0], base[7]])
+    s.task_alpha = np.zeros((num_tasks, 8))
+    s.task_alpha[: len(alphas)] = alphas[:num_tasks]
+    s.task_measured = np.zeros(num_tasks, bool)
+    s.task_measured[:known] = True
+    s.class_alpha = np.zeros((num_classes, 8))
+    s.class_measured = np.zeros(num_classes, bool)
+    return cfg, s, state
+
+
+def test_payload_holds_only_the_top_k_tasks_aggregated_and_is_smaller(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2)
+    arrays = to_array_record(state)
+    msgs = list(s.configure_train(7, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(4)))
+    g = s.task_correlation()
+    assert select_tasks(g[0], 0, 4, 2) == [0, 2] and g[0, 2] > g[0, 1] > g[0, 3] == 0
+    hat = first_step_aggregation(state, g, 4, cfg.pool_size, cfg.num_tasks)
+    full_bytes = payload_bytes(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"task": 0})}))
+    for m in msgs:
+        config, sent = m.content[CONFIG], from_array_record(m.content[ARRAYS])
+        assert list(config[LOCAL_TASKS]) == [0, 2] and config[MEASURE] is False
+        for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
+            assert sent[name].shape[0] == 4  # two tasks' slices of two rows
+            np.testing.assert_allclose(sent[name], np.concatenate([hat[name][0:2], hat[name][4:6]]), rtol=1e-6)
+            assert not np.allclose(sent[name][0:2], state[name][0:2])  # aggregated, not the raw slice
+        np.testing.assert_array_equal(sent["head.weight"], state["head.weight"][0:2])  # its task's classes only
+        assert payload_bytes(m.content) < full_bytes  # tiny arrays here: framing is much of both
+        assert sum(v.nbytes for v in sent.values()) < 0.5 * sum(v.nbytes for v in state.values())
+        assert list(config[CLASS_CORR]) == [1.0, 1.0]  # no class measured yet: identity rows
+    assert [x.local_tasks for x in s.sent] == [[0, 2]] * 4
+
+
+def test_payload_differs_per_client_on_different_tasks(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2)
+
+    class Scheduled(PowderStrategy):
+        def client_payload(self, client_id, arrays, config):
+            config["task"] = {0: 0, 1: 3, 2: 1, 3: 0}[client_id]
+            return super().client_payload(client_id, arrays, config)
+
+    s.__class__ = Scheduled
+    msgs = list(s.configure_train(7, to_array_record(state), ConfigRecord({"task": 0, "round": 2}), NodeList(4)))
+    assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [0, 3], [0, 1], [0, 2]]
+
+
+def test_measuring_rounds_send_the_whole_aggregated_pool(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2)
+    arrays = to_array_record(state)
+    s.new_tasks_pending = True  # a task has just started
+    m = list(s.configure_train(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1)))[0]
+    assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
+    assert s.sent[0].measure == (1, 0)  # it has just switched from task 0: both are measured
+    s.new_tasks_pending = False
+    m = list(s.configure_train(2, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
+    assert m.content[CONFIG][MEASURE] is False and s.sent[0].measure == ()
+    s.task_measured[1] = False  # never measured: measured when next trained
+    m = list(s.configure_train(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
+    assert m.content[CONFIG][MEASURE] is True and s.sent[0].measure == (1,)
+
+
+def test_ablations_change_the_payload(flower_identity):
+    _, s, state = strategy_with_pool(k=2, **{"first-step": False})
+    m = list(s.configure_train(1, to_array_record(state), ConfigRecord({"task": 0, "round": 2}), NodeList(1)))[0]
+    sent = from_array_record(m.content[ARRAYS])
+    np.testing.assert_array_equal(sent["prompt.p0"], np.concatenate([state["prompt.p0"][0:2], state["prompt.p0"][4:6]]))
+    _, s, state = strategy_with_pool(k=2, selection="random")
+    chosen = set()
+    for r in range(12):
+        m = list(s.configure_train(r, to_array_record(state), ConfigRecord({"task": 0, "round": 2}), NodeList(1)))[0]
+        chosen.add(tuple(m.content[CONFIG][LOCAL_TASKS]))
+    assert len(chosen) > 1 and all(0 in c and len(c) == 2 for c in chosen)
+    _, s, state = strategy_with_pool(k=2, **{"row-top": 1})  # each row keeps only itself: no mixing
+    m = list(s.configure_train(1, to_array_record(state), ConfigRecord({"task": 0, "round": 2}), NodeList(1)))[0]
+    np.testing.assert_allclose(from_array_record(m.content[ARRAYS])["prompt.p0"][0:2], state["prompt.p0"][0:2])
+
+
+def configure(s, server_round, arrays, task, round_, nodes):
+    """The round's messages, each with the id the grid would give it (replies are matched by it)."""
+    msgs = list(s.configure_train(server_round, arrays, ConfigRecord({"task": task, "round": round_}), NodeList(nodes)))
+    for m in msgs:
+        m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+    return msgs
+
+
+def reply_for(msg: Message, sent, value: float, n: int, alpha: ArrayRecord | None = None) -> Message:
+    arrays = {k: np.full(v.shape, value, v.numpy().dtype) for k, v in sent.expected.items()}
+    content = RecordDict({ARRAYS: to_array_record(arrays), ALPHA: alpha or ArrayRecord(),
+                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0})})
+    return Message(content=content, reply_to=msg)
+
+
+def alpha_record(tasks, classes, width=8, value=1.0):
+    return to_array_record({
+        "tasks": np.array(tasks, np.int64), "task-alpha": np.full((len(tasks), width), value),
+        "task-count": np.full(len(tasks), 5, np.int64), "classes": np.array(classes, np.int64),
+        "class-alpha": np.full((len(classes), width), value), "class-count": np.full(len(classes), 3, np.int64)})
+
+
+def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(flower_identity):
+    _, s, state = strategy_with_pool(k=2)
+
+    class Scheduled(PowderStrategy):
+        def client_payload(self, client_id, arrays, config):
+            config["task"] = {0: 0, 1: 3, 2: 0, 3: 1}[client_id]
+            return super().client_payload(client_id, arrays, config)
+
+    s.__class__ = Scheduled
+    msgs = configure(s, 5, to_array_record(state), 0, 2, 2)  # two nodes, each playing two clients
+    good = [reply_for(msgs[0], s.sent[0], 1.0, 10), reply_for(msgs[1], s.sent[1], 7.0, 10),
+            reply_for(msgs[2], s.sent[2], 3.0, 30)]
+    bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s.sent[3].expected.keys()}),
+                            ALPHA: ArrayRecord(), METRICS: MetricRecord({"num-examples": 5, "train-loss": 1.0})})
+    stray = reply_from(101, bad_shape)  # answers no message of this round
+    arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
+    out = from_array_record(arrays)
+    for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
+        np.testing.assert_allclose(out[name][0:2], (10 * 1.0 + 30 * 3.0) / 40)  # task 0: clients 0 and 2
+        np.testing.assert_allclose(out[name][6:8], 7.0)  # task 3
+        np.testing.assert_array_equal(out[name][2:6], state[name][2:6])  # tasks 1 (rejected) and 2: unchanged
+    np.testing.assert_allclose(out["head.weight"][0:2], 2.5)
+    np.testing.assert_array_equal(out["head.weight"][2:6], state["head.weight"][2:6])
+    assert metrics["clients"] == 3 and metrics["tasks-aggregated"] == 2
+    assert len(s.rejected) == 2 and "array prompt" in s.rejected[0][1] and "cannot tell" in s.rejected[1][1]
+    # alphas sent back unasked are refused
+    msgs = configure(s, 6, arrays, 0, 2, 1)
+    assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([0], [0])))
+
+
+def test_alpha_replies_update_the_correlations(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2)
+    s.task_measured[:] = False
+    s.new_tasks_pending = True
+    msgs = configure(s, 1, to_array_record(state), 1, 0, 2)
+    assert all(x.measure == (1, 0) for x in s.sent)
+    wrong = reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([2], [4]))
+    assert "asked for" in s.check_reply(wrong)
+    a0 = to_array_record({"tasks": np.array([1, 0]), "task-alpha": np.stack([np.eye(8)[0], np.eye(8)[0] + np.eye(8)[1]]),
+                          "task-count": np.array([5, 5]), "classes": np.array([2, 3]),
+                          "class-alpha": np.stack([np.eye(8)[2], np.eye(8)[2]]), "class-count": np.array([2, 3])})
+    replies = [reply_for(msgs[0], s.sent[0], 1.0, 5, a0), reply_for(msgs[1], s.sent[1], 1.0, 5, alpha_record([1], [2]))]
+    _, metrics = s.aggregate_train(1, replies)
+    assert metrics["tasks-measured"] == 2 and not s.new_tasks_pending
+    assert s.task_measured[:2].all() and not s.task_measured[2:].any()
+    np.testing.assert_allclose(s.task_alpha[1], (np.eye(8)[0] + 1.0) / 2)  # count-weighted over both clients
+    np.testing.assert_allclose(s.class_alpha[3], np.eye(8)[2])
+    g = s.task_correlation()
+    assert 0 < g[0, 1] < 1 and g[0, 2] == 0 and g[1, 1] == 1
+    gc = s.class_correlation()
+    assert gc[2, 3] > 0.0 and gc[3, 2] == gc[2, 3]
+    m = list(s.configure_train(2, to_array_record(state), ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
+    np.testing.assert_allclose(m.content[CONFIG][CLASS_CORR], gc[2:4].sum(axis=1))
+
+
+def test_state_dict_round_trip():
+    cfg, s, _ = strategy_with_pool()
+    s.class_alpha[3] = 0.5
+    s.class_measured[3] = True
+    s.new_tasks_pending = True
+    again = PowderStrategy(cfg, s.num_classes)
+    again.load_state_dict(s.state_dict())
+    assert again.known_tasks == 4 and again.new_tasks_pending
+    np.testing.assert_array_equal(again.task_alpha, s.task_alpha)
+    np.testing.assert_array_equal(again.task_measured, s.task_measured)
+    np.testing.assert_array_equal(again.class_alpha, s.class_alpha)
+    np.testing.assert_array_equal(again.task_correlation(), s.task_correlation())
+
+
+# ---------------------------------------------------------------------------- dual distillation (eq. 5)
+def test_dual_distillation_ignores_the_true_class_and_is_zero_when_models_agree():
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.tensor([False, True, True, True, True, False])
+    student = torch.randn(4, 6, generator=gen).masked_fill(~allowed, float("-inf"))
+    teacher = torch.randn(4, 6, generator=gen).masked_fill(~allowed, float("-inf"))
+    labels = torch.tensor([1, 2, 4, 1])
+    assert dual_distillation(student, student.clone(), labels).item() == pytest.approx(0.0, abs=1e-7)
+    base = dual_distillation(student, teacher, labels)
+    assert base.item() > 0
+    moved = student.clone()
+    moved[torch.arange(4), labels] += 5.0  # only the true-class logits change
+    assert dual_distillation(moved, teacher, labels).item() == pytest.approx(base.item(), rel=1e-6)
+    assert classic_distillation(moved, teacher).item() != pytest.approx(classic_distillation(student, teacher).item())
+    # agreeing on the non-true classes is enough, whatever the true-class logit
+    teacher2 = student.clone()
+    teacher2[torch.arange(4), labels] -= 3.0
+    assert dual_distillation(student, teacher2, labels).item() == pytest.approx(0.0, abs=1e-7)
+    # per-sample weights: only weighted samples count
+    w = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    one = dual_distillation(student[:1], teacher[:1], labels[:1])
+    assert dual_distillation(student, teacher, labels, w).item() == pytest.approx(one.item(), rel=1e-6)
+    # temperature: softer distributions, scaled by T^2
+    assert dual_distillation(student, teacher, labels, temperature=3.0).item() != pytest.approx(base.item())
+    # the gradient reaches the student's non-true logits only
+    s = student.clone().requires_grad_(True)
+    dual_distillation(s, teacher, labels).backward()
+    assert (s.grad[torch.arange(4), labels] == 0).all() and s.grad[:, ~allowed].abs().sum() == 0
+    assert s.grad[:, allowed].abs().sum() > 0
+
+
+def test_beta_is_a_softmax_over_the_batch_of_class_total_correlation():
+    total = torch.tensor([1.0, 3.0, 1.0])
+    beta = sample_weights(total, torch.tensor([0, 1, 1, 2]))
+    assert beta.sum().item() == pytest.approx(1.0)
+    assert beta[1] == beta[2] > beta[0] == beta[3]
+    assert (beta[1] / beta[0]).item() == pytest.approx(float(np.exp(2.0)), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- client
+def client_setup(**options):
+    """Runtime with Powder's prompt; a strategy with 2 known tasks; a message for task 1."""
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
+    rt = get_runtime(cfg, PowderPrompt)
+    s = PowderStrategy(cfg, rt.data.num_classes, options)
+    arrays = to_array_record(rt.model.trainable_state())
+    for t in range(2):
+        arrays = s.on_task_start(t, arrays)
+    return cfg, rt, s, arrays
+
+
+def message_for(s, arrays, task, round_):
+    return list(s.configure_train(1, arrays, ConfigRecord({"task": task, "round": round_}), NodeList(1)))[0]
+
+
+def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity):
+    cfg, rt, s, arrays = client_setup()
+    msg = message_for(s, arrays, 1, 0)  # new tasks pending: a measuring round, whole pool
+    assert msg.content[CONFIG][MEASURE] is True
+    learner = PowderLearner(rt, {})
+    reply = learner.fit(msg.content, 1, 0, 0)
+    assert set(reply.keys()) == {ARRAYS, METRICS, ALPHA}
+    assert learner.last_distillation is not None and learner.last_distillation > 0
+    out, sent = from_array_record(reply[ARRAYS]), from_array_record(msg.content[ARRAYS])
+    assert out["prompt.p0"].shape[0] == cfg.pool_size // cfg.num_tasks  # its own slice only
+    assert not np.allclose(out["prompt.p0"], sent["prompt.p0"][2:4])  # trained
+    assert out["head.weight"].shape[0] == rt.data.num_classes // 2
+    alpha = {k: v.numpy() for k, v in reply[ALPHA].items()}
+    assert alpha["tasks"].tolist() == [1, 0]  # current and just-finished task
+    assert alpha["task-alpha"].shape == (2, len(cfg.layers) * cfg.pool_size)
+    assert sorted(alpha["classes"].tolist()) == list(range(rt.data.num_classes))
+    assert s.check_reply(reply_from(100, reply)) is None
+    arrays2, metrics = s.aggregate_train(1, [reply_from(100, reply)])
+    assert s.task_measured[:2].all() and metrics["tasks-measured"] == 2
+    assert rt.model.prompt.local_tasks is None  # the shared runtime is left as plain CODA-P
+    # next round: no measuring, local pool from G_task, an empty alpha record
+    msg = message_for(s, arrays2, 1, 1)
+    assert msg.content[CONFIG][MEASURE] is False
+    reply = learner.fit(msg.content, 1, 1, 0)
+    assert list(reply[ALPHA].keys()) == [] and s.check_reply(reply_from(100, reply)) is None
+
+
+def test_distillation_switches_change_local_training(flower_identity):
+    cfg, rt, s, arrays = client_setup()
+    s.task_measured[:] = True  # no measuring: same local pool for every variant
+    msg = message_for(s, arrays, 1, 1)
+    runs = {}
+    for label, opts in {"dual": {}, "off": {"dual": False}, "classic": {"distillation": "classic"},
+                        "lambda0": {"lambda": 0.0}}.items():
+        learner = PowderLearner(rt, opts)
+        runs[label] = from_array_record(learner.fit(msg.content, 1, 1, 0)[ARRAYS])
+        if label in ("off", "lambda0"):
+            assert learner.last_distillation is None
+    for name in runs["dual"]:
+        np.testing.assert_array_equal(runs["off"][name], runs["lambda0"][name])
+    differs = lambda a, b: any(not np.allclose(runs[a][n], runs[b][n]) for n in runs[a])  # noqa: E731
+    assert differs("dual", "off") and differs("dual", "classic")
+    # w/o DUAL is the platform's CE-only learner on the same local pool
+    helper = PowderLearner(rt, {})
+    helper.local_tasks = [int(t) for t in msg.content[CONFIG][LOCAL_TASKS]]
+    full = helper.expand(msg.content[ARRAYS], 1)
+    rt.model.prompt.local_tasks = helper.local_tasks
+    try:
+        plain = LocalLearner(rt).fit(RecordDict({ARRAYS: full, CONFIG: msg.content[CONFIG]}), 1, 1, 0)
+    finally:
+        rt.model.prompt.local_tasks = None
+    for name, value in from_array_record(helper.own_part(plain[ARRAYS], 1)).items():
+        np.testing.assert_array_equal(runs["off"][name], value)
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_end_to_end_asynchronous_simulation(tmp_path):
+    """Clients on different tasks; per-client payloads smaller than FedAvg's once no one measures."""
+    from tests.test_simulation_e2e import simulate
+
+    results = simulate(tmp_path / "run", strategy="powder", lr=0.05,
+                       **{"switch-every": 1, "switch-fraction": 0.5, "powder.k": 1})
+    rounds = results["rounds"]
+    assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    for r in rounds:
+        assert r["clients_aggregated"] == 3 and not r["rejected"]
+    assert rounds[1]["strategy_metrics"]["tasks-aggregated"] == 2
+    assert rounds[1]["strategy_metrics"]["tasks-measured"] == 2  # a new task: everybody measures
+    assert rounds[3]["strategy_metrics"]["tasks-measured"] == 0  # nothing new: top-k payloads
+    assert rounds[3]["strategy_metrics"]["local-pool-tasks"] == 1.0
+    n_params = results["communication"]["trainable_parameters"]
+    last = rounds[3]["bytes_s2c"] / rounds[3]["clients_sampled"]
+    assert last < 4 * n_params  # less than the bare float32 parameters FedAvg sends every client
+    assert rounds[1]["bytes_s2c"] / rounds[1]["clients_sampled"] > last  # measuring rounds send the whole pool
+    acc = results["accuracy_matrix"]
+    assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
+    assert (tmp_path / "run" / "results.json").exists()
