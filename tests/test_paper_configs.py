@@ -27,6 +27,10 @@ EXPECTED = {
     "fedcprompt-cifar100.toml": {"strategy": "fedcprompt", "dataset": "hf:cifar100", "num-tasks": 10,
                                  "num-clients": 10, "rounds-per-task": 40, "local-epochs": 5, "lr": 1e-4,
                                  "batch-size": 128, "pool-size": 100, "prompt-length": 8},
+    "powder-imagenet-r.toml": {"strategy": "powder", "dataset": "hf:imagenet-r", "num-tasks": 10, "num-clients": 5,
+                               "clients-per-round": 5, "switch-every": 3, "switch-fraction": 0.4, "local-epochs": 10,
+                               "lr": 0.005, "prompt-mode": "prompt", "prompt-layers": "4,5,6", "pool-size": 100,
+                               "prompt-length": 8},
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
