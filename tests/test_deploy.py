@@ -3,12 +3,13 @@
 A SuperLink with TLS (an openssl CA and server certificate) and SuperNode authentication,
 three SuperNodes each with its own image folder, started and driven by the deploy/
 scripts exactly as the README says; a recording TLS proxy (tests/wiretap.py) between the
-nodes and the SuperLink sees every byte of every message. Also: an unregistered node key
+nodes and the SuperLink sees every byte of every message. Also: the server side killed
+mid-run and restarted resumes the run to the same results, an unregistered node key
 is refused, a node without the CA cannot connect, a node with missing or foreign data
 refuses to start, and the pieces underneath (node data, the on-disk query cache,
 federated evaluation, node sampling) are checked in-process.
 
-The end-to-end tests are marked ``deploy`` (about 3 minutes on 2 cores):
+The end-to-end tests are marked ``deploy`` (about 5 minutes on 2 cores):
 ``make test PYTEST_ARGS='-m "not deploy"'`` leaves them out. They use free ports, their own
 FLWR_HOME and cache directories, and stop every process they started (and its
 descendants) even when a test fails.
@@ -179,6 +180,14 @@ class Deployment:
     started: float
     finished: float
     processes: Processes
+    superlink: subprocess.Popen  # the SuperLink now serving ``port`` ...
+    superlink_log: Path  # ... and its log
+
+
+def superlink_command(port: int) -> list[str]:
+    """deploy/start-server.sh as the README runs it, state in <root>/server (the same on a restart)."""
+    return ["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
+            "--host", "127.0.0.1", "--port", str(port)]
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +214,7 @@ def deployment(tmp_path_factory) -> Deployment:
     tap = None
     try:
         port = free_port()
-        link = procs.start(["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
-                            "--host", "127.0.0.1", "--port", str(port)], root / "superlink.log", env, cwd=root)
+        link = procs.start(superlink_command(port), root / "superlink.log", env, cwd=root)
         wait_for_log(root / "superlink.log", "Uvicorn running", link, timeout=180)
         for i in range(1, NUM_NODES + 1):
             done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
@@ -238,7 +246,7 @@ def deployment(tmp_path_factory) -> Deployment:
         results_path = root / "server" / RUN["out-dir"] / "results.json"
         assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
         yield Deployment(root, port, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
-                         started, finished, procs)
+                         started, finished, procs, link, root / "superlink.log")
     finally:
         if tap is not None:
             tap.stop()
@@ -387,7 +395,7 @@ def test_unregistered_node_key_is_refused(deployment):
         root / "stranger.log", script_env(PROMPTFCL_CACHE=str(root / "cache-stranger")), root, timeout=180)
     assert code != 0
     assert "Failed to activate SuperNode" in out, out[-3000:]
-    assert "No SuperNode found with the given public key" in (root / "superlink.log").read_text()
+    assert "No SuperNode found with the given public key" in deployment.superlink_log.read_text()
 
 
 @pytest.mark.deploy
@@ -652,3 +660,86 @@ def test_superlink_keeps_idle_connections_longer_than_its_clients(deployment):
             assert not reply.will_close
     finally:
         conn.close()
+
+
+# ----------------------------------------------------------------------------- the server machine dies mid-run
+def kill_hard(proc: subprocess.Popen) -> list[str]:
+    """SIGKILL ``proc``, its process group and every descendant at once, as a dying machine would;
+    return their command lines. Descendants are listed first: once their parent dies, nothing
+    links them to it (SuperExec and ServerApp run in sessions of their own)."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    commands = []
+    for pid in pids:
+        try:
+            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    return commands
+
+
+def train_messages_received(root: Path) -> list[int]:
+    """Per node, the training messages its SuperNode has pulled so far (its log)."""
+    return [(root / f"node{i}.log").read_text(errors="replace").count("Receiving: train message")
+            for i in range(1, NUM_NODES + 1)]
+
+
+@pytest.mark.deploy
+def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
+    """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
+    and exactly the accuracy matrix of the uninterrupted run.
+
+    The run is the fixture's (2 tasks x 1 round) with another out-dir, which is result-neutral:
+    the fixture's run is the uninterrupted reference, same nodes and so the same client ids.
+    SuperLink, SuperExec and ServerApp are SIGKILLed while the nodes hold round 2's training
+    messages (round 1 and task 1 checkpointed, task 2 unfinished; their replies to the dead run
+    are never aggregated). A SuperLink restarted on the same state directory and port gets the
+    still-running SuperNodes back by itself (they retry every failed call and heartbeat, keep
+    their node ids, and state.db keeps their registration), and the run submitted again with
+    resume = true does round 2 only, after waiting for all its nodes as any first round does.
+    Runs last: it leaves the restarted SuperLink serving ``deployment.port`` (stopped with the
+    fixture's processes).
+    """
+    from server import checkpoint
+
+    root, procs = deployment.root, deployment.processes
+    env = script_env(FLWR_HOME=str(root / "cli-home"), TMPDIR=str(root))  # the killed submitter leaves its temp dir
+    out = root / "server" / "runs" / "killed"
+    toml_file(root / "killed.toml", {**RUN, "out-dir": "runs/killed"})
+    submit = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.port}",
+              "--ca", "certs/ca.crt", "--config", "killed.toml"]
+
+    before = train_messages_received(root)
+    submitter = procs.start(submit, root / "submit-killed.log", env, cwd=root)
+    deadline = time.time() + 900
+    while any(n < b + 2 for n, b in zip(train_messages_received(root), before)):  # round 2 reached every node
+        assert submitter.poll() is None and time.time() < deadline, \
+            f"the run ended or stalled before it could be killed:\n{(root / 'submit-killed.log').read_text()[-3000:]}"
+        time.sleep(0.5)
+    killed = kill_hard(deployment.superlink) + kill_hard(submitter)
+    assert any("flwr-serverapp" in c for c in killed), killed
+    saved = checkpoint.load(out)
+    assert saved is not None and saved.server_round == 1 and saved.task_finished
+    assert not (out / "results.json").exists()
+
+    deployment.superlink_log = root / "superlink-restarted.log"
+    deployment.superlink = procs.start(superlink_command(deployment.port), deployment.superlink_log, env, cwd=root)
+    wait_for_log(deployment.superlink_log, "Uvicorn running", deployment.superlink, timeout=180)
+    code, output = procs.run_to_exit([*submit, "--set", "resume=true"], root / "submit-resumed.log", env, root,
+                                     timeout=900)
+    assert code == 0, (f"{output[-4000:]}\n--- superlink-restarted.log (tail) ---\n"
+                       f"{deployment.superlink_log.read_text(errors='replace')[-6000:]}")
+    assert "resuming after task 1 round 1 (server round 1)" in output
+    results = json.loads((out / "results.json").read_text())
+    assert [r["server_round"] for r in results["rounds"]] == [1, 2]
+    # round 1 once; round 2 for the killed run and again for the resumed one
+    assert train_messages_received(root) == [b + 3 for b in before]
+    assert results["accuracy_matrix"] == deployment.results["accuracy_matrix"]
+    assert [r["task_accuracies"] for r in results["rounds"]] == \
+        [r["task_accuracies"] for r in deployment.results["rounds"]]
+    assert not (out / checkpoint.FILENAME).exists()
