@@ -187,7 +187,8 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     if saved is not None and not cfg.resume:
         raise ConfigError(
             f"{cfg.out_dir} already holds a checkpoint (task {saved.task + 1}, round {saved.round + 1}); "
-            "continue it with resume=true (`promptfcl resume DIR`) or choose another out-dir"
+            "continue it with resume=true (simulation: `promptfcl resume DIR`; deployment: deploy/submit-run.sh "
+            "... --set resume=true) or choose another out-dir"
         )
     if cfg.resume:
         if saved is None:
