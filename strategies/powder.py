@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common.config import ConfigError, ExperimentConfig, coerce_value
+from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
@@ -74,7 +74,7 @@ DISTILLATIONS = ("dual", "classic")
 
 # ---------------------------------------------------------------------------- options
 @dataclass(frozen=True)
-class PowderOptions:
+class PowderOptions(MethodOptions):
     """Powder's options (run-config keys ``powder.<key>``, kebab-case).
 
     Defaults are the paper's (Appendix B: lambda 1, p 30; section 5.4: k 3). The ablation
@@ -83,6 +83,8 @@ class PowderOptions:
     ``temperature`` and ``row-top`` are the authors' code choices (3 and a few top entries
     per correlation row, renormalised); the paper states neither, so they default off.
     """
+
+    prefix = "powder"
 
     k: int = 3  # tasks in a client's local pool (eq. 4), its own included
     p: float = 30.0  # sharpening exponent of the correlation (eq. 7)
@@ -93,25 +95,6 @@ class PowderOptions:
     distillation: str = "dual"  # "classic": KD over all current-task classes, no beta
     temperature: float = 1.0  # softening of the distillation (authors' code: 3)
     row_top: int = 0  # > 0: keep that many top entries per G_task row, rows renormalised (authors' code)
-
-    @classmethod
-    def key_of(cls, name: str) -> str:
-        return "lambda" if name == "lambda_" else name.replace("_", "-")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "PowderOptions":
-        """Validate ``powder.*`` options (prefix removed); unknown keys and bad values raise ConfigError."""
-        known = {cls.key_of(f.name): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in (options or {}).items():
-            f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
-            if f is None:
-                raise ConfigError(f"unknown option powder.{key}; known: "
-                                  f"{', '.join('powder.' + k for k in sorted(known))}")
-            values[f.name] = coerce_value(f"powder.{key}", raw, str(f.type))
-        opts = cls(**values)
-        opts.validate()
-        return opts
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -126,9 +109,6 @@ class PowderOptions:
              f"distillation must be one of {DISTILLATIONS}, got {self.distillation!r}")
         need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {self.key_of(f.name): getattr(self, f.name) for f in fields(self)}
 
 
 # ---------------------------------------------------------------------------- prompting
