@@ -59,6 +59,7 @@ from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
+from strategies.fedcprompt import aggregate_per_task
 
 log = logging.getLogger("promptfcl")
 
@@ -457,27 +458,24 @@ class PowderStrategy(PromptStrategy):
     def merge(self, base: Mapping[str, np.ndarray],
               updates: list[tuple[int, Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
         """P_g with every trained task slice (and its head rows) replaced by the sample-weighted
-        average of the clients that trained it; other arrays averaged over every reply."""
-        groups: dict[int, list[tuple[Mapping[str, np.ndarray], float]]] = {}
-        for task, arrays, w in updates:
-            groups.setdefault(task, []).append((arrays, w))
-        total = sum(w for _, _, w in updates)
-        out: dict[str, np.ndarray] = {}
-        for name, value in base.items():
-            value = np.asarray(value)
-            if not (self._is_pool(name, value) or self._is_head(name, value)):
-                acc = sum((w / total) * np.asarray(a[name], dtype=np.float64) for _, a, w in updates)
-                out[name] = np.asarray(acc).astype(value.dtype)
-                continue
-            merged = value.copy()
-            for task, members in groups.items():
-                rows = self._rows(task) if self._is_pool(name, value) else \
-                    task_classes(task, self.num_classes, self.cfg.num_tasks)
-                wsum = sum(w for _, w in members)
-                acc = sum((w / wsum) * np.asarray(a[name], dtype=np.float64) for a, w in members)
-                merged[rows] = np.asarray(acc).astype(value.dtype)
-            out[name] = merged
-        return out
+        average of the clients that trained it; other arrays averaged over every reply.
+
+        Replies carry only their task's rows: placed into a copy of ``base``, they go through
+        Fed-CPrompt's per-slice FedAvg (``aggregate_per_task``), the one implementation."""
+        full = []
+        for task, arrays, weight in updates:
+            expanded: dict[str, np.ndarray] = {}
+            for name, value in base.items():
+                value = np.asarray(value)
+                if self._is_pool(name, value) or self._is_head(name, value):
+                    rows = self._rows(task) if self._is_pool(name, value) else \
+                        task_classes(task, self.num_classes, self.cfg.num_tasks)
+                    expanded[name] = value.copy()
+                    expanded[name][rows] = arrays[name]
+                else:
+                    expanded[name] = np.asarray(arrays[name])
+            full.append((task, expanded, weight))
+        return aggregate_per_task(base, full, self.cfg.pool_size, self.cfg.num_tasks, self.num_classes)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
