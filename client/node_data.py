@@ -49,7 +49,7 @@ from common.data import (
     ArraySplit,
     DataError,
     Dataset,
-    _cap_per_class,
+    ordered_dataset,
     class_order,
     load_dataset,
     load_dataset_cached,
@@ -325,22 +325,12 @@ def _split(full: ArraySplit, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySp
 
 
 def _as_dataset(cfg: ExperimentConfig, root: Path, names: list[str], train: ArraySplit, test: ArraySplit) -> Dataset:
-    """Cap, remap labels to the seeded class order, fingerprint (as ``load_dataset`` does)."""
+    """A node's folders as a Dataset, ordered exactly as ``load_dataset`` orders a source."""
     num_classes = len(names)
     if len(test) and train.images.shape[1:] != test.images.shape[1:]:
         raise NodeDataError(f"{root}: train images {train.images.shape[1:]} and test images "
                             f"{test.images.shape[1:]} differ in shape")
-    train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
-    test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
-    order = class_order(num_classes, cfg.seed)
-    remap = np.empty(num_classes, dtype=np.int64)
-    remap[order] = np.arange(num_classes)
-    train = ArraySplit(train.images, remap[train.labels])
-    test = ArraySplit(test.images, remap[test.labels])
-    digest = hashlib.sha1()
-    for arr in (train.images, train.labels, test.images, test.labels):
-        digest.update(np.ascontiguousarray(arr).data)
-    return Dataset(f"folder:{root}", train, test, num_classes, [names[c] for c in order], digest.hexdigest()[:16])
+    return ordered_dataset(cfg, f"folder:{root}", train, test, num_classes, names)
 
 
 # ---------------------------------------------------------------------------- export (demo data)

@@ -297,20 +297,28 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
     missing = set(range(num_classes)) - set(np.unique(train.labels).tolist())
     if missing:
         raise DataError(f"{name}: classes {sorted(missing)[:10]} have no training images")
+    return ordered_dataset(cfg, name, train, test, num_classes, names)
+
+
+def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: ArraySplit, num_classes: int,
+                    names: list[str]) -> Dataset:
+    """Cap per class, remap labels to the seeded class order, and fingerprint the arrays.
+
+    Shared by every source and by nodes' own folders (client/node_data.py), so all of them
+    give the same class order and caches keyed by the same fingerprint.
+    """
     train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
     test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
-
     order = class_order(num_classes, cfg.seed)
     remap = np.empty(num_classes, dtype=np.int64)
     remap[order] = np.arange(num_classes)
     train = ArraySplit(train.images, remap[train.labels])
     test = ArraySplit(test.images, remap[test.labels])
-    names = [names[c] if c < len(names) else str(c) for c in order]
-
+    ordered_names = [names[c] if c < len(names) else str(c) for c in order]
     digest = hashlib.sha1()
     for arr in (train.images, train.labels, test.images, test.labels):
         digest.update(np.ascontiguousarray(arr).data)
-    return Dataset(name, train, test, num_classes, names, digest.hexdigest()[:16])
+    return Dataset(name, train, test, num_classes, ordered_names, digest.hexdigest()[:16])
 
 
 DATA_KEYS = ("dataset", "data-dir", "seed", "num-tasks", "test-fraction", "image-size",
