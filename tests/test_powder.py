@@ -172,15 +172,20 @@ def test_payload_holds_only_the_top_k_tasks_aggregated_and_is_smaller(flower_ide
     assert [x.local_tasks for x in s.sent] == [[0, 2]] * 4
 
 
-def test_payload_differs_per_client_on_different_tasks(flower_identity):
-    cfg, s, state = strategy_with_pool(k=2)
+def send_tasks(strategy: PowderStrategy, task_of_client: dict[int, int]) -> None:
+    """Make ``strategy`` send each client the task given here (clients on different tasks at once)."""
 
-    class Scheduled(PowderStrategy):
+    class Scheduled(type(strategy)):
         def client_payload(self, client_id, arrays, config):
-            config["task"] = {0: 0, 1: 3, 2: 1, 3: 0}[client_id]
+            config["task"] = task_of_client[client_id]
             return super().client_payload(client_id, arrays, config)
 
-    s.__class__ = Scheduled
+    strategy.__class__ = Scheduled
+
+
+def test_payload_differs_per_client_on_different_tasks(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2)
+    send_tasks(s, {0: 0, 1: 3, 2: 1, 3: 0})
     msgs = list(s.configure_train(7, to_array_record(state), ConfigRecord({"task": 0, "round": 2}), NodeList(4)))
     assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [0, 3], [0, 1], [0, 2]]
 
@@ -240,13 +245,7 @@ def alpha_record(tasks, classes, width=8, value=1.0):
 
 def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(flower_identity):
     _, s, state = strategy_with_pool(k=2)
-
-    class Scheduled(PowderStrategy):
-        def client_payload(self, client_id, arrays, config):
-            config["task"] = {0: 0, 1: 3, 2: 0, 3: 1}[client_id]
-            return super().client_payload(client_id, arrays, config)
-
-    s.__class__ = Scheduled
+    send_tasks(s, {0: 0, 1: 3, 2: 0, 3: 1})
     msgs = configure(s, 5, to_array_record(state), 0, 2, 2)  # two nodes, each playing two clients
     good = [reply_for(msgs[0], s.sent[0], 1.0, 10), reply_for(msgs[1], s.sent[1], 7.0, 10),
             reply_for(msgs[2], s.sent[2], 3.0, 30)]
