@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 
 from client.learner import Batch, LocalLearner
-from common.data import client_indices, task_classes
+from common.data import client_indices, task_classes, task_rows
 from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
 from common.runtime import Runtime
 from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PowderOptions, PowderPrompt
@@ -116,32 +116,30 @@ class PowderLearner(LocalLearner):
         got = from_array_record(sent)
         if set(got) != set(full):
             raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(full)}")
-        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
         out = {}
         for name, value in full.items():
+            rows = self.rows(name, value, task)
+            if rows is None:
+                out[name] = got[name]
+                continue
             value = np.zeros_like(value)
-            if name.startswith("prompt.") and value.shape[0] == self.cfg.pool_size:
-                rows = np.concatenate([np.arange(self.cfg.pool_size)[self.prompt.slice_of(t)] for t in self.local_tasks])
-                value[rows] = got[name]
-            elif name.startswith("head.") and value.shape[0] == self.rt.data.num_classes:
-                value[classes] = got[name]
-            else:
-                value = got[name]
+            if name.startswith("prompt."):  # the local pool: its tasks' slices, in order
+                rows = np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
+            value[rows] = got[name]
             out[name] = value
         return to_array_record(out)
 
     def own_part(self, arrays: ArrayRecord, task: int) -> ArrayRecord:
         """The reply: the task's slice of every prompt array and the task's head rows."""
-        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
         out = {}
         for name, value in from_array_record(arrays).items():
-            if name.startswith("prompt.") and value.shape[0] == self.cfg.pool_size:
-                out[name] = value[self.prompt.slice_of(task)]
-            elif name.startswith("head.") and value.shape[0] == self.rt.data.num_classes:
-                out[name] = value[classes]
-            else:
-                out[name] = value
+            rows = self.rows(name, value, task)
+            out[name] = value if rows is None else value[rows]
         return to_array_record(out)
+
+    def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
+        """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
+        return task_rows(name, value, task, self.cfg.pool_size, self.cfg.num_tasks, self.rt.data.num_classes)
 
     # ------------------------------------------------------------------ the round
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:

@@ -352,6 +352,22 @@ def task_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
     return np.arange(task * k, (task + 1) * k)
 
 
+def task_rows(name: str, value: np.ndarray, task: int, pool_size: int, num_tasks: int,
+              num_classes: int) -> slice | np.ndarray | None:
+    """The rows of trainable array ``name`` that belong to ``task`` (None: not task-structured).
+
+    A prompt array's first dimension is the pool, split evenly over the tasks (task t owns
+    slice t); a head array's is the classes (task t owns ``task_classes(t)``). Methods that
+    average, send or reply per task (Fed-CPrompt, Powder) locate a task's part with this.
+    """
+    if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == pool_size:
+        per_task = pool_size // num_tasks
+        return slice(task * per_task, (task + 1) * per_task)
+    if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == num_classes:
+        return task_classes(task, num_classes, num_tasks)
+    return None
+
+
 def seen_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
     return np.arange((task + 1) * (num_classes // num_tasks))
 

@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_classes
+from common.data import task_rows
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
@@ -125,15 +125,8 @@ def aggregate_per_task(
         by the task's slice of the pool, head arrays (first dimension ``num_classes``)
         by the task's classes. Any other array is averaged over all replies.
     """
-    per_task = pool_size // num_tasks
-
     def rows_of(name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
-        """The rows of ``name`` that belong to ``task`` (None: the array is not task-structured)."""
-        if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == pool_size:
-            return slice(task * per_task, (task + 1) * per_task)
-        if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == num_classes:
-            return task_classes(task, num_classes, num_tasks)
-        return None
+        return task_rows(name, value, task, pool_size, num_tasks, num_classes)
 
     groups: dict[int, list[tuple[Mapping[str, np.ndarray], float]]] = {}
     for task, arrays, weight in updates:

@@ -55,7 +55,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_classes
+from common.data import task_classes, task_rows
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
@@ -315,15 +315,14 @@ class PowderStrategy(PromptStrategy):
         classes = task_classes(task, self.num_classes, self.cfg.num_tasks)
         out, expected = {}, {}
         for name, value in self.aggregated.items():
-            if self._is_pool(name, value):
-                out[name] = np.concatenate([value[self._rows(t)] for t in local])
-                expected[name] = np.zeros_like(value[self._rows(task)])
-            elif self._is_head(name, value):
-                out[name] = value[classes]
-                expected[name] = np.zeros_like(value[classes])
-            else:  # not task-structured: travels whole
-                out[name] = value
-                expected[name] = np.zeros_like(value)
+            rows = self._rows(name, value, task)
+            if rows is None:  # not task-structured: travels whole
+                out[name], expected[name] = value, np.zeros_like(value)
+            elif name.startswith("prompt."):  # the local pool's slices
+                out[name] = np.concatenate([value[self._rows(name, value, t)] for t in local])
+                expected[name] = np.zeros_like(value[rows])
+            else:  # the head rows of the client's task
+                out[name], expected[name] = value[rows], np.zeros_like(value[rows])
         g_class = self.class_correlation()
         config[LOCAL_TASKS] = [int(t) for t in local]
         config[MEASURE] = bool(measure)
@@ -467,13 +466,12 @@ class PowderStrategy(PromptStrategy):
             expanded: dict[str, np.ndarray] = {}
             for name, value in base.items():
                 value = np.asarray(value)
-                if self._is_pool(name, value) or self._is_head(name, value):
-                    rows = self._rows(task) if self._is_pool(name, value) else \
-                        task_classes(task, self.num_classes, self.cfg.num_tasks)
+                rows = self._rows(name, value, task)
+                if rows is None:
+                    expanded[name] = np.asarray(arrays[name])
+                else:
                     expanded[name] = value.copy()
                     expanded[name][rows] = arrays[name]
-                else:
-                    expanded[name] = np.asarray(arrays[name])
             full.append((task, expanded, weight))
         return aggregate_per_task(base, full, self.cfg.pool_size, self.cfg.num_tasks, self.num_classes)
 
@@ -498,15 +496,9 @@ class PowderStrategy(PromptStrategy):
         return len(sums["task"])
 
     # ------------------------------------------------------------------ helpers
-    def _rows(self, task: int) -> slice:
-        per_task = self.cfg.pool_size // self.cfg.num_tasks
-        return slice(task * per_task, (task + 1) * per_task)
-
-    def _is_pool(self, name: str, value: np.ndarray) -> bool:
-        return name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == self.cfg.pool_size
-
-    def _is_head(self, name: str, value: np.ndarray) -> bool:
-        return name.startswith("head.") and value.ndim >= 1 and value.shape[0] == self.num_classes
+    def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
+        """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
+        return task_rows(name, value, task, self.cfg.pool_size, self.cfg.num_tasks, self.num_classes)
 
 
 __all__ = ["ALPHA", "CLASS_CORR", "LOCAL_TASKS", "MEASURE", "PowderOptions", "PowderPrompt", "PowderStrategy",

@@ -167,3 +167,13 @@ def test_hub_unreachable_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="cannot load Hugging Face dataset"):
         load_dataset(tiny_config(dataset="hf:cifar100"))
+
+
+def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():
+    from common.data import task_rows
+
+    pool, head, other = np.zeros((12, 4, 3)), np.zeros((10, 3)), np.zeros((5, 3))
+    assert task_rows("prompt.p0", pool, 2, 12, 4, 10) == slice(6, 9)
+    assert task_rows("head.weight", head, 1, 12, 5, 10).tolist() == [2, 3]
+    assert task_rows("prompt.fusion", other, 1, 12, 5, 10) is None  # not pool-sized
+    assert task_rows("head.weight", np.zeros((7, 3)), 1, 12, 5, 10) is None  # not class-sized
