@@ -79,6 +79,8 @@ class PromptStrategy(FedAvg):
         self.options = dict(options or {})
         self.sent_arrays: ArrayRecord | None = None  # what this round's replies must match
         self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
+        self.sent_messages: list[Message] = []  # this round's train messages, in order
+        self._sent_by_id: dict[str, int] = {}  # their ids (set by the grid on sending) -> index
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
@@ -146,7 +148,15 @@ class PromptStrategy(FedAvg):
         """One message per sampled client; ``config`` must carry ``task`` and ``round``."""
         task, round_ = int(config["task"]), int(config["round"])
         if self.cfg.population == "nodes":
-            return self.configure_train_nodes(server_round, arrays, config, grid)
+            messages = self.configure_train_nodes(server_round, arrays, config, grid)
+        else:
+            messages = self.configure_train_virtual(server_round, arrays, config, grid, task, round_)
+        self.sent_messages, self._sent_by_id = messages, {}
+        return messages
+
+    def configure_train_virtual(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
+                                task: int, round_: int) -> list[Message]:
+        """Simulation: sampled client ids, played by the connected nodes in turn."""
         clients = self.sample_clients(task, round_, int(config.get("attempt", 0)))
         nodes = sorted(grid.get_node_ids())
         if not nodes:
@@ -163,6 +173,20 @@ class PromptStrategy(FedAvg):
             content = self.client_payload(client_id, arrays, node_config)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node_id))
         return messages
+
+    def sent_candidates(self, reply: Message) -> list[int]:
+        """Indices in ``sent_messages`` of the messages ``reply`` may answer (empty: none of this round's).
+
+        By message id, exactly one (the grid sets ids when it sends, so the map is built at the
+        first reply); when the sent messages carry no ids, every message sent to the reply's node.
+        """
+        if not self._sent_by_id:
+            self._sent_by_id = {m.metadata.message_id: i for i, m in enumerate(self.sent_messages)
+                                if m.metadata.message_id}
+        if self._sent_by_id:
+            index = self._sent_by_id.get(reply.metadata.reply_to_message_id)
+            return [] if index is None else [index]
+        return [i for i, m in enumerate(self.sent_messages) if m.metadata.dst_node_id == reply.metadata.src_node_id]
 
     def client_config(self, config: ConfigRecord, client_id: int, client_index: int,
                       server_round: int) -> ConfigRecord:

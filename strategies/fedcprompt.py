@@ -218,16 +218,10 @@ class FedCPromptStrategy(PromptStrategy):
     def task_of_reply(self, msg: Message) -> int | None:
         """The task the server assigned to the client that sent ``msg`` (None: unknown).
 
-        Matched by message id (the grid sets ids when it sends); if the sent messages
-        carry no ids, by node, provided that node was given a single task this round.
+        Matched by message id; if the sent messages carry no ids, by node, provided that node
+        was given a single task this round (``sent_candidates``).
         """
-        reply_to = msg.metadata.reply_to_message_id
-        with_ids = {m.metadata.message_id: task for m, _, task in self.sent if m.metadata.message_id}
-        if reply_to and reply_to in with_ids:
-            return with_ids[reply_to]
-        if with_ids:
-            return None
-        tasks = {task for m, _, task in self.sent if m.metadata.dst_node_id == msg.metadata.src_node_id}
+        tasks = {self.sent[i][2] for i in self.sent_candidates(msg)}
         return tasks.pop() if len(tasks) == 1 else None
 
     def aggregate_train(

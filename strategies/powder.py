@@ -372,14 +372,8 @@ class PowderStrategy(PromptStrategy):
 
     def sent_for(self, msg: Message) -> _Sent | None:
         """The message ``msg`` answers (by message id; without ids, by node if it got one message)."""
-        reply_to = msg.metadata.reply_to_message_id
-        with_ids = {s.message.metadata.message_id: s for s in self.sent if s.message.metadata.message_id}
-        if reply_to and reply_to in with_ids:
-            return with_ids[reply_to]
-        if with_ids:
-            return None
-        mine = [s for s in self.sent if s.message.metadata.dst_node_id == msg.metadata.src_node_id]
-        return mine[0] if len(mine) == 1 else None
+        candidates = self.sent_candidates(msg)
+        return self.sent[candidates[0]] if len(candidates) == 1 else None
 
     def check_reply(self, msg: Message) -> str | None:
         """The base's checks against what this client was sent, then the alpha record's."""
