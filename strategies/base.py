@@ -283,6 +283,11 @@ class PromptStrategy(FedAvg):
                 log.log(level, "reply from node %s excluded: %s", node, reason)
         return accepted
 
+    def expected_arrays(self, reply: Message) -> ArrayRecord | None:
+        """The arrays ``reply`` must match in names, shapes and dtypes: by default what this round
+        sent everyone. Methods whose payload differs per client return that client's."""
+        return self.sent_arrays
+
     def check_reply(self, msg: Message) -> str | None:
         """Why a reply cannot be aggregated, or None if it can."""
         if msg.has_error():
@@ -303,7 +308,7 @@ class PromptStrategy(FedAvg):
         size = payload_bytes(content)
         if size > self.cfg.max_reply_bytes:
             return f"reply of {size} bytes exceeds max-reply-bytes = {self.cfg.max_reply_bytes}"
-        reply, sent = content[ARRAYS], self.sent_arrays
+        reply, sent = content[ARRAYS], self.expected_arrays(msg)
         if sent is not None:
             if set(reply.keys()) != set(sent.keys()):
                 return f"array names differ from those sent: {sorted(set(reply.keys()) ^ set(sent.keys()))[:4]}"

@@ -367,7 +367,7 @@ class PowderStrategy(PromptStrategy):
         messages = list(super().configure_train(server_round, arrays, config, grid))
         # client_payload ran once per message, in order
         self.sent = [_Sent(m, *made) for m, made in zip(messages, self._payloads)]
-        self.sent_arrays = None  # replies are checked against their own message (check_reply)
+        self.sent_arrays = None  # replies are checked against their own message (expected_arrays)
         return messages
 
     def sent_for(self, msg: Message) -> _Sent | None:
@@ -382,14 +382,15 @@ class PowderStrategy(PromptStrategy):
         sent = self.sent_for(msg)
         if sent is None:
             return "cannot tell which message this reply answers (no matching message sent this round)"
-        saved, self.sent_arrays = self.sent_arrays, sent.expected
-        try:
-            reason = super().check_reply(msg)
-        finally:
-            self.sent_arrays = saved
+        reason = super().check_reply(msg)
         if reason is None and int(msg.content[METRICS]["num-examples"]) > 0:
             reason = self.check_alpha(msg.content[ALPHA], sent)
         return reason
+
+    def expected_arrays(self, reply: Message) -> ArrayRecord | None:
+        """What this client was sent to train: its task's slice and head rows come back."""
+        sent = self.sent_for(reply)
+        return None if sent is None else sent.expected
 
     def check_alpha(self, record: ArrayRecord, sent: _Sent) -> str | None:
         """Why an alpha record cannot be used (None: it can)."""
