@@ -120,9 +120,10 @@ class Runtime:
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
 
-    @property
+    @functools.cached_property
     def mixed_precision(self) -> bool:
-        """Whether forward passes run under bfloat16 autocast (config ``precision``)."""
+        """Whether forward passes run under bfloat16 autocast (config ``precision``; decided once,
+        not per batch)."""
         if self.cfg.precision == "auto":
             return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return self.cfg.precision == "bf16"
