@@ -283,7 +283,7 @@ class FPPLLearner(LocalLearner):
         record = content[GLOBAL_PROTOTYPES]
         classes = record["classes"].numpy().astype(np.int64)
         means = record["means"].numpy()
-        keep = np.isin(classes, task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks))
+        keep = np.isin(classes, task_classes(self.cfg, task, self.rt.data.num_classes))
         keep &= np.isfinite(means).all(axis=1)
         if keep.any():
             self.proto_classes = torch.from_numpy(classes[keep]).to(self.rt.device)

@@ -84,7 +84,7 @@ class LocalLearner:
             return self._reply(index, task, started, losses=[])
 
         allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
-        allowed[task_classes(task, rt.data.num_classes, cfg.num_tasks)] = True
+        allowed[task_classes(cfg, task, rt.data.num_classes)] = True
         seed = [cfg.seed, client_id, task, round_]
         torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
         rng = np.random.default_rng(seed + [0xBA7C4])

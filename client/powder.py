@@ -33,7 +33,7 @@ from client.learner import Batch, LocalLearner
 from common.data import client_indices, task_classes, task_rows
 from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
 from common.runtime import Runtime
-from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PowderOptions, PowderPrompt
+from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PREVIOUS, PowderOptions, PowderPrompt
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -96,6 +96,7 @@ class PowderLearner(LocalLearner):
         self.opts = PowderOptions.from_options(self.options)
         self.local_tasks: list[int] = []
         self.measure = False
+        self.previous = -1  # the task just finished, measured too (-1: none)
         self.client_id = 0
         self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per class (1 where unknown)
         self.teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # round-start prompt and head
@@ -139,7 +140,7 @@ class PowderLearner(LocalLearner):
 
     def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(name, value, task, self.cfg.pool_size, self.cfg.num_tasks, self.rt.data.num_classes)
+        return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
 
     # ------------------------------------------------------------------ the round
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
@@ -149,9 +150,12 @@ class PowderLearner(LocalLearner):
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
         self.measure = bool(config.get(MEASURE, False))
+        self.previous = int(config.get(PREVIOUS, -1))
+        if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
+            raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
         total = torch.ones(self.rt.data.num_classes)
         corr = [float(v) for v in config.get(CLASS_CORR, [])]
-        classes = task_classes(task, self.rt.data.num_classes, self.cfg.num_tasks)
+        classes = task_classes(self.cfg, task, self.rt.data.num_classes)
         if corr:
             if len(corr) != len(classes):
                 raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(classes)} classes")
@@ -172,7 +176,7 @@ class PowderLearner(LocalLearner):
         """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""
         self.prompt.local_tasks = list(self.local_tasks)
         if self.measure:
-            measured = [task] + ([task - 1] if self.round_ == 0 and task > 0 else [])
+            measured = [task] + ([self.previous] if self.previous >= 0 else [])
             self.alpha_record = self.measure_alphas(measured)
         if self.opts.dual and self.opts.lambda_ > 0:
             model = self.rt.model
@@ -187,6 +191,7 @@ class PowderLearner(LocalLearner):
         width = len(prompt.layers) * self.cfg.pool_size
         labels_all = rt.data.train.labels
         out = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [], "class-count": []}
+        by_class: dict[int, list] = {}
         was_training = prompt.training
         prompt.eval()
         try:
@@ -211,13 +216,17 @@ class PowderLearner(LocalLearner):
                 out["task-alpha"].append(alphas.mean(axis=0))
                 out["task-count"].append(len(index))
                 labels = labels_all[index]
-                for c in np.unique(labels):
+                for c in np.unique(labels):  # a class in both measured tasks (random tasks) pools its samples
                     mask = labels == c
-                    out["classes"].append(int(c))
-                    out["class-alpha"].append(alphas[mask].mean(axis=0))
-                    out["class-count"].append(int(mask.sum()))
+                    total = by_class.setdefault(int(c), [np.zeros(width), 0])
+                    total[0] += alphas[mask].sum(axis=0)
+                    total[1] += int(mask.sum())
         finally:
             prompt.train(was_training)
+        for c, (total, count) in sorted(by_class.items()):
+            out["classes"].append(c)
+            out["class-alpha"].append(total / count)
+            out["class-count"].append(count)
         return to_array_record({
             "tasks": np.asarray(out["tasks"], dtype=np.int64),
             "task-alpha": np.asarray(out["task-alpha"], dtype=np.float64).reshape(-1, width),

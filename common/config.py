@@ -18,6 +18,7 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk"})
 PROMPT_MODES = ("prefix", "prompt")
+TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
@@ -49,6 +50,17 @@ class ExperimentConfig:
     dataset: str = "digits"
     data_dir: str = ""  # source-specific; fashion-mnist defaults to the Debian package path
     num_tasks: int = 5
+    # "stream": one class-incremental stream, task t owns classes [t k, (t+1) k), every client
+    # walks it. "random": Powder's benchmark (papers/003 section 5.1): every task belongs to one
+    # client and holds `classes-per-task` random classes (at least `min-overlap` of them seen in
+    # earlier tasks) with a disjoint `task-data-fraction` of each class's training images;
+    # clients start on their own tasks and every `switch-every` rounds a random
+    # `switch-fraction` of them moves to a new task, for `num-rounds` rounds.
+    task_generator: str = "stream"
+    num_rounds: int = 0  # task-generator = random: rounds of the run (stream: num-tasks x rounds-per-task)
+    classes_per_task: int = 0  # task-generator = random: n
+    min_overlap: float = 0.0  # task-generator = random: tau, least share of a task's classes seen before
+    task_data_fraction: float = 0.2  # task-generator = random: each task's disjoint share of a class's images
     test_fraction: float = 0.25  # held-out share for sources that ship no test split
     max_train_per_class: int = 0  # 0 = all; caps big sources for quick runs
     max_test_per_class: int = 0
@@ -206,6 +218,21 @@ class ExperimentConfig:
                 raise ConfigError(msg)
 
         need(self.num_tasks >= 1, f"num-tasks must be >= 1, got {self.num_tasks}")
+        need(self.task_generator in TASK_GENERATORS,
+             f"task-generator must be one of {TASK_GENERATORS}, got {self.task_generator!r}")
+        if self.task_generator == "random":
+            need(self.num_rounds >= 1, "task-generator = random: set num-rounds (the run's rounds) >= 1")
+            need(self.classes_per_task >= 1, "task-generator = random: set classes-per-task >= 1")
+            need(0.0 <= self.min_overlap <= 1.0, f"min-overlap must be in [0, 1], got {self.min_overlap}")
+            need(0.0 < self.task_data_fraction <= 1.0,
+                 f"task-data-fraction must be in (0, 1], got {self.task_data_fraction}")
+            need(self.population == "virtual" and not self.centralised,
+                 "task-generator = random needs population = virtual and centralised = false")
+            need(self.num_classes == 0 or self.classes_per_task <= self.num_classes,
+                 f"classes-per-task ({self.classes_per_task}) exceeds num-classes ({self.num_classes})")
+        else:
+            need(self.num_rounds == 0, "num-rounds applies to task-generator = random only (the stream runs "
+                                       "num-tasks x rounds-per-task rounds)")
         need(self.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {self.rounds_per_task}")
         need(self.num_clients >= 1, f"num-clients must be >= 1, got {self.num_clients}")
         need(self.clients_per_round >= 0, "clients-per-round must be >= 0")
@@ -214,9 +241,9 @@ class ExperimentConfig:
              "set clients-per-round > 0 or client-fraction > 0")
         need(self.clients_per_round <= self.num_clients,
              f"clients-per-round ({self.clients_per_round}) exceeds num-clients ({self.num_clients})")
-        from common.schedule import TaskSchedule
+        from common.schedule import task_schedule
 
-        TaskSchedule.from_config(self)  # switch-every / switch-fraction: raises ConfigError
+        task_schedule(self)  # switch-every / switch-fraction / num-tasks: raises ConfigError
         need(self.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {self.partition!r}")
         need(self.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {self.dirichlet_beta}")
         need(self.classes_per_client >= 1, "classes-per-client must be >= 1")
@@ -260,7 +287,7 @@ class ExperimentConfig:
         need(self.population in POPULATIONS, f"population must be one of {POPULATIONS}, got {self.population!r}")
         need(self.evaluation in EVALUATIONS, f"evaluation must be one of {EVALUATIONS}, got {self.evaluation!r}")
         need(self.num_classes >= 0, f"num-classes must be >= 0, got {self.num_classes}")
-        need(self.num_classes == 0 or self.num_classes % self.num_tasks == 0,
+        need(self.num_classes == 0 or self.task_generator == "random" or self.num_classes % self.num_tasks == 0,
              f"num-classes ({self.num_classes}) is not divisible into num-tasks = {self.num_tasks} equal tasks")
         names = self.class_name_list
         need(len(names) == len(set(names)), "class-names has duplicates")

@@ -290,7 +290,9 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
         train, test, names = _folder(name[len("folder:"):], cfg)
 
     num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    if num_classes % cfg.num_tasks != 0:
+    if cfg.task_generator == "random":
+        random_tasks(cfg, num_classes)  # raises ConfigError when the tasks cannot be drawn
+    elif num_classes % cfg.num_tasks != 0:
         raise ConfigError(
             f"{name} has {num_classes} classes, not divisible into num-tasks = {cfg.num_tasks} equal tasks"
         )
@@ -345,31 +347,96 @@ def class_order(num_classes: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, 0xC1A55]).permutation(num_classes)
 
 
-def task_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
-    k = num_classes // num_tasks
-    if not 0 <= task < num_tasks:
-        raise ValueError(f"task {task} out of range [0, {num_tasks})")
+def task_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarray:
+    """The classes of ``task`` (remapped labels, ascending)."""
+    if not 0 <= task < cfg.num_tasks:
+        raise ValueError(f"task {task} out of range [0, {cfg.num_tasks})")
+    if cfg.task_generator == "random":
+        return random_tasks(cfg, num_classes)[task]
+    k = num_classes // cfg.num_tasks
     return np.arange(task * k, (task + 1) * k)
 
 
-def task_rows(name: str, value: np.ndarray, task: int, pool_size: int, num_tasks: int,
+def seen_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarray:
+    """The union of the classes of tasks 0..``task``."""
+    if cfg.task_generator == "random":
+        return np.unique(np.concatenate(random_tasks(cfg, num_classes)[: task + 1]))
+    return np.arange((task + 1) * (num_classes // cfg.num_tasks))
+
+
+def task_rows(cfg: ExperimentConfig, name: str, value: np.ndarray, task: int,
               num_classes: int) -> slice | np.ndarray | None:
     """The rows of trainable array ``name`` that belong to ``task`` (None: not task-structured).
 
     A prompt array's first dimension is the pool, split evenly over the tasks (task t owns
-    slice t); a head array's is the classes (task t owns ``task_classes(t)``). Methods that
-    average, send or reply per task (Fed-CPrompt, Powder) locate a task's part with this.
+    slice t); a head array's is the classes (task t owns ``task_classes(t)``; with random
+    tasks two tasks may share a class's row). Methods that average, send or reply per task
+    (Fed-CPrompt, Powder) locate a task's part with this.
     """
-    if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == pool_size:
-        per_task = pool_size // num_tasks
+    if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == cfg.pool_size:
+        per_task = cfg.pool_size // cfg.num_tasks
         return slice(task * per_task, (task + 1) * per_task)
     if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == num_classes:
-        return task_classes(task, num_classes, num_tasks)
+        return task_classes(cfg, task, num_classes)
     return None
 
 
-def seen_classes(task: int, num_classes: int, num_tasks: int) -> np.ndarray:
-    return np.arange((task + 1) * (num_classes // num_tasks))
+def random_tasks(cfg: ExperimentConfig, num_classes: int) -> tuple[np.ndarray, ...]:
+    """Powder's tasks (papers/003 section 5.1): ``num-tasks`` sets of ``classes-per-task`` classes.
+
+    Task 0 draws its classes uniformly; every later task draws at least
+    ``ceil(min-overlap * n)`` of its classes from those of earlier tasks (the paper's "least
+    overlap tau") and the rest uniformly from the classes it has not taken yet. A pure
+    function of the seed; raises ConfigError when a class would be in more tasks than its
+    images can give disjoint ``task-data-fraction`` shares to.
+    """
+    return _random_tasks(cfg.num_tasks, num_classes, cfg.classes_per_task, cfg.min_overlap,
+                         cfg.task_data_fraction, cfg.seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _random_tasks(num_tasks: int, num_classes: int, n: int, min_overlap: float, fraction: float,
+                  seed: int) -> tuple[np.ndarray, ...]:
+    if n > num_classes:
+        raise ConfigError(f"classes-per-task ({n}) exceeds the dataset's {num_classes} classes")
+    rng = np.random.default_rng([seed, 0x7A5C5])
+    tasks: list[np.ndarray] = []
+    seen: set[int] = set()
+    for _ in range(num_tasks):
+        old = np.array(sorted(seen), dtype=np.int64)
+        take = min(int(np.ceil(min_overlap * n - 1e-9)), len(old)) if len(tasks) else 0
+        chosen = rng.choice(old, take, replace=False) if take else np.zeros(0, np.int64)
+        rest = np.setdiff1d(np.arange(num_classes), chosen)
+        chosen = np.concatenate([chosen, rng.choice(rest, n - take, replace=False)])
+        tasks.append(np.sort(chosen).astype(np.int64))
+        seen.update(chosen.tolist())
+    holders = np.bincount(np.concatenate(tasks), minlength=num_classes)
+    if holders.max() * fraction > 1.0 + 1e-9:
+        raise ConfigError(
+            f"with these seeds a class is in {holders.max()} of the {num_tasks} random tasks, but "
+            f"{holders.max()} disjoint shares of task-data-fraction = {fraction} exceed its images; "
+            f"lower task-data-fraction to <= {1.0 / holders.max():.3f} or min-overlap")
+    return tuple(tasks)
+
+
+def random_task_indices(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, task: int) -> np.ndarray:
+    """Training indices of a random task: for each of its classes, the task's disjoint share.
+
+    A class's images are shuffled once (seeded); the tasks holding the class take
+    consecutive shares of ``task-data-fraction`` of them in task order.
+    """
+    tasks = random_tasks(cfg, num_classes)
+    out = []
+    for y in tasks[task]:
+        holders = [g for g in range(len(tasks)) if y in tasks[g]]
+        idx = np.random.default_rng([cfg.seed, int(y), 0xDA7A]).permutation(np.flatnonzero(labels == y))
+        share = int(cfg.task_data_fraction * len(idx))
+        if share == 0:
+            raise ConfigError(f"class {y} has {len(idx)} training images: a task-data-fraction of "
+                              f"{cfg.task_data_fraction} of them is empty")
+        j = holders.index(task)
+        out.append(idx[j * share : (j + 1) * share])
+    return np.sort(np.concatenate(out))
 
 
 # ---------------------------------------------------------------------------- partitions
@@ -382,7 +449,14 @@ def client_indices(
     """
     if not 0 <= client_id < max(cfg.num_clients, 1):
         raise ValueError(f"client id {client_id} outside the population of {cfg.num_clients}")
-    classes = task_classes(task, num_classes, cfg.num_tasks)
+    if cfg.task_generator == "random":  # the task's client holds all of its data
+        from common.schedule import task_schedule
+
+        owner = task_schedule(cfg).owner(task)
+        if client_id != owner:
+            raise ValueError(f"random task {task} belongs to client {owner}, not {client_id}")
+        return random_task_indices(labels, cfg, num_classes, task)
+    classes = task_classes(cfg, task, num_classes)
     pool = np.flatnonzero(np.isin(labels, classes))
     if cfg.centralised:
         return pool

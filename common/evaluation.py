@@ -2,6 +2,11 @@
 
 Counts (not ratios) are returned so that federated evaluation can sum them over
 clients before dividing; the server's centralised evaluation uses the same code.
+
+On the class-incremental stream every seen class competes for every test image. With
+random tasks (Powder's benchmark) classes recur across tasks, so a task is scored on the
+test images of its classes with its own classes competing, as the authors' code gives
+every client task its own block of the head.
 """
 
 from __future__ import annotations
@@ -9,18 +14,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.data import seen_classes
+from common.data import seen_classes, task_classes
 from common.model import masked_logits
 from common.runtime import Runtime
 
 
 @torch.no_grad()
 def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Per task i <= ``task``: (correct, total) predictions, all seen classes competing."""
+    """Per task i <= ``task``: (correct, total) predictions, all seen classes competing
+    (random tasks: the task's own classes competing)."""
     cfg, model = rt.cfg, rt.model
     data = getattr(rt.data, split)
-    k = rt.data.num_classes // cfg.num_tasks
-    seen = seen_classes(task, rt.data.num_classes, cfg.num_tasks)
+    k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
+    seen = seen_classes(cfg, task, rt.data.num_classes)
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[seen] = True
     index = np.flatnonzero(np.isin(data.labels, seen))
@@ -28,14 +34,24 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     model.eval()
     model.prompt.set_task(task)
     preds = np.empty(len(index), dtype=np.int64)
+    all_logits = torch.empty(len(index), rt.data.num_classes)
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
         x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device))
         with rt.autocast():
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             logits = model(x, q)
+        all_logits[start : start + len(sel)] = logits.float().cpu()
         preds[start : start + len(sel)] = masked_logits(logits.float(), allowed).argmax(1).cpu().numpy()
     labels = data.labels[index]
+    if cfg.task_generator == "random":
+        correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
+        for i in range(task + 1):
+            classes = torch.as_tensor(task_classes(cfg, i, rt.data.num_classes))
+            rows = np.flatnonzero(np.isin(labels, classes.numpy()))
+            pred = classes[all_logits[rows][:, classes].argmax(1)].numpy()
+            correct[i], total[i] = int((pred == labels[rows]).sum()), len(rows)
+        return correct, total
     task_of = labels // k
     correct = np.bincount(task_of, weights=(preds == labels), minlength=task + 1)[: task + 1]
     total = np.bincount(task_of, minlength=task + 1)[: task + 1]

@@ -54,3 +54,42 @@ def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float]:
         "average_incremental_accuracy": average_incremental_accuracy(acc, upto),
         "average_forgetting": average_forgetting(acc, upto),
     }
+
+
+# ---------------------------------------------------------------------------- asynchronous tasks
+# Powder's metrics (papers/003 section 5.1) for runs where every task belongs to one client
+# and tasks start and finish at different rounds. ``acc[g, r]`` is the accuracy on task g
+# after round r (NaN before g starts); ``evaluation_rounds`` is the paper's R, the rounds
+# with a task switch (taken as the last round before each switch point, and the last round).
+def asynchronous_summary(acc: np.ndarray, finish: np.ndarray, evaluation_rounds: list[int],
+                         single_task: np.ndarray | None = None) -> dict[str, float]:
+    """AIA, FM, and (with the single-task reference accuracies) FT, BT and CT.
+
+    * AIA = mean over r in R of the mean accuracy of the tasks existing at r;
+    * FM  = mean over r in R of the mean over tasks with an earlier evaluation of
+      (their highest accuracy before r) - (their accuracy at r);
+    * FT  = mean_g acc[g, finish_g] - single_g (knowledge transferred into g while it trained);
+    * BT  = mean_g acc[g, last] - acc[g, finish_g] (what later tasks gave back to g);
+    * CT  = mean_g acc[g, last] - single_g = FT + BT.
+    """
+    last = acc.shape[1] - 1
+    incremental, forgetting = [], []
+    for r in evaluation_rounds:
+        existing = ~np.isnan(acc[:, r])
+        incremental.append(float(np.mean(acc[existing, r])))
+        drops = [np.nanmax(acc[g, :r]) - acc[g, r] for g in np.flatnonzero(existing)
+                 if r > 0 and not np.all(np.isnan(acc[g, :r]))]
+        if drops:
+            forgetting.append(float(np.mean(drops)))
+    tasks = np.arange(acc.shape[0])
+    at_finish, at_end = acc[tasks, finish], acc[:, last]
+    out = {
+        "average_incremental_accuracy": float(np.mean(incremental)),
+        "forgetting_measure": float(np.mean(forgetting)) if forgetting else 0.0,
+        "final_accuracy": float(np.mean(at_end)),
+        "backward_transfer": float(np.mean(at_end - at_finish)),
+    }
+    if single_task is not None:
+        out["forward_transfer"] = float(np.mean(at_finish - single_task))
+        out["combined_transfer"] = float(np.mean(at_end - single_task))
+    return out

@@ -12,6 +12,10 @@ moves to task r // R at round r. With K = R * f the slowest clients leave task j
 at the end of round (j + 1) R, as in the synchronous stream, and the fastest ones
 started it R - K rounds earlier.
 
+``RandomTaskSchedule`` is Powder's benchmark (papers/003 section 5.1, ``task-generator =
+random``): each client starts on a task of its own, and every K rounds a random f of the
+clients switch to a new task of their own; tasks are numbered in the order they start.
+
 Everything here is a pure function of (configuration, client, round): the server stores
 no schedule state, and a resumed run recomputes exactly the same assignment.
 """
@@ -139,6 +143,19 @@ class TaskSchedule:
         """Tasks some client begins for the first time in ``round_index`` (their slices need initialising)."""
         return list(range(self.newest_task(round_index - 1) + 1, self.newest_task(round_index) + 1))
 
+    def steps(self) -> list[tuple[int, int]]:
+        """(nominal task, round within it) of every round of the run: the server loop's order."""
+        return [(r // self.rounds_per_task, r % self.rounds_per_task) for r in range(self.total_rounds)]
+
+    def task_ending(self, round_index: int) -> int | None:
+        """The nominal task that ends with ``round_index`` (its accuracy-matrix column), if any."""
+        return round_index // self.rounds_per_task if round_index % self.rounds_per_task == self.rounds_per_task - 1 \
+            else None
+
+    def client_tasks(self, client: int, round_index: int) -> list[int]:
+        """The tasks ``client`` has learnt or is learning in ``round_index``."""
+        return list(range(self.position(client, round_index) + 1))
+
     def describe(self) -> str:
         if self.synchronous:
             return f"synchronous: all clients move to the next task every {self.rounds_per_task} rounds"
@@ -146,4 +163,131 @@ class TaskSchedule:
                 f"their next task (in a seeded turn order)")
 
 
-__all__ = ["TaskSchedule"]
+@dataclass(frozen=True)
+class RandomTaskSchedule:
+    """Powder's asynchronous benchmark: every task belongs to one client (papers/003 section 5.1).
+
+    Client c starts on task c. At every switch point (rounds K, 2K, ... < num_rounds) a
+    seeded random ``ceil(f C)`` of the clients switch to a new task each; new tasks are
+    numbered in the order they start (at a switch point, by client id). So the run has
+    ``C + S ceil(f C)`` tasks for S switch points, tasks last different numbers of rounds
+    (at least K, except those still running at the end), and a client may switch at two
+    points in a row or not at all.
+
+    Parameters
+    ----------
+    num_tasks, num_clients, num_rounds : int
+        Tasks (must equal the count above), clients and rounds of the run.
+    switch_every : int
+        K, rounds between switch points (0: no switches).
+    switch_fraction : float
+        f, share of the clients switching at each point (Powder: 0.4).
+    seed : int
+        Seeds who switches when.
+    """
+
+    num_tasks: int
+    num_clients: int
+    num_rounds: int
+    switch_every: int = 3
+    switch_fraction: float = 0.4
+    seed: int = 0
+
+    synchronous = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.switch_fraction <= 1.0:
+            raise ConfigError(f"switch-fraction must be in (0, 1], got {self.switch_fraction}")
+        if self.switch_every < 0:
+            raise ConfigError(f"switch-every must be >= 0 (0: no switches), got {self.switch_every}")
+        needed = self.num_clients + len(self.switch_rounds) * self.movers
+        if self.num_tasks != needed:
+            raise ConfigError(
+                f"task-generator = random: {self.num_clients} clients, {len(self.switch_rounds)} switch points "
+                f"in {self.num_rounds} rounds and {self.movers} clients switching at each make {needed} tasks; "
+                f"set num-tasks = {needed} (got {self.num_tasks})")
+
+    @property
+    def every(self) -> int:
+        return self.switch_every
+
+    @property
+    def movers(self) -> int:
+        return max(1, math.ceil(self.switch_fraction * self.num_clients - 1e-9))
+
+    @property
+    def total_rounds(self) -> int:
+        return self.num_rounds
+
+    @property
+    def switch_rounds(self) -> list[int]:
+        """Rounds (0-based) in which some clients start a new task."""
+        return list(range(self.every, self.num_rounds, self.every)) if self.every else []
+
+    @cached_property
+    def _starts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(owner client, first round) of every task, in task order."""
+        owner, start = list(range(self.num_clients)), [0] * self.num_clients
+        for s, r in enumerate(self.switch_rounds, start=1):
+            movers = np.random.default_rng([self.seed, s, 0x5E1EC7]).choice(self.num_clients, self.movers,
+                                                                             replace=False)
+            for c in sorted(movers.tolist()):
+                owner.append(int(c))
+                start.append(r)
+        return np.asarray(owner), np.asarray(start)
+
+    def owner(self, task: int) -> int:
+        """The client that learns ``task``."""
+        return int(self._starts[0][task])
+
+    def start(self, task: int) -> int:
+        """The first round (0-based) of ``task``."""
+        return int(self._starts[1][task])
+
+    def finish(self, task: int) -> int:
+        """The last round in which ``task``'s client trains it."""
+        owner, start = self._starts
+        later = np.flatnonzero((owner == owner[task]) & (start > start[task]))
+        return int(start[later[0]] - 1) if len(later) else self.num_rounds - 1
+
+    def client_tasks(self, client: int, round_index: int) -> list[int]:
+        """The tasks ``client`` has learnt or is learning in ``round_index``, in order."""
+        owner, start = self._starts
+        return np.flatnonzero((owner == client) & (start <= round_index)).tolist()
+
+    def assignment(self, client: int, round_index: int) -> tuple[int, int]:
+        """(task, rounds the client has already spent on it) for ``client`` in ``round_index``."""
+        if not 0 <= client < self.num_clients:
+            raise ValueError(f"client {client} outside the population of {self.num_clients}")
+        task = self.client_tasks(client, round_index)[-1]
+        return task, round_index - self.start(task)
+
+    def newest_task(self, round_index: int) -> int:
+        if round_index < 0:
+            return -1
+        return int(np.flatnonzero(self._starts[1] <= round_index)[-1])
+
+    def tasks_starting(self, round_index: int) -> list[int]:
+        return np.flatnonzero(self._starts[1] == round_index).tolist()
+
+    def steps(self) -> list[tuple[int, int]]:
+        """(newest task, round) of every round: there are no nominal task ends."""
+        return [(self.newest_task(r), r) for r in range(self.num_rounds)]
+
+    def task_ending(self, round_index: int) -> int | None:
+        return None
+
+    def describe(self) -> str:
+        return (f"random tasks: {self.num_tasks} tasks over {self.num_clients} clients, every {self.every} rounds "
+                f"{self.movers} random clients switch to a new task ({self.num_rounds} rounds)")
+
+
+def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:
+    """The run's schedule (raises ConfigError for settings that cannot work)."""
+    if cfg.task_generator == "random":
+        return RandomTaskSchedule(cfg.num_tasks, cfg.num_clients, cfg.num_rounds, cfg.switch_every,
+                                  cfg.switch_fraction, cfg.seed)
+    return TaskSchedule.from_config(cfg)
+
+
+__all__ = ["RandomTaskSchedule", "TaskSchedule", "task_schedule"]

@@ -119,7 +119,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     # The compute bound: the same batches through the bare prompted model (queries given).
     model = rt.model
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
-    allowed[task_classes(0, rt.data.num_classes, cfg.num_tasks)] = True
+    allowed[task_classes(cfg, 0, rt.data.num_classes)] = True
     x_all = model.preprocess(torch.from_numpy(rt.data.train.images[index]).to(rt.device))
     with torch.no_grad(), rt.autocast():
         q_all = model.query(x_all).float()

@@ -182,7 +182,9 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     state = RunState(metrics.empty_matrix(cfg.num_tasks))
 
     # Where to start: the beginning, or just after the last checkpointed round.
-    first_task, first_round, server_round, elapsed_before = 0, 0, 0, 0.0
+    schedule = strategy.schedule
+    steps = schedule.steps()  # (nominal task, round within it) of every round
+    server_round, elapsed_before, pending_task_end = 0, 0.0, None
     saved = checkpoint.load(cfg.out_dir)
     if saved is not None and not cfg.resume:
         raise ConfigError(
@@ -199,9 +201,8 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         state = RunState(saved.accuracy_matrix.copy(), list(saved.rounds))
         checkpoint.restore_rng(saved.rng)
         server_round, elapsed_before = saved.server_round, saved.elapsed_seconds
-        first_task, first_round = saved.task, saved.round + 1
-        if saved.task_finished:
-            first_task, first_round = saved.task + 1, 0
+        if not saved.task_finished:  # stopped between a task's last round and its end step
+            pending_task_end = schedule.task_ending(server_round - 1)
         log.info("resuming after task %d round %d (server round %d)", saved.task + 1, saved.round + 1, server_round)
 
     def save(task: int, round_: int, finished: bool) -> None:
@@ -212,27 +213,9 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             elapsed_seconds=elapsed_before + time.perf_counter() - started,
         ), cfg.out_dir)
 
-    # Rounds follow the nominal stream (task j ends after round (j+1)R, where the accuracy
-    # matrix takes column j); with asynchronous arrival the schedule gives each client its own
-    # task, and a task's slice is initialised in the round its first client reaches it.
-    for task in range(first_task, cfg.num_tasks):
-        for round_ in range(first_round if task == first_task else 0, cfg.rounds_per_task):
-            server_round += 1
-            for new_task in strategy.schedule.tasks_starting(server_round - 1):
-                arrays = strategy.on_task_start(new_task, arrays)
-            arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
-            state.rounds.append(record)
-            on_tasks = sorted(set(record["client_tasks"]))
-            log.info(
-                "task %d/%d round %d/%d%s | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
-                task + 1, cfg.num_tasks, round_ + 1, cfg.rounds_per_task,
-                "" if on_tasks == [task] else f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})",
-                record["accuracy"],
-                " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
-                _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
-                f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
-            )
-            save(task, round_, finished=False)
+    def end_task(task: int) -> None:
+        """The strategy's task-end step, then the task's accuracy-matrix column."""
+        nonlocal arrays
         end_arrays = strategy.on_task_end(task, arrays)
         task_acc = np.array(state.rounds[-1]["task_accuracies"])
         if end_arrays is not arrays:
@@ -245,7 +228,51 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                  summary["final_average_accuracy"], summary["average_incremental_accuracy"],
                  summary["average_forgetting"])
 
-    return build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
+    if pending_task_end is not None:
+        end_task(pending_task_end)
+    # Rounds follow the schedule's steps: on the stream, task j ends after round (j+1)R, where
+    # the accuracy matrix takes column j; with asynchronous arrival each client gets its own
+    # task, and a task's slice is initialised in the round its first client reaches it. With
+    # random tasks the nominal task is the newest one started, and no task ends for everyone.
+    for index in range(server_round, len(steps)):
+        task, round_ = steps[index]
+        server_round = index + 1
+        for new_task in schedule.tasks_starting(index):
+            arrays = strategy.on_task_start(new_task, arrays)
+        arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
+        state.rounds.append(record)
+        on_tasks = sorted(set(record["client_tasks"]))
+        log.info(
+            "%s | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
+            f"round {server_round}/{len(steps)} (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
+            if cfg.task_generator == "random" else
+            f"task {task + 1}/{cfg.num_tasks} round {round_ + 1}/{cfg.rounds_per_task}"
+            + ("" if on_tasks == [task] else f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"),
+            record["accuracy"],
+            " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
+            _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
+            f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
+        )
+        ending = schedule.task_ending(index)
+        save(task, round_, finished=False)
+        if ending is not None:
+            end_task(ending)
+
+    results = build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
+    if not schedule.synchronous:
+        from server.transfer import client_accuracy_by_round
+
+        results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, state.rounds, cfg.num_tasks)
+    if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
+        from server.transfer import asynchronous_results, single_task_accuracies
+
+        single = single_task_accuracies(cfg, schedule) if runtime is not None else None
+        results["asynchronous"] = asynchronous_results(cfg, schedule, state.rounds, single)
+        results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],
+                        "average_incremental_accuracy": results["asynchronous"]["average_incremental_accuracy"],
+                        "average_forgetting": results["asynchronous"]["forgetting_measure"],
+                        "accuracy_matrix": None, "average_accuracy_per_task": None})
+    return results
 
 
 def finish(cfg: ExperimentConfig) -> None:
@@ -360,13 +387,14 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunStat
             "test_size": getattr(evaluate, "last_total", None),  # held-out samples in the last evaluation
             "fingerprint": None,
         }
+    random_tasks = cfg.task_generator == "random"  # no task ends for everyone: no accuracy matrix
     return {
         "config": cfg.to_dict(),
         "backbone": backbone,
         "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],
-        **metrics.summary(acc),
-        "average_accuracy_per_task": [float(v) for v in metrics.average_accuracies(acc)],
+        **(metrics.summary(acc) if not random_tasks else {}),
+        "average_accuracy_per_task": None if random_tasks else [float(v) for v in metrics.average_accuracies(acc)],
         "rounds": rounds,
         "communication": {
             "trainable_parameters": n_params,

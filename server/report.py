@@ -24,7 +24,9 @@ def write_outputs(results: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def table(results: dict[str, Any]) -> str:
-    """Markdown table: the accuracy matrix, then the summary metrics."""
+    """Markdown table: the accuracy matrix (random tasks: each task's timeline), then the summary metrics."""
+    if results.get("asynchronous"):
+        return asynchronous_table(results)
     acc = results["accuracy_matrix"]
     n = len(acc)
     head = "| task \\ after | " + " | ".join(f"T{t + 1}" for t in range(n)) + " |"
@@ -55,6 +57,40 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def asynchronous_table(results: dict[str, Any]) -> str:
+    """Powder's benchmark (random tasks): per task its client, rounds and accuracies, then section 5.1's metrics."""
+    a, comm, cfg = results["asynchronous"], results["communication"], results["config"]
+    single = a["single_task_accuracy"] or [None] * len(a["tasks"])
+    by_round = [r["task_accuracies"] for r in results["rounds"]]
+    rows = ["| task | client | rounds | single-task | at its last round | final |", "|---|---|---|---|---|---|"]
+    for g, (t, s) in enumerate(zip(a["tasks"], single)):
+        at_finish, final = by_round[t["last_round"] - 1][g], by_round[-1][g]
+        rows.append(f"| T{g + 1} | {t['client']} | {t['first_round']}-{t['last_round']} | "
+                    f"{'' if s is None else f'{s:.1f}'} | {at_finish:.1f} | {final:.1f} |")
+
+    def value(key: str) -> str:
+        return "n/a (no single-task reference)" if a.get(key) is None else f"{a[key]:.2f}"
+
+    rows += [
+        "",
+        "| metric (papers/003 section 5.1) | value |",
+        "|---|---|",
+        f"| strategy | {cfg['strategy']} |",
+        f"| tasks | {len(a['tasks'])} random tasks of {cfg['classes-per-task']} {cfg['dataset']} classes over "
+        f"{cfg['num-clients']} clients, {len(by_round)} rounds |",
+        f"| AIA | {value('average_incremental_accuracy')} |",
+        f"| FM | {value('forgetting_measure')} |",
+        f"| FT | {value('forward_transfer')} |",
+        f"| BT | {value('backward_transfer')} |",
+        f"| CT | {value('combined_transfer')} |",
+        f"| final accuracy (mean over tasks) | {value('final_accuracy')} |",
+        f"| S2C / C2S total | {comm['bytes_s2c_total'] / 1e6:,.2f} MB / {comm['bytes_c2s_total'] / 1e6:,.2f} MB |",
+        f"| evaluation rounds (R) | {', '.join(str(r) for r in a['evaluation_rounds'])} |",
+        f"| total run time | {results['timing']['total_seconds']:.1f} s |",
+    ]
+    return "\n".join(rows)
+
+
 def plot(results: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -63,7 +99,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
     import numpy as np
 
     rounds = results["rounds"]
-    n = len(results["accuracy_matrix"])
+    n = max(len(r["task_accuracies"]) for r in rounds)
     x = [r["server_round"] for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 4))
     for i in range(n):
@@ -71,7 +107,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
         ys = [r["task_accuracies"][i] for r in rounds if len(r["task_accuracies"]) > i]
         ax.plot(xs, ys, marker=".", label=f"task {i + 1}")
     ax.plot(x, [r["accuracy"] for r in rounds], color="black", linewidth=2, label="average (seen)")
-    for r in rounds:
+    for r in rounds if not results.get("asynchronous") else []:
         if r["round"] == 0 and r["task"] > 0:
             ax.axvline(r["server_round"] - 0.5, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("server round")
@@ -82,6 +118,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "accuracy_over_rounds.png", dpi=120)
     plt.close(fig)
+    if results["accuracy_matrix"] is None:  # random tasks: no matrix
+        return
 
     acc = np.array([[np.nan if v is None else v for v in row] for row in results["accuracy_matrix"]])
     fig, ax = plt.subplots(figsize=(1.0 + 0.6 * n, 0.8 + 0.6 * n))

@@ -30,7 +30,7 @@ from flwr.serverapp.strategy import FedAvg
 from common.config import ConfigError, ExperimentConfig
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
-from common.schedule import TaskSchedule
+from common.schedule import task_schedule
 
 log = logging.getLogger("promptfcl")
 
@@ -84,7 +84,7 @@ class PromptStrategy(FedAvg):
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
-        self.schedule = TaskSchedule.from_config(cfg)
+        self.schedule = task_schedule(cfg)
         if not self.schedule.synchronous and not self.asynchronous_tasks:
             raise ConfigError(f"strategy {self.name!r} needs synchronous task arrival (switch-fraction = 1 and "
                               f"switch-every = 0): {self.schedule.describe()}")

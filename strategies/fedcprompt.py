@@ -106,49 +106,47 @@ class FedCPromptPrompt(CodaPrompt):
 
 # ---------------------------------------------------------------------------- per-slice FedAvg
 def aggregate_per_task(
+    cfg: ExperimentConfig,
     base: Mapping[str, np.ndarray],
     updates: list[tuple[int, Mapping[str, np.ndarray], float]],
-    pool_size: int,
-    num_tasks: int,
     num_classes: int,
 ) -> dict[str, np.ndarray]:
     """FedAvg per task slice, all tasks of the round in parallel.
 
     Parameters
     ----------
+    cfg : ExperimentConfig
+        Locates a task's rows (``common.data.task_rows``): its slice of every prompt array,
+        its classes' rows of every head array.
     base : dict
-        The server's arrays this round started from (values of slices nobody trained).
+        The server's arrays this round started from (values of rows nobody trained).
     updates : list of (task, arrays, weight)
         Each accepted reply: the task its client trained, its arrays, its sample count.
-    pool_size, num_tasks, num_classes : int
-        Sizes that locate a task's rows: prompt arrays (first dimension ``pool_size``)
-        by the task's slice of the pool, head arrays (first dimension ``num_classes``)
-        by the task's classes. Any other array is averaged over all replies.
-    """
-    def rows_of(name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
-        return task_rows(name, value, task, pool_size, num_tasks, num_classes)
+    num_classes : int
+        Classes of the head.
 
-    groups: dict[int, list[tuple[Mapping[str, np.ndarray], float]]] = {}
-    for task, arrays, weight in updates:
-        groups.setdefault(int(task), []).append((arrays, float(weight)))
+    Each row is the sample-weighted average over the replies whose task owns it, so a
+    head row shared by two tasks (random tasks of overlapping classes) averages both.
+    Any array that is not task-structured is averaged over all replies.
+    """
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
     out: dict[str, np.ndarray] = {}
     for name, value in base.items():
         value = np.asarray(value)
-        if rows_of(name, value, 0) is None:  # not task-structured: plain FedAvg over every reply
+        if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
             acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
                       zip(updates, all_weights / all_weights.sum()))
             out[name] = np.asarray(acc).astype(value.dtype)
             continue
+        total = np.zeros(value.shape, dtype=np.float64)
+        weight = np.zeros(value.shape[0], dtype=np.float64)
+        for task, arrays, w in updates:
+            rows = task_rows(cfg, name, value, int(task), num_classes)
+            total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
+            weight[rows] += float(w)
+        trained = weight > 0
         merged = value.copy()
-        for task, members in groups.items():
-            rows = rows_of(name, value, task)
-            w = np.array([m[1] for m in members], dtype=np.float64)
-            w = w / w.sum()
-            acc = np.zeros(value[rows].shape, dtype=np.float64)
-            for wi, (arrays, _) in zip(w, members):
-                acc += wi * np.asarray(arrays[name])[rows]
-            merged[rows] = acc.astype(value.dtype)
+        merged[trained] = (total[trained] / weight[trained].reshape((-1,) + (1,) * (value.ndim - 1))).astype(value.dtype)
         out[name] = merged
     return out
 
@@ -250,9 +248,9 @@ class FedCPromptStrategy(PromptStrategy):
             return None, None
         weights = np.array([int(c[METRICS]["num-examples"]) for _, c in accepted], dtype=np.float64)
         merged = aggregate_per_task(
-            from_array_record(self.sent_arrays),
+            self.cfg, from_array_record(self.sent_arrays),
             [(task, from_array_record(c[ARRAYS]), w) for (task, c), w in zip(accepted, weights)],
-            self.cfg.pool_size, self.cfg.num_tasks, self.num_classes,
+            self.num_classes,
         )
         contents = [c for _, c in accepted]
         arrays = self.consolidate(server_round, to_array_record(merged), contents)

@@ -552,7 +552,7 @@ class HePCoStrategy(PromptStrategy):
         per_task = cfg.pool_size // cfg.num_tasks
         k = self.num_classes // cfg.num_tasks
         dev = self.device
-        classes = torch.as_tensor(task_classes(task, self.num_classes, cfg.num_tasks), device=dev)
+        classes = torch.as_tensor(task_classes(cfg, task, self.num_classes), device=dev)
         seen = torch.arange((task + 1) * k, device=dev)
         seed = int(np.random.default_rng([cfg.seed, task, self.round, 0x4EC0]).integers(2**31 - 1))
         rng = torch.Generator(device=dev).manual_seed(seed)

@@ -527,7 +527,7 @@ class HGPStrategy(PromptStrategy):
             return cache[epoch]
 
         if self.opts.rebalance_logits == "seen":
-            allowed = torch.as_tensor(seen_classes(self.task, self.num_classes, self.cfg.num_tasks))
+            allowed = torch.as_tensor(seen_classes(self.cfg, self.task, self.num_classes))
         else:
             allowed = torch.tensor(sorted(m.label for m in mixtures))
         sampled = time.perf_counter()
@@ -548,7 +548,7 @@ class HGPStrategy(PromptStrategy):
         Classes no client reported this round keep their previous mixture (earlier
         tasks' classes, or current-task classes missing from a partial round).
         """
-        allowed = set(task_classes(self.task, self.num_classes, self.cfg.num_tasks).tolist())
+        allowed = set(task_classes(self.cfg, self.task, self.num_classes).tolist())
         fresh: dict[int, list[tuple[dict[str, np.ndarray], int]]] = {}
         for reply in replies:
             if STATS not in reply.array_records:
@@ -588,7 +588,7 @@ class HGPStrategy(PromptStrategy):
 
     def rebalance_mixtures(self) -> list[ClassMixture]:
         """Mixtures of the classes the rebalancing samples (CR_old and/or CR_cur)."""
-        current = task_classes(self.task, self.num_classes, self.cfg.num_tasks)
+        current = task_classes(self.cfg, self.task, self.num_classes)
         labels: list[int] = []
         if self.opts.rebalance_old:
             labels += list(range(int(current[0])))

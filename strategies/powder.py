@@ -31,7 +31,8 @@ each task; untouched slices keep their values), then replaces the measured alpha
 G_task and G_class for the next round.
 
 Wire additions (train message config): ``powder-tasks`` (ascending task slices in the
-payload), ``powder-measure`` (reply alphas this round), ``powder-class-corr`` (for each of
+payload), ``powder-measure`` (reply alphas this round), ``powder-previous`` (the task the
+client has just finished, also measured; -1: none), ``powder-class-corr`` (for each of
 the task's classes y, ``sum_i G_class[y, i]``: the dual distillation's per-sample weight).
 
 Platform simplifications (see README): tasks are the platform's global class-incremental
@@ -69,6 +70,7 @@ ALPHA = "powder-alpha"
 LOCAL_TASKS = "powder-tasks"
 MEASURE = "powder-measure"
 CLASS_CORR = "powder-class-corr"
+PREVIOUS = "powder-previous"
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")
 
@@ -304,7 +306,8 @@ class PowderStrategy(PromptStrategy):
                                f"(known tasks: {self.known_tasks}); call on_task_start first")
         if not self.aggregated:
             self.prepare_round(arrays)
-        switched = round_ == 0 and task > 0
+        previous = self.previous_task(client_id, task, round_, int(config.get("server-round", 1)))
+        switched = previous >= 0
         measure = self.new_tasks_pending or not self.task_measured[task] or switched
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
@@ -312,7 +315,7 @@ class PowderStrategy(PromptStrategy):
             rng = np.random.default_rng([self.cfg.seed, int(config.get("server-round", 0)), client_id, 0x50D])
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
-        classes = task_classes(task, self.num_classes, self.cfg.num_tasks)
+        classes = task_classes(self.cfg, task, self.num_classes)
         out, expected = {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
@@ -327,10 +330,21 @@ class PowderStrategy(PromptStrategy):
         config[LOCAL_TASKS] = [int(t) for t in local]
         config[MEASURE] = bool(measure)
         config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
+        config[PREVIOUS] = previous
         content = RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
-        measured = (task, task - 1) if switched else (task,)
+        measured = (task, previous) if switched else (task,)
         self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else ()))
         return content
+
+    def previous_task(self, client_id: int, task: int, round_: int, server_round: int) -> int:
+        """The task the client has just finished (-1 unless this is its first round on ``task``):
+        on the stream task - 1, with random tasks its own previous task."""
+        if round_ != 0:
+            return -1
+        if self.cfg.task_generator == "random":
+            tasks = self.schedule.client_tasks(client_id, server_round - 1)
+            return tasks[-2] if len(tasks) > 1 else -1
+        return task - 1
 
     def prepare_round(self, arrays: ArrayRecord) -> None:
         """P_g of this round and its first-step aggregation P_hat (eq. 3)."""
@@ -404,7 +418,7 @@ class PowderStrategy(PromptStrategy):
         allowed_classes = set()
         for t in sent.measure:
             if t >= 0:
-                allowed_classes |= set(task_classes(t, self.num_classes, self.cfg.num_tasks).tolist())
+                allowed_classes |= set(task_classes(self.cfg, t, self.num_classes).tolist())
         for kind, ids, allowed in (("task", a["tasks"], set(sent.measure)), ("class", a["classes"], allowed_classes)):
             alpha, count = a[f"{kind}-alpha"], a[f"{kind}-count"]
             if ids.ndim != 1 or alpha.shape != (len(ids), self.width) or count.shape != (len(ids),):
@@ -468,7 +482,7 @@ class PowderStrategy(PromptStrategy):
                     expanded[name] = value.copy()
                     expanded[name][rows] = arrays[name]
             full.append((task, expanded, weight))
-        return aggregate_per_task(base, full, self.cfg.pool_size, self.cfg.num_tasks, self.num_classes)
+        return aggregate_per_task(self.cfg, base, full, self.num_classes)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
@@ -493,8 +507,8 @@ class PowderStrategy(PromptStrategy):
     # ------------------------------------------------------------------ helpers
     def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(name, value, task, self.cfg.pool_size, self.cfg.num_tasks, self.num_classes)
+        return task_rows(self.cfg, name, value, task, self.num_classes)
 
 
-__all__ = ["ALPHA", "CLASS_CORR", "LOCAL_TASKS", "MEASURE", "PowderOptions", "PowderPrompt", "PowderStrategy",
+__all__ = ["ALPHA", "CLASS_CORR", "LOCAL_TASKS", "MEASURE", "PREVIOUS", "PowderOptions", "PowderPrompt", "PowderStrategy",
            "correlation_matrix", "first_step_aggregation", "select_tasks", "sparsify_rows"]

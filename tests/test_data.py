@@ -32,8 +32,9 @@ def test_class_order_is_a_seeded_permutation():
 
 def test_labels_are_remapped_so_tasks_own_contiguous_classes(digits):
     assert digits.num_classes == 10
-    assert list(task_classes(2, 10, 5)) == [4, 5]
-    assert list(seen_classes(2, 10, 5)) == list(range(6))
+    five = tiny_config(num_tasks=5)
+    assert list(task_classes(five, 2, 10)) == [4, 5]
+    assert list(seen_classes(five, 2, 10)) == list(range(6))
     # the remapping follows the class order: remapped label j holds original class order[j]
     order = class_order(10, 0)
     assert digits.class_names == [str(c) for c in order]
@@ -54,10 +55,10 @@ def test_static_partitions_cover_the_task_disjointly(digits, partition):
     parts = shares(digits, cfg, task=1)
     union = np.concatenate(parts)
     assert len(union) == len(np.unique(union)), "a sample was given to two clients"
-    task_pool = np.flatnonzero(np.isin(digits.train.labels, task_classes(1, 10, 5)))
+    task_pool = np.flatnonzero(np.isin(digits.train.labels, task_classes(cfg, 1, 10)))
     if partition != "quantity":  # quantity-based may leave classes' shares unassigned only if no client holds them
         assert set(union.tolist()) == set(task_pool.tolist())
-    assert set(np.unique(digits.train.labels[union])) <= set(task_classes(1, 10, 5).tolist())
+    assert set(np.unique(digits.train.labels[union])) <= set(task_classes(cfg, 1, 10).tolist())
     # pure function of (seed, client, task): recomputed identically
     again = shares(digits, cfg, task=1)
     assert all(np.array_equal(x, y) for x, y in zip(parts, again))
@@ -173,7 +174,8 @@ def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():
     from common.data import task_rows
 
     pool, head, other = np.zeros((12, 4, 3)), np.zeros((10, 3)), np.zeros((5, 3))
-    assert task_rows("prompt.p0", pool, 2, 12, 4, 10) == slice(6, 9)
-    assert task_rows("head.weight", head, 1, 12, 5, 10).tolist() == [2, 3]
-    assert task_rows("prompt.fusion", other, 1, 12, 5, 10) is None  # not pool-sized
-    assert task_rows("head.weight", np.zeros((7, 3)), 1, 12, 5, 10) is None  # not class-sized
+    four, five = tiny_config(num_tasks=4, pool_size=12), tiny_config(num_tasks=5, pool_size=10)
+    assert task_rows(four, "prompt.p0", pool, 2, 10) == slice(6, 9)
+    assert task_rows(five, "head.weight", head, 1, 10).tolist() == [2, 3]
+    assert task_rows(five, "prompt.fusion", other, 1, 10) is None  # not pool-sized
+    assert task_rows(five, "head.weight", np.zeros((7, 3)), 1, 10) is None  # not class-sized

@@ -309,7 +309,7 @@ def test_aggregate_per_task_averages_other_arrays_over_everyone():
     base = {"prompt.p0": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.float32)}
     updates = [(0, {"prompt.p0": np.ones((4, 2)), "extra": np.full(3, 2.0)}, 1.0),
                (1, {"prompt.p0": np.full((4, 2), 3.0), "extra": np.full(3, 4.0)}, 3.0)]
-    out = aggregate_per_task(base, updates, pool_size=4, num_tasks=2, num_classes=2)
+    out = aggregate_per_task(tiny_config(num_tasks=2, pool_size=4), base, updates, num_classes=2)
     np.testing.assert_allclose(out["prompt.p0"], [[1, 1], [1, 1], [3, 3], [3, 3]])
     np.testing.assert_allclose(out["extra"], 3.5)
     assert out["extra"].dtype == np.float32 and out["prompt.p0"].dtype == np.float32

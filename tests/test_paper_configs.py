@@ -75,7 +75,7 @@ def test_paper_config_parses_and_partitions(name, stand_in):
                         weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4)
     data = load_dataset(small)
     assert data.num_classes == n_classes
-    classes = set(task_classes(0, n_classes, cfg.num_tasks).tolist())
+    classes = set(task_classes(cfg, 0, n_classes).tolist())
     assert len(classes) == n_classes // cfg.num_tasks
     shares = [client_indices(data.train.labels, small, n_classes, c, 0, 0)
               for c in range(min(cfg.num_clients, 20))]

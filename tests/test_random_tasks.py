@@ -1,0 +1,206 @@
+"""Powder's asynchronous benchmark (papers/003 section 5.1): random tasks, their schedule,
+their data, the section's metrics, and an end-to-end simulation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from common import metrics
+from common.config import ConfigError
+from common.data import load_dataset, random_task_indices, random_tasks, seen_classes, task_classes
+from common.schedule import RandomTaskSchedule, task_schedule
+from tests.conftest import tiny_config
+
+RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
+          "switch-every": 2, "switch-fraction": 0.3, "num-tasks": 4, "classes-per-task": 3,
+          "min-overlap": 0.34, "task-data-fraction": 0.25, "pool-size": 8}
+
+
+def random_config(**overrides):
+    return tiny_config(**{**RANDOM, **overrides})
+
+
+# ---------------------------------------------------------------------------- tasks
+@pytest.mark.parametrize("tau", [0.0, 0.5, 1.0])
+def test_every_later_task_reuses_at_least_tau_of_its_classes(tau):
+    cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
+                        num_tasks=22, classes_per_task=4, min_overlap=tau, task_data_fraction=0.01, pool_size=44)
+    tasks = random_tasks(cfg, 50)
+    assert len(tasks) == 22 and all(len(t) == 4 == len(set(t.tolist())) for t in tasks)
+    seen = set(tasks[0].tolist())
+    for t in tasks[1:]:
+        assert len(seen & set(t.tolist())) >= min(math.ceil(tau * 4), len(seen))
+        seen |= set(t.tolist())
+    if tau == 1.0:  # nothing new after the first task
+        assert seen == set(tasks[0].tolist())
+    if tau == 0.0:  # 50 classes: uniform draws reach well beyond the first task's 4
+        assert len(seen) > 20
+
+
+def test_random_tasks_are_a_function_of_the_seed():
+    a, b = random_tasks(random_config(), 10), random_tasks(random_config(), 10)
+    c = random_tasks(random_config(seed=1), 10)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_task_classes_and_seen_classes_follow_the_random_tasks():
+    cfg = random_config()
+    tasks = random_tasks(cfg, 10)
+    assert task_classes(cfg, 2, 10).tolist() == tasks[2].tolist()
+    assert seen_classes(cfg, 1, 10).tolist() == sorted(set(tasks[0].tolist()) | set(tasks[1].tolist()))
+
+
+def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
+    cfg = random_config()
+    data = load_dataset(cfg)
+    labels, tasks = data.train.labels, random_tasks(cfg, 10)
+    schedule = task_schedule(cfg)
+    shares = [random_task_indices(labels, cfg, 10, g) for g in range(cfg.num_tasks)]
+    for g, share in enumerate(shares):
+        assert set(np.unique(labels[share]).tolist()) == set(tasks[g].tolist())
+        for y in tasks[g]:  # a quarter of the class's images, rounded down
+            assert np.sum(labels[share] == y) == int(0.25 * np.sum(labels == y))
+    for g in range(len(shares)):
+        for h in range(g):
+            assert not set(shares[g].tolist()) & set(shares[h].tolist()), f"tasks {h} and {g} share an image"
+    from common.data import client_indices
+
+    owner = schedule.owner(3)
+    assert np.array_equal(client_indices(labels, cfg, 10, owner, 3, 0), shares[3])
+    with pytest.raises(ValueError, match="belongs to client"):
+        client_indices(labels, cfg, 10, (owner + 1) % 3, 3, 0)
+
+
+def test_too_many_shares_of_a_class_is_a_clear_error():
+    with pytest.raises(ConfigError, match="lower task-data-fraction"):
+        random_tasks(random_config(task_data_fraction=1.0, min_overlap=1.0), 10)
+
+
+# ---------------------------------------------------------------------------- schedule
+def test_schedule_switches_a_random_fraction_every_k_rounds():
+    s = RandomTaskSchedule(num_tasks=10 + 5 * 4, num_clients=10, num_rounds=17, switch_every=3,
+                           switch_fraction=0.4, seed=2)
+    assert s.switch_rounds == [3, 6, 9, 12, 15] and s.movers == 4
+    for r in range(17):
+        tasks = [s.assignment(c, r)[0] for c in range(10)]
+        assert len(set(tasks)) == 10  # every client on a task of its own
+        if r in s.switch_rounds:
+            before = [s.assignment(c, r - 1)[0] for c in range(10)]
+            moved = [c for c in range(10) if tasks[c] != before[c]]
+            assert len(moved) == 4 and s.tasks_starting(r) == sorted(set(tasks) - set(before))
+        elif r > 0:
+            assert tasks == [s.assignment(c, r - 1)[0] for c in range(10)]
+    # tasks are numbered in the order they start; each lasts from its start to its client's next switch
+    assert [s.start(g) for g in range(30)] == sorted(s.start(g) for g in range(30))
+    for g in range(30):
+        c = s.owner(g)
+        assert all(s.assignment(c, r)[0] == g for r in range(s.start(g), s.finish(g) + 1))
+        assert s.finish(g) == 16 or s.assignment(c, s.finish(g) + 1)[0] != g
+    movers = [sorted(c for c in range(10) if s.assignment(c, r)[0] != s.assignment(c, r - 1)[0])
+              for r in s.switch_rounds]
+    assert len({tuple(m) for m in movers}) > 1  # random, not the same clients every time
+    again = RandomTaskSchedule(30, 10, 17, 3, 0.4, seed=2)
+    other = RandomTaskSchedule(30, 10, 17, 3, 0.4, seed=3)
+    assert all(again.owner(g) == s.owner(g) for g in range(30))
+    assert any(other.owner(g) != s.owner(g) for g in range(30))
+
+
+def test_schedule_names_the_number_of_tasks_it_needs():
+    with pytest.raises(ConfigError, match="set num-tasks = 13"):  # the paper's 5 clients, 15 rounds
+        RandomTaskSchedule(num_tasks=10, num_clients=5, num_rounds=15, switch_every=3, switch_fraction=0.4)
+    assert RandomTaskSchedule(13, 5, 15, 3, 0.4).switch_rounds == [3, 6, 9, 12]
+
+
+def test_random_generator_needs_its_keys():
+    with pytest.raises(ConfigError, match="num-rounds"):
+        random_config(num_rounds=0)
+    with pytest.raises(ConfigError, match="classes-per-task"):
+        random_config(classes_per_task=0)
+    with pytest.raises(ConfigError, match="num-rounds applies"):
+        tiny_config(num_rounds=4)
+    with pytest.raises(ConfigError, match="synchronous task arrival"):
+        from strategies import strategy_class
+
+        strategy_class("hgp")(random_config(), 10)
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_asynchronous_metrics_by_hand():
+    nan = np.nan
+    # task 0 rounds 0-3; task 1 rounds 2-3 (finished at round 2: its client moved on)
+    acc = np.array([[50.0, 70.0, 60.0, 65.0],
+                    [nan, nan, 40.0, 45.0]])
+    finish = np.array([3, 2])
+    out = metrics.asynchronous_summary(acc, finish, evaluation_rounds=[1, 3], single_task=np.array([60.0, 50.0]))
+    assert out["average_incremental_accuracy"] == pytest.approx((70.0 + (65.0 + 45.0) / 2) / 2)
+    # r=1: task 0 max before 50 -> 50-70 = -20; r=3: task 0 max 70 -> 5, task 1 max 40 -> -5
+    assert out["forgetting_measure"] == pytest.approx((-20.0 + 0.0) / 2)
+    assert out["forward_transfer"] == pytest.approx(((65 - 60) + (40 - 50)) / 2)
+    assert out["backward_transfer"] == pytest.approx((0 + 5) / 2)
+    assert out["combined_transfer"] == pytest.approx(out["forward_transfer"] + out["backward_transfer"])
+    assert "forward_transfer" not in metrics.asynchronous_summary(acc, finish, [3])
+
+
+def test_a_head_row_shared_by_two_tasks_averages_both():
+    from strategies.fedcprompt import aggregate_per_task
+
+    cfg = random_config()
+    tasks = random_tasks(cfg, 10)
+    g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist())
+                 and set(tasks[g].tolist()) != set(tasks[h].tolist()))
+    base = {"head.weight": np.zeros((10, 2), np.float32)}
+    updates = [(h, {"head.weight": np.ones((10, 2))}, 1.0), (g, {"head.weight": np.full((10, 2), 4.0)}, 3.0)]
+    out = aggregate_per_task(cfg, base, updates, 10)["head.weight"]
+    for y in range(10):  # rows of both tasks: (1 + 3 x 4) / 4; of one: its value; of neither: the base
+        in0, in3 = y in tasks[h], y in tasks[g]
+        expected = (1.0 * in0 + 12.0 * in3) / (1.0 * in0 + 3.0 * in3) if in0 or in3 else 0.0
+        np.testing.assert_allclose(out[y], expected, rtol=1e-6)
+
+
+def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
+    from server.transfer import single_task_accuracies
+
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
+    cfg = random_config()
+    first = single_task_accuracies(cfg, task_schedule(cfg))
+    assert first.shape == (4,) and np.all((first >= 0) & (first <= 100))
+    files = list((tmp_path / "single-task").glob("*.json"))
+    assert len(files) == 1
+    files[0].write_text("[1, 2, 3, 4]")  # what is read back is the file, not a recomputation
+    assert single_task_accuracies(cfg.replace(strategy="powder"), task_schedule(cfg)).tolist() == [1, 2, 3, 4]
+    assert single_task_accuracies(cfg.replace(lr=0.5), task_schedule(cfg)).tolist() != [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------- end to end
+@pytest.mark.parametrize("strategy", ["powder", "fedavg"])
+def test_end_to_end_on_random_tasks(tmp_path, strategy, monkeypatch):
+    from tests.test_simulation_e2e import simulate
+
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
+    results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, **RANDOM)
+    cfg = random_config()
+    schedule = task_schedule(cfg)
+    rounds = results["rounds"]
+    assert len(rounds) == 4
+    for r, record in enumerate(rounds):
+        assert sorted(record["client_tasks"]) == sorted(schedule.assignment(c, r)[0] for c in range(3))
+        assert len(record["task_accuracies"]) == schedule.newest_task(r) + 1
+        assert record["clients_aggregated"] == 3 and not record["rejected"]
+    a = results["asynchronous"]
+    assert a["combined_transfer"] == pytest.approx(a["forward_transfer"] + a["backward_transfer"])
+    assert results["average_incremental_accuracy"] == a["average_incremental_accuracy"]
+    assert [t["client"] for t in a["tasks"]] == [schedule.owner(g) for g in range(4)]
+    assert len(a["single_task_accuracy"]) == 4 and a["evaluation_rounds"] == [2, 4]
+    per_client = results["client_accuracy_by_round"]
+    assert len(per_client) == 3 and all(len(row) == 4 for row in per_client)
+    c = schedule.owner(3)  # the client that switched: its mean covers its two tasks
+    assert per_client[c][3] == pytest.approx(np.mean([rounds[3]["task_accuracies"][g]
+                                                      for g in schedule.client_tasks(c, 3)]))
+    assert "| CT |" in (tmp_path / "run" / "table.md").read_text()
+    if strategy == "powder":  # S2C per client below the whole pool once nobody measures
+        assert rounds[-1]["strategy_metrics"]["tasks-measured"] == 0
+        assert rounds[-1]["bytes_s2c"] < rounds[2]["bytes_s2c"]
