@@ -60,7 +60,10 @@ class ExperimentConfig:
     num_rounds: int = 0  # task-generator = random: rounds of the run (stream: num-tasks x rounds-per-task)
     classes_per_task: int = 0  # task-generator = random: n
     min_overlap: float = 0.0  # task-generator = random: tau, least share of a task's classes seen before
-    task_data_fraction: float = 0.2  # task-generator = random: each task's disjoint share of a class's images
+    task_data_fraction: float = 0.2  # task-generator = random: each task's share of a class's images
+    # "disjoint": tasks holding a class get disjoint shares of its images; "independent": each
+    # task draws its share on its own (needed when a class recurs in more than 1/fraction tasks)
+    task_data_sharing: str = "disjoint"
     test_fraction: float = 0.25  # held-out share for sources that ship no test split
     max_train_per_class: int = 0  # 0 = all; caps big sources for quick runs
     max_test_per_class: int = 0
@@ -226,6 +229,8 @@ class ExperimentConfig:
             need(0.0 <= self.min_overlap <= 1.0, f"min-overlap must be in [0, 1], got {self.min_overlap}")
             need(0.0 < self.task_data_fraction <= 1.0,
                  f"task-data-fraction must be in (0, 1], got {self.task_data_fraction}")
+            need(self.task_data_sharing in ("disjoint", "independent"),
+                 f"task-data-sharing must be 'disjoint' or 'independent', got {self.task_data_sharing!r}")
             need(self.population == "virtual" and not self.centralised,
                  "task-generator = random needs population = virtual and centralised = false")
             need(self.num_classes == 0 or self.classes_per_task <= self.num_classes,

@@ -384,58 +384,63 @@ def task_rows(cfg: ExperimentConfig, name: str, value: np.ndarray, task: int,
 def random_tasks(cfg: ExperimentConfig, num_classes: int) -> tuple[np.ndarray, ...]:
     """Powder's tasks (papers/003 section 5.1): ``num-tasks`` sets of ``classes-per-task`` classes.
 
-    Task 0 draws its classes uniformly; every later task draws at least
-    ``ceil(min-overlap * n)`` of its classes from those of earlier tasks (the paper's "least
-    overlap tau") and the rest uniformly from the classes it has not taken yet. A pure
-    function of the seed; raises ConfigError when a class would be in more tasks than its
-    images can give disjoint ``task-data-fraction`` shares to.
+    Task 0 draws its classes uniformly; every later task takes ``ceil(min-overlap * n)`` of
+    its classes from those of earlier tasks (the paper's "least overlap tau"), the least
+    reused ones first (ties broken at random) so that classes recur evenly, and draws the
+    rest uniformly from the classes it has not taken yet. A pure function of the seed. With
+    ``task-data-sharing = disjoint``, raises ConfigError when a class would be in more
+    tasks than its images can give disjoint ``task-data-fraction`` shares to.
     """
-    return _random_tasks(cfg.num_tasks, num_classes, cfg.classes_per_task, cfg.min_overlap,
-                         cfg.task_data_fraction, cfg.seed)
+    fraction = cfg.task_data_fraction if cfg.task_data_sharing == "disjoint" else 0.0
+    return _random_tasks(cfg.num_tasks, num_classes, cfg.classes_per_task, cfg.min_overlap, fraction, cfg.seed)
 
 
 @functools.lru_cache(maxsize=8)
 def _random_tasks(num_tasks: int, num_classes: int, n: int, min_overlap: float, fraction: float,
                   seed: int) -> tuple[np.ndarray, ...]:
+    """See ``random_tasks``; ``fraction`` 0 skips the disjoint-shares check."""
     if n > num_classes:
         raise ConfigError(f"classes-per-task ({n}) exceeds the dataset's {num_classes} classes")
     rng = np.random.default_rng([seed, 0x7A5C5])
     tasks: list[np.ndarray] = []
-    seen: set[int] = set()
+    holders = np.zeros(num_classes, dtype=np.int64)  # tasks holding each class so far
     for _ in range(num_tasks):
-        old = np.array(sorted(seen), dtype=np.int64)
+        old = np.flatnonzero(holders)
         take = min(int(np.ceil(min_overlap * n - 1e-9)), len(old)) if len(tasks) else 0
-        chosen = rng.choice(old, take, replace=False) if take else np.zeros(0, np.int64)
+        chosen = old[np.lexsort((rng.random(len(old)), holders[old]))[:take]]  # least reused first
         rest = np.setdiff1d(np.arange(num_classes), chosen)
-        chosen = np.concatenate([chosen, rng.choice(rest, n - take, replace=False)])
-        tasks.append(np.sort(chosen).astype(np.int64))
-        seen.update(chosen.tolist())
-    holders = np.bincount(np.concatenate(tasks), minlength=num_classes)
+        chosen = np.concatenate([chosen, rng.choice(rest, n - take, replace=False)]).astype(np.int64)
+        tasks.append(np.sort(chosen))
+        holders[chosen] += 1
     if holders.max() * fraction > 1.0 + 1e-9:
         raise ConfigError(
-            f"with these seeds a class is in {holders.max()} of the {num_tasks} random tasks, but "
+            f"with this seed a class is in {holders.max()} of the {num_tasks} random tasks, but "
             f"{holders.max()} disjoint shares of task-data-fraction = {fraction} exceed its images; "
-            f"lower task-data-fraction to <= {1.0 / holders.max():.3f} or min-overlap")
+            f"lower task-data-fraction to <= {1.0 / holders.max():.3f} or min-overlap, or set "
+            f"task-data-sharing = independent")
     return tuple(tasks)
 
 
 def random_task_indices(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, task: int) -> np.ndarray:
-    """Training indices of a random task: for each of its classes, the task's disjoint share.
+    """Training indices of a random task: for each of its classes, the task's share.
 
-    A class's images are shuffled once (seeded); the tasks holding the class take
-    consecutive shares of ``task-data-fraction`` of them in task order.
+    ``disjoint``: a class's images are shuffled once (seeded) and the tasks holding the
+    class take consecutive shares of ``task-data-fraction`` of them in task order.
+    ``independent``: every task draws its own share (two tasks' shares may overlap).
     """
     tasks = random_tasks(cfg, num_classes)
     out = []
     for y in tasks[task]:
         holders = [g for g in range(len(tasks)) if y in tasks[g]]
-        idx = np.random.default_rng([cfg.seed, int(y), 0xDA7A]).permutation(np.flatnonzero(labels == y))
+        j = holders.index(task)
+        key = [cfg.seed, int(y), 0xDA7A] + ([] if cfg.task_data_sharing == "disjoint" else [task])
+        idx = np.random.default_rng(key).permutation(np.flatnonzero(labels == y))
         share = int(cfg.task_data_fraction * len(idx))
         if share == 0:
             raise ConfigError(f"class {y} has {len(idx)} training images: a task-data-fraction of "
                               f"{cfg.task_data_fraction} of them is empty")
-        j = holders.index(task)
-        out.append(idx[j * share : (j + 1) * share])
+        start = j * share if cfg.task_data_sharing == "disjoint" else 0
+        out.append(idx[start : start + share])
     return np.sort(np.concatenate(out))
 
 

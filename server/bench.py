@@ -244,9 +244,9 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
     runs = [(m, s, h) for h in settings for m in methods + ["upper-bound"] * upper_bound for s in seeds]
     for i, (method, seed, setting) in enumerate(runs, 1):
         label = _setting_label(setting)
-        run_settings = {**base, **setting, "seed": seed}
-        strategy = method
-        run_dir = out_dir / "runs" / f"{method}-{label}-seed{seed}"
+        strategy, options = parse_method(method)
+        run_settings = {**base, **setting, **options, "seed": seed}
+        run_dir = out_dir / "runs" / f"{method.replace('/', '+')}-{label}-seed{seed}"
         if method == "upper-bound":  # one client with all data: the partition plays no part, one run per seed
             strategy, run_settings = "fedavg", {**base, "seed": seed, "centralised": True}
             run_dir = out_dir / "runs" / f"upper-bound-seed{seed}"
@@ -272,6 +272,11 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
             "client_seconds_per_round": timing["client_seconds_per_round"],
             "server_seconds_per_round": timing["server_seconds_per_round"],
         })
+        if results.get("asynchronous"):  # random tasks: Powder's section 5.1 metrics
+            a = results["asynchronous"]
+            rows[-1].update({"FM": a["forgetting_measure"], "FT": a.get("forward_transfer", np.nan),
+                             "BT": a["backward_transfer"], "CT": a.get("combined_transfer", np.nan),
+                             "bytes_s2c_total": comm["bytes_s2c_total"], "bytes_c2s_total": comm["bytes_c2s_total"]})
         _write_compare(out_dir, rows, failed)
     print(summary_table(rows))
     if failed:
@@ -298,7 +303,18 @@ def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
     return results if done.digest() == wanted.digest() else None
 
 
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
+    with some of its options changed (an ablation), compared as a method of its own."""
+    from common.config import parse_overrides
+
+    name, *pairs = spec.split("/")
+    return name, {f"{name}.{k}": v for k, v in parse_overrides(pairs).items()}
+
+
 def _setting_label(setting: dict[str, Any]) -> str:
+    if not setting:
+        return "default"
     part = setting.get("partition", "dirichlet")
     if part == "dirichlet":
         return f"dirichlet-{setting.get('dirichlet-beta', 0.5)}"
@@ -313,6 +329,16 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["setting"], r["method"]), []).append(r)
+    if all("CT" in r for r in rows):  # random tasks: Powder's Table 2 / Table 5 columns
+        lines = ["| setting | method | seeds | AIA | FM | FT | BT | CT | MB S2C total | MB C2S total |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for (setting, method), rs in groups.items():
+            cells = [f"{np.mean([r[k] for r in rs]):.2f} ± {np.std([r[k] for r in rs]):.2f}"
+                     for k in ("AIA", "FM", "FT", "BT", "CT")]
+            lines.append(f"| {setting} | {method} | {len(rs)} | " + " | ".join(cells) +
+                         f" | {np.mean([r['bytes_s2c_total'] for r in rs]) / 1e6:.2f}"
+                         f" | {np.mean([r['bytes_c2s_total'] for r in rs]) / 1e6:.2f} |")
+        return "\n".join(lines)
     lines = ["| setting | method | seeds | A_N | AIA | forgetting | KB S2C/round | KB C2S/round | client s/round | server s/round |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (setting, method), rs in groups.items():

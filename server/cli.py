@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    cmp_.add_argument("--methods", default="", help="comma-separated (default: all)")
+    cmp_.add_argument("--methods", default="",
+                      help="comma-separated (default: all); NAME/key=value/... is a variant with those "
+                           "NAME.* options, e.g. powder/dual=false (an ablation)")
     cmp_.add_argument("--seeds", default="0,1,2")
     cmp_.add_argument("--settings", default="dirichlet:0.5,dirichlet:0.1,quantity:1",
-                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k>, iid")
+                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k>, iid, or default (as configured)")
     cmp_.add_argument("--no-upper-bound", action="store_true",
                       help="leave out the centralised upper bound (it ignores the partition: one run per seed is enough)")
     show = sub.add_parser("show", help="print the result table of a finished run")
@@ -199,7 +201,9 @@ def _bench(args: argparse.Namespace) -> int:
         _check_weights(ExperimentConfig.from_dict(base))
         methods = [m for m in args.methods.split(",") if m] or sorted(METHODS)
         for m in methods:
-            check_method(m)
+            name, options = bench.parse_method(m)
+            check_method(name)
+            strategy_class(name).check_options(ExperimentConfig.from_dict({**base, **options}).method_options(name))
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
         if args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
@@ -207,7 +211,8 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             settings = [_parse_setting(s) for s in args.settings.split(",") if s]
             seeds = [int(v) for v in args.seeds.split(",")]
-            bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=not args.no_upper_bound)
+            upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
+            bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=upper_bound)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -216,13 +221,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _parse_setting(text: str) -> dict[str, Any]:
     kind, _, value = text.partition(":")
+    if kind == "default":  # the configuration as given (random tasks: no partition applies)
+        return {}
     if kind == "dirichlet":
         return {"partition": "dirichlet", "dirichlet-beta": float(value or 0.5)}
     if kind == "quantity":
         return {"partition": "quantity", "classes-per-client": int(value or 1)}
     if kind == "iid":
         return {"partition": "iid"}
-    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k> or iid")
+    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, iid or default")
 
 
 def _check_weights(cfg: ExperimentConfig) -> None:

@@ -54,3 +54,22 @@ def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypa
     md = (tmp_path / "compare.md").read_text()
     assert "| iid | fedavg | 2 | 50.5 ± 0.5" in md
     assert "failed, left out: hgp, iid, seed 0" in md and "failed, left out: hgp, iid, seed 1" in md
+
+
+def test_a_method_variant_carries_its_options():
+    from server.bench import parse_method
+
+    assert parse_method("powder") == ("powder", {})
+    assert parse_method("powder/dual=false/k=1/selection=random") == (
+        "powder", {"powder.dual": False, "powder.k": 1, "powder.selection": "random"})
+
+
+def test_summary_table_of_random_task_runs_has_section_5_1_columns():
+    rows = [{"method": m, "setting": "default", "seed": s, "A_N": 80.0, "AIA": 80.0 + s, "forgetting": 1.0,
+             "FM": 1.0, "FT": -2.0 + s, "BT": 1.0, "CT": -1.0 + s, "bytes_s2c_total": 2e6, "bytes_c2s_total": 1e6,
+             "bytes_s2c_per_round": 1e5, "bytes_c2s_per_round": 1e5, "client_seconds_per_round": 1.0,
+             "server_seconds_per_round": 0.1} for m in ("powder", "powder/dual=false") for s in (0, 1)]
+    table = summary_table(rows)
+    assert "| AIA | FM | FT | BT | CT |" in table
+    assert "| default | powder/dual=false | 2 | 80.50 ± 0.50 | 1.00 ± 0.00 | -1.50 ± 0.50 | 1.00 ± 0.00 | " \
+           "-0.50 ± 0.50 | 2.00 | 1.00 |" in table

@@ -27,9 +27,11 @@ EXPECTED = {
     "fedcprompt-cifar100.toml": {"strategy": "fedcprompt", "dataset": "hf:cifar100", "num-tasks": 10,
                                  "num-clients": 10, "rounds-per-task": 40, "local-epochs": 5, "lr": 1e-4,
                                  "batch-size": 128, "pool-size": 100, "prompt-length": 8},
-    "powder-imagenet-r.toml": {"strategy": "powder", "dataset": "hf:imagenet-r", "num-tasks": 10, "num-clients": 5,
-                               "clients-per-round": 5, "switch-every": 3, "switch-fraction": 0.4, "local-epochs": 10,
-                               "lr": 0.005, "prompt-mode": "prompt", "prompt-layers": "4,5,6", "pool-size": 100,
+    "powder-imagenet-r.toml": {"strategy": "powder", "dataset": "hf:imagenet-r", "task-generator": "random",
+                               "num-rounds": 15, "num-tasks": 13, "classes-per-task": 20, "min-overlap": 0.5,
+                               "task-data-fraction": 0.2, "num-clients": 5, "clients-per-round": 5,
+                               "switch-every": 3, "switch-fraction": 0.4, "local-epochs": 10,
+                               "lr": 0.005, "prompt-mode": "prompt", "prompt-layers": "4,5,6", "pool-size": 130,
                                "prompt-length": 8},
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
@@ -53,7 +55,7 @@ def stand_in(tmp_path_factory):
             for c in range(n_classes):
                 d = root / f"c{c:03d}"
                 d.mkdir()
-                for i in range(6):
+                for i in range(12):
                     Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(d / f"{i}.png")
             made[n_classes] = root
         return made[n_classes]
@@ -76,6 +78,16 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     data = load_dataset(small)
     assert data.num_classes == n_classes
     classes = set(task_classes(cfg, 0, n_classes).tolist())
+    if cfg.task_generator == "random":  # Powder: tasks of random classes, each held by one client
+        from common.schedule import task_schedule
+
+        schedule = task_schedule(small)
+        assert len(schedule.switch_rounds) == 4 and schedule.movers == 2
+        for g in range(cfg.num_tasks):
+            idx = client_indices(data.train.labels, small, n_classes, schedule.owner(g), g, 0)
+            assert set(data.train.labels[idx].tolist()) == set(task_classes(cfg, g, n_classes).tolist())
+            assert len(set(task_classes(cfg, g, n_classes).tolist())) == cfg.classes_per_task
+        return
     assert len(classes) == n_classes // cfg.num_tasks
     shares = [client_indices(data.train.labels, small, n_classes, c, 0, 0)
               for c in range(min(cfg.num_clients, 20))]

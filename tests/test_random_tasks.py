@@ -75,9 +75,31 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
         client_indices(labels, cfg, 10, (owner + 1) % 3, 3, 0)
 
 
-def test_too_many_shares_of_a_class_is_a_clear_error():
-    with pytest.raises(ConfigError, match="lower task-data-fraction"):
+def test_too_many_shares_of_a_class_is_a_clear_error_unless_shares_are_independent():
+    with pytest.raises(ConfigError, match="task-data-sharing = independent"):
         random_tasks(random_config(task_data_fraction=1.0, min_overlap=1.0), 10)
+    cfg = random_config(task_data_fraction=0.6, min_overlap=1.0, task_data_sharing="independent")
+    labels = load_dataset(cfg).train.labels
+    tasks = random_tasks(cfg, 10)
+    shares = [random_task_indices(labels, cfg, 10, g) for g in range(cfg.num_tasks)]
+    for g, share in enumerate(shares):
+        for y in tasks[g]:
+            assert np.sum(labels[share] == y) == int(0.6 * np.sum(labels == y))
+    assert set(shares[0].tolist()) & set(shares[1].tolist())  # 60 % of the same classes: they overlap
+
+
+def test_overlap_reuses_the_least_reused_classes_first():
+    cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
+                        num_tasks=22, classes_per_task=20, min_overlap=0.9, task_data_fraction=0.01, pool_size=44)
+    holders = np.zeros(200, dtype=int)
+    for j, task in enumerate(random_tasks(cfg, 200)):
+        if j:  # 18 of the task's classes were seen before, none used more often than a seen class left out
+            seen = set(np.flatnonzero(holders).tolist())
+            reused = sorted(holders[sorted(seen & set(task.tolist()))])
+            left_out = holders[sorted(seen - set(task.tolist()))]
+            assert len(reused) >= 18
+            assert not len(left_out) or reused[17] <= left_out.min()
+        holders[task] += 1
 
 
 # ---------------------------------------------------------------------------- schedule
