@@ -235,9 +235,14 @@ class ExperimentConfig:
                  "task-generator = random needs population = virtual and centralised = false")
             need(self.num_classes == 0 or self.classes_per_task <= self.num_classes,
                  f"classes-per-task ({self.classes_per_task}) exceeds num-classes ({self.num_classes})")
+            need(self.partition == "dirichlet" and self.dirichlet_beta == 0.5 and self.classes_per_client == 1,
+                 "task-generator = random: each task's data is held by its one client, so partition, "
+                 "dirichlet-beta and classes-per-client do not apply; leave them unset")
         else:
             need(self.num_rounds == 0, "num-rounds applies to task-generator = random only (the stream runs "
                                        "num-tasks x rounds-per-task rounds)")
+            need(self.classes_per_task == 0 and self.min_overlap == 0.0,
+                 "classes-per-task and min-overlap apply to task-generator = random only")
         need(self.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {self.rounds_per_task}")
         need(self.num_clients >= 1, f"num-clients must be >= 1, got {self.num_clients}")
         need(self.clients_per_round >= 0, "clients-per-round must be >= 0")

@@ -292,6 +292,10 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
     num_classes = int(max(train.labels.max(), test.labels.max())) + 1
     if cfg.task_generator == "random":
         random_tasks(cfg, num_classes)  # raises ConfigError when the tasks cannot be drawn
+        smallest = int(np.bincount(train.labels, minlength=num_classes).min())
+        if int(cfg.task_data_fraction * smallest) == 0:
+            raise ConfigError(f"{name}: a class has {smallest} training images, of which task-data-fraction = "
+                              f"{cfg.task_data_fraction} is none; raise task-data-fraction")
     elif num_classes % cfg.num_tasks != 0:
         raise ConfigError(
             f"{name} has {num_classes} classes, not divisible into num-tasks = {cfg.num_tasks} equal tasks"
@@ -352,7 +356,7 @@ def task_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarr
     if not 0 <= task < cfg.num_tasks:
         raise ValueError(f"task {task} out of range [0, {cfg.num_tasks})")
     if cfg.task_generator == "random":
-        return random_tasks(cfg, num_classes)[task]
+        return random_tasks(cfg, num_classes)[task].copy()  # the cached tasks stay read-only
     k = num_classes // cfg.num_tasks
     return np.arange(task * k, (task + 1) * k)
 
@@ -411,6 +415,7 @@ def _random_tasks(num_tasks: int, num_classes: int, n: int, min_overlap: float, 
         rest = np.setdiff1d(np.arange(num_classes), chosen)
         chosen = np.concatenate([chosen, rng.choice(rest, n - take, replace=False)]).astype(np.int64)
         tasks.append(np.sort(chosen))
+        tasks[-1].flags.writeable = False  # cached and handed out: nobody may change them
         holders[chosen] += 1
     if holders.max() * fraction > 1.0 + 1e-9:
         raise ConfigError(

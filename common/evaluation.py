@@ -5,8 +5,9 @@ clients before dividing; the server's centralised evaluation uses the same code.
 
 On the class-incremental stream every seen class competes for every test image. With
 random tasks (Powder's benchmark) classes recur across tasks, so a task is scored on the
-test images of its classes with its own classes competing, as the authors' code gives
-every client task its own block of the head.
+test images of its classes with its own classes competing (the authors' code gives every
+client task its own block of the head; here the head has one row per class, shared by the
+tasks holding it).
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     model.eval()
     model.prompt.set_task(task)
     preds = np.empty(len(index), dtype=np.int64)
-    all_logits = torch.empty(len(index), rt.data.num_classes)
+    all_logits = torch.empty(len(index) if cfg.task_generator == "random" else 0, rt.data.num_classes)
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
         x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device))
         with rt.autocast():
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             logits = model(x, q)
-        all_logits[start : start + len(sel)] = logits.float().cpu()
+        if len(all_logits):  # random tasks: each task's argmax over its own classes, below
+            all_logits[start : start + len(sel)] = logits.float().cpu()
         preds[start : start + len(sel)] = masked_logits(logits.float(), allowed).argmax(1).cpu().numpy()
     labels = data.labels[index]
     if cfg.task_generator == "random":

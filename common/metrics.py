@@ -67,7 +67,8 @@ def asynchronous_summary(acc: np.ndarray, finish: np.ndarray, evaluation_rounds:
 
     * AIA = mean over r in R of the mean accuracy of the tasks existing at r;
     * FM  = mean over r in R of the mean over tasks with an earlier evaluation of
-      (their highest accuracy before r) - (their accuracy at r);
+      (their highest accuracy in any round before r) - (their accuracy at r), over the r
+      at which some task has an earlier evaluation;
     * FT  = mean_g acc[g, finish_g] - single_g (knowledge transferred into g while it trained);
     * BT  = mean_g acc[g, last] - acc[g, finish_g] (what later tasks gave back to g);
     * CT  = mean_g acc[g, last] - single_g = FT + BT.

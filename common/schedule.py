@@ -278,8 +278,9 @@ class RandomTaskSchedule:
         return None
 
     def describe(self) -> str:
-        return (f"random tasks: {self.num_tasks} tasks over {self.num_clients} clients, every {self.every} rounds "
-                f"{self.movers} random clients switch to a new task ({self.num_rounds} rounds)")
+        switching = (f"every {self.every} rounds {self.movers} random clients switch to a new task"
+                     if self.every else "no switches")
+        return f"random tasks: {self.num_tasks} tasks over {self.num_clients} clients, {switching} ({self.num_rounds} rounds)"
 
 
 def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:

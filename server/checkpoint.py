@@ -83,7 +83,11 @@ def load(out_dir: str | Path) -> Checkpoint | None:
 
 def check_compatible(ckpt: Checkpoint, cfg: ExperimentConfig) -> None:
     """Refuse to resume under a configuration that would change the results."""
-    saved = {k: v for k, v in ckpt.config.items() if k not in RESULT_NEUTRAL_KEYS}
+    try:  # keys added since the checkpoint was written take their defaults, as then
+        filled = ExperimentConfig.from_dict(ckpt.config).to_dict()
+    except ConfigError:
+        filled = ckpt.config
+    saved = {k: v for k, v in filled.items() if k not in RESULT_NEUTRAL_KEYS}
     now = {k: v for k, v in cfg.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
     if saved != now:
         diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))

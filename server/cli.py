@@ -48,6 +48,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     cfg = ExperimentConfig.from_dict(raw)
     check_method(cfg.strategy)
     strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
+    strategy_class(cfg.strategy).check_schedule(cfg)
     check_source(cfg)
     return cfg
 
@@ -212,6 +213,12 @@ def _bench(args: argparse.Namespace) -> int:
             settings = [_parse_setting(s) for s in args.settings.split(",") if s]
             seeds = [int(v) for v in args.seeds.split(",")]
             upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
+            if base.get("task-generator") == "random":  # the partition plays no part; only some methods apply
+                if settings != [{}]:
+                    raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
+                for m in methods:
+                    name, options = bench.parse_method(m)
+                    strategy_class(name).check_schedule(ExperimentConfig.from_dict({**base, **options}))
             bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=upper_bound)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -33,6 +33,9 @@ from common.schedule import RandomTaskSchedule
 
 log = logging.getLogger("promptfcl")
 
+#: part of the reference cache's key: raise it when the reference's training or scoring changes
+REFERENCE_VERSION = 1
+
 
 def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) -> np.ndarray:
     """Accuracy (%) of every task trained alone for its duration in the run.
@@ -49,7 +52,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     rt = get_runtime(cfg, CodaPrompt)
     relevant = {k: v for k, v in cfg.to_dict().items()
                 if k not in RESULT_NEUTRAL_KEYS and k != "strategy" and "." not in k}
-    key = hashlib.sha1(json.dumps([relevant, rt.data.fingerprint, rt.weights_source], sort_keys=True)
+    key = hashlib.sha1(json.dumps([REFERENCE_VERSION, relevant, rt.data.fingerprint, rt.weights_source], sort_keys=True)
                        .encode()).hexdigest()[:16]
     path = cache_dir() / "single-task" / f"{key}.json"
     try:

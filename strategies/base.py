@@ -84,10 +84,19 @@ class PromptStrategy(FedAvg):
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
-        self.schedule = task_schedule(cfg)
-        if not self.schedule.synchronous and not self.asynchronous_tasks:
-            raise ConfigError(f"strategy {self.name!r} needs synchronous task arrival (switch-fraction = 1 and "
-                              f"switch-every = 0): {self.schedule.describe()}")
+        self.schedule = self.check_schedule(cfg)
+
+    @classmethod
+    def check_schedule(cls, cfg: ExperimentConfig) -> Any:
+        """The run's task schedule, if this method can follow it (else ConfigError, before any loading)."""
+        schedule = task_schedule(cfg)
+        if not schedule.synchronous and not cls.asynchronous_tasks:
+            if cfg.task_generator == "random":
+                raise ConfigError(f"strategy {cls.name!r} needs the shared task stream (task-generator = stream): "
+                                  "its task-end step assumes every client finished the task")
+            raise ConfigError(f"strategy {cls.name!r} needs synchronous task arrival (switch-fraction = 1 and "
+                              f"switch-every = 0): {schedule.describe()}")
+        return schedule
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",

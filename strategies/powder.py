@@ -35,12 +35,13 @@ payload), ``powder-measure`` (reply alphas this round), ``powder-previous`` (the
 client has just finished, also measured; -1: none), ``powder-class-corr`` (for each of
 the task's classes y, ``sum_i G_class[y, i]``: the dual distillation's per-sample weight).
 
-Platform simplifications (see README): tasks are the platform's global class-incremental
-tasks (every client walks the same stream, task t owns classes [t k, (t+1) k)), so G_task is
-over those tasks, not over per-client tasks of random classes; the alpha exchange of a
+Tasks are the paper's per-client tasks of random classes with ``task-generator = random``
+(section 5.1's benchmark, common/schedule.py RandomTaskSchedule), or the platform's shared
+class-incremental stream. Platform simplifications (see README): the alpha exchange of a
 measuring round happens in the same message as that round's training (the client measures
 before it trains, on the full pool it then trains with), not in a separate exchange; the
-server evaluates the raw global pool P_g with CODA-P (all slices up to the nominal task).
+server evaluates the raw global pool P_g with CODA-P (all slices started so far); the head
+has one row per class, shared by the tasks that hold the class.
 """
 
 from __future__ import annotations

@@ -144,10 +144,27 @@ def test_random_generator_needs_its_keys():
         random_config(classes_per_task=0)
     with pytest.raises(ConfigError, match="num-rounds applies"):
         tiny_config(num_rounds=4)
-    with pytest.raises(ConfigError, match="synchronous task arrival"):
-        from strategies import strategy_class
+    with pytest.raises(ConfigError, match="classes-per-task and min-overlap apply"):
+        tiny_config(min_overlap=0.5)
+    with pytest.raises(ConfigError, match="partition, dirichlet-beta and classes-per-client do not apply"):
+        random_config(partition="iid")
+    from strategies import strategy_class
 
-        strategy_class("hgp")(random_config(), 10)
+    with pytest.raises(ConfigError, match="needs the shared task stream"):
+        strategy_class("hgp").check_schedule(random_config(switch_every=0, num_tasks=3, pool_size=6))
+    with pytest.raises(ConfigError, match="raise task-data-fraction"):  # every class's share empty: at load time
+        load_dataset(random_config(task_data_fraction=0.001))
+
+
+def test_checkpoints_from_before_the_random_keys_still_resume():
+    from server import checkpoint
+    from tests.test_reliability import make_ckpt
+
+    ckpt = make_ckpt(1)
+    for key in ("task-generator", "num-rounds", "classes-per-task", "min-overlap", "task-data-fraction",
+                "task-data-sharing"):
+        ckpt.config.pop(key)
+    checkpoint.check_compatible(ckpt, tiny_config(resume=True))
 
 
 # ---------------------------------------------------------------------------- metrics
