@@ -38,18 +38,35 @@ class RunState:
 
 
 class CentralEvaluator:
-    """Evaluates global parameters on the server's test data (simulation's usual setting)."""
+    """Evaluates global parameters on the server's test data (simulation's usual setting).
+
+    A strategy may score each task with its own view of the model
+    (``PromptStrategy.evaluation_pools``: Powder's top-k local pools on random tasks).
+    """
 
     #: extra fields for the round's record (the federated evaluator fills them)
     last_record: dict[str, Any] = {}
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, strategy: PromptStrategy | None = None) -> None:
         self.rt = runtime
+        self.strategy = strategy
 
     def __call__(self, arrays: ArrayRecord, task: int) -> np.ndarray:
-        self.rt.model.load_trainable_state(to_torch(arrays))
-        correct, total = correct_counts(self.rt, task)
-        return accuracies(correct, total)
+        views = self.strategy.evaluation_pools(arrays, task) if self.strategy is not None else None
+        if views is None:
+            self.rt.model.load_trainable_state(to_torch(arrays))
+            return accuracies(*correct_counts(self.rt, task))
+        view_arrays, pools = views
+        self.rt.model.load_trainable_state(to_torch(view_arrays))
+        prompt = self.rt.model.prompt
+        out = np.full(task + 1, np.nan)
+        try:
+            for scored, pool in pools.items():
+                prompt.local_tasks = pool
+                out[scored] = accuracies(*correct_counts(self.rt, task))[scored]
+        finally:
+            prompt.local_tasks = None
+        return out
 
 
 class FederatedEvaluator:
@@ -176,7 +193,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         strategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
         if cfg.population == "virtual":  # nodes with their own data may hold more than the server's copy
             strategy.max_examples = len(data.train)
-        evaluate = CentralEvaluator(runtime)
+        evaluate = CentralEvaluator(runtime, strategy)
         arrays = to_array_record(runtime.model.trainable_state())
     strategy.summary()
     state = RunState(metrics.empty_matrix(cfg.num_tasks))

@@ -150,6 +150,13 @@ class PromptStrategy(FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
+        """How to score tasks 0..``upto``: None scores the global ``arrays`` once for all tasks;
+        else (arrays, {task: the prompt slices its prompt module uses}) scores each task with
+        its own slices (``local_tasks`` of the prompt module), as methods whose clients train
+        with per-task local pools are evaluated."""
+        return None
+
     # ------------------------------------------------------------------ Flower contract
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -99,6 +99,9 @@ class PowderOptions(MethodOptions):
     distillation: str = "dual"  # "classic": KD over all current-task classes, no beta
     temperature: float = 1.0  # softening of the distillation (authors' code: 3)
     row_top: int = 0  # > 0: keep that many top entries per G_task row, rows renormalised (authors' code)
+    # Random tasks: score each task with its local pool (the k selected slices of P_hat, as its
+    # client trains and the paper evaluates), or with the raw global pool P_g ("global").
+    evaluation: str = "local"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -113,6 +116,7 @@ class PowderOptions(MethodOptions):
              f"distillation must be one of {DISTILLATIONS}, got {self.distillation!r}")
         need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
+        need(self.evaluation in ("local", "global"), f"evaluation must be 'local' or 'global', got {self.evaluation!r}")
 
 
 # ---------------------------------------------------------------------------- prompting
@@ -346,6 +350,19 @@ class PowderStrategy(PromptStrategy):
             tasks = self.schedule.client_tasks(client_id, server_round - 1)
             return tasks[-2] if len(tasks) > 1 else -1
         return task - 1
+
+    def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
+        """Random tasks: every task scored with its local pool, the k slices of P_hat selected for it
+        (eq. 3-4 on this round's P_g and G_task), as the paper evaluates each client task."""
+        if self.cfg.task_generator != "random" or self.opts.evaluation != "local":
+            return None
+        known = upto + 1
+        mixed = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), known, self.cfg.pool_size,
+                                       self.cfg.num_tasks)
+        rng = np.random.default_rng([self.cfg.seed, known, 0xE7A1])  # the w/o SEL ablation's random pools
+        correlation = self.task_correlation()
+        pools = {g: select_tasks(correlation[g], g, known, self.opts.k, self.opts.selection, rng) for g in range(known)}
+        return to_array_record(mixed), pools
 
     def prepare_round(self, arrays: ArrayRecord) -> None:
         """P_g of this round and its first-step aggregation P_hat (eq. 3)."""

@@ -243,3 +243,26 @@ def test_end_to_end_on_random_tasks(tmp_path, strategy, monkeypatch):
     if strategy == "powder":  # S2C per client below the whole pool once nobody measures
         assert rounds[-1]["strategy_metrics"]["tasks-measured"] == 0
         assert rounds[-1]["bytes_s2c"] < rounds[2]["bytes_s2c"]
+
+
+def test_powder_scores_each_random_task_with_its_top_k_local_pool():
+    from common.records import from_array_record, to_array_record
+    from strategies.powder import PowderStrategy, first_step_aggregation
+
+    cfg = random_config(strategy="powder")
+    s = PowderStrategy(cfg, 10, {"k": 2})
+    rng = np.random.default_rng(0)
+    state = {"prompt.p0": rng.normal(size=(8, 4, 6)).astype(np.float32),
+             "prompt.k0": rng.normal(size=(8, 6)).astype(np.float32),
+             "head.weight": rng.normal(size=(10, 6)).astype(np.float32)}
+    s.known_tasks, s.width = 4, 4
+    s.task_alpha = np.array([[1, 0, 0, 0], [0.9, 0.1, 0, 0], [0, 0, 1, 0], [0, 0, 0.8, 0.2]], dtype=float)
+    s.task_measured = np.ones(4, bool)
+    arrays, pools = s.evaluation_pools(to_array_record(state), upto=3)
+    assert pools == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}  # itself and its most correlated task
+    expected = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)
+    for name, value in from_array_record(arrays).items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-6)
+    assert PowderStrategy(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
+    stream = PowderStrategy(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
+    assert stream.evaluation_pools(to_array_record(state), 3) is None
