@@ -31,6 +31,19 @@ import numpy as np
 from common.config import ConfigError, ExperimentConfig
 
 
+def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:
+    """The checks every schedule makes of ``switch-every`` (K) and ``switch-fraction`` (f)."""
+    if not 0.0 < switch_fraction <= 1.0:
+        raise ConfigError(f"switch-fraction must be in (0, 1], got {switch_fraction}")
+    if switch_every < 0:
+        raise ConfigError(f"switch-every must be >= 0 (0: {zero_means}), got {switch_every}")
+
+
+def movers_per_switch(switch_fraction: float, num_clients: int) -> int:
+    """Clients that move at each switch point: ceil(f C), at least one."""
+    return max(1, math.ceil(switch_fraction * num_clients - 1e-9))
+
+
 @dataclass(frozen=True)
 class TaskSchedule:
     """Per-client task positions over the run's rounds.
@@ -63,10 +76,7 @@ class TaskSchedule:
                    cfg.seed)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.switch_fraction <= 1.0:
-            raise ConfigError(f"switch-fraction must be in (0, 1], got {self.switch_fraction}")
-        if self.switch_every < 0:
-            raise ConfigError(f"switch-every must be >= 0 (0: rounds-per-task), got {self.switch_every}")
+        check_switching(self.switch_every, self.switch_fraction, "rounds-per-task")
         slowest = self.position(self.slowest_client, self.total_rounds - 1)
         if slowest < self.num_tasks - 1:
             raise ConfigError(
@@ -84,7 +94,7 @@ class TaskSchedule:
     @property
     def movers(self) -> int:
         """Clients that move at each switch point."""
-        return max(1, math.ceil(self.switch_fraction * self.num_clients - 1e-9))
+        return movers_per_switch(self.switch_fraction, self.num_clients)
 
     @property
     def total_rounds(self) -> int:
@@ -156,6 +166,10 @@ class TaskSchedule:
         """The tasks ``client`` has learnt or is learning in ``round_index``."""
         return list(range(self.position(client, round_index) + 1))
 
+    def previous_task(self, task: int) -> int:
+        """The task a client learnt before ``task`` (-1: none): every client walks the stream in order."""
+        return task - 1
+
     def describe(self) -> str:
         if self.synchronous:
             return f"synchronous: all clients move to the next task every {self.rounds_per_task} rounds"
@@ -196,10 +210,7 @@ class RandomTaskSchedule:
     synchronous = False
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.switch_fraction <= 1.0:
-            raise ConfigError(f"switch-fraction must be in (0, 1], got {self.switch_fraction}")
-        if self.switch_every < 0:
-            raise ConfigError(f"switch-every must be >= 0 (0: no switches), got {self.switch_every}")
+        check_switching(self.switch_every, self.switch_fraction, "no switches")
         needed = self.num_clients + len(self.switch_rounds) * self.movers
         if self.num_tasks != needed:
             raise ConfigError(
@@ -213,7 +224,7 @@ class RandomTaskSchedule:
 
     @property
     def movers(self) -> int:
-        return max(1, math.ceil(self.switch_fraction * self.num_clients - 1e-9))
+        return movers_per_switch(self.switch_fraction, self.num_clients)
 
     @property
     def total_rounds(self) -> int:
@@ -255,6 +266,11 @@ class RandomTaskSchedule:
         owner, start = self._starts
         return np.flatnonzero((owner == client) & (start <= round_index)).tolist()
 
+    def previous_task(self, task: int) -> int:
+        """The task ``task``'s client learnt before it (-1: none)."""
+        earlier = self.client_tasks(self.owner(task), self.start(task) - 1)
+        return earlier[-1] if earlier else -1
+
     def assignment(self, client: int, round_index: int) -> tuple[int, int]:
         """(task, rounds the client has already spent on it) for ``client`` in ``round_index``."""
         if not 0 <= client < self.num_clients:
@@ -291,4 +307,4 @@ def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:
     return TaskSchedule.from_config(cfg)
 
 
-__all__ = ["RandomTaskSchedule", "TaskSchedule", "task_schedule"]
+__all__ = ["RandomTaskSchedule", "TaskSchedule", "check_switching", "movers_per_switch", "task_schedule"]

@@ -311,7 +311,8 @@ class PowderStrategy(PromptStrategy):
                                f"(known tasks: {self.known_tasks}); call on_task_start first")
         if not self.aggregated:
             self.prepare_round(arrays)
-        previous = self.previous_task(client_id, task, round_, int(config.get("server-round", 1)))
+        # a client's first round on a task: it also measures the task it has just finished
+        previous = self.schedule.previous_task(task) if round_ == 0 else -1
         switched = previous >= 0
         measure = self.new_tasks_pending or not self.task_measured[task] or switched
         if measure:
@@ -340,16 +341,6 @@ class PowderStrategy(PromptStrategy):
         measured = (task, previous) if switched else (task,)
         self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else ()))
         return content
-
-    def previous_task(self, client_id: int, task: int, round_: int, server_round: int) -> int:
-        """The task the client has just finished (-1 unless this is its first round on ``task``):
-        on the stream task - 1, with random tasks its own previous task."""
-        if round_ != 0:
-            return -1
-        if self.cfg.task_generator == "random":
-            tasks = self.schedule.client_tasks(client_id, server_round - 1)
-            return tasks[-2] if len(tasks) > 1 else -1
-        return task - 1
 
     def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
         """Random tasks: every task scored with its local pool, the k slices of P_hat selected for it
