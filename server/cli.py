@@ -201,10 +201,13 @@ def _bench(args: argparse.Namespace) -> int:
         base = load_config(None, args.set, None, None).to_dict()
         _check_weights(ExperimentConfig.from_dict(base))
         methods = [m for m in args.methods.split(",") if m] or sorted(METHODS)
-        for m in methods:
+        for m in methods:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
             check_method(name)
-            strategy_class(name).check_options(ExperimentConfig.from_dict({**base, **options}).method_options(name))
+            method_cfg = ExperimentConfig.from_dict({**base, **options})
+            strategy_class(name).check_options(method_cfg.method_options(name))
+            if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
+                strategy_class(name).check_schedule(method_cfg)
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
         if args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
@@ -213,12 +216,8 @@ def _bench(args: argparse.Namespace) -> int:
             settings = [_parse_setting(s) for s in args.settings.split(",") if s]
             seeds = [int(v) for v in args.seeds.split(",")]
             upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
-            if base.get("task-generator") == "random":  # the partition plays no part; only some methods apply
-                if settings != [{}]:
-                    raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
-                for m in methods:
-                    name, options = bench.parse_method(m)
-                    strategy_class(name).check_schedule(ExperimentConfig.from_dict({**base, **options}))
+            if base.get("task-generator") == "random" and settings != [{}]:  # the partition plays no part
+                raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
             bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=upper_bound)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
