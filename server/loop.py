@@ -63,7 +63,7 @@ class CentralEvaluator:
         try:
             for scored, pool in pools.items():
                 prompt.local_tasks = pool
-                out[scored] = accuracies(*correct_counts(self.rt, task))[scored]
+                out[scored] = accuracies(*correct_counts(self.rt, task, only=scored))[scored]
         finally:
             prompt.local_tasks = None
         return out
@@ -259,12 +259,12 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
         state.rounds.append(record)
         on_tasks = sorted(set(record["client_tasks"]))
+        clients_on = f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
         log.info(
             "%s | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
-            f"round {server_round}/{len(steps)} (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
-            if cfg.task_generator == "random" else
+            f"round {server_round}/{len(steps)}{clients_on}" if cfg.task_generator == "random" else
             f"task {task + 1}/{cfg.num_tasks} round {round_ + 1}/{cfg.rounds_per_task}"
-            + ("" if on_tasks == [task] else f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"),
+            + ("" if on_tasks == [task] else clients_on),
             record["accuracy"],
             " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
             _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
