@@ -21,13 +21,17 @@ from common.runtime import Runtime
 
 
 @torch.no_grad()
-def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int = 256,
+                   only: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per task i <= ``task``: (correct, total) predictions, all seen classes competing
-    (random tasks: the task's own classes competing)."""
+    (random tasks: the task's own classes competing; ``only``: score that task alone, on
+    its classes' images only, the others' counts left 0)."""
     cfg, model = rt.cfg, rt.model
+    if only is not None and cfg.task_generator != "random":
+        raise ValueError("only = <task> scores one task among its own classes: random tasks only")
     data = getattr(rt.data, split)
     k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
-    seen = seen_classes(cfg, task, rt.data.num_classes)
+    seen = seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[seen] = True
     index = np.flatnonzero(np.isin(data.labels, seen))
@@ -48,7 +52,7 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     labels = data.labels[index]
     if cfg.task_generator == "random":
         correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
-        for i in range(task + 1):
+        for i in range(task + 1) if only is None else [only]:
             classes = torch.as_tensor(task_classes(cfg, i, rt.data.num_classes))
             rows = np.flatnonzero(np.isin(labels, classes.numpy()))
             pred = classes[all_logits[rows][:, classes].argmax(1)].numpy()
