@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ from client.learner import read_task_round
 from client.node_data import NodeDataError, check_classes, node_data, original_names
 from common.config import ExperimentConfig
 from common.evaluation import correct_counts
-from common.records import ARRAYS, CONFIG, METRICS, to_torch
+from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, to_torch
 from common.runtime import Runtime, get_runtime
 from strategies import learner_class, prompt_class
 
@@ -57,6 +58,7 @@ def train(msg: Message, context: Context) -> Message:
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
         reply[METRICS]["process-seconds"] = process_age()
+    reply[PLACEMENT] = placement(runtime, context)
     reply = faults.corrupt_reply(cfg, reply, client_id, task, round_)
     return Message(content=reply, reply_to=msg)
 
@@ -101,6 +103,23 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
                       f"this node's data ({node.data.name})", run_num_classes=int(sent))
     return get_runtime(node.cfg, method_prompt, data=node.data), node.client_id
+
+
+def placement(runtime: Runtime, context: Context) -> ConfigRecord:
+    """Where this message was trained: the Ray node (simulation) or Flower node (deployment),
+    the torch device and the CUDA_VISIBLE_DEVICES this process saw (Ray sets it per actor)."""
+    ray = sys.modules.get("ray")  # never imported here for this: deployed clients do not load Ray
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    device = runtime.device
+    if device.type == "cuda" and device.index is None:
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device())
+    fields = {"node": str(node or context.node_id), "device": str(device)}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        fields["cuda-visible-devices"] = visible
+    return ConfigRecord(fields)
 
 
 def process_age() -> float:

@@ -130,6 +130,8 @@ class LocalLearner:
             "train-loss": float(np.mean(losses)) if losses else 0.0,
             "train-seconds": time.perf_counter() - started,
         })
+        if self.rt.device.type == "cuda":  # what the round needed on the GPU (benchmarks, sizing actors per GPU)
+            metrics["device-peak-mb"] = torch.cuda.max_memory_allocated(self.rt.device) / 1e6
         reply = RecordDict({ARRAYS: to_array_record(self.rt.model.trainable_state()), METRICS: metrics})
         for name, record in extras.items():
             reply[name] = record

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count")
 # Keys that do not change what a run computes (excluded from the digest clients check).
-RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk"})
+RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
+                                 "ray-address", "client-cpus", "client-gpus", "max-rounds"})
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -91,10 +93,27 @@ class ExperimentConfig:
     round_retries: int = 2  # retries (with freshly sampled clients) before the run stops with an error
     max_reply_bytes: int = 256_000_000  # replies above this size are rejected
     resume: bool = False  # continue the run checkpointed in out-dir
+    # Stop after this many server rounds (0: run to the end), keeping the checkpoint so that
+    # `promptfcl resume DIR --set max-rounds=0` continues: smoke tests of paper-scale
+    # configurations and benchmarks of one round.
+    max_rounds: int = 0
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
     fault: str = ""  # "", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count"
     fault_rate: float = 0.0
     fault_hang_seconds: float = 30.0
+
+    # --- simulation resources (server/simulation.py; they do not change what a run computes) ---
+    # Ray to run the client actors on: "" starts a local Ray for this run only; "auto" or
+    # "host:port" joins a running cluster (`ray start --head`, then `ray start --address` on
+    # the other machines), whose scheduler spreads the actors over its nodes.
+    ray_address: str = ""
+    # CPUs per client actor: a number, or "auto" (the cores divided among the clients that
+    # train at once).
+    client_cpus: str = "auto"
+    # Share of one GPU per client actor (Ray's num_gpus): a number such as 0.25, or "auto" (the
+    # GPUs Ray sees divided among the clients that train at once, at most 1 each; 0 without
+    # GPUs). An actor given no GPU sees CUDA_VISIBLE_DEVICES="" and trains on the CPU.
+    client_gpus: str = "auto"
 
     # --- deployment (deploy/README.md) ---
     # "virtual": the server samples client ids and any node plays any client (simulation).
@@ -151,6 +170,16 @@ class ExperimentConfig:
     def class_name_list(self) -> list[str]:
         """``class-names`` split at commas (empty list when unset)."""
         return [v.strip() for v in self.class_names.split(",") if v.strip()]
+
+    @property
+    def client_cpus_value(self) -> float | None:
+        """``client-cpus`` as a number (None: auto)."""
+        return None if self.client_cpus == "auto" else float(self.client_cpus)
+
+    @property
+    def client_gpus_value(self) -> float | None:
+        """``client-gpus`` as a number (None: auto)."""
+        return None if self.client_gpus == "auto" else float(self.client_gpus)
 
     def method_options(self, name: str) -> dict[str, Any]:
         """Options namespaced ``name.*`` with the prefix removed (keys kebab-case)."""
@@ -288,12 +317,27 @@ class ExperimentConfig:
         need(self.min_replies <= max(1, self.clients_per_round or self.num_clients),
              f"min-replies ({self.min_replies}) exceeds the clients sampled per round")
         need(self.round_retries >= 0, "round-retries must be >= 0")
+        need(self.max_rounds >= 0, f"max-rounds must be >= 0 (0: run to the end), got {self.max_rounds}")
         need(self.max_reply_bytes > 0, "max-reply-bytes must be > 0")
         need(self.fault in FAULTS, f"fault must be one of {FAULTS}, got {self.fault!r}")
         need(0.0 <= self.fault_rate <= 1.0, f"fault-rate must be in [0, 1], got {self.fault_rate}")
         need(self.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
         need(self.query_cache_disk in ("auto", "on", "off"),
              f"query-cache-disk must be 'auto', 'on' or 'off', got {self.query_cache_disk!r}")
+        for key, least in (("client-cpus", 0.0), ("client-gpus", 0.0)):
+            raw = getattr(self, key.replace("-", "_"))
+            try:
+                amount = None if raw == "auto" else float(raw)
+            except ValueError:
+                amount = float("nan")
+            need(amount is None or (math.isfinite(amount) and amount > least if key == "client-cpus"
+                                    else math.isfinite(amount) and amount >= least),
+                 f"{key} must be 'auto' or a number {'> 0' if key == 'client-cpus' else '>= 0'}, got {raw!r}")
+        need(self.client_gpus_value is None or self.client_gpus_value <= 1 or self.client_gpus_value.is_integer(),
+             f"client-gpus above 1 must be a whole number of GPUs, got {self.client_gpus!r}")
+        need(valid_ray_address(self.ray_address),
+             f"ray-address must be '' (a local Ray for this run), 'auto' or HOST:PORT (or ray://HOST:PORT), "
+             f"got {self.ray_address!r}")
         need(self.population in POPULATIONS, f"population must be one of {POPULATIONS}, got {self.population!r}")
         need(self.evaluation in EVALUATIONS, f"evaluation must be one of {EVALUATIONS}, got {self.evaluation!r}")
         need(self.num_classes >= 0, f"num-classes must be >= 0, got {self.num_classes}")
@@ -308,6 +352,14 @@ class ExperimentConfig:
              "evaluate centrally)")
         need(self.evaluation == "central" or self.num_classes > 0,
              "evaluation=federated: the server holds no data, so set num-classes (and optionally class-names)")
+
+
+def valid_ray_address(address: str) -> bool:
+    """'' , 'auto', 'HOST:PORT' or 'ray://HOST:PORT' (Ray client)."""
+    if address in ("", "auto"):
+        return True
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host)
 
 
 def coerce_value(key: str, value: Any, type_name: Any) -> Any:

@@ -5,6 +5,9 @@ Record names used in every message (methods may add their own):
 * ``arrays``  (ArrayRecord)  trainable parameters: prompt components, keys, attention, head
 * ``config``  (ConfigRecord) task, round and client assignment for this message
 * ``metrics`` (MetricRecord) client replies: ``num-examples``, ``train-loss``, ``train-seconds``
+* ``placement`` (ConfigRecord) client replies, optional: where the client trained (``node``: the
+  Ray node id in simulation, the Flower node id in deployment; ``device``: the torch device;
+  ``cuda-visible-devices``: the environment value the client saw, absent if unset)
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+ARRAYS, CONFIG, METRICS, PLACEMENT = "arrays", "config", "metrics", "placement"
+PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices")
 
 
 def to_array_record(state: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:

@@ -27,7 +27,7 @@ def main(grid: Grid, context: Context) -> None:
     check_source(cfg)
     results = run_experiment(grid, cfg)
     path = write_outputs(results, cfg.out_dir)
-    finish(cfg)
+    finish(cfg, results)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 

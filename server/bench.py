@@ -9,7 +9,10 @@ These print figures; they are not tests. ``perf`` measures
 * bytes per round per method against the size of a full ViT-B/16.
 ``compare`` runs every method plus FedAvg-Prompt and the centralised upper bound on
 identical task orders and client splits, for several seeds and heterogeneity levels,
-and writes a Markdown and CSV table with plots.
+and writes a Markdown and CSV table with plots. ``paper-dims`` runs one round of every
+paper configuration at the papers' model dimensions (ViT-B/16 with random weights) on a
+stand-in dataset with the paper's class count, and reports bytes, memory and time per
+method next to the papers' figures.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +38,25 @@ from common.config import ExperimentConfig
 log = logging.getLogger("promptfcl")
 
 VIT_B16_PARAMETERS = 85_798_656  # timm vit_base_patch16_224 without its ImageNet head (num_classes=0)
+
+# The papers' datasets: classes, and approximate training / test images per class (for the
+# stand-ins of ``paper-dims`` and its extrapolation to a full-size round).
+PAPER_DATASETS: dict[str, tuple[int, int, int]] = {
+    "hf:cifar100": (100, 500, 100),
+    "hf:imagenet-r": (200, 120, 30),  # 30,000 images, 80/20 split as in CODA-P
+    "hf:tiny-imagenet": (200, 500, 50),
+    "hf:domainnet": (345, 1200, 300),
+    "hf:cub200": (200, 30, 29),
+}
+
+# What each paper reports about its communication (bytes of one method, or its parameters).
+PAPER_COMMUNICATION: dict[str, str] = {
+    "hepco": "31.37 MB per exchange, 9.5% of ViT-B/16 (HePCo, Table 1)",
+    "fppl": "0.25M parameters per round (FPPL, Table II COMM)",
+    "powder": "493.08 MB over the whole run; Fed-CODAP 815.63 MB (Powder, Table 2)",
+    "fedcprompt": "not reported",
+    "hgp": "not reported",
+}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -160,11 +184,18 @@ def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
     from strategies import METHODS
 
+    import torch
+
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig.from_dict({**base, "centralised": True})  # one client holding a whole task
-    report: dict[str, Any] = {"config": cfg.to_dict(), "machine": {"cpus": os.cpu_count()}}
+    report: dict[str, Any] = {"config": cfg.to_dict(), "machine": _machine()}
     log.info("local training speed ...")
     report["local_training"] = local_training_speed(cfg)
+    if torch.cuda.is_available():  # what the GPU gains: bfloat16 autocast, and several actors sharing it
+        log.info("local training speed with and without bfloat16 autocast ...")
+        report["precision"] = {p: local_training_speed(cfg.replace(precision=p)) for p in ("fp32", "bf16")}
+        log.info("client actors sharing one GPU ...")
+        report["actors_per_gpu"] = actors_per_gpu(out_dir, base)
 
     log.info("simulation cost per round vs population ...")
     scale = {}
@@ -198,12 +229,32 @@ def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10
     return report
 
 
+def actors_per_gpu(out_dir: Path, base: dict[str, Any], counts: Sequence[int] = (1, 2, 4)) -> dict[str, Any]:
+    """Training throughput of the simulation with 1, 2 and 4 client actors sharing one GPU.
+
+    Each setting runs 4 clients per round with ``client-gpus = 1/n``; throughput is the
+    round's training images (samples x local epochs) over its wall time, first round left out.
+    """
+    out: dict[str, Any] = {}
+    for n in counts:
+        settings = {**base, "client-gpus": 1.0 / n, "num-clients": 8, "clients-per-round": 4, "num-tasks": 2,
+                    "rounds-per-task": 3, "partition": "iid", "device": "cuda"}
+        results = run_simulation_subprocess(settings, out_dir / f"gpu-actors-{n}", watch_memory=True)
+        rounds = results["rounds"][1:] or results["rounds"]
+        images = sum(r["examples"] for r in rounds) * int(settings.get("local-epochs", 5))
+        out[str(n)] = {"images_per_second": images / max(sum(r["round_seconds"] for r in rounds), 1e-9),
+                       "round_seconds_median": statistics.median(r["round_seconds"] for r in rounds),
+                       "client_device_peak_mb": max(r.get("client_device_peak_mb", 0.0) for r in rounds)}
+    return out
+
+
 def format_perf(report: dict[str, Any]) -> str:
     lt = report["local_training"]
+    gpus = ", ".join(report["machine"].get("gpus", [])) or "no GPU"
     lines = [
         "## promptfcl bench perf",
         "",
-        f"machine: {report['machine']['cpus']} CPUs; backbone {report['config']['backbone']} "
+        f"machine: {report['machine']['cpus']} CPUs, {gpus}; backbone {report['config']['backbone']} "
         f"(embed {report['config']['embed-dim']}, depth {report['config']['depth']}, {report['config']['image-size']} px); "
         f"one client with {int(lt['client_samples'])} samples, batch {report['config']['batch-size']}",
         "",
@@ -226,11 +277,180 @@ def format_perf(report: dict[str, Any]) -> str:
     if "peak_memory_mb" in report:
         m = report["peak_memory_mb"]
         lines += ["", f"peak resident memory: server process {m['server']:.0f} MB, one client actor {m['client_actor']:.0f} MB"]
+    if "precision" in report:
+        lines += ["", "| client loop on the GPU | fp32 images/s | bf16 autocast images/s | gain |", "|---|---|---|---|"]
+        fp32, bf16 = report["precision"]["fp32"], report["precision"]["bf16"]
+        for key, label in (("compute_bound_images_per_s", "compute bound"),
+                           ("framework_cached_images_per_s", "client loop, query cache warm"),
+                           ("framework_uncached_images_per_s", "client loop, no query cache")):
+            lines.append(f"| {label} | {fp32[key]:.0f} | {bf16[key]:.0f} | x{bf16[key] / fp32[key]:.2f} |")
+    if "actors_per_gpu" in report:
+        lines += ["", "| client actors per GPU | training images/s | seconds per round | peak GPU MB per client |",
+                  "|---|---|---|---|"]
+        for n, v in report["actors_per_gpu"].items():
+            lines.append(f"| {n} | {v['images_per_second']:.0f} | {v['round_seconds_median']:.2f} | "
+                         f"{v['client_device_peak_mb']:.0f} |")
+    else:
+        lines += ["", "(no CUDA device: mixed precision and actors per GPU not measured)"]
     lines += ["", "| method | bytes S2C / round | bytes C2S / round | per client exchange | share of ViT-B/16 (343 MB) |",
               "|---|---|---|---|---|"]
     for name, b in report["bytes"].items():
         lines.append(f"| {name} | {b['s2c_per_round']:,.0f} | {b['c2s_per_round']:,.0f} | "
                      f"{b['per_client_exchange']:,.0f} | {b['share_of_vit_b16_percent']:.3f}% |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- paper dimensions
+def write_stand_in(root: Path, num_classes: int, per_class: int, size: int = 32, seed: int = 0) -> Path:
+    """A folder dataset (``root/<class>/<i>.png``) of random images: the papers' class count
+    without their data (built once; reused when it already holds what is asked)."""
+    from PIL import Image
+
+    marker = root / ".stand-in.json"
+    wanted = {"classes": num_classes, "per_class": per_class, "size": size, "seed": seed}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    rng = np.random.default_rng(seed)
+    for c in range(num_classes):
+        folder = root / f"c{c:03d}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    marker.write_text(json.dumps(wanted))
+    return root
+
+
+def paper_dims_settings(config: dict[str, Any], stand_in: Path, train_per_class: int = 2) -> dict[str, Any]:
+    """A paper configuration for one round at the paper's dimensions on ``stand_in``: random
+    ViT weights (no download), 2 clients with a handful of images each, one local epoch.
+
+    Everything that sets a dimension (backbone, image size, prompt pool, length, layers,
+    tasks, classes) and the method's options (server epochs, sample counts) is kept.
+    """
+    settings = {k: v for k, v in config.items() if k not in ("out-dir", "strategy")}
+    settings.update({"dataset": f"folder:{stand_in}", "weights": "random", "data-dir": "",
+                     "test-fraction": 1 / 6, "max-test-per-class": 1, "local-epochs": 1, "max-rounds": 1,
+                     "clients-per-round": 2, "min-replies": 1})
+    if config.get("task-generator") == "random":
+        # the schedule needs the paper's clients (each owns its tasks); a task holds
+        # task-data-fraction of each class's images, so every image of the stand-in is kept
+        return settings
+    settings.update({"num-clients": 2, "partition": "iid", "max-train-per-class": train_per_class})
+    return settings
+
+
+def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) -> dict[str, Any]:
+    """One round of every configuration in ``configs`` at paper dimensions; writes ``paper_dims.json``.
+
+    Per method: bytes server-to-client and client-to-server per client, trainable parameters,
+    peak resident memory of the server process and of one client actor (and, on CUDA, the
+    client's peak device memory), client seconds per training image, server seconds (the
+    round's configure + aggregate + consolidation), and an extrapolation of one full-size
+    round on this hardware.
+    """
+    from server.cli import load_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cpus = cpus or os.cpu_count() or 1
+    report: dict[str, Any] = {"machine": _machine(), "methods": {}}
+    for path in configs:
+        cfg = load_config(str(path), [], None, None)
+        if cfg.dataset not in PAPER_DATASETS:
+            raise ValueError(f"{path.name}: no stand-in known for dataset {cfg.dataset!r}")
+        classes, train_per_class, test_per_class = PAPER_DATASETS[cfg.dataset]
+        stand_in = write_stand_in(out_dir / "stand-in" / f"classes-{classes}", classes, per_class=6)
+        run_dir = out_dir / "runs" / path.stem
+        if run_dir.exists():  # a stopped run keeps its checkpoint; start afresh
+            shutil.rmtree(run_dir)
+        log.info("paper dimensions: %s (%s, %d classes) ...", path.name, cfg.strategy, classes)
+        settings = paper_dims_settings(cfg.to_dict(), stand_in)
+        results = run_simulation_subprocess(settings, run_dir, strategy=cfg.strategy, watch_memory=True)
+        r = results["rounds"][0]
+        replies = max(r["clients_aggregated"], 1)
+        s2c, c2s = r["bytes_s2c"] / max(r["clients_sampled"], 1), r["bytes_c2s"] / replies
+        per_image = r["client_seconds"] * replies / max(r["examples"], 1)  # one local epoch per image
+        # one full-size round on this hardware: each client's share of a task, local-epochs passes,
+        # clients in waves of the parallel actors, plus this round's server time
+        if cfg.task_generator == "random":
+            images = cfg.classes_per_task * train_per_class * cfg.task_data_fraction
+        else:
+            images = classes / cfg.num_tasks * train_per_class / cfg.num_clients
+        sampled = cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients))
+        waves = math.ceil(sampled / max(1, min(cpus, sampled)))
+        round_seconds = waves * images * cfg.local_epochs * per_image + r["server_seconds"]
+        report["methods"][cfg.strategy] = {
+            "config": path.name,
+            "dataset": cfg.dataset,
+            "classes": classes,
+            "trainable_parameters": results["communication"]["trainable_parameters"],
+            "bytes_s2c_per_client": s2c,
+            "bytes_c2s_per_client": c2s,
+            "share_of_vit_b16_percent": 100.0 * (s2c + c2s) / 2 / (4 * VIT_B16_PARAMETERS),
+            "client_peak_memory_mb": results["peak_memory_mb"]["client_actor"],
+            "client_peak_device_memory_mb": r.get("client_device_peak_mb", 0.0),
+            "server_peak_memory_mb": results["peak_memory_mb"]["server"],
+            "client_seconds_per_image": per_image,
+            "server_seconds": r["server_seconds"],
+            "eval_seconds": r["eval_seconds"],
+            "paper_communication": PAPER_COMMUNICATION.get(cfg.strategy, ""),
+            "extrapolated_round_seconds": round_seconds,
+            "extrapolated_images_per_client": images,
+            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * _paper_rounds(cfg),
+            "device": r["placement"][0]["device"] if r.get("placement") else None,
+        }
+        (out_dir / "paper_dims.json").write_text(json.dumps(report, indent=2))
+    print(format_paper_dims(report))
+    return report
+
+
+def _paper_rounds(cfg: ExperimentConfig) -> int:
+    return cfg.num_rounds if cfg.task_generator == "random" else cfg.num_tasks * cfg.rounds_per_task
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                            "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def format_paper_dims(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    where = ", ".join(m.get("gpus", [])) or f"{m['cpus']} CPUs, no GPU"
+    lines = [
+        "## promptfcl bench paper-dims",
+        "",
+        f"One round of each paper configuration at its model dimensions (timm vit_base_patch16_224 with random "
+        f"weights, 224 px, the paper's prompt pool, length, layers, tasks and class count) on a stand-in dataset; "
+        f"2 clients with a handful of images each; {where}.",
+        "",
+        "| method (config) | trainable params | MB S2C / client | MB C2S / client | share of ViT-B/16 | paper reports "
+        "| client peak MB | server peak MB | client s / image | server s | full round s (extrapolated) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, v in report["methods"].items():
+        paper = v["paper_communication"]
+        if name == "powder":
+            paper += f"; ours over the paper's run ≈ {v['run_bytes_total_extrapolated'] / 1e6:,.0f} MB (extrapolated)"
+        peak = f"{v['client_peak_memory_mb']:,.0f}"
+        if v.get("client_peak_device_memory_mb"):
+            peak += f" (+{v['client_peak_device_memory_mb']:,.0f} on GPU)"
+        lines.append(
+            f"| {name} ({v['config']}) | {v['trainable_parameters'] / 1e6:.2f}M | {v['bytes_s2c_per_client'] / 1e6:.2f} | "
+            f"{v['bytes_c2s_per_client'] / 1e6:.2f} | {v['share_of_vit_b16_percent']:.1f}% | {paper} | {peak} | "
+            f"{v['server_peak_memory_mb']:,.0f} | {v['client_seconds_per_image']:.2f} | {v['server_seconds']:.1f} | "
+            f"{v['extrapolated_round_seconds']:,.0f} |")
+    lines += ["", "Full round (extrapolated): each sampled client's share of one task of the real dataset "
+              "x local epochs x the measured seconds per image, clients in waves of the cores, plus the "
+              "measured server time; evaluation not included. ViT-B/16 holds "
+              f"{VIT_B16_PARAMETERS / 1e6:.1f}M parameters ({4 * VIT_B16_PARAMETERS / 1e6:.0f} MB)."]
     return "\n".join(lines)
 
 

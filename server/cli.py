@@ -6,6 +6,7 @@
     promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
     promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
     promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
+    promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
     promptfcl show DIR                     print the result table of a finished run
     promptfcl strategies                   list the available methods
 """
@@ -73,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     sim.add_argument("--out", help="output directory (default: out-dir of the config)")
     sim.add_argument("--supernodes", type=int, help="Flower nodes to start (default: clients per round)")
-    sim.add_argument("--cpus-per-client", type=int, help="CPUs per client actor (default: machine cores / parallel clients)")
     sim.add_argument("--verbose", action="store_true", help="Flower's debug logging")
     pre = sub.add_parser("pretrain", help="pretrain the configured small ViT offline and cache it")
     pre.add_argument("--source", default="fashion-mnist", help="labelled dataset to pretrain on")
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     res = sub.add_parser("resume", help="continue a stopped run from the checkpoint in its output directory")
     res.add_argument("dir")
     res.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="only keys that do not change results (round-timeout, threads, device)")
+                     help="only keys that do not change results (round-timeout, threads, device, "
+                          "ray-address, client-cpus, client-gpus)")
     res.add_argument("--supernodes", type=int)
-    res.add_argument("--cpus-per-client", type=int)
     res.add_argument("--verbose", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks (they print figures)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     perf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     perf.add_argument("--populations", default="10,100,1000")
     perf.add_argument("--methods", default="", help="comma-separated (default: all)")
+    dims = bench_sub.add_parser("paper-dims", help="one round of each paper configuration at the papers' model "
+                                                   "dimensions (random ViT-B/16 weights, stand-in data)")
+    dims.add_argument("--out", default="runs/bench-paper-dims")
+    dims.add_argument("--configs", default="configs/*.toml", help="glob of paper configurations")
     cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -145,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
-        run_simulation(cfg, supernodes=args.supernodes, cpus_per_client=args.cpus_per_client, verbose=args.verbose)
+        run_simulation(cfg, supernodes=args.supernodes, verbose=args.verbose)
+    except ConfigError as exc:  # the cluster cannot host the clients as configured
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # the ServerApp's own error is the useful part
         cause = exc.__cause__ or exc
         print(f"error: simulation failed: {type(cause).__name__}: {cause}", file=sys.stderr)
@@ -198,6 +205,16 @@ def _bench(args: argparse.Namespace) -> int:
     from server import bench
 
     try:
+        if args.bench == "paper-dims":
+            import glob
+
+            configs = sorted(Path(p) for p in glob.glob(args.configs))
+            if not configs:
+                raise ConfigError(f"no configuration matches {args.configs!r}")
+            for path in configs:  # every file must load before the first (long) run starts
+                load_config(str(path), [], None, None)
+            bench.paper_dims(Path(args.out), configs)
+            return 0
         base = load_config(None, args.set, None, None).to_dict()
         _check_weights(ExperimentConfig.from_dict(base))
         methods = [m for m in args.methods.split(",") if m] or sorted(METHODS)

@@ -247,11 +247,14 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
 
     if pending_task_end is not None:
         end_task(pending_task_end)
+    placement_logged = False
     # Rounds follow the schedule's steps: on the stream, task j ends after round (j+1)R, where
     # the accuracy matrix takes column j; with asynchronous arrival each client gets its own
     # task, and a task's slice is initialised in the round its first client reaches it. With
     # random tasks the nominal task is the newest one started, and no task ends for everyone.
-    for index in range(server_round, len(steps)):
+    # max-rounds: a smoke test or benchmark stops early, keeping its checkpoint to resume from
+    last = min(len(steps), cfg.max_rounds) if cfg.max_rounds else len(steps)
+    for index in range(server_round, last):
         task, round_ = steps[index]
         server_round = index + 1
         for new_task in schedule.tasks_starting(index):
@@ -270,12 +273,24 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
             f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
         )
+        if not placement_logged:  # once per process: where the clients actually trained
+            log_placement(record["placement"])
+            placement_logged = True
         ending = schedule.task_ending(index)
         save(task, round_, finished=False)
         if ending is not None:
             end_task(ending)
 
     results = build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
+    if last < len(steps):
+        log.info("max-rounds = %d: stopped after round %d of %d; the checkpoint stays (continue with "
+                 "`promptfcl resume %s --set max-rounds=0`)", cfg.max_rounds, last, len(steps), cfg.out_dir)
+        results["stopped_after_round"] = last
+        if cfg.task_generator == "random":  # section 5.1's metrics need the whole run
+            results.update({"accuracy_matrix": None, "average_accuracy_per_task": None,
+                            "final_average_accuracy": None, "average_incremental_accuracy": None,
+                            "average_forgetting": None})
+        return results
     if not schedule.synchronous:
         from server.transfer import client_accuracy_by_round
 
@@ -292,8 +307,10 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     return results
 
 
-def finish(cfg: ExperimentConfig) -> None:
-    """After results are written: the checkpoint has served its purpose."""
+def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
+    """After results are written: the checkpoint has served its purpose (unless the run stopped early)."""
+    if results.get("stopped_after_round") is not None:
+        return
     path = Path(cfg.out_dir) / checkpoint.FILENAME
     if path.exists():
         path.unlink()
@@ -308,8 +325,10 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
     server_seconds = round_seconds = 0.0
     client_secs: list[float] = []
     process_secs: list[float] = []
+    device_peaks: list[float] = []  # clients on CUDA: peak memory allocated on the device, MB
     rejected: list[dict[str, Any]] = []
     client_tasks: list[int] = []
+    placement: list[dict[str, Any]] = []
     for attempt in range(cfg.round_retries + 1):
         t0 = time.perf_counter()
         config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
@@ -324,12 +343,15 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         bytes_c2s += _bytes(ok)
         sampled += len(messages)
         client_tasks = [int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records]
+        placement = [strategy.placement_of(m) for m in messages]  # the (last) attempt's clients
         server_seconds += (t1 - t0) + (t3 - t2)
         round_seconds += t3 - t0
         client_secs += [float(m.content[METRICS].get("train-seconds", 0.0))
                         for m in ok if METRICS in m.content.metric_records]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         process_secs += [float(m.content[METRICS].get("process-seconds", 0.0))
+                         for m in ok if METRICS in m.content.metric_records]
+        device_peaks += [float(m.content[METRICS].get("device-peak-mb", 0.0))
                          for m in ok if METRICS in m.content.metric_records]
         missing = len(messages) - len(replies)
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
@@ -358,13 +380,16 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
         "client_seconds_max": float(np.max(client_secs)) if client_secs else 0.0,
         "client_process_seconds_max": float(np.max(process_secs)) if process_secs else 0.0,
+        "client_device_peak_mb": float(np.max(device_peaks)) if device_peaks else 0.0,
         "server_seconds": server_seconds,
         "round_seconds": round_seconds,
         "eval_seconds": time.perf_counter() - t4,
         "attempts": attempt + 1,
         "clients_sampled": sampled,
         "client_tasks": client_tasks,  # the task each client of the (last) attempt trained
+        "placement": placement,  # where each client of the (last) attempt trained
         "clients_aggregated": int(agg["clients"]),
+        "examples": int(agg["num-examples"]),  # training samples behind the aggregate
         "rejected": rejected,
         "train_loss": float(agg["train-loss"]),
         # anything else the strategy reports (consolidation time, loss terms, ...)
@@ -410,8 +435,9 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunStat
         "backbone": backbone,
         "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],
-        **(metrics.summary(acc) if not random_tasks else {}),
-        "average_accuracy_per_task": None if random_tasks else [float(v) for v in metrics.average_accuracies(acc)],
+        **(summary_so_far(acc) if not random_tasks else {}),
+        "average_accuracy_per_task": None if random_tasks or np.isnan(acc[0, 0]) else
+        [float(v) for v in metrics.average_accuracies(acc, finished_tasks(acc) - 1)],
         "rounds": rounds,
         "communication": {
             "trainable_parameters": n_params,
@@ -428,6 +454,31 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunStat
             "round_seconds_mean": float(np.mean([r["round_seconds"] for r in rounds])),
         },
     }
+
+
+def log_placement(placement: list[dict[str, Any]]) -> None:
+    """One line: on which devices and nodes this round's clients trained."""
+    from collections import Counter
+
+    devices = Counter(str(p["device"]) for p in placement if p["device"] is not None)
+    nodes = {p["node"] for p in placement if p["node"] is not None}
+    visible = Counter(repr(p["cuda_visible_devices"]) for p in placement if p["device"] is not None)
+    log.info("clients trained on %s, on %d node(s); CUDA_VISIBLE_DEVICES %s",
+             ", ".join(f"{d} x{n}" for d, n in devices.items()) or "unknown devices", len(nodes),
+             ", ".join(f"{v} x{n}" for v, n in visible.items()) or "unknown")
+
+
+def finished_tasks(acc: np.ndarray) -> int:
+    """How many tasks have their accuracy-matrix column (all of them unless the run stopped early)."""
+    return int(sum(not np.isnan(acc[t, t]) for t in range(acc.shape[0])))
+
+
+def summary_so_far(acc: np.ndarray) -> dict[str, float | None]:
+    """A_N, AIA and forgetting over the finished tasks (None before the first task ends)."""
+    done = finished_tasks(acc)
+    if done == 0:
+        return {"final_average_accuracy": None, "average_incremental_accuracy": None, "average_forgetting": None}
+    return metrics.summary(acc, upto=done - 1)
 
 
 def _human(n: float) -> str:

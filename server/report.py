@@ -27,6 +27,8 @@ def table(results: dict[str, Any]) -> str:
     """Markdown table: the accuracy matrix (random tasks: each task's timeline), then the summary metrics."""
     if results.get("asynchronous"):
         return asynchronous_table(results)
+    if results.get("accuracy_matrix") is None:  # random tasks stopped early (max-rounds): rounds only
+        return rounds_table(results)
     acc = results["accuracy_matrix"]
     n = len(acc)
     head = "| task \\ after | " + " | ".join(f"T{t + 1}" for t in range(n)) + " |"
@@ -35,7 +37,7 @@ def table(results: dict[str, Any]) -> str:
     for i, row in enumerate(acc):
         cells = ["" if v is None else f"{v:.1f}" for v in row]
         rows.append(f"| T{i + 1} | " + " | ".join(cells) + " |")
-    rows.append(f"| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"]) + " |")
+    rows.append(f"| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"] or []) + " |")
     comm, timing = results["communication"], results["timing"]
     cfg = results["config"]
     rows += [
@@ -46,15 +48,33 @@ def table(results: dict[str, Any]) -> str:
         (f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
          if cfg.get("population", "virtual") != "nodes" else  # deployment: each node brings its data
          f"| dataset | each node's own ({n} tasks, {cfg['num-clients']} nodes, {cfg.get('evaluation')} evaluation) |"),
-        f"| final average accuracy A_N | {results['final_average_accuracy']:.2f} |",
-        f"| average incremental accuracy | {results['average_incremental_accuracy']:.2f} |",
-        f"| average forgetting | {results['average_forgetting']:.2f} |",
+        f"| final average accuracy A_N | {_number(results['final_average_accuracy'])} |",
+        f"| average incremental accuracy | {_number(results['average_incremental_accuracy'])} |",
+        f"| average forgetting | {_number(results['average_forgetting'])} |",
         f"| bytes S2C / C2S per round | {comm['bytes_s2c_per_round']:,.0f} / {comm['bytes_c2s_per_round']:,.0f} |",
         f"| trainable parameters | {comm['trainable_parameters']:,} |",
         f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / {timing['server_seconds_per_round']:.3f} |",
         f"| total run time | {timing['total_seconds']:.1f} s |",
     ]
+    if results.get("stopped_after_round") is not None:
+        rows.append(f"| stopped early (max-rounds) | after round {results['stopped_after_round']}; "
+                    "metrics cover the finished tasks |")
     return "\n".join(rows)
+
+
+def rounds_table(results: dict[str, Any]) -> str:
+    """Per-round accuracy, bytes and seconds (a run stopped before any task ended everywhere)."""
+    rows = ["| round | accuracy | bytes S2C | bytes C2S | client s | server s |", "|---|---|---|---|---|---|"]
+    for r in results["rounds"]:
+        rows.append(f"| {r['server_round']} | {r['accuracy']:.1f} | {r['bytes_s2c']:,} | {r['bytes_c2s']:,} | "
+                    f"{r['client_seconds']:.2f} | {r['server_seconds']:.3f} |")
+    if results.get("stopped_after_round") is not None:
+        rows.append(f"\nstopped after round {results['stopped_after_round']} (max-rounds)")
+    return "\n".join(rows)
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def asynchronous_table(results: dict[str, Any]) -> str:

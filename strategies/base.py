@@ -29,10 +29,14 @@ from flwr.serverapp.strategy import FedAvg
 
 from common.config import ConfigError, ExperimentConfig
 from common.model import CodaPrompt
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from common.records import (ARRAYS, CONFIG, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record, payload_bytes,
+                            to_array_record)
 from common.schedule import task_schedule
 
 log = logging.getLogger("promptfcl")
+
+#: records any reply may carry besides the method's own; the base validates them
+PLATFORM_RECORDS = frozenset({PLACEMENT})
 
 
 class PromptStrategy(FedAvg):
@@ -82,6 +86,7 @@ class PromptStrategy(FedAvg):
         self.sent_messages: list[Message] = []  # this round's train messages, in order
         self._sent_by_id: dict[str, int] = {}  # their ids (set by the grid on sending) -> index
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
+        self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self.schedule = self.check_schedule(cfg)
@@ -287,11 +292,14 @@ class PromptStrategy(FedAvg):
     def accept_replies(self, replies: list[Message]) -> list[RecordDict]:
         """Keep replies that carry well-formed, finite parameters for a positive sample count."""
         self.rejected = []
+        self.placements = {}
         accepted = []
         for msg in replies:
             reason = self.check_reply(msg)
             if reason is None:
                 accepted.append(msg.content)
+                if PLACEMENT in msg.content:
+                    self.placements[msg.metadata.reply_to_message_id] = dict(msg.content[PLACEMENT])
             else:
                 node = msg.metadata.src_node_id
                 self.rejected.append((node, reason))
@@ -311,8 +319,13 @@ class PromptStrategy(FedAvg):
         content = msg.content
         if ARRAYS not in content.array_records or METRICS not in content.metric_records:
             return "missing 'arrays' or 'metrics' record"
-        if self.reply_records is not None and set(content.keys()) != set(self.reply_records):
-            extra, missing = set(content.keys()) - self.reply_records, self.reply_records - set(content.keys())
+        if PLACEMENT in content:
+            reason = check_placement(content)
+            if reason is not None:
+                return reason
+        names = method_records(content)
+        if self.reply_records is not None and names != set(self.reply_records):
+            extra, missing = names - self.reply_records, self.reply_records - names
             return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
         n = content[METRICS].get("num-examples")
         if not isinstance(n, int) or n < 0:
@@ -336,6 +349,14 @@ class PromptStrategy(FedAvg):
                 return f"array {name} has non-finite values"
         return None
 
+    def placement_of(self, message: Message) -> dict[str, Any]:
+        """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""
+        config = message.content[CONFIG] if CONFIG in message.content.config_records else {}
+        where = self.placements.get(message.metadata.message_id, {})
+        return {"client": int(config["client-id"]) if "client-id" in config else None,
+                "node": where.get("node"), "device": where.get("device"),
+                "cuda_visible_devices": where.get("cuda-visible-devices")}
+
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -350,6 +371,26 @@ class PromptStrategy(FedAvg):
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length, self.cfg.num_tasks)
         prompt.load_state_dict({k[7:]: torch.from_numpy(v.copy()) for k, v in state.items() if k.startswith("prompt.")})
         return prompt
+
+
+def method_records(content: RecordDict) -> set[str]:
+    """Names of the records a reply carries for the method (the platform's own left out)."""
+    return set(content.keys()) - PLATFORM_RECORDS
+
+
+def check_placement(content: RecordDict) -> str | None:
+    """Why a reply's placement record is malformed (None: it is fine)."""
+    if PLACEMENT not in content.config_records:
+        return f"{PLACEMENT!r} is not a config record"
+    record = content[PLACEMENT]
+    unknown = set(record.keys()) - set(PLACEMENT_FIELDS)
+    if unknown:
+        return f"{PLACEMENT!r} has unknown fields {sorted(unknown)[:4]}"
+    for key in record.keys():
+        value = record[key]
+        if not isinstance(value, str) or len(value) > 256:
+            return f"{PLACEMENT}.{key} must be a string of at most 256 characters"
+    return None
 
 
 def node_client_id(node_id: int) -> int:

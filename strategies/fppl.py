@@ -29,7 +29,7 @@ from client.fppl import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPr
 from common.config import ExperimentConfig
 from common.model import CodaPrompt
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy
+from strategies.base import PromptStrategy, method_records
 
 log = logging.getLogger("promptfcl")
 
@@ -215,8 +215,9 @@ class FPPLStrategy(PromptStrategy):
         if reason is not None:
             return reason
         content = msg.content
-        if set(content.keys()) != self.fppl_reply_records:
-            extra, missing = set(content.keys()) - self.fppl_reply_records, self.fppl_reply_records - set(content.keys())
+        names = method_records(content)
+        if names != self.fppl_reply_records:
+            extra, missing = names - self.fppl_reply_records, self.fppl_reply_records - names
             return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
         if LOCAL_PROTOTYPES not in content.array_records:
             return f"{LOCAL_PROTOTYPES!r} is not an array record"

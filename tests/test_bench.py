@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from server.bench import finished_run, summary_table
 from tests.conftest import TINY
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _write_results(run_dir, settings):
@@ -73,3 +78,23 @@ def test_summary_table_of_random_task_runs_has_section_5_1_columns():
     assert "| AIA | FM | FT | BT | CT |" in table
     assert "| default | powder/dual=false | 2 | 80.50 ± 0.50 | 1.00 ± 0.00 | -1.50 ± 0.50 | 1.00 ± 0.00 | " \
            "-0.50 ± 0.50 | 2.00 | 1.00 |" in table
+
+
+@pytest.mark.slow
+def test_paper_dims_runs_a_paper_configuration_at_vit_b16_size(tmp_path):
+    """One real simulated round of Fed-CPrompt's CIFAR-100 configuration at the paper's size."""
+    from server.bench import paper_dims
+
+    report = paper_dims(tmp_path, [CONFIGS / "fedcprompt-cifar100.toml"])
+    v = report["methods"]["fedcprompt"]
+    # ViT-B/16 width 768; CODA-P: 100 components of length 8 with keys and attention vectors on
+    # 5 blocks; a head over CIFAR-100's classes
+    params = 5 * (100 * 8 * 768 + 2 * 100 * 768) + 100 * (768 + 1)
+    assert v["trainable_parameters"] == params
+    for key in ("bytes_s2c_per_client", "bytes_c2s_per_client"):  # float32 arrays and a little framing
+        assert 4 * params <= v[key] <= 4 * params * 1.01 + 8192, key
+    assert v["classes"] == 100 and v["device"] == "cpu"
+    assert v["client_seconds_per_image"] > 0 and v["server_seconds"] > 0
+    assert v["client_peak_memory_mb"] > 0 and v["server_peak_memory_mb"] > 0
+    assert v["extrapolated_round_seconds"] > v["server_seconds"]
+    assert json.loads((tmp_path / "paper_dims.json").read_text())["methods"]["fedcprompt"] == v

@@ -39,6 +39,13 @@ def test_round_trip_through_flat_dict():
     ({"device": "tpu"}, "device must be one of"),
     ({"prompt-layers": "a,b"}, "prompt-layers must be comma-separated integers"),
     ({"query-cache": "maybe"}, "not a valid bool"),
+    ({"client-gpus": -0.5}, "client-gpus must be 'auto' or a number >= 0"),
+    ({"client-gpus": "half"}, "client-gpus must be 'auto' or a number >= 0"),
+    ({"client-gpus": 1.5}, "client-gpus above 1 must be a whole number"),
+    ({"client-cpus": 0}, "client-cpus must be 'auto' or a number > 0"),
+    ({"ray-address": "head-node"}, "ray-address must be"),
+    ({"ray-address": "10.0.0.1:99999"}, "ray-address must be"),
+    ({"max-rounds": -1}, "max-rounds must be >= 0"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(raw, message):
     with pytest.raises(ConfigError) as err:
@@ -67,3 +74,13 @@ def test_config_files_flatten_method_tables(tmp_path):
         load_config(str(tmp_path / "none.toml"), [], None, None)
     with pytest.raises(ConfigError, match="unknown strategy"):
         load_config(None, [], "nope", None)
+
+
+def test_resources_and_cluster_keys_do_not_change_what_a_run_computes():
+    plain = ExperimentConfig()
+    placed = ExperimentConfig.from_dict({"client-gpus": 0.25, "client-cpus": 4, "ray-address": "10.0.0.1:6379",
+                                         "max-rounds": 1})
+    assert placed.digest() == plain.digest()  # a run resumes (and clients agree) on another cluster
+    assert (placed.client_gpus_value, placed.client_cpus_value) == (0.25, 4.0)
+    assert (plain.client_gpus_value, plain.client_cpus_value) == (None, None)
+    assert ExperimentConfig.from_dict({"ray-address": "ray://head:10001"}).ray_address == "ray://head:10001"

@@ -274,6 +274,10 @@ def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deploym
         assert rnd["eval_nodes"] == NUM_NODES and not rnd["eval_failed"]
         assert rnd["eval_test_size"] == seen_test_images(deployment.root / "data", rnd["task"])
         assert rnd["client_process_seconds_max"] > 0  # a fresh ClientApp process per message
+        # deployed placement: each node reports its own Flower node id, the id the server sent to
+        assert len({p["node"] for p in rnd["placement"]}) == NUM_NODES
+        assert all(int(p["node"]) & ((1 << 62) - 1) == p["client"] for p in rnd["placement"])
+        assert {p["device"] for p in rnd["placement"]} == {"cpu"}
     assert r["dataset"]["train_size"] is None and "held by the nodes" in r["backbone"]
     assert r["config"]["population"] == "nodes" and r["config"]["evaluation"] == "federated"
     # the ServerApp's log reached the submitter (flwr run --stream)
