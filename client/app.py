@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import faults
+from client.faults import inject_faults
 from client.learner import read_task_round
 from client.node_data import NodeDataError, check_classes, node_data, original_names
 from common.config import ExperimentConfig
@@ -37,7 +37,7 @@ from strategies import learner_class, prompt_class
 
 log = logging.getLogger("promptfcl")
 
-app = ClientApp()
+app = ClientApp(mods=[inject_faults])  # seeded fault injection (run-config `fault`), a no-op by default
 
 
 @app.train()
@@ -53,13 +53,12 @@ def train(msg: Message, context: Context) -> Message:
     task, round_, assigned = read_task_round(config)
     if cfg.population == "virtual":
         client_id = assigned
-    faults.before_training(cfg, client_id, task, round_)
     reply = learner.fit(msg.content, task, round_, client_id)
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
         reply[METRICS]["process-seconds"] = process_age()
+        declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context)
-    reply = faults.corrupt_reply(cfg, reply, client_id, task, round_)
     return Message(content=reply, reply_to=msg)
 
 
@@ -85,6 +84,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         "total": [int(v) for v in total],
         "num-examples": int(np.sum(total)),
     })
+    declare_sizes(cfg, runtime, metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
 
@@ -93,8 +93,11 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
 
     ``population = "nodes"``: the node's own data from its node config, checked against
     the run's classes (``num-classes`` sent by the server, ``class-names`` of the run).
+    A simulated client (a Ray actor) given no GPU share trains on the CPU.
     """
     method_prompt = prompt_class(cfg.strategy)
+    if cfg.device == "auto" and cfg.client_gpus_value == 0 and in_ray_actor():
+        cfg = cfg.replace(device="cpu")
     if cfg.population == "virtual":
         return get_runtime(cfg, method_prompt), -1
     node = node_data(cfg, context.node_config)
@@ -105,11 +108,23 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     return get_runtime(node.cfg, method_prompt, data=node.data), node.client_id
 
 
+def declare_sizes(cfg: ExperimentConfig, runtime: Runtime, metrics: MetricRecord) -> None:
+    """A node with its own data states how much it holds; the server bounds its counts by it."""
+    if cfg.population == "nodes":
+        metrics["train-size"] = len(runtime.data.train)
+        metrics["test-size"] = len(runtime.data.test)
+
+
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray worker (a simulated client); Ray is never imported for this."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def placement(runtime: Runtime, context: Context) -> ConfigRecord:
     """Where this message was trained: the Ray node (simulation) or Flower node (deployment),
     the torch device and the CUDA_VISIBLE_DEVICES this process saw (Ray sets it per actor)."""
-    ray = sys.modules.get("ray")  # never imported here for this: deployed clients do not load Ray
-    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray_actor() else None
     device = runtime.device
     if device.type == "cuda" and device.index is None:
         import torch

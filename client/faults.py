@@ -1,7 +1,15 @@
-"""Seeded fault injection: a share of clients misbehave, for robustness experiments and tests.
+"""Seeded fault injection, as a Flower ClientApp mod: a share of clients misbehave.
 
-With ``fault = "<kind>"`` and ``fault-rate = p``, each (client, task, round) misbehaves
-with probability p, decided by the seed, so a run's faults are reproducible.
+With ``fault = "<kind>"`` and ``fault-rate = p`` in the run config, each (client, task,
+round) of a train message misbehaves with probability p, decided by the seed, so a run's
+faults are reproducible. The mod sits between Flower and the ClientApp
+(``ClientApp(mods=[inject_faults])``), the mechanism Flower offers for wrapping a client:
+
+* before training: ``raise`` (the client fails), ``hang`` (it sleeps ``fault-hang-seconds``);
+* on the reply: ``nan`` (an array of NaN), ``shape`` (an array one element short),
+  ``extra-record``, ``missing-record``, ``huge-count`` (10^12 samples), ``huge-values`` (every
+  array times 1e30), ``poison`` (the update reversed and made ten times larger: sent - 10 x
+  (trained - sent), a model-poisoning client), ``nan-metrics`` (a NaN training loss).
 """
 
 from __future__ import annotations
@@ -9,10 +17,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
 
 from common.config import ExperimentConfig
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 
 
 class InjectedFault(RuntimeError):
@@ -25,39 +34,58 @@ def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> 
     return bool(np.random.default_rng([cfg.seed, client_id, task, round_, 0xFA17]).random() < cfg.fault_rate)
 
 
-def before_training(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> None:
-    """Faults that strike before any work: a crash or a hang."""
-    if not is_faulty(cfg, client_id, task, round_):
-        return
+def inject_faults(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """The mod: pass every message through, and make the chosen train messages misbehave."""
+    if msg.metadata.message_type != MessageType.TRAIN or not context.run_config.get("fault"):
+        return call_next(msg, context)
+    cfg = ExperimentConfig.from_run_config(context.run_config)
+    config = msg.content[CONFIG] if CONFIG in msg.content.config_records else {}
+    try:
+        client, task, round_ = int(config["client-id"]), int(config["task"]), int(config["round"])
+    except (KeyError, TypeError, ValueError):
+        return call_next(msg, context)  # not a message the ClientApp can train on: it reports that itself
+    if not is_faulty(cfg, client, task, round_):
+        return call_next(msg, context)
     if cfg.fault == "raise":
-        raise InjectedFault(f"injected failure of client {client_id} (task {task}, round {round_})")
+        raise InjectedFault(f"injected failure of client {client} (task {task}, round {round_})")
     if cfg.fault == "hang":
         time.sleep(cfg.fault_hang_seconds)
-
-
-def corrupt_reply(cfg: ExperimentConfig, reply: RecordDict, client_id: int, task: int, round_: int) -> RecordDict:
-    """Faults that corrupt what the client sends back."""
-    if not is_faulty(cfg, client_id, task, round_) or cfg.fault in ("raise", "hang"):
+        return call_next(msg, context)
+    reply = call_next(msg, context)
+    if reply.has_error():
         return reply
+    sent = from_array_record(msg.content[ARRAYS]) if ARRAYS in msg.content.array_records else {}
+    return Message(content=corrupt(cfg.fault, reply.content, sent), reply_to=msg)
+
+
+def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray]) -> RecordDict:
+    """``reply`` as a client with fault ``kind`` would send it."""
+    out = RecordDict({name: reply[name] for name in reply.keys()})
     arrays = from_array_record(reply[ARRAYS])
-    if cfg.fault == "nan":
-        name = next(iter(arrays))
+    name = next(iter(arrays))
+    if kind == "nan":
         arrays[name] = np.full_like(arrays[name], np.nan)
-        reply[ARRAYS] = to_array_record(arrays)
-    elif cfg.fault == "shape":
-        name = next(iter(arrays))
+    elif kind == "shape":
         arrays[name] = arrays[name].reshape(-1)[:-1].copy()
-        reply[ARRAYS] = to_array_record(arrays)
-    elif cfg.fault == "extra-record":
-        reply["unexpected"] = ConfigRecord({"note": "not part of the protocol"})
-    elif cfg.fault == "missing-record":
-        out = RecordDict({ARRAYS: reply[ARRAYS]})
-        return out
-    elif cfg.fault == "huge-count":
+    elif kind == "huge-values":
+        arrays = {k: v * np.asarray(1e30, dtype=v.dtype) for k, v in arrays.items()}
+    elif kind == "poison":  # the update reversed and scaled; arrays of another shape than sent: negated
+        arrays = {k: (sent[k] - 10.0 * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape
+                  else -10.0 * v for k, v in arrays.items()}
+    elif kind == "extra-record":
+        out["unexpected"] = ConfigRecord({"note": "not part of the protocol"})
+    elif kind == "missing-record":
+        return RecordDict({ARRAYS: reply[ARRAYS]})
+    elif kind in ("huge-count", "nan-metrics"):
         metrics = dict(reply[METRICS])
-        metrics["num-examples"] = 10**12
-        reply[METRICS] = MetricRecord(metrics)
-    return reply
+        if kind == "huge-count":
+            metrics["num-examples"] = 10**12
+        else:
+            metrics["train-loss"] = float("nan")
+        out[METRICS] = MetricRecord(metrics)
+    if kind in ("nan", "shape", "huge-values", "poison"):
+        out[ARRAYS] = to_array_record(arrays)
+    return out
 
 
-__all__ = ["InjectedFault", "before_training", "corrupt_reply", "is_faulty", "ArrayRecord"]
+__all__ = ["InjectedFault", "corrupt", "inject_faults", "is_faulty"]

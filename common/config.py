@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
-FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count")
+FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
+          "poison", "nan-metrics")
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
                                  "ray-address", "client-cpus", "client-gpus", "max-rounds"})
@@ -25,6 +26,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
+AGGREGATIONS = ("mean", "median", "trimmed-mean")
 
 
 class ConfigError(ValueError):
@@ -92,13 +94,23 @@ class ExperimentConfig:
     min_replies: int = 1  # fewer usable replies than this and the round is retried
     round_retries: int = 2  # retries (with freshly sampled clients) before the run stops with an error
     max_reply_bytes: int = 256_000_000  # replies above this size are rejected
+    # Defences against broken or hostile clients (strategies/replies.py): a reply whose update
+    # norm is above update-norm-factor x the other replies' median (0: off) or above
+    # max-update-norm (0: off) is excluded; with population = nodes no reply carries more than
+    # max-client-weight of a round's weight (3+ replies); aggregation "median" or
+    # "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
+    update_norm_factor: float = 10.0
+    max_update_norm: float = 0.0
+    max_client_weight: float = 0.5
+    aggregation: str = "mean"
+    trim_fraction: float = 0.2
     resume: bool = False  # continue the run checkpointed in out-dir
     # Stop after this many server rounds (0: run to the end), keeping the checkpoint so that
     # `promptfcl resume DIR --set max-rounds=0` continues: smoke tests of paper-scale
     # configurations and benchmarks of one round.
     max_rounds: int = 0
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
-    fault: str = ""  # "", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count"
+    fault: str = ""  # one of FAULTS (client/faults.py)
     fault_rate: float = 0.0
     fault_hang_seconds: float = 30.0
 
@@ -317,6 +329,13 @@ class ExperimentConfig:
         need(self.min_replies <= max(1, self.clients_per_round or self.num_clients),
              f"min-replies ({self.min_replies}) exceeds the clients sampled per round")
         need(self.round_retries >= 0, "round-retries must be >= 0")
+        need(math.isfinite(self.update_norm_factor) and (self.update_norm_factor == 0 or self.update_norm_factor > 1),
+             f"update-norm-factor must be 0 (off) or > 1, got {self.update_norm_factor}")
+        need(math.isfinite(self.max_update_norm) and self.max_update_norm >= 0,
+             f"max-update-norm must be >= 0 (0: off), got {self.max_update_norm}")
+        need(0 < self.max_client_weight <= 1, f"max-client-weight must be in (0, 1], got {self.max_client_weight}")
+        need(self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        need(0 <= self.trim_fraction < 0.5, f"trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
         need(self.max_rounds >= 0, f"max-rounds must be >= 0 (0: run to the end), got {self.max_rounds}")
         need(self.max_reply_bytes > 0, "max-reply-bytes must be > 0")
         need(self.fault in FAULTS, f"fault must be one of {FAULTS}, got {self.fault!r}")

@@ -80,8 +80,9 @@ def _digits(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
     return ArraySplit(images[tr], labels[tr]), ArraySplit(images[te], labels[te]), names
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    """Read an idx file (optionally gzipped) as used by MNIST and Fashion-MNIST."""
+def _read_idx(path: Path, fix: str) -> np.ndarray:
+    """Read an idx file (optionally gzipped) as used by MNIST and Fashion-MNIST; ``fix`` says
+    what to do when it is broken."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as fh:
@@ -90,10 +91,15 @@ def _read_idx(path: Path) -> np.ndarray:
         if zero != 0 or dtype_code != 0x08:
             raise ValueError("not an unsigned-byte idx file")
         shape = struct.unpack(">" + "I" * ndim, raw[4 : 4 + 4 * ndim])
+        expected = int(np.prod(shape)) + 4 + 4 * ndim
+        if len(raw) != expected:
+            raise ValueError(f"{len(raw)} bytes where its header promises {expected}")
         data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
         return data.reshape(shape)
-    except (OSError, EOFError, ValueError, struct.error) as exc:
-        raise DataError(f"cannot read idx file {path}: {exc}") from exc
+    except EOFError as exc:
+        raise DataError(f"{path}: truncated gzip ({type(exc).__name__}: {exc}); {fix}") from exc
+    except (OSError, ValueError, struct.error) as exc:
+        raise DataError(f"{path}: not a readable idx file ({type(exc).__name__}: {exc}); {fix}") from exc
 
 
 def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
@@ -112,10 +118,12 @@ def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[
                 return p
         raise DataError(f"Fashion-MNIST file {stem}[.gz] missing in {root}")
 
+    fix = ("re-install the Debian package dataset-fashion-mnist (apt-get install --reinstall "
+           "dataset-fashion-mnist) or point data-dir at a good copy")
     splits = []
     for prefix in ("train", "t10k"):
-        x = _read_idx(find(f"{prefix}-images-idx3-ubyte"))
-        y = _read_idx(find(f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+        x = _read_idx(find(f"{prefix}-images-idx3-ubyte"), fix)
+        y = _read_idx(find(f"{prefix}-labels-idx1-ubyte"), fix).astype(np.int64)
         if x.ndim != 3 or len(x) != len(y):
             raise DataError(f"Fashion-MNIST {prefix}: {len(x)} images but {len(y)} labels")
         splits.append(ArraySplit(x[:, None].copy(), y))

@@ -11,7 +11,7 @@ from common.config import ExperimentConfig
 from common.data import check_source
 from server.loop import finish, run_experiment
 from server.report import table, write_outputs
-from strategies import check_method
+from strategies import check_method, check_namespaces
 
 log = logging.getLogger("promptfcl")
 
@@ -24,6 +24,7 @@ def main(grid: Grid, context: Context) -> None:
     setup_logging()
     cfg = ExperimentConfig.from_run_config(context.run_config)
     check_method(cfg.strategy)
+    check_namespaces(cfg.method)
     check_source(cfg)
     results = run_experiment(grid, cfg)
     path = write_outputs(results, cfg.out_dir)

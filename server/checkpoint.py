@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class Checkpoint:
     rounds: list[dict[str, Any]]
     rng: dict[str, Any]
     elapsed_seconds: float
+    platform_state: dict[str, Any] = field(default_factory=dict)  # e.g. the nodes' declared data sizes
 
 
 def capture_rng() -> dict[str, Any]:

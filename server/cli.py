@@ -23,7 +23,7 @@ from typing import Any
 
 from common.config import ConfigError, ExperimentConfig, parse_overrides
 from common.data import DataError, check_source
-from strategies import METHODS, check_method, strategy_class
+from strategies import METHODS, check_method, check_namespaces, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -48,6 +48,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
         raw["out-dir"] = out
     cfg = ExperimentConfig.from_dict(raw)
     check_method(cfg.strategy)
+    check_namespaces(cfg.method)
     strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
     strategy_class(cfg.strategy).check_schedule(cfg)
     check_source(cfg)
@@ -142,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
             _prepare_out_dir(cfg)
         _check_weights(cfg)
+        if cfg.evaluation == "central":
+            # the data loads here, before Ray starts, so a missing or broken dataset or a class count
+            # that does not split into the tasks is reported at once; the ServerApp (this same
+            # process) reuses what was loaded
+            from common.data import load_dataset_cached
+
+            load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -153,15 +161,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # the cluster cannot host the clients as configured
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # the ServerApp's own error is the useful part
-        cause = exc.__cause__ or exc
-        print(f"error: simulation failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+    except Exception as exc:  # the whole chain: the project's message (file, fix) and the low-level cause
+        print(f"error: simulation failed: {error_chain(exc)}", file=sys.stderr)
         return 1
     results = Path(cfg.out_dir) / "results.json"
     if not results.is_file():
         print(f"error: the run ended without writing {results}", file=sys.stderr)
         return 1
     return 0
+
+
+def error_chain(exc: BaseException) -> str:
+    """``Type: message`` of an exception and of everything that caused it, outermost first."""
+    parts, seen = [], set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return "\n  caused by ".join(parts)
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:

@@ -19,12 +19,14 @@ from flwr.serverapp import Grid
 
 from common import metrics
 from common.config import ConfigError, ExperimentConfig
+from common.data import client_indices
 from common.evaluation import accuracies, correct_counts
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record, to_torch
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
 from strategies import strategy_class
 from strategies.base import PromptStrategy
+from strategies.replies import MetricSpec, capped_weights
 
 log = logging.getLogger("promptfcl")
 
@@ -95,46 +97,93 @@ class FederatedEvaluator:
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
         replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
-        correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
-        used, failed = 0, []
+        sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
+        counts: list[tuple[np.ndarray, np.ndarray]] = []
+        failed = []
         for reply in replies:
-            counts = _eval_counts(reply, task)
-            if isinstance(counts, str):
-                failed.append({"node": int(reply.metadata.src_node_id), "reason": counts})
-                continue
-            correct += counts[0]
-            total += counts[1]
-            used += 1
-        failed += [{"node": None, "reason": "no evaluation reply before round-timeout"}] * (len(messages) - len(replies))
+            # a dead node's error reply comes from the SuperLink: name the node it was sent to
+            node = sent_to.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
+            try:
+                result = _eval_counts(reply, task, self.strategy, node)
+            except Exception as exc:  # nothing a reply holds may stop the run
+                result = f"reply could not be checked ({type(exc).__name__}: {exc})"
+            if isinstance(result, str):
+                failed.append({"node": node, "reason": result})
+            else:
+                counts.append(result)
+        answered = {r.metadata.reply_to_message_id for r in replies}
+        failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
+                   for m in messages if m.metadata.message_id not in answered]
         for f in failed:
             log.warning("evaluation on node %s left out: %s", f["node"], f["reason"])
+        total = np.sum([t for _, t in counts], axis=0) if counts else np.zeros(task + 1, np.int64)
         self.last_total = int(total.sum())
         self.last_record = {
-            "eval_nodes": used,
+            "eval_nodes": len(counts),
             "eval_failed": failed,
             "eval_bytes_s2c": _bytes(messages),
             "eval_bytes_c2s": _bytes([m for m in replies if not m.has_error()]),
             "eval_test_size": self.last_total,
         }
-        if used == 0:
+        if not counts:
             log.warning("no node returned evaluation counts for task %d", task + 1)
-        return accuracies(correct, total)
+            return accuracies(np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64))
+        return pooled_accuracies(counts, cfg.max_client_weight)
 
 
-def _eval_counts(reply: Message, task: int) -> tuple[np.ndarray, np.ndarray] | str:
-    """(correct, total) per task from an evaluation reply, or why it cannot be used."""
+def pooled_accuracies(counts: list[tuple[np.ndarray, np.ndarray]], cap: float) -> np.ndarray:
+    """Per task: accuracy over the union of the nodes' held-out samples (sum of correct over
+    sum of totals); with 3 or more nodes, no node weighs more than ``cap`` of a task's samples
+    (a node inflating its counts cannot decide the figure)."""
+    correct = np.sum([c for c, _ in counts], axis=0)
+    total = np.sum([t for _, t in counts], axis=0)
+    pooled = accuracies(correct, total)
+    if len(counts) < 3:
+        return pooled
+    for task in range(len(total)):
+        sizes = np.array([t[task] for _, t in counts], dtype=np.float64)
+        if total[task] == 0 or sizes.max() <= cap * sizes.sum():
+            continue
+        weights = capped_weights(sizes, cap)
+        rates = np.array([c[task] / t[task] if t[task] else 0.0 for c, t in counts])
+        pooled[task] = 100.0 * float(np.dot(weights, rates))
+    return pooled
+
+
+def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
+                 node: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """(correct, total) per task from an evaluation reply, or why it cannot be used.
+
+    ``correct <= total`` per task, ``num-examples`` their sum, and the sum within the test
+    size the node declared (its first reply)."""
     if reply.has_error():
         return f"client error: {reply.error.reason}"
-    if METRICS not in reply.content.metric_records:
-        return "no 'metrics' record"
-    m = reply.content[METRICS]
+    content = reply.content
+    if set(content.keys()) != {METRICS} or METRICS not in content.metric_records:
+        return f"an evaluation reply holds exactly a 'metrics' record, got {sorted(content.keys())}"
+    m = content[METRICS]
+    specs = {"correct": None, "total": None, "num-examples": MetricSpec(int, low=0),
+             "train-size": MetricSpec(int, low=0), "test-size": MetricSpec(int, low=0)}
+    unknown = sorted(set(m.keys()) - set(specs))
+    if unknown:
+        return f"undeclared metrics {unknown[:4]}"
     correct, total = m.get("correct"), m.get("total")
-    if not isinstance(correct, list) or not isinstance(total, list) or len(correct) != task + 1 \
-            or len(total) != task + 1:
-        return f"counts for {task + 1} tasks expected, got correct={correct!r} total={total!r}"
+    for name, values in (("correct", correct), ("total", total)):
+        if not isinstance(values, list) or len(values) != task + 1 or \
+                not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return f"{name} must be {task + 1} non-negative integers (one per task), got {str(values)[:80]}"
+    for name in ("num-examples", "train-size", "test-size"):
+        if name in m and (reason := specs[name].check(name, m[name])) is not None:
+            return reason
     c, t = np.asarray(correct, dtype=np.int64), np.asarray(total, dtype=np.int64)
-    if (c < 0).any() or (c > t).any():
-        return "inconsistent counts (correct < 0 or correct > total)"
+    if (c > t).any():
+        return "inconsistent counts (correct > total)"
+    if m.get("num-examples") != int(t.sum()):
+        return f"num-examples {m.get('num-examples')} is not the sum of the totals {int(t.sum())}"
+    if strategy.cfg.population == "nodes":
+        reason = strategy.check_declared_sizes(node, m, test_total=int(t.sum()))
+        if reason is not None:
+            return reason
     return c, t
 
 
@@ -191,8 +240,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         if cfg.num_classes and cfg.num_classes != data.num_classes:
             raise ConfigError(f"num-classes = {cfg.num_classes} but {data.name} has {data.num_classes} classes")
         strategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
-        if cfg.population == "virtual":  # nodes with their own data may hold more than the server's copy
+        if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
             strategy.max_examples = len(data.train)
+            labels = data.train.labels
+            strategy.examples_of = lambda client, task, round_: len(
+                client_indices(labels, cfg, data.num_classes, client, task, round_))
         evaluate = CentralEvaluator(runtime, strategy)
         arrays = to_array_record(runtime.model.trainable_state())
     strategy.summary()
@@ -215,6 +267,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         checkpoint.check_compatible(saved, cfg)
         arrays = to_array_record(saved.arrays)
         strategy.load_state_dict(saved.strategy_state)
+        strategy.load_platform_state(getattr(saved, "platform_state", {}))
         state = RunState(saved.accuracy_matrix.copy(), list(saved.rounds))
         checkpoint.restore_rng(saved.rng)
         server_round, elapsed_before = saved.server_round, saved.elapsed_seconds
@@ -226,6 +279,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         checkpoint.save(checkpoint.Checkpoint(
             config=cfg.to_dict(), task=task, round=round_, server_round=server_round, task_finished=finished,
             arrays=from_array_record(arrays), strategy_state=strategy.state_dict(),
+            platform_state=strategy.platform_state(),
             accuracy_matrix=state.accuracy_matrix.copy(), rounds=list(state.rounds), rng=checkpoint.capture_rng(),
             elapsed_seconds=elapsed_before + time.perf_counter() - started,
         ), cfg.out_dir)
@@ -346,16 +400,16 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         placement = [strategy.placement_of(m) for m in messages]  # the (last) attempt's clients
         server_seconds += (t1 - t0) + (t3 - t2)
         round_seconds += t3 - t0
-        client_secs += [float(m.content[METRICS].get("train-seconds", 0.0))
-                        for m in ok if METRICS in m.content.metric_records]
+        # only accepted replies' metrics are read: they have passed the checks of every field
+        used = [m.content[METRICS] for m in strategy.accepted_messages] if new_arrays is not None else []
+        client_secs += [float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
-        process_secs += [float(m.content[METRICS].get("process-seconds", 0.0))
-                         for m in ok if METRICS in m.content.metric_records]
-        device_peaks += [float(m.content[METRICS].get("device-peak-mb", 0.0))
-                         for m in ok if METRICS in m.content.metric_records]
-        missing = len(messages) - len(replies)
+        process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
+        device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
+        answered = {m.metadata.reply_to_message_id for m in replies}
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
-        rejected += [{"node": None, "reason": "no reply before round-timeout", "attempt": attempt}] * missing
+        rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
+                      "attempt": attempt} for m in messages if m.metadata.message_id not in answered]
         if new_arrays is not None:
             break
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
@@ -389,6 +443,9 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "client_tasks": client_tasks,  # the task each client of the (last) attempt trained
         "placement": placement,  # where each client of the (last) attempt trained
         "clients_aggregated": int(agg["clients"]),
+        # accepted replies' update norms (what update-norm-factor compares); their spread shows
+        # how far honest clients differ, and so how tight the factor can be
+        "update_norms": [float(v) for v in strategy.update_norms],
         "examples": int(agg["num-examples"]),  # training samples behind the aggregate
         "rejected": rejected,
         "train_loss": float(agg["train-loss"]),

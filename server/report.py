@@ -9,14 +9,44 @@ from typing import Any
 from common.files import write_atomic
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write then rename, so a crash never leaves a half-written file."""
-    text = json.dumps(obj, indent=2, allow_nan=False).encode()
+def write_json_atomic(path: Path, obj: Any) -> int:
+    """Write then rename, so a crash never leaves a half-written file. Non-finite numbers
+    become null (strict JSON has no NaN); returns how many there were."""
+    clean, replaced = json_safe(obj)
+    text = json.dumps(clean, indent=2, allow_nan=False).encode()
     write_atomic(path, lambda fh: fh.write(text))
+    return replaced
+
+
+def json_safe(obj: Any) -> tuple[Any, int]:
+    """``obj`` with NaN / inf as None and NumPy scalars and arrays as Python values, and the
+    number of non-finite values replaced."""
+    import math
+
+    import numpy as np
+
+    if isinstance(obj, dict):
+        out, n = {}, 0
+        for k, v in obj.items():
+            out[str(k)], m = json_safe(v)
+            n += m
+        return out, n
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        items = [json_safe(v) for v in (obj.tolist() if isinstance(obj, np.ndarray) else obj)]
+        return [v for v, _ in items], sum(m for _, m in items)
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, 1
+    return obj, 0
 
 
 def write_outputs(results: dict[str, Any], out_dir: str | Path) -> Path:
     out = Path(out_dir)
+    results = dict(results)
+    # every round says how many of its values were not finite (stored as null)
+    results["rounds"] = [{**r, "non_finite_values": json_safe(r)[1]} for r in results.get("rounds", [])]
+    results["non_finite_values"] = json_safe(results)[1]
     write_json_atomic(out / "results.json", results)
     plot(results, out)
     (out / "table.md").write_text(table(results) + "\n")

@@ -173,8 +173,13 @@ def connect_ray(address: str, cpus: int | None = None) -> list[RayNode]:
     process's ``sys.path`` as PYTHONPATH, as Flower's own initialisation does, so actors
     import the same code (on other machines the same install path must exist).
     """
+    import warnings
+
     import ray
 
+    # Ray's notice that a future version will stop hiding GPUs from actors that ask for none;
+    # the ClientApp does not rely on it (client/app.py: no GPU share, no GPU)
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     pythonpath = os.pathsep.join(p for p in sys.path if p)
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
@@ -213,6 +218,9 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)
         log.info("Flower simulation: %s", plan.describe())
+        # the nodes get the resolved shares: a client given no GPU trains on the CPU even where
+        # Ray leaves the GPUs visible (Ray announces it will stop hiding them from such actors)
+        cfg = cfg.replace(client_cpus=f"{plan.client_cpus:g}", client_gpus=f"{plan.client_gpus:g}")
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
             app_dir = write_app_dir(cfg, Path(tmp))
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())

@@ -42,6 +42,26 @@ def learner_class(name: str) -> Any:
     return _load(METHODS[name][1])
 
 
+def check_namespaces(method_keys: dict[str, Any]) -> None:
+    """Every dotted run-config key (``<method>.<option>``) names a method and one of its options.
+
+    Options of methods other than the run's are checked too (a comparison may switch methods,
+    and a typo must not pass silently because the method is not the one running).
+    """
+    namespaces: dict[str, dict[str, Any]] = {}
+    for key, value in method_keys.items():
+        namespace, _, option = key.partition(".")
+        if not option:
+            raise ConfigError(f"configuration key {key!r} has an empty option name")
+        namespaces.setdefault(namespace, {})[option] = value
+    for namespace, options in namespaces.items():
+        if namespace not in METHODS:
+            example = next(iter(options))
+            raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
+                              f"options are namespaced by method: {', '.join(sorted(METHODS))}")
+        strategy_class(namespace).check_options(options)
+
+
 def prompt_class(name: str) -> Any:
     """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
     return strategy_class(name).prompt_class

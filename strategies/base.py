@@ -18,7 +18,7 @@ client with its own data instead (``configure_train_nodes``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from common.model import CodaPrompt
 from common.records import (ARRAYS, CONFIG, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record, payload_bytes,
                             to_array_record)
 from common.schedule import task_schedule
+from strategies.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
 
 log = logging.getLogger("promptfcl")
 
@@ -62,6 +63,8 @@ class PromptStrategy(FedAvg):
     #: the method's options dataclass (with a ``from_options(dict)`` classmethod that
     #: raises ConfigError on a bad value or unknown key); None: the method takes none
     options_class: Any = None
+    #: the fields a train reply's metrics record may hold (strategies/replies.py)
+    reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
     #: whether the method works when clients are on different tasks in the same round
     #: (``switch-fraction`` < 1, common/schedule.py); methods whose task-end step assumes
     #: every client has finished the task set this False
@@ -86,6 +89,13 @@ class PromptStrategy(FedAvg):
         self.sent_messages: list[Message] = []  # this round's train messages, in order
         self._sent_by_id: dict[str, int] = {}  # their ids (set by the grid on sending) -> index
         self.max_examples: int | None = None  # the most samples a client can hold (set by the server)
+        # virtual population: (client, task, round) -> the samples that client holds (set by the server,
+        # which has the data), so a reply's count is checked exactly
+        self.examples_of: Callable[[int, int, int], int] | None = None
+        # population = nodes: data sizes each node declared in its first reply (train, test), by node id
+        self.node_sizes: dict[int, tuple[int, int]] = {}
+        self.update_norms: list[float] = []  # the last aggregation's accepted update norms
+        self.accepted_messages: list[Message] = []  # the last aggregation's accepted replies
         self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
@@ -151,6 +161,13 @@ class PromptStrategy(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         """Strategy state a checkpoint must hold (NumPy arrays and plain values)."""
         return {}
+
+    def platform_state(self) -> dict[str, Any]:
+        """What every strategy keeps for the platform across a resume (the nodes' declared sizes)."""
+        return {"node-sizes": {str(k): list(v) for k, v in self.node_sizes.items()}}
+
+    def load_platform_state(self, state: dict[str, Any]) -> None:
+        self.node_sizes = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
@@ -279,33 +296,94 @@ class PromptStrategy(FedAvg):
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
                         server_round, len(accepted), self.cfg.min_replies)
             return None, None
-        weights = np.array([int(c[METRICS]["num-examples"]) for c in accepted], dtype=np.float64)
-        arrays = weighted_average([c[ARRAYS] for c in accepted], weights)
+        weights = self.reply_weights(accepted)
+        arrays = self.combine_arrays([c[ARRAYS] for c in accepted], weights)
         arrays = self.consolidate(server_round, arrays, accepted)
         metrics = MetricRecord({
-            "num-examples": int(weights.sum()),
+            "num-examples": int(sum(int(c[METRICS]["num-examples"]) for c in accepted)),
             "clients": len(accepted),
             "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in accepted], weights=weights)),
         })
         return arrays, metrics
 
+    # ------------------------------------------------------------------ replies: checks and weights
     def accept_replies(self, replies: list[Message]) -> list[RecordDict]:
-        """Keep replies that carry well-formed, finite parameters for a positive sample count."""
+        """Keep the replies that pass every check (:meth:`check_reply`), then drop update-norm outliers.
+
+        Rejected replies are logged and listed in ``rejected`` with the id of the node that
+        was sent the message (a dead node's error reply comes from the SuperLink).
+        """
         self.rejected = []
         self.placements = {}
-        accepted = []
+        kept: list[Message] = []
         for msg in replies:
-            reason = self.check_reply(msg)
+            try:
+                reason = self.check_reply(msg)
+            except Exception as exc:  # a check must never take the server down, whatever a reply holds
+                reason = f"reply could not be checked ({type(exc).__name__}: {exc})"
             if reason is None:
-                accepted.append(msg.content)
-                if PLACEMENT in msg.content:
-                    self.placements[msg.metadata.reply_to_message_id] = dict(msg.content[PLACEMENT])
+                kept.append(msg)
             else:
-                node = msg.metadata.src_node_id
-                self.rejected.append((node, reason))
-                level = logging.DEBUG if reason == "no training examples" else logging.WARNING
-                log.log(level, "reply from node %s excluded: %s", node, reason)
+                self._reject(msg, reason)
+        norms = [self.reply_update_norm(m) for m in kept]
+        accepted, self.update_norms, self.accepted_messages = [], [], []
+        for msg, norm, reason in zip(kept, norms, norm_outliers(norms, self.cfg.update_norm_factor,
+                                                                self.cfg.max_update_norm)):
+            if reason is not None:
+                self._reject(msg, reason)
+                continue
+            accepted.append(msg.content)
+            self.accepted_messages.append(msg)
+            self.update_norms.append(norm)
+            if PLACEMENT in msg.content:
+                self.placements[msg.metadata.reply_to_message_id] = dict(msg.content[PLACEMENT])
         return accepted
+
+    def _reject(self, msg: Message, reason: str) -> None:
+        node = self.sender_of(msg)
+        self.rejected.append((node, reason))
+        level = logging.DEBUG if reason == "no training examples" else logging.WARNING
+        log.log(level, "reply from node %s excluded: %s", node, reason)
+
+    def sender_of(self, msg: Message) -> int:
+        """The node a reply stands for: the one its message was sent to (a dead node's error
+        reply is made by the SuperLink, under the SuperLink's id)."""
+        candidates = self.sent_candidates(msg)
+        if len(candidates) == 1:
+            return int(self.sent_messages[candidates[0]].metadata.dst_node_id)
+        return int(msg.metadata.src_node_id)
+
+    def sent_config(self, msg: Message) -> ConfigRecord | None:
+        """The config of the message ``msg`` answers (None: unknown)."""
+        candidates = self.sent_candidates(msg)
+        if len(candidates) != 1:
+            return None
+        content = self.sent_messages[candidates[0]].content
+        return content[CONFIG] if CONFIG in content.config_records else None
+
+    def reply_start(self, msg: Message) -> dict[str, np.ndarray] | None:
+        """The arrays the reply's client started from (its update is the difference); None: unknown,
+        the reply's own norm is used. Methods whose payload differs per client override it."""
+        return None if self.sent_arrays is None else from_array_record(self.sent_arrays)
+
+    def reply_update_norm(self, msg: Message) -> float:
+        return update_norm(from_array_record(msg.content[ARRAYS]), self.reply_start(msg))
+
+    def reply_weights(self, accepted: list[RecordDict]) -> np.ndarray:
+        """Aggregation weights: sample counts, each capped at ``max-client-weight`` of the round
+        when the counts cannot be verified (``population = "nodes"``) and 3 or more replies arrived."""
+        counts = np.array([int(c[METRICS]["num-examples"]) for c in accepted], dtype=np.float64)
+        if self.cfg.population == "nodes" and len(counts) >= 3 and counts.max() > self.cfg.max_client_weight * counts.sum():
+            return capped_weights(counts, self.cfg.max_client_weight)
+        return counts  # every use normalises; unnormalised counts keep FedAvg's arithmetic as it was
+
+    def combine_arrays(self, records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
+        """The round's arrays from the accepted replies (``aggregation``: mean, median, trimmed mean)."""
+        out = {}
+        for name in records[0].keys():
+            out[name] = combine([r[name].numpy() for r in records], weights, self.cfg.aggregation,
+                                self.cfg.trim_fraction)
+        return to_array_record(out)
 
     def expected_arrays(self, reply: Message) -> ArrayRecord | None:
         """The arrays ``reply`` must match in names, shapes and dtypes: by default what this round
@@ -316,6 +394,8 @@ class PromptStrategy(FedAvg):
         """Why a reply cannot be aggregated, or None if it can."""
         if msg.has_error():
             return f"client error: {msg.error.reason}"
+        if self.sent_messages and not self.sent_candidates(msg):
+            return "cannot tell which message this reply answers (no matching message sent this round)"
         content = msg.content
         if ARRAYS not in content.array_records or METRICS not in content.metric_records:
             return "missing 'arrays' or 'metrics' record"
@@ -327,13 +407,15 @@ class PromptStrategy(FedAvg):
         if self.reply_records is not None and names != set(self.reply_records):
             extra, missing = names - self.reply_records, self.reply_records - names
             return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
-        n = content[METRICS].get("num-examples")
-        if not isinstance(n, int) or n < 0:
-            return f"invalid num-examples {n!r}"
+        reason = check_metrics(content[METRICS], self.reply_metrics)
+        if reason is not None:
+            return reason
+        n = int(content[METRICS]["num-examples"])
         if n == 0:
             return "no training examples"
-        if self.max_examples is not None and n > self.max_examples:
-            return f"implausible num-examples {n} (a client holds at most {self.max_examples})"
+        reason = self.check_examples(msg, n)
+        if reason is not None:
+            return reason
         size = payload_bytes(content)
         if size > self.cfg.max_reply_bytes:
             return f"reply of {size} bytes exceeds max-reply-bytes = {self.cfg.max_reply_bytes}"
@@ -347,6 +429,38 @@ class PromptStrategy(FedAvg):
         for name in reply.keys():
             if not np.isfinite(reply[name].numpy()).all():
                 return f"array {name} has non-finite values"
+        return None
+
+    def check_examples(self, msg: Message, n: int) -> str | None:
+        """Why a reply's sample count cannot be right (None: it can).
+
+        Virtual population: exactly the samples the server knows the client holds for the
+        task and round it was sent. Nodes: at most what the node declared in its first reply.
+        """
+        if self.max_examples is not None and n > self.max_examples:
+            return f"implausible num-examples {n} (a client holds at most {self.max_examples})"
+        config = self.sent_config(msg)
+        if self.examples_of is not None and config is not None:
+            expected = self.examples_of(int(config["client-id"]), int(config["task"]), int(config["round"]))
+            if n != expected:
+                return f"num-examples {n}, but client {int(config['client-id'])} holds {expected} for this task"
+        if self.cfg.population == "nodes":
+            return self.check_declared_sizes(int(msg.metadata.src_node_id), msg.content[METRICS], n)
+        return None
+
+    def check_declared_sizes(self, node: int, metrics: Any, examples: int | None = None,
+                             test_total: int | None = None) -> str | None:
+        """A node's data sizes: declared once (its first reply), then fixed; counts within them."""
+        if "train-size" not in metrics or "test-size" not in metrics:
+            return "a node must declare its train-size and test-size"
+        declared = (int(metrics["train-size"]), int(metrics["test-size"]))
+        known = self.node_sizes.setdefault(node, declared)
+        if declared != known:
+            return f"declared data sizes {declared} differ from the node's first declaration {known}"
+        if examples is not None and examples > known[0]:
+            return f"num-examples {examples} exceeds the node's declared train-size {known[0]}"
+        if test_total is not None and test_total > known[1]:
+            return f"evaluated on {test_total} samples, more than the node's declared test-size {known[1]}"
         return None
 
     def placement_of(self, message: Message) -> dict[str, Any]:
@@ -400,13 +514,5 @@ def node_client_id(node_id: int) -> int:
 
 def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
     """Sum_i w_i x_i / Sum_i w_i per array, accumulated in float64, cast back to the input dtype."""
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    out: dict[str, np.ndarray] = {}
-    for name in records[0].keys():
-        first = records[0][name].numpy()
-        acc = np.zeros(first.shape, dtype=np.float64)
-        for wi, rec in zip(w, records):
-            acc += wi * rec[name].numpy()
-        out[name] = acc.astype(first.dtype)
-    return to_array_record(out)
+    return to_array_record({name: combine([r[name].numpy() for r in records], weights)
+                            for name in records[0].keys()})

@@ -36,6 +36,7 @@ from common.data import task_rows
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
+from strategies.replies import combine
 
 log = logging.getLogger("promptfcl")
 
@@ -127,16 +128,24 @@ def aggregate_per_task(
 
     Each row is the sample-weighted average over the replies whose task owns it, so a
     head row shared by two tasks (random tasks of overlapping classes) averages both.
-    Any array that is not task-structured is averaged over all replies.
+    Any array that is not task-structured is averaged over all replies. With
+    ``aggregation`` = median or trimmed-mean, each row is instead the coordinate-wise median
+    (trimmed mean) over the replies whose task owns it.
     """
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
     out: dict[str, np.ndarray] = {}
     for name, value in base.items():
         value = np.asarray(value)
         if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
+            if cfg.aggregation != "mean":
+                out[name] = combine([a[name] for _, a, _ in updates], all_weights, cfg.aggregation, cfg.trim_fraction)
+                continue
             acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
                       zip(updates, all_weights / all_weights.sum()))
             out[name] = np.asarray(acc).astype(value.dtype)
+            continue
+        if cfg.aggregation != "mean":
+            out[name] = _robust_per_row(cfg, name, value, updates, num_classes)
             continue
         total = np.zeros(value.shape, dtype=np.float64)
         weight = np.zeros(value.shape[0], dtype=np.float64)
@@ -152,6 +161,22 @@ def aggregate_per_task(
 
 
 # ---------------------------------------------------------------------------- strategy
+def _robust_per_row(cfg: ExperimentConfig, name: str, value: np.ndarray,
+                    updates: list[tuple[int, Mapping[str, np.ndarray], float]], num_classes: int) -> np.ndarray:
+    """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
+    the set of replies that trained them); untrained rows keep ``value``."""
+    owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
+    for i, (task, _, _) in enumerate(updates):
+        owners[task_rows(cfg, name, value, int(task), num_classes), i] = True
+    merged = value.copy()
+    for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
+        rows = np.flatnonzero((owners == pattern).all(axis=1))
+        idx = np.flatnonzero(pattern)
+        merged[rows] = combine([np.asarray(updates[i][1][name])[rows] for i in idx],
+                               np.array([updates[i][2] for i in idx]), cfg.aggregation, cfg.trim_fraction)
+    return merged
+
+
 class FedCPromptStrategy(PromptStrategy):
     """Fed-CPrompt's server: FedAvg per task slice (in parallel over the tasks clients are on).
 
@@ -246,7 +271,7 @@ class FedCPromptStrategy(PromptStrategy):
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
                         server_round, len(accepted), self.cfg.min_replies)
             return None, None
-        weights = np.array([int(c[METRICS]["num-examples"]) for _, c in accepted], dtype=np.float64)
+        weights = self.reply_weights([c for _, c in accepted])
         merged = aggregate_per_task(
             self.cfg, from_array_record(self.sent_arrays),
             [(task, from_array_record(c[ARRAYS]), w) for (task, c), w in zip(accepted, weights)],
@@ -258,7 +283,7 @@ class FedCPromptStrategy(PromptStrategy):
         for task, _ in accepted:
             self.last_tasks[task] = self.last_tasks.get(task, 0) + 1
         metrics = MetricRecord({
-            "num-examples": int(weights.sum()),
+            "num-examples": int(sum(int(c[METRICS]["num-examples"]) for c in contents)),
             "clients": len(accepted),
             "tasks-aggregated": len(self.last_tasks),
             "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in contents], weights=weights)),

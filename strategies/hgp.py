@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import seen_classes, task_classes
@@ -216,6 +216,13 @@ def class_statistics(features: torch.Tensor, labels: torch.Tensor, opts: HGPOpti
     if opts.cov_type == "lowrank":
         out["cov-factor"] = _to_wire(torch.stack(factors), opts.cov_dtype)
     return to_array_record(out)
+
+
+#: the covariance arrays of each encoding on the wire
+WIRE_ARRAYS = {"full": ("cov-triu",), "diag": ("cov-diag",), "lowrank": ("cov-factor", "cov-diag")}
+#: the largest magnitude a class mean of prompted features can have: they leave the backbone's
+#: final LayerNorm, so honest values are of order 1-10 (the covariances: this squared)
+FEATURE_BOUND = 1e4
 
 
 def check_class_stats(arrays: Mapping[str, np.ndarray], dim: int) -> str:
@@ -506,6 +513,39 @@ class HGPStrategy(PromptStrategy):
         self.task = task
         return super().on_task_start(task, arrays)
 
+    def check_reply(self, msg: Message) -> str | None:
+        """The base checks, then the class statistics: well-formed (:func:`check_class_stats`), in
+        the configured encoding, for classes of the current task, counting exactly the reply's
+        samples, with values a layer-normed feature can have. A bad record excludes the reply whole."""
+        reason = super().check_reply(msg)
+        if reason is not None or int(msg.content[METRICS]["num-examples"]) == 0:
+            return reason
+        if STATS not in msg.content.array_records:
+            return f"{STATS!r} is not an array record"
+        arrays = from_array_record(msg.content[STATS])
+        dim = int(self.sent_arrays["head.weight"].shape[1]) if self.sent_arrays is not None else \
+            int(np.asarray(arrays.get("means", np.zeros((0, 0)))).shape[-1])
+        try:
+            kind = check_class_stats(arrays, dim)
+        except ValueError as exc:
+            return f"class statistics: {exc}"
+        if kind != self.opts.cov_type:
+            return f"class statistics carry a {kind} covariance, the run uses {self.opts.cov_type}"
+        expected = {"classes", "counts", "means"} | set(WIRE_ARRAYS[kind])
+        if set(arrays) != expected:
+            return f"class statistics hold {sorted(arrays)}, expected {sorted(expected)}"
+        if int(arrays["counts"].sum()) != int(msg.content[METRICS]["num-examples"]):
+            # the counts weigh the mixtures: they must be the samples the client trained on
+            return (f"class counts sum to {int(arrays['counts'].sum())}, "
+                    f"num-examples is {int(msg.content[METRICS]['num-examples'])}")
+        outside = set(arrays["classes"].tolist()) - set(task_classes(self.cfg, self.task, self.num_classes).tolist())
+        if outside:
+            return f"class statistics for classes {sorted(outside)[:5]} outside the current task"
+        for name, bound in (("means", FEATURE_BOUND), *((k, FEATURE_BOUND**2) for k in WIRE_ARRAYS[kind])):
+            if np.abs(arrays[name]).max(initial=0.0) > bound:
+                return f"class statistics {name} beyond {bound:g}, impossible for layer-normed features"
+        return None
+
     def consolidate(self, server_round: int, arrays: ArrayRecord, replies: list[RecordDict]) -> ArrayRecord:
         """Update this round's class mixtures from the replies, then rebalance the head."""
         started = time.perf_counter()
@@ -550,23 +590,12 @@ class HGPStrategy(PromptStrategy):
         """
         allowed = set(task_classes(self.cfg, self.task, self.num_classes).tolist())
         fresh: dict[int, list[tuple[dict[str, np.ndarray], int]]] = {}
-        for reply in replies:
+        for reply in replies:  # accepted replies: check_reply has validated their statistics
             if STATS not in reply.array_records:
-                log.warning("hgp: a reply has no %r record; its prototypes are missing this round", STATS)
                 continue
-            arrays = from_array_record(reply[STATS])
-            try:
-                check_class_stats(arrays, dim)  # stored as received, decoded when a mixture is built
-                n = reply[METRICS].get("num-examples") if METRICS in reply.metric_records else None
-                if n is not None and int(arrays["counts"].sum()) != int(n):
-                    # the counts weigh the mixtures: they must be the samples the client trained on
-                    raise ValueError(f"class counts sum to {int(arrays['counts'].sum())}, num-examples is {n}")
-            except ValueError as exc:
-                log.warning("hgp: class statistics of a reply rejected: %s", exc)
-                continue
+            arrays = from_array_record(reply[STATS])  # stored as received, decoded when a mixture is built
             for row, c in enumerate(arrays["classes"].tolist()):
                 if c not in allowed:
-                    log.warning("hgp: statistics for class %d outside the current task ignored", c)
                     continue
                 if int(arrays["counts"][row]) > 0:
                     fresh.setdefault(c, []).append((arrays, row))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -46,15 +47,23 @@ def tiny() -> ExperimentConfig:
     return tiny_config()
 
 
-@pytest.fixture
-def flower_identity():
+@contextlib.contextmanager
+def flower_task_identity():
     """Flower's process identity, which building Message objects outside a run needs."""
     from flwr.supercore.task_identity import TaskIdentity
 
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    try:
+        yield
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.fixture
+def flower_identity():
+    with flower_task_identity():
+        yield
 
 
 def reply_from(node_id: int, content=None, error: str | None = None):

@@ -47,7 +47,7 @@ def make_strategy(**options) -> HePCoStrategy:
 
 def reply(state: dict[str, np.ndarray], n: int = 20) -> RecordDict:
     return RecordDict({"arrays": to_array_record(state),
-                       "metrics": MetricRecord({"num-examples": n, "train-loss": 1.0})})
+                       "metrics": MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1})})
 
 
 class Scenario:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -37,7 +36,7 @@ def reply_with(stats_record, n: int | None = None) -> RecordDict:
     """A client reply carrying ``stats_record``; num-examples defaults to the sum of its counts."""
     n = int(stats_record["counts"].numpy().sum()) if n is None else n
     return RecordDict({ARRAYS: to_array_record({"head.bias": np.zeros(1, np.float32)}),
-                       METRICS: MetricRecord({"num-examples": n}), STATS: stats_record})
+                       METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1}), STATS: stats_record})
 
 
 def gaussian_data(means: torch.Tensor, n_per_class: list[int], scale: float, gen: torch.Generator):
@@ -233,17 +232,13 @@ def test_degenerate_statistics_still_sample_and_rebalance():
     assert np.array_equal(out["head.weight"][2:], head["head.weight"][2:])  # unseen classes untouched
 
 
-def test_no_statistics_leaves_the_head_unchanged(caplog):
+def test_no_statistics_leaves_the_head_unchanged():
+    """Replies without statistics (a client with nothing to report) leave the head as it is; bad
+    statistics never get this far: check_reply excludes the reply (tests/test_hostile.py)."""
     strategy = make_strategy()
     head = to_array_record({"head.weight": np.ones((4, 8), np.float32), "head.bias": np.zeros(4, np.float32)})
-    bad = from_array_record(class_statistics(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), HGPOptions()))
-    bad["means"] = np.full_like(bad["means"], np.inf)
-    inflated = class_statistics(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), HGPOptions())
-    with caplog.at_level(logging.WARNING, logger="promptfcl"):
-        out = strategy.consolidate(1, head, [reply_with(to_array_record(bad)),
-                                             reply_with(inflated, n=3),  # counts say 4 samples, training saw 3
-                                             RecordDict({METRICS: MetricRecord({"num-examples": 3})})])
-    assert out is head and "non-finite" in caplog.text and "num-examples is 3" in caplog.text
+    out = strategy.consolidate(1, head, [RecordDict({METRICS: MetricRecord({"num-examples": 3})})])
+    assert out is head
 
 
 # ---------------------------------------------------------------------------- rebalancing

@@ -232,7 +232,7 @@ def configure(s, server_round, arrays, task, round_, nodes):
 def reply_for(msg: Message, sent, value: float, n: int, alpha: ArrayRecord | None = None) -> Message:
     arrays = {k: np.full(v.shape, value, v.numpy().dtype) for k, v in sent.expected.items()}
     content = RecordDict({ARRAYS: to_array_record(arrays), ALPHA: alpha or ArrayRecord(),
-                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0})})
+                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1})})
     return Message(content=content, reply_to=msg)
 
 
@@ -250,7 +250,7 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     good = [reply_for(msgs[0], s.sent[0], 1.0, 10), reply_for(msgs[1], s.sent[1], 7.0, 10),
             reply_for(msgs[2], s.sent[2], 3.0, 30)]
     bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s.sent[3].expected.keys()}),
-                            ALPHA: ArrayRecord(), METRICS: MetricRecord({"num-examples": 5, "train-loss": 1.0})})
+                            ALPHA: ArrayRecord(), METRICS: MetricRecord({"num-examples": 5, "train-loss": 1.0, "train-seconds": 0.1})})
     stray = reply_from(101, bad_shape)  # answers no message of this round
     arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
     out = from_array_record(arrays)

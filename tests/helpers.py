@@ -1,0 +1,86 @@
+"""Test helpers shared by several test modules.
+
+``InProcessGrid`` is a Flower grid without Flower's infrastructure: it runs the real
+ClientApp (``client.app.app``, or the same functions behind other mods) for each message in
+this process, one Context per node, so the real server loop, strategies and clients run
+end to end in seconds where a Ray simulation is not what is being tested.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from common.config import ExperimentConfig
+
+#: a Flower mod: (message, context, call_next) -> reply
+Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]
+
+
+def client_app(mods: list[Mod] | None = None) -> ClientApp:
+    """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods."""
+    from client.app import app as real, evaluate, train
+
+    app = ClientApp(mods=list(mods or []) + list(real._mods))
+    app.train()(train)
+    app.evaluate()(evaluate)
+    return app
+
+
+class InProcessGrid:
+    """The part of Flower's ``Grid`` the server loop uses, running ClientApps in this process.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        The run config every node receives.
+    nodes : int
+        How many nodes are connected (ids 1001, 1002, ...).
+    apps : dict, optional
+        A node id -> ClientApp for nodes that run something else (a hostile mod); the rest
+        run the project's ClientApp.
+    node_configs : dict, optional
+        A node id -> its ``node_config``.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, nodes: int, apps: dict[int, ClientApp] | None = None,
+                 node_configs: dict[int, dict[str, Any]] | None = None) -> None:
+        self.node_ids = [1001 + i for i in range(nodes)]
+        self.default_app = client_app()
+        self.apps = dict(apps or {})
+        self.contexts = {n: Context(run_id=1, node_id=n, node_config=dict((node_configs or {}).get(n, {})),
+                                    state=RecordDict(), run_config=cfg.to_dict()) for n in self.node_ids}
+        self.sent: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's grids do when sending
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            app = self.apps.get(node, self.default_app)
+            try:
+                reply = app(msg, self.contexts[node])
+            except Exception as exc:  # Flower turns a ClientApp exception into an error reply
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+            replies.append(reply)
+        return replies
+
+
+def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, ClientApp] | None = None) -> dict[str, Any]:
+    """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
+    from server.loop import finish, run_experiment
+    from server.report import write_outputs
+
+    grid = InProcessGrid(cfg, nodes, apps)
+    results = run_experiment(grid, cfg)  # type: ignore[arg-type]
+    write_outputs(results, cfg.out_dir)
+    finish(cfg, results)
+    return results

@@ -1,0 +1,284 @@
+"""Broken and hostile clients: nothing a reply holds may crash the server, lose results or take over the model.
+
+The replies here are made by the real ClientApp (in this process, :class:`InProcessGrid`)
+and then corrupted by Flower mods written for these tests, not by the project's own fault
+switch, so the checks do not share code with what they check.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from common.config import ConfigError, ExperimentConfig
+from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
+from common.runtime import get_runtime
+from strategies import check_namespaces, strategy_class
+from strategies.replies import capped_weights
+from tests.conftest import tiny_config
+from tests.helpers import InProcessGrid, client_app, run_in_process
+
+METHODS = ("fedavg", "hepco", "fppl", "hgp", "fedcprompt", "powder")
+FAST_OPTIONS = {"hepco.generator-epochs": 1, "hepco.distill-epochs": 1, "hgp.samples-per-class": 8}
+
+
+def method_config(method: str, **overrides) -> ExperimentConfig:
+    options = {k: v for k, v in FAST_OPTIONS.items() if k.startswith(method + ".")}
+    return tiny_config(strategy=method, **{"num-clients": 3, "clients-per-round": 3, **options, **overrides})
+
+
+def reply_mod(change: Callable[[RecordDict, Message], RecordDict]) -> Callable:
+    """A Flower mod that replaces a train reply's content by ``change(content, request)``."""
+    def mod(msg: Message, context, call_next):
+        reply = call_next(msg, context)
+        if msg.metadata.message_type != MessageType.TRAIN or reply.has_error():
+            return reply
+        return Message(content=change(copy.deepcopy(reply.content), msg), reply_to=msg)
+    return mod
+
+
+def one_round(method: str):
+    """A strategy after task start, the round's messages and the real clients' replies."""
+    cfg = method_config(method)
+    cls = strategy_class(method)
+    rt = get_runtime(cfg, cls.prompt_class)
+    strategy = cls(cfg, rt.data.num_classes, cfg.method_options(method))
+    strategy.max_examples = len(rt.data.train)
+    arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
+    grid = InProcessGrid(cfg, 3)
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0, "attempt": 0}), grid))
+    replies = grid.send_and_receive(messages)
+    assert not any(r.has_error() for r in replies), [r.error.reason for r in replies if r.has_error()]
+    return strategy, messages, replies
+
+
+def replace_content(reply: Message, content: RecordDict) -> Message:
+    out = Message(content=content, reply_to=reply)  # metadata of a reply to the same request
+    out.metadata.__dict__.update({k: v for k, v in reply.metadata.__dict__.items() if k != "_message_id"})
+    return out
+
+
+def mutations(content: RecordDict) -> list[tuple[str, RecordDict]]:
+    """Every kind of wrong value Flower's records allow, one at a time."""
+    out: list[tuple[str, RecordDict]] = []
+    kinds = {"array": lambda: ArrayRecord(), "metric": lambda: MetricRecord({"x": 1}),
+             "config": lambda: ConfigRecord({"x": "y"})}
+
+    def variant(edit) -> RecordDict:
+        c = copy.deepcopy(content)
+        edit(c)
+        return c
+
+    for name in list(content.keys()):
+        if name != PLACEMENT:  # the one optional record
+            out.append((f"{name} missing", variant(lambda c, n=name: c.__delitem__(n))))
+        for kind, make in kinds.items():
+            out.append((f"{name} as a {kind} record", variant(lambda c, n=name, m=make: c.__setitem__(n, m()))))
+    for kind, make in kinds.items():
+        out.append((f"an extra {kind} record", variant(lambda c, m=make: c.__setitem__("extra", m()))))
+    wrong_values = [("a list of ints", [1, 2]), ("a list of floats", [1.0]), ("NaN", math.nan), ("inf", math.inf),
+                    ("-inf", -math.inf), ("negative", -1), ("a huge int", 10**18)]
+    from strategies.replies import REPLY_METRICS
+
+    for field in list(content[METRICS].keys()):
+        if REPLY_METRICS[field].required:
+            out.append((f"metric {field} missing", variant(lambda c, f=field: c[METRICS].__delitem__(f))))
+        for label, value in wrong_values:
+            if field == "train-loss" and label in ("negative", "a huge int"):
+                continue  # a loss may be any finite number
+            if field.endswith("seconds") and label == "a huge int":
+                continue
+            out.append((f"metric {field} {label}",
+                        variant(lambda c, f=field, v=value: c[METRICS].__setitem__(f, v))))
+        if field == "num-examples":
+            out.append(("num-examples as a float", variant(lambda c: c[METRICS].__setitem__("num-examples", 3.5))))
+    out.append(("an undeclared metric", variant(lambda c: c[METRICS].__setitem__("bonus", 1.0))))
+    out.append(("placement field not a string", variant(lambda c: c[PLACEMENT].__setitem__("node", 5))))
+    out.append(("placement unknown field", variant(lambda c: c[PLACEMENT].__setitem__("gpu", "x"))))
+    out.append(("placement field far too long", variant(lambda c: c[PLACEMENT].__setitem__("device", "x" * 5000))))
+    for name in content[ARRAYS].keys():
+        out.append((f"array {name} scaled by 1e30", variant(
+            lambda c, n=name: c.__setitem__(ARRAYS, to_array_record(
+                {k: v * np.float32(1e30) if k == n else v for k, v in from_array_record(c[ARRAYS]).items()})))))
+        break
+    for name in content.keys():  # the method's own records: NaN in every array, each in turn
+        if name in (ARRAYS, METRICS, PLACEMENT) or name not in content.array_records:
+            continue
+        for array in content[name].keys():
+            arrays = from_array_record(content[name])
+            if not np.issubdtype(arrays[array].dtype, np.floating) or arrays[array].size == 0:
+                continue
+            arrays[array] = np.full_like(arrays[array], np.nan)
+            out.append((f"{name}.{array} NaN", variant(lambda c, n=name, a=arrays: c.__setitem__(n, to_array_record(a)))))
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_wrong_field_is_rejected_with_the_node_and_never_raises(method, flower_identity):
+    strategy, messages, replies = one_round(method)
+    victim = replies[0]
+    good = copy.deepcopy(replies)
+    arrays, _ = strategy.aggregate_train(1, good)
+    clean = from_array_record(arrays)
+    for label, content in mutations(victim.content):
+        bad = [replace_content(victim, content)] + copy.deepcopy(replies[1:])
+        try:
+            result, _ = strategy.aggregate_train(1, bad)
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"{method}: a reply with {label} raised {type(exc).__name__}: {exc}")
+        node = int(messages[0].metadata.dst_node_id)
+        assert any(n == node for n, _ in strategy.rejected), f"{method}: a reply with {label} was accepted"
+        assert result is not None, f"{method}: {label}: the other replies must still be aggregated"
+        # the bad reply took no part: the model is what the two good replies alone give
+        alone, _ = strategy.aggregate_train(1, copy.deepcopy(replies[1:]))
+        for name, value in from_array_record(result).items():
+            np.testing.assert_array_equal(value, from_array_record(alone)[name], err_msg=f"{method}: {label}")
+    assert clean  # the untouched round aggregated
+
+
+def test_weights_of_unverifiable_counts_are_capped():
+    np.testing.assert_allclose(capped_weights([1e12, 10, 10, 10], 0.5), [0.5, 1 / 6, 1 / 6, 1 / 6])
+    np.testing.assert_allclose(capped_weights([10, 20, 30], 0.5), [1 / 6, 1 / 3, 1 / 2])  # none above: as is
+    np.testing.assert_allclose(capped_weights([90, 5, 5], 0.4), [0.4, 0.3, 0.3])
+
+
+def test_unknown_namespaces_and_options_are_refused():
+    with pytest.raises(ConfigError, match="unknown configuration namespace 'powdr'.*fedavg, fedcprompt"):
+        check_namespaces({"powdr.k": 3})
+    with pytest.raises(ConfigError, match="unknown option hgp.cov-typo"):
+        check_namespaces({"hgp.cov-typo": "diag", "powder.k": 2})  # checked although powder runs
+    with pytest.raises(ConfigError, match="takes no options"):
+        check_namespaces({"fedavg.lr": 1})
+    check_namespaces({"hgp.cov-type": "diag", "powder.k": 2})
+
+
+# ---------------------------------------------------------------------------- whole runs
+def hostile_app(change: Callable[[RecordDict, Message], RecordDict]):
+    return client_app([reply_mod(change)])
+
+
+def set_metric(name: str, value) -> Callable[[RecordDict, Message], RecordDict]:
+    def change(content: RecordDict, _: Message) -> RecordDict:
+        content[METRICS][name] = value
+        return content
+    return change
+
+
+def delete_metric(name: str) -> Callable[[RecordDict, Message], RecordDict]:
+    def change(content: RecordDict, _: Message) -> RecordDict:
+        del content[METRICS][name]
+        return content
+    return change
+
+
+def scale_arrays(content: RecordDict, _: Message) -> RecordDict:
+    content[ARRAYS] = to_array_record({k: v * np.float32(1e30) for k, v in from_array_record(content[ARRAYS]).items()})
+    return content
+
+
+def failing(msg: Message, context, call_next):
+    raise RuntimeError("this node fails every message")
+
+
+HOSTILE = {
+    "train-loss missing": delete_metric("train-loss"),
+    "train-loss a list": set_metric("train-loss", [0.5, 0.5]),
+    "train-seconds a list": set_metric("train-seconds", [1.0]),
+    "train-loss NaN": set_metric("train-loss", math.nan),
+    "an absurd count": set_metric("num-examples", 10**12),
+    "arrays times 1e30": scale_arrays,
+}
+
+
+@pytest.fixture(scope="module")
+def baseline_without_node(tmp_path_factory):
+    """The run in which the third node fails every message: what a run must equal when that node's
+    replies are all excluded."""
+    from tests.conftest import flower_task_identity
+
+    with flower_task_identity():
+        cfg = method_config("fedavg", **{"out-dir": str(tmp_path_factory.mktemp("failing"))})
+        from flwr.clientapp import ClientApp
+
+        dead = ClientApp(mods=[failing])
+        return run_in_process(cfg, nodes=3, apps={1003: dead})
+
+
+@pytest.mark.parametrize("label", sorted(HOSTILE))
+def test_a_hostile_node_is_excluded_and_the_run_completes(label, baseline_without_node, tmp_path, flower_identity):
+    cfg = method_config("fedavg", **{"out-dir": str(tmp_path)})
+    results = run_in_process(cfg, nodes=3, apps={1003: hostile_app(HOSTILE[label])})
+    rejected = [r for rnd in results["rounds"] for r in rnd["rejected"]]
+    assert rejected and {r["node"] for r in rejected} == {1003}, rejected
+    assert all(rnd["clients_aggregated"] == 2 for rnd in results["rounds"])
+    # exactly the run in which that node failed every message: its replies took no part
+    assert results["accuracy_matrix"] == baseline_without_node["accuracy_matrix"]
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["accuracy_matrix"] == results["accuracy_matrix"]
+
+
+def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
+    """HGP checks its class statistics as FPPL and Powder check theirs: a bad record excludes the
+    reply (prompts and head included), with the node in ``rejected``."""
+    from strategies.hgp import STATS
+
+    strategy, messages, replies = one_round("hgp")
+    stats = from_array_record(replies[0].content[STATS])
+
+    def with_stats(**changes) -> RecordDict:
+        content = copy.deepcopy(replies[0].content)
+        content[STATS] = to_array_record({**stats, **changes})
+        return content
+
+    bad = {
+        "a class outside the task": with_stats(classes=stats["classes"] + 5),
+        "counts that are not the samples": with_stats(counts=stats["counts"] * 2),
+        "means no feature can have": with_stats(means=stats["means"] * np.float32(1e9)),
+        "another covariance encoding": with_stats(**{"cov-diag": np.ones_like(stats["means"])}),
+    }
+    for label, content in bad.items():
+        strategy.aggregate_train(1, [replace_content(replies[0], content)] + copy.deepcopy(replies[1:]))
+        node = int(messages[0].metadata.dst_node_id)
+        assert [n for n, _ in strategy.rejected] == [node], label
+
+
+def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity):
+    """A node sends NaN losses; the run stops after 2 rounds (its checkpoint kept), results are
+    written, and the resumed run ends where the uninterrupted one does."""
+    hostile = {1003: hostile_app(HOSTILE["train-loss NaN"])}
+    rounds = {"rounds-per-task": 2}
+    whole = run_in_process(method_config("fedavg", **rounds, **{"out-dir": str(tmp_path / "whole")}), nodes=3,
+                           apps=hostile)
+    out = tmp_path / "stopped"
+    first = run_in_process(method_config("fedavg", **rounds, **{"out-dir": str(out), "max-rounds": 2}), nodes=3,
+                           apps=hostile)
+    assert first["stopped_after_round"] == 2 and (out / "results.json").is_file()
+    assert json.loads((out / "results.json").read_text())["accuracy_matrix"][0][0] is not None  # task 1 finished
+    resumed = run_in_process(method_config("fedavg", **rounds, **{"out-dir": str(out), "resume": True}), nodes=3,
+                             apps=hostile)
+    assert resumed["accuracy_matrix"] == whole["accuracy_matrix"]
+    assert [r["server_round"] for r in resumed["rounds"]] == [1, 2, 3, 4]
+
+
+def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
+    from server.report import write_outputs
+
+    results = {"config": {}, "accuracy_matrix": [[50.0]], "average_accuracy_per_task": [50.0],
+               "rounds": [{"server_round": 1, "task": 0, "round": 0, "accuracy": 50.0, "task_accuracies": [50.0],
+                           "train_loss": float("nan"), "odd": [np.float32("inf"), np.int64(3)]}],
+               "final_average_accuracy": 50.0, "average_incremental_accuracy": 50.0, "average_forgetting": 0.0,
+               "communication": {"bytes_s2c_per_round": 1, "bytes_c2s_per_round": 1, "trainable_parameters": 1},
+               "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.1, "total_seconds": 1.0}}
+    try:
+        write_outputs(results, tmp_path)
+    except Exception:  # the plots and table may not like the toy record; results.json comes first
+        pass
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["rounds"][0]["train_loss"] is None and written["rounds"][0]["odd"] == [None, 3]
+    assert written["rounds"][0]["non_finite_values"] == 2 and written["non_finite_values"] == 2
