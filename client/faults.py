@@ -15,10 +15,10 @@ faults are reproducible. The mod sits between Flower and the ClientApp
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.clientapp.typing import ClientAppCallable
 
 from common.config import ExperimentConfig
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
@@ -34,7 +34,7 @@ def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> 
     return bool(np.random.default_rng([cfg.seed, client_id, task, round_, 0xFA17]).random() < cfg.fault_rate)
 
 
-def inject_faults(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """The mod: pass every message through, and make the chosen train messages misbehave."""
     if msg.metadata.message_type != MessageType.TRAIN or not context.run_config.get("fault"):
         return call_next(msg, context)

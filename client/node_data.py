@@ -258,7 +258,7 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from common.pretrain import cache_dir
+    from common.weights import cache_dir
 
     full = cfg.to_dict()
     listing = _listing(root)
@@ -382,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
             print(d)
         return 0
 
-    from flwr.common.config import parse_config_args
+    from common.flower_internals import internal
 
-    from server.cli import _check_weights, load_config
+    parse_config_args = internal("parse_config_args")
+    from common.weights import check_weights
+    from strategies import load_config
 
     try:
         try:
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"(quote strings: data-dir=\"/path\"): {exc}") from None
         cfg = load_config(args.config, args.set, None, None)
         node = node_data(cfg, node_config)
-        _check_weights(cfg)  # the backbone must be on this node (the server has none)
+        check_weights(cfg)  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
+from common.errors import ConfigError  # re-exported: the error of configurations
+
 PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
           "poison", "nan-metrics")
@@ -28,9 +30,6 @@ POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, of the wrong type or out of range."""
 
 
 @dataclass
@@ -410,6 +409,45 @@ def coerce_value(key: str, value: Any, type_name: Any) -> Any:
     except (TypeError, ValueError):
         raise ConfigError(f"{key} = {value!r} is not a valid {t}") from None
     raise ConfigError(f"{key}: unsupported field type {t}")
+
+
+def read_config(config_file: str | None, overrides: list[str], strategy: str | None = None,
+                out: str | None = None) -> ExperimentConfig:
+    """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- ``--set`` pairs <- flags.
+
+    Only the configuration's own checks run here; ``strategies.load_config`` adds the method's.
+    """
+    import tomllib
+    from pathlib import Path
+
+    raw: dict[str, Any] = {}
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        doc = doc.get("tool", {}).get("flwr", {}).get("app", {}).get("config", doc)
+        raw.update(_flatten(doc))
+    raw.update(parse_overrides(overrides))
+    if strategy:
+        raw["strategy"] = strategy
+    if out:
+        raw["out-dir"] = out
+    return ExperimentConfig.from_dict(raw)
+
+
+def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ConfigError, ExperimentConfig
+from common.errors import DataError  # re-exported: the error of datasets
 
 log = logging.getLogger("promptfcl")
 
@@ -36,10 +37,6 @@ HF_ALIASES = {
 }
 IMAGE_COLUMNS = ("img", "image", "pixel_values", "png", "jpg")
 LABEL_COLUMNS = ("fine_label", "label", "labels", "class", "target")
-
-
-class DataError(RuntimeError):
-    """A dataset is missing, unreadable or inconsistent with the run."""
 
 
 @dataclass

@@ -61,7 +61,7 @@ def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
         _seeded_reinit(model, cfg.seed)
     else:
         if cfg.weights.startswith("pretrained:"):
-            from common.pretrain import checkpoint_meta, resolve_weights
+            from common.weights import checkpoint_meta, resolve_weights
 
             path = resolve_weights(cfg)
             meta = checkpoint_meta(path)
@@ -351,6 +351,19 @@ def build_model(cfg: ExperimentConfig, num_classes: int,
     model = PromptedViT(backbone, prompt, num_classes, cfg.prompt_mode)
     torch.random.set_rng_state(state)
     return model, source
+
+
+def initial_trainable_state(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] | None = None) -> dict[str, torch.Tensor]:
+    """The initial prompt and head parameters, built without data or backbone weights.
+
+    Their initialisation is seeded and independent of the backbone's weights, so a randomly
+    initialised backbone of the same architecture gives exactly the parameters every node
+    builds; a server that holds no weights (deployment) starts from these.
+    """
+    import dataclasses
+
+    model, _ = build_model(dataclasses.replace(cfg, weights="random"), cfg.num_classes, prompt_class)
+    return model.trainable_state()
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,8 +11,6 @@ pretraining.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -22,40 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common.config import ConfigError, ExperimentConfig
+from common.config import ExperimentConfig
+from common.weights import ARCH_KEYS, checkpoint_path
 
 log = logging.getLogger("promptfcl")
-
-ARCH_KEYS = ("backbone", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
-
-
-def cache_dir() -> Path:
-    """``$PROMPTFCL_CACHE`` or ``$XDG_CACHE_HOME/promptfcl`` (default ~/.cache/promptfcl)."""
-    root = os.environ.get("PROMPTFCL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "promptfcl")
-    return Path(root)
-
-
-def checkpoint_path(cfg: ExperimentConfig, source: str) -> Path:
-    """Where the backbone pretrained on ``source`` with ``cfg``'s architecture lives."""
-    full = cfg.to_dict()
-    arch = json.dumps({k: full[k] for k in ARCH_KEYS}, sort_keys=True)
-    digest = hashlib.sha1(arch.encode()).hexdigest()[:10]
-    safe = source.replace("/", "_").replace(":", "_")
-    return cache_dir() / "backbones" / f"{cfg.backbone}-{digest}-{safe}.pt"
-
-
-def resolve_weights(cfg: ExperimentConfig) -> Path:
-    """The checkpoint behind ``weights = "pretrained:<source>"`` (an error if not built yet)."""
-    source = cfg.weights.split(":", 1)[1]
-    path = checkpoint_path(cfg, source)
-    if not path.is_file():
-        raise ConfigError(
-            f"no backbone pretrained on {source!r} for this architecture at {path}; build it with "
-            f"`promptfcl pretrain --source {source}` (make run does this) or set weights=random"
-        )
-    return path
-
 
 def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: int = 128,
              lr: float = 2e-3, max_images: int = 0) -> Path:
@@ -117,11 +85,3 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     os.replace(tmp, path)
     log.info("pretrained backbone on %s: %.1f%% test accuracy on the source, saved to %s", source, accuracy, path)
     return path
-
-
-def checkpoint_meta(path: Path) -> dict:
-    try:
-        return dict(torch.load(path, map_location="cpu", weights_only=True).get("meta", {}))
-    except Exception:  # meta is informational only
-        return {}
-

@@ -17,7 +17,6 @@ from typing import Mapping
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 ARRAYS, CONFIG, METRICS, PLACEMENT = "arrays", "config", "metrics", "placement"
 PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices")
@@ -42,4 +41,6 @@ def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of a message's content as Flower transmits it (its deflated object tree)."""
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+    from common.flower_internals import internal
+
+    return sum(len(obj.deflate()) for obj in internal("nested_objects")(content).values())

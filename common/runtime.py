@@ -168,7 +168,7 @@ def disk_backbone_id(cfg: ExperimentConfig) -> str:
     if cfg.weights.startswith("pretrained:") or cfg.weights not in ("timm", "random"):
         try:
             if cfg.weights.startswith("pretrained:"):
-                from common.pretrain import checkpoint_path
+                from common.weights import checkpoint_path
 
                 path = checkpoint_path(cfg, cfg.weights.split(":", 1)[1])
             else:
@@ -187,7 +187,7 @@ def query_disk_dir(cfg: ExperimentConfig) -> Path | None:
     on = cfg.query_cache_disk == "on" or (cfg.query_cache_disk == "auto" and cfg.population == "nodes")
     if not on:
         return None
-    from common.pretrain import cache_dir
+    from common.weights import cache_dir
 
     return cache_dir() / "queries"
 

@@ -28,7 +28,12 @@ from functools import cached_property
 
 import numpy as np
 
-from common.config import ConfigError, ExperimentConfig
+from typing import TYPE_CHECKING
+
+from common.errors import ConfigError
+
+if TYPE_CHECKING:  # config validates through this module; no import back at run time
+    from common.config import ExperimentConfig
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:

@@ -21,7 +21,9 @@ KEEP_ALIVE_SECONDS = 75
 
 
 def main() -> int | None:
-    from flwr.superlink.cli import flower_superlink
+    from common.flower_internals import internal
+
+    flower_superlink = internal("superlink_main")
 
     # flower_superlink calls uvicorn.run(...) without timeout_keep_alive; supply ours.
     uvicorn.run = functools.partial(uvicorn.run, timeout_keep_alive=KEEP_ALIVE_SECONDS)

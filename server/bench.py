@@ -350,7 +350,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from server.cli import load_config
+    from strategies import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1
@@ -451,6 +451,60 @@ def format_paper_dims(report: dict[str, Any]) -> str:
               "x local epochs x the measured seconds per image, clients in waves of the cores, plus the "
               "measured server time; evaluation not included. ViT-B/16 holds "
               f"{VIT_B16_PARAMETERS / 1e6:.1f}M parameters ({4 * VIT_B16_PARAMETERS / 1e6:.0f} MB)."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- robustness
+#: the defences ``bench robustness`` compares, as run-config changes
+DEFENCES: dict[str, dict[str, Any]] = {
+    "none": {"update-norm-factor": 0.0, "aggregation": "mean"},
+    "norm-filter": {"aggregation": "mean"},  # update-norm-factor as configured (default 10)
+    "median": {"update-norm-factor": 0.0, "aggregation": "median"},
+    "trimmed-mean": {"update-norm-factor": 0.0, "aggregation": "trimmed-mean"},
+}
+
+
+def robustness(out_dir: Path, base: dict[str, Any], method: str, attacks: Sequence[str], defences: Sequence[str],
+               seeds: Sequence[int], rate: float = 0.2) -> list[dict[str, Any]]:
+    """A_N of ``method`` with a share ``rate`` of hostile replies (``fault`` = each attack), under
+    each defence, against the clean run; writes ``robustness.{json,md}``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    runs = [("clean", "norm-filter")] + [(a, d) for a in attacks for d in defences]
+    for attack, defence in runs:
+        for seed in seeds:
+            settings = {**base, **DEFENCES[defence], "seed": seed}
+            if attack != "clean":
+                settings.update({"fault": attack, "fault-rate": rate})
+            run_dir = out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"
+            results = finished_run(run_dir, {**settings, "strategy": method})
+            if results is None:
+                log.info("%s, attack %s, defence %s, seed %d", method, attack, defence, seed)
+                results = run_simulation_subprocess(settings, run_dir, strategy=method)
+            excluded = sum(len(r["rejected"]) for r in results["rounds"])
+            rows.append({"attack": attack, "defence": defence, "seed": seed,
+                         "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
+                         "replies_excluded": excluded,
+                         "replies_aggregated": sum(r["clients_aggregated"] for r in results["rounds"])})
+            (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
+    table = robustness_table(rows, rate)
+    (out_dir / "robustness.md").write_text(table + "\n")
+    print(table)
+    return rows
+
+
+def robustness_table(rows: list[dict[str, Any]], rate: float) -> str:
+    lines = [f"| attack ({rate:.0%} of replies) | defence | seeds | A_N | forgetting | replies excluded / aggregated |",
+             "|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["attack"], r["defence"]), []).append(r)
+    for (attack, defence), rs in groups.items():
+        a_n = np.array([np.nan if r["A_N"] is None else r["A_N"] for r in rs], dtype=float)
+        fg = np.array([np.nan if r["forgetting"] is None else r["forgetting"] for r in rs], dtype=float)
+        lines.append(f"| {attack} | {defence if attack != 'clean' else '(default)'} | {len(rs)} | "
+                     f"{np.mean(a_n):.1f} ± {np.std(a_n):.1f} | {np.mean(fg):.1f} ± {np.std(fg):.1f} | "
+                     f"{sum(r['replies_excluded'] for r in rs)} / {sum(r['replies_aggregated'] for r in rs)} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@
     promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
     promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
     promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
+    promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter, median, trimmed mean)
     promptfcl show DIR                     print the result table of a finished run
     promptfcl strategies                   list the available methods
 """
@@ -17,53 +18,15 @@ import argparse
 import json
 import logging
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, ExperimentConfig, parse_overrides
-from common.data import DataError, check_source
-from strategies import METHODS, check_method, check_namespaces, strategy_class
+from common.data import DataError
+from common.weights import check_weights
+from strategies import METHODS, check_method, load_config, strategy_class
 
 log = logging.getLogger("promptfcl")
-
-
-def load_config(config_file: str | None, overrides: list[str], strategy: str | None, out: str | None) -> ExperimentConfig:
-    """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- --set <- flags."""
-    raw: dict[str, Any] = {}
-    if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            doc = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        doc = doc.get("tool", {}).get("flwr", {}).get("app", {}).get("config", doc)
-        raw.update(_flatten(doc))
-    raw.update(parse_overrides(overrides))
-    if strategy:
-        raw["strategy"] = strategy
-    if out:
-        raw["out-dir"] = out
-    cfg = ExperimentConfig.from_dict(raw)
-    check_method(cfg.strategy)
-    check_namespaces(cfg.method)
-    strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
-    strategy_class(cfg.strategy).check_schedule(cfg)
-    check_source(cfg)
-    return cfg
-
-
-def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
                                                    "dimensions (random ViT-B/16 weights, stand-in data)")
     dims.add_argument("--out", default="runs/bench-paper-dims")
     dims.add_argument("--configs", default="configs/*.toml", help="glob of paper configurations")
+    rob = bench_sub.add_parser("robustness", help="A_N with a share of hostile clients, under each defence")
+    rob.add_argument("--out", default="runs/bench-robustness")
+    rob.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rob.add_argument("--method", default="fedavg")
+    rob.add_argument("--attacks", default="huge-values,poison", help="fault kinds (client/faults.py)")
+    rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
+    rob.add_argument("--seeds", default="0,1")
+    rob.add_argument("--rate", type=float, default=0.2, help="share of replies that are hostile")
     cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -142,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
             _prepare_out_dir(cfg)
-        _check_weights(cfg)
+        check_weights(cfg)
         if cfg.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
@@ -206,7 +177,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     out = Path(cfg.out_dir)
     if cfg.resume:
         return
-    if (out / checkpoint.FILENAME).exists():
+    if (out / checkpoint.FILENAME).exists() or (out / checkpoint.LEGACY_FILENAME).exists():
         raise ConfigError(f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` "
                           "or choose another --out")
     if (out / "results.json").exists():
@@ -234,8 +205,9 @@ def _bench(args: argparse.Namespace) -> int:
             bench.paper_dims(Path(args.out), configs)
             return 0
         base = load_config(None, args.set, None, None).to_dict()
-        _check_weights(ExperimentConfig.from_dict(base))
-        methods = [m for m in args.methods.split(",") if m] or sorted(METHODS)
+        check_weights(ExperimentConfig.from_dict(base))
+        methods = ([args.method] if args.bench == "robustness" else
+                   [m for m in args.methods.split(",") if m] or sorted(METHODS))
         for m in methods:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
             check_method(name)
@@ -244,7 +216,18 @@ def _bench(args: argparse.Namespace) -> int:
             if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
                 strategy_class(name).check_schedule(method_cfg)
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
-        if args.bench == "perf":
+        if args.bench == "robustness":
+            from common.config import FAULTS
+
+            attacks = [a for a in args.attacks.split(",") if a]
+            defences = [d for d in args.defences.split(",") if d]
+            bad = [a for a in attacks if a not in FAULTS or not a] + [d for d in defences if d not in bench.DEFENCES]
+            if bad:
+                raise ConfigError(f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
+                                  f"defences: {', '.join(bench.DEFENCES)}")
+            bench.robustness(Path(args.out), base, args.method, attacks, defences,
+                             [int(v) for v in args.seeds.split(",")], args.rate)
+        elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
             bench.perf(Path(args.out), base, populations=pops, methods=tuple(methods))
         else:
@@ -273,17 +256,9 @@ def _parse_setting(text: str) -> dict[str, Any]:
     raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, iid or default")
 
 
-def _check_weights(cfg: ExperimentConfig) -> None:
-    if cfg.weights.startswith("pretrained:"):
-        from common.pretrain import resolve_weights
-
-        resolve_weights(cfg)
-    elif cfg.weights not in ("timm", "random") and not Path(cfg.weights).expanduser().is_file():
-        raise ConfigError(f"weights checkpoint {cfg.weights} does not exist")
-
-
 def _pretrain(args: argparse.Namespace) -> int:
-    from common.pretrain import checkpoint_path, pretrain
+    from common.pretrain import pretrain
+    from common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)

@@ -22,6 +22,7 @@ from common.config import ConfigError, ExperimentConfig
 from common.data import client_indices
 from common.evaluation import accuracies, correct_counts
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record, to_torch
+from common.model import initial_trainable_state
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
 from strategies import strategy_class
@@ -187,21 +188,6 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
     return c, t
 
 
-def server_model_without_data(cfg: ExperimentConfig, prompt_class: type) -> ArrayRecord:
-    """Initial prompt and head parameters, built without data or backbone weights.
-
-    The trainable parameters' initialisation is seeded and independent of the backbone's
-    weights, so a randomly initialised backbone of the same architecture gives exactly the
-    arrays the nodes would build; the server never needs the (possibly large) weights.
-    """
-    import dataclasses
-
-    from common.model import build_model
-
-    model, _ = build_model(dataclasses.replace(cfg, weights="random"), cfg.num_classes, prompt_class)
-    return to_array_record(model.trainable_state())
-
-
 def _bytes(messages: list[Message]) -> int:
     """Total payload of ``messages``; shared contents are measured once, counted per message."""
     sizes: dict[int, int] = {}
@@ -230,7 +216,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                  cfg.num_classes, cfg.num_tasks)
         strategy: PromptStrategy = method(cfg, cfg.num_classes, cfg.method_options(cfg.strategy))
         evaluate = FederatedEvaluator(grid, strategy)
-        arrays = server_model_without_data(cfg, method.prompt_class)
+        arrays = to_array_record(initial_trainable_state(cfg, method.prompt_class))
     else:
         runtime = get_runtime(cfg, method.prompt_class)
         log.info("backbone: %s", runtime.weights_source)

@@ -209,8 +209,7 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
     from flwr.app import Context, RecordDict
-    from flwr.supercore.telemetry import EventType
-    from flwr.simulation.run_simulation import _run_simulation
+    from common.flower_internals import internal
 
     from client.app import app as client_app
     from server.app import app as server_app
@@ -224,7 +223,7 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
             app_dir = write_app_dir(cfg, Path(tmp))
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
-            _run_simulation(
+            internal("run_simulation")(
                 num_supernodes=plan.supernodes,
                 client_app=client_app,
                 server_app=server_app,
@@ -234,7 +233,7 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
                 app_dir=str(app_dir),
                 is_app=True,  # makes Flower fuse each node's run config from app_dir/pyproject.toml
                 verbose_logging=verbose,
-                exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+                exit_event=internal("simulation_exit_event").PYTHON_API_RUN_SIMULATION_LEAVE,
             )
     finally:
         if ray.is_initialized():  # Flower shuts Ray down when it ran; not when we stopped before it

@@ -25,8 +25,8 @@ from common import metrics
 from common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
 from common.evaluation import accuracies, correct_counts
 from common.files import write_atomic
-from common.model import CodaPrompt
-from common.pretrain import cache_dir
+from common.model import CodaPrompt, initial_trainable_state
+from common.weights import cache_dir
 from common.records import ARRAYS, from_array_record, to_array_record, to_torch
 from common.runtime import get_runtime
 from common.schedule import RandomTaskSchedule
@@ -45,7 +45,6 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     methods of one comparison train the reference once.
     """
     from client.learner import LocalLearner
-    from server.loop import server_model_without_data
     from strategies.fedavg import FedAvgPrompt
 
     started = time.perf_counter()
@@ -63,7 +62,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
     learner = LocalLearner(rt)
-    initial = server_model_without_data(dataclasses.replace(cfg, num_classes=rt.data.num_classes), CodaPrompt)
+    initial = to_array_record(initial_trainable_state(dataclasses.replace(cfg, num_classes=rt.data.num_classes),
+                                                      CodaPrompt))
     fresh = FedAvgPrompt(cfg, rt.data.num_classes)
     per_task = cfg.pool_size // cfg.num_tasks
     out = np.full(cfg.num_tasks, np.nan)

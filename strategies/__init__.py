@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from common.config import ConfigError
+from common.config import ConfigError, ExperimentConfig, read_config
 
 # name -> (strategy "module:Class", client learner "module:Class")
 METHODS: dict[str, tuple[str, str]] = {
@@ -60,6 +60,22 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
             raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
                               f"options are namespaced by method: {', '.join(sorted(METHODS))}")
         strategy_class(namespace).check_options(options)
+
+
+def load_config(config_file: str | None, overrides: list[str], strategy: str | None = None,
+                out: str | None = None) -> ExperimentConfig:
+    """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
+    as it can be before anything is loaded: every key and value, the method, every method
+    option, the task schedule and the dataset's name."""
+    from common.data import check_source
+
+    cfg = read_config(config_file, overrides, strategy, out)
+    check_method(cfg.strategy)
+    check_namespaces(cfg.method)
+    strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
+    strategy_class(cfg.strategy).check_schedule(cfg)
+    check_source(cfg)
+    return cfg
 
 
 def prompt_class(name: str) -> Any:

@@ -9,12 +9,15 @@ Per round (Algorithm 1 of papers/002, lines 8-12):
    holding y (eq. 5); sent to every client of the next round for L_ur.
 
 At the end of each task the pool grows by that task's local prototypes (line 14).
-The client side (prompt, loss, local prototypes) is in :mod:`client.fppl`.
+This module also holds what both sides share: the options, the prompt module (one prompt
+per task, fused by a cosine-linear layer) and the record names; the client side (its loss,
+local prototypes) is in :mod:`client.fppl`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,14 +27,175 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
+from torch import nn
 
-from client.fppl import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt
-from common.config import ExperimentConfig
+from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.model import CodaPrompt
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy, method_records
 
 log = logging.getLogger("promptfcl")
+
+#: client -> server: this client's per-class mean features ("classes", "means", "counts")
+LOCAL_PROTOTYPES = "prototypes"
+#: server -> client: global prototypes of the current task's classes ("classes", "means")
+GLOBAL_PROTOTYPES = "global-prototypes"
+
+FUSION_SCALES = ("fixed", "learnable")
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class FPPLOptions(MethodOptions):
+    """FPPL's ``fppl.*`` run-config options (kebab-case keys, e.g. ``fppl.server-epochs``).
+
+    Defaults follow the paper; where it is silent, the authors' code
+    (shared/REFERENCE.md, "FPPL").
+
+    Attributes
+    ----------
+    temperature : float
+        tau of the unified-representation InfoNCE (paper: 0.2).
+    ur_weight : float
+        Weight of L_ur in the client loss (paper: 1, eq. 8; the code's ``lamda``).
+    unified_loss : bool
+        Ablation "w/o unified representation loss" when False: no L_ur, and no global
+        prototypes are sent.
+    fusion : bool
+        Ablation "w/o fusion" when False: each sample uses only the task prompt with the
+        largest ``g_psi(q)`` (argmax, as in the authors' ``wo_fusion``) instead of the
+        softmax-weighted sum.
+    debias : bool
+        Ablation "w/o debias" when False: the server does not retrain the head.
+    pool : bool
+        FPPL-WOP when False: no prototype pool; debiasing uses only the current
+        local prototypes.
+    server_epochs : int
+        E_server, epochs of classifier debiasing per round (paper: 5).
+    server_lr : float
+        Adam learning rate of debiasing (paper silent; authors' code: 1e-3).
+    server_batch_size : int
+        Batch size of debiasing (paper silent; authors' code: 128, the training batch).
+    fusion_scale : str
+        "fixed": ``g_psi`` is the plain cosine of eq. 2; "learnable": times a learnable
+        scale initialised at 1 (the authors' CosineLinear).
+    latest_per_client : bool
+        False (paper, Algorithm 1): global prototypes, debiasing and the pool use the
+        local prototypes of this round's clients. True (authors' code): they use the
+        latest prototypes of every client that has trained on the current task, which
+        differs only when not all clients take part in every round.
+    """
+
+    prefix = "fppl"
+
+    temperature: float = 0.2
+    ur_weight: float = 1.0
+    unified_loss: bool = True
+    fusion: bool = True
+    debias: bool = True
+    pool: bool = True
+    server_epochs: int = 5
+    server_lr: float = 1e-3
+    server_batch_size: int = 128
+    fusion_scale: str = "fixed"
+    latest_per_client: bool = False
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.temperature > 0, f"fppl.temperature must be > 0, got {self.temperature}")
+        need(self.ur_weight >= 0, f"fppl.ur-weight must be >= 0, got {self.ur_weight}")
+        need(self.server_epochs >= 1, f"fppl.server-epochs must be >= 1, got {self.server_epochs}")
+        need(self.server_lr > 0, f"fppl.server-lr must be > 0, got {self.server_lr}")
+        need(self.server_batch_size >= 1, f"fppl.server-batch-size must be >= 1, got {self.server_batch_size}")
+        need(self.fusion_scale in FUSION_SCALES,
+             f"fppl.fusion-scale must be one of {FUSION_SCALES}, got {self.fusion_scale!r}")
+
+
+class FPPLPrompt(CodaPrompt):
+    """One prompt per task, fused by a cosine-linear layer on the query (eq. 2).
+
+    Parameters (all travel in the trainable state as ``prompt.*``):
+
+    * ``p{layer}`` (T, L, D): task ``t``'s prompt for block ``layer`` is row ``t``;
+    * ``fusion`` (T, D): the cosine-linear layer ``psi``; row ``t`` scores task ``t``;
+    * ``fusion_scale`` (1,): multiplies the cosine; stays 1 unless
+      ``fppl.fusion-scale = "learnable"`` (the authors' code);
+    * buffer ``hard_selection`` (1,): 1 selects the argmax task prompt instead of the
+      softmax fusion (the "w/o fusion" ablation). It is a buffer so that the switch
+      travels with the parameters: clients and the server's evaluator build the model
+      from the prompt class alone, without the method options.
+
+    ``pool_size`` is accepted for the shared constructor signature and ignored: FPPL
+    has exactly one prompt per task.
+    """
+
+    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+        nn.Module.__init__(self)  # not CodaPrompt.__init__: none of its components/keys/attention
+        self.embed_dim, self.layers, self.pool_size = embed_dim, list(layers), pool_size
+        self.length, self.num_tasks = length, num_tasks
+        self.per_task = 1
+        self.task = 0
+        for layer in self.layers:
+            # Uniform in [-1, 1], as the authors' FedPrompt ("uniformly initialized", paper).
+            self.register_parameter(f"p{layer}", nn.Parameter(torch.empty(num_tasks, length, embed_dim).uniform_(-1, 1)))
+        bound = 1.0 / math.sqrt(embed_dim)  # CosineLinear's init
+        self.fusion = nn.Parameter(torch.empty(num_tasks, embed_dim).uniform_(-bound, bound))
+        self.fusion_scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("hard_selection", torch.zeros(1))
+
+    # -- task bookkeeping -------------------------------------------------------
+    def slice_of(self, task: int) -> slice:
+        """Rows of ``p{layer}`` and ``fusion`` that belong to ``task``."""
+        return slice(task, task + 1)
+
+    def init_task_slice(self, task: int, generator: torch.Generator, orthogonal: bool = True) -> None:
+        """Task 0: uniform random prompt. Task t > 0: copy of task t-1's prompt (p_t <- p_{t-1}).
+
+        ``orthogonal`` is CODA-P's and has no meaning here.
+        """
+        with torch.no_grad():
+            for layer in self.layers:
+                param = getattr(self, f"p{layer}")
+                if task == 0:
+                    param[0] = torch.rand(param[0].shape, generator=generator) * 2 - 1
+                else:
+                    param[task] = param[task - 1]
+
+    # -- fusion -------------------------------------------------------------------
+    def task_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """g_psi(q): scaled cosine of the query with every task's row of psi, (B, T)."""
+        return self.fusion_scale * (F.normalize(query, dim=-1) @ F.normalize(self.fusion, dim=-1).T)
+
+    def weights(self, query: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Fusion weights (B, T): softmax over seen tasks 0..task, exactly 0 for unseen tasks.
+
+        With ``hard_selection`` set, a one-hot of the argmax over seen tasks instead.
+        """
+        scores = self.task_scores(query)
+        seen = torch.arange(self.num_tasks, device=scores.device) <= self.task
+        scores = scores.masked_fill(~seen[None, :], float("-inf"))
+        if bool(self.hard_selection.item()):
+            return F.one_hot(scores.argmax(dim=1), self.num_tasks).to(scores.dtype)
+        return torch.softmax(scores, dim=1)
+
+    def task_prompts(self, layer: int) -> torch.Tensor:
+        """Prompts of tasks 0..task (task+1, L, D); finished tasks' detached while training."""
+        param = getattr(self, f"p{layer}")
+        if self.training:
+            return torch.cat([param[: self.task].detach(), param[self.task : self.task + 1]], dim=0)
+        return param[: self.task + 1]
+
+    def forward(self, query: torch.Tensor, layer: int) -> torch.Tensor:
+        """Fused prompt (B, L, D) for ``layer``: sum_t w_t(q) p_t^(layer) (eq. 2)."""
+        w = self.weights(query)[:, : self.task + 1]
+        return torch.einsum("bt,tld->bld", w, self.task_prompts(layer))
+
+    def orthogonality_penalty(self) -> torch.Tensor:
+        """CODA-P's regulariser does not apply to FPPL."""
+        return torch.zeros(())
 
 
 # ---------------------------------------------------------------------------- prototype sets

@@ -50,7 +50,9 @@ def tiny() -> ExperimentConfig:
 @contextlib.contextmanager
 def flower_task_identity():
     """Flower's process identity, which building Message objects outside a run needs."""
-    from flwr.supercore.task_identity import TaskIdentity
+    from common.flower_internals import internal
+
+    TaskIdentity = internal("task_identity")
 
     saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1

@@ -142,8 +142,13 @@ def test_fashion_mnist_reader_on_idx_files(tmp_path):
         _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
     data = load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
     assert data.train.images.shape == (40, 1, 28, 28) and len(data.test) == 20
-    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"corrupt")
-    with pytest.raises(DataError, match="cannot read"):
+    labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    good = labels.read_bytes()
+    labels.write_bytes(b"corrupt")  # the error names the file, what is wrong, and the fix
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte.gz: not a readable idx file .*re-install"):
+        load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
+    labels.write_bytes(good[: len(good) // 2])  # cut short, as an interrupted download leaves it
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte.gz: truncated gzip \(EOFError"):
         load_dataset(tiny_config(dataset="fashion-mnist", data_dir=str(tmp_path)))
 
 

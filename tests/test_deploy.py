@@ -38,7 +38,9 @@ from tests.conftest import TINY, tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 VENV_BIN = Path(sys.executable).parent
-NUM_NODES = 3
+NUM_HONEST = 3  # nodes with a share of the digits each
+NUM_NODES = NUM_HONEST + 1  # and one hostile node (tests/hostile_app.py): inflated counts, bounded by the server
+HOSTILE = NUM_NODES  # node<HOSTILE> is the hostile one
 
 # The tiny two-task run the deployed federation executes (deploy/run.toml's keys, tiny sizes).
 RUN = {
@@ -202,7 +204,8 @@ def deployment(tmp_path_factory) -> Deployment:
     root = tmp_path_factory.mktemp("deploy")
     env = script_env(FLWR_HOME=str(root / "cli-home"))
     # Each node's data directory: a disjoint share of the digits as PNG folders.
-    export_digits(root / "data", NUM_NODES)
+    export_digits(root / "data", NUM_HONEST)
+    app = hostile_app_dir(root / "app")
     for cmd in (["make-certs.sh", "--out", "certs", "127.0.0.1"],
                 *[["make-node-key.sh", "--out", "keys", f"node{i}"] for i in range(1, NUM_NODES + 1)],
                 ["make-node-key.sh", "--out", "keys", "stranger"]):
@@ -226,9 +229,11 @@ def deployment(tmp_path_factory) -> Deployment:
                       str(root / "certs/ca.crt"))
         tap_port = tap.start()
         for i in range(1, NUM_NODES + 1):
-            node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"))
+            node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"),
+                                  PROMPTFCL_TEST_HOSTILE="1" if i == HOSTILE else "0")
+            data = f"data/node{i - 1}" if i != HOSTILE else "data/node0"  # a copy of someone's data
             args = ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{tap_port}",
-                    "--ca", "certs/ca.crt", "--key", f"keys/node{i}", "--data-dir", f"data/node{i - 1}",
+                    "--ca", "certs/ca.crt", "--key", f"keys/node{i}", "--data-dir", data,
                     "--config", "run.toml", "--state", f"node{i}", "--port", str(free_port()), "--threads", "1"]
             if i == 1:
                 args += ["--device", "cpu"]  # the others use the default, auto
@@ -237,7 +242,7 @@ def deployment(tmp_path_factory) -> Deployment:
 
         started = time.time()
         submit = run_script("submit-run.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
-                            "--config", str(run_toml), env=env, cwd=root, timeout=1500)
+                            "--config", str(run_toml), "--app", str(app), env=env, cwd=root, timeout=1500)
         finished = time.time()
         procs.remember_descendants()
         output = submit.stdout + submit.stderr
@@ -253,11 +258,27 @@ def deployment(tmp_path_factory) -> Deployment:
         procs.stop_all()
 
 
+def hostile_app_dir(out: Path) -> Path:
+    """This app with tests/hostile_app.py as its ClientApp (every node runs it; only the node whose
+    environment says so misbehaves)."""
+    import shutil
+
+    for package in ("common", "client", "server", "strategies"):
+        shutil.copytree(ROOT / package, out / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (out / "tests").mkdir()
+    for name in ("__init__.py", "helpers.py", "hostile_app.py"):
+        if (ROOT / "tests" / name).exists():
+            shutil.copy(ROOT / "tests" / name, out / "tests" / name)
+    text = (ROOT / "pyproject.toml").read_text()
+    (out / "pyproject.toml").write_text(text.replace('clientapp = "client.app:app"', 'clientapp = "tests.hostile_app:app"'))
+    return out
+
+
 def seen_test_images(data_root: Path, task: int, seed: int = 0) -> int:
-    """Held-out images of the classes seen up to ``task`` across all node folders."""
+    """Held-out images of the classes seen up to ``task`` across the honest nodes' folders."""
     seen = class_order(10, seed)[: (task + 1) * 5]  # original digits of remapped classes 0..(task+1)*5-1
     return sum(len(list((data_root / f"node{i}" / "test" / str(d)).glob("*.png")))
-               for i in range(NUM_NODES) for d in seen)
+               for i in range(NUM_HONEST) for d in seen)
 
 
 @pytest.mark.deploy
@@ -267,21 +288,37 @@ def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deploym
     assert len(acc) == 2 and acc[1][0] is None and acc[0][0] is not None and acc[1][1] is not None
     assert all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
     assert [x["server_round"] for x in r["rounds"]] == [1, 2]
+    hostile = hostile_node_id(deployment)
     for rnd in r["rounds"]:
-        assert rnd["clients_sampled"] == NUM_NODES and rnd["clients_aggregated"] == NUM_NODES and not rnd["rejected"]
-        # federated evaluation: every node answered; the counts cover exactly the nodes' held-out
-        # images of the classes seen so far (the server itself holds no data)
-        assert rnd["eval_nodes"] == NUM_NODES and not rnd["eval_failed"]
+        # the hostile node's claim of 10^12 samples exceeds what it declared: excluded, under its own id
+        assert rnd["clients_sampled"] == NUM_NODES and rnd["clients_aggregated"] == NUM_HONEST
+        assert [(x["node"], "exceeds the node's declared train-size" in x["reason"]) for x in rnd["rejected"]] \
+            == [(hostile, True)]
+        # federated evaluation: every honest node answered; the counts cover exactly their held-out
+        # images of the classes seen so far (the server itself holds no data); the hostile node's
+        # inflated counts (10^9 correct of 10^9) are left out
+        assert rnd["eval_nodes"] == NUM_HONEST
+        assert [(x["node"], "declared test-size" in x["reason"]) for x in rnd["eval_failed"]] == [(hostile, True)]
         assert rnd["eval_test_size"] == seen_test_images(deployment.root / "data", rnd["task"])
         assert rnd["client_process_seconds_max"] > 0  # a fresh ClientApp process per message
-        # deployed placement: each node reports its own Flower node id, the id the server sent to
-        assert len({p["node"] for p in rnd["placement"]}) == NUM_NODES
-        assert all(int(p["node"]) & ((1 << 62) - 1) == p["client"] for p in rnd["placement"])
-        assert {p["device"] for p in rnd["placement"]} == {"cpu"}
+        # deployed placement: each accepted node reports its own Flower node id, the id the server sent to
+        placed = [p for p in rnd["placement"] if p["node"] is not None]
+        assert len({p["node"] for p in placed}) == NUM_HONEST and len(rnd["placement"]) == NUM_NODES
+        assert all(int(p["node"]) & ((1 << 62) - 1) == p["client"] for p in placed)
+        assert {p["device"] for p in placed} == {"cpu"}
+    assert all(v < 100.0 for row in acc for v in row if v is not None)  # not the hostile node's 100 %
     assert r["dataset"]["train_size"] is None and "held by the nodes" in r["backbone"]
     assert r["config"]["population"] == "nodes" and r["config"]["evaluation"] == "federated"
     # the ServerApp's log reached the submitter (flwr run --stream)
     assert "results written to" in deployment.submit_output
+
+
+def hostile_node_id(deployment: Deployment) -> int:
+    """The Flower node id of the hostile SuperNode (its log names it)."""
+    import re
+
+    text = (deployment.root / f"node{HOSTILE}.log").read_text(errors="replace")
+    return int(re.search(r"SuperNode ID:? *(\d+)", text).group(1))
 
 
 @pytest.mark.deploy
@@ -290,11 +327,12 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     import torch
 
     from common.model import CodaPrompt, build_backbone
-    from server.loop import server_model_without_data
+    from common.model import initial_trainable_state
+    from common.records import to_array_record
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
-    trainable = server_model_without_data(cfg, CodaPrompt)
+    trainable = to_array_record(initial_trainable_state(cfg, CodaPrompt))
     shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
     backbone, _ = build_backbone(cfg)
     backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
@@ -309,7 +347,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
 
     for direction, kind, content in messages:
         assert content is not None, f"{direction} {kind} message without content"
-        assert set(content.keys()) <= {"arrays", "config", "metrics"}, sorted(content.keys())
+        assert set(content.keys()) <= {"arrays", "config", "metrics", "placement"}, sorted(content.keys())
         for name, record in content.array_records.items():
             assert set(record.keys()) <= set(shapes), f"{direction} {kind}: unexpected arrays {set(record) - set(shapes)}"
             for arr_name in record.keys():
@@ -323,22 +361,24 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
                     assert len(value) <= 64, f"{direction} {kind}: {key} carries {len(value)} values"
         if direction == "s2c":
             assert set(content["arrays"].keys()) == set(shapes)  # the whole prompt + head, nothing else
-        elif kind == "train":
-            assert set(content.keys()) == {"arrays", "metrics"}
-        else:  # evaluation replies: counts only
+        elif kind == "train":  # the update, its metrics, and where it was trained
+            assert set(content.keys()) == {"arrays", "metrics", "placement"}
+            assert set(content["placement"].keys()) == {"node", "device"}
+        else:  # evaluation replies: counts only (and the node's declared data sizes)
             assert set(content.keys()) == {"metrics"}
-            assert set(content["metrics"].keys()) == {"correct", "total", "num-examples"}
+            assert set(content["metrics"].keys()) == {"correct", "total", "num-examples", "train-size", "test-size"}
 
     # every object on the wire belongs to one of those messages (nothing smuggled beside them)
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: F401
-    from flwr.supercore.inflatable.inflatable_object import get_object_type_from_object_content
+    from common.flower_internals import internal
+
+    get_object_type_from_object_content = internal("object_type")
 
     down, up = wire_objects(deployment.exchanges)
     types = {get_object_type_from_object_content(c) for c in (*down.values(), *up.values())}
     assert types <= {"Message", "RecordDict", "ArrayRecord", "Array", "ArrayChunk", "ConfigRecord", "MetricRecord"}
     # the app bundle nodes fetched: code and text only, no weights, no data
     files = fab_files(deployment.exchanges)
-    assert "pyproject.toml" in files and "client/app.py" in files
+    assert "pyproject.toml" in files and "client/app.py" in files and "tests/hostile_app.py" in files
     assert all(f.startswith(".info/") or f.endswith((".py", ".toml", ".md", ".yaml", ".yml", ".json", ".jsonl"))
                for f in files), files
     assert max(files.values()) < 200_000
@@ -716,7 +756,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     out = root / "server" / "runs" / "killed"
     toml_file(root / "killed.toml", {**RUN, "out-dir": "runs/killed"})
     submit = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.port}",
-              "--ca", "certs/ca.crt", "--config", "killed.toml"]
+              "--ca", "certs/ca.crt", "--config", "killed.toml", "--app", str(root / "app")]
 
     before = train_messages_received(root)
     submitter = procs.start(submit, root / "submit-killed.log", env, cwd=root)

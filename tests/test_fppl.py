@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 
 import numpy as np
 import pytest
@@ -10,16 +9,15 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from client.fppl import (
-    GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLLearner, FPPLOptions, FPPLPrompt, local_prototypes,
-    unified_representation_loss,
-)
+from client.fppl import FPPLLearner, local_prototypes, unified_representation_loss
 from common.config import ConfigError
 from common.model import build_model
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import get_runtime
 from strategies import learner_class, prompt_class, strategy_class
-from strategies.fppl import FPPLStrategy, PrototypeSet, debias_head
+from strategies.fppl import (
+    GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt, FPPLStrategy, PrototypeSet, debias_head,
+)
 from tests.conftest import reply_from, tiny_config
 
 NUM_CLASSES = 10  # digits: 2 tasks x 5 classes in the tiny configuration
@@ -339,7 +337,10 @@ def test_without_pool_debiasing_uses_only_current_prototypes():
 def test_pool_and_global_prototypes_survive_a_checkpoint():
     s, arrays, replies, _ = _biased_setup({})
     s.consolidate(1, arrays, replies)
-    saved = pickle.loads(pickle.dumps(s.state_dict()))
+    from server.checkpoint import _join, _split
+
+    tensors: dict = {}
+    saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it
     restored = FPPLStrategy(s.cfg, NUM_CLASSES, {})
     restored.load_state_dict(saved)
     for a, b in ((s.pool, restored.pool), (s.current, restored.current)):

@@ -282,3 +282,30 @@ def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
     written = json.loads((tmp_path / "results.json").read_text())
     assert written["rounds"][0]["train_loss"] is None and written["rounds"][0]["odd"] == [None, 3]
     assert written["rounds"][0]["non_finite_values"] == 2 and written["non_finite_values"] == 2
+
+
+# ---------------------------------------------------------------------------- before Ray starts
+def test_data_problems_stop_the_run_before_ray_starts_and_name_the_file(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_data import _write_idx
+
+    data = tmp_path / "fmnist"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 20)):
+        _write_idx(data / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 255, (n, 28, 28)))
+        _write_idx(data / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    images = data / "train-images-idx3-ubyte.gz"
+    images.write_bytes(images.read_bytes()[:200])  # an interrupted copy
+    base = [sys.executable, "-m", "server.cli", "simulate", "--out", str(tmp_path / "run"), "--set", 'weights="random"']
+    for extra, expected in (
+        (["--set", 'dataset="fashion-mnist"', "--set", f'data-dir="{data}"'],
+         [str(images), "truncated gzip (EOFError", "re-install"]),
+        (["--set", "num-tasks=7", "--set", "pool-size=21"], ["10 classes, not divisible into num-tasks = 7"]),
+    ):
+        proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert all(e in proc.stderr for e in expected), proc.stderr[-2000:]
+        assert "Flower simulation" not in proc.stderr + proc.stdout  # Ray was never started

@@ -40,12 +40,14 @@ def make_ckpt(server_round: int) -> checkpoint.Checkpoint:
 
 def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     checkpoint.save(make_ckpt(1), tmp_path)
+    real_encode = checkpoint.encode
 
-    def dump_then_die(obj, fh, protocol=None):
-        fh.write(b"half a checkpoint")
+    def write_then_die(fh):
+        fh.write(real_encode(make_ckpt(2))[:100])
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(checkpoint.pickle, "dump", dump_then_die)
+    real_write = checkpoint.write_atomic
+    monkeypatch.setattr(checkpoint, "write_atomic", lambda path, write: real_write(path, write_then_die))
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(make_ckpt(2), tmp_path)
     monkeypatch.undo()
@@ -54,13 +56,67 @@ def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, mon
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint.FILENAME]  # no temporary debris
 
 
+def test_checkpoint_round_trip_keeps_every_value_exactly(tmp_path):
+    """Arrays, strategy state (nested, with arrays), records with NaN and the random states."""
+    import random
+
+    import torch
+
+    ckpt = make_ckpt(3)
+    ckpt.strategy_state = {"task": 1, "class4.means": np.arange(6, dtype=np.float64).reshape(2, 3),
+                           "flags": np.array([True, False]), "nested": {"k": [1, 2.5, "x", None]}}
+    ckpt.rounds = [{"accuracy": float("nan"), "task_accuracies": [1.5, float("inf")], "rejected": []}]
+    ckpt.accuracy_matrix[0, 0] = 42.0
+    ckpt.platform_state = {"node-sizes": {"7": [10, 3]}}
+    checkpoint.save(ckpt, tmp_path)
+    back = checkpoint.load(tmp_path)
+    np.testing.assert_array_equal(back.arrays["head.weight"], ckpt.arrays["head.weight"])
+    assert back.arrays["head.weight"].dtype == np.float32
+    np.testing.assert_array_equal(back.strategy_state["class4.means"], ckpt.strategy_state["class4.means"])
+    assert back.strategy_state["flags"].dtype == bool and back.strategy_state["nested"] == {"k": [1, 2.5, "x", None]}
+    assert np.isnan(back.rounds[0]["accuracy"]) and back.rounds[0]["task_accuracies"][1] == float("inf")
+    np.testing.assert_array_equal(back.accuracy_matrix, ckpt.accuracy_matrix)
+    assert back.platform_state == ckpt.platform_state and back.task_finished is False
+    checkpoint.restore_rng(back.rng)  # the generators continue exactly where they were captured
+    draws = (random.random(), np.random.random(), torch.rand(1).item())
+    checkpoint.restore_rng(ckpt.rng)
+    assert (random.random(), np.random.random(), torch.rand(1).item()) == draws
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / checkpoint.FILENAME).write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="unreadable"):
         checkpoint.load(tmp_path)
-    (tmp_path / checkpoint.FILENAME).write_bytes(pickle.dumps({"version": 99}))
-    with pytest.raises(ConfigError, match="format version"):
+    from safetensors.numpy import save
+
+    (tmp_path / checkpoint.FILENAME).write_bytes(save({"a": np.zeros(2)}))
+    with pytest.raises(ConfigError, match="not a promptfcl checkpoint"):
         checkpoint.load(tmp_path)
+
+
+class _Exploit:
+    """A pickle payload that runs code when loaded: it would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_checkpoint_is_refused_without_running_its_code(tmp_path):
+    marker = tmp_path / "pwned"
+    for name in (checkpoint.LEGACY_FILENAME, checkpoint.FILENAME):  # the old name, and the payload renamed
+        (tmp_path / name).write_bytes(pickle.dumps(_Exploit(marker)))
+        with pytest.raises(ConfigError) as err:
+            checkpoint.load(tmp_path)
+        assert not marker.exists(), "loading a checkpoint executed code from it"
+        assert "runs code" in str(err.value) or "unreadable" in str(err.value)
+        (tmp_path / name).unlink()
+    (tmp_path / checkpoint.LEGACY_FILENAME).write_bytes(pickle.dumps(_Exploit(marker)))
+    with pytest.raises(ConfigError, match="runs code from the file"):
+        checkpoint.load(tmp_path)
+    assert not marker.exists()
 
 
 def test_resume_refuses_a_different_configuration():

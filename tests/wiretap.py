@@ -108,8 +108,10 @@ def _parse(cls: Any, raw: bytes) -> Any:
 
 def wire_objects(exchanges: list[Exchange]) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Object contents by id: (sent to nodes, sent by nodes)."""
-    from flwr.proto.message_pb2 import PullObjectResponse, PushObjectRequest  # noqa: E0611
-    from flwr.supercore.inflatable.inflatable_object import get_object_id
+    from common.flower_internals import internal
+
+    PullObjectResponse, PushObjectRequest = internal("pull_object_response"), internal("push_object_request")
+    get_object_id = internal("object_id")
 
     down: dict[str, bytes] = {}
     up: dict[str, bytes] = {}
@@ -129,8 +131,10 @@ def wire_objects(exchanges: list[Exchange]) -> tuple[dict[str, bytes], dict[str,
 def wire_messages(exchanges: list[Exchange]) -> list[tuple[str, str, Any]]:
     """Every message that crossed the wire: (direction "s2c"/"c2s", message type, RecordDict content)."""
     from flwr.app import Message
-    from flwr.proto.fleet_pb2 import PullMessagesResponse, PushMessagesRequest  # noqa: E0611
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+    from common.flower_internals import internal
+
+    PullMessagesResponse, PushMessagesRequest = internal("pull_messages_response"), internal("push_messages_request")
+    inflate_object_from_contents = internal("inflate_object")
 
     down, up = wire_objects(exchanges)
     out = []
@@ -155,7 +159,9 @@ def wire_messages(exchanges: list[Exchange]) -> list[tuple[str, str, Any]]:
 
 def fab_files(exchanges: list[Exchange]) -> dict[str, int]:
     """Files (name -> size) of the app bundles nodes fetched (``get-fab``)."""
-    from flwr.proto.fab_pb2 import GetFabResponse  # noqa: E0611
+    from common.flower_internals import internal
+
+    GetFabResponse = internal("get_fab_response")
 
     files: dict[str, int] = {}
     for ex in exchanges:

@@ -1,0 +1,95 @@
+"""Every name promptfcl takes from Flower's internals, behind one door.
+
+Flower's public API (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``, ``flwr.simulation``,
+``flwr.server.strategy``) does not offer these yet. Nothing else in the project imports them:
+each is looked up here by :func:`internal`, with the public API that would replace it, so an
+upgrade of Flower that removes or moves one fails with a message naming it, and
+``tests/test_layers.py`` lists them all at once (one of the reasons ``flwr`` is pinned below
+1.43 in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+
+class Internal(NamedTuple):
+    module: str
+    attribute: str
+    used_for: str
+    public_replacement: str
+
+
+INTERNALS: dict[str, Internal] = {
+    "run_simulation": Internal(
+        "flwr.simulation.run_simulation", "_run_simulation",
+        "promptfcl simulate: run ServerApp + ClientApp in Ray with a resolved run config and our Ray instance",
+        "flwr.simulation.run_simulation takes no app directory, so nodes would get an empty run config; "
+        "`flwr run` with a local SuperLink (make flwr-run) is the public path"),
+    "simulation_exit_event": Internal(
+        "flwr.supercore.telemetry", "EventType",
+        "the exit event _run_simulation requires (telemetry is off)",
+        "none needed once the public run_simulation takes an app directory"),
+    "nested_objects": Internal(
+        "flwr.supercore.inflatable.inflatable_object", "get_all_nested_objects",
+        "bytes per message measured as Flower serialises them (common/records.py payload_bytes)",
+        "a public per-message byte count (Message or RecordDict size)"),
+    "object_id": Internal(
+        "flwr.supercore.inflatable.inflatable_object", "get_object_id",
+        "tests: identify message objects seen on the wire", "none (wire format is internal by nature)"),
+    "object_type": Internal(
+        "flwr.supercore.inflatable.inflatable_object", "get_object_type_from_object_content",
+        "tests: check that only message objects cross the wire", "none (wire format is internal by nature)"),
+    "inflate_object": Internal(
+        "flwr.supercore.inflatable.inflatable_utils", "inflate_object_from_contents",
+        "tests: decode messages recorded on the wire", "none (wire format is internal by nature)"),
+    "pull_object_response": Internal("flwr.proto.message_pb2", "PullObjectResponse", "tests: wire decoding", "none"),
+    "push_object_request": Internal("flwr.proto.message_pb2", "PushObjectRequest", "tests: wire decoding", "none"),
+    "pull_messages_response": Internal("flwr.proto.fleet_pb2", "PullMessagesResponse", "tests: wire decoding", "none"),
+    "push_messages_request": Internal("flwr.proto.fleet_pb2", "PushMessagesRequest", "tests: wire decoding", "none"),
+    "get_fab_response": Internal("flwr.proto.fab_pb2", "GetFabResponse", "tests: the app bundle nodes fetch", "none"),
+    "parse_config_args": Internal(
+        "flwr.common.config", "parse_config_args",
+        "python -m client.node_data check: read --node-config exactly as flower-supernode does",
+        "a public parser of `--node-config` / `--run-config` strings"),
+    "task_identity": Internal(
+        "flwr.supercore.task_identity", "TaskIdentity",
+        "tests: a process identity, without which Message objects cannot be built outside a run",
+        "Message construction that does not need a running task"),
+    "superlink_main": Internal(
+        "flwr.superlink.cli", "flower_superlink",
+        "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",
+        "a keep-alive option of flower-superlink"),
+}
+
+
+def internal(name: str) -> Any:
+    """The Flower object registered as ``name`` in :data:`INTERNALS`.
+
+    Raises
+    ------
+    ImportError
+        Naming the missing module or attribute, what promptfcl uses it for, and what would replace it.
+    """
+    entry = INTERNALS[name]
+    try:
+        return getattr(importlib.import_module(entry.module), entry.attribute)
+    except (ImportError, AttributeError) as exc:
+        import flwr
+
+        raise ImportError(
+            f"Flower {getattr(flwr, '__version__', '?')} has no {entry.module}.{entry.attribute} "
+            f"(promptfcl uses it for {entry.used_for}; public replacement: {entry.public_replacement}); "
+            "see common/flower_internals.py") from exc
+
+
+def missing_internals() -> list[str]:
+    """Every registered name the installed Flower lacks (empty when all are there)."""
+    missing = []
+    for name in INTERNALS:
+        try:
+            internal(name)
+        except ImportError as exc:
+            missing.append(str(exc))
+    return missing

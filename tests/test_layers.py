@@ -1,0 +1,88 @@
+"""The code's structure: layers, no import cycles, Flower's internals behind one door.
+
+Every import statement is read from the source (those inside functions included), so an
+import hidden in a function cannot break the layering unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: common <- strategies <- client <- server: a package may import only those at or left of it
+LAYERS = ["common", "strategies", "client", "server"]
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, at any depth (not those only type checkers run)."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and
+                 isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                 for stmt in block.body for n in ast.walk(stmt)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def project_modules() -> dict[str, Path]:
+    return {f"{p.parent.name}.{p.stem}": p for layer in LAYERS for p in sorted((ROOT / layer).glob("*.py"))
+            if p.stem != "__init__"} | {layer: ROOT / layer / "__init__.py" for layer in LAYERS}
+
+
+def test_no_import_goes_against_the_layers():
+    bad = []
+    for name, path in project_modules().items():
+        own = LAYERS.index(name.split(".")[0])
+        for line, module in imports_of(path):
+            top = module.split(".")[0]
+            if top in LAYERS and LAYERS.index(top) > own:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not bad, "imports against common <- strategies <- client <- server:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_cycles_between_modules():
+    modules = project_modules()
+    graph = {name: {m for _, m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+    cycles = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        for nxt in graph[node]:
+            if nxt in stack:
+                cycle = stack[stack.index(nxt):]
+                start = cycle.index(min(cycle))
+                cycles.add(" -> ".join(cycle[start:] + cycle[:start] + [min(cycle)]))
+            elif len(stack) < 12:
+                visit(nxt, stack + [nxt])
+
+    for name in graph:
+        visit(name, [name])
+    assert not cycles, "import cycles (imports inside functions included):\n  " + "\n  ".join(sorted(cycles))
+
+
+def test_flower_internals_are_used_only_through_one_module():
+    """Names outside Flower's public API come from common/flower_internals.py only."""
+    public = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.server.strategy.aggregate")
+    bad = []
+    for folder in (*LAYERS, "tests", "deploy"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name == "flower_internals.py":
+                continue
+            for line, module in imports_of(path):
+                if module.split(".")[0] == "flwr" and not module.startswith(public) and module != "flwr":
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not bad, "Flower internals imported directly; add them to common/flower_internals.py:\n  " + "\n  ".join(bad)
+
+
+def test_every_flower_internal_promptfcl_uses_exists():
+    """Fails with every missing name and its public replacement after a Flower upgrade."""
+    from common.flower_internals import missing_internals
+
+    missing = missing_internals()
+    assert not missing, "the installed Flower lacks:\n  " + "\n  ".join(missing)
