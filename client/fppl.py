@@ -18,7 +18,6 @@ The pieces both sides share (the prompt module :class:`FPPLPrompt`, the options
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
