@@ -228,9 +228,29 @@ class CodaPrompt(nn.Module):
 
 
 # ---------------------------------------------------------------------------- prompted ViT
+def check_blocks(backbone: nn.Module, layers: list[int]) -> None:
+    """Refuse a backbone whose prompted blocks the prefix / prompt path would not reproduce.
+
+    ``_block_forward`` re-implements timm's ``vision_transformer.Block`` and ``Attention``
+    forward (pre-norm, layer scale, drop path; q/k norm, scale norm, gated output); any other
+    block or attention class (or a subclass that may change the forward) is refused rather
+    than silently run without what it adds.
+    """
+    from timm.models.vision_transformer import Attention, Block
+
+    for i in layers:
+        block = backbone.blocks[i]
+        if type(block) is not Block or type(getattr(block, "attn", None)) is not Attention:
+            raise ConfigError(
+                f"block {i} of this backbone is {type(block).__module__}.{type(block).__name__} with attention "
+                f"{type(getattr(block, 'attn', None)).__name__}; prompts are inserted only into timm's "
+                "vision_transformer Block / Attention, whose forward the prompted path reproduces")
+
+
 def _prefix_attention(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
     """timm Attention forward with optional prefix keys/values (B, L, D), L split in halves."""
     B, N, _ = x.shape
+    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
     qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
@@ -242,6 +262,8 @@ def _prefix_attention(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | N
     out = F.scaled_dot_product_attention(q, k, v)
     out = out.transpose(1, 2).reshape(B, N, attn.attn_dim if hasattr(attn, "attn_dim") else -1)
     out = attn.norm(out) if hasattr(attn, "norm") else out
+    if gate is not None:
+        out = out * gate
     return attn.proj_drop(attn.proj(out))
 
 
@@ -266,6 +288,7 @@ class PromptedViT(nn.Module):
         bad = [layer for layer in prompt.layers if layer >= depth]
         if bad:
             raise ConfigError(f"prompt-layers {bad} do not exist in a backbone of depth {depth}")
+        check_blocks(backbone, prompt.layers)
         if mode == "prefix" and self.embed_dim % backbone.blocks[0].attn.num_heads:
             raise ConfigError("embed dim not divisible by heads")
         self.head = nn.Linear(self.embed_dim, num_classes)

@@ -146,3 +146,54 @@ def test_same_seed_builds_identical_models():
     for (n, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(pa, pb), n
     assert not torch.equal(a.backbone.pos_embed, c.backbone.pos_embed)
+
+
+# ---------------------------------------------------------------------------- timm's blocks, reproduced
+def _backbones_in_use() -> list[str]:
+    """Every backbone a configuration names (the paper configs and the offline default)."""
+    import tomllib
+    from pathlib import Path
+
+    from common.config import ExperimentConfig
+
+    names = {ExperimentConfig().backbone}
+    for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
+        names.add(tomllib.loads(path.read_text()).get("backbone", ExperimentConfig().backbone))
+    return sorted(names)
+
+
+@pytest.mark.parametrize("backbone", _backbones_in_use())
+def test_the_unprompted_path_equals_timms_own_forward(backbone):
+    """With no prompt, the prefix path of every block (and the whole prompted forward with the
+    prompts zeroed) gives timm's own output: nothing timm's forward does is dropped."""
+    from common.config import ExperimentConfig
+    from common.model import _block_forward, build_backbone
+
+    small = backbone == ExperimentConfig().backbone
+    cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
+                                                             "depth": 0, "num-heads": 0}))
+    model, _ = build_backbone(cfg)
+    x = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+        for block in model.blocks:
+            torch.testing.assert_close(_block_forward(block, tokens, None), block(tokens), atol=1e-5, rtol=1e-5)
+            tokens = block(tokens)
+
+
+def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
+    from timm.models.vision_transformer import Block
+
+    from common.config import ConfigError
+    from common.model import CodaPrompt, PromptedViT, build_backbone
+
+    class OtherBlock(Block):  # a subclass may change the forward: refused, not silently run
+        pass
+
+    cfg = tiny_config()
+    backbone, _ = build_backbone(cfg)
+    old = backbone.blocks[1]
+    backbone.blocks[1] = OtherBlock(old.attn.qkv.in_features, old.attn.num_heads)
+    with pytest.raises(ConfigError, match="block 1 of this backbone"):
+        PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0, 1], 4, 4, 2), 10)
+    PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0], 4, 4, 2), 10)  # block 1 unprompted: fine
