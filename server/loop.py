@@ -98,7 +98,7 @@ class FederatedEvaluator:
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
         replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
-        sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
+        sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
         counts: list[tuple[np.ndarray, np.ndarray]] = []
         failed = []
         for reply in replies:
@@ -112,9 +112,8 @@ class FederatedEvaluator:
                 failed.append({"node": node, "reason": result})
             else:
                 counts.append(result)
-        answered = {r.metadata.reply_to_message_id for r in replies}
         failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
-                   for m in messages if m.metadata.message_id not in answered]
+                   for m in unanswered(messages, replies)]
         for f in failed:
             log.warning("evaluation on node %s left out: %s", f["node"], f["reason"])
         total = np.sum([t for _, t in counts], axis=0) if counts else np.zeros(task + 1, np.int64)
@@ -130,6 +129,12 @@ class FederatedEvaluator:
             log.warning("no node returned evaluation counts for task %d", task + 1)
             return accuracies(np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64))
         return pooled_accuracies(counts, cfg.max_client_weight)
+
+
+def unanswered(messages: list[Message], replies: list[Message]) -> list[Message]:
+    """The messages no reply answers (by message id, which Flower's grids set when sending)."""
+    answered = {r.metadata.reply_to_message_id for r in replies}
+    return [m for m in messages if m.metadata.message_id not in answered]
 
 
 def pooled_accuracies(counts: list[tuple[np.ndarray, np.ndarray]], cap: float) -> np.ndarray:
@@ -392,10 +397,9 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
         device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
-        answered = {m.metadata.reply_to_message_id for m in replies}
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
         rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
-                      "attempt": attempt} for m in messages if m.metadata.message_id not in answered]
+                      "attempt": attempt} for m in unanswered(messages, replies)]
         if new_arrays is not None:
             break
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,

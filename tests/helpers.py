@@ -45,11 +45,16 @@ class InProcessGrid:
         run the project's ClientApp.
     node_configs : dict, optional
         A node id -> its ``node_config``.
+    dead : dict, optional
+        A node id -> how it is dead: "silent" (no reply, as at a timeout) or "lost" (an error
+        reply made by the SuperLink, under the SuperLink's node id 0, as Flower reports a
+        node that disappeared).
     """
 
     def __init__(self, cfg: ExperimentConfig, nodes: int, apps: dict[int, ClientApp] | None = None,
-                 node_configs: dict[int, dict[str, Any]] | None = None) -> None:
+                 node_configs: dict[int, dict[str, Any]] | None = None, dead: dict[int, str] | None = None) -> None:
         self.node_ids = [1001 + i for i in range(nodes)]
+        self.dead = dict(dead or {})
         self.default_app = client_app()
         self.apps = dict(apps or {})
         self.contexts = {n: Context(run_id=1, node_id=n, node_config=dict((node_configs or {}).get(n, {})),
@@ -65,6 +70,13 @@ class InProcessGrid:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's grids do when sending
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
+            if self.dead.get(node) == "silent":
+                continue
+            if self.dead.get(node) == "lost":
+                reply = Message(Error(code=0, reason="node lost"), reply_to=msg)
+                reply.metadata.__dict__["_src_node_id"] = 0  # made by the SuperLink
+                replies.append(reply)
+                continue
             app = self.apps.get(node, self.default_app)
             try:
                 reply = app(msg, self.contexts[node])
@@ -74,12 +86,13 @@ class InProcessGrid:
         return replies
 
 
-def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, ClientApp] | None = None) -> dict[str, Any]:
+def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, ClientApp] | None = None,
+                   dead: dict[int, str] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
     from server.loop import finish, run_experiment
     from server.report import write_outputs
 
-    grid = InProcessGrid(cfg, nodes, apps)
+    grid = InProcessGrid(cfg, nodes, apps, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
     write_outputs(results, cfg.out_dir)
     finish(cfg, results)

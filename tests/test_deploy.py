@@ -614,10 +614,12 @@ def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_p
 
 
 class FakeGrid:
-    """A Grid whose nodes answer evaluation messages with given counts (or an error)."""
+    """A Grid whose nodes answer evaluation messages with given counts (or an error), declaring
+    ``test_size`` held-out samples (default: the sum of their totals)."""
 
-    def __init__(self, answers: dict[int, tuple[list[int], list[int]] | str]) -> None:
+    def __init__(self, answers: dict[int, tuple[list[int], list[int]] | str], test_size: dict[int, int] | None = None) -> None:
         self.answers = answers
+        self.test_size = test_size or {}
         self.sent: list = []
 
     def get_node_ids(self):
@@ -635,8 +637,10 @@ class FakeGrid:
                 out.append(reply_from(m.metadata.dst_node_id, error=answer))
             else:
                 correct, total = answer
-                out.append(reply_from(m.metadata.dst_node_id, RecordDict({"metrics": MetricRecord(
-                    {"correct": correct, "total": total, "num-examples": sum(total)})})))
+                node = m.metadata.dst_node_id
+                out.append(reply_from(node, RecordDict({"metrics": MetricRecord(
+                    {"correct": correct, "total": total, "num-examples": sum(total), "train-size": 100,
+                     "test-size": self.test_size.get(node, sum(total))})})))
         return out
 
 
@@ -656,6 +660,35 @@ def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
     evaluator(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
     rec = evaluator.last_record
     assert rec["eval_nodes"] == 2 and rec["eval_test_size"] == 50 and len(rec["eval_failed"]) == 2
+
+
+def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
+    """Counts beyond what a node declared, correct above total, and one node's weight above
+    max-client-weight: none of them decides the accuracy."""
+    from common.records import to_array_record
+    from server.loop import FederatedEvaluator
+    from strategies.fedavg import FedAvgPrompt
+
+    cfg = nodes_config(evaluation="federated", num_classes=10)
+    strategy = FedAvgPrompt(cfg, 10)
+    head = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
+    honest = {11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: ([3, 3], [10, 10])}
+    FederatedEvaluator(FakeGrid(honest), strategy)(head, 1)  # each node declares its sizes once
+    inflated = {**honest, 14: ([10**9, 10**9], [10**9, 10**9])}
+    evaluator = FederatedEvaluator(FakeGrid(inflated, test_size={14: 20}), strategy)
+    acc = evaluator(head, 1)
+    np.testing.assert_allclose(acc, [100 * 18 / 40, 100 * 13 / 30])  # node 14 left out
+    assert [f["node"] for f in evaluator.last_record["eval_failed"]] == [14]
+    assert "declared test-size 20" in evaluator.last_record["eval_failed"][0]["reason"]
+    # a node within its declaration but holding most of a task's samples weighs at most one half
+    big = {**honest, 15: ([0, 0], [1000, 10])}
+    acc = FederatedEvaluator(FakeGrid(big), strategy)(head, 1)
+    assert acc[0] == pytest.approx(100 * (0.5 * 0.0 + 0.5 * 18 / 40))  # capped: the others share the rest
+    assert acc[1] == pytest.approx(100 * 13 / 40)  # no node above half of task 2's samples: pooled as is
+    bad = {**honest, 16: ([11, 0], [10, 10])}
+    evaluator = FederatedEvaluator(FakeGrid(bad), strategy)
+    evaluator(head, 1)
+    assert "correct > total" in evaluator.last_record["eval_failed"][0]["reason"]
 
 
 def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity):

@@ -248,6 +248,14 @@ def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
         assert [n for n, _ in strategy.rejected] == [node], label
 
 
+@pytest.mark.parametrize("how", ["silent", "lost"])
+def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
+    results = run_in_process(method_config("fedavg", **{"out-dir": str(tmp_path)}), nodes=3, dead={1002: how})
+    for rnd in results["rounds"]:
+        assert [r["node"] for r in rnd["rejected"]] == [1002]
+        assert ("round-timeout" if how == "silent" else "node lost") in rnd["rejected"][0]["reason"]
+
+
 def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity):
     """A node sends NaN losses; the run stops after 2 rounds (its checkpoint kept), results are
     written, and the resumed run ends where the uninterrupted one does."""
