@@ -8,7 +8,11 @@ end to end in seconds where a Ray simulation is not what is being tested.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,6 +23,30 @@ from common.config import ExperimentConfig
 
 #: a Flower mod: (message, context, call_next) -> reply
 Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]
+
+
+def simulate(out: Path, strategy: str = "fedavg", timeout: int = 600, **overrides: Any) -> dict[str, Any]:
+    """Run ``promptfcl simulate`` (a real Ray simulation, in a subprocess) with the tiny test
+    configuration, 2 rounds per task and 3 clients all taking part; return results.json."""
+    from tests.conftest import TINY
+
+    settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
+    args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+class NodeList:
+    """The one Grid query ``configure_train`` makes: which nodes are connected (ids 100, 101, ...)."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self) -> list[int]:
+        return self.ids
 
 
 def client_app(mods: list[Mod] | None = None) -> ClientApp:

@@ -81,6 +81,7 @@ def test_summary_table_of_random_task_runs_has_section_5_1_columns():
 
 
 @pytest.mark.slow
+@pytest.mark.simulation
 def test_paper_dims_runs_a_paper_configuration_at_vit_b16_size(tmp_path):
     """One real simulated round of Fed-CPrompt's CIFAR-100 configuration at the paper's size."""
     from server.bench import paper_dims

@@ -460,6 +460,7 @@ def test_node_without_the_ca_certificate_cannot_connect(deployment):
 
 
 # ----------------------------------------------------------------------------- refusing bad node data
+@pytest.mark.simulation
 def test_start_client_refuses_missing_or_foreign_data(tmp_path):
     env = script_env(PROMPTFCL_CACHE=str(tmp_path / "cache"))
     run_toml = toml_file(tmp_path / "run.toml", RUN)
@@ -568,6 +569,7 @@ print(json.dumps({"computed": c.computed, "loaded": c.loaded, "imports_s": t1 - 
 """
 
 
+@pytest.mark.simulation
 def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
     """Two fresh processes, as two messages in deployment: the second decodes and computes nothing."""
     (node,) = export_digits(tmp_path / "data", 1)

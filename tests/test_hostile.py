@@ -293,6 +293,7 @@ def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
 
 
 # ---------------------------------------------------------------------------- before Ray starts
+@pytest.mark.simulation
 def test_data_problems_stop_the_run_before_ray_starts_and_name_the_file(tmp_path):
     import subprocess
     import sys

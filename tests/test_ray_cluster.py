@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_simulation_e2e import fedavg_run, simulate  # noqa: F401  (module-scoped fixture reused)
+from tests.helpers import simulate
+from tests.test_simulation_e2e import fedavg_run  # noqa: F401  (the module-scoped single-node run, reused)
 
-pytestmark = pytest.mark.ray_cluster
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.simulation]
 
 RAY = Path(sys.executable).parent / "ray"
 

@@ -17,7 +17,7 @@ import pytest
 from common.config import ConfigError
 from server import checkpoint
 from tests.conftest import TINY, tiny_config
-from tests.test_simulation_e2e import simulate
+from tests.helpers import simulate
 
 SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round": 3, "lr": 0.01}
 
@@ -136,6 +136,7 @@ def clean_run(tmp_path_factory) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.simulation
 def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen(cli_args(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -167,8 +168,12 @@ def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
 
 
 @pytest.mark.parametrize("fault, rate", [("nan", 0.4), ("huge-count", 0.4), ("extra-record", 0.4)])
-def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate):
-    results = simulate(tmp_path, **{**SETTINGS, "fault": fault, "fault-rate": rate})
+def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate, flower_identity):
+    """The project's fault injection (a ClientApp mod) in the real ClientApp and server loop, in-process."""
+    from tests.helpers import run_in_process
+
+    cfg = tiny_config(**{**SETTINGS, "fault": fault, "fault-rate": rate, "out-dir": str(tmp_path)})
+    results = run_in_process(cfg, nodes=3)
     rejected = [r for rnd in results["rounds"] for r in rnd["rejected"]]
     assert rejected, "the injected faults should have hit some replies"
     expected = {"nan": "non-finite", "huge-count": "implausible num-examples", "extra-record": "unexpected records"}
@@ -178,6 +183,7 @@ def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate):
         assert all(0 <= a <= 100 for a in rnd["task_accuracies"])  # the global model stayed finite
 
 
+@pytest.mark.simulation
 def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
     """The server stops waiting at round-timeout. A hung simulated client also blocks its Ray
     actor, so later clients queued on that actor may time out too: the run then either
@@ -198,6 +204,7 @@ def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
         assert "fewer than min-replies" in proc.stderr and "no reply before round-timeout" in proc.stderr
 
 
+@pytest.mark.simulation
 def test_all_clients_failing_ends_with_a_clear_error(tmp_path):
     out = tmp_path / "doomed"
     # every client fails (rate 1) on every attempt: no round can be completed

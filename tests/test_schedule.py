@@ -87,7 +87,7 @@ def test_each_client_is_sent_its_own_task(flower_identity):
     import numpy as np
 
     from strategies import strategy_class
-    from tests.test_strategy_base import NodeList
+    from tests.helpers import NodeList
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
     strategy = strategy_class("fedavg")(cfg, 10)

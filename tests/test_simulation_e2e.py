@@ -9,18 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY
+from tests.helpers import simulate
 
-
-def simulate(out: Path, strategy: str = "fedavg", timeout: int = 600, **overrides) -> dict:
-    """Run `promptfcl simulate` with the tiny configuration; return results.json."""
-    settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
-    args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
-    for key, value in settings.items():
-        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "results.json").read_text())
+pytestmark = pytest.mark.simulation
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,7 @@ from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import weighted_average
 from strategies.fedavg import FedAvgPrompt
 from tests.conftest import reply_from, tiny_config
-
-
-class NodeList:
-    """The one Grid query configure_train makes: which nodes are connected."""
-
-    def __init__(self, n: int) -> None:
-        self.ids = list(range(100, 100 + n))
-
-    def get_node_ids(self):
-        return self.ids
+from tests.helpers import NodeList
 
 
 def content(w: float, n: int, shape=(3, 2)):
