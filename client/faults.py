@@ -2,7 +2,8 @@
 
 With ``fault = "<kind>"`` and ``fault-rate = p`` in the run config, each (client, task,
 round) of a train message misbehaves with probability p, decided by the seed, so a run's
-faults are reproducible. The mod sits between Flower and the ClientApp
+faults are reproducible; with ``fault-clients = "3,7"`` those clients misbehave whenever
+they are sampled (a fixed hostile share of the population). The mod sits between Flower and the ClientApp
 (``ClientApp(mods=[inject_faults])``), the mechanism Flower offers for wrapping a client:
 
 * before training: ``raise`` (the client fails), ``hang`` (it sleeps ``fault-hang-seconds``);
@@ -29,7 +30,12 @@ class InjectedFault(RuntimeError):
 
 
 def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> bool:
-    if not cfg.fault or cfg.fault_rate <= 0:
+    """``fault-clients`` set: those clients always; else each (client, task, round) with probability ``fault-rate``."""
+    if not cfg.fault:
+        return False
+    if cfg.fault_clients:
+        return client_id in cfg.fault_client_ids
+    if cfg.fault_rate <= 0:
         return False
     return bool(np.random.default_rng([cfg.seed, client_id, task, round_, 0xFA17]).random() < cfg.fault_rate)
 

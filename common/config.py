@@ -111,6 +111,9 @@ class ExperimentConfig:
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
     fault: str = ""  # one of FAULTS (client/faults.py)
     fault_rate: float = 0.0
+    # "3,7": these clients misbehave in every round they are sampled (a fixed hostile share of
+    # the population); "" with fault-rate: a seeded share of all replies
+    fault_clients: str = ""
     fault_hang_seconds: float = 30.0
 
     # --- simulation resources (server/simulation.py; they do not change what a run computes) ---
@@ -181,6 +184,11 @@ class ExperimentConfig:
     def class_name_list(self) -> list[str]:
         """``class-names`` split at commas (empty list when unset)."""
         return [v.strip() for v in self.class_names.split(",") if v.strip()]
+
+    @property
+    def fault_client_ids(self) -> frozenset[int]:
+        """``fault-clients`` as a set of client ids."""
+        return frozenset(int(v) for v in self.fault_clients.split(",") if v.strip())
 
     @property
     def client_cpus_value(self) -> float | None:
@@ -339,6 +347,13 @@ class ExperimentConfig:
         need(self.max_reply_bytes > 0, "max-reply-bytes must be > 0")
         need(self.fault in FAULTS, f"fault must be one of {FAULTS}, got {self.fault!r}")
         need(0.0 <= self.fault_rate <= 1.0, f"fault-rate must be in [0, 1], got {self.fault_rate}")
+        try:
+            hostile = self.fault_client_ids
+        except ValueError:
+            hostile = frozenset({-1})
+        need(all(0 <= c < self.num_clients for c in hostile),
+             f"fault-clients must be comma-separated client ids below num-clients ({self.num_clients}), "
+             f"got {self.fault_clients!r}")
         need(self.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
         need(self.query_cache_disk in ("auto", "on", "off"),
              f"query-cache-disk must be 'auto', 'on' or 'off', got {self.query_cache_disk!r}")

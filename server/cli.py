@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--attacks", default="huge-values,poison", help="fault kinds (client/faults.py)")
     rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
     rob.add_argument("--seeds", default="0,1")
-    rob.add_argument("--rate", type=float, default=0.2, help="share of replies that are hostile")
+    rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
     cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -226,7 +226,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
                                   f"defences: {', '.join(bench.DEFENCES)}")
             bench.robustness(Path(args.out), base, args.method, attacks, defences,
-                             [int(v) for v in args.seeds.split(",")], args.rate)
+                             [int(v) for v in args.seeds.split(",")], args.share)
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
             bench.perf(Path(args.out), base, populations=pops, methods=tuple(methods))

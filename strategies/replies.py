@@ -8,9 +8,9 @@ reply can do to the model:
   (:data:`REPLY_METRICS`); a missing, mistyped, non-finite or out-of-range field, or one
   that is not declared, excludes the reply;
 * update norms: a reply whose update (its arrays minus what it was sent) is more than
-  ``update-norm-factor`` times the median of the *other* replies' update norms, or above
-  ``max-update-norm``, is excluded (leave-one-out, so two replies are enough to spot one
-  outlier);
+  ``update-norm-factor`` times the round's lower median update norm, or above
+  ``max-update-norm``, is excluded (the lower median is an honest reply's norm while fewer
+  than half of the replies are hostile, and with two replies the smaller one);
 * weights: with ``population = "nodes"`` (counts that the server cannot verify) no reply
   gets more than ``max-client-weight`` of a round's weight once 3 or more replies arrive;
 * combination: sample-weighted mean (FedAvg), or coordinate-wise median or trimmed mean
@@ -93,17 +93,18 @@ def update_norm(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]
 def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list[str | None]:
     """For each norm, why it is an outlier (None: it is not).
 
-    ``factor`` > 0: above ``factor`` times the median of the other norms (needs another
-    reply); ``ceiling`` > 0: above ``ceiling``.
+    ``factor`` > 0: above ``factor`` times the lower median of all the norms (the
+    ceil(n/2)-th smallest: a hostile minority cannot move it, and of two replies it is the
+    smaller); ``ceiling`` > 0: above ``ceiling``.
     """
+    reference = float(np.sort(np.asarray(norms, dtype=np.float64))[(len(norms) - 1) // 2]) if len(norms) else 0.0
     out: list[str | None] = []
-    for i, n in enumerate(norms):
-        others = [m for j, m in enumerate(norms) if j != i]
+    for n in norms:
         if ceiling > 0 and n > ceiling:
             out.append(f"update norm {n:.3g} above max-update-norm = {ceiling:g}")
-        elif factor > 0 and others and n > factor * float(np.median(others)):
-            out.append(f"update norm {n:.3g} above update-norm-factor = {factor:g} x the other replies' "
-                       f"median {float(np.median(others)):.3g}")
+        elif factor > 0 and len(norms) > 1 and n > factor * reference:
+            out.append(f"update norm {n:.3g} above update-norm-factor = {factor:g} x the round's lower median "
+                       f"{reference:.3g}")
         else:
             out.append(None)
     return out

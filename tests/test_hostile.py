@@ -142,6 +142,18 @@ def test_every_wrong_field_is_rejected_with_the_node_and_never_raises(method, fl
     assert clean  # the untouched round aggregated
 
 
+def test_update_norm_outliers_against_the_lower_median():
+    from strategies.replies import norm_outliers
+
+    flagged = norm_outliers([1.0, 1.5, 2.0, 1e30, 5e29], 10, 0)  # two hostile replies of five
+    assert flagged[:3] == [None, None, None] and all("lower median 1.5" in f for f in flagged[3:])
+    two = norm_outliers([1.0, 50.0], 10, 0)  # of two replies, the larger is the outlier
+    assert two[0] is None and "lower median 1" in two[1]
+    assert norm_outliers([1.0, 9.0, 3.0], 10, 0) == [None, None, None]  # within the factor: kept
+    assert norm_outliers([1.0, 2.0], 0, 1.5) == [None, "update norm 2 above max-update-norm = 1.5"]
+    assert norm_outliers([7.0], 10, 0) == [None]
+
+
 def test_weights_of_unverifiable_counts_are_capped():
     np.testing.assert_allclose(capped_weights([1e12, 10, 10, 10], 0.5), [0.5, 1 / 6, 1 / 6, 1 / 6])
     np.testing.assert_allclose(capped_weights([10, 20, 30], 0.5), [1 / 6, 1 / 3, 1 / 2])  # none above: as is
