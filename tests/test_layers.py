@@ -86,3 +86,23 @@ def test_every_flower_internal_promptfcl_uses_exists():
 
     missing = missing_internals()
     assert not missing, "the installed Flower lacks:\n  " + "\n  ".join(missing)
+
+
+def test_another_package_named_like_a_layer_is_reported_clearly(tmp_path):
+    """promptfcl installs `common`, `strategies`, `client` and `server` as top-level names (Flower
+    loads components by module path from the app directory); a foreign package of one of those
+    names must give a clear error, not a confusing import failure later."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "common"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-c", "import server.cli"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "another installed package uses the top-level name `common`" in proc.stderr
