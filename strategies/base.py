@@ -97,6 +97,7 @@ class PromptStrategy(FedAvg):
         self.update_norms: list[float] = []  # the last aggregation's accepted update norms
         self.accepted_messages: list[Message] = []  # the last aggregation's accepted replies
         self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
+        self._sent_numpy: tuple[ArrayRecord | None, dict[str, np.ndarray]] = (None, {})
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self.schedule = self.check_schedule(cfg)
@@ -364,7 +365,11 @@ class PromptStrategy(FedAvg):
     def reply_start(self, msg: Message) -> dict[str, np.ndarray] | None:
         """The arrays the reply's client started from (its update is the difference); None: unknown,
         the reply's own norm is used. Methods whose payload differs per client override it."""
-        return None if self.sent_arrays is None else from_array_record(self.sent_arrays)
+        if self.sent_arrays is None:
+            return None
+        if self._sent_numpy[0] is not self.sent_arrays:  # decoded once per round, not per reply
+            self._sent_numpy = (self.sent_arrays, from_array_record(self.sent_arrays))
+        return self._sent_numpy[1]
 
     def reply_update_norm(self, msg: Message) -> float:
         return update_norm(from_array_record(msg.content[ARRAYS]), self.reply_start(msg))
