@@ -5,7 +5,8 @@ over the current task's classes; this learner
 
 * rebuilds full-size arrays from the server's per-client payload (only the slices of its
   local pool and its task's head rows travel) and restricts the prompt module to that local
-  pool (eq. 4, :class:`PowderPrompt`);
+  pool (eq. 4, :class:`PowderPrompt`), its own slice's change mixed into every local slice
+  with eq. 3's weights (``powder-own-weights``);
 * when the server asks (``powder-measure``), measures before training the average
   prompt-selection weights alpha (eq. 6) of its current task and of the task it has just
   finished, per task and per class, over the whole pool it was sent;
@@ -15,8 +16,8 @@ over the current task's classes; this learner
   sample weighted by beta = softmax over the batch of its class's total correlation
   sum_i G_class[y, i]. ``distillation = "classic"`` uses plain KD over all the task's
   classes instead (Table 5, DIS);
-* replies only its task's slice of every prompt array and its task's head rows, plus the
-  ``powder-alpha`` record.
+* replies only its task's slice of every prompt array (the P_hat slice it was sent plus its
+  raw slice's change) and its task's head rows, plus the ``powder-alpha`` record.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from client.learner import Batch, LocalLearner
 from common.data import client_indices, task_classes, task_rows
 from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
 from common.runtime import Runtime
-from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PREVIOUS, PowderOptions, PowderPrompt
+from strategies.powder import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
+                               PowderPrompt)
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -95,6 +97,7 @@ class PowderLearner(LocalLearner):
         super().__init__(runtime, options)
         self.opts = PowderOptions.from_options(self.options)
         self.local_tasks: list[int] = []
+        self.own_weights: dict[int, float] | None = None  # G_task[s, task] per local task s (None: not sent)
         self.measure = False
         self.previous = -1  # the task just finished, measured too (-1: none)
         self.client_id = 0
@@ -149,6 +152,10 @@ class PowderLearner(LocalLearner):
         if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
+        weights = config.get(OWN_WEIGHTS)
+        if weights is not None and len(weights) != len(local):
+            raise ValueError(f"{OWN_WEIGHTS} has {len(weights)} values for the local pool {local}")
+        self.own_weights = None if weights is None else dict(zip(local, (float(w) for w in weights)))
         self.measure = bool(config.get(MEASURE, False))
         self.previous = int(config.get(PREVIOUS, -1))
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
@@ -166,7 +173,7 @@ class PowderLearner(LocalLearner):
         try:
             reply = super().fit(inner, task, round_, client_id)
         finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.local_tasks = None
+            self.prompt.end_round()
             self.teacher = None
         reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
         reply[ALPHA] = self.alpha_record
@@ -174,7 +181,7 @@ class PowderLearner(LocalLearner):
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""
-        self.prompt.local_tasks = list(self.local_tasks)
+        self.prompt.begin_round(self.local_tasks, self.own_weights)
         if self.measure:
             measured = [task] + ([self.previous] if self.previous >= 0 else [])
             self.alpha_record = self.measure_alphas(measured)

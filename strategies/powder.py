@@ -72,6 +72,7 @@ LOCAL_TASKS = "powder-tasks"
 MEASURE = "powder-measure"
 CLASS_CORR = "powder-class-corr"
 PREVIOUS = "powder-previous"
+OWN_WEIGHTS = "powder-own-weights"
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")
 
@@ -121,25 +122,64 @@ class PowderOptions(MethodOptions):
 
 # ---------------------------------------------------------------------------- prompting
 class PowderPrompt(CodaPrompt):
-    """CODA-P prompts restricted to a client's local pool (eq. 4).
+    """CODA-P prompts restricted to a client's local pool (eq. 4), the first step applied in the
+    forward pass.
 
     ``local_tasks`` (set by the client from the server's message; None = plain CODA-P over
-    slices 0..task, as the server's evaluation uses) lists the task slices in use. While
-    training, the current task's slice learns and the others are used detached.
+    slices 0..task, as the server's evaluation uses) lists the task slices in use; the client
+    loads them with the mixed slices of P_hat it was sent. With ``own_weights`` (set by
+    :meth:`begin_round`: ``{s: G_task[s, task]}`` for every local task s) the current task's
+    slice holds the raw slice's *change* on top of the P_hat slice it was sent, and that change
+    enters every local slice with its eq. 3 weight:
+
+        P_local[s] = P_hat[s] + G_task[s, task] * (x - x0)
+
+    where x is the trained slice and x0 the P_hat slice it started from. That is eq. 3
+    applied in the forward pass to the raw slice being trained (Powder, section 4.1 and
+    eq. 8: the client learns its own P_c^t; the authors' code mixes the raw pool the same
+    way inside the forward pass), computed from the k slices of P_hat the client was sent
+    and k weights, so payloads stay eq. 4's. The reply x - x0 is the raw slice's change,
+    which the server adds to its raw pool. While training, slices of other tasks are used
+    detached; only the current task's slice learns.
     """
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__(embed_dim, layers, pool_size, length, num_tasks)
         self.local_tasks: list[int] | None = None
+        self.own_weights: dict[int, float] | None = None
+        self._start: dict[str, torch.Tensor] = {}  # x0: the current task's slice at the start of the round
+
+    def begin_round(self, local_tasks: list[int], own_weights: Mapping[int, float] | None) -> None:
+        """Use the local pool ``local_tasks`` (already loaded); mix the current slice's change
+        into them with ``own_weights`` (None: no mixing, the current slice is used as it is)."""
+        self.local_tasks = list(local_tasks)
+        self.own_weights = None if own_weights is None else {int(t): float(w) for t, w in own_weights.items()}
+        if self.own_weights is not None and set(self.own_weights) != set(self.local_tasks):
+            raise ValueError(f"mixing weights for tasks {sorted(self.own_weights)}, local pool {self.local_tasks}")
+        own = self.slice_of(self.task)
+        self._start = {name: p[own].detach().clone() for name, p in self.named_parameters()}
+
+    def end_round(self) -> None:
+        """Back to plain CODA-P (the runtime's model is shared by every round of the process)."""
+        self.local_tasks, self.own_weights, self._start = None, None, {}
 
     def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
         if self.local_tasks is None:
             return super()._active(kind, layer, train)
-        param = getattr(self, f"{kind}{layer}")
+        name = f"{kind}{layer}"
+        param = getattr(self, name)
+        own = param[self.slice_of(self.task)]
+        change = None if self.own_weights is None else own - self._start[name]
         parts = []
         for t in self.local_tasks:
-            part = param[self.slice_of(t)]
-            parts.append(part if (not train or t == self.task) else part.detach())
+            if change is None:
+                part = param[self.slice_of(t)]
+                parts.append(part if (not train or t == self.task) else part.detach())
+            elif t == self.task:  # eq. 7's diagonal is 1: then the slice is the trained one itself, exactly
+                w = self.own_weights[t]
+                parts.append(own if w == 1.0 else self._start[name] + w * change)
+            else:
+                parts.append(param[self.slice_of(t)].detach() + self.own_weights[t] * change)
         return torch.cat(parts, dim=0)
 
     def pool_rows(self) -> np.ndarray:
@@ -238,6 +278,7 @@ class _Sent:
     local_tasks: list[int]
     expected: ArrayRecord  # the reply's arrays: the task slice of every prompt array, the task's head rows
     measure: tuple[int, ...] = field(default_factory=tuple)  # tasks whose alphas may come back
+    start: dict[str, np.ndarray] = field(default_factory=dict)  # the task's P_hat slice of every prompt array
 
 
 class PowderStrategy(PromptStrategy):
@@ -269,7 +310,8 @@ class PowderStrategy(PromptStrategy):
         self.class_measured = np.zeros(num_classes, dtype=bool)
         self.new_tasks_pending = False  # a task started since the last aggregation: every client measures
         self.global_arrays: ArrayRecord | None = None  # P_g at the start of this round
-        self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round
+        self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round (sent, never stored back)
+        self.mixing = np.eye(cfg.num_tasks)  # the first step's matrix of this round
         self.sent: list[_Sent] = []
         self._payloads: list[tuple] = []  # what client_payload made, in message order
 
@@ -322,7 +364,7 @@ class PowderStrategy(PromptStrategy):
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
         classes = task_classes(self.cfg, task, self.num_classes)
-        out, expected = {}, {}
+        out, expected, start = {}, {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
             if rows is None:  # not task-structured: travels whole
@@ -330,16 +372,20 @@ class PowderStrategy(PromptStrategy):
             elif name.startswith("prompt."):  # the local pool's slices
                 out[name] = np.concatenate([value[self._rows(name, value, t)] for t in local])
                 expected[name] = np.zeros_like(value[rows])
+                start[name] = value[rows].copy()
             else:  # the head rows of the client's task
                 out[name], expected[name] = value[rows], np.zeros_like(value[rows])
         g_class = self.class_correlation()
         config[LOCAL_TASKS] = [int(t) for t in local]
+        # the weight of the client's raw slice in each local slice of P_hat (eq. 3): its change
+        # enters them with these in the client's forward pass (PowderPrompt)
+        config[OWN_WEIGHTS] = [float(self.mixing[s, task]) for s in local]
         config[MEASURE] = bool(measure)
         config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
         config[PREVIOUS] = previous
         content = RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
         measured = (task, previous) if switched else (task,)
-        self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else ()))
+        self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else (), start))
         return content
 
     def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
@@ -356,9 +402,11 @@ class PowderStrategy(PromptStrategy):
         return to_array_record(mixed), pools
 
     def prepare_round(self, arrays: ArrayRecord) -> None:
-        """P_g of this round and its first-step aggregation P_hat (eq. 3)."""
+        """P_g of this round and its first-step aggregation P_hat (eq. 3), for sending only:
+        P_g stays the raw slices, and ``merge`` adds the clients' changes to them."""
         self.global_arrays = arrays
-        self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), self.known_tasks,
+        self.mixing = self.mixing_matrix()
+        self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing, self.known_tasks,
                                                  self.cfg.pool_size, self.cfg.num_tasks)
 
     def state_dict(self) -> dict[str, Any]:
@@ -454,8 +502,9 @@ class PowderStrategy(PromptStrategy):
                         server_round, len(pairs), self.cfg.min_replies)
             return None, None
         weights = np.array([int(c[METRICS]["num-examples"]) for _, c in pairs], dtype=np.float64)
-        merged = self.merge(from_array_record(self.global_arrays),
-                            [(s.task, from_array_record(c[ARRAYS]), w) for (s, c), w in zip(pairs, weights)])
+        base = from_array_record(self.global_arrays)
+        merged = self.merge(base, [(s.task, self.raw_slices(s, from_array_record(c[ARRAYS]), base), w)
+                                   for (s, c), w in zip(pairs, weights)])
         measured_tasks = self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
         if any(s.measure for s, _ in pairs):
             self.new_tasks_pending = False
@@ -471,6 +520,25 @@ class PowderStrategy(PromptStrategy):
             "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in contents], weights=weights)),
         })
         return arrays, metrics
+
+    def raw_slices(self, sent: _Sent, reply: Mapping[str, np.ndarray],
+                   base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A reply's prompt slices as raw slices: P_g[t] + (trained slice - the P_hat slice sent).
+
+        P_g holds the raw per-task slices; eq. 3's mixed slices are only sent. Storing a
+        trained P_hat slice back as the raw slice would apply eq. 3 again every round (the
+        pool grows without bound with eq. 3's unnormalised rows, and the slices of correlated
+        tasks trained together become identical with normalised rows). The client's change is
+        a change of its raw slice (its forward pass mixes it in with eq. 3's weights,
+        PowderPrompt), so it is added to the raw slice; a client that returns what it was
+        sent leaves P_g as it was. Head rows are not mixed and pass through unchanged.
+        """
+        out = dict(reply)
+        for name, start in sent.start.items():
+            rows = self._rows(name, np.asarray(base[name]), sent.task)
+            raw = np.asarray(base[name])[rows].astype(np.float64)
+            out[name] = (raw + (np.asarray(reply[name], np.float64) - start)).astype(np.asarray(base[name]).dtype)
+        return out
 
     def merge(self, base: Mapping[str, np.ndarray],
               updates: list[tuple[int, Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:

@@ -254,9 +254,12 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     stray = reply_from(101, bad_shape)  # answers no message of this round
     arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
     out = from_array_record(arrays)
+    hat = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)  # what the clients were sent
     for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
-        np.testing.assert_allclose(out[name][0:2], (10 * 1.0 + 30 * 3.0) / 40)  # task 0: clients 0 and 2
-        np.testing.assert_allclose(out[name][6:8], 7.0)  # task 3
+        # a raw slice moves by the sample-weighted mean of its clients' changes (trained - P_hat slice sent)
+        change0 = (10 * (1.0 - hat[name][0:2]) + 30 * (3.0 - hat[name][0:2])) / 40  # task 0: clients 0 and 2
+        np.testing.assert_allclose(out[name][0:2], state[name][0:2] + change0, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[name][6:8], state[name][6:8] + 7.0 - hat[name][6:8], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(out[name][2:6], state[name][2:6])  # tasks 1 (rejected) and 2: unchanged
     np.testing.assert_allclose(out["head.weight"][0:2], 2.5)
     np.testing.assert_array_equal(out["head.weight"][2:6], state["head.weight"][2:6])
@@ -265,6 +268,86 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     # alphas sent back unasked are refused
     msgs = configure(s, 6, arrays, 0, 2, 1)
     assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([0], [0])))
+
+
+def echo(msg: Message, shift: dict[int, float] | None = None, n: int = 10) -> Message:
+    """A client that trains nothing: it returns its task's part of what it was sent (its slice of
+    the local pool, its head rows), its prompt slice moved by ``shift[task]`` if given."""
+    config = msg.content[CONFIG]
+    task, local = int(config["task"]), [int(t) for t in config[LOCAL_TASKS]]
+    pos, out = local.index(task), {}
+    for name, value in from_array_record(msg.content[ARRAYS]).items():
+        if name.startswith("prompt."):
+            per = value.shape[0] // len(local)
+            out[name] = value[pos * per:(pos + 1) * per] + np.float32((shift or {}).get(task, 0.0))
+        else:
+            out[name] = value.copy()
+    content = RecordDict({ARRAYS: to_array_record(out), ALPHA: ArrayRecord(),
+                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0})})
+    return Message(content=content, reply_to=msg)
+
+
+@pytest.mark.parametrize("row_top", [0, 3])
+def test_clients_that_return_what_they_got_leave_the_raw_pool_unchanged(flower_identity, row_top):
+    """Eq. 3 mixes P_g for sending; the mixed slices are never stored back (the issue: the pool grew
+    from ~4 to ~1e7 in 15 rounds with eq. 3 as printed, and collapsed with row-top = 3)."""
+    _, s, state = strategy_with_pool(k=2, **{"row-top": row_top})
+    assert s.mixing_matrix()[0, 2] > 0.4  # tasks 0 and 2 strongly correlated: a mixed pool would move
+    send_tasks(s, {0: 0, 1: 2, 2: 1, 3: 3})
+    arrays = to_array_record(state)
+    for r in range(1, 16):
+        msgs = configure(s, r, arrays, 0, 2, 4)
+        arrays, metrics = s.aggregate_train(r, [echo(m) for m in msgs])
+        assert metrics["clients"] == 4
+    out = from_array_record(arrays)
+    for name, value in state.items():
+        np.testing.assert_allclose(out[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("row_top", [0, 3])
+def test_correlated_tasks_trained_in_the_same_rounds_keep_distinct_slices(flower_identity, row_top):
+    """Two strongly correlated tasks, each trained every round: each raw slice accumulates exactly
+    its own clients' changes, however much the mixed slices they train with overlap."""
+    _, s, state = strategy_with_pool(k=2, **{"row-top": row_top})
+    send_tasks(s, {0: 0, 1: 2, 2: 0, 3: 2})
+    shift = {0: 0.01, 2: -0.02}
+    arrays = to_array_record(state)
+    for r in range(1, 16):
+        msgs = configure(s, r, arrays, 0, 2, 4)
+        assert all(list(m.content[CONFIG][LOCAL_TASKS]) == [0, 2] for m in msgs)  # each trains with the other
+        arrays, _ = s.aggregate_train(r, [echo(m, shift) for m in msgs])
+    out = from_array_record(arrays)
+    for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
+        np.testing.assert_allclose(out[name][0:2], state[name][0:2] + 15 * 0.01, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[name][4:6], state[name][4:6] - 15 * 0.02, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[name][2:4], state[name][2:4])  # tasks nobody trained
+        np.testing.assert_array_equal(out[name][6:8], state[name][6:8])
+        before = np.linalg.norm(state[name][0:2] - state[name][4:6])
+        assert np.linalg.norm(out[name][0:2] - out[name][4:6]) > 0.5 * before
+
+
+def test_the_clients_change_enters_every_local_slice_with_its_eq3_weight():
+    """The client trains its raw slice's change; eq. 3 puts it into local slice s with G_task[s, t]
+    (as the authors' forward pass mixes the raw pool), so its gradient comes through all of them."""
+    torch.manual_seed(0)
+    prompt = PowderPrompt(6, [0], pool_size=8, length=4, num_tasks=4)
+    prompt.set_task(1)
+    prompt.train()
+    before = prompt.p0.detach().clone()
+    prompt.begin_round([0, 1, 3], {0: 0.5, 1: 0.8, 3: 0.0})
+    with torch.no_grad():
+        prompt.p0[2:4] += 1.0  # the client's change of its slice
+    active = prompt._active("p", 0, train=True)
+    torch.testing.assert_close(active[0:2], before[0:2] + 0.5)
+    torch.testing.assert_close(active[2:4], before[2:4] + 0.8)  # a normalised row: own weight below 1
+    torch.testing.assert_close(active[4:6], before[6:8])  # weight 0: untouched
+    active.sum().backward()
+    torch.testing.assert_close(prompt.p0.grad[2:4], torch.full_like(before[2:4], 0.5 + 0.8))
+    assert prompt.p0.grad[[0, 1, 4, 5, 6, 7]].abs().sum() == 0  # other slices are used detached
+    prompt.end_round()
+    assert prompt.local_tasks is None and prompt.own_weights is None
+    with pytest.raises(ValueError, match="mixing weights"):
+        prompt.begin_round([0, 1], {1: 1.0})
 
 
 def test_alpha_replies_update_the_correlations(flower_identity):
