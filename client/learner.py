@@ -7,6 +7,7 @@ overriding hooks, never by copying the loop:
 * ``round_start(content)``  read extra records the server sent (prototypes, ...)
 * ``extra_loss(batch)``     add a term to the loss of each batch
 * ``round_end(index)``      return extra records to upload (statistics, ...)
+* ``answer(content)``       reply to a message before training (Powder's measuring step)
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class LocalLearner:
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
         """Extra records to upload, by record name."""
         return {}
+
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """Reply to an exchange before training (``PromptStrategy.configure_exchange``); only
+        methods whose strategy requests one implement it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no exchange before training")
 
     # ------------------------------------------------------------------ the loop
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:

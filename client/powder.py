@@ -7,7 +7,8 @@ over the current task's classes; this learner
   local pool and its task's head rows travel) and restricts the prompt module to that local
   pool (eq. 4, :class:`PowderPrompt`), its own slice's change mixed into every local slice
   with eq. 3's weights (``powder-own-weights``);
-* when the server asks (``powder-measure``), measures before training the average
+* when the server asks (``powder-measure``: in the measuring message before training, or at
+  the start of the training round with ``measuring = "in-training"``), measures the average
   prompt-selection weights alpha (eq. 6) of its current task and of the task it has just
   finished, per task and per class, over the whole pool it was sent;
 * adds, per batch, lambda * L_dual (eq. 5): the KL divergence from the model at the start
@@ -28,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from client.learner import Batch, LocalLearner
 from common.data import client_indices, task_classes, task_rows
-from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import Runtime
 from strategies.powder import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
                                PowderPrompt)
@@ -114,15 +115,20 @@ class PowderLearner(LocalLearner):
         return prompt
 
     # ------------------------------------------------------------------ wire format
-    def expand(self, sent: ArrayRecord, task: int) -> ArrayRecord:
-        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere."""
+    def expand(self, sent: ArrayRecord, task: int, prompts_only: bool = False) -> ArrayRecord:
+        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere
+        (``prompts_only``: the payload holds the prompt arrays only, as a measuring message does)."""
         full = {k: v.detach().cpu().numpy() for k, v in self.rt.model.trainable_state().items()}
         got = from_array_record(sent)
-        if set(got) != set(full):
-            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(full)}")
+        names = {k for k in full if k.startswith("prompt.")} if prompts_only else set(full)
+        if set(got) != names:
+            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(names)}")
         out = {}
         for name, value in full.items():
             rows = self.rows(name, value, task)
+            if name not in got:  # not sent: not used
+                out[name] = np.zeros_like(value)
+                continue
             if rows is None:
                 out[name] = got[name]
                 continue
@@ -146,8 +152,8 @@ class PowderLearner(LocalLearner):
         return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
 
     # ------------------------------------------------------------------ the round
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        config = content[CONFIG]
+    def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
+        """This round's local pool, mixing weights, measuring request and class correlations."""
         local = [int(t) for t in config[LOCAL_TASKS]]
         if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
@@ -168,6 +174,10 @@ class PowderLearner(LocalLearner):
                 raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(classes)} classes")
             total[classes] = torch.tensor(corr)
         self.class_total = total.to(self.rt.device)
+
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
         self.alpha_record = ArrayRecord()
         inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
         try:
@@ -178,6 +188,24 @@ class PowderLearner(LocalLearner):
         reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
         reply[ALPHA] = self.alpha_record
         return reply
+
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the
+        task just finished, over the whole P_hat sent; no training."""
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
+        if not self.measure:
+            raise ValueError(f"a message before training must ask for alphas ({MEASURE} = true)")
+        model = self.rt.model
+        model.load_trainable_state(to_torch(self.expand(content[ARRAYS], task, prompts_only=True)))
+        model.prompt.set_task(task)
+        self.prompt.begin_round(self.local_tasks, None)
+        try:
+            record = self.measure_alphas([task] + ([self.previous] if self.previous >= 0 else []))
+        finally:
+            self.prompt.end_round()
+        n = len(client_indices(self.rt.data.train.labels, self.cfg, self.rt.data.num_classes, client_id, task, round_))
+        return RecordDict({ALPHA: record, METRICS: MetricRecord({"num-examples": int(n)})})
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""

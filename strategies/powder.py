@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
@@ -75,6 +75,7 @@ PREVIOUS = "powder-previous"
 OWN_WEIGHTS = "powder-own-weights"
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")
+MEASURINGS = ("exchange", "in-training")
 
 
 # ---------------------------------------------------------------------------- options
@@ -103,6 +104,11 @@ class PowderOptions(MethodOptions):
     # Random tasks: score each task with its local pool (the k selected slices of P_hat, as its
     # client trains and the paper evaluates), or with the raw global pool P_g ("global").
     evaluation: str = "local"
+    # "exchange": Algorithm 1 lines 8-10, a measuring message before training (the whole P_hat
+    # out, alphas back), G updated, then the round trains with top-k. "in-training": one message
+    # fewer; the alphas are measured at the start of the training round on the whole pool the
+    # client then trains with, and G changes only after that round.
+    measuring: str = "exchange"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -118,6 +124,7 @@ class PowderOptions(MethodOptions):
         need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
         need(self.evaluation in ("local", "global"), f"evaluation must be 'local' or 'global', got {self.evaluation!r}")
+        need(self.measuring in MEASURINGS, f"measuring must be one of {MEASURINGS}, got {self.measuring!r}")
 
 
 # ---------------------------------------------------------------------------- prompting
@@ -313,7 +320,10 @@ class PowderStrategy(PromptStrategy):
         self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round (sent, never stored back)
         self.mixing = np.eye(cfg.num_tasks)  # the first step's matrix of this round
         self.sent: list[_Sent] = []
-        self._payloads: list[tuple] = []  # what client_payload made, in message order
+        self._payloads: list[tuple | None] = []  # what client_payload made, in message order
+        self._exchanging = False  # client_payload is making the measuring exchange's messages
+        self.measured_before = 0  # tasks measured in this round's exchange
+        self.exchange_rejected: list[tuple[int, str]] = []  # (node, reason) of this round's exchange
 
     def summary(self) -> None:
         super().summary()
@@ -345,18 +355,31 @@ class PowderStrategy(PromptStrategy):
         self.new_tasks_pending = True  # Algorithm 1 line 4: new tasks, every current task is re-measured
         return super().on_task_start(task, arrays)
 
+    def to_measure(self, task: int, round_: int) -> tuple[int, ...]:
+        """The tasks whose alphas a client on ``task`` (round ``round_`` of it) measures: its task,
+        when a task started since the last measurement or its task was never measured, and
+        with it the task it has just finished, in its first round on a new one (Algorithm 1,
+        lines 4-9). Empty: nothing to measure."""
+        previous = self.schedule.previous_task(task) if round_ == 0 else -1
+        if previous >= 0:
+            return task, previous
+        return (task,) if self.new_tasks_pending or not self.task_measured[task] else ()
+
     def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
-        """The client's local pool: the top-k tasks' aggregated slices, or all of them when measuring."""
+        """The client's local pool: the top-k tasks' aggregated slices (all of them when it
+        measures in the training round); in the measuring exchange, the whole P_hat."""
         task, round_ = int(config["task"]), int(config["round"])
         if not 0 <= task < self.known_tasks:
             raise RuntimeError(f"client {client_id} assigned task {task}, whose slice was never initialised "
                                f"(known tasks: {self.known_tasks}); call on_task_start first")
         if not self.aggregated:
             self.prepare_round(arrays)
-        # a client's first round on a task: it also measures the task it has just finished
-        previous = self.schedule.previous_task(task) if round_ == 0 else -1
-        switched = previous >= 0
-        measure = self.new_tasks_pending or not self.task_measured[task] or switched
+        measured = self.to_measure(task, round_)
+        previous = measured[1] if len(measured) == 2 else -1
+        config[PREVIOUS] = previous
+        if self._exchanging:
+            return self.measuring_payload(client_id, task, measured, config)
+        measure = bool(measured) and self.opts.measuring == "in-training"
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
         else:
@@ -380,13 +403,27 @@ class PowderStrategy(PromptStrategy):
         # the weight of the client's raw slice in each local slice of P_hat (eq. 3): its change
         # enters them with these in the client's forward pass (PowderPrompt)
         config[OWN_WEIGHTS] = [float(self.mixing[s, task]) for s in local]
-        config[MEASURE] = bool(measure)
+        config[MEASURE] = measure
         config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
-        config[PREVIOUS] = previous
         content = RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
-        measured = (task, previous) if switched else (task,)
         self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else (), start))
         return content
+
+    def measuring_payload(self, client_id: int, task: int, measured: tuple[int, ...],
+                          config: ConfigRecord) -> RecordDict:
+        """Algorithm 1 line 8: every known slice of P_hat's prompt arrays, on which the client
+        measures the alphas of ``measured``; a client with nothing to measure gets no message."""
+        if not measured:
+            self._payloads.append(None)
+            return RecordDict({CONFIG: config})
+        rows = slice(0, self.known_tasks * (self.cfg.pool_size // self.cfg.num_tasks))  # slices 0..known-1
+        out = {name: value[rows] for name, value in self.aggregated.items()
+               if name.startswith("prompt.") and self._rows(name, value, task) is not None}
+        local = list(range(self.known_tasks))
+        config[LOCAL_TASKS] = local
+        config[MEASURE] = True
+        self._payloads.append((client_id, task, local, ArrayRecord(), measured, {}))
+        return RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
 
     def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
         """Random tasks: every task scored with its local pool, the k slices of P_hat selected for it
@@ -427,6 +464,59 @@ class PowderStrategy(PromptStrategy):
             self.class_alpha = np.array(state["class-alpha"], dtype=np.float64)
             self.class_measured = np.array(state["class-measured"], dtype=bool)
         self.new_tasks_pending = bool(state.get("new-tasks-pending", False))
+
+    # ------------------------------------------------------------------ measuring exchange (Algorithm 1, 8-10)
+    def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        """Before training, every sampled client with something to measure (``to_measure``) gets
+        the whole P_hat and replies its alphas, so G_task and G_class are updated before this
+        round's top-k payloads are chosen: a new task's first round already trains with its
+        measured correlations. None with ``measuring = "in-training"``."""
+        self.measured_before, self.exchange_rejected = 0, []
+        if self.opts.measuring != "exchange":
+            return []
+        self.prepare_round(arrays)
+        self._payloads, self._exchanging = [], True
+        try:  # the base's sampling and node assignment, with client_payload making measuring payloads
+            drafts = list(super().configure_train(server_round, arrays, config, grid))
+        finally:
+            self._exchanging = False
+        kept = [(m, made) for m, made in zip(drafts, self._payloads) if made is not None]
+        messages = [Message(content=m.content, message_type=MessageType.QUERY, dst_node_id=m.metadata.dst_node_id)
+                    for m, _ in kept]
+        self.sent = [_Sent(msg, *made) for msg, (_, made) in zip(messages, kept)]
+        self.sent_messages, self._sent_by_id = messages, {}  # the exchange's replies are matched to these
+        return messages
+
+    def aggregate_exchange(self, server_round: int, replies: list[Message]) -> None:
+        """Replace the measured alphas (eq. 6-7); the round's P_hat is then recomputed with them."""
+        records = []
+        for msg in replies:
+            reason = self.check_measurement(msg)
+            if reason is None:
+                records.append(msg.content[ALPHA])
+            else:
+                node = msg.metadata.src_node_id
+                self.exchange_rejected.append((node, "measuring: " + reason))
+                log.warning("measuring reply from node %s excluded: %s", node, reason)
+        self.measured_before = self.update_correlation(records)
+        if records:
+            self.new_tasks_pending = False
+        self.aggregated = {}
+
+    def check_measurement(self, msg: Message) -> str | None:
+        """Why a reply to the measuring exchange cannot be used (None: it can)."""
+        if msg.has_error():
+            return f"client error: {msg.error.reason}"
+        sent = self.sent_for(msg)
+        if sent is None:
+            return "cannot tell which message this reply answers (no matching message sent this round)"
+        if set(msg.content.keys()) != {ALPHA, METRICS}:
+            return f"records {sorted(msg.content.keys())}, expected {sorted({ALPHA, METRICS})}"
+        n = msg.content[METRICS].get("num-examples")
+        if not isinstance(n, int) or n <= 0:
+            return f"nothing measured (num-examples {n!r})"
+        return self.check_alpha(msg.content[ALPHA], sent)
 
     # ------------------------------------------------------------------ Flower contract
     def configure_train(
@@ -494,6 +584,7 @@ class PowderStrategy(PromptStrategy):
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train before configure_train: no server arrays to start from")
         accepted = self.accept_replies(replies)
+        self.rejected = self.exchange_rejected + self.rejected  # the round's record lists both
         by_content = {id(m.content): self.sent_for(m) for m in replies if m.has_content()}
         pairs = [(by_content[id(c)], c) for c in accepted]
         self.aggregated = {}  # the next round recomputes P_hat
@@ -505,7 +596,7 @@ class PowderStrategy(PromptStrategy):
         base = from_array_record(self.global_arrays)
         merged = self.merge(base, [(s.task, self.raw_slices(s, from_array_record(c[ARRAYS]), base), w)
                                    for (s, c), w in zip(pairs, weights)])
-        measured_tasks = self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
+        measured_tasks = self.measured_before + self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
         if any(s.measure for s, _ in pairs):
             self.new_tasks_pending = False
         contents = [c for _, c in pairs]
