@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from client.learner import Batch, LocalLearner
-from common.data import client_indices, task_classes, task_rows
+from common.data import client_indices, head_rows, head_size, task_rows
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import Runtime
 from strategies.powder import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
@@ -102,7 +102,7 @@ class PowderLearner(LocalLearner):
         self.measure = False
         self.previous = -1  # the task just finished, measured too (-1: none)
         self.client_id = 0
-        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per class (1 where unknown)
+        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per head row of class y (1 where unknown)
         self.teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # round-start prompt and head
         self.alpha_record = ArrayRecord()
         self.last_distillation: float | None = None  # the last batch's term (diagnostics, tests)
@@ -166,13 +166,14 @@ class PowderLearner(LocalLearner):
         self.previous = int(config.get(PREVIOUS, -1))
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
-        total = torch.ones(self.rt.data.num_classes)
+        # indexed like the logits (head rows), as the batches' labels are
+        total = torch.ones(head_size(self.cfg, self.rt.data.num_classes))
         corr = [float(v) for v in config.get(CLASS_CORR, [])]
-        classes = task_classes(self.cfg, task, self.rt.data.num_classes)
+        rows = head_rows(self.cfg, task, self.rt.data.num_classes)  # in the order of the task's classes
         if corr:
-            if len(corr) != len(classes):
-                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(classes)} classes")
-            total[classes] = torch.tensor(corr)
+            if len(corr) != len(rows):
+                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(rows)} classes")
+            total[rows] = torch.tensor(corr)
         self.class_total = total.to(self.rt.device)
 
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
