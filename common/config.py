@@ -23,7 +23,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
-HEADS = ("per-class", "per-task")
+HEADS = ("auto", "per-class", "per-task")
 
 
 class ConfigError(ValueError):
@@ -66,9 +66,10 @@ class ExperimentConfig:
     # task draws its share on its own (needed when a class recurs in more than 1/fraction tasks)
     task_data_sharing: str = "disjoint"
     # The linear head: "per-class", one row per class, shared by the tasks that hold it; or
-    # "per-task" (task-generator = random only), a block of classes-per-task rows per task, as
-    # Powder's task-specific head psi_c^t (papers/003 eq. 8, Algorithm 1) and its authors' code.
-    head: str = "per-class"
+    # "per-task" (task-generator = random only), a block of classes-per-task rows per task, the
+    # task-specific head psi_c^t of Powder's text (Algorithm 1, eq. 8) and of its authors' code.
+    # "auto": per-task with random tasks, per-class on the stream (where a class has one task).
+    head: str = "auto"
     test_fraction: float = 0.25  # held-out share for sources that ship no test split
     max_train_per_class: int = 0  # 0 = all; caps big sources for quick runs
     max_test_per_class: int = 0
@@ -151,6 +152,11 @@ class ExperimentConfig:
     @property
     def layers(self) -> list[int]:
         return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
+
+    @property
+    def per_task_head(self) -> bool:
+        """Whether the head has a block of rows per task (``head``; "auto": with random tasks)."""
+        return self.head == "per-task" or (self.head == "auto" and self.task_generator == "random")
 
     @property
     def class_name_list(self) -> list[str]:
@@ -249,8 +255,8 @@ class ExperimentConfig:
                                        "num-tasks x rounds-per-task rounds)")
             need(self.classes_per_task == 0 and self.min_overlap == 0.0,
                  "classes-per-task and min-overlap apply to task-generator = random only")
-            need(self.head == "per-class", "head = per-task applies to task-generator = random only (on the "
-                                           "stream every class belongs to one task)")
+            need(self.head in ("auto", "per-class"), "head = per-task applies to task-generator = random only "
+                                                     "(on the stream every class belongs to one task)")
         need(self.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {self.rounds_per_task}")
         need(self.num_clients >= 1, f"num-clients must be >= 1, got {self.num_clients}")
         need(self.clients_per_round >= 0, "clients-per-round must be >= 0")

@@ -369,22 +369,22 @@ def seen_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarr
 
 
 def head_size(cfg: ExperimentConfig, num_classes: int) -> int:
-    """Outputs of the linear head: one per class, or (``head = per-task``, random tasks) a block
-    of ``classes-per-task`` per task."""
-    return cfg.num_tasks * cfg.classes_per_task if cfg.head == "per-task" else num_classes
+    """Outputs of the linear head: one per class, or (a per-task head, random tasks) a block of
+    ``classes-per-task`` per task."""
+    return cfg.num_tasks * cfg.classes_per_task if cfg.per_task_head else num_classes
 
 
 def head_rows(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarray:
     """The head rows scoring ``task``'s classes, in ``task_classes`` order: the classes' own rows
-    (shared with every other task holding them), or ``task``'s own block (``head = per-task``)."""
-    if cfg.head == "per-task":
+    (shared with every other task holding them), or ``task``'s own block (a per-task head)."""
+    if cfg.per_task_head:
         return np.arange(task * cfg.classes_per_task, (task + 1) * cfg.classes_per_task)
     return task_classes(cfg, task, num_classes)
 
 
 def head_targets(cfg: ExperimentConfig, task: int, labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Labels of ``task``'s classes as the head rows that score them (their logit's index)."""
-    if cfg.head == "per-class":
+    if not cfg.per_task_head:
         return np.asarray(labels)
     classes = task_classes(cfg, task, num_classes)
     pos = np.searchsorted(classes, labels)

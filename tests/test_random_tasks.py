@@ -187,7 +187,7 @@ def test_asynchronous_metrics_by_hand():
 def test_a_head_row_shared_by_two_tasks_averages_both():
     from strategies.fedcprompt import aggregate_per_task
 
-    cfg = random_config()
+    cfg = random_config(head="per-class")
     tasks = random_tasks(cfg, 10)
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist())
                  and set(tasks[g].tolist()) != set(tasks[h].tolist()))
@@ -205,14 +205,16 @@ def test_a_per_task_head_gives_every_task_its_own_block():
     from strategies.fedcprompt import aggregate_per_task
 
     cfg = random_config(head="per-task")
+    per_class = random_config(head="per-class")
     tasks = random_tasks(cfg, 10)
-    assert head_size(cfg, 10) == 4 * 3 and head_size(random_config(), 10) == 10
+    assert head_size(cfg, 10) == 4 * 3 and head_size(per_class, 10) == 10
+    assert random_config().per_task_head and not tiny_config().per_task_head  # auto: per task on random tasks
     head = np.zeros((12, 2), np.float32)
     for g in range(4):
         assert head_rows(cfg, g, 10).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
         assert head_targets(cfg, g, tasks[g][::-1], 10).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
         assert task_rows(cfg, "head.weight", head, g, 10).tolist() == head_rows(cfg, g, 10).tolist()
-        assert head_rows(random_config(), g, 10).tolist() == tasks[g].tolist()  # per-class: the classes' rows
+        assert head_rows(per_class, g, 10).tolist() == tasks[g].tolist()  # per-class: the classes' rows
     with pytest.raises(ValueError, match="outside task"):
         head_targets(cfg, 0, np.setdiff1d(np.arange(10), tasks[0])[:1], 10)
     # two tasks sharing a class: with a per-task head each keeps its own rows (per-class: averaged, above)
