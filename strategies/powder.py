@@ -1,47 +1,57 @@
-"""Powder (papers/003, sections 3-5, Appendices A-B): two-step prompt aggregation driven by
-task and class correlation, per-client top-k payloads, dual distillation.
+"""Powder ("Federated Continual Learning via Prompt-based Dual Knowledge Transfer", sections
+3-5, Appendices A-B): two-step prompt aggregation driven by task and class correlation,
+per-client top-k payloads, dual distillation.
 
 Clients run CODA-style prompts whose pool is split into per-task slices (``CodaPrompt``).
 The server keeps
 
-* the global prompt pool P_g (the run's arrays: every task slice as its clients last
-  trained it, and the head);
+* the global prompt pool P_g (the run's arrays: every task's *raw* slice, and the head);
 * the measured average prompt-selection weights alpha of every task (eq. 6) and of every
   class, from which it builds the task correlation matrix G_task and the class correlation
   matrix G_class: ``[G]_nm = max(cos(alpha_n, alpha_m), 0) ** p`` (eq. 7; the clamp keeps an
   even p from turning anti-correlation into correlation). A task or class without a
   measurement has an identity row (correlated with itself only), as eq. 7's initialisation.
 
-Each round, for a client on task t:
+Each round:
+
+0. measuring exchange (Algorithm 1, lines 4-10; option ``measuring = "exchange"``): every
+   sampled client that must measure gets every known slice of P_hat (below) in a message
+   before training and replies the alphas of its current task (and of the task it has just
+   finished); G_task and G_class are updated before the round's payloads are chosen. A client
+   measures when a task started since the last measurement, when its task has never been
+   measured, or in its first round after a switch. (``measuring = "in-training"``: the
+   client measures at the start of the training round instead, on the whole pool it then
+   trains with, and G changes after the round.)
+
+For a client on task t:
 
 1. first-step aggregation (eq. 3): ``P_hat[n] = sum_m G_task[n, m] P_g[m]`` over the known
    task slices (components P, keys K and attention vectors A alike, the paper's
-   P_g in R^{M_g x (2+L) x D});
+   P_g in R^{M_g x (2+L) x D}), recomputed from the raw P_g every round;
 2. second-step selection (eq. 4): only the slices of the ``k`` tasks most correlated with t
-   (t itself included) are sent, with the head rows of t's classes; the client's local pool
-   is those slices. In a *measuring* round the client instead gets every known slice of
-   P_hat and replies the alphas of its current task (and of the task it just finished) over
-   them (Algorithm 1, lines 4-10). A client measures when a task started since the last
-   aggregation, when its task has never been measured, or when it has just switched tasks.
+   (t itself included) are sent, with the head rows of t and the weights G_task[s, t] of
+   t's raw slice in each sent slice s; the client's local pool is those slices.
 
-Replies carry only the client's own task slice and its head rows (the paper's "client c
-transmits optimized P_c^t"), plus the ``powder-alpha`` record (empty when not measuring).
-The server merges them per task slice (sample-weighted FedAvg over the clients that trained
-each task; untouched slices keep their values), then replaces the measured alphas and so
-G_task and G_class for the next round.
+The client learns its raw slice P_c^t (eq. 8): its change enters every local slice with its
+eq. 3 weight in the forward pass (``PowderPrompt``), as the authors' code mixes the raw pool.
+Replies carry the client's own task slice (the P_hat slice it was sent plus its change) and
+its head rows, plus the ``powder-alpha`` record (empty when not measuring in training). The
+server adds each task's sample-weighted mean change to its raw slice (``raw_slices``), and
+averages head rows per task (FedAvg over the clients that trained each task; untouched
+slices keep their values). P_hat is never stored back: storing it would apply eq. 3 again
+every round.
 
-Wire additions (train message config): ``powder-tasks`` (ascending task slices in the
-payload), ``powder-measure`` (reply alphas this round), ``powder-previous`` (the task the
-client has just finished, also measured; -1: none), ``powder-class-corr`` (for each of
-the task's classes y, ``sum_i G_class[y, i]``: the dual distillation's per-sample weight).
+Wire additions (message config): ``powder-tasks`` (ascending task slices in the payload),
+``powder-own-weights`` (G_task[s, t] for each of them), ``powder-measure`` (reply alphas),
+``powder-previous`` (the task the client has just finished, also measured; -1: none),
+``powder-class-corr`` (for each of the task's classes y, ``sum_i G_class[y, i]``: the dual
+distillation's per-sample weight).
 
 Tasks are the paper's per-client tasks of random classes with ``task-generator = random``
 (section 5.1's benchmark, common/schedule.py RandomTaskSchedule), or the platform's shared
-class-incremental stream. Platform simplifications (see README): the alpha exchange of a
-measuring round happens in the same message as that round's training (the client measures
-before it trains, on the full pool it then trains with), not in a separate exchange; the
-server evaluates the raw global pool P_g with CODA-P (all slices started so far); the head
-has one row per class, shared by the tasks that hold the class.
+class-incremental stream. On random tasks each task is scored with its own local pool (the
+k slices of P_hat selected for it; ``evaluation = "global"``: the raw pool with CODA-P), and
+by default (``head = "auto"``) each task has its own head block, the paper's psi_c^t.
 """
 
 from __future__ import annotations
@@ -87,7 +97,9 @@ class PowderOptions(MethodOptions):
     switches are Table 5's: ``first-step = false`` (w/o FUS), ``selection = "random"`` (w/o
     SEL), ``dual = false`` (w/o DUAL), ``distillation = "classic"`` (DIS: plain KD).
     ``temperature`` and ``row-top`` are the authors' code choices (3 and a few top entries
-    per correlation row, renormalised); the paper states neither, so they default off.
+    per correlation row, renormalised); the paper states neither, so they default off
+    (``row-top = 0`` is eq. 3 as printed, with eq. 7's unnormalised rows). ``measuring`` is
+    Algorithm 1's separate measuring exchange by default.
     """
 
     prefix = "powder"
