@@ -62,6 +62,21 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """A method's exchange before training (``PromptStrategy.configure_exchange``, e.g. Powder's
+    measuring step): the method's learner answers it (``LocalLearner.answer``) without training."""
+    cfg = ExperimentConfig.from_run_config(context.run_config)
+    config = msg.content[CONFIG]
+    check_same_config(cfg, config)
+    runtime, client_id = client_runtime(cfg, context, config)
+    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    task, round_, assigned = read_task_round(config)
+    if cfg.population == "virtual":
+        client_id = assigned
+    return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Per-task correct/total counts of the global model on this node's held-out data.
@@ -160,4 +175,4 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
         )
 
 
-__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "train", "NodeDataError"]
+__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "query", "train", "NodeDataError"]

@@ -7,6 +7,7 @@ overriding hooks, never by copying the loop:
 * ``round_start(content)``  read extra records the server sent (prototypes, ...)
 * ``extra_loss(batch)``     add a term to the loss of each batch
 * ``round_end(index)``      return extra records to upload (statistics, ...)
+* ``answer(content)``       reply to a message before training (Powder's measuring step)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from common.data import client_indices, task_classes
+from common.data import client_indices, head_rows, head_size, head_targets
 from common.model import masked_logits
 from common.records import ARRAYS, METRICS, to_array_record, to_torch
 from common.runtime import Runtime
@@ -35,10 +36,10 @@ class Batch:
     """One training batch and what the forward pass made of it."""
 
     images: torch.Tensor  # preprocessed (B, C, H, W)
-    labels: torch.Tensor  # (B,)
+    labels: torch.Tensor  # (B,) the head rows of the true classes (the classes themselves with a per-class head)
     query: torch.Tensor  # (B, D)
     features: torch.Tensor  # prompted pre-logit features (B, D)
-    logits: torch.Tensor  # masked to the current task's classes (B, num_classes)
+    logits: torch.Tensor  # masked to the current task's head rows (B, head outputs)
 
 
 class LocalLearner:
@@ -69,6 +70,11 @@ class LocalLearner:
         """Extra records to upload, by record name."""
         return {}
 
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """Reply to an exchange before training (``PromptStrategy.configure_exchange``); only
+        methods whose strategy requests one implement it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no exchange before training")
+
     # ------------------------------------------------------------------ the loop
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """Train on this client's share of ``task`` starting from the global parameters."""
@@ -83,8 +89,8 @@ class LocalLearner:
             # Nothing to learn from: reply zero examples, the server leaves this client out.
             return self._reply(index, task, started, losses=[])
 
-        allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
-        allowed[task_classes(cfg, task, rt.data.num_classes)] = True
+        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
+        allowed[head_rows(cfg, task, rt.data.num_classes)] = True
         seed = [cfg.seed, client_id, task, round_]
         torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
         rng = np.random.default_rng(seed + [0xBA7C4])
@@ -96,7 +102,7 @@ class LocalLearner:
                      if cfg.lr_schedule == "cosine" else None)
         queries = rt.queries("train", index)  # (n, D) on device, or None: computed per batch
         images = rt.data.train.images
-        labels = torch.as_tensor(rt.data.train.labels[index])
+        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
 
         model.train()
         losses: list[float] = []

@@ -5,8 +5,10 @@ over the current task's classes; this learner
 
 * rebuilds full-size arrays from the server's per-client payload (only the slices of its
   local pool and its task's head rows travel) and restricts the prompt module to that local
-  pool (eq. 4, :class:`PowderPrompt`);
-* when the server asks (``powder-measure``), measures before training the average
+  pool (eq. 4, :class:`PowderPrompt`), its own slice's change mixed into every local slice
+  with eq. 3's weights (``powder-own-weights``);
+* when the server asks (``powder-measure``: in the measuring message before training, or at
+  the start of the training round with ``measuring = "in-training"``), measures the average
   prompt-selection weights alpha (eq. 6) of its current task and of the task it has just
   finished, per task and per class, over the whole pool it was sent;
 * adds, per batch, lambda * L_dual (eq. 5): the KL divergence from the model at the start
@@ -15,8 +17,8 @@ over the current task's classes; this learner
   sample weighted by beta = softmax over the batch of its class's total correlation
   sum_i G_class[y, i]. ``distillation = "classic"`` uses plain KD over all the task's
   classes instead (Table 5, DIS);
-* replies only its task's slice of every prompt array and its task's head rows, plus the
-  ``powder-alpha`` record.
+* replies only its task's slice of every prompt array (the P_hat slice it was sent plus its
+  raw slice's change) and its task's head rows, plus the ``powder-alpha`` record.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from client.learner import Batch, LocalLearner
-from common.data import client_indices, task_classes, task_rows
-from common.records import ARRAYS, CONFIG, from_array_record, to_array_record
+from common.data import client_indices, head_rows, head_size, task_rows
+from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import Runtime
-from strategies.powder import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, PREVIOUS, PowderOptions, PowderPrompt
+from strategies.powder import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
+                               PowderPrompt)
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -95,10 +98,11 @@ class PowderLearner(LocalLearner):
         super().__init__(runtime, options)
         self.opts = PowderOptions.from_options(self.options)
         self.local_tasks: list[int] = []
+        self.own_weights: dict[int, float] | None = None  # G_task[s, task] per local task s (None: not sent)
         self.measure = False
         self.previous = -1  # the task just finished, measured too (-1: none)
         self.client_id = 0
-        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per class (1 where unknown)
+        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per head row of class y (1 where unknown)
         self.teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # round-start prompt and head
         self.alpha_record = ArrayRecord()
         self.last_distillation: float | None = None  # the last batch's term (diagnostics, tests)
@@ -111,15 +115,20 @@ class PowderLearner(LocalLearner):
         return prompt
 
     # ------------------------------------------------------------------ wire format
-    def expand(self, sent: ArrayRecord, task: int) -> ArrayRecord:
-        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere."""
+    def expand(self, sent: ArrayRecord, task: int, prompts_only: bool = False) -> ArrayRecord:
+        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere
+        (``prompts_only``: the payload holds the prompt arrays only, as a measuring message does)."""
         full = {k: v.detach().cpu().numpy() for k, v in self.rt.model.trainable_state().items()}
         got = from_array_record(sent)
-        if set(got) != set(full):
-            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(full)}")
+        names = {k for k in full if k.startswith("prompt.")} if prompts_only else set(full)
+        if set(got) != names:
+            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(names)}")
         out = {}
         for name, value in full.items():
             rows = self.rows(name, value, task)
+            if name not in got:  # not sent: not used
+                out[name] = np.zeros_like(value)
+                continue
             if rows is None:
                 out[name] = got[name]
                 continue
@@ -143,38 +152,65 @@ class PowderLearner(LocalLearner):
         return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
 
     # ------------------------------------------------------------------ the round
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        config = content[CONFIG]
+    def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
+        """This round's local pool, mixing weights, measuring request and class correlations."""
         local = [int(t) for t in config[LOCAL_TASKS]]
         if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
+        weights = config.get(OWN_WEIGHTS)
+        if weights is not None and len(weights) != len(local):
+            raise ValueError(f"{OWN_WEIGHTS} has {len(weights)} values for the local pool {local}")
+        self.own_weights = None if weights is None else dict(zip(local, (float(w) for w in weights)))
         self.measure = bool(config.get(MEASURE, False))
         self.previous = int(config.get(PREVIOUS, -1))
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
-        total = torch.ones(self.rt.data.num_classes)
+        # indexed like the logits (head rows), as the batches' labels are
+        total = torch.ones(head_size(self.cfg, self.rt.data.num_classes))
         corr = [float(v) for v in config.get(CLASS_CORR, [])]
-        classes = task_classes(self.cfg, task, self.rt.data.num_classes)
+        rows = head_rows(self.cfg, task, self.rt.data.num_classes)  # in the order of the task's classes
         if corr:
-            if len(corr) != len(classes):
-                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(classes)} classes")
-            total[classes] = torch.tensor(corr)
+            if len(corr) != len(rows):
+                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(rows)} classes")
+            total[rows] = torch.tensor(corr)
         self.class_total = total.to(self.rt.device)
+
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
         self.alpha_record = ArrayRecord()
         inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
         try:
             reply = super().fit(inner, task, round_, client_id)
         finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.local_tasks = None
+            self.prompt.end_round()
             self.teacher = None
         reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
         reply[ALPHA] = self.alpha_record
         return reply
 
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the
+        task just finished, over the whole P_hat sent; no training."""
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
+        if not self.measure:
+            raise ValueError(f"a message before training must ask for alphas ({MEASURE} = true)")
+        model = self.rt.model
+        model.load_trainable_state(to_torch(self.expand(content[ARRAYS], task, prompts_only=True)))
+        model.prompt.set_task(task)
+        self.prompt.begin_round(self.local_tasks, None)
+        try:
+            record = self.measure_alphas([task] + ([self.previous] if self.previous >= 0 else []))
+        finally:
+            self.prompt.end_round()
+        n = len(client_indices(self.rt.data.train.labels, self.cfg, self.rt.data.num_classes, client_id, task, round_))
+        return RecordDict({ALPHA: record, METRICS: MetricRecord({"num-examples": int(n)})})
+
     def round_start(self, content: RecordDict, task: int) -> None:
         """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""
-        self.prompt.local_tasks = list(self.local_tasks)
+        self.prompt.begin_round(self.local_tasks, self.own_weights)
         if self.measure:
             measured = [task] + ([self.previous] if self.previous >= 0 else [])
             self.alpha_record = self.measure_alphas(measured)

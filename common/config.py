@@ -29,6 +29,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
+HEADS = ("auto", "per-class", "per-task")
 
 
 
@@ -67,6 +68,11 @@ class ExperimentConfig:
     # "disjoint": tasks holding a class get disjoint shares of its images; "independent": each
     # task draws its share on its own (needed when a class recurs in more than 1/fraction tasks)
     task_data_sharing: str = "disjoint"
+    # The linear head: "per-class", one row per class, shared by the tasks that hold it; or
+    # "per-task" (task-generator = random only), a block of classes-per-task rows per task, the
+    # task-specific head psi_c^t of Powder's text (Algorithm 1, eq. 8) and of its authors' code.
+    # "auto": per-task with random tasks, per-class on the stream (where a class has one task).
+    head: str = "auto"
     test_fraction: float = 0.25  # held-out share for sources that ship no test split
     max_train_per_class: int = 0  # 0 = all; caps big sources for quick runs
     max_test_per_class: int = 0
@@ -181,6 +187,11 @@ class ExperimentConfig:
         return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
 
     @property
+    def per_task_head(self) -> bool:
+        """Whether the head has a block of rows per task (``head``; "auto": with random tasks)."""
+        return self.head == "per-task" or (self.head == "auto" and self.task_generator == "random")
+
+    @property
     def class_name_list(self) -> list[str]:
         """``class-names`` split at commas (empty list when unset)."""
         return [v.strip() for v in self.class_names.split(",") if v.strip()]
@@ -283,6 +294,7 @@ class ExperimentConfig:
                  "task-generator = random needs population = virtual and centralised = false")
             need(self.num_classes == 0 or self.classes_per_task <= self.num_classes,
                  f"classes-per-task ({self.classes_per_task}) exceeds num-classes ({self.num_classes})")
+            need(self.head in HEADS, f"head must be one of {HEADS}, got {self.head!r}")
             need(self.partition == "dirichlet" and self.dirichlet_beta == 0.5 and self.classes_per_client == 1,
                  "task-generator = random: each task's data is held by its one client, so partition, "
                  "dirichlet-beta and classes-per-client do not apply; leave them unset")
@@ -291,6 +303,8 @@ class ExperimentConfig:
                                        "num-tasks x rounds-per-task rounds)")
             need(self.classes_per_task == 0 and self.min_overlap == 0.0,
                  "classes-per-task and min-overlap apply to task-generator = random only")
+            need(self.head in ("auto", "per-class"), "head = per-task applies to task-generator = random only "
+                                                     "(on the stream every class belongs to one task)")
         need(self.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {self.rounds_per_task}")
         need(self.num_clients >= 1, f"num-clients must be >= 1, got {self.num_clients}")
         need(self.clients_per_round >= 0, "clients-per-round must be >= 0")

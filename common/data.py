@@ -373,20 +373,45 @@ def seen_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarr
     return np.arange((task + 1) * (num_classes // cfg.num_tasks))
 
 
+def head_size(cfg: ExperimentConfig, num_classes: int) -> int:
+    """Outputs of the linear head: one per class, or (a per-task head, random tasks) a block of
+    ``classes-per-task`` per task."""
+    return cfg.num_tasks * cfg.classes_per_task if cfg.per_task_head else num_classes
+
+
+def head_rows(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarray:
+    """The head rows scoring ``task``'s classes, in ``task_classes`` order: the classes' own rows
+    (shared with every other task holding them), or ``task``'s own block (a per-task head)."""
+    if cfg.per_task_head:
+        return np.arange(task * cfg.classes_per_task, (task + 1) * cfg.classes_per_task)
+    return task_classes(cfg, task, num_classes)
+
+
+def head_targets(cfg: ExperimentConfig, task: int, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """Labels of ``task``'s classes as the head rows that score them (their logit's index)."""
+    if not cfg.per_task_head:
+        return np.asarray(labels)
+    classes = task_classes(cfg, task, num_classes)
+    pos = np.searchsorted(classes, labels)
+    if not np.array_equal(classes[np.minimum(pos, len(classes) - 1)], labels):
+        raise ValueError(f"labels outside task {task}'s classes {classes.tolist()}")
+    return head_rows(cfg, task, num_classes)[pos]
+
+
 def task_rows(cfg: ExperimentConfig, name: str, value: np.ndarray, task: int,
               num_classes: int) -> slice | np.ndarray | None:
     """The rows of trainable array ``name`` that belong to ``task`` (None: not task-structured).
 
     A prompt array's first dimension is the pool, split evenly over the tasks (task t owns
-    slice t); a head array's is the classes (task t owns ``task_classes(t)``; with random
-    tasks two tasks may share a class's row). Methods that average, send or reply per task
-    (Fed-CPrompt, Powder) locate a task's part with this.
+    slice t); a head array's is the head's rows (``head_rows``: task t's classes, which with
+    random tasks two tasks may share, or task t's own block). Methods that average, send or
+    reply per task (Fed-CPrompt, Powder) locate a task's part with this.
     """
     if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == cfg.pool_size:
         per_task = cfg.pool_size // cfg.num_tasks
         return slice(task * per_task, (task + 1) * per_task)
-    if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == num_classes:
-        return task_classes(cfg, task, num_classes)
+    if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == head_size(cfg, num_classes):
+        return head_rows(cfg, task, num_classes)
     return None
 
 

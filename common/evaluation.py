@@ -5,9 +5,9 @@ clients before dividing; the server's centralised evaluation uses the same code.
 
 On the class-incremental stream every seen class competes for every test image. With
 random tasks (Powder's benchmark) classes recur across tasks, so a task is scored on the
-test images of its classes with its own classes competing (the authors' code gives every
-client task its own block of the head; here the head has one row per class, shared by the
-tasks holding it).
+test images of its classes with its own classes competing: their rows of the head, one per
+class shared by the tasks holding it, or the task's own block (``head = "per-task"``, as the
+authors' code gives every client task its own block).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.data import seen_classes, task_classes
+from common.data import head_rows, head_size, seen_classes, task_classes
 from common.model import masked_logits
 from common.runtime import Runtime
 
@@ -30,6 +30,7 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     if only is not None and cfg.task_generator != "random":
         raise ValueError("only = <task> scores one task among its own classes: random tasks only")
     data = getattr(rt.data, split)
+    random_tasks = cfg.task_generator == "random"
     k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
     seen = seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
@@ -39,23 +40,25 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     model.eval()
     model.prompt.set_task(task)
     preds = np.empty(len(index), dtype=np.int64)
-    all_logits = torch.empty(len(index) if cfg.task_generator == "random" else 0, rt.data.num_classes)
+    all_logits = torch.empty(len(index) if random_tasks else 0, head_size(cfg, rt.data.num_classes))
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
         x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device))
         with rt.autocast():
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             logits = model(x, q)
-        if len(all_logits):  # random tasks: each task's argmax over its own classes, below
+        if random_tasks:  # each task's argmax over its own head rows, below
             all_logits[start : start + len(sel)] = logits.float().cpu()
-        preds[start : start + len(sel)] = masked_logits(logits.float(), allowed).argmax(1).cpu().numpy()
+        else:
+            preds[start : start + len(sel)] = masked_logits(logits.float(), allowed).argmax(1).cpu().numpy()
     labels = data.labels[index]
-    if cfg.task_generator == "random":
+    if random_tasks:
         correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
         for i in range(task + 1) if only is None else [only]:
-            classes = torch.as_tensor(task_classes(cfg, i, rt.data.num_classes))
-            rows = np.flatnonzero(np.isin(labels, classes.numpy()))
-            pred = classes[all_logits[rows][:, classes].argmax(1)].numpy()
+            classes = task_classes(cfg, i, rt.data.num_classes)
+            rows = np.flatnonzero(np.isin(labels, classes))
+            cols = torch.as_tensor(head_rows(cfg, i, rt.data.num_classes))
+            pred = classes[all_logits[rows][:, cols].argmax(1).numpy()]
             correct[i], total[i] = int((pred == labels[rows]).sum()), len(rows)
         return correct, total
     task_of = labels // k

@@ -273,7 +273,7 @@ def _block_forward(block: nn.Module, x: torch.Tensor, prefix: torch.Tensor | Non
 
 
 class PromptedViT(nn.Module):
-    """Frozen ViT + CODA-P prompts + one linear head over all classes.
+    """Frozen ViT + CODA-P prompts + one linear head (over all classes, or a block per task).
 
     ``forward(images, query)`` returns logits over all classes; masking to the
     current task (training) or to the seen classes (evaluation) is the caller's,
@@ -366,12 +366,15 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def build_model(cfg: ExperimentConfig, num_classes: int,
                 prompt_class: type[CodaPrompt] | None = None) -> tuple[PromptedViT, str]:
-    """Backbone + prompt (CODA-P unless a method gives its own) + head; seeded init."""
+    """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
+    one per class, or a block per task); seeded init."""
+    from common.data import head_size
+
     backbone, source = build_backbone(cfg)
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
     prompt = (prompt_class or CodaPrompt)(int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
-    model = PromptedViT(backbone, prompt, num_classes, cfg.prompt_mode)
+    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode)
     torch.random.set_rng_state(state)
     return model, source
 

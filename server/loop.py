@@ -377,6 +377,14 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
     for attempt in range(cfg.round_retries + 1):
         t0 = time.perf_counter()
         config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
+        exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
+        if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
+            tx = time.perf_counter()
+            answers = list(grid.send_and_receive(exchange, timeout=cfg.round_timeout))
+            waited = time.perf_counter() - tx
+            strategy.aggregate_exchange(server_round, answers)
+            bytes_s2c += _bytes(exchange)
+            bytes_c2s += _bytes([m for m in answers if not m.has_error()])
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
         t1 = time.perf_counter()
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
@@ -389,7 +397,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         sampled += len(messages)
         client_tasks = [int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records]
         placement = [strategy.placement_of(m) for m in messages]  # the (last) attempt's clients
-        server_seconds += (t1 - t0) + (t3 - t2)
+        server_seconds += (t1 - t0 - waited) + (t3 - t2)
         round_seconds += t3 - t0
         # only accepted replies' metrics are read: they have passed the checks of every field
         used = [m.content[METRICS] for m in strategy.accepted_messages] if new_arrays is not None else []

@@ -6,6 +6,7 @@ contract (typed records in and out) and adds the hooks the papers' methods need:
 * ``client_payload(client_id, arrays, config)``  per-client server-to-client content
 * ``consolidate(server_round, arrays, replies)``  server-side step after averaging
 * ``on_task_start(task, arrays)`` / ``on_task_end(task, arrays)``
+* ``configure_exchange`` / ``aggregate_exchange``  an optional exchange before a round's training
 * ``state_dict()`` / ``load_state_dict()``  everything a checkpoint must hold
 
 Clients are a *virtual population*: the server samples client ids (a pure
@@ -179,6 +180,16 @@ class PromptStrategy(FedAvg):
         its own slices (``local_tasks`` of the prompt module), as methods whose clients train
         with per-task local pools are evaluated."""
         return None
+
+    def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        """Messages (type ``query``) the server loop exchanges with clients before this round's
+        training, e.g. Powder's measuring step (Algorithm 1, lines 8-10); their replies go to
+        ``aggregate_exchange``, then ``configure_train`` runs. Default: none."""
+        return []
+
+    def aggregate_exchange(self, server_round: int, replies: list[Message]) -> None:
+        """Use the replies to ``configure_exchange``'s messages. Default: nothing to use."""
 
     # ------------------------------------------------------------------ Flower contract
     def configure_train(

@@ -1,47 +1,57 @@
-"""Powder (papers/003, sections 3-5, Appendices A-B): two-step prompt aggregation driven by
-task and class correlation, per-client top-k payloads, dual distillation.
+"""Powder ("Federated Continual Learning via Prompt-based Dual Knowledge Transfer", sections
+3-5, Appendices A-B): two-step prompt aggregation driven by task and class correlation,
+per-client top-k payloads, dual distillation.
 
 Clients run CODA-style prompts whose pool is split into per-task slices (``CodaPrompt``).
 The server keeps
 
-* the global prompt pool P_g (the run's arrays: every task slice as its clients last
-  trained it, and the head);
+* the global prompt pool P_g (the run's arrays: every task's *raw* slice, and the head);
 * the measured average prompt-selection weights alpha of every task (eq. 6) and of every
   class, from which it builds the task correlation matrix G_task and the class correlation
   matrix G_class: ``[G]_nm = max(cos(alpha_n, alpha_m), 0) ** p`` (eq. 7; the clamp keeps an
   even p from turning anti-correlation into correlation). A task or class without a
   measurement has an identity row (correlated with itself only), as eq. 7's initialisation.
 
-Each round, for a client on task t:
+Each round:
+
+0. measuring exchange (Algorithm 1, lines 4-10; option ``measuring = "exchange"``): every
+   sampled client that must measure gets every known slice of P_hat (below) in a message
+   before training and replies the alphas of its current task (and of the task it has just
+   finished); G_task and G_class are updated before the round's payloads are chosen. A client
+   measures when a task started since the last measurement, when its task has never been
+   measured, or in its first round after a switch. (``measuring = "in-training"``: the
+   client measures at the start of the training round instead, on the whole pool it then
+   trains with, and G changes after the round.)
+
+For a client on task t:
 
 1. first-step aggregation (eq. 3): ``P_hat[n] = sum_m G_task[n, m] P_g[m]`` over the known
    task slices (components P, keys K and attention vectors A alike, the paper's
-   P_g in R^{M_g x (2+L) x D});
+   P_g in R^{M_g x (2+L) x D}), recomputed from the raw P_g every round;
 2. second-step selection (eq. 4): only the slices of the ``k`` tasks most correlated with t
-   (t itself included) are sent, with the head rows of t's classes; the client's local pool
-   is those slices. In a *measuring* round the client instead gets every known slice of
-   P_hat and replies the alphas of its current task (and of the task it just finished) over
-   them (Algorithm 1, lines 4-10). A client measures when a task started since the last
-   aggregation, when its task has never been measured, or when it has just switched tasks.
+   (t itself included) are sent, with the head rows of t and the weights G_task[s, t] of
+   t's raw slice in each sent slice s; the client's local pool is those slices.
 
-Replies carry only the client's own task slice and its head rows (the paper's "client c
-transmits optimized P_c^t"), plus the ``powder-alpha`` record (empty when not measuring).
-The server merges them per task slice (sample-weighted FedAvg over the clients that trained
-each task; untouched slices keep their values), then replaces the measured alphas and so
-G_task and G_class for the next round.
+The client learns its raw slice P_c^t (eq. 8): its change enters every local slice with its
+eq. 3 weight in the forward pass (``PowderPrompt``), as the authors' code mixes the raw pool.
+Replies carry the client's own task slice (the P_hat slice it was sent plus its change) and
+its head rows, plus the ``powder-alpha`` record (empty when not measuring in training). The
+server adds each task's sample-weighted mean change to its raw slice (``raw_slices``), and
+averages head rows per task (FedAvg over the clients that trained each task; untouched
+slices keep their values). P_hat is never stored back: storing it would apply eq. 3 again
+every round.
 
-Wire additions (train message config): ``powder-tasks`` (ascending task slices in the
-payload), ``powder-measure`` (reply alphas this round), ``powder-previous`` (the task the
-client has just finished, also measured; -1: none), ``powder-class-corr`` (for each of
-the task's classes y, ``sum_i G_class[y, i]``: the dual distillation's per-sample weight).
+Wire additions (message config): ``powder-tasks`` (ascending task slices in the payload),
+``powder-own-weights`` (G_task[s, t] for each of them), ``powder-measure`` (reply alphas),
+``powder-previous`` (the task the client has just finished, also measured; -1: none),
+``powder-class-corr`` (for each of the task's classes y, ``sum_i G_class[y, i]``: the dual
+distillation's per-sample weight).
 
 Tasks are the paper's per-client tasks of random classes with ``task-generator = random``
 (section 5.1's benchmark, common/schedule.py RandomTaskSchedule), or the platform's shared
-class-incremental stream. Platform simplifications (see README): the alpha exchange of a
-measuring round happens in the same message as that round's training (the client measures
-before it trains, on the full pool it then trains with), not in a separate exchange; the
-server evaluates the raw global pool P_g with CODA-P (all slices started so far); the head
-has one row per class, shared by the tasks that hold the class.
+class-incremental stream. On random tasks each task is scored with its own local pool (the
+k slices of P_hat selected for it; ``evaluation = "global"``: the raw pool with CODA-P), and
+by default (``head = "auto"``) each task has its own head block, the paper's psi_c^t.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
@@ -62,6 +72,10 @@ from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
 from strategies.fedcprompt import aggregate_per_task
+from strategies.replies import MetricSpec, check_metrics
+
+#: the metrics record of a reply to the measuring exchange (client/powder.py)
+MEASURE_METRICS = {"num-examples": MetricSpec(int, low=0)}
 
 log = logging.getLogger("promptfcl")
 
@@ -72,8 +86,10 @@ LOCAL_TASKS = "powder-tasks"
 MEASURE = "powder-measure"
 CLASS_CORR = "powder-class-corr"
 PREVIOUS = "powder-previous"
+OWN_WEIGHTS = "powder-own-weights"
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")
+MEASURINGS = ("exchange", "in-training")
 
 
 # ---------------------------------------------------------------------------- options
@@ -85,7 +101,9 @@ class PowderOptions(MethodOptions):
     switches are Table 5's: ``first-step = false`` (w/o FUS), ``selection = "random"`` (w/o
     SEL), ``dual = false`` (w/o DUAL), ``distillation = "classic"`` (DIS: plain KD).
     ``temperature`` and ``row-top`` are the authors' code choices (3 and a few top entries
-    per correlation row, renormalised); the paper states neither, so they default off.
+    per correlation row, renormalised); the paper states neither, so they default off
+    (``row-top = 0`` is eq. 3 as printed, with eq. 7's unnormalised rows). ``measuring`` is
+    Algorithm 1's separate measuring exchange by default.
     """
 
     prefix = "powder"
@@ -102,6 +120,11 @@ class PowderOptions(MethodOptions):
     # Random tasks: score each task with its local pool (the k selected slices of P_hat, as its
     # client trains and the paper evaluates), or with the raw global pool P_g ("global").
     evaluation: str = "local"
+    # "exchange": Algorithm 1 lines 8-10, a measuring message before training (the whole P_hat
+    # out, alphas back), G updated, then the round trains with top-k. "in-training": one message
+    # fewer; the alphas are measured at the start of the training round on the whole pool the
+    # client then trains with, and G changes only after that round.
+    measuring: str = "exchange"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -117,29 +140,69 @@ class PowderOptions(MethodOptions):
         need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
         need(self.evaluation in ("local", "global"), f"evaluation must be 'local' or 'global', got {self.evaluation!r}")
+        need(self.measuring in MEASURINGS, f"measuring must be one of {MEASURINGS}, got {self.measuring!r}")
 
 
 # ---------------------------------------------------------------------------- prompting
 class PowderPrompt(CodaPrompt):
-    """CODA-P prompts restricted to a client's local pool (eq. 4).
+    """CODA-P prompts restricted to a client's local pool (eq. 4), the first step applied in the
+    forward pass.
 
     ``local_tasks`` (set by the client from the server's message; None = plain CODA-P over
-    slices 0..task, as the server's evaluation uses) lists the task slices in use. While
-    training, the current task's slice learns and the others are used detached.
+    slices 0..task, as the server's evaluation uses) lists the task slices in use; the client
+    loads them with the mixed slices of P_hat it was sent. With ``own_weights`` (set by
+    :meth:`begin_round`: ``{s: G_task[s, task]}`` for every local task s) the current task's
+    slice holds the raw slice's *change* on top of the P_hat slice it was sent, and that change
+    enters every local slice with its eq. 3 weight:
+
+        P_local[s] = P_hat[s] + G_task[s, task] * (x - x0)
+
+    where x is the trained slice and x0 the P_hat slice it started from. That is eq. 3
+    applied in the forward pass to the raw slice being trained (Powder, section 4.1 and
+    eq. 8: the client learns its own P_c^t; the authors' code mixes the raw pool the same
+    way inside the forward pass), computed from the k slices of P_hat the client was sent
+    and k weights, so payloads stay eq. 4's. The reply x - x0 is the raw slice's change,
+    which the server adds to its raw pool. While training, slices of other tasks are used
+    detached; only the current task's slice learns.
     """
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__(embed_dim, layers, pool_size, length, num_tasks)
         self.local_tasks: list[int] | None = None
+        self.own_weights: dict[int, float] | None = None
+        self._start: dict[str, torch.Tensor] = {}  # x0: the current task's slice at the start of the round
+
+    def begin_round(self, local_tasks: list[int], own_weights: Mapping[int, float] | None) -> None:
+        """Use the local pool ``local_tasks`` (already loaded); mix the current slice's change
+        into them with ``own_weights`` (None: no mixing, the current slice is used as it is)."""
+        self.local_tasks = list(local_tasks)
+        self.own_weights = None if own_weights is None else {int(t): float(w) for t, w in own_weights.items()}
+        if self.own_weights is not None and set(self.own_weights) != set(self.local_tasks):
+            raise ValueError(f"mixing weights for tasks {sorted(self.own_weights)}, local pool {self.local_tasks}")
+        own = self.slice_of(self.task)
+        self._start = {name: p[own].detach().clone() for name, p in self.named_parameters()}
+
+    def end_round(self) -> None:
+        """Back to plain CODA-P (the runtime's model is shared by every round of the process)."""
+        self.local_tasks, self.own_weights, self._start = None, None, {}
 
     def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
         if self.local_tasks is None:
             return super()._active(kind, layer, train)
-        param = getattr(self, f"{kind}{layer}")
+        name = f"{kind}{layer}"
+        param = getattr(self, name)
+        own = param[self.slice_of(self.task)]
+        change = None if self.own_weights is None else own - self._start[name]
         parts = []
         for t in self.local_tasks:
-            part = param[self.slice_of(t)]
-            parts.append(part if (not train or t == self.task) else part.detach())
+            if change is None:
+                part = param[self.slice_of(t)]
+                parts.append(part if (not train or t == self.task) else part.detach())
+            elif t == self.task:  # eq. 7's diagonal is 1: then the slice is the trained one itself, exactly
+                w = self.own_weights[t]
+                parts.append(own if w == 1.0 else self._start[name] + w * change)
+            else:
+                parts.append(param[self.slice_of(t)].detach() + self.own_weights[t] * change)
         return torch.cat(parts, dim=0)
 
     def pool_rows(self) -> np.ndarray:
@@ -238,6 +301,7 @@ class _Sent:
     local_tasks: list[int]
     expected: ArrayRecord  # the reply's arrays: the task slice of every prompt array, the task's head rows
     measure: tuple[int, ...] = field(default_factory=tuple)  # tasks whose alphas may come back
+    start: dict[str, np.ndarray] = field(default_factory=dict)  # the task's P_hat slice of every prompt array
 
 
 class PowderStrategy(PromptStrategy):
@@ -269,9 +333,13 @@ class PowderStrategy(PromptStrategy):
         self.class_measured = np.zeros(num_classes, dtype=bool)
         self.new_tasks_pending = False  # a task started since the last aggregation: every client measures
         self.global_arrays: ArrayRecord | None = None  # P_g at the start of this round
-        self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round
+        self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round (sent, never stored back)
+        self.mixing = np.eye(cfg.num_tasks)  # the first step's matrix of this round
         self.sent: list[_Sent] = []
-        self._payloads: list[tuple] = []  # what client_payload made, in message order
+        self._payloads: list[tuple | None] = []  # what client_payload made, in message order
+        self._exchanging = False  # client_payload is making the measuring exchange's messages
+        self.measured_before = 0  # tasks measured in this round's exchange
+        self.exchange_rejected: list[tuple[int, str]] = []  # (node, reason) of this round's exchange
 
     def summary(self) -> None:
         super().summary()
@@ -303,18 +371,31 @@ class PowderStrategy(PromptStrategy):
         self.new_tasks_pending = True  # Algorithm 1 line 4: new tasks, every current task is re-measured
         return super().on_task_start(task, arrays)
 
+    def to_measure(self, task: int, round_: int) -> tuple[int, ...]:
+        """The tasks whose alphas a client on ``task`` (round ``round_`` of it) measures: its task,
+        when a task started since the last measurement or its task was never measured, and
+        with it the task it has just finished, in its first round on a new one (Algorithm 1,
+        lines 4-9). Empty: nothing to measure."""
+        previous = self.schedule.previous_task(task) if round_ == 0 else -1
+        if previous >= 0:
+            return task, previous
+        return (task,) if self.new_tasks_pending or not self.task_measured[task] else ()
+
     def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
-        """The client's local pool: the top-k tasks' aggregated slices, or all of them when measuring."""
+        """The client's local pool: the top-k tasks' aggregated slices (all of them when it
+        measures in the training round); in the measuring exchange, the whole P_hat."""
         task, round_ = int(config["task"]), int(config["round"])
         if not 0 <= task < self.known_tasks:
             raise RuntimeError(f"client {client_id} assigned task {task}, whose slice was never initialised "
                                f"(known tasks: {self.known_tasks}); call on_task_start first")
         if not self.aggregated:
             self.prepare_round(arrays)
-        # a client's first round on a task: it also measures the task it has just finished
-        previous = self.schedule.previous_task(task) if round_ == 0 else -1
-        switched = previous >= 0
-        measure = self.new_tasks_pending or not self.task_measured[task] or switched
+        measured = self.to_measure(task, round_)
+        previous = measured[1] if len(measured) == 2 else -1
+        config[PREVIOUS] = previous
+        if self._exchanging:
+            return self.measuring_payload(client_id, task, measured, config)
+        measure = bool(measured) and self.opts.measuring == "in-training"
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
         else:
@@ -322,7 +403,7 @@ class PowderStrategy(PromptStrategy):
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
         classes = task_classes(self.cfg, task, self.num_classes)
-        out, expected = {}, {}
+        out, expected, start = {}, {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
             if rows is None:  # not task-structured: travels whole
@@ -330,17 +411,35 @@ class PowderStrategy(PromptStrategy):
             elif name.startswith("prompt."):  # the local pool's slices
                 out[name] = np.concatenate([value[self._rows(name, value, t)] for t in local])
                 expected[name] = np.zeros_like(value[rows])
+                start[name] = value[rows].copy()
             else:  # the head rows of the client's task
                 out[name], expected[name] = value[rows], np.zeros_like(value[rows])
         g_class = self.class_correlation()
         config[LOCAL_TASKS] = [int(t) for t in local]
-        config[MEASURE] = bool(measure)
+        # the weight of the client's raw slice in each local slice of P_hat (eq. 3): its change
+        # enters them with these in the client's forward pass (PowderPrompt)
+        config[OWN_WEIGHTS] = [float(self.mixing[s, task]) for s in local]
+        config[MEASURE] = measure
         config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
-        config[PREVIOUS] = previous
         content = RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
-        measured = (task, previous) if switched else (task,)
-        self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else ()))
+        self._payloads.append((client_id, task, local, to_array_record(expected), measured if measure else (), start))
         return content
+
+    def measuring_payload(self, client_id: int, task: int, measured: tuple[int, ...],
+                          config: ConfigRecord) -> RecordDict:
+        """Algorithm 1 line 8: every known slice of P_hat's prompt arrays, on which the client
+        measures the alphas of ``measured``; a client with nothing to measure gets no message."""
+        if not measured:
+            self._payloads.append(None)
+            return RecordDict({CONFIG: config})
+        rows = slice(0, self.known_tasks * (self.cfg.pool_size // self.cfg.num_tasks))  # slices 0..known-1
+        out = {name: value[rows] for name, value in self.aggregated.items()
+               if name.startswith("prompt.") and self._rows(name, value, task) is not None}
+        local = list(range(self.known_tasks))
+        config[LOCAL_TASKS] = local
+        config[MEASURE] = True
+        self._payloads.append((client_id, task, local, ArrayRecord(), measured, {}))
+        return RecordDict({ARRAYS: to_array_record(out), CONFIG: config})
 
     def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
         """Random tasks: every task scored with its local pool, the k slices of P_hat selected for it
@@ -356,9 +455,11 @@ class PowderStrategy(PromptStrategy):
         return to_array_record(mixed), pools
 
     def prepare_round(self, arrays: ArrayRecord) -> None:
-        """P_g of this round and its first-step aggregation P_hat (eq. 3)."""
+        """P_g of this round and its first-step aggregation P_hat (eq. 3), for sending only:
+        P_g stays the raw slices, and ``merge`` adds the clients' changes to them."""
         self.global_arrays = arrays
-        self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), self.known_tasks,
+        self.mixing = self.mixing_matrix()
+        self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing, self.known_tasks,
                                                  self.cfg.pool_size, self.cfg.num_tasks)
 
     def state_dict(self) -> dict[str, Any]:
@@ -379,6 +480,61 @@ class PowderStrategy(PromptStrategy):
             self.class_alpha = np.array(state["class-alpha"], dtype=np.float64)
             self.class_measured = np.array(state["class-measured"], dtype=bool)
         self.new_tasks_pending = bool(state.get("new-tasks-pending", False))
+
+    # ------------------------------------------------------------------ measuring exchange (Algorithm 1, 8-10)
+    def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        """Before training, every sampled client with something to measure (``to_measure``) gets
+        the whole P_hat and replies its alphas, so G_task and G_class are updated before this
+        round's top-k payloads are chosen: a new task's first round already trains with its
+        measured correlations. None with ``measuring = "in-training"``."""
+        self.measured_before, self.exchange_rejected = 0, []
+        if self.opts.measuring != "exchange":
+            return []
+        self.prepare_round(arrays)
+        self._payloads, self._exchanging = [], True
+        try:  # the base's sampling and node assignment, with client_payload making measuring payloads
+            drafts = list(super().configure_train(server_round, arrays, config, grid))
+        finally:
+            self._exchanging = False
+        kept = [(m, made) for m, made in zip(drafts, self._payloads) if made is not None]
+        messages = [Message(content=m.content, message_type=MessageType.QUERY, dst_node_id=m.metadata.dst_node_id)
+                    for m, _ in kept]
+        self.sent = [_Sent(msg, *made) for msg, (_, made) in zip(messages, kept)]
+        self.sent_messages, self._sent_by_id = messages, {}  # the exchange's replies are matched to these
+        return messages
+
+    def aggregate_exchange(self, server_round: int, replies: list[Message]) -> None:
+        """Replace the measured alphas (eq. 6-7); the round's P_hat is then recomputed with them."""
+        records = []
+        for msg in replies:
+            reason = self.check_measurement(msg)
+            if reason is None:
+                records.append(msg.content[ALPHA])
+            else:
+                node = msg.metadata.src_node_id
+                self.exchange_rejected.append((node, "measuring: " + reason))
+                log.warning("measuring reply from node %s excluded: %s", node, reason)
+        self.measured_before = self.update_correlation(records)
+        if records:
+            self.new_tasks_pending = False
+        self.aggregated = {}
+
+    def check_measurement(self, msg: Message) -> str | None:
+        """Why a reply to the measuring exchange cannot be used (None: it can)."""
+        if msg.has_error():
+            return f"client error: {msg.error.reason}"
+        sent = self.sent_for(msg)
+        if sent is None:
+            return "cannot tell which message this reply answers (no matching message sent this round)"
+        if set(msg.content.keys()) != {ALPHA, METRICS}:
+            return f"records {sorted(msg.content.keys())}, expected {sorted({ALPHA, METRICS})}"
+        reason = check_metrics(msg.content[METRICS], MEASURE_METRICS)
+        if reason is not None:
+            return reason
+        if msg.content[METRICS]["num-examples"] == 0:
+            return "nothing measured (num-examples 0)"
+        return self.check_alpha(msg.content[ALPHA], sent)
 
     # ------------------------------------------------------------------ Flower contract
     def configure_train(
@@ -446,6 +602,7 @@ class PowderStrategy(PromptStrategy):
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train before configure_train: no server arrays to start from")
         accepted = self.accept_replies(replies)
+        self.rejected = self.exchange_rejected + self.rejected  # the round's record lists both
         by_content = {id(m.content): self.sent_for(m) for m in replies if m.has_content()}
         pairs = [(by_content[id(c)], c) for c in accepted]
         self.aggregated = {}  # the next round recomputes P_hat
@@ -454,9 +611,10 @@ class PowderStrategy(PromptStrategy):
                         server_round, len(pairs), self.cfg.min_replies)
             return None, None
         weights = np.array([int(c[METRICS]["num-examples"]) for _, c in pairs], dtype=np.float64)
-        merged = self.merge(from_array_record(self.global_arrays),
-                            [(s.task, from_array_record(c[ARRAYS]), w) for (s, c), w in zip(pairs, weights)])
-        measured_tasks = self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
+        base = from_array_record(self.global_arrays)
+        merged = self.merge(base, [(s.task, self.raw_slices(s, from_array_record(c[ARRAYS]), base), w)
+                                   for (s, c), w in zip(pairs, weights)])
+        measured_tasks = self.measured_before + self.update_correlation([c[ALPHA] for s, c in pairs if s.measure])
         if any(s.measure for s, _ in pairs):
             self.new_tasks_pending = False
         contents = [c for _, c in pairs]
@@ -471,6 +629,25 @@ class PowderStrategy(PromptStrategy):
             "train-loss": float(np.average([float(c[METRICS]["train-loss"]) for c in contents], weights=weights)),
         })
         return arrays, metrics
+
+    def raw_slices(self, sent: _Sent, reply: Mapping[str, np.ndarray],
+                   base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A reply's prompt slices as raw slices: P_g[t] + (trained slice - the P_hat slice sent).
+
+        P_g holds the raw per-task slices; eq. 3's mixed slices are only sent. Storing a
+        trained P_hat slice back as the raw slice would apply eq. 3 again every round (the
+        pool grows without bound with eq. 3's unnormalised rows, and the slices of correlated
+        tasks trained together become identical with normalised rows). The client's change is
+        a change of its raw slice (its forward pass mixes it in with eq. 3's weights,
+        PowderPrompt), so it is added to the raw slice; a client that returns what it was
+        sent leaves P_g as it was. Head rows are not mixed and pass through unchanged.
+        """
+        out = dict(reply)
+        for name, start in sent.start.items():
+            rows = self._rows(name, np.asarray(base[name]), sent.task)
+            raw = np.asarray(base[name])[rows].astype(np.float64)
+            out[name] = (raw + (np.asarray(reply[name], np.float64) - start)).astype(np.asarray(base[name]).dtype)
+        return out
 
     def merge(self, base: Mapping[str, np.ndarray],
               updates: list[tuple[int, Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:

@@ -190,8 +190,8 @@ def test_payload_differs_per_client_on_different_tasks(flower_identity):
     assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [0, 3], [0, 1], [0, 2]]
 
 
-def test_measuring_rounds_send_the_whole_aggregated_pool(flower_identity):
-    cfg, s, state = strategy_with_pool(k=2)
+def test_measuring_in_the_training_round_sends_the_whole_aggregated_pool(flower_identity):
+    cfg, s, state = strategy_with_pool(k=2, measuring="in-training")
     arrays = to_array_record(state)
     s.new_tasks_pending = True  # a task has just started
     m = list(s.configure_train(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1)))[0]
@@ -203,6 +203,52 @@ def test_measuring_rounds_send_the_whole_aggregated_pool(flower_identity):
     s.task_measured[1] = False  # never measured: measured when next trained
     m = list(s.configure_train(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
     assert m.content[CONFIG][MEASURE] is True and s.sent[0].measure == (1,)
+    assert s.configure_exchange(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)) == []
+
+
+def query_reply(msg: Message, alpha: ArrayRecord, n: int = 5) -> Message:
+    content = RecordDict({ALPHA: alpha, METRICS: MetricRecord({"num-examples": n})})
+    return Message(content=content, reply_to=msg)
+
+
+def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_identity):
+    """Algorithm 1, lines 4-14: a new task appears; the sampled clients get the whole P_hat and
+    reply alphas first; the round's training payloads are chosen with the updated G_task."""
+    cfg, s, state = strategy_with_pool(k=2)
+    send_tasks(s, {0: 0, 1: 3, 2: 1, 3: 0})
+    s.new_tasks_pending = True
+    arrays = to_array_record(state)
+    assert select_tasks(s.task_correlation()[3], 3, 4, 2) == [0, 3]  # task 3 correlated with nothing yet
+    ex = s.configure_exchange(4, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(2))
+    for m in ex:
+        m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+    assert len(ex) == 4 and all(m.metadata.message_type == "query" for m in ex)
+    hat = first_step_aggregation(state, s.mixing_matrix(), 4, cfg.pool_size, cfg.num_tasks)
+    for m, x in zip(ex, s.sent):
+        assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
+        sent = from_array_record(m.content[ARRAYS])
+        assert set(sent) == {"prompt.p0", "prompt.k0", "prompt.a0"}  # the pool only: no head rows
+        np.testing.assert_allclose(sent["prompt.p0"], hat["prompt.p0"], rtol=1e-6)
+        assert x.measure == (int(m.content[CONFIG]["task"]),)
+    # task 3 now measures like task 1; a reply for a task nobody asked about is excluded
+    e = np.eye(8)
+    alphas = {0: e[0] + e[1], 3: e[0] + 0.2 * e[2], 1: e[0] + 0.2 * e[2]}
+    replies = [query_reply(m, to_array_record({
+        "tasks": np.array([t]), "task-alpha": alphas[t][None], "task-count": np.array([5]),
+        "classes": np.array([2 * t]), "class-alpha": alphas[t][None], "class-count": np.array([5])}))
+        for m in ex for t in [int(m.content[CONFIG]["task"])]]
+    replies[3] = query_reply(ex[3], alpha_record([2], [4]))
+    s.aggregate_exchange(4, replies)
+    assert not s.new_tasks_pending and s.measured_before == 3 and len(s.exchange_rejected) == 1
+    assert s.task_correlation()[3, 1] == pytest.approx(1.0)
+    msgs = configure(s, 4, arrays, 0, 2, 2)
+    assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [1, 3], [1, 3], [0, 2]]
+    assert all(m.content[CONFIG][MEASURE] is False and x.measure == () for m, x in zip(msgs, s.sent))
+    _, metrics = s.aggregate_train(4, [echo(m) for m in msgs])
+    assert metrics["tasks-measured"] == 3 and metrics["local-pool-tasks"] == 2
+    assert len(s.rejected) == 1 and "measuring" in s.rejected[0][1]
+    # nothing new and every task measured: no exchange
+    assert s.configure_exchange(5, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(2)) == []
 
 
 def test_ablations_change_the_payload(flower_identity):
@@ -254,9 +300,12 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     stray = reply_from(101, bad_shape)  # answers no message of this round
     arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
     out = from_array_record(arrays)
+    hat = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)  # what the clients were sent
     for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
-        np.testing.assert_allclose(out[name][0:2], (10 * 1.0 + 30 * 3.0) / 40)  # task 0: clients 0 and 2
-        np.testing.assert_allclose(out[name][6:8], 7.0)  # task 3
+        # a raw slice moves by the sample-weighted mean of its clients' changes (trained - P_hat slice sent)
+        change0 = (10 * (1.0 - hat[name][0:2]) + 30 * (3.0 - hat[name][0:2])) / 40  # task 0: clients 0 and 2
+        np.testing.assert_allclose(out[name][0:2], state[name][0:2] + change0, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[name][6:8], state[name][6:8] + 7.0 - hat[name][6:8], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(out[name][2:6], state[name][2:6])  # tasks 1 (rejected) and 2: unchanged
     np.testing.assert_allclose(out["head.weight"][0:2], 2.5)
     np.testing.assert_array_equal(out["head.weight"][2:6], state["head.weight"][2:6])
@@ -267,8 +316,88 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([0], [0])))
 
 
+def echo(msg: Message, shift: dict[int, float] | None = None, n: int = 10) -> Message:
+    """A client that trains nothing: it returns its task's part of what it was sent (its slice of
+    the local pool, its head rows), its prompt slice moved by ``shift[task]`` if given."""
+    config = msg.content[CONFIG]
+    task, local = int(config["task"]), [int(t) for t in config[LOCAL_TASKS]]
+    pos, out = local.index(task), {}
+    for name, value in from_array_record(msg.content[ARRAYS]).items():
+        if name.startswith("prompt."):
+            per = value.shape[0] // len(local)
+            out[name] = value[pos * per:(pos + 1) * per] + np.float32((shift or {}).get(task, 0.0))
+        else:
+            out[name] = value.copy()
+    content = RecordDict({ARRAYS: to_array_record(out), ALPHA: ArrayRecord(),
+                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0})})
+    return Message(content=content, reply_to=msg)
+
+
+@pytest.mark.parametrize("row_top", [0, 3])
+def test_clients_that_return_what_they_got_leave_the_raw_pool_unchanged(flower_identity, row_top):
+    """Eq. 3 mixes P_g for sending; the mixed slices are never stored back (the issue: the pool grew
+    from ~4 to ~1e7 in 15 rounds with eq. 3 as printed, and collapsed with row-top = 3)."""
+    _, s, state = strategy_with_pool(k=2, **{"row-top": row_top})
+    assert s.mixing_matrix()[0, 2] > 0.4  # tasks 0 and 2 strongly correlated: a mixed pool would move
+    send_tasks(s, {0: 0, 1: 2, 2: 1, 3: 3})
+    arrays = to_array_record(state)
+    for r in range(1, 16):
+        msgs = configure(s, r, arrays, 0, 2, 4)
+        arrays, metrics = s.aggregate_train(r, [echo(m) for m in msgs])
+        assert metrics["clients"] == 4
+    out = from_array_record(arrays)
+    for name, value in state.items():
+        np.testing.assert_allclose(out[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("row_top", [0, 3])
+def test_correlated_tasks_trained_in_the_same_rounds_keep_distinct_slices(flower_identity, row_top):
+    """Two strongly correlated tasks, each trained every round: each raw slice accumulates exactly
+    its own clients' changes, however much the mixed slices they train with overlap."""
+    _, s, state = strategy_with_pool(k=2, **{"row-top": row_top})
+    send_tasks(s, {0: 0, 1: 2, 2: 0, 3: 2})
+    shift = {0: 0.01, 2: -0.02}
+    arrays = to_array_record(state)
+    for r in range(1, 16):
+        msgs = configure(s, r, arrays, 0, 2, 4)
+        assert all(list(m.content[CONFIG][LOCAL_TASKS]) == [0, 2] for m in msgs)  # each trains with the other
+        arrays, _ = s.aggregate_train(r, [echo(m, shift) for m in msgs])
+    out = from_array_record(arrays)
+    for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
+        np.testing.assert_allclose(out[name][0:2], state[name][0:2] + 15 * 0.01, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out[name][4:6], state[name][4:6] - 15 * 0.02, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[name][2:4], state[name][2:4])  # tasks nobody trained
+        np.testing.assert_array_equal(out[name][6:8], state[name][6:8])
+        before = np.linalg.norm(state[name][0:2] - state[name][4:6])
+        assert np.linalg.norm(out[name][0:2] - out[name][4:6]) > 0.5 * before
+
+
+def test_the_clients_change_enters_every_local_slice_with_its_eq3_weight():
+    """The client trains its raw slice's change; eq. 3 puts it into local slice s with G_task[s, t]
+    (as the authors' forward pass mixes the raw pool), so its gradient comes through all of them."""
+    torch.manual_seed(0)
+    prompt = PowderPrompt(6, [0], pool_size=8, length=4, num_tasks=4)
+    prompt.set_task(1)
+    prompt.train()
+    before = prompt.p0.detach().clone()
+    prompt.begin_round([0, 1, 3], {0: 0.5, 1: 0.8, 3: 0.0})
+    with torch.no_grad():
+        prompt.p0[2:4] += 1.0  # the client's change of its slice
+    active = prompt._active("p", 0, train=True)
+    torch.testing.assert_close(active[0:2], before[0:2] + 0.5)
+    torch.testing.assert_close(active[2:4], before[2:4] + 0.8)  # a normalised row: own weight below 1
+    torch.testing.assert_close(active[4:6], before[6:8])  # weight 0: untouched
+    active.sum().backward()
+    torch.testing.assert_close(prompt.p0.grad[2:4], torch.full_like(before[2:4], 0.5 + 0.8))
+    assert prompt.p0.grad[[0, 1, 4, 5, 6, 7]].abs().sum() == 0  # other slices are used detached
+    prompt.end_round()
+    assert prompt.local_tasks is None and prompt.own_weights is None
+    with pytest.raises(ValueError, match="mixing weights"):
+        prompt.begin_round([0, 1], {1: 1.0})
+
+
 def test_alpha_replies_update_the_correlations(flower_identity):
-    cfg, s, state = strategy_with_pool(k=2)
+    cfg, s, state = strategy_with_pool(k=2, measuring="in-training")
     s.task_measured[:] = False
     s.new_tasks_pending = True
     msgs = configure(s, 1, to_array_record(state), 1, 0, 2)
@@ -362,7 +491,7 @@ def message_for(s, arrays, task, round_):
 
 
 def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity):
-    cfg, rt, s, arrays = client_setup()
+    cfg, rt, s, arrays = client_setup(measuring="in-training")
     msg = message_for(s, arrays, 1, 0)  # new tasks pending: a measuring round, whole pool
     assert msg.content[CONFIG][MEASURE] is True
     learner = PowderLearner(rt, {})
@@ -386,6 +515,23 @@ def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity)
     assert msg.content[CONFIG][MEASURE] is False
     reply = learner.fit(msg.content, 1, 1, 0)
     assert list(reply[ALPHA].keys()) == [] and s.check_reply(reply_from(100, reply)) is None
+
+
+def test_client_answers_the_measuring_exchange_with_the_alphas_it_would_measure_in_training(flower_identity):
+    cfg, rt, s, arrays = client_setup(measuring="in-training")
+    learner = PowderLearner(rt, {})
+    in_training = learner.fit(message_for(s, arrays, 1, 0).content, 1, 0, 0)[ALPHA]
+    _, _, s, arrays = client_setup()
+    ex = s.configure_exchange(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1))
+    assert len(ex) == 1 and ex[0].content[CONFIG][MEASURE] is True
+    answer = learner.answer(ex[0].content, 1, 0, 0)
+    assert set(answer.keys()) == {ALPHA, METRICS} and answer[METRICS]["num-examples"] > 0
+    for name in ("tasks", "task-alpha", "task-count", "classes", "class-alpha", "class-count"):
+        np.testing.assert_allclose(answer[ALPHA][name].numpy(), in_training[name].numpy(), rtol=1e-6)
+    assert s.check_measurement(reply_from(100, answer)) is None
+    assert rt.model.prompt.local_tasks is None
+    with pytest.raises(NotImplementedError):
+        LocalLearner(rt).answer(ex[0].content, 1, 0, 0)
 
 
 def test_distillation_switches_change_local_training(flower_identity):
@@ -428,7 +574,8 @@ def test_end_to_end_asynchronous_simulation(tmp_path):
     for r in rounds:
         assert r["clients_aggregated"] == 3 and not r["rejected"]
     assert rounds[1]["strategy_metrics"]["tasks-aggregated"] == 2
-    assert rounds[1]["strategy_metrics"]["tasks-measured"] == 2  # a new task: everybody measures
+    assert rounds[1]["strategy_metrics"]["tasks-measured"] == 2  # a new task: everybody measures, before training
+    assert rounds[1]["strategy_metrics"]["local-pool-tasks"] == 1.0  # and trains with top-k at once
     assert rounds[3]["strategy_metrics"]["tasks-measured"] == 0  # nothing new: top-k payloads
     assert rounds[3]["strategy_metrics"]["local-pool-tasks"] == 1.0
     n_params = results["communication"]["trainable_parameters"]

@@ -187,7 +187,7 @@ def test_asynchronous_metrics_by_hand():
 def test_a_head_row_shared_by_two_tasks_averages_both():
     from strategies.fedcprompt import aggregate_per_task
 
-    cfg = random_config()
+    cfg = random_config(head="per-class")
     tasks = random_tasks(cfg, 10)
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist())
                  and set(tasks[g].tolist()) != set(tasks[h].tolist()))
@@ -198,6 +198,76 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
         in0, in3 = y in tasks[h], y in tasks[g]
         expected = (1.0 * in0 + 12.0 * in3) / (1.0 * in0 + 3.0 * in3) if in0 or in3 else 0.0
         np.testing.assert_allclose(out[y], expected, rtol=1e-6)
+
+
+def test_a_per_task_head_gives_every_task_its_own_block():
+    from common.data import head_rows, head_size, head_targets, task_rows
+    from strategies.fedcprompt import aggregate_per_task
+
+    cfg = random_config(head="per-task")
+    per_class = random_config(head="per-class")
+    tasks = random_tasks(cfg, 10)
+    assert head_size(cfg, 10) == 4 * 3 and head_size(per_class, 10) == 10
+    assert random_config().per_task_head and not tiny_config().per_task_head  # auto: per task on random tasks
+    head = np.zeros((12, 2), np.float32)
+    for g in range(4):
+        assert head_rows(cfg, g, 10).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
+        assert head_targets(cfg, g, tasks[g][::-1], 10).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
+        assert task_rows(cfg, "head.weight", head, g, 10).tolist() == head_rows(cfg, g, 10).tolist()
+        assert head_rows(per_class, g, 10).tolist() == tasks[g].tolist()  # per-class: the classes' rows
+    with pytest.raises(ValueError, match="outside task"):
+        head_targets(cfg, 0, np.setdiff1d(np.arange(10), tasks[0])[:1], 10)
+    # two tasks sharing a class: with a per-task head each keeps its own rows (per-class: averaged, above)
+    g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist()))
+    updates = [(h, {"head.weight": np.ones((12, 2))}, 1.0), (g, {"head.weight": np.full((12, 2), 4.0)}, 3.0)]
+    out = aggregate_per_task(cfg, {"head.weight": head}, updates, 10)["head.weight"]
+    np.testing.assert_array_equal(out[head_rows(cfg, h, 10)], 1.0)
+    np.testing.assert_array_equal(out[head_rows(cfg, g, 10)], 4.0)
+    with pytest.raises(ConfigError, match="head = per-task applies to task-generator = random only"):
+        tiny_config(head="per-task")
+    with pytest.raises(ConfigError, match="head must be one of"):
+        random_config(head="per-client")
+
+
+@pytest.mark.parametrize("head", ["per-class", "per-task"])
+def test_training_a_task_moves_only_the_head_rows_it_owns(head):
+    """Per class, a task trains the rows of its classes, which other tasks holding them are scored
+    with; per task, only its own block moves."""
+    import torch
+    from flwr.app import RecordDict
+
+    from client.learner import LocalLearner
+    from common.data import head_rows
+    from common.records import ARRAYS, from_array_record, to_array_record
+    from common.runtime import get_runtime
+
+    cfg = random_config(head=head, lr=0.05)
+    rt = get_runtime(cfg)
+    start = {k: v.detach().clone() for k, v in rt.model.trainable_state().items()}
+    assert start["head.weight"].shape[0] == (12 if head == "per-task" else 10)
+    g = 3
+    out = from_array_record(LocalLearner(rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
+                                                 0, task_schedule(cfg).owner(g))[ARRAYS])
+    moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
+    assert moved.tolist() == sorted(head_rows(cfg, g, 10).tolist())
+    # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
+    from common.evaluation import correct_counts
+
+    state = {k: v.clone() for k, v in start.items()}
+    state["head.weight"].zero_()
+    state["head.bias"].zero_()
+    tasks = random_tasks(cfg, 10)
+    for i in range(4):
+        state["head.bias"][int(head_rows(cfg, i, 10)[1])] += 10.0 * (i + 1)  # task i: always its second class
+    rt.model.load_trainable_state(state)
+    correct, total = correct_counts(rt, 3)
+    labels = rt.data.test.labels
+    for i in range(4):
+        mine = labels[np.isin(labels, tasks[i])]
+        assert total[i] == len(mine)
+        if head == "per-task":  # independent blocks: each task predicts its own second class
+            assert correct[i] == int(np.sum(mine == tasks[i][1]))
+    torch.testing.assert_close(rt.model.head.bias, state["head.bias"])
 
 
 def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
@@ -215,12 +285,16 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.parametrize("strategy", ["powder", "fedavg"])
-def test_end_to_end_on_random_tasks(tmp_path, strategy, monkeypatch):
+@pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),
+                                            ("powder", "per-task"), ("fedcprompt", "per-task")])
+def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
     from tests.test_simulation_e2e import simulate
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
-    results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, **RANDOM)
+    results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, head=head, **RANDOM)
+    prompt_params = 2 * (8 * 4 * 48 + 2 * 8 * 48)  # two prompted blocks: P, K, A of 8 components
+    head_rows = 4 * 3 if head == "per-task" else 10  # a block per task, or a row per class
+    assert results["communication"]["trainable_parameters"] == prompt_params + head_rows * (48 + 1)
     cfg = random_config()
     schedule = task_schedule(cfg)
     rounds = results["rounds"]
