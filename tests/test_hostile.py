@@ -79,6 +79,8 @@ def mutations(content: RecordDict) -> list[tuple[str, RecordDict]]:
         if name != PLACEMENT:  # the one optional record
             out.append((f"{name} missing", variant(lambda c, n=name: c.__delitem__(n))))
         for kind, make in kinds.items():
+            if type(make()) is type(content[name]) and not content[name]:
+                continue  # an empty record of the same kind is the valid reply itself (Powder's alphas, unasked)
             out.append((f"{name} as a {kind} record", variant(lambda c, n=name, m=make: c.__setitem__(n, m()))))
     for kind, make in kinds.items():
         out.append((f"an extra {kind} record", variant(lambda c, m=make: c.__setitem__("extra", m()))))

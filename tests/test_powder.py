@@ -329,7 +329,7 @@ def echo(msg: Message, shift: dict[int, float] | None = None, n: int = 10) -> Me
         else:
             out[name] = value.copy()
     content = RecordDict({ARRAYS: to_array_record(out), ALPHA: ArrayRecord(),
-                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0})})
+                          METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1})})
     return Message(content=content, reply_to=msg)
 
 
