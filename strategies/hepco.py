@@ -565,7 +565,8 @@ class RealDataProbe:
     data and reports:
 
     * ``real-query-feature-cos``: mean cosine between q(x) and the prompted feature f(x)
-      (distilled prompts): how far the head's test-time input is from the query space;
+      (distilled prompts), and ``real-prompt-shift``: mean ||f(x) - q(x)|| over the mean
+      distance of q(x) to its mean: how far the head's test-time input is from the query space;
     * ``latent-{query,feature}-cos-{old,new}``: mean over classes of the cosine between
       the class's mean pseudo-latent and its mean real q(x) / f(x);
       ``latent-{query,feature}-ncm-{old,new}``: accuracy (%) of assigning each
@@ -641,6 +642,9 @@ class RealDataProbe:
             out[f"real-{name}-acc-distilled"] = acc(f_dist, distilled, part)
             out[f"real-query-{name}-acc-distilled"] = acc(q, distilled, part)
         out["real-query-feature-cos"] = float(F.cosine_similarity(q, f_dist, dim=-1).mean())
+        # Cosines of ViT features share a large common component; the prompts' shift against
+        # the spread of the queries says how far apart the two spaces really are.
+        out["real-prompt-shift"] = float((f_dist - q).norm(dim=-1).mean() / (q - q.mean(0)).norm(dim=-1).mean())
 
         # Pseudo-latents against the real class means of both spaces.
         means = {"query": torch.stack([q[y == c].mean(0) for c in seen]),

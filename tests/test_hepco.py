@@ -477,6 +477,8 @@ def test_real_data_probe_measures_distance_and_accuracy():
     assert out["latent-feature-cos-old"] == pytest.approx(1.0, abs=1e-5)
     assert out["latent-feature-ncm-new"] == 100.0
     assert -1.0 <= out["real-query-feature-cos"] <= 1.0 and out["latent-query-cos-new"] <= 1.0 + 1e-6
+    expected_shift = (f - q).norm(dim=-1).mean() / (q - q.mean(0)).norm(dim=-1).mean()
+    assert out["real-prompt-shift"] == pytest.approx(float(expected_shift), rel=1e-5) and expected_shift > 0
     # Same prompts in both models: distilling only the prompts changes nothing; the head does.
     assert out["real-old-acc-distilled-prompts"] == out["real-old-acc-provisional"]
     assert out["real-new-acc-distilled"] == out["real-new-acc-distilled-head"]
