@@ -1,7 +1,7 @@
 """HePCo: heterogeneous prompt consolidation by latent generation and distillation at the server.
 
 Paper: "Continual Adaptation of Vision Transformers for Federated Learning"
-(shared/papers/000, sections 5-6 and Appendix B; shared/REFERENCE.md "HePCo").
+(Halbe et al., sections 5-6 and Appendix B).
 
 Clients are FedAvg-Prompt clients with the paper's prompt variant (:class:`HePCoPrompt`:
 components weighted by the cosine of the query with their keys). The server, every round:
