@@ -94,6 +94,13 @@ class HePCoOptions(MethodOptions):
         ``"eval"`` (default): running statistics, as the authors' code (the paper does not
         say, and the generator's BatchNorm is itself the code's). ``"train"``: each
         batch's own statistics.
+    head_loss : str
+        Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
+        sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
+        at replay ratio 0.5 an old class gets 1/(2t) of a current class's latents at task
+        t (0-indexed, equal-size tasks).
+        ``"balanced"`` (not in the paper): each seen class drawn in the batch weighs the same,
+        so the head is not pulled towards the current task by how often it is sampled.
     diagnostics : bool
         Also measure, every round, the consolidation against real data (a measurement,
         never fed back into training; needs the server's central data, so simulation
@@ -125,6 +132,7 @@ class HePCoOptions(MethodOptions):
     averaging: str = "uniform"
     old_prompt_mean: str = "composite"
     distill_generator_mode: str = "eval"
+    head_loss: str = "ce"
     diagnostics: bool = False
     diagnostics_per_class: int = 50
 
@@ -182,6 +190,7 @@ class HePCoOptions(MethodOptions):
              f"old-prompt-mean must be 'composite' or 'old', got {self.old_prompt_mean!r}")
         need(self.distill_generator_mode in ("eval", "train"),
              f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}")
+        need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
 
 
@@ -527,7 +536,12 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
             prompt_opt.step()
             last["prompt-loss"] = float(loss_p.detach())
         if opts.distill_head:
-            loss_h = F.cross_entropy(student.logits(z, seen), _local_labels(y, seen))
+            target = _local_labels(y, seen)
+            weight = None
+            if opts.head_loss == "balanced":  # 1 / (latents of the class in this batch): classes weigh alike
+                counts = torch.bincount(target, minlength=len(seen)).float()
+                weight = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
+            loss_h = F.cross_entropy(student.logits(z, seen), target, weight=weight)
             head_opt.zero_grad(set_to_none=True)
             loss_h.backward()
             head_opt.step()

@@ -129,7 +129,8 @@ def test_registered_with_paper_defaults_and_own_prompt():
     assert (o.distill_epochs, o.distill_lr, o.lambda_kl, o.lambda_mse, o.replay_ratio) == (200, 1e-4, 1.0, 0.1, 0.5)
     assert o.use_previous and o.use_kl and o.use_mse and o.distill_prompts and o.distill_head
     # eq. 6's zeta over the composite batch; BatchNorm as the authors' code samples; no real-data probe
-    assert (o.old_prompt_mean, o.distill_generator_mode, o.diagnostics) == ("composite", "eval", False)
+    assert (o.old_prompt_mean, o.distill_generator_mode, o.head_loss, o.diagnostics) == (
+        "composite", "eval", "ce", False)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -141,6 +142,7 @@ def test_registered_with_paper_defaults_and_own_prompt():
     ({"old-prompt-mean": "sum"}, "old-prompt-mean"),
     ({"distill-generator-mode": "frozen"}, "distill-generator-mode"),
     ({"diagnostics-per-class": 0}, "diagnostics-per-class"),
+    ({"head-loss": "focal"}, "head-loss"),
     ({"distill-epoch": 3}, "unknown option hepco.distill-epoch"),
 ])
 def test_bad_options_are_refused(options, message):
@@ -394,6 +396,34 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
     expected = float(per_client.mean(1).sum() + zeta_term)
     assert report["prompt-loss"] == pytest.approx(expected, rel=1e-4)
     assert float(per_old.mean()) > 0.1 * expected  # the old term matters in this check
+
+
+@pytest.mark.parametrize("head_loss", ["ce", "balanced"])
+def test_head_distillation_loss_weighs_samples_or_classes(head_loss):
+    """``ce``: the paper's mean over the composite batch; ``balanced``: the mean over seen classes of
+    each class's mean cross-entropy, however often the class was drawn."""
+    s = make_strategy(**{"distill-epochs": 1, "head-loss": head_loss, "ablate": "prompt-distillation"})
+    sc = Scenario(s)
+    cpu, layers = torch.device("cpu"), s.cfg.layers
+    clients = Teachers.stack(sc.clients, layers, 4, cpu)
+    prev = Teachers.stack([s.previous], layers, 2, cpu)
+    torch.manual_seed(0)
+    gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
+    new_batches, old_batches = _recording(gen), _recording(old_gen)
+    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+    report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
+                     torch.arange(10), torch.Generator().manual_seed(0))
+    z = torch.cat([new_batches[0][0], old_batches[0][0]])
+    y = torch.cat([new_batches[0][1], old_batches[0][1]])
+    w, b = torch.from_numpy(sc.provisional["head.weight"]), torch.from_numpy(sc.provisional["head.bias"])
+    per_sample = F.cross_entropy(z @ w.T + b, y, reduction="none")
+    if head_loss == "ce":
+        expected = per_sample.mean()
+    else:
+        expected = torch.stack([per_sample[y == c].mean() for c in y.unique()]).mean()
+    assert report["head-loss"] == pytest.approx(float(expected), rel=1e-5)
+    # replay ratio 0.5: twice as many current-class latents as old ones in the composite batch
+    assert (y >= 5).sum() == 2 * (y < 5).sum()
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
