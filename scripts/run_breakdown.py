@@ -34,12 +34,14 @@ from common.metrics import task_forgetting  # noqa: E402
 
 
 def find_runs(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
-    """results.json of every run under ``paths``, grouped by run name without its ``-seed<k>``."""
+    """results.json of every run under ``paths``, grouped by run name without its ``-seed<k>``
+    (prefixed by the path it was found under when there are several)."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for path in paths:
         files = [path / "results.json"] if (path / "results.json").is_file() else sorted(path.glob("**/results.json"))
         for f in files:
-            groups[re.sub(r"-seed\d+$", "", f.parent.name)].append(json.loads(f.read_text()))
+            name = re.sub(r"-seed\d+$", "", f.parent.name)
+            groups[f"{path.name}: {name}" if len(paths) > 1 else name].append(json.loads(f.read_text()))
     return dict(groups)
 
 
