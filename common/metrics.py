@@ -42,10 +42,16 @@ def average_forgetting(acc: np.ndarray, upto: int | None = None, include_last: b
     last = acc.shape[1] - 1 if upto is None else upto
     if last == 0:
         return 0.0
-    drops = [np.nanmax(acc[i, i:last]) - acc[i, last] for i in range(last)]
+    drops = task_forgetting(acc, last)
     if include_last:
         return float(np.sum(drops) / (last + 1))
     return float(np.mean(drops))
+
+
+def task_forgetting(acc: np.ndarray, upto: int | None = None) -> np.ndarray:
+    """Per old task i < ``upto``: its largest earlier accuracy minus its accuracy after task ``upto``."""
+    last = acc.shape[1] - 1 if upto is None else upto
+    return np.array([np.nanmax(acc[i, i:last]) - acc[i, last] for i in range(last)])
 
 
 def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float]:

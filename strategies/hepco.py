@@ -1,7 +1,7 @@
 """HePCo: heterogeneous prompt consolidation by latent generation and distillation at the server.
 
 Paper: "Continual Adaptation of Vision Transformers for Federated Learning"
-(shared/papers/000, sections 5-6 and Appendix B; shared/REFERENCE.md "HePCo").
+(Halbe et al., sections 5-6 and Appendix B).
 
 Clients are FedAvg-Prompt clients with the paper's prompt variant (:class:`HePCoPrompt`:
 components weighted by the cosine of the query with their keys). The server, every round:
@@ -82,6 +82,34 @@ class HePCoOptions(MethodOptions):
     averaging : str
         Provisional model: ``"uniform"`` (1/C sum, sec. 5.2 and the code) or
         ``"samples"`` (the platform's sample-weighted FedAvg).
+    old_prompt_mean : str
+        What the previous-task server's prompt MSE (eq. 6, the ``zeta`` term) is averaged
+        over. ``"composite"`` (default, the paper): eq. 6 is a per-sample loss over the
+        composite batch and ``zeta`` switches the teacher on for old-class samples, so the
+        term is the old-latent mean scaled by the old share of the batch (1/3 at replay
+        ratio 0.5). ``"old"``: the mean over the old latents alone, which weighs the
+        previous-task teacher 1/share (3) times more than the paper.
+    distill_generator_mode : str
+        BatchNorm mode of the generators while they produce distillation latents.
+        ``"eval"`` (default): running statistics, as the authors' code (the paper does not
+        say, and the generator's BatchNorm is itself the code's). ``"train"``: each
+        batch's own statistics.
+    head_loss : str
+        Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
+        sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
+        at replay ratio 0.5 an old class gets 1/(2t) of a current class's latents at task
+        t (0-indexed, equal-size tasks).
+        ``"balanced"`` (not in the paper): each seen class drawn in the batch weighs the same,
+        so the head is not pulled towards the current task by how often it is sampled.
+    diagnostics : bool
+        Also measure, every round, the consolidation against real data (a measurement,
+        never fed back into training; needs the server's central data, so simulation
+        with ``evaluation = "central"``): real queries and prompted features of up to
+        ``diagnostics_per_class`` training images per seen class, their distance to the
+        pseudo-latents, and the accuracy on the real prompted features of the provisional
+        and distilled prompts x heads (see :class:`RealDataProbe`).
+    diagnostics_per_class : int
+        Real images and pseudo-latents per class for the diagnostics.
     """
 
     prefix = "hepco"
@@ -102,6 +130,11 @@ class HePCoOptions(MethodOptions):
     replay_ratio: float = 0.5
     ablate: str = ""
     averaging: str = "uniform"
+    old_prompt_mean: str = "composite"
+    distill_generator_mode: str = "eval"
+    head_loss: str = "ce"
+    diagnostics: bool = False
+    diagnostics_per_class: int = 50
 
     # ---------------------------------------------------------------- derived switches
     @property
@@ -153,6 +186,12 @@ class HePCoOptions(MethodOptions):
         bad = self.ablated - set(ABLATIONS)
         need(not bad, f"unknown ablation(s) {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
         need(self.averaging in ("uniform", "samples"), f"averaging must be 'uniform' or 'samples', got {self.averaging!r}")
+        need(self.old_prompt_mean in ("composite", "old"),
+             f"old-prompt-mean must be 'composite' or 'old', got {self.old_prompt_mean!r}")
+        need(self.distill_generator_mode in ("eval", "train"),
+             f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}")
+        need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
+        need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
 
 
 class HePCoPrompt(CodaPrompt):
@@ -417,6 +456,12 @@ def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teach
     return last
 
 
+def set_sampling_mode(generators: list[LatentGenerator], mode: str) -> None:
+    """BatchNorm mode of ``generators`` while they only produce latents (``"eval"`` | ``"train"``)."""
+    for gen in generators:
+        gen.train(mode == "train")
+
+
 def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGenerator, torch.Tensor, Teachers],
             past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
             rng: torch.Generator, use_grams: bool = True) -> dict[str, float]:
@@ -444,11 +489,13 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
     prompt_opt = torch.optim.Adam(student.prompt_parameters(), lr=opts.distill_lr)
     head_opt = torch.optim.Adam(student.head_parameters(), lr=opts.distill_lr)
     n_old = int(round(opts.replay_ratio * opts.distill_batch_size)) if past is not None else 0
+    # Eq. 6's zeta term as a per-sample loss over the composite batch: the old-latent mean
+    # times the old share of the batch ("composite", the paper), or the old-latent mean
+    # alone ("old": the previous-task teacher 1/share times heavier).
+    old_weight = (n_old / (opts.distill_batch_size + n_old)
+                  if opts.old_prompt_mean == "composite" and n_old else 1.0)
     device = seen.device
-    # Sample in train mode: the batch statistics are those the generator was fitted with.
-    gen.train()
-    if past is not None:
-        past[0].train()
+    set_sampling_mode([gen] + ([past[0]] if past is not None else []), opts.distill_generator_mode)
     last: dict[str, float] = {}
     grams = grams_old = None
     if opts.distill_prompts and use_grams and opts.distill_epochs:
@@ -472,7 +519,7 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
                            if direct and n_old else {})
         if grams is not None:
             # Eq. 6: clients on every latent; zeta: the previous server on old-class latents only.
-            loss_p = grams.mse(z) + (grams_old.mse(z_old) if grams_old is not None else 0.0)
+            loss_p = grams.mse(z) + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
             prompt_opt.zero_grad(set_to_none=True)
             loss_p.backward()
             prompt_opt.step()
@@ -483,18 +530,151 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
                 mine = student.final_prompts(z, l)
                 loss_p = loss_p + (mine[None] - targets[l]).pow(2).mean(dim=(1, 2, 3)).sum()
                 if n_old:  # zeta: the previous server teaches on old-class latents only
-                    loss_p = loss_p + (mine[len(z_new):] - old_targets[l]).pow(2).mean()
+                    loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)
             loss_p.backward()
             prompt_opt.step()
             last["prompt-loss"] = float(loss_p.detach())
         if opts.distill_head:
-            loss_h = F.cross_entropy(student.logits(z, seen), _local_labels(y, seen))
+            target = _local_labels(y, seen)
+            weight = None
+            if opts.head_loss == "balanced":  # 1 / (latents of the class in this batch): classes weigh alike
+                counts = torch.bincount(target, minlength=len(seen)).float()
+                weight = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
+            loss_h = F.cross_entropy(student.logits(z, seen), target, weight=weight)
             head_opt.zero_grad(set_to_none=True)
             loss_h.backward()
             head_opt.step()
             last["head-loss"] = float(loss_h.detach())
     return last
+
+
+# ---------------------------------------------------------------------------- diagnostics
+@torch.no_grad()
+def sample_latents(gen: LatentGenerator, classes: torch.Tensor, per_class: int, mode: str,
+                   rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_class`` pseudo-latents of every class in ``classes``, sampled as distillation samples them."""
+    set_sampling_mode([gen], mode)
+    labels = classes.repeat_interleave(per_class)
+    return gen.sample(labels, rng), labels
+
+
+@torch.no_grad()
+def teacher_accuracy(teachers: Teachers, z: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """Per teacher (C,): accuracy (%) of its head over ``classes`` on latents ``z`` of ``labels``.
+
+    Whether a generator's latents are recognisable as their classes by the heads it was fitted
+    against: the minimum a latent must do before distillation can transfer anything.
+    """
+    pred = teachers.logits(z, classes).argmax(-1) + classes[0]
+    return (pred == labels[None]).float().mean(-1) * 100
+
+
+class RealDataProbe:
+    """The round's consolidation measured on real images (``hepco.diagnostics``; never trained on).
+
+    The server distils prompts and head on pseudo-latents of the *query* space, while at
+    test time the head sees the *prompted* features of real images. The probe takes up to
+    ``per_class`` training images of each seen class (seeded) from the server's central
+    data and reports:
+
+    * ``real-query-feature-cos``: mean cosine between q(x) and the prompted feature f(x)
+      (distilled prompts), and ``real-prompt-shift``: mean ||f(x) - q(x)|| over the mean
+      distance of q(x) to its mean: how far the head's test-time input is from the query space;
+    * ``latent-{query,feature}-cos-{old,new}``: mean over classes of the cosine between
+      the class's mean pseudo-latent and its mean real q(x) / f(x);
+      ``latent-{query,feature}-ncm-{old,new}``: accuracy (%) of assigning each
+      pseudo-latent to the class with the nearest (cosine) real mean; and
+      ``latent-feature-norm-ratio``: mean ||z|| over mean ||f(x)||;
+    * ``real-{old,new}-acc-{provisional,distilled-head,distilled-prompts,distilled}``:
+      accuracy (%) on real prompted features, all seen classes competing (as evaluation
+      does), of the provisional model, with only its head distilled, with only its prompts
+      distilled, and fully distilled: what each distillation does to old and new classes;
+    * ``real-query-{old,new}-acc-distilled``: the distilled head on real q(x) (the space
+      it was distilled in).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, per_class: int) -> None:
+        from common.runtime import get_runtime
+
+        self.rt = get_runtime(cfg, HePCoPrompt)  # the server's central evaluation runtime (cached)
+        self.cfg, self.per_class = cfg, per_class
+
+    def images(self, classes: np.ndarray) -> np.ndarray:
+        """Up to ``per_class`` training-image indices of each class (seeded, same every round)."""
+        labels = self.rt.data.train.labels
+        rng = np.random.default_rng([self.cfg.seed, 0xD1A6])
+        picks = []
+        for c in classes:
+            idx = np.flatnonzero(labels == c)
+            picks.append(np.sort(rng.permutation(idx)[: self.per_class]) if len(idx) else idx)
+        return np.concatenate(picks) if picks else np.zeros(0, np.int64)
+
+    @torch.no_grad()
+    def features(self, state: dict[str, np.ndarray], index: np.ndarray, task: int,
+                 batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q(x), f(x)) of training images ``index`` under the prompts of ``state`` (float32, CPU)."""
+        from common.records import to_torch
+
+        rt, model = self.rt, self.rt.model
+        model.load_trainable_state(to_torch(to_array_record(state)))
+        model.prompt.set_task(task)
+        model.eval()
+        queries = rt.queries("train", index)
+        qs, fs = [], []
+        for start in range(0, len(index), batch):
+            x = model.preprocess(torch.from_numpy(rt.data.train.images[index[start : start + batch]]).to(rt.device))
+            with rt.autocast():
+                q = queries[start : start + batch] if queries is not None else model.query(x)
+                f = model.features(x, q)
+            qs.append(q.float().cpu())
+            fs.append(f.float().cpu())
+        return torch.cat(qs), torch.cat(fs)
+
+    def measure(self, provisional: dict[str, np.ndarray], distilled: dict[str, np.ndarray], task: int,
+                seen: np.ndarray, old: np.ndarray, latents: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """The metrics above; ``latents`` maps ``"old"`` / ``"new"`` to (pseudo-latents, labels)."""
+        index = self.images(seen)
+        y = torch.as_tensor(self.rt.data.train.labels[index])
+        is_old = torch.as_tensor(np.isin(y.numpy(), old))
+        q, f_prov = self.features(provisional, index, task)
+        _, f_dist = self.features(distilled, index, task)
+        seen_t = torch.as_tensor(seen)
+        out: dict[str, float] = {}
+
+        def acc(feats: torch.Tensor, head: dict[str, np.ndarray], part: torch.Tensor) -> float:
+            w, b = torch.from_numpy(head["head.weight"][seen]), torch.from_numpy(head["head.bias"][seen])
+            pred = seen_t[(feats[part] @ w.T + b).argmax(1)]
+            return float((pred == y[part]).float().mean() * 100) if part.any() else float("nan")
+
+        for name, part in (("old", is_old), ("new", ~is_old)):
+            if not part.any():
+                continue
+            out[f"real-{name}-acc-provisional"] = acc(f_prov, provisional, part)
+            out[f"real-{name}-acc-distilled-head"] = acc(f_prov, distilled, part)
+            out[f"real-{name}-acc-distilled-prompts"] = acc(f_dist, provisional, part)
+            out[f"real-{name}-acc-distilled"] = acc(f_dist, distilled, part)
+            out[f"real-query-{name}-acc-distilled"] = acc(q, distilled, part)
+        out["real-query-feature-cos"] = float(F.cosine_similarity(q, f_dist, dim=-1).mean())
+        # Cosines of ViT features share a large common component; the prompts' shift against
+        # the spread of the queries says how far apart the two spaces really are.
+        out["real-prompt-shift"] = float((f_dist - q).norm(dim=-1).mean() / (q - q.mean(0)).norm(dim=-1).mean())
+
+        # Pseudo-latents against the real class means of both spaces.
+        means = {"query": torch.stack([q[y == c].mean(0) for c in seen]),
+                 "feature": torch.stack([f_dist[y == c].mean(0) for c in seen])}
+        for name, (z, labels) in latents.items():
+            z, labels = z.float().cpu(), labels.cpu()
+            pos = torch.searchsorted(seen_t, labels)  # seen is ascending
+            for space, mu in means.items():
+                cos = F.normalize(z, dim=-1) @ F.normalize(mu, dim=-1).T  # (B, |seen|)
+                out[f"latent-{space}-ncm-{name}"] = float((cos.argmax(1) == pos).float().mean() * 100)
+                classes = labels.unique()
+                z_mean = torch.stack([z[labels == c].mean(0) for c in classes])
+                out[f"latent-{space}-cos-{name}"] = float(
+                    F.cosine_similarity(z_mean, mu[torch.searchsorted(seen_t, classes)], dim=-1).mean())
+            out[f"latent-feature-norm-ratio-{name}"] = float(z.norm(dim=-1).mean() / f_dist.norm(dim=-1).mean())
+        return out
 
 
 # ---------------------------------------------------------------------------- strategy
@@ -520,6 +700,10 @@ class HePCoStrategy(PromptStrategy):
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
         self.previous_task = -1
         self.last_report: dict[str, float] = {}
+        if self.opts.diagnostics and (cfg.evaluation != "central" or cfg.population != "virtual"):
+            raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
+                              "evaluation = central and population = virtual (simulation)")
+        self._probe: RealDataProbe | None = None
 
     # ------------------------------------------------------------------ Flower contract
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -583,14 +767,55 @@ class HePCoStrategy(PromptStrategy):
         t2 = time.perf_counter()
         report.update(distill(student, opts, (gen, classes, clients), past, seen, rng))
         t3 = time.perf_counter()
+        distilled = student.export(provisional)
+        report.update(self._diagnose(gen, classes, clients, past, seen, student, provisional, distilled, seed))
+        t4 = time.perf_counter()
 
         report.update({"generator-seconds": t1 - t0, "past-generator-seconds": t2 - t1,
-                       "distill-seconds": t3 - t2, "consolidation-seconds": t3 - started})
+                       "distill-seconds": t3 - t2, "diagnostics-seconds": t4 - t3,
+                       "consolidation-seconds": t4 - started})
         self.last_report = report
         log.info("hepco round %d (task %d): consolidation %.2fs (generators %.2fs + %.2fs, distillation %.2fs) | %s",
-                 server_round, task, t3 - started, t1 - t0, t2 - t1, t3 - t2,
+                 server_round, task, t4 - started, t1 - t0, t2 - t1, t3 - t2,
                  " ".join(f"{name} {v:.3g}" for name, v in report.items() if not name.endswith("seconds")))
-        return to_array_record(student.export(provisional))
+        return to_array_record(distilled)
+
+    def _diagnose(self, gen: LatentGenerator, classes: torch.Tensor, clients: Teachers,
+                  past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
+                  student: LatentStudent, provisional: dict[str, np.ndarray], distilled: dict[str, np.ndarray],
+                  seed: int) -> dict[str, float]:
+        """What the round's pseudo-latents are (reported every round; real data only with ``diagnostics``).
+
+        Always (a few hundred latents, no data): ``gen-teacher-acc`` (mean over clients of
+        their head's accuracy over the current classes on the current-task generator's
+        latents) and ``past-gen-teacher-acc`` (the previous-task server's head over the old
+        classes on the past-task generator's latents): are the latents recognisable as the
+        classes they were generated for? And the server head over all seen classes on the
+        same latents before (``*-provisional-acc``) and after (``*-student-acc``) distillation.
+        """
+        opts = self.opts
+        rng = torch.Generator(device=self.device).manual_seed(seed + 1)  # the training stream stays untouched
+        z_new, y_new = sample_latents(gen, classes, opts.diagnostics_per_class, opts.distill_generator_mode, rng)
+        out = {"gen-teacher-acc": float(teacher_accuracy(clients, z_new, y_new, classes).mean())}
+        latents = {"new": (z_new, y_new)}
+        if past is not None:
+            past_gen, old_classes, prev = past
+            z_old, y_old = sample_latents(past_gen, old_classes, opts.diagnostics_per_class,
+                                          opts.distill_generator_mode, rng)
+            out["past-gen-teacher-acc"] = float(teacher_accuracy(prev, z_old, y_old, old_classes)[0])
+            latents["old"] = (z_old, y_old)
+        heads = {"provisional": Teachers.stack([provisional], [], 0, self.device),
+                 "student": Teachers.stack([distilled], [], 0, self.device)}
+        for part, (z, y) in latents.items():
+            prefix = "gen" if part == "new" else "past-gen"
+            for name, head in heads.items():
+                out[f"{prefix}-{name}-acc"] = float(teacher_accuracy(head, z, y, seen)[0])
+        if opts.diagnostics:
+            if self._probe is None:
+                self._probe = RealDataProbe(self.cfg, opts.diagnostics_per_class)
+            old = np.arange(int(classes[0]))  # the stream's earlier tasks hold the classes below
+            out.update(self._probe.measure(provisional, distilled, self.task, seen.cpu().numpy(), old, latents))
+        return out
 
     def _has_past(self) -> bool:
         return (self.opts.use_previous and self.task > 0 and self.previous is not None

@@ -20,9 +20,11 @@ from strategies.hepco import (
     LatentGenerator,
     LatentStudent,
     PromptGrams,
+    RealDataProbe,
     Teachers,
     distill,
     generator_losses,
+    teacher_accuracy,
     train_generator,
 )
 from tests.conftest import tiny_config
@@ -126,6 +128,9 @@ def test_registered_with_paper_defaults_and_own_prompt():
     assert (o.generator_epochs, o.generator_batch_size, o.generator_lr) == (100, 64, 1e-4)
     assert (o.distill_epochs, o.distill_lr, o.lambda_kl, o.lambda_mse, o.replay_ratio) == (200, 1e-4, 1.0, 0.1, 0.5)
     assert o.use_previous and o.use_kl and o.use_mse and o.distill_prompts and o.distill_head
+    # eq. 6's zeta over the composite batch; BatchNorm as the authors' code samples; no real-data probe
+    assert (o.old_prompt_mean, o.distill_generator_mode, o.head_loss, o.diagnostics) == (
+        "composite", "eval", "ce", False)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -134,6 +139,10 @@ def test_registered_with_paper_defaults_and_own_prompt():
     ({"ablate": "kl,nonsense"}, "nonsense"),
     ({"generator-hidden": "256,x"}, "generator-hidden"),
     ({"averaging": "median"}, "averaging"),
+    ({"old-prompt-mean": "sum"}, "old-prompt-mean"),
+    ({"distill-generator-mode": "frozen"}, "distill-generator-mode"),
+    ({"diagnostics-per-class": 0}, "diagnostics-per-class"),
+    ({"head-loss": "focal"}, "head-loss"),
     ({"distill-epoch": 3}, "unknown option hepco.distill-epoch"),
 ])
 def test_bad_options_are_refused(options, message):
@@ -344,6 +353,169 @@ def test_distillation_raises_head_accuracy_on_known_classes(distilled):
     assert "past-gen-cls" in sc.strategy.last_report
 
 
+def _recording(gen: LatentGenerator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Make ``gen.sample`` record every batch it returns; returns the record."""
+    record: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sample = gen.sample
+
+    def recorded(labels, generator=None):
+        z = sample(labels, generator)
+        record.append((z.detach().clone(), labels.clone()))
+        return z
+
+    gen.sample = recorded  # type: ignore[method-assign]
+    return record
+
+
+@pytest.mark.parametrize("mode", ["composite", "old"])
+def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
+    """Eq. 6 per sample: clients on every latent, the previous server (zeta) on old-class ones,
+    averaged over the composite batch; ``old`` averages the old term over old latents alone."""
+    s = make_strategy(**{"distill-epochs": 1, "old-prompt-mean": mode, "ablate": "classifier-distillation"})
+    sc = Scenario(s)
+    cpu, layers = torch.device("cpu"), s.cfg.layers
+    clients = Teachers.stack(sc.clients, layers, 4, cpu)
+    prev = Teachers.stack([s.previous], layers, 2, cpu)
+    torch.manual_seed(0)
+    gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
+    new_batches, old_batches = _recording(gen), _recording(old_gen)
+    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+    report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
+                     torch.arange(10), torch.Generator().manual_seed(0))
+    (z_new, _), (z_old, _) = new_batches[0], old_batches[0]
+    z = torch.cat([z_new, z_old])
+    assert len(z_new) == 64 and len(z_old) == 32  # replay ratio 0.5
+    # Independently: per-sample squared errors, zeta = 1 on old latents, mean over the batch.
+    with torch.no_grad():
+        fresh = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+        per_client = sum((fresh.final_prompts(z, l)[None] - clients.final_prompts(z, l)).pow(2).mean(dim=(2, 3))
+                         for l in layers)  # (C, B)
+        per_old = sum((fresh.final_prompts(z_old, l) - prev.final_prompts(z_old, l)[0]).pow(2).mean(dim=(1, 2))
+                      for l in layers)  # (B_old,)
+    zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
+    expected = float(per_client.mean(1).sum() + zeta_term)
+    assert report["prompt-loss"] == pytest.approx(expected, rel=1e-4)
+    assert float(per_old.mean()) > 0.1 * expected  # the old term matters in this check
+
+
+@pytest.mark.parametrize("head_loss", ["ce", "balanced"])
+def test_head_distillation_loss_weighs_samples_or_classes(head_loss):
+    """``ce``: the paper's mean over the composite batch; ``balanced``: the mean over seen classes of
+    each class's mean cross-entropy, however often the class was drawn."""
+    s = make_strategy(**{"distill-epochs": 1, "head-loss": head_loss, "ablate": "prompt-distillation"})
+    sc = Scenario(s)
+    cpu, layers = torch.device("cpu"), s.cfg.layers
+    clients = Teachers.stack(sc.clients, layers, 4, cpu)
+    prev = Teachers.stack([s.previous], layers, 2, cpu)
+    torch.manual_seed(0)
+    gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
+    new_batches, old_batches = _recording(gen), _recording(old_gen)
+    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+    report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
+                     torch.arange(10), torch.Generator().manual_seed(0))
+    z = torch.cat([new_batches[0][0], old_batches[0][0]])
+    y = torch.cat([new_batches[0][1], old_batches[0][1]])
+    w, b = torch.from_numpy(sc.provisional["head.weight"]), torch.from_numpy(sc.provisional["head.bias"])
+    per_sample = F.cross_entropy(z @ w.T + b, y, reduction="none")
+    if head_loss == "ce":
+        expected = per_sample.mean()
+    else:
+        expected = torch.stack([per_sample[y == c].mean() for c in y.unique()]).mean()
+    assert report["head-loss"] == pytest.approx(float(expected), rel=1e-5)
+    # replay ratio 0.5: twice as many current-class latents as old ones in the composite batch
+    assert (y >= 5).sum() == 2 * (y < 5).sum()
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_distillation_samples_the_generators_in_the_chosen_batchnorm_mode(mode):
+    s = make_strategy(**{"distill-epochs": 2, "distill-generator-mode": mode})
+    sc = Scenario(s)
+    cpu = torch.device("cpu")
+    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, cpu)
+    torch.manual_seed(0)
+    gen = LatentGenerator(NUM_CLASSES, D)
+    gen.train()
+    bn = next(m for m in gen.net if isinstance(m, torch.nn.BatchNorm1d))
+    bn.running_mean.fill_(3.0)  # as if fitted: running statistics far from this batch's
+    record = _recording(gen)
+    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), cpu)
+    distill(student, s.opts, (gen, torch.arange(5, 10), clients), None, torch.arange(10), torch.Generator().manual_seed(0))
+    z, labels = record[0]
+    # eval: a latent depends on its own noise and label only (running statistics), not on its batch
+    assert gen.training is (mode == "train")
+    with torch.no_grad():
+        gen.eval()
+        alone = gen(torch.zeros(1, 64), labels[:1])
+        gen.train(mode == "train")
+    stats_unchanged = bool(torch.all(bn.running_mean == 3.0))
+    assert stats_unchanged is (mode == "eval")
+    if mode == "eval":
+        noise = torch.randn(len(labels), 64)
+        with torch.no_grad():
+            whole, first = gen(noise, labels), gen(noise[:5], labels[:5])
+        torch.testing.assert_close(whole[:5], first)
+    assert torch.isfinite(alone).all()
+
+
+# ---------------------------------------------------------------------------- diagnostics
+def test_teacher_accuracy_tells_recognisable_latents_from_noise():
+    s = make_strategy()
+    sc = Scenario(s)
+    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
+    classes = torch.arange(5, 10)
+    z, y = sc.latents(classes.tolist(), 20)
+    acc = teacher_accuracy(clients, z, y, classes)
+    assert acc.shape == (3,) and bool((acc > 90).all())  # at the class means: every client recognises them
+    noise = torch.randn_like(z) * 4
+    assert float(teacher_accuracy(clients, noise, y, classes).mean()) < 50
+
+
+def test_round_reports_what_its_pseudo_latents_are(distilled):
+    sc, _ = distilled
+    report = sc.strategy.last_report
+    for key in ("gen-teacher-acc", "past-gen-teacher-acc", "gen-provisional-acc", "gen-student-acc",
+                "past-gen-provisional-acc", "past-gen-student-acc"):
+        assert 0.0 <= report[key] <= 100.0, key
+    # the generators were fitted to be classified by their teachers, so they mostly are
+    assert report["gen-teacher-acc"] > 60 and report["past-gen-teacher-acc"] > 60
+    assert not any(k.startswith(("real-", "latent-")) for k in report)  # no real data without diagnostics
+
+
+def test_diagnostics_need_the_servers_central_data():
+    with pytest.raises(ConfigError, match="diagnostics"):
+        cfg = tiny_config(strategy="hepco", population="nodes", evaluation="federated", num_classes=10,
+                          **{"hepco.diagnostics": True})
+        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+
+
+def test_real_data_probe_measures_distance_and_accuracy():
+    cfg = tiny_config(strategy="hepco")
+    probe = RealDataProbe(cfg, per_class=6)
+    model = probe.rt.model
+    state = {k: v.detach().numpy().copy() for k, v in model.trainable_state().items()}
+    seen, old = np.arange(10), np.arange(5)
+    index = probe.images(seen)
+    labels = probe.rt.data.train.labels[index]
+    assert all((labels == c).sum() == 6 for c in seen) and np.array_equal(index, probe.images(seen))
+    q, f = probe.features(state, index, 1)
+    # Latents placed at the real classes' mean prompted features, and the nearest-mean head.
+    mu = torch.stack([f[torch.as_tensor(labels == c)].mean(0) for c in seen])
+    head = dict(state, **{"head.weight": mu.numpy(), "head.bias": (-(mu * mu).sum(1) / 2).numpy()})
+    y = torch.arange(10).repeat_interleave(3)
+    latents = {"old": (mu[y[:15]], y[:15]), "new": (mu[y[15:]], y[15:])}
+    out = probe.measure(state, head, 1, seen, old, latents)
+    assert out["latent-feature-cos-old"] == pytest.approx(1.0, abs=1e-5)
+    assert out["latent-feature-ncm-new"] == 100.0
+    assert -1.0 <= out["real-query-feature-cos"] <= 1.0 and out["latent-query-cos-new"] <= 1.0 + 1e-6
+    expected_shift = (f - q).norm(dim=-1).mean() / (q - q.mean(0)).norm(dim=-1).mean()
+    assert out["real-prompt-shift"] == pytest.approx(float(expected_shift), rel=1e-5) and expected_shift > 0
+    # Same prompts in both models: distilling only the prompts changes nothing; the head does.
+    assert out["real-old-acc-distilled-prompts"] == out["real-old-acc-provisional"]
+    assert out["real-new-acc-distilled"] == out["real-new-acc-distilled-head"]
+    for part in ("old", "new"):  # the nearest-mean head reads real features far above chance (10 %)
+        assert out[f"real-{part}-acc-distilled"] > max(25.0, out[f"real-{part}-acc-provisional"])
+
+
 # ---------------------------------------------------------------------------- ablations at the server
 SMALL = {"generator-epochs": 3, "distill-epochs": 4, "distill-lr": 1e-2, "averaging": "samples"}
 
@@ -423,13 +595,20 @@ def test_simulation_end_to_end(tmp_path):
     from tests.test_simulation_e2e import simulate
 
     results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
-        "hepco.generator-epochs": 5, "hepco.distill-epochs": 5})
+        "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "hepco.diagnostics": True,
+        "hepco.diagnostics-per-class": 4})
     assert results["config"]["strategy"] == "hepco"
     assert results["config"]["hepco.generator-epochs"] == 5
     acc = results["accuracy_matrix"]
     assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
     rounds = results["rounds"]
     assert len(rounds) == 4 and all(r["server_seconds"] > 0 and r["clients_aggregated"] == 3 for r in rounds)
+    # The latent diagnostics land in results.json, real-data ones from the server's central data.
+    first, last = rounds[0]["strategy_metrics"], rounds[-1]["strategy_metrics"]
+    assert {"gen-teacher-acc", "real-new-acc-distilled", "latent-feature-cos-new"} <= set(first)
+    assert "past-gen-teacher-acc" not in first and "real-old-acc-provisional" not in first  # no old task yet
+    assert {"past-gen-teacher-acc", "real-old-acc-distilled-head", "latent-query-ncm-old"} <= set(last)
+    assert 0.0 <= last["real-old-acc-distilled"] <= 100.0
     # What travels: prompts and keys (no attention vectors) and the head, nothing else.
     cfg = tiny_config()
     n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1)

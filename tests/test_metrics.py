@@ -30,6 +30,14 @@ def test_forgetting_uses_the_best_earlier_accuracy():
     assert metrics.average_forgetting(ACC, include_last=True) == pytest.approx(20.0)
 
 
+def test_forgetting_per_task():
+    # task 0: max(90, 70) - 60 = 30; task 1: 80 - 50 = 30; after task 1 only: task 0 90 - 70
+    np.testing.assert_allclose(metrics.task_forgetting(ACC), [30.0, 30.0])
+    np.testing.assert_allclose(metrics.task_forgetting(ACC, upto=1), [20.0])
+    acc = np.array([[50.0, 70.0, 65.0], [NAN, 80.0, 90.0], [NAN, NAN, 1.0]])
+    np.testing.assert_allclose(metrics.task_forgetting(acc), [5.0, -10.0])  # best earlier, not the first
+
+
 def test_forgetting_partial_run_and_single_task():
     # after task 1 only: task 0 dropped from 90 to 70
     assert metrics.average_forgetting(ACC, upto=1) == pytest.approx(20.0)

@@ -18,7 +18,8 @@ CLASSES = {"hf:cifar100": 100, "hf:imagenet-r": 200, "hf:tiny-imagenet": 200, "h
 EXPECTED = {
     "hepco-cifar100.toml": {"strategy": "hepco", "dataset": "hf:cifar100", "num-tasks": 10, "partition": "stateless",
                             "clients-per-round": 5, "category-ratio": 0.6, "split-ratio": 0.1, "rounds-per-task": 10,
-                            "local-epochs": 10, "batch-size": 64, "pool-size": 100, "prompt-length": 20},
+                            "local-epochs": 10, "batch-size": 64, "pool-size": 100, "prompt-length": 20,
+                            "prompt-layers": "0,1,2,3,4", "prompt-mode": "prefix"},  # "layers 1-5", 0-indexed
     "fppl-imagenet-r.toml": {"strategy": "fppl", "dataset": "hf:imagenet-r", "num-tasks": 20, "num-clients": 10,
                              "rounds-per-task": 10, "dirichlet-beta": 0.5, "local-epochs": 5, "batch-size": 128,
                              "lr": 1e-3, "prompt-mode": "prompt"},
