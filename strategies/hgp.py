@@ -99,6 +99,10 @@ class HGPOptions(MethodOptions):
     resample_each_epoch: bool = False  # a fresh synthetic set every epoch (authors' code)
     loss: str = "ce"  # "ce" (paper) or "logit-norm" (authors' code: logits / ||logits|| / T)
     logit_temperature: float = 0.1  # T of the logit-normalised CE
+    # With augment = crop-flip: class statistics over one augmented view of each local image
+    # (the client's training pipeline, which widens the covariances), or over the stored images
+    # (false). No effect with augment = none.
+    stats_augment: bool = True
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
