@@ -39,6 +39,10 @@ def test_round_trip_through_flat_dict():
     ({"device": "tpu"}, "device must be one of"),
     ({"prompt-layers": "a,b"}, "prompt-layers must be comma-separated integers"),
     ({"query-cache": "maybe"}, "not a valid bool"),
+    ({"augment": "mixup"}, "augment must be one of"),
+    ({"centralised-mode": "all"}, "centralised-mode must be one of"),
+    ({"centralised-mode": "joint"}, "needs centralised = true"),
+    ({"partition": "quantity_skew"}, "partition must be one of"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(raw, message):
     with pytest.raises(ConfigError) as err:
