@@ -21,6 +21,7 @@ import csv
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,8 +64,14 @@ def _actor_pids() -> list[int]:
 
 
 def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str = "fedavg",
-                              watch_memory: bool = False, timeout: int = 3600) -> dict[str, Any]:
-    """``promptfcl simulate`` in a child process; returns results.json (+ peak memory if watched)."""
+                              watch_memory: bool = False, timeout: int = 6 * 3600) -> dict[str, Any]:
+    """``promptfcl simulate`` in a child process; returns results.json (+ peak memory if watched).
+
+    A run still going after ``timeout`` seconds is interrupted (SIGINT, so Ray shuts down, then
+    killed) before TimeoutExpired is raised: a timed-out run never keeps training in the
+    background. The default is generous because the joint upper bound trains on every seen task
+    (about 3x the incremental run's work on 5 tasks) and benchmarks share small machines.
+    """
     args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
@@ -77,7 +84,16 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
             server_peak = max(server_peak, _peak_rss_mb(proc.pid))
             client_peak = max([client_peak] + [_peak_rss_mb(p) for p in _actor_pids()])
             time.sleep(0.25)
-    output, _ = proc.communicate(timeout=timeout)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"simulation failed ({strategy}, {settings}):\n{output[-3000:]}")
     results = json.loads((out / "results.json").read_text())

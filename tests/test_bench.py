@@ -107,3 +107,23 @@ def test_quantity_skew_is_a_heterogeneity_setting():
 
     assert _parse_setting("quantity-skew:0.5") == {"partition": "quantity-skew", "dirichlet-beta": 0.5}
     assert _parse_setting("quantity:2") == {"partition": "quantity", "classes-per-client": 2}
+
+
+def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypatch):
+    import subprocess
+
+    import pytest
+
+    from server import bench
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def slow(args, **kwargs):  # stands in for a simulation that takes too long
+        started.append(real_popen(["sleep", "60"], **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(bench.subprocess, "Popen", slow)
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench.run_simulation_subprocess({"seed": 0}, tmp_path / "run", timeout=1)
+    assert started[0].poll() is not None  # the child is gone
