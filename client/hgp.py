@@ -5,9 +5,9 @@ prompt module (keys only, normalised cosine weights; see strategies/hgp.py). Aft
 training, the client runs its local data through the prompted model once more and
 uploads, for every class it holds, the sample count, mean and covariance of the
 prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2). With
-``augment = "crop-flip"`` the statistics are taken over one augmented view of each image
-(option ``stats-augment``): the views its augmenting data pipeline gives, which widens
-the covariances.
+``augment = "crop-flip"`` the statistics are still taken over the stored images (the
+features the head is evaluated on); option ``stats-augment`` takes them over one augmented
+view of each image instead (wider covariances, shifted means).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ class HGPLearner(LocalLearner):
     def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompted features (N, D) and labels (N,) of the training samples ``index``, eval mode.
 
-        With ``augment`` on and ``hgp.stats-augment`` (default), each image is seen through one
-        augmented view (seeded, a stream of its own), as the client's training pipeline shows
-        it; q(x) is then computed on the view.
+        With ``augment`` on and ``hgp.stats-augment``, each image is seen through one augmented
+        view (seeded, a stream of its own), as the client's training pipeline shows it; q(x) is
+        then computed on the view. Otherwise the stored images (query cache allowed).
         """
         rt, model = self.rt, self.rt.model
         model.eval()
