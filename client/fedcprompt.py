@@ -13,7 +13,9 @@ CE over the current task's classes; this learner
 
   with P^m the task's slice of the prompt components of every prompted block, as one
   vector (option ``c2l-params = "pka"``: components, keys and attention vectors). With
-  no other known task (the first task of a synchronous run) the min term is 0;
+  no other known task (the first task of a synchronous run) the min is over an empty set:
+  option ``c2l-first-task`` = "drift" (default) drops the term, leaving the drift penalty
+  ||P_c^m - P_s^m(r-1)|| + alpha; "off" reads the empty min as +infinity, so C2L = 0;
 * optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters.
 """
 
@@ -31,7 +33,7 @@ from strategies.fedcprompt import KNOWN_TASKS, FedCPromptOptions, FedCPromptProm
 
 
 def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,
-             gamma: float, alpha: float) -> torch.Tensor:
+             gamma: float, alpha: float, first_task: str = "drift") -> torch.Tensor:
     """Eq. 3 for one client: hinge of (drift from the previous round - gamma * nearest other + alpha).
 
     Parameters
@@ -42,10 +44,15 @@ def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor
         The server's prompt of task m from the previous round.
     others : (n, V) tensor
         The server's prompts of the other known tasks (n may be 0).
+    first_task : {"drift", "off"}
+        With n = 0, the min term is dropped ("drift": C2L = drift + alpha) or read as
+        +infinity ("off": C2L = 0).
     """
     drift = torch.linalg.vector_norm(current - previous)
     if others.shape[0] > 0:
         nearest = torch.linalg.vector_norm(current[None, :] - others, dim=1).min()
+    elif first_task == "off":
+        return torch.zeros((), dtype=current.dtype, device=current.device)
     else:
         nearest = torch.zeros((), dtype=current.dtype, device=current.device)
     return torch.clamp(drift - gamma * nearest + alpha, min=0.0)
@@ -110,7 +117,8 @@ class FedCPromptLearner(LocalLearner):
     def c2l(self, task: int) -> torch.Tensor:
         """C2L of the model's current prompt for ``task`` (eq. 3)."""
         current = self.task_vector(dict(self.prompt.named_parameters()), task)
-        return c2l_loss(current, self.previous, self.others, self.opts.gamma, self.opts.alpha)
+        return c2l_loss(current, self.previous, self.others, self.opts.gamma, self.opts.alpha,
+                        self.opts.c2l_first_task)
 
     def proximal(self) -> torch.Tensor:
         """FedProx: 1/2 ||w - w_global||^2 over the prompt and head (untrained slices contribute 0)."""

@@ -4,7 +4,10 @@ Local learning is the shared loop (CE over the current task's classes) with HGP'
 prompt module (keys only, normalised cosine weights; see strategies/hgp.py). After
 training, the client runs its local data through the prompted model once more and
 uploads, for every class it holds, the sample count, mean and covariance of the
-prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2).
+prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2). With
+``augment = "crop-flip"`` the statistics are still taken over the stored images (the
+features the head is evaluated on); option ``stats-augment`` takes them over one augmented
+view of each image instead (wider covariances, shifted means).
 """
 
 from __future__ import annotations
@@ -37,14 +40,20 @@ class HGPLearner(LocalLearner):
 
     @torch.no_grad()
     def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompted features (N, D) and labels (N,) of the training samples ``index``, eval mode."""
+        """Prompted features (N, D) and labels (N,) of the training samples ``index``, eval mode.
+
+        With ``augment`` on and ``hgp.stats-augment``, each image is seen through one augmented
+        view (seeded, a stream of its own), as the client's training pipeline shows it; q(x) is
+        then computed on the view. Otherwise the stored images (query cache allowed).
+        """
         rt, model = self.rt, self.rt.model
         model.eval()
-        queries = rt.queries("train", index)
+        augment = self.augmentation(0x57A75) if self.hgp.stats_augment else None
+        queries = rt.queries("train", index) if augment is None else None
         feats = []
         for start in range(0, len(index), batch_size):
             sel = index[start : start + batch_size]
-            x = model.preprocess(torch.from_numpy(rt.data.train.images[sel]).to(rt.device))
+            x = self.inputs(rt.data.train.images[sel], augment)
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             feats.append(model.features(x, q).float().cpu())
         return torch.cat(feats), torch.as_tensor(rt.data.train.labels[index])

@@ -8,6 +8,10 @@ overriding hooks, never by copying the loop:
 * ``extra_loss(batch)``     add a term to the loss of each batch
 * ``round_end(index)``      return extra records to upload (statistics, ...)
 * ``answer(content)``       reply to a message before training (Powder's measuring step)
+
+Training-time augmentation (``augment``) lives here too, for every method: each batch
+is augmented with views drawn from a generator seeded by (seed, client, task, round),
+and q(x) is computed on the augmented images (the query cache holds the stored images').
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from common.data import client_indices, head_rows, head_size, head_targets
+from common.data import augment_images, client_indices, head_rows, head_size, head_targets, training_classes
 from common.model import masked_logits
 from common.records import ARRAYS, METRICS, to_array_record, to_torch
 from common.runtime import Runtime
@@ -57,6 +61,7 @@ class LocalLearner:
         self.rt = runtime
         self.cfg = runtime.cfg
         self.options = options or {}
+        self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
 
     # ------------------------------------------------------------------ hooks
     def round_start(self, content: RecordDict, task: int) -> None:
@@ -82,6 +87,7 @@ class LocalLearner:
         started = time.perf_counter()
         index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
 
+        self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
         model.load_trainable_state(to_torch(content[ARRAYS]))
         model.prompt.set_task(task)
         self.round_start(content, task)
@@ -89,18 +95,25 @@ class LocalLearner:
             # Nothing to learn from: reply zero examples, the server leaves this client out.
             return self._reply(index, task, started, losses=[])
 
+        # the CE's rows: the task's (its own block with a per-task head); every seen class's
+        # for the joint upper bound (stream tasks only, one row per class)
+        rows = (training_classes(cfg, task, rt.data.num_classes) if cfg.centralised_mode == "joint"
+                else head_rows(cfg, task, rt.data.num_classes))
         allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
-        allowed[head_rows(cfg, task, rt.data.num_classes)] = True
-        seed = [cfg.seed, client_id, task, round_]
+        allowed[rows] = True
+        seed = self.seed
         torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
         rng = np.random.default_rng(seed + [0xBA7C4])
+        augment = self.augmentation()
 
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=cfg.lr)
         steps = cfg.local_epochs * math.ceil(len(index) / cfg.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
                      if cfg.lr_schedule == "cosine" else None)
-        queries = rt.queries("train", index)  # (n, D) on device, or None: computed per batch
+        # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
+        # so the cache (queries of the stored images) serves only unaugmented training.
+        queries = rt.queries("train", index) if augment is None else None
         images = rt.data.train.images
         labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
 
@@ -110,7 +123,7 @@ class LocalLearner:
             order = rng.permutation(len(index))
             for start in range(0, len(order), cfg.batch_size):
                 pos = order[start : start + cfg.batch_size]
-                x = model.preprocess(torch.from_numpy(images[index[pos]]).to(rt.device))
+                x = self.inputs(images[index[pos]], augment)
                 y = labels[pos].to(rt.device)
                 with rt.autocast():
                     q = queries[pos] if queries is not None else model.query(x)
@@ -128,6 +141,23 @@ class LocalLearner:
                 losses.append(float(loss.detach()))
         model.eval()
         return self._reply(index, task, started, losses)
+
+    def augmentation(self, stream: int = 0xA06) -> np.random.Generator | None:
+        """A random source of augmented views for this fit (None: ``augment = "none"``).
+
+        Seeded by (seed, client, task, round), like the batch order, and ``stream`` (a hook
+        that needs views of its own, such as HGP's statistics pass, takes another stream), so
+        the same fit sees the same views in any process.
+        """
+        if self.cfg.augment == "none":
+            return None
+        return np.random.default_rng(list(self.seed) + [stream])
+
+    def inputs(self, images: np.ndarray, augment: np.random.Generator | None) -> torch.Tensor:
+        """Preprocessed model inputs of a uint8 batch, augmented first when ``augment`` is given."""
+        if augment is not None:
+            images = augment_images(images, self.cfg.augment, augment)
+        return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device))
 
     def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float]) -> RecordDict:
         extras = self.round_end(index, task) if len(index) else {}

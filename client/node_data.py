@@ -205,8 +205,9 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
     # The node's data is all its own: every sample of a task's classes is its share
     # (`centralised` on a client = "the runtime's data is this client's data").
+    # (centralised-mode stays "incremental": a node learns its tasks in turn, never the joint reference)
     node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
-                                   num_clients=max(cfg.num_clients, client_id + 1))
+                                   centralised_mode="incremental", num_clients=max(cfg.num_clients, client_id + 1))
     return NodeData(spec, data, node_cfg, client_id)
 
 

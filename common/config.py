@@ -16,7 +16,9 @@ from typing import Any, ClassVar, Mapping
 
 from common.errors import ConfigError  # re-exported: the error of configurations
 
-PARTITIONS = ("iid", "dirichlet", "quantity", "stateless")
+PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
+AUGMENTATIONS = ("none", "crop-flip")
+CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
           "poison", "nan-metrics")
 # Keys that do not change what a run computes (excluded from the digest clients check).
@@ -86,15 +88,26 @@ class ExperimentConfig:
     # `switch-fraction` of the clients moves on to its next task; 1.0 is the synchronous stream.
     switch_every: int = 0
     switch_fraction: float = 1.0
+    # "iid"; "dirichlet": label skew, each class's samples split by Dir(dirichlet-beta);
+    # "quantity": label skew, k = classes-per-client classes per client; "quantity-skew": client
+    # dataset SIZES drawn from Dir(dirichlet-beta), labels IID (NIID-Bench's quantity skew);
+    # "stateless": HePCo's population (below). See common/data.py.
     partition: str = "dirichlet"
-    dirichlet_beta: float = 0.5
+    dirichlet_beta: float = 0.5  # beta of partition = dirichlet and of partition = quantity-skew
     classes_per_client: int = 1  # for partition = quantity
-    min_partition_size: int = 0  # dirichlet: smallest share of a task a client may get (0: empty shares allowed)
+    # dirichlet and quantity-skew: smallest share of a task a client may get; the Dirichlet draw
+    # is repeated until every client has at least this many (0: empty shares allowed)
+    min_partition_size: int = 0
     # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
     category_ratio: float = 0.6
     split_ratio: float = 0.1
     imbalance_ratio: float = 1.0
     centralised: bool = False  # one client with all data: the upper-bound reference
+    # centralised = true: "incremental" trains the tasks in turn exactly like a client (CE over the
+    # current task's classes; centralised incremental CODA-P); "joint" trains, at task t, on the
+    # union of tasks 0..t's training data with every seen class in the CE (the usual ceiling;
+    # the accuracy matrix still has one column per task). See README, Benchmarks.
+    centralised_mode: str = "incremental"
     round_timeout: float = 3600.0  # seconds the server waits for replies; late ones are dropped
     min_replies: int = 1  # fewer usable replies than this and the round is retried
     round_retries: int = 2  # retries (with freshly sampled clients) before the run stops with an error
@@ -155,6 +168,11 @@ class ExperimentConfig:
     # offline default's clients hold ~30 samples per task, so a larger step is needed.
     lr: float = 1e-2
     lr_schedule: str = "cosine"  # "cosine" or "constant", over one round's local steps
+    # Training-time augmentation of every method's local training (client/learner.py):
+    # "none", or "crop-flip" (random crop with zero padding of 1/8 of the side, then a random
+    # horizontal flip; seeded per client, task and round). The query cache does not serve
+    # augmented batches: q(x) is recomputed on the augmented image.
+    augment: str = "none"
     query_cache: bool = True
     # Persist q(x) in the node's cache dir so a fresh ClientApp process reuses it: "auto" (on
     # with population=nodes, where every message may start a new process), "on" or "off".
@@ -320,6 +338,11 @@ class ExperimentConfig:
         need(self.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {self.dirichlet_beta}")
         need(self.classes_per_client >= 1, "classes-per-client must be >= 1")
         need(self.min_partition_size >= 0, "min-partition-size must be >= 0")
+        need(self.centralised_mode in CENTRALISED_MODES,
+             f"centralised-mode must be one of {CENTRALISED_MODES}, got {self.centralised_mode!r}")
+        need(self.centralised_mode == "incremental" or (self.centralised and self.population == "virtual"),
+             "centralised-mode = joint is the centralised upper bound: it needs centralised = true "
+             "(and population = virtual)")
         for name in ("category_ratio", "split_ratio"):
             v = getattr(self, name)
             need(0.0 < v <= 1.0, f"{name.replace('_', '-')} must be in (0, 1], got {v}")
@@ -329,6 +352,7 @@ class ExperimentConfig:
         need(self.batch_size >= 1, "batch-size must be >= 1")
         need(self.lr > 0, "lr must be > 0")
         need(self.lr_schedule in ("cosine", "constant"), "lr-schedule must be 'cosine' or 'constant'")
+        need(self.augment in AUGMENTATIONS, f"augment must be one of {AUGMENTATIONS}, got {self.augment!r}")
         need(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.prompt_mode in PROMPT_MODES, f"prompt-mode must be one of {PROMPT_MODES}")

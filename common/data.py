@@ -398,6 +398,17 @@ def head_targets(cfg: ExperimentConfig, task: int, labels: np.ndarray, num_class
     return head_rows(cfg, task, num_classes)[pos]
 
 
+def training_classes(cfg: ExperimentConfig, task: int, num_classes: int) -> np.ndarray:
+    """The classes a client learns while on ``task``: its data's classes and the CE's.
+
+    The task's own classes, except for the joint upper bound (``centralised = true``,
+    ``centralised-mode = "joint"``), which at task t trains on every class seen so far.
+    """
+    if cfg.centralised and cfg.centralised_mode == "joint":
+        return seen_classes(cfg, task, num_classes)
+    return task_classes(cfg, task, num_classes)
+
+
 def task_rows(cfg: ExperimentConfig, name: str, value: np.ndarray, task: int,
               num_classes: int) -> slice | np.ndarray | None:
     """The rows of trainable array ``name`` that belong to ``task`` (None: not task-structured).
@@ -497,9 +508,9 @@ def client_indices(
             raise ValueError(f"random task {task} belongs to client {owner}, not {client_id}")
         return random_task_indices(labels, cfg, num_classes, task)
     classes = task_classes(cfg, task, num_classes)
+    if cfg.centralised:  # the one client holds the task (joint upper bound: every seen task)
+        return np.flatnonzero(np.isin(labels, training_classes(cfg, task, num_classes)))
     pool = np.flatnonzero(np.isin(labels, classes))
-    if cfg.centralised:
-        return pool
     if cfg.partition == "stateless":
         return _stateless_indices(labels, pool, classes, cfg, client_id, task, round_)
     parts = _static_partition(
@@ -516,7 +527,8 @@ def _static_partition(
 ) -> list[np.ndarray]:
     """Split one task's samples across the whole population, once per (seed, task).
 
-    Uses flwr-datasets partitioners; returns positions into the task's sample pool.
+    Uses flwr-datasets partitioners (quantity skew: see ``_quantity_skew``); returns
+    positions into the task's sample pool.
     Cost is O(samples + clients) once per process, never per round.
     """
     import datasets as hf
@@ -536,6 +548,8 @@ def _static_partition(
             num_partitions=num_clients, partition_by="label", alpha=beta,
             min_partition_size=min_size, self_balancing=False, shuffle=True, seed=part_seed,
         )
+    elif scheme == "quantity-skew":
+        return _quantity_skew(len(task_labels), num_clients, beta, min_size, part_seed, task)
     elif scheme == "quantity":
         n_classes = len(np.unique(task_labels))
         if classes_per_client > n_classes:
@@ -553,6 +567,72 @@ def _static_partition(
         return [np.asarray(partitioner.load_partition(i)["pos"], dtype=np.int64) for i in range(num_clients)]
     except ValueError as exc:
         raise ConfigError(f"cannot partition task {task} with {scheme} over {num_clients} clients: {exc}") from exc
+
+
+#: Dirichlet redraws allowed before a min-partition-size is declared out of reach
+MAX_SIZE_DRAWS = 10_000
+
+
+def _quantity_skew(n: int, num_clients: int, beta: float, min_size: int, seed: int, task: int) -> list[np.ndarray]:
+    """Quantity skew as in NIID-Bench ("Federated Learning on Non-IID Data Silos: An
+    Experimental Study", Li et al. 2022), the setting Fed-CPrompt's Table 2 follows.
+
+    Client dataset sizes follow proportions drawn from Dir(beta) over the clients; the
+    samples are shuffled and cut at those proportions, so labels are IID: each client's
+    label histogram is a random sample of the task's. As in NIID-Bench, the proportions are
+    drawn again until every client gets at least ``min_size`` samples (NIID-Bench uses 10).
+
+    flwr-datasets' SizePartitioner cuts consecutive sizes in the same way but refuses empty
+    partitions, which Dir(beta) gives at small beta; the cut is done here instead.
+
+    Returns positions into the task's sample pool, one array per client (a pure function
+    of its arguments).
+    """
+    if min_size * num_clients > n:
+        raise ConfigError(f"cannot partition task {task} with quantity-skew: {num_clients} clients x "
+                          f"min-partition-size {min_size} exceeds its {n} samples")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    for _ in range(MAX_SIZE_DRAWS):
+        proportions = rng.dirichlet(np.full(num_clients, beta))
+        cuts = (np.cumsum(proportions) * n).astype(np.int64)[:-1]  # NIID-Bench's rounding
+        sizes = np.diff(np.concatenate([[0], cuts, [n]]))
+        if sizes.min() >= min_size:
+            return [np.sort(part) for part in np.split(order, cuts)]
+    raise ConfigError(f"cannot partition task {task} with quantity-skew: no Dir({beta}) draw in {MAX_SIZE_DRAWS} "
+                      f"gave every one of {num_clients} clients >= {min_size} of its {n} samples; lower "
+                      "min-partition-size or raise dirichlet-beta")
+
+
+# ---------------------------------------------------------------------------- augmentation
+def augment_images(images: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """A random view of each image of a uint8 batch (N, C, H, W), drawn from ``rng``.
+
+    ``"crop-flip"``: the usual CIFAR training augmentation, as HGP trains its clients
+    ("Reducing Bias in Federated Class-Incremental Learning with Hierarchical Generative
+    Prototypes", Appendix B.1: random cropping and horizontal flipping): zero-pad every side
+    by 1/8 of the image side (at least one pixel: 4 on 32 px, as torchvision's
+    ``RandomCrop(32, padding=4)``), crop a random window of the original size, and flip
+    left-right with probability 1/2. Works at the stored resolution, before the per-batch
+    resize, so a 32 px image resized to 224 px sees the same relative shift. ``"none"``
+    returns ``images`` unchanged. The same ``rng`` state gives the same views.
+    """
+    if kind == "none" or len(images) == 0:
+        return images
+    if kind != "crop-flip":
+        raise ValueError(f"unknown augmentation {kind!r}")
+    n, _, h, w = images.shape
+    pad_h, pad_w = max(1, h // 8), max(1, w // 8)
+    padded = np.pad(images, ((0, 0), (0, 0), (pad_h, pad_h), (pad_w, pad_w)))
+    top = rng.integers(0, 2 * pad_h + 1, size=n)
+    left = rng.integers(0, 2 * pad_w + 1, size=n)
+    flip = rng.random(n) < 0.5
+    rows = top[:, None] + np.arange(h)[None, :]  # (N, H)
+    cols = left[:, None] + np.arange(w)[None, :]  # (N, W)
+    cols = np.where(flip[:, None], cols[:, ::-1], cols)
+    batch = np.arange(n)[:, None, None, None]
+    channel = np.arange(images.shape[1])[None, :, None, None]
+    return np.ascontiguousarray(padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]])
 
 
 def _stateless_indices(

@@ -4,8 +4,9 @@ Built once per process and configuration, then reused: Ray simulation actors kee
 it across rounds, so the backbone and the queries are made once, not per message.
 
 The query cache: q(x) (final CLS of the frozen backbone without prompts) depends
-only on the backbone and the image, so with no random augmentation it is computed
-once per sample and reused across epochs, rounds and tasks.
+only on the backbone and the image, so it is computed once per stored sample and
+reused across epochs, rounds and tasks. Augmented training batches (``augment``) are
+new images: the training loop computes their q(x) itself and never asks the cache.
 
 In deployment every message starts a fresh ClientApp process, so the query cache is
 also kept on disk (``query-cache-disk``): one file per (backbone, data, split) under
@@ -249,7 +250,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
 
 
 # Keys that say where a node's data is, not what the model is.
-_DATA_LOCATION_KEYS = frozenset({"dataset", "data-dir", "centralised", "num-clients"})
+_DATA_LOCATION_KEYS = frozenset({"dataset", "data-dir", "centralised", "centralised-mode", "num-clients"})
 
 
 def _same_model(rt: Runtime, cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> bool:

@@ -7,12 +7,15 @@ These print figures; they are not tests. ``perf`` measures
 * simulation seconds per round for 10, 100 and 1,000 clients at a fixed number sampled;
 * peak resident memory of the server process and of one client actor;
 * bytes per round per method against the size of a full ViT-B/16.
-``compare`` runs every method plus FedAvg-Prompt and the centralised upper bound on
+``compare`` runs every method plus FedAvg-Prompt and the centralised references on
 identical task orders and client splits, for several seeds and heterogeneity levels,
 and writes a Markdown and CSV table with plots. ``paper-dims`` runs one round of every
 paper configuration at the papers' model dimensions (ViT-B/16 with random weights) on a
 stand-in dataset with the paper's class count, and reports bytes, memory and time per
-method next to the papers' figures.
+method next to the papers' figures. The compare references are one client holding all
+data with FedAvg-Prompt's local training: ``upper-bound-incremental`` learns the tasks in
+turn (centralised incremental CODA-P) and ``upper-bound-joint`` trains at each task on the
+union of every task seen so far (the ceiling; ``centralised-mode``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -84,8 +88,14 @@ def _actor_pids() -> list[int]:
 
 
 def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str = "fedavg",
-                              watch_memory: bool = False, timeout: int = 3600) -> dict[str, Any]:
-    """``promptfcl simulate`` in a child process; returns results.json (+ peak memory if watched)."""
+                              watch_memory: bool = False, timeout: int = 6 * 3600) -> dict[str, Any]:
+    """``promptfcl simulate`` in a child process; returns results.json (+ peak memory if watched).
+
+    A run still going after ``timeout`` seconds is interrupted (SIGINT, so Ray shuts down, then
+    killed) before TimeoutExpired is raised: a timed-out run never keeps training in the
+    background. The default is generous because the joint upper bound trains on every seen task
+    (about 3x the incremental run's work on 5 tasks) and benchmarks share small machines.
+    """
     args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
@@ -98,7 +108,16 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
             server_peak = max(server_peak, _peak_rss_mb(proc.pid))
             client_peak = max([client_peak] + [_peak_rss_mb(p) for p in _actor_pids()])
             time.sleep(0.25)
-    output, _ = proc.communicate(timeout=timeout)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"simulation failed ({strategy}, {settings}):\n{output[-3000:]}")
     results = json.loads((out / "results.json").read_text())
@@ -514,21 +533,27 @@ def robustness_table(rows: list[dict[str, Any]], hostile: str) -> str:
 
 
 # ----------------------------------------------------------------------------- compare
+#: the centralised references of ``compare``: name -> centralised-mode
+UPPER_BOUNDS = {"upper-bound-incremental": "incremental", "upper-bound-joint": "joint"}
+
+
 def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list[int],
             settings: list[dict[str, Any]], upper_bound: bool = True) -> list[dict[str, Any]]:
-    """Every method (+ the centralised upper bound) x heterogeneity setting x seed."""
+    """Every method (+ the two centralised references, ``UPPER_BOUNDS``) x heterogeneity setting x seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
-    runs = [(m, s, h) for h in settings for m in methods + ["upper-bound"] * upper_bound for s in seeds]
+    references = list(UPPER_BOUNDS) if upper_bound else []
+    runs = [(m, s, h) for h in settings for m in methods + references for s in seeds]
     for i, (method, seed, setting) in enumerate(runs, 1):
         label = _setting_label(setting)
         strategy, options = parse_method(method)
         run_settings = {**base, **setting, **options, "seed": seed}
         run_dir = out_dir / "runs" / f"{method.replace('/', '+')}-{label}-seed{seed}"
-        if method == "upper-bound":  # one client with all data: the partition plays no part, one run per seed
-            strategy, run_settings = "fedavg", {**base, "seed": seed, "centralised": True}
-            run_dir = out_dir / "runs" / f"upper-bound-seed{seed}"
+        if method in UPPER_BOUNDS:  # one client with all data: the partition plays no part, one run per seed
+            strategy = "fedavg"
+            run_settings = {**base, "seed": seed, "centralised": True, "centralised-mode": UPPER_BOUNDS[method]}
+            run_dir = out_dir / "runs" / f"{method}-seed{seed}"
         results = finished_run(run_dir, {**run_settings, "strategy": strategy})
         if results is not None:
             log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
@@ -599,6 +624,8 @@ def _setting_label(setting: dict[str, Any]) -> str:
         return f"dirichlet-{setting.get('dirichlet-beta', 0.5)}"
     if part == "quantity":
         return f"quantity-{setting.get('classes-per-client', 1)}"
+    if part == "quantity-skew":
+        return f"quantity-skew-{setting.get('dirichlet-beta', 0.5)}"
     return part
 
 

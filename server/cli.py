@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
-    cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + upper bound on identical splits")
+    cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + the centralised references "
+                                               "(incremental and joint) on identical splits")
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     cmp_.add_argument("--methods", default="",
@@ -79,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
                            "NAME.* options, e.g. powder/dual=false (an ablation)")
     cmp_.add_argument("--seeds", default="0,1,2")
     cmp_.add_argument("--settings", default="dirichlet:0.5,dirichlet:0.1,quantity:1",
-                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k>, iid, or default (as configured)")
+                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k> (k classes per client), "
+                           "quantity-skew:<beta> (client sizes from Dir(beta), labels IID), iid, or default "
+                           "(as configured)")
     cmp_.add_argument("--no-upper-bound", action="store_true",
-                      help="leave out the centralised upper bound (it ignores the partition: one run per seed is enough)")
+                      help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
+                           "(they ignore the partition: one run per seed each)")
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
@@ -251,9 +255,12 @@ def _parse_setting(text: str) -> dict[str, Any]:
         return {"partition": "dirichlet", "dirichlet-beta": float(value or 0.5)}
     if kind == "quantity":
         return {"partition": "quantity", "classes-per-client": int(value or 1)}
+    if kind == "quantity-skew":
+        return {"partition": "quantity-skew", "dirichlet-beta": float(value or 0.5)}
     if kind == "iid":
         return {"partition": "iid"}
-    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, iid or default")
+    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
+                      "quantity-skew:<beta>, iid or default")
 
 
 def _pretrain(args: argparse.Namespace) -> int:

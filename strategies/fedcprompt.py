@@ -43,6 +43,7 @@ log = logging.getLogger("promptfcl")
 #: config key of a train message: how many task slices the server knows (0..known-1)
 KNOWN_TASKS = "known-tasks"
 C2L_PARAMS = ("p", "pka")
+C2L_FIRST_TASK = ("drift", "off")
 
 
 # ---------------------------------------------------------------------------- options
@@ -64,6 +65,12 @@ class FedCPromptOptions(MethodOptions):
     c2l: bool = True  # false = CE only (the paper's "w/o C2L" ablation, Table 4)
     c2l_params: str = "p"  # C2L on the prompt components P (eq. 3) or on P, K and A ("pka", eq. 4's w)
     prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w_global||^2 (Table 4: c2l=false, prox-mu>0)
+    # C2L while no other task's slice is known (the first task of a synchronous run), where
+    # eq. 3's min over the other tasks is over an empty set. "drift": that term is dropped and
+    # C2L = ||P_c^m - P_s^m(r-1)|| + alpha, the paper's first goal (restrict the change from the
+    # previous round's server prompt) without the second; "off": the empty min read as
+    # +infinity, so the hinge is closed and the loss is CE alone until a second task is known.
+    c2l_first_task: str = "drift"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -75,6 +82,8 @@ class FedCPromptOptions(MethodOptions):
         need(np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}")
         need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
         need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
+        need(self.c2l_first_task in C2L_FIRST_TASK,
+             f"c2l-first-task must be one of {C2L_FIRST_TASK}, got {self.c2l_first_task!r}")
 
 
 # ---------------------------------------------------------------------------- prompting

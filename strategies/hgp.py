@@ -99,6 +99,11 @@ class HGPOptions(MethodOptions):
     resample_each_epoch: bool = False  # a fresh synthetic set every epoch (authors' code)
     loss: str = "ce"  # "ce" (paper) or "logit-norm" (authors' code: logits / ||logits|| / T)
     logit_temperature: float = 0.1  # T of the logit-normalised CE
+    # With augment = crop-flip: class statistics over the stored images (false), the features the
+    # head is scored on, or over one augmented view of each image (true: the augmenting training
+    # pipeline's views, wider covariances and shifted means). The paper does not say; on the
+    # offline benchmark true costs 26 points of A_N (README, HGP). No effect with augment = none.
+    stats_augment: bool = False
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -99,3 +99,55 @@ def test_paper_dims_runs_a_paper_configuration_at_vit_b16_size(tmp_path):
     assert v["client_peak_memory_mb"] > 0 and v["server_peak_memory_mb"] > 0
     assert v["extrapolated_round_seconds"] > v["server_seconds"]
     assert json.loads((tmp_path / "paper_dims.json").read_text())["methods"]["fedcprompt"] == v
+def test_compare_reports_the_incremental_and_the_joint_upper_bound(tmp_path, monkeypatch):
+    """Both centralised references run once per seed, whatever the setting, under their own names."""
+    from server import bench
+
+    calls = []
+
+    def fake_run(settings, out, strategy="fedavg", **_):
+        calls.append((strategy, settings.get("centralised", False), settings.get("centralised-mode"),
+                      settings.get("partition")))
+        score = {"joint": 90.0, "incremental": 30.0}.get(settings.get("centralised-mode"), 50.0)
+        (out / "results.json").parent.mkdir(parents=True, exist_ok=True)
+        return {"final_average_accuracy": score, "average_incremental_accuracy": score, "average_forgetting": 1.0,
+                "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
+                "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
+
+    monkeypatch.setattr(bench, "run_simulation_subprocess", fake_run)
+    rows = bench.compare(tmp_path, dict(TINY), ["fedavg"], [0], [{"partition": "iid"},
+                                                                 {"partition": "quantity-skew", "dirichlet-beta": 0.5}])
+    assert {(r["method"], r["setting"]) for r in rows} == {
+        (m, s) for m in ("fedavg", "upper-bound-incremental", "upper-bound-joint") for s in ("iid", "quantity-skew-0.5")}
+    refs = [c for c in calls if c[1]]
+    assert sorted(c[2] for c in refs) == ["incremental", "incremental", "joint", "joint"]
+    assert all(c[0] == "fedavg" and c[3] is None for c in refs)  # the partition plays no part
+    md = (tmp_path / "compare.md").read_text()
+    assert "| iid | upper-bound-joint | 1 | 90.0" in md and "| iid | upper-bound-incremental | 1 | 30.0" in md
+
+
+def test_quantity_skew_is_a_heterogeneity_setting():
+    from server.cli import _parse_setting
+
+    assert _parse_setting("quantity-skew:0.5") == {"partition": "quantity-skew", "dirichlet-beta": 0.5}
+    assert _parse_setting("quantity:2") == {"partition": "quantity", "classes-per-client": 2}
+
+
+def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypatch):
+    import subprocess
+
+    import pytest
+
+    from server import bench
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def slow(args, **kwargs):  # stands in for a simulation that takes too long
+        started.append(real_popen(["sleep", "60"], **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(bench.subprocess, "Popen", slow)
+    with pytest.raises(subprocess.TimeoutExpired):
+        bench.run_simulation_subprocess({"seed": 0}, tmp_path / "run", timeout=1)
+    assert started[0].poll() is not None  # the child is gone

@@ -46,6 +46,10 @@ def test_round_trip_through_flat_dict():
     ({"ray-address": "head-node"}, "ray-address must be"),
     ({"ray-address": "10.0.0.1:99999"}, "ray-address must be"),
     ({"max-rounds": -1}, "max-rounds must be >= 0"),
+    ({"augment": "mixup"}, "augment must be one of"),
+    ({"centralised-mode": "all"}, "centralised-mode must be one of"),
+    ({"centralised-mode": "joint"}, "needs centralised = true"),
+    ({"partition": "quantity_skew"}, "partition must be one of"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(raw, message):
     with pytest.raises(ConfigError) as err:

@@ -10,7 +10,7 @@ import pytest
 
 from common.config import ConfigError
 from common.data import (
-    DataError, class_order, client_indices, load_dataset, seen_classes, task_classes,
+    DataError, augment_images, class_order, client_indices, load_dataset, seen_classes, task_classes,
 )
 from tests.conftest import tiny_config
 
@@ -48,7 +48,7 @@ def test_train_test_split_is_disjoint_and_seeded():
     assert load_dataset(tiny_config(seed=1)).fingerprint != a.fingerprint
 
 
-@pytest.mark.parametrize("partition", ["iid", "dirichlet", "quantity"])
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "quantity", "quantity-skew"])
 def test_static_partitions_cover_the_task_disjointly(digits, partition):
     cfg = tiny_config(num_tasks=5, num_clients=6, clients_per_round=2, partition=partition,
                       dirichlet_beta=0.5, min_partition_size=0, classes_per_client=1)
@@ -83,6 +83,82 @@ def test_dirichlet_skew_grows_as_beta_shrinks(digits):
     iid_like, skewed = mean_max_share(100.0), mean_max_share(0.05)
     assert iid_like < 0.45  # 5 classes per task: near-uniform shares
     assert skewed > 0.8  # nearly one class per client
+
+
+def _label_distance(labels, part, pool):
+    """Total-variation distance between a client's label histogram and its task's."""
+    own = np.bincount(labels[part], minlength=10) / len(part)
+    task = np.bincount(labels[pool], minlength=10) / len(pool)
+    return 0.5 * np.abs(own - task).sum()
+
+
+def test_quantity_skew_skews_sizes_and_keeps_each_clients_labels_like_the_tasks(digits):
+    """NIID-Bench's quantity skew: sizes from Dir(beta) over clients, labels IID (not k classes each)."""
+    pool = np.flatnonzero(np.isin(digits.train.labels, task_classes(tiny_config(num_tasks=2), 0, 10)))
+
+    def split(beta, seed=0, partition="quantity-skew"):
+        cfg = tiny_config(num_tasks=2, num_clients=10, partition=partition, dirichlet_beta=beta, seed=seed)
+        return shares(digits, cfg, task=0)
+
+    def size_spread(beta):  # coefficient of variation of the client sizes, over a few seeds
+        return np.mean([np.std([len(p) for p in split(beta, seed)]) / np.mean([len(p) for p in split(beta, seed)])
+                        for seed in range(4)])
+
+    assert size_spread(100.0) < 0.2  # large beta: near-equal sizes
+    assert size_spread(0.1) > 1.0  # small beta: a few clients hold most of the task
+    assert size_spread(0.5) > 0.5
+    for parts in (split(0.5), split(0.1)):
+        assert sum(len(p) for p in parts) == len(pool)
+        for part in parts:
+            if len(part) >= 50:  # a sample of the task: its histogram is close to the task's
+                assert _label_distance(digits.train.labels, part, pool) < 0.2
+    # ... unlike Dirichlet label skew at the same beta, which gives every client its own mixture
+    def mean_distance(partition):
+        return np.mean([_label_distance(digits.train.labels, p, pool)
+                        for seed in range(4) for p in split(0.5, seed, partition) if len(p) >= 20])
+    assert mean_distance("quantity-skew") < 0.15 < 0.3 < mean_distance("dirichlet")  # measured: 0.09 and 0.43
+
+
+def test_quantity_skew_redraws_until_every_client_has_min_partition_size(digits):
+    cfg = tiny_config(num_tasks=2, num_clients=10, partition="quantity-skew", dirichlet_beta=0.5, min_partition_size=10)
+    sizes = [len(p) for p in shares(digits, cfg, task=0)]
+    assert min(sizes) >= 10 and np.std(sizes) > 10  # still skewed
+    with pytest.raises(ConfigError, match="min-partition-size"):
+        shares(digits, cfg.replace(min_partition_size=200), task=0)  # 10 x 200 > the task's samples
+
+
+def test_crop_flip_is_a_seeded_padded_crop_and_horizontal_flip():
+    rng = np.random.default_rng(0)
+    images = rng.integers(1, 256, (64, 3, 16, 16)).astype(np.uint8)  # no zeros: padding is recognisable
+    views = augment_images(images, "crop-flip", np.random.default_rng(7))
+    assert views.shape == images.shape and views.dtype == np.uint8
+    np.testing.assert_array_equal(views, augment_images(images, "crop-flip", np.random.default_rng(7)))
+    assert not np.array_equal(views, augment_images(images, "crop-flip", np.random.default_rng(8)))
+    assert augment_images(images, "none", rng) is images
+    padded = np.pad(images, ((0, 0), (0, 0), (2, 2), (2, 2)))  # 1/8 of 16 px
+    flips = 0
+    for img, view in zip(padded, views):  # every view is a 16 x 16 window of the padded image, maybe mirrored
+        windows = [(img[:, t : t + 16, l : l + 16], f) for t in range(5) for l in range(5) for f in (False, True)]
+        matches = [f for w, f in windows if np.array_equal(w[:, :, ::-1] if f else w, view)]
+        assert matches, "a view is not a padded crop (+ flip) of its image"
+        flips += matches[0]
+    assert 16 < flips < 48  # about half are flipped
+    tiny = augment_images(images[:, :, :8, :8], "crop-flip", rng)  # 8 px digits: 1 px of padding
+    assert tiny.shape == (64, 3, 8, 8)
+
+
+def test_joint_centralised_client_holds_every_seen_task(digits):
+    from common.data import training_classes
+
+    joint = tiny_config(num_tasks=5, centralised=True, centralised_mode="joint")
+    incremental = tiny_config(num_tasks=5, centralised=True)
+    idx = client_indices(digits.train.labels, joint, 10, 0, 2, 0)
+    assert set(np.unique(digits.train.labels[idx]).tolist()) == set(range(6))  # tasks 0..2
+    assert len(idx) == np.isin(digits.train.labels, range(6)).sum()
+    assert list(training_classes(joint, 2, 10)) == list(range(6))
+    assert list(training_classes(incremental, 2, 10)) == [4, 5]
+    with pytest.raises(ConfigError, match="centralised-mode = joint"):
+        tiny_config(centralised_mode="joint")  # the joint reference is centralised
 
 
 def test_partitions_differ_by_seed_and_task(digits):

@@ -80,6 +80,7 @@ def test_paper_scale_config_loads():
     assert (cfg.lr, cfg.batch_size, cfg.pool_size, cfg.prompt_length) == (1e-4, 128, 100, 8)
     assert cfg.layers == [1, 2, 3, 4, 5] and cfg.prompt_mode == "prefix" and cfg.weights == "timm"
     assert (cfg.partition, cfg.dirichlet_beta) == ("dirichlet", 0.5)
+    assert cfg.augment == "crop-flip"
     opts = FedCPromptOptions.from_options(cfg.method_options("fedcprompt"))
     assert opts == FedCPromptOptions()  # the file spells out the defaults
 
@@ -112,6 +113,35 @@ def test_c2l_is_zero_past_the_margin_and_grows_with_drift():
     loss = c2l_loss(x, prev, prev.new_zeros((0, 50)), 1.0, 0.5)
     loss.backward()
     assert loss.item() == pytest.approx(0.5) and torch.equal(x.grad, torch.zeros(50))
+
+
+def test_first_task_c2l_is_a_drift_penalty_or_off():
+    """c2l-first-task: with no other known task, "drift" keeps ||P_c - P_s(r-1)|| + alpha, "off" gives 0."""
+    prev = torch.zeros(50)
+    none = prev.new_zeros((0, 50))
+    moved = prev + 0.3  # drift 0.3 * sqrt(50)
+    drift = c2l_loss(moved, prev, none, 1.0, 0.5, first_task="drift").item()
+    assert drift == pytest.approx(0.3 * 50 ** 0.5 + 0.5, rel=1e-5)
+    assert c2l_loss(moved, prev, none, 1.0, 0.5, first_task="off").item() == 0.0
+    others = torch.stack([prev + 10.0])
+    for mode in ("drift", "off"):  # once another task is known, the option changes nothing
+        assert c2l_loss(moved, prev, others, 0.1, 0.5, first_task=mode).item() == pytest.approx(
+            max(0.3 * 50 ** 0.5 - 0.1 * 9.7 * 50 ** 0.5 + 0.5, 0.0), abs=1e-5)
+    assert FedCPromptOptions().c2l_first_task == "drift"
+    with pytest.raises(ConfigError, match="c2l-first-task"):
+        FedCPromptOptions.from_options({"c2l-first-task": "zero"})
+    # in the learner: the first task of a synchronous run, with "off" the loss is CE alone
+    cfg = tiny_config(num_tasks=2, centralised=True)
+    rt, _, arrays = start(cfg, tasks=1)
+    results = {}
+    for mode in ("drift", "off"):
+        learner = FedCPromptLearner(rt, {"c2l-first-task": mode})
+        reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
+        results[mode] = (learner.last_c2l, reply[ARRAYS]["prompt.p0"].numpy())
+    assert results["drift"][0] > 0.5 and results["off"][0] == 0.0
+    plain = FedCPromptLearner(rt, {"c2l": False}).fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
+    np.testing.assert_array_equal(results["off"][1], plain[ARRAYS]["prompt.p0"].numpy())
+    assert not np.array_equal(results["drift"][1], results["off"][1])
 
 
 def test_c2l_in_the_learner_uses_the_server_prompts_of_this_round():

@@ -363,6 +363,22 @@ def test_latest_per_client_keeps_each_clients_newest_prototypes():
     np.testing.assert_allclose(s.global_means[0], np.full(d, 0.5))  # client 1's old, client 2's new
 
 
+def test_with_partial_participation_only_latest_per_client_keeps_every_class_in_the_pool():
+    """5 of 10 clients per round: a class held only by clients of an earlier round of the task
+    stays in the pool with latest-per-client (default), and is lost with the literal reading."""
+    pools = {}
+    for latest in (True, False):
+        s, arrays = strategy_at_task(0, {"latest-per-client": latest})
+        d = from_array_record(arrays)["prompt.fusion"].shape[1]
+        s.consolidate(1, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=1),
+                                  client_reply(arrays, 5, [1], np.ones((1, d)), client=2)])
+        s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=3)])  # last round
+        s.on_task_end(0, arrays)
+        pools[latest] = sorted(set(s.pool.classes.tolist()))
+    assert FPPLOptions().latest_per_client is True
+    assert pools[True] == [0, 1] and pools[False] == [0]
+
+
 def test_options_are_validated():
     assert FPPLOptions.from_options({}) == FPPLOptions()
     opts = FPPLOptions.from_options({"fusion": "false", "server-epochs": 3, "temperature": "0.5"})

@@ -347,6 +347,33 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
+    """augment = crop-flip: hgp.stats-augment takes each image through one augmented view (q(x) on
+    the view); stats-augment = false, or augment = none, uses the stored images."""
+    from client.hgp import HGPLearner
+    from common.data import augment_images
+    from common.runtime import get_runtime
+
+    index = None
+    feats = {}
+    for augment, stats_augment in (("none", True), ("crop-flip", False), ("crop-flip", True)):
+        cfg = tiny_config(strategy="hgp", augment=augment, **{"hgp.stats-augment": stats_augment})
+        rt = get_runtime(cfg, HGPPrompt)
+        learner = HGPLearner(rt, cfg.method_options("hgp"))
+        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        index = np.flatnonzero(rt.data.train.labels < 5)[:40]
+        rt.model.prompt.set_task(0)
+        feats[augment, stats_augment], _ = learner.prompted_features(index)
+    clean = feats["none", True]
+    torch.testing.assert_close(feats["crop-flip", False], clean)
+    assert not torch.allclose(feats["crop-flip", True], clean)
+    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([0, 3, 0, 1, 0x57A75]))
+    with torch.no_grad():
+        x = rt.model.preprocess(torch.from_numpy(views))
+        expected = rt.model.features(x, rt.model.query(x))
+    torch.testing.assert_close(feats["crop-flip", True], expected)
+
+
 def test_hgp_end_to_end_simulation(tmp_path):
     from tests.test_simulation_e2e import simulate
 

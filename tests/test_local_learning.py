@@ -88,3 +88,56 @@ def test_bfloat16_autocast_trains_float32_parameters_and_still_learns():
     assert not np.array_equal(reply[ARRAYS]["head.weight"].numpy(), fp32[ARRAYS]["head.weight"].numpy())
     rt.model.load_trainable_state(to_torch(reply[ARRAYS]))
     assert accuracies(*correct_counts(rt, 0))[0] > max(chance_level, 20.0) + 15
+
+
+def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_images(monkeypatch):
+    """augment = crop-flip: q(x) is computed on each augmented batch, never read from the cache."""
+    from common.data import augment_images
+
+    cfg = tiny_config(num_tasks=2, centralised=True, augment="crop-flip", local_epochs=1, batch_size=64)
+    rt, arrays = start(cfg)
+    cache = rt.query_cache("train")
+    computed = cache.computed
+    seen: list[torch.Tensor] = []
+    real_query = rt.model.query
+    monkeypatch.setattr(rt.model, "query", lambda x: seen.append(x.clone()) or real_query(x))
+    learner = LocalLearner(rt)
+    a = learner.fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
+    assert cache.computed == computed  # the cache was not asked (nor filled) by the loop
+    index = np.flatnonzero(np.isin(rt.data.train.labels, [0, 1, 2, 3, 4]))
+    assert sum(len(x) for x in seen) == len(index)  # one query per training image and epoch
+    # the first batch's queries were taken on exactly the augmented views the loop trained on
+    order = np.random.default_rng([cfg.seed, 0, 0, 0, 0xBA7C4]).permutation(len(index))
+    views = augment_images(rt.data.train.images[index[order[:64]]], "crop-flip",
+                           np.random.default_rng([cfg.seed, 0, 0, 0, 0xA06]))
+    torch.testing.assert_close(seen[0], rt.model.preprocess(torch.from_numpy(views)))
+    assert not torch.equal(seen[0], rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[order[:64]]])))
+    # seeded: the same fit gives the same result; another round sees other views
+    monkeypatch.setattr(rt.model, "query", real_query)
+    b = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
+    c = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=1, client_id=0)
+    np.testing.assert_array_equal(a[ARRAYS]["head.weight"].numpy(), b[ARRAYS]["head.weight"].numpy())
+    assert not np.array_equal(a[ARRAYS]["head.weight"].numpy(), c[ARRAYS]["head.weight"].numpy())
+    plain_rt, _ = start(tiny_config(num_tasks=2, centralised=True, local_epochs=1, batch_size=64))
+    plain = LocalLearner(plain_rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
+    assert not np.array_equal(a[ARRAYS]["head.weight"].numpy(), plain[ARRAYS]["head.weight"].numpy())
+
+
+def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
+    """centralised-mode = joint at task 1: tasks 0 and 1's images, every seen class in the CE."""
+    joint = tiny_config(num_tasks=2, centralised=True, centralised_mode="joint", lr=0.01)
+    rt, arrays = start(joint, task=1)
+    before = from_array_record(arrays)
+    reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
+    after = from_array_record(reply[ARRAYS])
+    assert reply["metrics"]["num-examples"] == len(rt.data.train)  # both tasks: all 10 classes
+    # the old task's head rows learn too (they compete in the CE), unlike incremental training
+    assert not np.array_equal(after["head.weight"][:5], before["head.weight"][:5])
+    per_task = joint.pool_size // joint.num_tasks
+    for layer in joint.layers:  # the same model: earlier prompt slices stay frozen
+        np.testing.assert_array_equal(after[f"prompt.p{layer}"][:per_task], before[f"prompt.p{layer}"][:per_task])
+    incremental = tiny_config(num_tasks=2, centralised=True, lr=0.01)
+    inc_rt, _ = start(incremental, task=1)
+    inc = LocalLearner(inc_rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
+    assert inc["metrics"]["num-examples"] == np.isin(rt.data.train.labels, range(5, 10)).sum()
+    np.testing.assert_array_equal(from_array_record(inc[ARRAYS])["head.weight"][:5], before["head.weight"][:5])

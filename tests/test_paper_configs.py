@@ -70,6 +70,7 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     for key, value in EXPECTED.get(name, {}).items():
         assert cfg.to_dict()[key] == value, f"{name}: {key}"
     assert cfg.weights == "timm" and cfg.backbone.startswith("vit_base_patch16_224")
+    assert cfg.augment == "crop-flip", f"{name}: paper-scale clients train with random crop + flip"
     assert cfg.method_options(cfg.strategy), "method options should be spelled out"
 
     # stand-in: same class count and task split, tiny images, random tiny backbone
@@ -97,6 +98,32 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     if cfg.partition == "stateless":
         for idx in shares:
             assert len(np.unique(data.train.labels[idx])) == round(cfg.category_ratio * len(classes))
-    elif cfg.partition in ("dirichlet", "iid"):
+    elif cfg.partition in ("dirichlet", "iid", "quantity-skew"):
         union = np.concatenate(shares)
         assert len(union) == len(np.unique(union))  # disjoint across clients
+
+
+def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
+    """The config's documented quantity-skew command: client sizes from Dir(0.5), every client
+    a sample of the whole task (not k classes per client), at least 10 samples each."""
+    import shlex
+
+    text = (CONFIGS / "fedcprompt-cifar100.toml").read_text()
+    line = next(l for l in text.splitlines() if "--set partition='\"quantity-skew\"'" in l)
+    words = shlex.split(line.lstrip("# "))
+    overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    cfg = load_config(str(CONFIGS / "fedcprompt-cifar100.toml"), overrides, None, None)
+    assert (cfg.partition, cfg.dirichlet_beta, cfg.min_partition_size) == ("quantity-skew", 0.5, 10)
+    # CIFAR-100's training labels: 10 tasks of 10 classes, 500 images per class (5,000 per task)
+    labels = np.repeat(np.arange(100), 500)
+    classes = task_classes(cfg, 0, 100)
+    pool = np.flatnonzero(np.isin(labels, classes))
+    shares = [client_indices(labels, cfg, 100, c, 0, 0) for c in range(cfg.num_clients)]
+    sizes = np.array([len(s) for s in shares])
+    assert sizes.sum() == len(pool) and sizes.min() >= 10 and sizes.std() / sizes.mean() > 0.4
+    task_hist = np.bincount(labels[pool], minlength=100)[classes] / len(pool)
+    for share in shares:
+        if len(share) >= 200:
+            hist = np.bincount(labels[share], minlength=100)[classes] / len(share)
+            assert 0.5 * np.abs(hist - task_hist).sum() < 0.15  # labels IID: the task's mixture
+        assert len(np.unique(labels[share])) > 5 or len(share) < 30  # not a few classes per client
