@@ -80,10 +80,13 @@ class FPPLOptions(MethodOptions):
         "fixed": ``g_psi`` is the plain cosine of eq. 2; "learnable": times a learnable
         scale initialised at 1 (the authors' CosineLinear).
     latest_per_client : bool
-        False (paper, Algorithm 1): global prototypes, debiasing and the pool use the
-        local prototypes of this round's clients. True (authors' code): they use the
-        latest prototypes of every client that has trained on the current task, which
-        differs only when not all clients take part in every round.
+        True (default; the authors' code's bookkeeping): global prototypes, debiasing and
+        the pool use the latest prototypes of every client that has trained on the current
+        task. False: only this round's clients' (Algorithm 1 read literally). The paper has
+        every client in every round, where the two are the same; with partial participation
+        False builds the pool from the task's last round alone, which can leave a class out
+        of it for good (on the offline benchmark, 5 of 10 clients per round, Dirichlet 0.05:
+        A_N 53.9 with True against 49.4; at 0.5 they tie, 58.9 and 59.8; README, FPPL).
     """
 
     prefix = "fppl"
@@ -98,7 +101,7 @@ class FPPLOptions(MethodOptions):
     server_lr: float = 1e-3
     server_batch_size: int = 128
     fusion_scale: str = "fixed"
-    latest_per_client: bool = False
+    latest_per_client: bool = True
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
