@@ -1,6 +1,6 @@
 """FPPL on the client: fused task prompts, unified-representation loss, local prototypes.
 
-FPPL (Federated Prototype-Augmented Prompt Learning, papers/002, section IV-A/B):
+FPPL ("Federated Prototype-Augmented Prompt Learning", section IV-A/B):
 
 * one prompt ``p_t`` (L x D per prompted block) per task; a new task's prompt starts
   as a copy of the previous one, finished tasks' prompts are frozen;

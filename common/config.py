@@ -57,7 +57,7 @@ class ExperimentConfig:
     data_dir: str = ""  # source-specific; fashion-mnist defaults to the Debian package path
     num_tasks: int = 5
     # "stream": one class-incremental stream, task t owns classes [t k, (t+1) k), every client
-    # walks it. "random": Powder's benchmark (papers/003 section 5.1): every task belongs to one
+    # walks it. "random": Powder's benchmark (Powder, section 5.1): every task belongs to one
     # client and holds `classes-per-task` random classes (at least `min-overlap` of them seen in
     # earlier tasks) with a disjoint `task-data-fraction` of each class's training images;
     # clients start on their own tasks and every `switch-every` rounds a random

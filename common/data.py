@@ -427,7 +427,7 @@ def task_rows(cfg: ExperimentConfig, name: str, value: np.ndarray, task: int,
 
 
 def random_tasks(cfg: ExperimentConfig, num_classes: int) -> tuple[np.ndarray, ...]:
-    """Powder's tasks (papers/003 section 5.1): ``num-tasks`` sets of ``classes-per-task`` classes.
+    """Powder's tasks (Powder, section 5.1): ``num-tasks`` sets of ``classes-per-task`` classes.
 
     Task 0 draws its classes uniformly; every later task takes ``ceil(min-overlap * n)`` of
     its classes from those of earlier tasks (the paper's "least overlap tau"), the least

@@ -1,4 +1,4 @@
-"""Continual-learning metrics, exactly as the papers define them (shared/REFERENCE.md).
+"""Continual-learning metrics, exactly as the papers define them (each paper's own definitions).
 
 ``acc[i][t]`` is the accuracy on task i's test classes after learning task t
 (NaN for i > t). With T tasks (0-indexed here):
@@ -63,7 +63,7 @@ def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- asynchronous tasks
-# Powder's metrics (papers/003 section 5.1) for runs where every task belongs to one client
+# Powder's metrics (Powder, section 5.1) for runs where every task belongs to one client
 # and tasks start and finish at different rounds. ``acc[g, r]`` is the accuracy on task g
 # after round r (NaN before g starts); ``evaluation_rounds`` is the paper's R, the rounds
 # with a task switch (taken as the last round before each switch point, and the last round).

@@ -4,7 +4,7 @@ Reads top to bottom: ``build_backbone`` -> ``CodaPrompt`` -> ``PromptedViT``.
 Only the prompt module and the linear head are trainable; the backbone is frozen
 and never leaves the machine it runs on.
 
-Prompt insertion (notation of shared/REFERENCE.md):
+Prompt insertion (the papers' common notation):
 * prefix-tuning: a prompt of length L is split into L/2 key and L/2 value tokens
   prepended to K and V of a block's attention (sequence length unchanged);
 * prompt-tuning: L tokens are inserted after the CLS token at the block input and

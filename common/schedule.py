@@ -2,8 +2,8 @@
 
 Every client walks the same class-incremental stream (task 0, 1, ..., N-1) at its own
 pace. Every ``switch-every`` rounds (K) a ``switch-fraction`` (f) of the clients moves
-to its next task (Powder, papers/003 section 5.1: every 3 rounds, 40 %; Fed-CPrompt,
-papers/001 Appendix D.3: half of the clients one task ahead of the others). The movers
+to its next task (Powder, section 5.1: every 3 rounds, 40 %; Fed-CPrompt,
+Fed-CPrompt Appendix D.3: half of the clients one task ahead of the others). The movers
 are taken in turn from a seeded permutation of the clients, so the fastest and slowest
 client are never more than one task apart and every client has moved after 1/f switches.
 
@@ -12,7 +12,7 @@ moves to task r // R at round r. With K = R * f the slowest clients leave task j
 at the end of round (j + 1) R, as in the synchronous stream, and the fastest ones
 started it R - K rounds earlier.
 
-``RandomTaskSchedule`` is Powder's benchmark (papers/003 section 5.1, ``task-generator =
+``RandomTaskSchedule`` is Powder's benchmark (Powder, section 5.1, ``task-generator =
 random``): each client starts on a task of its own, and every K rounds a random f of the
 clients switch to a new task of their own; tasks are numbered in the order they start.
 
@@ -184,7 +184,7 @@ class TaskSchedule:
 
 @dataclass(frozen=True)
 class RandomTaskSchedule:
-    """Powder's asynchronous benchmark: every task belongs to one client (papers/003 section 5.1).
+    """Powder's asynchronous benchmark: every task belongs to one client (Powder, section 5.1).
 
     Client c starts on task c. At every switch point (rounds K, 2K, ... < num_rounds) a
     seeded random ``ceil(f C)`` of the clients switch to a new task each; new tasks are

@@ -123,7 +123,7 @@ def asynchronous_table(results: dict[str, Any]) -> str:
 
     rows += [
         "",
-        "| metric (papers/003 section 5.1) | value |",
+        "| metric (Powder, section 5.1) | value |",
         "|---|---|",
         f"| strategy | {cfg['strategy']} |",
         f"| tasks | {len(a['tasks'])} random tasks of {cfg['classes-per-task']} {cfg['dataset']} classes over "

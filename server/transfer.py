@@ -1,4 +1,5 @@
-"""Powder's transfer metrics (papers/003 section 5.1) for runs with random tasks.
+"""Powder's transfer metrics ("Federated Continual Learning via Prompt-based Dual Knowledge
+Transfer", Powder, section 5.1) for runs with random tasks.
 
 Forward and combined transfer compare each task's accuracy in the federated run with
 "single task training": the same model trained on that task alone. The reference here is

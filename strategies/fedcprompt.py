@@ -1,4 +1,5 @@
-"""Fed-CPrompt (papers/001, sections 2-3, Appendices C-D): asynchronous prompt learning + C2L.
+"""Fed-CPrompt ("Fed-CPrompt: Contrastive Prompt for Rehearsal-Free Federated Continual Learning",
+sections 2-3, Appendices C-D): asynchronous prompt learning + C2L.
 
 Clients run CODA-P (decomposed prompts, task slices of the pool). While a client is on
 task m it uses the server's slices of every *other known* task frozen -- past ones

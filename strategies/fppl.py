@@ -1,6 +1,6 @@
 """FPPL on the server: global prototypes, prototype pool and classifier debiasing.
 
-Per round (Algorithm 1 of papers/002, lines 8-12):
+Per round (Algorithm 1 of FPPL, lines 8-12):
 
 1. sample-size-weighted FedAvg of task prompts, fusion layer and head (the base class);
 2. classifier debiasing: the head is trained with cross-entropy on the prototype pool
@@ -50,7 +50,7 @@ class FPPLOptions(MethodOptions):
     """FPPL's ``fppl.*`` run-config options (kebab-case keys, e.g. ``fppl.server-epochs``).
 
     Defaults follow the paper; where it is silent, the authors' code
-    (shared/REFERENCE.md, "FPPL").
+    (the authors' code).
 
     Attributes
     ----------

@@ -1,4 +1,5 @@
-"""HGP: Hierarchical Generative Prototypes (papers/004, section 3 and Appendix B).
+"""HGP: Hierarchical Generative Prototypes ("Reducing Bias in Federated Class-Incremental Learning with
+Hierarchical Generative Prototypes", section 3 and Appendix B).
 
 Clients prompt a frozen ViT (a pool of prompts with keys; cosine scores of the query
 against the keys, normalised, weigh the prompts; prefix-tuning; one head) and, after

@@ -106,3 +106,16 @@ def test_another_package_named_like_a_layer_is_reported_clearly(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "another installed package uses the top-level name `common`" in proc.stderr
+
+
+def test_code_cites_papers_by_title_not_by_a_path_outside_the_repository():
+    """../shared is not part of this repository: a path into it means nothing to a reader."""
+    import re
+
+    offenders = []
+    for path in [*ROOT.glob("*.toml"), *(p for d in [*LAYERS, "configs", "tests", "deploy", "scripts"]
+                                          for p in (ROOT / d).rglob("*") if p.suffix in {".py", ".toml", ".sh"})]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"papers/\d{3}|shared/(REFERENCE|ENVIRONMENT|README)", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}")
+    assert not offenders, offenders

@@ -1,4 +1,4 @@
-"""Metrics against hand-computed examples (definitions in shared/REFERENCE.md)."""
+"""Metrics against hand-computed examples (each paper's definitions)."""
 
 import numpy as np
 import pytest

@@ -14,7 +14,7 @@ from server.cli import load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLASSES = {"hf:cifar100": 100, "hf:imagenet-r": 200, "hf:tiny-imagenet": 200, "hf:domainnet": 345, "hf:cub200": 200}
 
-# The main setting of each paper (shared/REFERENCE.md), as run-config values.
+# The main setting of each paper (its experiments section), as run-config values.
 EXPECTED = {
     "hepco-cifar100.toml": {"strategy": "hepco", "dataset": "hf:cifar100", "num-tasks": 10, "partition": "stateless",
                             "clients-per-round": 5, "category-ratio": 0.6, "split-ratio": 0.1, "rounds-per-task": 10,

@@ -1,4 +1,4 @@
-"""Powder's asynchronous benchmark (papers/003 section 5.1): random tasks, their schedule,
+"""Powder's asynchronous benchmark (Powder, section 5.1): random tasks, their schedule,
 their data, the section's metrics, and an end-to-end simulation."""
 
 from __future__ import annotations
