@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from common.config import DEVICES, ConfigError, ExperimentConfig, parse_overrides
+from common.config import DEVICES, ConfigError, ExperimentConfig
 from common.data import (
     IMAGE_EXTENSIONS,
     read_class_folders,

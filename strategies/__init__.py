@@ -1,7 +1,9 @@
 """Methods, found by name from the run configuration (``strategy = "<name>"``).
 
 Each method is one module here (its server strategy) plus, when local learning
-changes, a learner class on the client side. The registry maps a name to both.
+changes, a learner class on the client side. This registry maps a name to the
+strategy; ``client.methods`` maps the same names to the learners (the client layer
+sits above this one, so the strategies never name client code).
 """
 
 from __future__ import annotations
@@ -11,18 +13,19 @@ from typing import Any
 
 from common.config import ConfigError, ExperimentConfig, read_config
 
-# name -> (strategy "module:Class", client learner "module:Class")
-METHODS: dict[str, tuple[str, str]] = {
-    "fedavg": ("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
-    "fppl": ("strategies.fppl:FPPLStrategy", "client.fppl:FPPLLearner"),
-    "hgp": ("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
-    "hepco": ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
-    "fedcprompt": ("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
-    "powder": ("strategies.powder:PowderStrategy", "client.powder:PowderLearner"),
+# name -> strategy "module:Class" (the client's learner: client/methods.py)
+METHODS: dict[str, str] = {
+    "fedavg": "strategies.fedavg:FedAvgPrompt",
+    "fppl": "strategies.fppl:FPPLStrategy",
+    "hgp": "strategies.hgp:HGPStrategy",
+    "hepco": "strategies.hepco:HePCoStrategy",
+    "fedcprompt": "strategies.fedcprompt:FedCPromptStrategy",
+    "powder": "strategies.powder:PowderStrategy",
 }
 
 
-def _load(path: str) -> Any:
+def load_by_path(path: str) -> Any:
+    """The object a ``"module:attribute"`` string names (imported on first use)."""
     module, attr = path.split(":")
     return getattr(importlib.import_module(module), attr)
 
@@ -34,12 +37,7 @@ def check_method(name: str) -> None:
 
 def strategy_class(name: str) -> Any:
     check_method(name)
-    return _load(METHODS[name][0])
-
-
-def learner_class(name: str) -> Any:
-    check_method(name)
-    return _load(METHODS[name][1])
+    return load_by_path(METHODS[name])
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ slices exist.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_rows
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy
-from strategies.replies import combine
+from strategies.base import PromptStrategy, aggregate_per_task
 
 log = logging.getLogger("promptfcl")
 
@@ -115,78 +113,7 @@ class FedCPromptPrompt(CodaPrompt):
         return torch.cat([param[: s.start].detach(), param[s], param[s.stop : stop].detach()], dim=0)
 
 
-# ---------------------------------------------------------------------------- per-slice FedAvg
-def aggregate_per_task(
-    cfg: ExperimentConfig,
-    base: Mapping[str, np.ndarray],
-    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
-    num_classes: int,
-) -> dict[str, np.ndarray]:
-    """FedAvg per task slice, all tasks of the round in parallel.
-
-    Parameters
-    ----------
-    cfg : ExperimentConfig
-        Locates a task's rows (``common.data.task_rows``): its slice of every prompt array,
-        its classes' rows of every head array.
-    base : dict
-        The server's arrays this round started from (values of rows nobody trained).
-    updates : list of (task, arrays, weight)
-        Each accepted reply: the task its client trained, its arrays, its sample count.
-    num_classes : int
-        Classes of the head.
-
-    Each row is the sample-weighted average over the replies whose task owns it, so a
-    head row shared by two tasks (random tasks of overlapping classes) averages both.
-    Any array that is not task-structured is averaged over all replies. With
-    ``aggregation`` = median or trimmed-mean, each row is instead the coordinate-wise median
-    (trimmed mean) over the replies whose task owns it.
-    """
-    all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
-    out: dict[str, np.ndarray] = {}
-    for name, value in base.items():
-        value = np.asarray(value)
-        if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
-            if cfg.aggregation != "mean":
-                out[name] = combine([a[name] for _, a, _ in updates], all_weights, cfg.aggregation, cfg.trim_fraction)
-                continue
-            acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
-                      zip(updates, all_weights / all_weights.sum()))
-            out[name] = np.asarray(acc).astype(value.dtype)
-            continue
-        if cfg.aggregation != "mean":
-            out[name] = _robust_per_row(cfg, name, value, updates, num_classes)
-            continue
-        total = np.zeros(value.shape, dtype=np.float64)
-        weight = np.zeros(value.shape[0], dtype=np.float64)
-        for task, arrays, w in updates:
-            rows = task_rows(cfg, name, value, int(task), num_classes)
-            total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
-            weight[rows] += float(w)
-        trained = weight > 0
-        merged = value.copy()
-        merged[trained] = (total[trained] / weight[trained].reshape((-1,) + (1,) * (value.ndim - 1))).astype(value.dtype)
-        out[name] = merged
-    return out
-
-
 # ---------------------------------------------------------------------------- strategy
-def _robust_per_row(cfg: ExperimentConfig, name: str, value: np.ndarray,
-                    updates: list[tuple[int, Mapping[str, np.ndarray], float]], num_classes: int) -> np.ndarray:
-    """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
-    the set of replies that trained them); untrained rows keep ``value``."""
-    owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
-    for i, (task, _, _) in enumerate(updates):
-        owners[task_rows(cfg, name, value, int(task), num_classes), i] = True
-    merged = value.copy()
-    for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
-        rows = np.flatnonzero((owners == pattern).all(axis=1))
-        idx = np.flatnonzero(pattern)
-        merged[rows] = combine([np.asarray(updates[i][1][name])[rows] for i in idx],
-                               np.array([updates[i][2] for i in idx]), cfg.aggregation, cfg.trim_fraction)
-    return merged
-
-
 class FedCPromptStrategy(PromptStrategy):
     """Fed-CPrompt's server: FedAvg per task slice (in parallel over the tasks clients are on).
 
@@ -307,4 +234,4 @@ class FedCPromptStrategy(PromptStrategy):
         return accepted, [by_content[id(c)] for c in accepted]
 
 
-__all__ = ["FedCPromptOptions", "FedCPromptPrompt", "FedCPromptStrategy", "aggregate_per_task", "KNOWN_TASKS"]
+__all__ = ["FedCPromptOptions", "FedCPromptPrompt", "FedCPromptStrategy", "KNOWN_TASKS"]

@@ -70,8 +70,7 @@ from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes, task_rows
 from common.model import CodaPrompt
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy
-from strategies.fedcprompt import aggregate_per_task
+from strategies.base import PromptStrategy, aggregate_per_task
 from strategies.replies import MetricSpec, check_metrics
 
 #: the metrics record of a reply to the measuring exchange (client/powder.py)
@@ -655,7 +654,7 @@ class PowderStrategy(PromptStrategy):
         average of the clients that trained it; other arrays averaged over every reply.
 
         Replies carry only their task's rows: placed into a copy of ``base``, they go through
-        Fed-CPrompt's per-slice FedAvg (``aggregate_per_task``), the one implementation."""
+        the shared per-slice FedAvg (``strategies.base.aggregate_per_task``)."""
         full = []
         for task, arrays, weight in updates:
             expanded: dict[str, np.ndarray] = {}

@@ -125,3 +125,17 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
     write_outputs(results, cfg.out_dir)
     finish(cfg, results)
     return results
+
+
+def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
+    """A small valid checkpoint of the tiny configuration at ``server_round``."""
+    import numpy as np
+
+    from server import checkpoint
+    from tests.conftest import tiny_config
+
+    return checkpoint.Checkpoint(
+        config=tiny_config().to_dict(), task=0, round=server_round - 1, server_round=server_round,
+        task_finished=False, arrays={"head.weight": np.ones((2, 2), np.float32) * server_round},
+        strategy_state={}, accuracy_matrix=np.full((2, 2), np.nan), rounds=[], rng=checkpoint.capture_rng(),
+        elapsed_seconds=1.0)

@@ -14,7 +14,8 @@ from client.fedcprompt import FedCPromptLearner, c2l_loss
 from common.config import ConfigError
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from common.runtime import get_runtime
-from strategies import learner_class, prompt_class, strategy_class
+from client.methods import learner_class
+from strategies import prompt_class, strategy_class
 from strategies.base import weighted_average
 from strategies.fedcprompt import (
     KNOWN_TASKS,
@@ -360,7 +361,7 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
 
 # ---------------------------------------------------------------------------- end to end
 def test_end_to_end_synchronous_simulation(tmp_path):
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"fedcprompt.gamma": 0.5})
     assert results["config"]["strategy"] == "fedcprompt" and results["config"]["fedcprompt.gamma"] == 0.5
@@ -374,7 +375,7 @@ def test_end_to_end_synchronous_simulation(tmp_path):
 
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Every round 2 of 3 clients move on: in round 2 two clients train task 2 while one is on task 1."""
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"switch-every": 1, "switch-fraction": 0.5})
     rounds = results["rounds"]

@@ -14,7 +14,8 @@ from common.config import ConfigError
 from common.model import build_model
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import get_runtime
-from strategies import learner_class, prompt_class, strategy_class
+from client.methods import learner_class
+from strategies import prompt_class, strategy_class
 from strategies.fppl import (
     GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt, FPPLStrategy, PrototypeSet, debias_head,
 )
@@ -401,7 +402,7 @@ def test_registered():
 
 # ---------------------------------------------------------------------------- end to end
 def test_fppl_end_to_end_simulation(tmp_path):
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01)
     acc = results["accuracy_matrix"]

@@ -121,7 +121,9 @@ def head_accuracy(state: dict[str, np.ndarray], z: torch.Tensor, y: torch.Tensor
 
 # ---------------------------------------------------------------------------- options and registry
 def test_registered_with_paper_defaults_and_own_prompt():
-    assert METHODS["hepco"] == ("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner")
+    from client.methods import LEARNERS
+
+    assert METHODS["hepco"] == "strategies.hepco:HePCoStrategy" and LEARNERS["hepco"] == "client.learner:LocalLearner"
     assert strategy_class("hepco").prompt_class is HePCoPrompt
     o = HePCoOptions()
     assert (o.noise_dim, o.label_embed_dim, o.hidden) == (64, 64, [256, 1024])
@@ -592,7 +594,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
 
 # ---------------------------------------------------------------------------- end to end
 def test_simulation_end_to_end(tmp_path):
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
         "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "hepco.diagnostics": True,

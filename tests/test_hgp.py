@@ -375,7 +375,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
 
 
 def test_hgp_end_to_end_simulation(tmp_path):
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01, **{"hgp.samples-per-class": 64})
     assert results["config"]["strategy"] == "hgp"

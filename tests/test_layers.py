@@ -119,3 +119,22 @@ def test_code_cites_papers_by_title_not_by_a_path_outside_the_repository():
             if re.search(r"papers/\d{3}|shared/(REFERENCE|ENVIRONMENT|README)", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{n}")
     assert not offenders, offenders
+
+
+def test_strategies_never_name_client_code_even_as_strings():
+    """A lazy "client.x:Y" string in strategies/ is an upward import in disguise."""
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "strategies").rglob("*.py")
+                 for n, line in enumerate(p.read_text().splitlines(), 1)
+                 if '"client.' in line or "'client." in line]
+    assert not offenders, offenders
+
+
+def test_every_method_has_a_strategy_and_a_learner():
+    from client.methods import LEARNERS, learner_class
+    from client.learner import LocalLearner
+    from strategies import METHODS, strategy_class
+    from strategies.base import PromptStrategy
+
+    assert LEARNERS.keys() == METHODS.keys()
+    for name in METHODS:
+        assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)

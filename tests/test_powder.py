@@ -14,7 +14,8 @@ from client.powder import PowderLearner, classic_distillation, dual_distillation
 from common.config import ConfigError
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
 from common.runtime import get_runtime
-from strategies import learner_class, prompt_class, strategy_class
+from client.methods import learner_class
+from strategies import prompt_class, strategy_class
 from strategies.powder import (
     ALPHA,
     CLASS_CORR,
@@ -565,7 +566,7 @@ def test_distillation_switches_change_local_training(flower_identity):
 # ---------------------------------------------------------------------------- end to end
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Clients on different tasks; per-client payloads smaller than FedAvg's once no one measures."""
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     results = simulate(tmp_path / "run", strategy="powder", lr=0.05,
                        **{"switch-every": 1, "switch-fraction": 0.5, "powder.k": 1})

@@ -158,7 +158,7 @@ def test_random_generator_needs_its_keys():
 
 def test_checkpoints_from_before_the_random_keys_still_resume():
     from server import checkpoint
-    from tests.test_reliability import make_ckpt
+    from tests.helpers import make_ckpt
 
     ckpt = make_ckpt(1)
     for key in ("task-generator", "num-rounds", "classes-per-task", "min-overlap", "task-data-fraction",
@@ -185,7 +185,7 @@ def test_asynchronous_metrics_by_hand():
 
 
 def test_a_head_row_shared_by_two_tasks_averages_both():
-    from strategies.fedcprompt import aggregate_per_task
+    from strategies.base import aggregate_per_task
 
     cfg = random_config(head="per-class")
     tasks = random_tasks(cfg, 10)
@@ -202,7 +202,7 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
 
 def test_a_per_task_head_gives_every_task_its_own_block():
     from common.data import head_rows, head_size, head_targets, task_rows
-    from strategies.fedcprompt import aggregate_per_task
+    from strategies.base import aggregate_per_task
 
     cfg = random_config(head="per-task")
     per_class = random_config(head="per-class")
@@ -288,7 +288,7 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),
                                             ("powder", "per-task"), ("fedcprompt", "per-task")])
 def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
-    from tests.test_simulation_e2e import simulate
+    from tests.helpers import simulate
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
     results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, head=head, **RANDOM)

@@ -17,7 +17,7 @@ import pytest
 from common.config import ConfigError
 from server import checkpoint
 from tests.conftest import TINY, tiny_config
-from tests.helpers import simulate
+from tests.helpers import make_ckpt, simulate
 
 SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round": 3, "lr": 0.01}
 
@@ -30,14 +30,6 @@ def cli_args(out: Path, **overrides) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- checkpoint files
-def make_ckpt(server_round: int) -> checkpoint.Checkpoint:
-    return checkpoint.Checkpoint(
-        config=tiny_config().to_dict(), task=0, round=server_round - 1, server_round=server_round,
-        task_finished=False, arrays={"head.weight": np.ones((2, 2), np.float32) * server_round},
-        strategy_state={}, accuracy_matrix=np.full((2, 2), np.nan), rounds=[], rng=checkpoint.capture_rng(),
-        elapsed_seconds=1.0)
-
-
 def test_crash_while_writing_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     checkpoint.save(make_ckpt(1), tmp_path)
     real_encode = checkpoint.encode
