@@ -401,6 +401,7 @@ def test_registered():
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.simulation
 def test_fppl_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate
 

@@ -593,6 +593,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.simulation
 def test_simulation_end_to_end(tmp_path):
     from tests.helpers import simulate
 

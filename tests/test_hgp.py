@@ -374,6 +374,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     torch.testing.assert_close(feats["crop-flip", True], expected)
 
 
+@pytest.mark.simulation
 def test_hgp_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate
 

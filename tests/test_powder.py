@@ -564,6 +564,7 @@ def test_distillation_switches_change_local_training(flower_identity):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.simulation
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Clients on different tasks; per-client payloads smaller than FedAvg's once no one measures."""
     from tests.helpers import simulate
