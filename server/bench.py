@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ExperimentConfig
+from server import checkpoint
 
 log = logging.getLogger("promptfcl")
 
@@ -96,6 +97,8 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
     background. The default is generous because the joint upper bound trains on every seen task
     (about 3x the incremental run's work on 5 tasks) and benchmarks share small machines.
     """
+    if (out / checkpoint.FILENAME).is_file():  # an interrupted earlier benchmark run: continue it, not start over
+        settings = {**settings, "resume": True}  # (a different configuration is refused by the run)
     args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]

@@ -151,3 +151,30 @@ def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypat
     with pytest.raises(subprocess.TimeoutExpired):
         bench.run_simulation_subprocess({"seed": 0}, tmp_path / "run", timeout=1)
     assert started[0].poll() is not None  # the child is gone
+
+
+def test_an_interrupted_benchmark_run_is_resumed_not_refused(tmp_path, monkeypatch):
+    """A run directory left with a checkpoint (the benchmark was stopped) continues with resume;
+    a fresh one starts without it."""
+    import subprocess
+
+    from server import bench, checkpoint
+
+    seen = []
+    real_popen = subprocess.Popen
+
+    def record(args, **kwargs):
+        seen.append(args)
+        return real_popen(["false"], **kwargs)  # fails: only the arguments matter here
+
+    monkeypatch.setattr(bench.subprocess, "Popen", record)
+    for name, interrupted in (("fresh", False), ("stopped", True)):
+        out = tmp_path / name
+        out.mkdir()
+        if interrupted:
+            (out / checkpoint.FILENAME).write_bytes(b"x")
+        try:
+            bench.run_simulation_subprocess({"seed": 0}, out)
+        except RuntimeError:
+            pass
+    assert "resume=True" not in seen[0] and "resume=True" in seen[1]
