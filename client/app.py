@@ -33,8 +33,7 @@ from common.config import ExperimentConfig
 from common.evaluation import correct_counts
 from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, to_torch
 from common.runtime import Runtime, get_runtime
-from client.methods import learner_class
-from strategies import prompt_class
+from client.methods import learner_class, prompt_class
 
 log = logging.getLogger("promptfcl")
 

@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parse_config_args = internal("parse_config_args")
     from common.weights import check_weights
-    from strategies import load_config
+    from client.methods import load_config
 
     try:
         try:

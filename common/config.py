@@ -468,7 +468,7 @@ def read_config(config_file: str | None, overrides: list[str], strategy: str | N
                 out: str | None = None) -> ExperimentConfig:
     """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- ``--set`` pairs <- flags.
 
-    Only the configuration's own checks run here; ``strategies.load_config`` adds the method's.
+    Only the configuration's own checks run here; ``client.methods.load_config`` adds the method's.
     """
     import tomllib
     from pathlib import Path

@@ -11,7 +11,7 @@ from common.config import ExperimentConfig
 from common.data import check_source
 from server.loop import finish, run_experiment
 from server.report import table, write_outputs
-from strategies import check_method, check_namespaces
+from client.methods import check_method, check_namespaces
 
 log = logging.getLogger("promptfcl")
 

@@ -204,7 +204,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
 def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000),
          methods: tuple[str, ...] = ()) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-    from strategies import METHODS
+    from client.methods import METHODS
 
     import torch
 
@@ -372,7 +372,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from strategies import load_config
+    from client.methods import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1

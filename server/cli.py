@@ -24,7 +24,7 @@ from typing import Any
 from common.config import ConfigError, ExperimentConfig, parse_overrides
 from common.data import DataError
 from common.weights import check_weights
-from strategies import METHODS, check_method, load_config, strategy_class
+from client.methods import METHODS, check_method, load_config, strategy_class
 
 log = logging.getLogger("promptfcl")
 

@@ -25,7 +25,7 @@ from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_b
 from common.model import initial_trainable_state
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
-from strategies import strategy_class
+from client.methods import strategy_class
 from strategies.base import PromptStrategy
 from strategies.replies import MetricSpec, capped_weights
 

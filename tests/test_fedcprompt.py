@@ -14,8 +14,7 @@ from client.fedcprompt import FedCPromptLearner, c2l_loss
 from common.config import ConfigError
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from common.runtime import get_runtime
-from client.methods import learner_class
-from strategies import prompt_class, strategy_class
+from client.methods import learner_class, prompt_class, strategy_class
 from strategies.base import weighted_average
 from strategies.fedcprompt import (
     KNOWN_TASKS,

@@ -14,8 +14,7 @@ from common.config import ConfigError
 from common.model import build_model
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
 from common.runtime import get_runtime
-from client.methods import learner_class
-from strategies import prompt_class, strategy_class
+from client.methods import learner_class, prompt_class, strategy_class
 from strategies.fppl import (
     GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt, FPPLStrategy, PrototypeSet, debias_head,
 )

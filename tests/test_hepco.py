@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from common.config import ConfigError
 from common.records import from_array_record, to_array_record
-from strategies import METHODS, strategy_class
+from client.methods import METHODS, strategy_class
 from strategies.hepco import (
     HePCoOptions,
     HePCoPrompt,
@@ -121,9 +121,10 @@ def head_accuracy(state: dict[str, np.ndarray], z: torch.Tensor, y: torch.Tensor
 
 # ---------------------------------------------------------------------------- options and registry
 def test_registered_with_paper_defaults_and_own_prompt():
-    from client.methods import LEARNERS
+    from client.learner import LocalLearner
+    from client.methods import learner_class
 
-    assert METHODS["hepco"] == "strategies.hepco:HePCoStrategy" and LEARNERS["hepco"] == "client.learner:LocalLearner"
+    assert METHODS["hepco"].strategy == "strategies.hepco:HePCoStrategy" and learner_class("hepco") is LocalLearner
     assert strategy_class("hepco").prompt_class is HePCoPrompt
     o = HePCoOptions()
     assert (o.noise_dim, o.label_embed_dim, o.hidden) == (64, 64, [256, 1024])

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from common.config import ConfigError, ExperimentConfig
 from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from common.runtime import get_runtime
-from strategies import check_namespaces, strategy_class
+from client.methods import check_namespaces, strategy_class
 from strategies.replies import capped_weights
 from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app, run_in_process

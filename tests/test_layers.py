@@ -130,11 +130,11 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
-    from client.methods import LEARNERS, learner_class
     from client.learner import LocalLearner
-    from strategies import METHODS, strategy_class
+    from client.methods import METHODS, learner_class, prompt_class, strategy_class
+    from common.model import CodaPrompt
     from strategies.base import PromptStrategy
 
-    assert LEARNERS.keys() == METHODS.keys()
     for name in METHODS:
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
+        assert issubclass(prompt_class(name), CodaPrompt)

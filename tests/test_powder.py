@@ -14,8 +14,7 @@ from client.powder import PowderLearner, classic_distillation, dual_distillation
 from common.config import ConfigError
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
 from common.runtime import get_runtime
-from client.methods import learner_class
-from strategies import prompt_class, strategy_class
+from client.methods import learner_class, prompt_class, strategy_class
 from strategies.powder import (
     ALPHA,
     CLASS_CORR,

@@ -148,7 +148,7 @@ def test_random_generator_needs_its_keys():
         tiny_config(min_overlap=0.5)
     with pytest.raises(ConfigError, match="partition, dirichlet-beta and classes-per-client do not apply"):
         random_config(partition="iid")
-    from strategies import strategy_class
+    from client.methods import strategy_class
 
     with pytest.raises(ConfigError, match="needs the shared task stream"):
         strategy_class("hgp").check_schedule(random_config(switch_every=0, num_tasks=3, pool_size=6))

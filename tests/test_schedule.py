@@ -73,7 +73,7 @@ def test_a_schedule_that_cannot_finish_the_stream_is_a_config_error():
 
 
 def test_methods_that_need_synchronous_tasks_refuse_an_asynchronous_schedule():
-    from strategies import strategy_class
+    from client.methods import strategy_class
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
     for name in ("hepco", "fppl", "hgp"):
@@ -86,7 +86,7 @@ def test_methods_that_need_synchronous_tasks_refuse_an_asynchronous_schedule():
 def test_each_client_is_sent_its_own_task(flower_identity):
     import numpy as np
 
-    from strategies import strategy_class
+    from client.methods import strategy_class
     from tests.helpers import NodeList
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
