@@ -39,6 +39,21 @@ def simulate(out: Path, strategy: str = "fedavg", timeout: int = 600, **override
     return json.loads((out / "results.json").read_text())
 
 
+def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -> dict[str, Any]:
+    """:func:`simulate`'s run (same configuration, loaded and checked the same way) with the
+    ClientApps in this process (:class:`InProcessGrid`, one node per client of a round): the
+    same server loop, strategies and ClientApp, without Ray's start-up; results.json."""
+    from client.methods import load_config
+    from tests.conftest import TINY, flower_task_identity
+
+    settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
+    pairs = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in settings.items()]
+    cfg = load_config(None, pairs, strategy, str(out))
+    with flower_task_identity():  # what Flower's run sets up around a ServerApp
+        run_in_process(cfg, nodes=cfg.clients_per_round)
+    return json.loads((out / "results.json").read_text())
+
+
 class NodeList:
     """The one Grid query ``configure_train`` makes: which nodes are connected (ids 100, 101, ...)."""
 
@@ -51,10 +66,11 @@ class NodeList:
 
 def client_app(mods: list[Mod] | None = None) -> ClientApp:
     """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods."""
-    from client.app import app as real, evaluate, train
+    from client.app import app as real, evaluate, query, train
 
     app = ClientApp(mods=list(mods or []) + list(real._mods))
     app.train()(train)
+    app.query()(query)
     app.evaluate()(evaluate)
     return app
 

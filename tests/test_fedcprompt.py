@@ -359,9 +359,8 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.simulation
 def test_end_to_end_synchronous_simulation(tmp_path):
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"fedcprompt.gamma": 0.5})
     assert results["config"]["strategy"] == "fedcprompt" and results["config"]["fedcprompt.gamma"] == 0.5
@@ -373,10 +372,9 @@ def test_end_to_end_synchronous_simulation(tmp_path):
     assert results["final_average_accuracy"] == pytest.approx((acc[0][1] + acc[1][1]) / 2)
 
 
-@pytest.mark.simulation
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Every round 2 of 3 clients move on: in round 2 two clients train task 2 while one is on task 1."""
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     results = simulate(tmp_path / "run", strategy="fedcprompt", lr=0.05, **{"switch-every": 1, "switch-fraction": 0.5})
     rounds = results["rounds"]

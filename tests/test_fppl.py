@@ -400,9 +400,8 @@ def test_registered():
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.simulation
 def test_fppl_end_to_end_simulation(tmp_path):
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01)
     acc = results["accuracy_matrix"]

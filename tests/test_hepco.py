@@ -594,9 +594,8 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.simulation
 def test_simulation_end_to_end(tmp_path):
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
         "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "hepco.diagnostics": True,

@@ -374,9 +374,8 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     torch.testing.assert_close(feats["crop-flip", True], expected)
 
 
-@pytest.mark.simulation
 def test_hgp_end_to_end_simulation(tmp_path):
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01, **{"hgp.samples-per-class": 64})
     assert results["config"]["strategy"] == "hgp"

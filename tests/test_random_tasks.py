@@ -285,11 +285,10 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.simulation
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),
                                             ("powder", "per-task"), ("fedcprompt", "per-task")])
 def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
-    from tests.helpers import simulate
+    from tests.helpers import simulate_in_process as simulate
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
     results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, head=head, **RANDOM)
