@@ -23,7 +23,7 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
           "poison", "nan-metrics")
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
-                                 "ray-address", "client-cpus", "client-gpus", "max-rounds"})
+                                 "ray-address", "client-cpus", "client-gpus", "max-rounds", "evaluate-every"})
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -158,6 +158,9 @@ class ExperimentConfig:
     # connected node evaluates the global model on its held-out data and the server sums the
     # per-task counts; the server then needs neither data nor backbone weights.
     evaluation: str = "central"
+    # evaluate every k rounds and always at a task's end (the accuracy matrix is unchanged;
+    # round records between evaluations carry no accuracy): fewer evaluation messages per node
+    evaluate_every: int = 1
     num_classes: int = 0  # classes of the stream; 0 = from the server's data (needed with federated evaluation)
     class_names: str = ""  # comma-separated class names in original label order; nodes must match them
 
@@ -411,6 +414,10 @@ class ExperimentConfig:
              f"got {self.ray_address!r}")
         need(self.population in POPULATIONS, f"population must be one of {POPULATIONS}, got {self.population!r}")
         need(self.evaluation in EVALUATIONS, f"evaluation must be one of {EVALUATIONS}, got {self.evaluation!r}")
+        need(self.evaluate_every >= 1, f"evaluate-every must be >= 1, got {self.evaluate_every}")
+        need(self.evaluate_every == 1 or self.task_generator == "stream",
+             "evaluate-every > 1 needs task-generator = stream (random tasks are scored every round: "
+             "Powder's metrics read each round's accuracies)")
         need(self.num_classes >= 0, f"num-classes must be >= 0, got {self.num_classes}")
         need(self.num_classes == 0 or self.task_generator == "random" or self.num_classes % self.num_tasks == 0,
              f"num-classes ({self.num_classes}) is not divisible into num-tasks = {self.num_tasks} equal tasks")

@@ -304,24 +304,28 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         server_round = index + 1
         for new_task in schedule.tasks_starting(index):
             arrays = strategy.on_task_start(new_task, arrays)
-        arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round)
+        ending = schedule.task_ending(index)
+        # evaluate-every: skipped rounds only; a task's end (its accuracy-matrix column) and
+        # the run's last round are always evaluated
+        evaluate_now = server_round % cfg.evaluate_every == 0 or ending is not None or index == last - 1
+        arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round, evaluate_now)
         state.rounds.append(record)
         on_tasks = sorted(set(record["client_tasks"]))
         clients_on = f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
         log.info(
-            "%s | acc %5.1f%% (tasks %s) | S2C %s C2S %s | client %.2fs server %.3fs%s",
+            "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s",
             f"round {server_round}/{len(steps)}{clients_on}" if cfg.task_generator == "random" else
             f"task {task + 1}/{cfg.num_tasks} round {round_ + 1}/{cfg.rounds_per_task}"
             + ("" if on_tasks == [task] else clients_on),
-            record["accuracy"],
-            " ".join(f"{a:.0f}" for a in record["task_accuracies"]), _human(record["bytes_s2c"]),
+            "acc     -" if record["accuracy"] is None else f"acc {record['accuracy']:5.1f}%",
+            "not evaluated" if record["task_accuracies"] is None else
+            "(tasks " + " ".join(f"{a:.0f}" for a in record["task_accuracies"]) + ")", _human(record["bytes_s2c"]),
             _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
             f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
         )
         if not placement_logged:  # once per process: where the clients actually trained
             log_placement(record["placement"])
             placement_logged = True
-        ending = schedule.task_ending(index)
         save(task, round_, finished=False)
         if ending is not None:
             end_task(ending)
@@ -362,9 +366,10 @@ def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
 
 
 def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
-              arrays: ArrayRecord,
-              task: int, round_: int, server_round: int) -> tuple[ArrayRecord, dict[str, Any]]:
-    """One training round (retried with fresh clients if too few replies are usable) and its evaluation."""
+              arrays: ArrayRecord, task: int, round_: int, server_round: int,
+              evaluate_now: bool = True) -> tuple[ArrayRecord, dict[str, Any]]:
+    """One training round (retried with fresh clients if too few replies are usable) and, unless
+    ``evaluate_now`` is False (``evaluate-every``), its evaluation."""
     cfg = strategy.cfg
     bytes_s2c = bytes_c2s = sampled = 0
     server_seconds = round_seconds = 0.0
@@ -420,13 +425,14 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
             f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in rejected})[:5]}"
         )
     t4 = time.perf_counter()
-    task_acc = evaluate(new_arrays, task)
+    task_acc = evaluate(new_arrays, task) if evaluate_now else None
     record = {
         "task": task,
         "round": round_,
         "server_round": server_round,
-        "accuracy": float(np.nanmean(task_acc)),
-        "task_accuracies": [float(a) for a in task_acc],
+        # None: not evaluated this round (evaluate-every)
+        "accuracy": None if task_acc is None else float(np.nanmean(task_acc)),
+        "task_accuracies": None if task_acc is None else [float(a) for a in task_acc],
         "bytes_s2c": bytes_s2c,
         "bytes_c2s": bytes_c2s,
         "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
@@ -449,7 +455,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "train_loss": float(agg["train-loss"]),
         # anything else the strategy reports (consolidation time, loss terms, ...)
         "strategy_metrics": {k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
-        **evaluate.last_record,  # federated evaluation: nodes, failures, bytes
+        **(evaluate.last_record if evaluate_now else {}),  # federated evaluation: nodes, failures, bytes
     }
     return new_arrays, record
 

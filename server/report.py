@@ -96,7 +96,8 @@ def rounds_table(results: dict[str, Any]) -> str:
     """Per-round accuracy, bytes and seconds (a run stopped before any task ended everywhere)."""
     rows = ["| round | accuracy | bytes S2C | bytes C2S | client s | server s |", "|---|---|---|---|---|---|"]
     for r in results["rounds"]:
-        rows.append(f"| {r['server_round']} | {r['accuracy']:.1f} | {r['bytes_s2c']:,} | {r['bytes_c2s']:,} | "
+        acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}"  # not evaluated (evaluate-every)
+        rows.append(f"| {r['server_round']} | {acc} | {r['bytes_s2c']:,} | {r['bytes_c2s']:,} | "
                     f"{r['client_seconds']:.2f} | {r['server_seconds']:.3f} |")
     if results.get("stopped_after_round") is not None:
         rows.append(f"\nstopped after round {results['stopped_after_round']} (max-rounds)")
@@ -148,7 +149,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    rounds = results["rounds"]
+    every = results["rounds"]
+    rounds = [r for r in every if r["task_accuracies"] is not None]  # the evaluated ones (evaluate-every)
     n = max(len(r["task_accuracies"]) for r in rounds)
     x = [r["server_round"] for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -157,7 +159,7 @@ def plot(results: dict[str, Any], out: Path) -> None:
         ys = [r["task_accuracies"][i] for r in rounds if len(r["task_accuracies"]) > i]
         ax.plot(xs, ys, marker=".", label=f"task {i + 1}")
     ax.plot(x, [r["accuracy"] for r in rounds], color="black", linewidth=2, label="average (seen)")
-    for r in rounds if not results.get("asynchronous") else []:
+    for r in every if not results.get("asynchronous") else []:
         if r["round"] == 0 and r["task"] > 0:
             ax.axvline(r["server_round"] - 0.5, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("server round")

@@ -205,3 +205,21 @@ def test_all_clients_failing_ends_with_a_clear_error(tmp_path):
     assert proc.returncode != 0
     assert "fewer than min-replies" in proc.stderr + proc.stdout
     assert not (out / "results.json").exists()
+
+
+def test_evaluate_every_skips_rounds_but_not_task_ends(tmp_path):
+    """evaluate-every = 3: rounds in between carry no accuracy; every task end (the accuracy
+    matrix) and the last round are evaluated, and the matrix equals the every-round run's."""
+    from tests.helpers import simulate_in_process
+
+    every = simulate_in_process(tmp_path / "every", **{"rounds-per-task": 4})
+    sparse = simulate_in_process(tmp_path / "sparse", **{"rounds-per-task": 4, "evaluate-every": 3})
+    assert sparse["accuracy_matrix"] == every["accuracy_matrix"]
+    evaluated = [r["server_round"] for r in sparse["rounds"] if r["accuracy"] is not None]
+    assert evaluated == [3, 4, 6, 8]  # multiples of 3 and the two task ends
+    for r, full in zip(sparse["rounds"], every["rounds"]):
+        if r["accuracy"] is not None:
+            assert r["task_accuracies"] == full["task_accuracies"]
+        else:
+            assert r["task_accuracies"] is None and r["eval_seconds"] < full["eval_seconds"]
+    assert (tmp_path / "sparse" / "accuracy_over_rounds.png").is_file()  # the plot takes the evaluated rounds
