@@ -29,6 +29,7 @@ from flwr.clientapp import ClientApp
 from client.faults import inject_faults
 from client.learner import read_task_round
 from client.node_data import NodeDataError, check_classes, node_data, original_names
+from common import startup
 from common.config import ExperimentConfig
 from common.evaluation import correct_counts
 from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, to_torch
@@ -57,6 +58,8 @@ def train(msg: Message, context: Context) -> Message:
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
         reply[METRICS]["process-seconds"] = process_age()
+        for name, seconds in startup.take().items():  # a fresh process's first message only
+            reply[METRICS][startup.metric_name(name)] = seconds
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context)
     return Message(content=reply, reply_to=msg)
@@ -115,7 +118,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         cfg = cfg.replace(device="cpu")
     if cfg.population == "virtual":
         return get_runtime(cfg, method_prompt), -1
-    node = node_data(cfg, context.node_config)
+    with startup.phase("data"):
+        node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
         check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
@@ -176,3 +180,8 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
 
 
 __all__ = ["app", "check_same_config", "client_runtime", "evaluate", "query", "train", "NodeDataError"]
+
+
+# Process start to here: the interpreter, Flower's ClientApp runner and this module's imports
+# (torch, the project); in a fresh deployed process, the first part of every message's cost.
+startup.record("imports", process_age())

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import startup
 from common.config import ConfigError, ExperimentConfig
 
 log = logging.getLogger("promptfcl")
@@ -29,7 +30,8 @@ log = logging.getLogger("promptfcl")
 # ---------------------------------------------------------------------------- backbone
 def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
     """Create a frozen timm ViT by name; return it with a sentence saying which weights it has."""
-    import timm
+    with startup.phase("model_build"):
+        import timm  # a large part of a fresh process's start: imported only to build a model
 
     overrides: dict[str, int] = {"num_classes": 0, "img_size": cfg.image_size}
     for key in ("patch_size", "embed_dim", "depth", "num_heads"):
@@ -38,7 +40,8 @@ def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
             overrides[key] = value
     pretrained = cfg.weights == "timm"
     try:
-        model = timm.create_model(cfg.backbone, pretrained=pretrained, **overrides)
+        with startup.phase("model_build"):
+            model = timm.create_model(cfg.backbone, pretrained=pretrained, **overrides)
     except RuntimeError as exc:
         if "Unknown model" in str(exc):
             raise ConfigError(f"unknown timm model {cfg.backbone!r}") from exc
@@ -72,7 +75,8 @@ def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
         else:
             path = Path(cfg.weights).expanduser()
             source = f"{cfg.backbone} weights from checkpoint {path}"
-        _load_checkpoint(model, path, cfg.backbone)
+        with startup.phase("weights"):
+            _load_checkpoint(model, path, cfg.backbone)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import startup
 from common.config import ExperimentConfig
 from common.data import ArraySplit, Dataset, load_dataset_cached
 from common.files import write_atomic
@@ -140,7 +141,8 @@ class Runtime:
             path = None
             if self.disk_dir is not None:
                 path = self.disk_dir / f"{disk_backbone_id(self.cfg)}-{self.data.fingerprint}-{split}.npz"
-            self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path)
+            with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
+                self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path)
         return self.caches[split]
 
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:
@@ -213,7 +215,9 @@ def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[Coda
 def _runtime(fingerprint: str, prompt_class: type[CodaPrompt]) -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
     configure_threads(cfg)
-    return _build_runtime(cfg, load_dataset_cached(cfg), prompt_class)
+    with startup.phase("data"):
+        data = load_dataset_cached(cfg)
+    return _build_runtime(cfg, data, prompt_class)
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config and data.

@@ -21,6 +21,7 @@ from common import metrics
 from common.config import ConfigError, ExperimentConfig
 from common.data import client_indices
 from common.evaluation import accuracies, correct_counts
+from common.startup import PHASES, metric_name
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record, to_torch
 from common.model import initial_trainable_state
 from common.runtime import Runtime, get_runtime
@@ -376,6 +377,8 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
     client_secs: list[float] = []
     process_secs: list[float] = []
     device_peaks: list[float] = []  # clients on CUDA: peak memory allocated on the device, MB
+    overheads: list[float] = []
+    startup_phases: dict[str, list[float]] = {}
     rejected: list[dict[str, Any]] = []
     client_tasks: list[int] = []
     placement: list[dict[str, Any]] = []
@@ -409,6 +412,14 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         client_secs += [float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
+        # a fresh process (deployment): its time before the first training step, and per phase
+        overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
+                      + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
+                      for m in used if "process-seconds" in m]
+        for m in used:
+            for name in PHASES:
+                if metric_name(name) in m:
+                    startup_phases.setdefault(name, []).append(float(m[metric_name(name)]))
         device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
         rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
@@ -438,6 +449,10 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "client_seconds": float(np.mean(client_secs)) if client_secs else 0.0,
         "client_seconds_max": float(np.max(client_secs)) if client_secs else 0.0,
         "client_process_seconds_max": float(np.max(process_secs)) if process_secs else 0.0,
+        # deployment: median time a client process spent before training, and per start-up
+        # phase over the fresh processes of the round (common/startup.py; empty when warm)
+        "client_overhead_seconds": float(np.median(overheads)) if overheads else 0.0,
+        "client_startup": {k: float(np.median(v)) for k, v in startup_phases.items()},
         "client_device_peak_mb": float(np.max(device_peaks)) if device_peaks else 0.0,
         "server_seconds": server_seconds,
         "round_seconds": round_seconds,

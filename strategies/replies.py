@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from common.config import AGGREGATIONS
+from common.startup import PHASES, metric_name
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ REPLY_METRICS: dict[str, MetricSpec] = {
     "setup-seconds": MetricSpec(float, required=False, low=0),  # deployment: process start to training
     "process-seconds": MetricSpec(float, required=False, low=0),
     "device-peak-mb": MetricSpec(float, required=False, low=0),  # clients on CUDA
+    # a fresh process's first message: seconds per start-up phase (common/startup.py)
+    **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},
     "train-size": MetricSpec(int, required=False, low=0),  # population = nodes: the node's data, declared
     "test-size": MetricSpec(int, required=False, low=0),
 }
