@@ -476,6 +476,81 @@ def format_paper_dims(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- deployment
+def empty_process_seconds(repeats: int = 3) -> float:
+    """Median wall time of a fresh interpreter that imports Flower's ClientApp and nothing of
+    this project: the floor under any deployed message's start-up on this machine."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "from flwr.clientapp import ClientApp; ClientApp()"], check=True)
+        times.append(time.perf_counter() - started)
+    return float(statistics.median(times))
+
+
+def _median_round(results: dict[str, Any], key: str) -> float:
+    return float(statistics.median(r[key] for r in results["rounds"]))
+
+
+def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict[str, Any]:
+    """A loopback deployment (deploy/ scripts: TLS SuperLink, ``nodes`` SuperNodes with their own
+    image folders, federated evaluation) and the same configuration simulated; per-round time of
+    each, and where a deployed message's fresh process spends its time before training.
+
+    Writes ``deploy.json`` into ``out_dir`` and prints a table.
+    """
+    from server.loopback import run_deployed
+    from common.startup import PHASES
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    same = {**base, "num-clients": nodes, "clients-per-round": nodes, "threads": 1}
+    work = out_dir / "deployment"
+    if work.exists():
+        shutil.rmtree(work)
+    deployed = run_deployed(work, {**same, "population": "nodes", "evaluation": "federated", "num-classes": 10,
+                                   "class-names": ",".join(str(d) for d in range(10)),
+                                   "out-dir": "runs/bench-deploy"}, nodes)
+    simulated = run_simulation_subprocess({**same, "out-dir": str(out_dir / "simulation")}, out_dir / "simulation")
+
+    def round_seconds(results: dict[str, Any]) -> float:  # training and evaluation, median over rounds
+        return float(statistics.median(r["round_seconds"] + r["eval_seconds"] for r in results["rounds"]))
+
+    overhead = _median_round(deployed, "client_overhead_seconds")
+    phases = {p: float(statistics.median(r["client_startup"].get(p, 0.0) for r in deployed["rounds"])) for p in PHASES}
+    report = {
+        "nodes": nodes,
+        "rounds": len(deployed["rounds"]),
+        "deployed_round_seconds": round_seconds(deployed),
+        "simulated_round_seconds": round_seconds(simulated),
+        "deployed_eval_seconds": _median_round(deployed, "eval_seconds"),
+        "simulated_eval_seconds": _median_round(simulated, "eval_seconds"),
+        "per_message_overhead_seconds": overhead,
+        "overhead_breakdown": {**phases, "other": max(0.0, overhead - sum(phases.values()))},
+        "empty_clientapp_process_seconds": empty_process_seconds(),
+        "client_train_seconds": _median_round(deployed, "client_seconds"),
+        "config": deployed["config"],
+    }
+    report["ratio"] = report["deployed_round_seconds"] / max(report["simulated_round_seconds"], 1e-9)
+    (out_dir / "deploy.json").write_text(json.dumps(report, indent=1))
+    print(deploy_table(report))
+    return report
+
+
+def deploy_table(report: dict[str, Any]) -> str:
+    """Markdown: deployed against simulated rounds, and the start-up breakdown of one message."""
+    lines = ["| per round (median) | deployed | simulated |", "|---|---|---|",
+             f"| round, training + evaluation (s) | {report['deployed_round_seconds']:.2f} | "
+             f"{report['simulated_round_seconds']:.2f} |",
+             f"| of which evaluation (s) | {report['deployed_eval_seconds']:.2f} | {report['simulated_eval_seconds']:.2f} |",
+             f"| ratio deployed / simulated | {report['ratio']:.2f} | |", "",
+             "| a deployed message's fresh process, before training | seconds |", "|---|---|",
+             f"| total (per_message_overhead_seconds, median) | {report['per_message_overhead_seconds']:.2f} |"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in report["overhead_breakdown"].items()]
+    lines += [f"| floor: empty interpreter + Flower ClientApp import | {report['empty_clientapp_process_seconds']:.2f} |",
+              f"| (training itself, for scale) | {report['client_train_seconds']:.2f} |"]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- robustness
 #: the defences ``bench robustness`` compares, as run-config changes
 DEFENCES: dict[str, dict[str, Any]] = {

@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                                                    "dimensions (random ViT-B/16 weights, stand-in data)")
     dims.add_argument("--out", default="runs/bench-paper-dims")
     dims.add_argument("--configs", default="configs/*.toml", help="glob of paper configurations")
+    dep = bench_sub.add_parser("deploy", help="a loopback deployment (deploy/ scripts) against the same "
+                                             "configuration simulated: round time and per-message start-up")
+    dep.add_argument("--out", default="runs/bench-deploy")
+    dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    dep.add_argument("--nodes", type=int, default=3, help="SuperNodes (one client each)")
     rob = bench_sub.add_parser("robustness", help="A_N with a share of hostile clients, under each defence")
     rob.add_argument("--out", default="runs/bench-robustness")
     rob.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -208,9 +213,10 @@ def _bench(args: argparse.Namespace) -> int:
                 load_config(str(path), [], None, None)
             bench.paper_dims(Path(args.out), configs)
             return 0
-        base = load_config(None, args.set, None, None).to_dict()
+        short = ["num-tasks=2", "rounds-per-task=2"] if args.bench == "deploy" else []  # a short run unless --set
+        base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
-        methods = ([args.method] if args.bench == "robustness" else
+        methods = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else
                    [m for m in args.methods.split(",") if m] or sorted(METHODS))
         for m in methods:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
@@ -220,7 +226,11 @@ def _bench(args: argparse.Namespace) -> int:
             if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
                 strategy_class(name).check_schedule(method_cfg)
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
-        if args.bench == "robustness":
+        if args.bench == "deploy":
+            if args.nodes < 1:
+                raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+            bench.deploy_overhead(Path(args.out), base, args.nodes)
+        elif args.bench == "robustness":
             from common.config import FAULTS
 
             attacks = [a for a in args.attacks.split(",") if a]

@@ -20,11 +20,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,10 @@ import pytest
 from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from common.config import ConfigError, ExperimentConfig
 from common.data import class_order
+from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, run_script,
+                             script_env, start_superlink, superlink_command, toml_file, wait_for_log)
 from tests.conftest import TINY, tiny_config
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-VENV_BIN = Path(sys.executable).parent
 NUM_HONEST = 3  # nodes with a share of the digits each
 NUM_NODES = NUM_HONEST + 1  # and one hostile node (tests/hostile_app.py): inflated counts, bounded by the server
 HOSTILE = NUM_NODES  # node<HOSTILE> is the hostile one
@@ -49,125 +47,6 @@ RUN = {
     "class-names": ",".join(str(d) for d in range(10)), "num-clients": NUM_NODES, "clients-per-round": NUM_NODES,
     "num-tasks": 2, "rounds-per-task": 1, "out-dir": "runs/deployed", "round-timeout": 600.0,
 }
-
-
-def toml_file(path: Path, values: dict) -> Path:
-    from server.simulation import _toml_value
-
-    path.write_text("".join(f'"{k}" = {_toml_value(v)}\n' for k, v in values.items()))
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def script_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
-    env["FLWR_TELEMETRY_ENABLED"] = "0"
-    env.update(extra)
-    return env
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(entry.name))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc), children first found first."""
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-@dataclass
-class Processes:
-    """Processes this test module started; stopped (with their descendants) at the end."""
-
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    known: set[int] = field(default_factory=set)
-
-    def start(self, args: list[str], log: Path, env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
-        fh = open(log, "wb")
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
-        fh.close()
-        self.procs.append(proc)
-        return proc
-
-    def remember_descendants(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                self.known.update(descendants(p.pid))
-
-    def stop(self, proc: subprocess.Popen) -> None:
-        """SIGTERM to the process's group (its SuperExec and ClientApp children), then SIGKILL."""
-        self.known.update(descendants(proc.pid))
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)  # started with start_new_session: group id == pid
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-    def run_to_exit(self, args: list[str], log: Path, env: dict[str, str], cwd: Path,
-                    timeout: float) -> tuple[int, str]:
-        """Run until the process itself exits (output to a file: children may keep pipes open)."""
-        proc = self.start(args, log, env, cwd)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        self.stop(proc)  # leftover children (a SuperExec waiting for its parent to go)
-        out = log.read_text(errors="replace")
-        assert code is not None, f"{args[:2]} still running after {timeout:.0f} s:\n{out[-3000:]}"
-        return code, out
-
-    def stop_all(self) -> None:
-        self.remember_descendants()
-        for p in reversed(self.procs):
-            self.stop(p)
-        deadline = time.time() + 10
-        for pid in self.known:  # SuperExec / ClientApp processes in sessions of their own
-            while time.time() < deadline and Path(f"/proc/{pid}").exists():
-                time.sleep(0.2)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def wait_for_log(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before '{text}':\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"'{text}' not in {log} after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def run_script(name: str, *args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(DEPLOY / name), *args], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- the deployed federation
@@ -186,12 +65,6 @@ class Deployment:
     superlink_log: Path  # ... and its log
 
 
-def superlink_command(port: int) -> list[str]:
-    """deploy/start-server.sh as the README runs it, state in <root>/server (the same on a restart)."""
-    return ["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
-            "--host", "127.0.0.1", "--port", str(port)]
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
     from tests.wiretap import WireTap
@@ -206,19 +79,14 @@ def deployment(tmp_path_factory) -> Deployment:
     # Each node's data directory: a disjoint share of the digits as PNG folders.
     export_digits(root / "data", NUM_HONEST)
     app = hostile_app_dir(root / "app")
-    for cmd in (["make-certs.sh", "--out", "certs", "127.0.0.1"],
-                *[["make-node-key.sh", "--out", "keys", f"node{i}"] for i in range(1, NUM_NODES + 1)],
-                ["make-node-key.sh", "--out", "keys", "stranger"]):
-        done = run_script(cmd[0], *cmd[1:], env=env, cwd=root)
-        assert done.returncode == 0, done.stderr
+    make_credentials(root, env, [f"node{i}" for i in range(1, NUM_NODES + 1)] + ["stranger"])
     run_toml = toml_file(root / "run.toml", RUN)
 
     procs = Processes()
     tap = None
     try:
         port = free_port()
-        link = procs.start(superlink_command(port), root / "superlink.log", env, cwd=root)
-        wait_for_log(root / "superlink.log", "Uvicorn running", link, timeout=180)
+        link = start_superlink(root, procs, env, port)
         for i in range(1, NUM_NODES + 1):
             done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
                               "--name", f"node{i}", f"keys/node{i}.pub", env=env, cwd=root)
