@@ -225,8 +225,10 @@ def run_deployed(root: Path, run: dict[str, Any], nodes: int, threads: int = 1, 
         start_superlink(root, procs, env, port)
         for i, name in enumerate(names):
             register_node(root, env, port, name)
-            start_node(root, procs, script_env(PROMPTFCL_CACHE=str(root / f"cache-{name}")), f"127.0.0.1:{port}",
-                       name, f"data/node{i}", run_toml, ["--threads", str(threads)])
+            # the machine's own cache (PROMPTFCL_CACHE or ~/.cache/promptfcl): weights, decoded
+            # images and queries, as a node that has run before has them
+            start_node(root, procs, script_env(), f"127.0.0.1:{port}", name, f"data/node{i}", run_toml,
+                       ["--threads", str(threads)])
         done = submit(root, env, port, run_toml, timeout=timeout)
         procs.remember_descendants()
         checked(done, "submit-run.sh")
