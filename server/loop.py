@@ -98,7 +98,7 @@ class FederatedEvaluator:
                                "num-classes": self.strategy.num_classes})
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
-        replies = list(self.grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        replies = send_and_receive(self.grid, messages, cfg.round_timeout)
         sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
         counts: list[tuple[np.ndarray, np.ndarray]] = []
         failed = []
@@ -366,6 +366,28 @@ def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
         path.unlink()
 
 
+#: seconds between two pulls for replies; Flower's deployment grid waits 3 s between pulls, so
+#: a reply that arrives just after one sits idle for up to 3 s, twice per round (train and
+#: evaluation). A pull is one small request to the SuperLink.
+PULL_INTERVAL_SECONDS = 0.2
+
+
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+    """``Grid.send_and_receive`` with a short wait between pulls (``PULL_INTERVAL_SECONDS``):
+    push the messages, then pull until every one has its reply or ``timeout`` seconds pass."""
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while pending:
+        got = list(grid.pull_messages(pending))
+        replies += got
+        pending -= {m.metadata.reply_to_message_id for m in got}
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(PULL_INTERVAL_SECONDS)
+    return replies
+
+
 def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
               arrays: ArrayRecord, task: int, round_: int, server_round: int,
               evaluate_now: bool = True) -> tuple[ArrayRecord, dict[str, Any]]:
@@ -388,14 +410,14 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
         if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
             tx = time.perf_counter()
-            answers = list(grid.send_and_receive(exchange, timeout=cfg.round_timeout))
+            answers = send_and_receive(grid, exchange, cfg.round_timeout)
             waited = time.perf_counter() - tx
             strategy.aggregate_exchange(server_round, answers)
             bytes_s2c += _bytes(exchange)
             bytes_c2s += _bytes([m for m in answers if not m.has_error()])
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
         t1 = time.perf_counter()
-        replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        replies = send_and_receive(grid, messages, cfg.round_timeout)
         t2 = time.perf_counter()
         new_arrays, agg = strategy.aggregate_train(server_round, replies)
         t3 = time.perf_counter()

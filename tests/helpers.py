@@ -75,7 +75,26 @@ def client_app(mods: list[Mod] | None = None) -> ClientApp:
     return app
 
 
-class InProcessGrid:
+class PushPullGrid:
+    """``push_messages`` / ``pull_messages`` (what the server loop calls, ``server.loop.send_and_receive``)
+    for a test grid that answers a batch of messages at once in ``send_and_receive``."""
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        raise NotImplementedError
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        messages = list(messages)
+        for msg in messages:
+            if not msg.metadata.message_id:
+                msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's grids do when sending
+        self._replies = {r.metadata.reply_to_message_id: r for r in self.send_and_receive(messages)}
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+
+class InProcessGrid(PushPullGrid):
     """The part of Flower's ``Grid`` the server loop uses, running ClientApps in this process.
 
     Parameters
@@ -111,7 +130,8 @@ class InProcessGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         replies = []
         for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's grids do when sending
+            if not msg.metadata.message_id:
+                msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Flower's grids do when sending
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
             if self.dead.get(node) == "silent":

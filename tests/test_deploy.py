@@ -35,6 +35,7 @@ from common.data import class_order
 from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, run_script,
                              script_env, start_superlink, superlink_command, toml_file, wait_for_log)
 from tests.conftest import TINY, tiny_config
+from tests.helpers import PushPullGrid
 
 NUM_HONEST = 3  # nodes with a share of the digits each
 NUM_NODES = NUM_HONEST + 1  # and one hostile node (tests/hostile_app.py): inflated counts, bounded by the server
@@ -483,7 +484,7 @@ def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_p
     assert QueryCache(split, 4, path).loaded == 0  # unreadable: recomputed, not a crash
 
 
-class FakeGrid:
+class FakeGrid(PushPullGrid):
     """A Grid whose nodes answer evaluation messages with given counts (or an error), declaring
     ``test_size`` held-out samples (default: the sum of their totals)."""
 
@@ -496,21 +497,20 @@ class FakeGrid:
         return list(self.answers)
 
     def send_and_receive(self, messages, timeout=None):
-        from tests.conftest import reply_from
-        from flwr.app import MetricRecord, RecordDict
+        from flwr.app import Error, Message, MetricRecord, RecordDict
 
         self.sent = list(messages)
         out = []
         for m in self.sent:
             answer = self.answers[m.metadata.dst_node_id]
             if isinstance(answer, str):
-                out.append(reply_from(m.metadata.dst_node_id, error=answer))
+                out.append(Message(Error(code=0, reason=answer), reply_to=m))
             else:
                 correct, total = answer
                 node = m.metadata.dst_node_id
-                out.append(reply_from(node, RecordDict({"metrics": MetricRecord(
+                out.append(Message(RecordDict({"metrics": MetricRecord(
                     {"correct": correct, "total": total, "num-examples": sum(total), "train-size": 100,
-                     "test-size": self.test_size.get(node, sum(total))})})))
+                     "test-size": self.test_size.get(node, sum(total))})}), reply_to=m))
         return out
 
 

@@ -264,7 +264,9 @@ def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
 
 @pytest.mark.parametrize("how", ["silent", "lost"])
 def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
-    results = run_in_process(method_config("fedavg", **{"out-dir": str(tmp_path)}), nodes=3, dead={1002: how})
+    # a silent node is waited for until round-timeout, as by Flower's grid
+    results = run_in_process(method_config("fedavg", **{"out-dir": str(tmp_path), "round-timeout": 0.5}), nodes=3,
+                             dead={1002: how})
     for rnd in results["rounds"]:
         assert [r["node"] for r in rnd["rejected"]] == [1002]
         assert ("round-timeout" if how == "silent" else "node lost") in rnd["rejected"][0]["reason"]
