@@ -157,7 +157,7 @@ def test_mixture_weights_follow_the_counts_at_both_tiers():
     centres = {(c, k): torch.full((dim,), 10.0 * (3 * c + k)) for c in range(3) for k in range(2)}
     client0 = stats_record({0: 30, 1: 12}, {0: centres[0, 0], 1: centres[1, 0]}, dim, seed=1)
     client1 = stats_record({0: 10, 2: 8}, {0: centres[0, 1], 2: centres[2, 1]}, dim, seed=2)
-    strategy.ingest([reply_with(client0), reply_with(client1)], dim)
+    strategy.ingest([reply_with(client0), reply_with(client1)])
     mixtures = strategy.rebalance_mixtures()
     assert [m.label for m in mixtures] == [0, 1, 2]
     torch.testing.assert_close(mixtures[0].weights, torch.tensor([0.75, 0.25], dtype=torch.float64))  # Tier 1
@@ -220,7 +220,7 @@ def test_degenerate_statistics_still_sample_and_rebalance():
     zero_count = from_array_record(singular)
     zero_count["counts"] = np.array([0])
     strategy.ingest([reply_with(one_sample), reply_with(singular), reply_with(to_array_record(broken)),
-                     reply_with(to_array_record(zero_count))], dim)
+                     reply_with(to_array_record(zero_count))])
     mixtures = strategy.rebalance_mixtures()
     assert [len(m.counts) for m in mixtures] == [1, 2]  # the zero-count component is dropped
     x, y = sample_features(mixtures, class_weights(mixtures), 500, 3.0, torch.Generator().manual_seed(9))
@@ -270,10 +270,10 @@ def test_rebalancing_fixes_a_head_biased_toward_the_newest_classes(loss):
     halves = [torch.arange(len(train_y)) < 120, torch.arange(len(train_y)) >= 120]
     strategy.task = 0
     strategy.ingest([reply_with(class_statistics(train_x[halves[0] & m], train_y[halves[0] & m], strategy.opts))
-                     for m in (first, second)], 16)
+                     for m in (first, second)])
     strategy.task = 1
     strategy.ingest([reply_with(class_statistics(train_x[halves[1] & m], train_y[halves[1] & m], strategy.opts))
-                     for m in (first, second)], 16)
+                     for m in (first, second)])
     head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
     out = from_array_record(strategy.consolidate(7, head, []))
     after = per_class_accuracy(torch.from_numpy(out["head.weight"]), torch.from_numpy(out["head.bias"]), test_x, test_y)
@@ -287,9 +287,9 @@ def test_rebalancing_switches_select_the_sampled_classes():
     for old, cur in ((False, False), (True, False), (False, True), (True, True)):
         strategy = make_strategy(task=0, rebalance_old=old, rebalance_cur=cur, rebalance_lr=0.05,
                                  rebalance_batch_size=32)
-        strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))], 16)
+        strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))])
         strategy.task = 1
-        strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+        strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
         assert [m.label for m in strategy.rebalance_mixtures()] == [0, 1] * old + [2, 3] * cur
         head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
         out = strategy.consolidate(3, head, [])
@@ -306,7 +306,7 @@ def test_rebalancing_switches_select_the_sampled_classes():
 def test_sampled_logits_leave_unsampled_classes_alone():
     train_x, train_y, _, _, weight, bias = biased_setup()
     strategy = make_strategy(task=1, rebalance_old=False, rebalance_logits="sampled")
-    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
     head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
     out = from_array_record(strategy.consolidate(3, head, []))
     assert np.array_equal(out["head.weight"][:2], weight[:2].numpy())  # old classes take no part
@@ -316,9 +316,9 @@ def test_sampled_logits_leave_unsampled_classes_alone():
 def test_state_dict_restores_every_mixture():
     train_x, train_y, *_ = biased_setup()
     strategy = make_strategy(task=0, cov_type="lowrank", cov_dtype="float16")
-    strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))])
     strategy.task = 1
-    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
     restored = make_strategy(cov_type="lowrank", cov_dtype="float16")
     restored.load_state_dict(strategy.state_dict())
     assert restored.task == 1
