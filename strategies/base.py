@@ -394,6 +394,17 @@ class PromptStrategy(FedAvg):
         config = self.sent_config(msg)
         return None if config is None or "client-id" not in config else int(config["client-id"])
 
+    def reply_origins(self, replies: list[RecordDict]) -> list[tuple[int | None, int | None]] | None:
+        """(client id, task) the server assigned each accepted reply, None where unknown.
+
+        ``replies`` are the last aggregation's accepted replies (what ``consolidate`` gets),
+        in the order of ``accepted_messages``; None when they are not (a direct call).
+        """
+        if len(self.accepted_messages) != len(replies) or any(
+                m.content is not c for m, c in zip(self.accepted_messages, replies)):
+            return None
+        return [(self.assigned_client(m), self.assigned_task(m)) for m in self.accepted_messages]
+
     def client_position(self, client_id: int, round_index: int) -> int:
         """The task ``client_id`` is on in ``round_index`` (0-based), by the schedule."""
         slot = self.schedule_slots.get(client_id, client_id % self.schedule.num_clients)

@@ -563,7 +563,11 @@ class HGPStrategy(PromptStrategy):
         started = time.perf_counter()
         state = from_array_record(arrays)
         dim = int(state["head.weight"].shape[1])
-        self.ingest(replies, server_round, self.reply_origins(replies))
+        origins = self.reply_origins(replies)
+        if origins is not None:  # unknown clients (-1, -2, ...): each one distinct
+            origins = [(-1 - i if client is None else client, self.task if task is None else task)
+                       for i, (client, task) in enumerate(origins)]
+        self.ingest(replies, server_round, origins)
         in_flight = None if self.schedule.synchronous else self.tasks_in_flight(server_round - 1)
         mixtures = self.rebalance_mixtures(in_flight)
         if not mixtures:
@@ -596,19 +600,6 @@ class HGPStrategy(PromptStrategy):
         return to_array_record(state)
 
     # ------------------------------------------------------------------ mixtures
-    def reply_origins(self, replies: list[RecordDict]) -> list[tuple[int, int]] | None:
-        """(client id, task) the server assigned each accepted reply (None: not this round's replies).
-
-        ``replies`` are the accepted replies, in the order of ``accepted_messages``.
-        """
-        if len(self.accepted_messages) != len(replies):
-            return None
-        origins = []
-        for i, msg in enumerate(self.accepted_messages):
-            client, task = self.assigned_client(msg), self.assigned_task(msg)
-            origins.append((-1 - i if client is None else client, self.task if task is None else task))
-        return origins
-
     def ingest(self, replies: list[RecordDict], server_round: int = 0,
                origins: list[tuple[int, int]] | None = None) -> None:
         """Tier 1: keep each (class, client)'s newest statistics.

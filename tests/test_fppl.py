@@ -169,7 +169,7 @@ def test_infonce_leaves_out_samples_whose_class_has_no_global_prototype():
 
 # ---------------------------------------------------------------------------- server: prototypes
 def test_global_prototypes_are_the_per_class_mean_over_holders_and_reach_every_client(flower_identity):
-    s, arrays = strategy_at_task(0)
+    s, arrays = strategy_at_task(0, rounds_per_task=2)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(2, d)), rng.normal(size=(2, d))
@@ -282,7 +282,7 @@ def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower
     assert off.extra_loss(batch, 1) is None
 
     for flag, expect in ((True, True), (False, False)):
-        s, arrays = strategy_at_task(0, {"unified-loss": flag})
+        s, arrays = strategy_at_task(0, {"unified-loss": flag}, rounds_per_task=2)
         s.aggregate_train(1, [reply_from(1, client_reply(arrays, 10, [0, 1], np.zeros((2, d))))])
         messages = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(2)))
         assert (GLOBAL_PROTOTYPES in messages[0].content.array_records) is expect
@@ -355,7 +355,7 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
 
 
 def test_latest_per_client_keeps_each_clients_newest_prototypes():
-    s, arrays = strategy_at_task(0, {"latest-per-client": True})
+    s, arrays = strategy_at_task(0, {"latest-per-client": True}, rounds_per_task=3)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
     s.consolidate(1, arrays, [client_reply(arrays, 5, [0, 1], np.zeros((2, d)), client=c) for c in (1, 2)])
     s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.ones((1, d)), client=2)])
@@ -368,7 +368,7 @@ def test_with_partial_participation_only_latest_per_client_keeps_every_class_in_
     stays in the pool with latest-per-client (default), and is lost with the literal reading."""
     pools = {}
     for latest in (True, False):
-        s, arrays = strategy_at_task(0, {"latest-per-client": latest})
+        s, arrays = strategy_at_task(0, {"latest-per-client": latest}, rounds_per_task=2)
         d = from_array_record(arrays)["prompt.fusion"].shape[1]
         s.consolidate(1, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=1),
                                   client_reply(arrays, 5, [1], np.ones((1, d)), client=2)])
