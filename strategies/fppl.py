@@ -371,11 +371,9 @@ class FPPLStrategy(PromptStrategy):
         return super().on_task_start(task, to_array_record(state))
 
     def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
-        """Every client has left ``task`` (its nominal end): its prototypes still in {C_k^t} join C_g.
-
-        Clients that left earlier have been pooled in :meth:`consolidate`; with synchronous
-        arrival that is every client, in the task's last round (Algorithm 1, line 14).
-        """
+        """Every client has left ``task`` (its nominal end): its prototypes still in {C_k^t} join C_g
+        (Algorithm 1, line 14). Under asynchronous arrival those of clients that left earlier
+        have joined at the first round they trained a later task (:meth:`pool_departed`)."""
         self._pool_finished(self.current.classes < (task + 1) * self.classes_per_task)
         log.info("fppl: after task %d the prototype pool holds %d prototypes of %d classes (%.1f KB)",
                  task + 1, len(self.pool), len(np.unique(self.pool.classes)), self.pool.nbytes / 1e3)
@@ -386,6 +384,7 @@ class FPPLStrategy(PromptStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.task = int(config["task"])
+        self.pool_departed(server_round - 1)
         self._global_record = None
         tasks = self.tasks_in_flight(server_round - 1)  # G of the classes some client trains now
         k = self.classes_per_task
@@ -446,19 +445,22 @@ class FPPLStrategy(PromptStrategy):
         return self.num_classes // self.cfg.num_tasks
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, replies: list[RecordDict]) -> ArrayRecord:
-        """After FedAvg: collect local prototypes, debias the head (eq. 4), pool the prototypes of
-        the clients that leave their task with this round, build G (eq. 5) for the next round."""
+        """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5) for the
+        next round's tasks."""
         received = self._collect(replies)
         self.current = (self.current.replace_clients(received, self.classes_per_task)
                         if self.opts.latest_per_client else received)
         if self.opts.debias:
             arrays = self._debias(server_round, arrays)
-        # server_round is the next round's 0-based index
-        self._pool_finished(np.array([self.client_position(int(c), server_round) > int(y) // self.classes_per_task
-                                      if c >= 0 else False for c, y in zip(self.current.clients, self.current.classes)],
-                                     dtype=bool))
-        self._update_global(self.tasks_in_flight(server_round))
+        self._update_global(self.tasks_in_flight(server_round))  # server_round: the next round's 0-based index
         return arrays
+
+    def pool_departed(self, round_index: int) -> None:
+        """The prototypes of the clients that have left their task by ``round_index`` (0-based)
+        join C_g: a client's last prototypes of a task are final once it trains the next one."""
+        k = self.classes_per_task
+        self._pool_finished(np.array([c >= 0 and self.client_position(int(c), round_index) > int(y) // k
+                                      for c, y in zip(self.current.clients, self.current.classes)], dtype=bool))
 
     def _pool_finished(self, finished: np.ndarray) -> None:
         """C_g <- C_g U the ``finished`` rows of {C_k^t} (dropped for FPPL-WOP); the rest stay current."""

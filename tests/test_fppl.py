@@ -438,6 +438,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
 
     # round 1: every client on task 0
     s.consolidate(1, arrays, [protos(c, [0, 1]) for c in range(4)])
+    s.pool_departed(1)  # as round 2's configure_train does
     # the fast clients leave task 0 now: their prototypes are pooled, the slow ones' stay current
     assert sorted(set(s.pool.clients.tolist())) == fast and sorted(set(s.current.clients.tolist())) == slow
     np.testing.assert_array_equal(s.global_classes, [0, 1])  # task 0 still has clients; task 1 none yet
@@ -447,6 +448,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
     p = from_array_record(arrays)
     np.testing.assert_array_equal(p["prompt.p0"][1], p["prompt.p0"][0])  # task 1 starts from task 0's prompt
     s.consolidate(2, arrays, [protos(fast[0], [5, 6]), protos(fast[1], [5]), protos(slow[0], [0, 1], version=1)])
+    s.pool_departed(2)
     # now every client has left task 0: the pool holds one set per client, slow[0]'s newest
     pool0 = sorted(zip(s.pool.clients.tolist(), s.pool.classes.tolist(), s.pool.means[:, 0].tolist()))
     assert pool0 == sorted((c, y, 100.0 * c + y + 0.5 * (c == slow[0])) for c in range(4) for y in (0, 1))
@@ -457,6 +459,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
     assert sorted(set(s.debias_set().classes.tolist())) == [0, 1, 5, 6]  # every class with prototypes
     # round 3: a client's newer prototypes of task 1 replace its older ones; its task 0 ones stay pooled
     s.consolidate(3, arrays, [protos(fast[0], [5, 6], version=1), protos(slow[1], [7])])
+    s.pool_departed(3)
     assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist(), s.current.means[:, 0].tolist())) == \
         sorted([(fast[0], 5, 100.0 * fast[0] + 5.5), (fast[0], 6, 100.0 * fast[0] + 6.5), (fast[1], 5, 100.0 * fast[1] + 5),
                 (slow[1], 7, 100.0 * slow[1] + 7)])
