@@ -171,11 +171,14 @@ class PromptStrategy(FedAvg):
         return {}
 
     def platform_state(self) -> dict[str, Any]:
-        """What every strategy keeps for the platform across a resume (the nodes' declared sizes)."""
-        return {"node-sizes": {str(k): list(v) for k, v in self.node_sizes.items()}}
+        """What every strategy keeps for the platform across a resume (the nodes' declared sizes, each
+        client's turn in the task schedule)."""
+        return {"node-sizes": {str(k): list(v) for k, v in self.node_sizes.items()},
+                "schedule-slots": {str(k): int(v) for k, v in self.schedule_slots.items()}}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.node_sizes = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
+        self.schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
