@@ -17,6 +17,13 @@ components weighted by the cosine of the query with their keys). The server, eve
    latent, previous-task server on old-class latents only, eq. 6), and its head by
    cross-entropy on the same composite batch (current + ``replay_ratio`` old latents).
 
+With asynchronous arrival (clients on two tasks in one round) the round's replies form one
+teacher group per task (:class:`TaskTeachers`): the current-task generator and the
+distillation cover the classes of every task trained in the round, a task's share of the
+latents is its share of the replies, each client teaches the generator on its own task's
+latents through its own slices, and the student trains the slices of all those tasks. The
+past-task teacher is the server model at the previous task's nominal end.
+
 Everything runs on ``(B, D)`` latents: the backbone is never needed at the server.
 Vectorised over clients: teachers are stacked into ``(C, ...)`` tensors and every loss
 is a batched einsum; prompt MSEs go through Gram matrices of the prompt components

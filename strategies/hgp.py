@@ -16,6 +16,11 @@ of the prompted features: a *generative prototype*. The server
    cross-entropy, SGD with momentum 0.9, 5 epochs, cosine schedule (eq. 7);
 5. sends the rebalanced head with the averaged prompts back to the clients.
 
+With asynchronous arrival (clients on different tasks in one round) the statistics are kept
+per (class, client) under the client and task the server sent, newer replacing older (see
+:meth:`HGPStrategy.ingest`), and rebalancing covers CR_old (tasks every client has left) and
+CR_cur (tasks some client is on).
+
 The wire format of the ``class-stats`` record (one row per local class) is defined
 here, :func:`class_statistics` (client) and :func:`check_class_stats` /
 :func:`decode_class_stats` (server), so both sides share it.
