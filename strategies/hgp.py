@@ -663,16 +663,12 @@ class HGPStrategy(PromptStrategy):
         stored = self.class_stats.get(label)
         if stored is None or "clients" not in stored:
             return None
-        task = int(np.searchsorted(self._task_ends(), label, side="right"))
+        task = label // (self.num_classes // self.cfg.num_tasks)  # the stream's tasks own contiguous classes
         keep = np.array([c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
                          for c in stored["clients"].tolist()], dtype=bool)
         if not keep.any():
             return None
         return {k: v[keep] for k, v in stored.items()}
-
-    def _task_ends(self) -> np.ndarray:
-        """The first class after each task of the stream (ascending)."""
-        return np.array([int(task_classes(self.cfg, t, self.num_classes)[-1]) + 1 for t in range(self.cfg.num_tasks)])
 
     def mixture(self, label: int) -> ClassMixture | None:
         """The prepared Tier-1 mixture of ``label`` (None if never reported)."""
