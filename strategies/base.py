@@ -71,6 +71,9 @@ class PromptStrategy(FedAvg):
     #: (``switch-fraction`` < 1, common/schedule.py); methods whose task-end step assumes
     #: every client has finished the task set this False
     asynchronous_tasks: bool = True
+    #: whether the method runs on Powder's random tasks (``task-generator = "random"``): tasks
+    #: of overlapping classes, one client each, with no nominal task ends
+    random_tasks: bool = True
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -103,15 +106,17 @@ class PromptStrategy(FedAvg):
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self.schedule = self.check_schedule(cfg)
+        # client id -> its turn in the task schedule (set when the server sends it a task)
+        self.schedule_slots: dict[int, int] = {}
 
     @classmethod
     def check_schedule(cls, cfg: ExperimentConfig) -> Any:
         """The run's task schedule, if this method can follow it (else ConfigError, before any loading)."""
         schedule = task_schedule(cfg)
+        if cfg.task_generator == "random" and not (cls.random_tasks and cls.asynchronous_tasks):
+            raise ConfigError(f"strategy {cls.name!r} needs the shared task stream (task-generator = stream): "
+                              "its server step assumes tasks of disjoint classes in stream order")
         if not schedule.synchronous and not cls.asynchronous_tasks:
-            if cfg.task_generator == "random":
-                raise ConfigError(f"strategy {cls.name!r} needs the shared task stream (task-generator = stream): "
-                                  "its task-end step assumes every client finished the task")
             raise ConfigError(f"strategy {cls.name!r} needs synchronous task arrival (switch-fraction = 1 and "
                               f"switch-every = 0): {schedule.describe()}")
         return schedule
@@ -166,11 +171,14 @@ class PromptStrategy(FedAvg):
         return {}
 
     def platform_state(self) -> dict[str, Any]:
-        """What every strategy keeps for the platform across a resume (the nodes' declared sizes)."""
-        return {"node-sizes": {str(k): list(v) for k, v in self.node_sizes.items()}}
+        """What every strategy keeps for the platform across a resume (the nodes' declared sizes, each
+        client's turn in the task schedule)."""
+        return {"node-sizes": {str(k): list(v) for k, v in self.node_sizes.items()},
+                "schedule-slots": {str(k): int(v) for k, v in self.schedule_slots.items()}}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.node_sizes = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
+        self.schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
@@ -246,6 +254,7 @@ class PromptStrategy(FedAvg):
         node_config["client-id"] = client_id
         node_config["server-round"] = server_round
         node_config["config-digest"] = self.cfg.digest()
+        self.schedule_slots[client_id] = client_index % self.schedule.num_clients
         if not self.schedule.synchronous:
             task, round_ = self.schedule.assignment(client_index % self.schedule.num_clients, server_round - 1)
             node_config["task"], node_config["round"] = task, round_
@@ -373,6 +382,41 @@ class PromptStrategy(FedAvg):
             return None
         content = self.sent_messages[candidates[0]].content
         return content[CONFIG] if CONFIG in content.config_records else None
+
+    def assigned_task(self, msg: Message) -> int | None:
+        """The task the server sent the client whose reply is ``msg`` (None: unknown).
+
+        Read from the server's own message, never from the reply: a client cannot choose
+        which task its statistics or prototypes count for.
+        """
+        config = self.sent_config(msg)
+        return None if config is None or "task" not in config else int(config["task"])
+
+    def assigned_client(self, msg: Message) -> int | None:
+        """The client id the server sent the message ``msg`` answers (None: unknown)."""
+        config = self.sent_config(msg)
+        return None if config is None or "client-id" not in config else int(config["client-id"])
+
+    def reply_origins(self, replies: list[RecordDict]) -> list[tuple[int | None, int | None]] | None:
+        """(client id, task) the server assigned each accepted reply, None where unknown.
+
+        ``replies`` are the last aggregation's accepted replies (what ``consolidate`` gets),
+        in the order of ``accepted_messages``; None when they are not (a direct call).
+        """
+        if len(self.accepted_messages) != len(replies) or any(
+                m.content is not c for m, c in zip(self.accepted_messages, replies)):
+            return None
+        return [(self.assigned_client(m), self.assigned_task(m)) for m in self.accepted_messages]
+
+    def client_position(self, client_id: int, round_index: int) -> int:
+        """The task ``client_id`` is on in ``round_index`` (0-based), by the schedule."""
+        slot = self.schedule_slots.get(client_id, client_id % self.schedule.num_clients)
+        return self.schedule.position(slot, round_index)
+
+    def tasks_in_flight(self, round_index: int) -> range:
+        """The tasks some client of the population is on in ``round_index`` (slowest to newest)."""
+        return range(self.schedule.position(self.schedule.slowest_client, round_index),
+                     self.schedule.newest_task(round_index) + 1)
 
     def reply_start(self, msg: Message) -> dict[str, np.ndarray] | None:
         """The arrays the reply's client started from (its update is the difference); None: unknown,

@@ -8,7 +8,12 @@ Per round (Algorithm 1 of FPPL, lines 8-12):
 3. global prototypes G^y = mean of the local prototypes of class y over the clients
    holding y (eq. 5); sent to every client of the next round for L_ur.
 
-At the end of each task the pool grows by that task's local prototypes (line 14).
+When a client leaves a task, the pool grows by its local prototypes of that task (line 14);
+with synchronous arrival every client leaves at the task's end. Under asynchronous arrival
+clients on different tasks train in the same round: each client's prototypes are kept per
+(client, task), G^y averages over every client that holds y so far (those that have left the
+task included), G covers the classes of every task some client is on next round, and the
+head is debiased on every class with prototypes.
 This module also holds what both sides share: the options, the prompt module (one prompt
 per task, fused by a cosine-linear layer) and the record names; the client side (its loss,
 local prototypes) is in :mod:`client.fppl`.
@@ -30,6 +35,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from common.config import ConfigError, ExperimentConfig, MethodOptions
+from common.data import task_classes
 from common.model import CodaPrompt
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy, method_records
@@ -242,10 +248,24 @@ class PrototypeSet:
                             np.concatenate([self.means, other.means]),
                             np.concatenate([self.clients, other.clients]))
 
-    def replace_clients(self, newer: "PrototypeSet") -> "PrototypeSet":
-        """Keep only the newest prototypes of each client: drop ours of clients in ``newer``."""
-        keep = ~np.isin(self.clients, np.unique(newer.clients))
-        return PrototypeSet(self.classes[keep], self.means[keep], self.clients[keep]).concat(newer)
+    def replace_clients(self, newer: "PrototypeSet", classes_per_task: int | None = None) -> "PrototypeSet":
+        """Keep only the newest prototypes of each client: drop ours of clients in ``newer``.
+
+        With ``classes_per_task`` (the stream's tasks: task t owns classes [t k, (t+1) k)), only
+        ours of the same (client, task) pairs: a client's prototypes of another task stay.
+        """
+        keep = ~np.isin(self.keys(classes_per_task), np.unique(newer.keys(classes_per_task)))
+        return self.select(keep).concat(newer)
+
+    def keys(self, classes_per_task: int | None = None) -> np.ndarray:
+        """One key per prototype: its client, or its (client, task) pair with ``classes_per_task``."""
+        if classes_per_task is None:
+            return self.clients
+        return np.stack([self.clients, self.classes // classes_per_task], axis=1).view(np.dtype((np.void, 16))).ravel()
+
+    def select(self, mask: np.ndarray) -> "PrototypeSet":
+        """The prototypes where ``mask`` is true, in order."""
+        return PrototypeSet(self.classes[mask], self.means[mask], self.clients[mask])
 
     def class_means(self) -> tuple[np.ndarray, np.ndarray]:
         """Eq. 5: per class, the plain (unweighted) mean over the clients holding it."""
@@ -311,7 +331,7 @@ class FPPLStrategy(PromptStrategy):
     """
 
     name = "fppl"
-    asynchronous_tasks = False  # its prototype pool grows when every client has finished a task
+    random_tasks = False  # prototypes pooled per (client, task) of the stream
     prompt_class: type[CodaPrompt] = FPPLPrompt
     options_class = FPPLOptions  # the CLI validates ``fppl.*`` options with it before training
     #: The base only requires "arrays" and "metrics" (so an empty client is still logged
@@ -339,22 +359,22 @@ class FPPLStrategy(PromptStrategy):
 
     # ------------------------------------------------------------------ task hooks
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
-        """New task: prompt p_t <- p_{t-1} (task 0: random); fusion switch; G restarts empty.
+        """A client reaches a new task: prompt p_t <- p_{t-1} (task 0: random); fusion switch.
 
-        Global prototypes of the previous task's classes play no part in the new task's
-        L_ur (eq. 6 uses the current classes only), so G is cleared.
+        Under asynchronous arrival the first client to reach task t gets the server's p_{t-1}
+        as it stands, while others still train it. G holds the classes of the tasks some client
+        is on (:meth:`consolidate`), so the new task's first round has no G of its own classes.
         """
         self.task = task
-        self.current = PrototypeSet.empty()
-        self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
         state = from_array_record(arrays)
         state["prompt.hard_selection"] = np.full((1,), 0.0 if self.opts.fusion else 1.0, np.float32)
         return super().on_task_start(task, to_array_record(state))
 
     def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
-        """C_g <- C_g U {C_k^t} (Algorithm 1, line 14); nothing for FPPL-WOP."""
-        if self.opts.pool:
-            self.pool = self.pool.concat(self.current)
+        """Every client has left ``task`` (its nominal end): its prototypes still in {C_k^t} join C_g
+        (Algorithm 1, line 14). Under asynchronous arrival those of clients that left earlier
+        have joined at the first round they trained a later task (:meth:`pool_departed`)."""
+        self._pool_finished(self.current.classes < (task + 1) * self.classes_per_task)
         log.info("fppl: after task %d the prototype pool holds %d prototypes of %d classes (%.1f KB)",
                  task + 1, len(self.pool), len(np.unique(self.pool.classes)), self.pool.nbytes / 1e3)
         return arrays
@@ -364,9 +384,14 @@ class FPPLStrategy(PromptStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.task = int(config["task"])
+        self.pool_departed(server_round - 1)
         self._global_record = None
-        if self.opts.unified_loss and len(self.global_classes):
-            self._global_record = to_array_record({"classes": self.global_classes, "means": self.global_means})
+        tasks = self.tasks_in_flight(server_round - 1)  # G of the classes some client trains now
+        k = self.classes_per_task
+        keep = (self.global_classes >= tasks.start * k) & (self.global_classes < tasks.stop * k)
+        if self.opts.unified_loss and keep.any():
+            self._global_record = to_array_record({"classes": self.global_classes[keep],
+                                                   "means": self.global_means[keep]})
         return super().configure_train(server_round, arrays, config, grid)
 
     def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
@@ -395,29 +420,76 @@ class FPPLStrategy(PromptStrategy):
         dim = self.sent_arrays["prompt.fusion"].shape[1] if self.sent_arrays is not None else means.shape[-1]
         if means.ndim != 2 or means.shape != (classes.shape[0], dim):
             return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
+        if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
+            return "prototype classes must be a vector of integers"
         if classes.size and (classes.min() < 0 or classes.max() >= self.num_classes):
             return "prototype classes out of range"
+        if len(np.unique(classes)) != len(classes):
+            return "prototypes repeat a class"
         if not np.isfinite(means).all():
             return "prototypes have non-finite values"
+        task, client = self.assigned_task(msg), self.assigned_client(msg)
+        if task is None and not self.schedule.synchronous:
+            return "cannot tell which task this reply trained (no matching message sent this round)"
+        if task is not None and not np.isin(classes, task_classes(self.cfg, task, self.num_classes)).all():
+            return "prototypes of classes outside the task the client was sent"
+        if "client" in rec.keys():
+            claimed = rec["client"].numpy().reshape(-1)
+            if claimed.shape != (1,) or (client is not None and int(claimed[0]) != client):
+                return "prototypes claim another client than the one the server sent"
         return None
 
     # ------------------------------------------------------------------ aggregation
+    @property
+    def classes_per_task(self) -> int:
+        return self.num_classes // self.cfg.num_tasks
+
     def consolidate(self, server_round: int, arrays: ArrayRecord, replies: list[RecordDict]) -> ArrayRecord:
-        """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5)."""
+        """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5) for the
+        next round's tasks."""
         received = self._collect(replies)
-        self.current = self.current.replace_clients(received) if self.opts.latest_per_client else received
+        self.current = (self.current.replace_clients(received, self.classes_per_task)
+                        if self.opts.latest_per_client else received)
         if self.opts.debias:
             arrays = self._debias(server_round, arrays)
-        if len(self.current):
-            self.global_classes, self.global_means = self.current.class_means()
+        self._update_global(self.tasks_in_flight(server_round))  # server_round: the next round's 0-based index
         return arrays
 
+    def pool_departed(self, round_index: int) -> None:
+        """The prototypes of the clients that have left their task by ``round_index`` (0-based)
+        join C_g: a client's last prototypes of a task are final once it trains the next one."""
+        k = self.classes_per_task
+        self._pool_finished(np.array([c >= 0 and self.client_position(int(c), round_index) > int(y) // k
+                                      for c, y in zip(self.current.clients, self.current.classes)], dtype=bool))
+
+    def _pool_finished(self, finished: np.ndarray) -> None:
+        """C_g <- C_g U the ``finished`` rows of {C_k^t} (dropped for FPPL-WOP); the rest stay current."""
+        if not finished.any():
+            return
+        if self.opts.pool:
+            self.pool = self.pool.concat(self.current.select(finished))
+        self.current = self.current.select(~finished)
+
+    def _update_global(self, tasks: range) -> None:
+        """G (eq. 5) of the classes of ``tasks``: per class, the mean over every client holding it so
+        far, in the pool or still current (with synchronous arrival, the current task's clients)."""
+        held = self.pool.concat(self.current)
+        held = held.select((held.classes >= tasks.start * self.classes_per_task)
+                           & (held.classes < tasks.stop * self.classes_per_task))
+        if len(held):
+            self.global_classes, self.global_means = held.class_means()
+        else:
+            self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+
     def _collect(self, replies: list[RecordDict]) -> PrototypeSet:
+        """This round's local prototypes, each under the client the server sent (-1: unknown)."""
+        origins = self.reply_origins(replies) or [(None, None)] * len(replies)
         out = PrototypeSet.empty()
-        for content in replies:
+        for content, (client, _) in zip(replies, origins):
             rec = content[LOCAL_PROTOTYPES]
             classes = rec["classes"].numpy().astype(np.int64)
-            client = int(rec["client"].numpy().reshape(-1)[0]) if "client" in rec.keys() else -1
+            if client is None:  # a direct call: the record's own client field, as before
+                client = int(rec["client"].numpy().reshape(-1)[0]) if "client" in rec.keys() else -1
             out = out.concat(PrototypeSet(classes, rec["means"].numpy().astype(np.float32),
                                           np.full(len(classes), client, np.int64)))
         return out

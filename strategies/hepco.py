@@ -17,6 +17,13 @@ components weighted by the cosine of the query with their keys). The server, eve
    latent, previous-task server on old-class latents only, eq. 6), and its head by
    cross-entropy on the same composite batch (current + ``replay_ratio`` old latents).
 
+With asynchronous arrival (clients on two tasks in one round) the round's replies form one
+teacher group per task (:class:`TaskTeachers`): the current-task generator and the
+distillation cover the classes of every task trained in the round, a task's share of the
+latents is its share of the replies, each client teaches the generator on its own task's
+latents through its own slices, and the student trains the slices of all those tasks. The
+past-task teacher is the server model at the previous task's nominal end.
+
 Everything runs on ``(B, D)`` latents: the backbone is never needed at the server.
 Vectorised over clients: teachers are stacked into ``(C, ...)`` tensors and every loss
 is a batched einsum; prompt MSEs go through Gram matrices of the prompt components
@@ -276,6 +283,40 @@ class Teachers:
         return torch.einsum("bd,cnd->cbn", z, w) + b[:, None, :]
 
 
+@dataclass
+class TaskTeachers:
+    """The clients that trained one task in this round, stacked, with that task's classes.
+
+    With asynchronous arrival a round has one group per task its clients trained; each
+    client teaches on the latents of its own task's classes, through its own active slices.
+    """
+
+    classes: torch.Tensor  # the task's classes (a contiguous range)
+    teachers: Teachers  # its clients, stacked up to their task's slices
+    replies: int  # how many replies trained the task: its share of the latents
+
+    def holds(self, labels: torch.Tensor) -> torch.Tensor:
+        """Which of ``labels`` are this task's classes."""
+        return (labels >= self.classes[0]) & (labels <= self.classes[-1])
+
+
+def task_groups(classes: torch.Tensor, teachers: "Teachers | list[TaskTeachers]") -> list[TaskTeachers]:
+    """``teachers`` as task groups: stacked teachers of one task (``classes``) make a single group."""
+    return [TaskTeachers(classes, teachers, 1)] if isinstance(teachers, Teachers) else list(teachers)
+
+
+def draw_labels(groups: list[TaskTeachers], n: int, rng: torch.Generator) -> torch.Tensor:
+    """``n`` latent labels: uniform over one task's classes; over several tasks, a task's classes
+    drawn in proportion to the replies that trained it (uniform within the task)."""
+    if len(groups) == 1:
+        classes = groups[0].classes
+        return classes[torch.randint(len(classes), (n,), generator=rng, device=classes.device)]
+    classes = torch.cat([g.classes for g in groups])
+    weights = torch.cat([torch.full((len(g.classes),), g.replies / len(g.classes), dtype=torch.float64)
+                         for g in groups]).to(classes.device)
+    return classes[torch.multinomial(weights, n, replacement=True, generator=rng)]
+
+
 class LatentStudent(nn.Module):
     """The provisional server model in the latent space: prompts of one task slice and the head.
 
@@ -429,24 +470,49 @@ def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tenso
     return {"cls": l_cls, "kl": l_kl, "mse": l_mse}
 
 
+def group_generator_losses(z: torch.Tensor, labels: torch.Tensor, groups: list[TaskTeachers], student: LatentStudent,
+                           use_kl: bool = True, use_mse: bool = True,
+                           grams: list[PromptGrams] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`generator_losses` of each task group on the latents of its classes, summed.
+
+    One group (synchronous arrival) is exactly :func:`generator_losses` on every latent.
+    """
+    grams = grams if grams is not None else [None] * len(groups)
+    if len(groups) == 1:
+        g = groups[0]
+        return generator_losses(z, labels, g.classes, g.teachers, student, use_kl, use_mse, grams[0])
+    total: dict[str, torch.Tensor] = {}
+    for g, gram in zip(groups, grams):
+        mine = g.holds(labels)
+        if not bool(mine.any()):
+            continue
+        parts = generator_losses(z[mine], labels[mine], g.classes, g.teachers, student, use_kl, use_mse, gram)
+        total = {k: total[k] + v if k in total else v for k, v in parts.items()}
+    return total
+
+
 def generator_objective(parts: dict[str, torch.Tensor], lambda_kl: float, lambda_mse: float) -> torch.Tensor:
     """Eq. 5: minimise L_cls - lambda_KL L_KL - lambda_MSE L_MSE."""
     return parts["cls"] - lambda_kl * parts["kl"] - lambda_mse * parts["mse"]
 
 
-def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teachers, student: LatentStudent,
-                    opts: HePCoOptions, steps: int, rng: torch.Generator) -> dict[str, float]:
-    """Fit ``gen`` for ``classes`` against ``teachers`` with the student fixed; last step's losses."""
+def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teachers | list[TaskTeachers],
+                    student: LatentStudent, opts: HePCoOptions, steps: int, rng: torch.Generator) -> dict[str, float]:
+    """Fit ``gen`` for ``classes`` against ``teachers`` with the student fixed; last step's losses.
+
+    ``teachers``: the stacked teachers of ``classes``, or one group per task trained this round
+    (:class:`TaskTeachers`, whose classes together are ``classes``).
+    """
+    groups = task_groups(classes, teachers)
     student.requires_grad_(False)  # gradients reach z (and the generator) only
     optimizer = torch.optim.Adam(gen.parameters(), lr=opts.generator_lr)
     gen.train()
     last: dict[str, float] = {}
-    device = classes.device
-    grams = PromptGrams(student, teachers) if opts.use_mse and steps else None
+    grams = [PromptGrams(student, g.teachers) for g in groups] if opts.use_mse and steps else None
     for _ in range(steps):
-        labels = classes[torch.randint(len(classes), (opts.generator_batch_size,), generator=rng, device=device)]
+        labels = draw_labels(groups, opts.generator_batch_size, rng)
         z = gen.sample(labels, rng)
-        parts = generator_losses(z, labels, classes, teachers, student, opts.use_kl, opts.use_mse, grams)
+        parts = group_generator_losses(z, labels, groups, student, opts.use_kl, opts.use_mse, grams)
         loss = generator_objective(parts, opts.lambda_kl, opts.lambda_mse)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -462,7 +528,8 @@ def set_sampling_mode(generators: list[LatentGenerator], mode: str) -> None:
         gen.train(mode == "train")
 
 
-def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGenerator, torch.Tensor, Teachers],
+def distill(student: LatentStudent, opts: HePCoOptions,
+            current: tuple[LatentGenerator, torch.Tensor, Teachers | list[TaskTeachers]],
             past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
             rng: torch.Generator, use_grams: bool = True) -> dict[str, float]:
     """Latent distillation (sec. 5.3) of the student's prompt slice and head, in place.
@@ -470,7 +537,9 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
     Parameters
     ----------
     current : (generator, classes, clients)
-        Current-task generator, its classes and the stacked client teachers.
+        Current-task generator, its classes and the stacked client teachers, or one group
+        of them per task trained this round (:class:`TaskTeachers`): every client still
+        teaches the prompts on every latent (eq. 6), each through its own active slices.
     past : (generator, classes, previous server) or None
         Old-class generator, old classes and the previous task's server model; None
         when there is no previous model (first task, or the ablation).
@@ -486,6 +555,7 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
         Last step's prompt loss and head loss.
     """
     gen, classes, clients = current
+    groups = task_groups(classes, clients)
     prompt_opt = torch.optim.Adam(student.prompt_parameters(), lr=opts.distill_lr)
     head_opt = torch.optim.Adam(student.head_parameters(), lr=opts.distill_lr)
     n_old = int(round(opts.replay_ratio * opts.distill_batch_size)) if past is not None else 0
@@ -499,11 +569,11 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
     last: dict[str, float] = {}
     grams = grams_old = None
     if opts.distill_prompts and use_grams and opts.distill_epochs:
-        grams = PromptGrams(student, clients, track_student=True)
+        grams = [PromptGrams(student, g.teachers, track_student=True) for g in groups]
         grams_old = PromptGrams(student, past[2], track_student=True) if n_old else None  # type: ignore[index]
     for _ in range(opts.distill_epochs):
         with torch.no_grad():
-            y_new = classes[torch.randint(len(classes), (opts.distill_batch_size,), generator=rng, device=device)]
+            y_new = draw_labels(groups, opts.distill_batch_size, rng)
             z_new = gen.sample(y_new, rng)
             if n_old:
                 old_gen, old_classes, _ = past  # type: ignore[misc]
@@ -514,12 +584,15 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
                 z, y = z_new, y_new
             # Distillation targets: teachers' final prompts (eq. 6), fixed for this step.
             direct = opts.distill_prompts and grams is None
-            targets = {l: clients.final_prompts(z, l) for l in student.layers} if direct else {}
+            targets = {l: [g.teachers.final_prompts(z, l) for g in groups] for l in student.layers} if direct else {}
             old_targets = ({l: past[2].final_prompts(z_old, l)[0] for l in student.layers}  # type: ignore[index]
                            if direct and n_old else {})
         if grams is not None:
             # Eq. 6: clients on every latent; zeta: the previous server on old-class latents only.
-            loss_p = grams.mse(z) + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
+            loss_p = grams[0].mse(z)
+            for more in grams[1:]:
+                loss_p = loss_p + more.mse(z)
+            loss_p = loss_p + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
             prompt_opt.zero_grad(set_to_none=True)
             loss_p.backward()
             prompt_opt.step()
@@ -528,7 +601,8 @@ def distill(student: LatentStudent, opts: HePCoOptions, current: tuple[LatentGen
             loss_p = z.new_zeros(())
             for l in student.layers:
                 mine = student.final_prompts(z, l)
-                loss_p = loss_p + (mine[None] - targets[l]).pow(2).mean(dim=(1, 2, 3)).sum()
+                for target in targets[l]:
+                    loss_p = loss_p + (mine[None] - target).pow(2).mean(dim=(1, 2, 3)).sum()
                 if n_old:  # zeta: the previous server teaches on old-class latents only
                     loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)
@@ -686,7 +760,7 @@ class HePCoStrategy(PromptStrategy):
     """
 
     name = "hepco"
-    asynchronous_tasks = False  # its task-end step keeps the previous task's server model as teacher
+    random_tasks = False  # tasks of the stream: contiguous classes and slices
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
 
@@ -736,14 +810,17 @@ class HePCoStrategy(PromptStrategy):
         per_task = cfg.pool_size // cfg.num_tasks
         k = self.num_classes // cfg.num_tasks
         dev = self.device
-        classes = torch.as_tensor(task_classes(cfg, task, self.num_classes), device=dev)
-        seen = torch.arange((task + 1) * k, device=dev)
+        # the tasks this round's replies trained (one, the current task, with synchronous arrival):
+        # the current-task generator and the distillation cover all their classes
+        groups = self.task_teachers(replies, per_task)
+        low, high = int(groups[0].classes[0]) // k, int(groups[-1].classes[-1]) // k
+        classes = torch.arange(low * k, (high + 1) * k, device=dev)
+        seen = torch.arange((high + 1) * k, device=dev)
         seed = int(np.random.default_rng([cfg.seed, task, self.round, 0x4EC0]).integers(2**31 - 1))
         rng = torch.Generator(device=dev).manual_seed(seed)
 
-        clients = Teachers.stack([from_array_record(r[ARRAYS]) for r in replies], cfg.layers,
-                                 (task + 1) * per_task, dev)
-        student = LatentStudent(provisional, cfg.layers, slice(task * per_task, (task + 1) * per_task), dev)
+        clients = groups[0].teachers if len(groups) == 1 else groups
+        student = LatentStudent(provisional, cfg.layers, slice(low * per_task, (high + 1) * per_task), dev)
         dim = int(student.head_w.shape[1])
         report: dict[str, float] = {}
 
@@ -780,7 +857,20 @@ class HePCoStrategy(PromptStrategy):
                  " ".join(f"{name} {v:.3g}" for name, v in report.items() if not name.endswith("seconds")))
         return to_array_record(distilled)
 
-    def _diagnose(self, gen: LatentGenerator, classes: torch.Tensor, clients: Teachers,
+    def task_teachers(self, replies: list[RecordDict], per_task: int) -> list[TaskTeachers]:
+        """The round's client teachers, one group per task they trained (ascending), each stacked
+        up to its task's slices; the task of a reply is the one the server sent it."""
+        origins = self.reply_origins(replies) or [(None, None)] * len(replies)
+        tasks = [self.task if task is None else task for _, task in origins]
+        groups = []
+        for t in sorted(set(tasks)):
+            states = [from_array_record(r[ARRAYS]) for r, rt in zip(replies, tasks) if rt == t]
+            groups.append(TaskTeachers(torch.as_tensor(task_classes(self.cfg, t, self.num_classes), device=self.device),
+                                       Teachers.stack(states, self.cfg.layers, (t + 1) * per_task, self.device),
+                                       len(states)))
+        return groups
+
+    def _diagnose(self, gen: LatentGenerator, classes: torch.Tensor, clients: Teachers | list[TaskTeachers],
                   past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
                   student: LatentStudent, provisional: dict[str, np.ndarray], distilled: dict[str, np.ndarray],
                   seed: int) -> dict[str, float]:
@@ -796,7 +886,9 @@ class HePCoStrategy(PromptStrategy):
         opts = self.opts
         rng = torch.Generator(device=self.device).manual_seed(seed + 1)  # the training stream stays untouched
         z_new, y_new = sample_latents(gen, classes, opts.diagnostics_per_class, opts.distill_generator_mode, rng)
-        out = {"gen-teacher-acc": float(teacher_accuracy(clients, z_new, y_new, classes).mean())}
+        accuracies = [teacher_accuracy(g.teachers, z_new[g.holds(y_new)], y_new[g.holds(y_new)], g.classes)
+                      for g in task_groups(classes, clients)]  # each client on its own task's latents
+        out = {"gen-teacher-acc": float(torch.cat(accuracies).mean())}
         latents = {"new": (z_new, y_new)}
         if past is not None:
             past_gen, old_classes, prev = past

@@ -16,6 +16,11 @@ of the prompted features: a *generative prototype*. The server
    cross-entropy, SGD with momentum 0.9, 5 epochs, cosine schedule (eq. 7);
 5. sends the rebalanced head with the averaged prompts back to the clients.
 
+With asynchronous arrival (clients on different tasks in one round) the statistics are kept
+per (class, client) under the client and task the server sent, newer replacing older (see
+:meth:`HGPStrategy.ingest`), and rebalancing covers CR_old (tasks every client has left) and
+CR_cur (tasks some client is on).
+
 The wire format of the ``class-stats`` record (one row per local class) is defined
 here, :func:`class_statistics` (client) and :func:`check_class_stats` /
 :func:`decode_class_stats` (server), so both sides share it.
@@ -499,7 +504,7 @@ class HGPStrategy(PromptStrategy):
     """
 
     name = "hgp"
-    asynchronous_tasks = False  # its Gaussian mixtures of a task are closed when every client has finished it
+    random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     options_class = HGPOptions
@@ -507,9 +512,10 @@ class HGPStrategy(PromptStrategy):
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)
         self.opts = HGPOptions.from_options(self.options)
-        self.task = 0
-        # per class: its clients' statistics as received, one row per client (checkpointed),
-        # and the prepared mixture (a cache rebuilt from them)
+        self.task = 0  # the newest task some client has started
+        # per class: its clients' statistics as received, one row per client, with the client
+        # ("clients") and the server round it arrived in ("rounds") (checkpointed), and the
+        # prepared mixture (a cache rebuilt from them)
         self.class_stats: dict[int, dict[str, np.ndarray]] = {}
         self._mixtures: dict[int, ClassMixture | None] = {}
         self.last_rebalance: dict[str, float] = {}
@@ -544,9 +550,14 @@ class HGPStrategy(PromptStrategy):
             # the counts weigh the mixtures: they must be the samples the client trained on
             return (f"class counts sum to {int(arrays['counts'].sum())}, "
                     f"num-examples is {int(msg.content[METRICS]['num-examples'])}")
-        outside = set(arrays["classes"].tolist()) - set(task_classes(self.cfg, self.task, self.num_classes).tolist())
+        task = self.assigned_task(msg)
+        if task is None:
+            if not self.schedule.synchronous:
+                return "cannot tell which task this reply trained (no matching message sent this round)"
+            task = self.task
+        outside = set(arrays["classes"].tolist()) - set(task_classes(self.cfg, task, self.num_classes).tolist())
         if outside:
-            return f"class statistics for classes {sorted(outside)[:5]} outside the current task"
+            return f"class statistics for classes {sorted(outside)[:5]} outside the task it was sent"
         for name, bound in (("means", FEATURE_BOUND), *((k, FEATURE_BOUND**2) for k in WIRE_ARRAYS[kind])):
             if np.abs(arrays[name]).max(initial=0.0) > bound:
                 return f"class statistics {name} beyond {bound:g}, impossible for layer-normed features"
@@ -557,8 +568,13 @@ class HGPStrategy(PromptStrategy):
         started = time.perf_counter()
         state = from_array_record(arrays)
         dim = int(state["head.weight"].shape[1])
-        self.ingest(replies, dim)
-        mixtures = self.rebalance_mixtures()
+        origins = self.reply_origins(replies)
+        if origins is not None:  # unknown clients (-1, -2, ...): each one distinct
+            origins = [(-1 - i if client is None else client, self.task if task is None else task)
+                       for i, (client, task) in enumerate(origins)]
+        self.ingest(replies, server_round, origins)
+        in_flight = None if self.schedule.synchronous else self.tasks_in_flight(server_round - 1)
+        mixtures = self.rebalance_mixtures(in_flight)
         if not mixtures:
             return arrays
         gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, server_round, 0x46B]).integers(2**31)))
@@ -573,7 +589,8 @@ class HGPStrategy(PromptStrategy):
             return cache[epoch]
 
         if self.opts.rebalance_logits == "seen":
-            allowed = torch.as_tensor(seen_classes(self.cfg, self.task, self.num_classes))
+            newest = self.task if in_flight is None else in_flight[-1]
+            allowed = torch.as_tensor(seen_classes(self.cfg, newest, self.num_classes))
         else:
             allowed = torch.tensor(sorted(m.label for m in mixtures))
         sampled = time.perf_counter()
@@ -588,47 +605,92 @@ class HGPStrategy(PromptStrategy):
         return to_array_record(state)
 
     # ------------------------------------------------------------------ mixtures
-    def ingest(self, replies: list[RecordDict], dim: int) -> None:
-        """Tier 1: per class of this round, its mixture becomes the components just received.
+    def ingest(self, replies: list[RecordDict], server_round: int = 0,
+               origins: list[tuple[int, int]] | None = None) -> None:
+        """Tier 1: keep each (class, client)'s newest statistics.
 
-        Classes no client reported this round keep their previous mixture (earlier
-        tasks' classes, or current-task classes missing from a partial round).
+        Parameters
+        ----------
+        replies : list of RecordDict
+            Accepted replies (``check_reply`` has validated their statistics).
+        server_round : int
+            The round they arrived in.
+        origins : list of (client id, task), optional
+            The client and task the server assigned each reply (:meth:`reply_origins`);
+            None: distinct unknown clients on the newest task.
+
+        A client's statistics for a class replace its older ones. A round's reports of a
+        class also replace the statistics of the clients that are still on the class's task
+        (their model has moved on since), so a class's mixture holds the freshest report of
+        every client that has left its task and this round's reports from the clients still
+        on it. With synchronous arrival every client is on the task until it ends, so a
+        reported class's mixture is this round's components, as HGP's Tier 1 (section 3)
+        builds it from the round's clients. Classes no client reported this round keep their
+        mixture (earlier tasks' classes, or classes missing from a partial round).
         """
-        allowed = set(task_classes(self.cfg, self.task, self.num_classes).tolist())
-        fresh: dict[int, list[tuple[dict[str, np.ndarray], int]]] = {}
-        for reply in replies:  # accepted replies: check_reply has validated their statistics
-            if STATS not in reply.array_records:
+        if origins is None:
+            origins = [(-1 - i, self.task) for i in range(len(replies))]
+        fresh: dict[int, list[tuple[dict[str, np.ndarray], int, int]]] = {}
+        for (client, task), content in zip(origins, replies):
+            if STATS not in content.array_records:
                 continue
-            arrays = from_array_record(reply[STATS])  # stored as received, decoded when a mixture is built
+            allowed = set(task_classes(self.cfg, task, self.num_classes).tolist())
+            arrays = from_array_record(content[STATS])  # stored as received, decoded when a mixture is built
             for row, c in enumerate(arrays["classes"].tolist()):
-                if c not in allowed:
-                    continue
-                if int(arrays["counts"][row]) > 0:
-                    fresh.setdefault(c, []).append((arrays, row))
+                if c in allowed and int(arrays["counts"][row]) > 0:
+                    fresh.setdefault(c, []).append((arrays, row, client))
         for c, rows in fresh.items():
             encodings = {tuple((k, a[k].dtype.str, a[k].shape[1:]) for k in sorted(a) if k.startswith("cov-"))
-                         for a, _ in rows}
+                         for a, _, _ in rows}
+            kept = self._kept_rows(c, {client for _, _, client in rows}, server_round)
+            if kept is not None:
+                encodings.add(tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(kept.items())
+                                    if k.startswith("cov-")))
             if len(encodings) != 1:
                 log.warning("hgp: class %d received mixed covariance encodings; skipped this round", c)
                 continue
-            self.class_stats[c] = {k: np.stack([a[k][r] for a, r in rows]) for k in rows[0][0] if k != "classes"}
+            new = {k: np.stack([a[k][r] for a, r, _ in rows]) for k in rows[0][0] if k != "classes"}
+            new["clients"] = np.array([client for _, _, client in rows], np.int64)
+            new["rounds"] = np.full(len(rows), server_round, np.int64)
+            self.class_stats[c] = new if kept is None else {k: np.concatenate([kept[k], new[k]]) for k in new}
             self._mixtures.pop(c, None)
+
+    def _kept_rows(self, label: int, reporters: set[int], server_round: int) -> dict[str, np.ndarray] | None:
+        """The stored rows of ``label`` that this round's reports leave in place (None: none).
+
+        Dropped: the reporters' own older rows, and those of clients still on the class's task.
+        """
+        stored = self.class_stats.get(label)
+        if stored is None or "clients" not in stored:
+            return None
+        task = label // (self.num_classes // self.cfg.num_tasks)  # the stream's tasks own contiguous classes
+        keep = np.array([c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
+                         for c in stored["clients"].tolist()], dtype=bool)
+        if not keep.any():
+            return None
+        return {k: v[keep] for k, v in stored.items()}
 
     def mixture(self, label: int) -> ClassMixture | None:
         """The prepared Tier-1 mixture of ``label`` (None if never reported)."""
         if label not in self._mixtures:
             raw = self.class_stats.get(label)
-            self._mixtures[label] = None if raw is None else _mixture_from_raw(label, raw, self.opts.cov_eps)
+            self._mixtures[label] = None if raw is None else _mixture_from_raw(
+                label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps)
         return self._mixtures[label]
 
-    def rebalance_mixtures(self) -> list[ClassMixture]:
-        """Mixtures of the classes the rebalancing samples (CR_old and/or CR_cur)."""
-        current = task_classes(self.cfg, self.task, self.num_classes)
+    def rebalance_mixtures(self, in_flight: range | None = None) -> list[ClassMixture]:
+        """Mixtures of the classes the rebalancing samples.
+
+        CR_old: the classes of the tasks every client has left; CR_cur: the classes of the
+        tasks some client is on, ``in_flight`` (None: the current task alone, as with
+        synchronous arrival). Together they cover every class any client has reported so far.
+        """
+        in_flight = range(self.task, self.task + 1) if in_flight is None else in_flight
         labels: list[int] = []
         if self.opts.rebalance_old:
-            labels += list(range(int(current[0])))
+            labels += seen_classes(self.cfg, in_flight.start - 1, self.num_classes).tolist() if in_flight.start else []
         if self.opts.rebalance_cur:
-            labels += current.tolist()
+            labels += [c for t in in_flight for c in task_classes(self.cfg, t, self.num_classes).tolist()]
         return [m for m in (self.mixture(c) for c in labels) if m is not None]
 
     # ------------------------------------------------------------------ checkpoint
@@ -646,6 +708,10 @@ class HGPStrategy(PromptStrategy):
             if key.startswith("class") and "." in key:
                 label, name = key[5:].split(".", 1)
                 self.class_stats.setdefault(int(label), {})[name] = np.asarray(value)
+        for raw in self.class_stats.values():  # a checkpoint from before per-client rows: clients unknown
+            n = len(raw["counts"])
+            raw.setdefault("clients", np.arange(-1, -1 - n, -1, dtype=np.int64))
+            raw.setdefault("rounds", np.zeros(n, np.int64))
 
 
 def _mixture_from_raw(label: int, raw: Mapping[str, np.ndarray], eps: float) -> ClassMixture | None:

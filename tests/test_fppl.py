@@ -169,7 +169,7 @@ def test_infonce_leaves_out_samples_whose_class_has_no_global_prototype():
 
 # ---------------------------------------------------------------------------- server: prototypes
 def test_global_prototypes_are_the_per_class_mean_over_holders_and_reach_every_client(flower_identity):
-    s, arrays = strategy_at_task(0)
+    s, arrays = strategy_at_task(0, rounds_per_task=2)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(2, d)), rng.normal(size=(2, d))
@@ -282,7 +282,7 @@ def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower
     assert off.extra_loss(batch, 1) is None
 
     for flag, expect in ((True, True), (False, False)):
-        s, arrays = strategy_at_task(0, {"unified-loss": flag})
+        s, arrays = strategy_at_task(0, {"unified-loss": flag}, rounds_per_task=2)
         s.aggregate_train(1, [reply_from(1, client_reply(arrays, 10, [0, 1], np.zeros((2, d))))])
         messages = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(2)))
         assert (GLOBAL_PROTOTYPES in messages[0].content.array_records) is expect
@@ -355,7 +355,7 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
 
 
 def test_latest_per_client_keeps_each_clients_newest_prototypes():
-    s, arrays = strategy_at_task(0, {"latest-per-client": True})
+    s, arrays = strategy_at_task(0, {"latest-per-client": True}, rounds_per_task=3)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
     s.consolidate(1, arrays, [client_reply(arrays, 5, [0, 1], np.zeros((2, d)), client=c) for c in (1, 2)])
     s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.ones((1, d)), client=2)])
@@ -368,7 +368,7 @@ def test_with_partial_participation_only_latest_per_client_keeps_every_class_in_
     stays in the pool with latest-per-client (default), and is lost with the literal reading."""
     pools = {}
     for latest in (True, False):
-        s, arrays = strategy_at_task(0, {"latest-per-client": latest})
+        s, arrays = strategy_at_task(0, {"latest-per-client": latest}, rounds_per_task=2)
         d = from_array_record(arrays)["prompt.fusion"].shape[1]
         s.consolidate(1, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=1),
                                   client_reply(arrays, 5, [1], np.ones((1, d)), client=2)])
@@ -418,3 +418,82 @@ def test_fppl_end_to_end_simulation(tmp_path):
     # clients upload prototypes on top of the parameters
     n_params = results["communication"]["trainable_parameters"]
     assert all(r["bytes_c2s"] / r["clients_aggregated"] > 4 * n_params + d * 4 for r in rounds)
+
+
+# ---------------------------------------------------------------------------- asynchronous arrival
+ASYNC = {"num-clients": 4, "clients-per-round": 4, "rounds-per-task": 2, "switch-every": 1, "switch-fraction": 0.5}
+
+
+def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
+    """Two tasks of 5 classes, 4 clients, every round 2 of them move on: tasks 0 and 1 in flight in round 2."""
+    s, arrays = strategy_at_task(0, **{k.replace("-", "_"): v for k, v in ASYNC.items()})
+    d = from_array_record(arrays)["prompt.fusion"].shape[1]
+    fast = sorted(c for c in range(4) if s.schedule.position(c, 1) == 1)
+    slow = sorted(set(range(4)) - set(fast))
+
+    def protos(client: int, classes: list[int], version: int = 0) -> RecordDict:
+        """Prototypes whose value encodes (client, class, version)."""
+        means = np.stack([np.full(d, 100.0 * client + c + 0.5 * version) for c in classes])
+        return client_reply(arrays, 5, classes, means, client=client)
+
+    # round 1: every client on task 0
+    s.consolidate(1, arrays, [protos(c, [0, 1]) for c in range(4)])
+    s.pool_departed(1)  # as round 2's configure_train does
+    # the fast clients leave task 0 now: their prototypes are pooled, the slow ones' stay current
+    assert sorted(set(s.pool.clients.tolist())) == fast and sorted(set(s.current.clients.tolist())) == slow
+    np.testing.assert_array_equal(s.global_classes, [0, 1])  # task 0 still has clients; task 1 none yet
+    np.testing.assert_allclose(s.global_means[0], np.full(d, 100.0 * np.mean(range(4))))  # over all holders
+    # round 2: the fast clients' first round of task 1; slow[0] sends newer prototypes of task 0
+    arrays = s.on_task_start(1, arrays)
+    p = from_array_record(arrays)
+    np.testing.assert_array_equal(p["prompt.p0"][1], p["prompt.p0"][0])  # task 1 starts from task 0's prompt
+    s.consolidate(2, arrays, [protos(fast[0], [5, 6]), protos(fast[1], [5]), protos(slow[0], [0, 1], version=1)])
+    s.pool_departed(2)
+    # now every client has left task 0: the pool holds one set per client, slow[0]'s newest
+    pool0 = sorted(zip(s.pool.clients.tolist(), s.pool.classes.tolist(), s.pool.means[:, 0].tolist()))
+    assert pool0 == sorted((c, y, 100.0 * c + y + 0.5 * (c == slow[0])) for c in range(4) for y in (0, 1))
+    assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist())) == sorted(
+        [(fast[0], 5), (fast[0], 6), (fast[1], 5)])
+    np.testing.assert_array_equal(s.global_classes, [5, 6])  # only task 1 is in flight in round 3
+    np.testing.assert_allclose(s.global_means[0], np.full(d, 100.0 * np.mean(fast) + 5))
+    assert sorted(set(s.debias_set().classes.tolist())) == [0, 1, 5, 6]  # every class with prototypes
+    # round 3: a client's newer prototypes of task 1 replace its older ones; its task 0 ones stay pooled
+    s.consolidate(3, arrays, [protos(fast[0], [5, 6], version=1), protos(slow[1], [7])])
+    s.pool_departed(3)
+    assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist(), s.current.means[:, 0].tolist())) == \
+        sorted([(fast[0], 5, 100.0 * fast[0] + 5.5), (fast[0], 6, 100.0 * fast[0] + 6.5), (fast[1], 5, 100.0 * fast[1] + 5),
+                (slow[1], 7, 100.0 * slow[1] + 7)])
+    assert len(s.pool) == 8
+    s.on_task_end(1, arrays)  # the run's end: everything left is pooled
+    assert len(s.current) == 0 and len(s.pool) == 12
+
+
+def test_async_replies_are_checked_against_the_task_and_client_the_server_sent(flower_identity):
+    from flwr.app import Message
+
+    s, arrays = strategy_at_task(1, **{k.replace("-", "_"): v for k, v in ASYNC.items()})
+    d = from_array_record(arrays)["prompt.fusion"].shape[1]
+    sent = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(4)))
+    for msg in sent:
+        client, task = int(msg.content["config"]["client-id"]), int(msg.content["config"]["task"])
+        own, other = ([0, 1], [5, 6]) if task == 0 else ([5, 6], [0, 1])
+        ok = Message(content=client_reply(arrays, 5, own, np.zeros((2, d)), client=client), reply_to=msg)
+        assert s.check_reply(ok) is None
+        wrong_task = Message(content=client_reply(arrays, 5, other, np.zeros((2, d)), client=client), reply_to=msg)
+        assert "outside the task" in s.check_reply(wrong_task)
+        spoofed = Message(content=client_reply(arrays, 5, own, np.zeros((2, d)), client=client + 1), reply_to=msg)
+        assert "another client" in s.check_reply(spoofed)
+        twice = Message(content=client_reply(arrays, 5, own[:1] * 2, np.zeros((2, d)), client=client), reply_to=msg)
+        assert "repeat a class" in s.check_reply(twice)
+
+
+def test_fppl_asynchronous_end_to_end(tmp_path):
+    """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
+    from tests.helpers import simulate_in_process as simulate
+
+    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01, **{"switch-every": 1, "switch-fraction": 0.5})
+    rounds = results["rounds"]
+    assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    assert all(r["clients_aggregated"] == 3 and not r["rejected"] for r in rounds)
+    acc = results["accuracy_matrix"]
+    assert acc[1][0] is None and all(v is not None and 0 <= v <= 100 for v in (acc[0][0], acc[0][1], acc[1][1]))

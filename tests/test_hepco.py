@@ -617,3 +617,108 @@ def test_simulation_end_to_end(tmp_path):
     n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1)
     assert results["communication"]["trainable_parameters"] == n
     assert 4 * n <= results["communication"]["bytes_per_client_exchange"] <= 4 * n * 1.05 + 4096
+
+
+# ---------------------------------------------------------------------------- asynchronous arrival
+def test_async_latents_follow_the_replies_and_each_client_teaches_its_own_task():
+    from strategies.hepco import TaskTeachers, draw_labels, group_generator_losses
+
+    sc = Scenario(make_strategy(), clients=4)
+    cpu = torch.device("cpu")
+    behind = Teachers.stack(sc.clients[:1], sc.strategy.cfg.layers, 2, cpu)  # one client still on task 0
+    ahead = Teachers.stack(sc.clients[1:], sc.strategy.cfg.layers, 4, cpu)  # three on task 1
+    groups = [TaskTeachers(torch.arange(5), behind, 1), TaskTeachers(torch.arange(5, 10), ahead, 3)]
+    labels = draw_labels(groups, 20_000, torch.Generator().manual_seed(0))
+    assert abs(float((labels >= 5).double().mean()) - 0.75) < 0.02  # a task's share: its replies
+    assert set(labels.tolist()) == set(range(10))
+    student = LatentStudent(sc.provisional, sc.strategy.cfg.layers, slice(0, 4), cpu)
+    z, y = sc.latents(range(10), n_per_class=8)
+    both = group_generator_losses(z, y, groups, student)
+    old, new = y < 5, y >= 5
+    parts = [generator_losses(z[old], y[old], torch.arange(5), behind, student),
+             generator_losses(z[new], y[new], torch.arange(5, 10), ahead, student)]
+    for name in ("cls", "kl", "mse"):  # each client on its own task's latents, through its own slices
+        torch.testing.assert_close(both[name], parts[0][name] + parts[1][name])
+    one = group_generator_losses(z[new], y[new], groups[1:], student)  # one task: exactly the synchronous loss
+    for name in ("cls", "kl", "mse"):
+        assert torch.equal(one[name], parts[1][name])
+
+
+def test_async_server_step_over_several_rounds(flower_identity):
+    """4 clients, 2 rounds per task, every round 2 move on: round 2 trains tasks 0 and 1 at once."""
+    from flwr.app import ConfigRecord, Message
+
+    from tests.helpers import NodeList
+
+    cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1,
+                      switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3})
+    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    per = cfg.pool_size // cfg.num_tasks
+    g = torch.Generator().manual_seed(0)
+    prompt = HePCoPrompt(D, cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+    state = {f"prompt.{k}": v.detach().numpy().copy() for k, v in prompt.state_dict().items()}
+    state |= {"head.weight": 0.1 * torch.randn(NUM_CLASSES, D, generator=g).numpy(),
+              "head.bias": np.zeros(NUM_CLASSES, np.float32)}
+    arrays = s.on_task_start(0, to_array_record(state))
+
+    def round_(server_round: int, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord, list[int]]:
+        index = server_round - 1
+        task, round_in = s.schedule.steps()[index]
+        for new in s.schedule.tasks_starting(index):
+            arrays = s.on_task_start(new, arrays)
+        sent = list(s.configure_train(server_round, arrays, ConfigRecord({"task": task, "round": round_in}),
+                                      NodeList(4)))
+        replies = []
+        for msg in sent:  # each client moves its own task's slice and head rows
+            t = int(msg.content["config"]["task"])
+            mine = {k: v.copy() for k, v in from_array_record(arrays).items()}
+            for name in mine:
+                rows = slice(t * per, (t + 1) * per) if name.startswith("prompt.") else slice(5 * t, 5 * t + 5)
+                mine[name][rows] += 0.1 * torch.randn(mine[name][rows].shape, generator=g).numpy()
+            replies.append(Message(content=reply(mine), reply_to=msg))
+        out, metrics = s.aggregate_train(server_round, replies)
+        assert not s.rejected
+        return out, metrics, sorted(int(m.content["config"]["task"]) for m in sent)
+
+    arrays, m1, tasks1 = round_(1, arrays)
+    assert tasks1 == [0, 0, 0, 0] and "past-gen-cls" not in m1
+    before = from_array_record(arrays)
+    arrays, m2, tasks2 = round_(2, arrays)
+    assert tasks2 == [0, 0, 1, 1]
+    groups = s.task_teachers([m.content for m in s.accepted_messages], per)
+    assert [(g.replies, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
+        [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
+    # the distilled model moved both tasks' slices away from the replies' uniform average
+    average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted_messages], axis=0)
+               for k in before}
+    after = from_array_record(arrays)
+    for t in (0, 1):
+        rows = slice(t * per, (t + 1) * per)
+        assert not np.allclose(after["prompt.p0"][rows], average["prompt.p0"][rows], atol=1e-7)
+    assert not np.array_equal(after["prompt.p0"][:per], before["prompt.p0"][:per])
+    assert "past-gen-cls" not in m2  # no task has ended for every client yet
+    # task 0's nominal end (round 2): the server model then is the past teacher from now on
+    s.on_task_end(0, arrays)
+    frozen = {k: v.copy() for k, v in s.previous.items()}
+    assert set(frozen) == {f"prompt.{k}{l}" for l in cfg.layers for k in "pk"} | {"head.weight", "head.bias"}
+    np.testing.assert_array_equal(frozen["prompt.p0"], after["prompt.p0"][:per])
+    for server_round in (3, 4):
+        arrays, metrics, tasks = round_(server_round, arrays)
+        assert tasks == [1, 1, 1, 1] and "past-gen-cls" in metrics
+        for name, value in frozen.items():  # the teacher stays the model of task 0's nominal end
+            np.testing.assert_array_equal(s.previous[name], value)
+    assert not np.array_equal(from_array_record(arrays)["head.weight"], frozen["head.weight"])
+
+
+def test_hepco_asynchronous_end_to_end(tmp_path):
+    """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
+    from tests.helpers import simulate_in_process as simulate
+
+    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
+        "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "switch-every": 1, "switch-fraction": 0.5})
+    rounds = results["rounds"]
+    assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    assert all(r["clients_aggregated"] == 3 and not r["rejected"] for r in rounds)
+    assert "past-gen-cls" not in rounds[1]["strategy_metrics"] and "past-gen-cls" in rounds[2]["strategy_metrics"]
+    acc = results["accuracy_matrix"]
+    assert acc[1][0] is None and all(v is not None and 0 <= v <= 100 for v in (acc[0][0], acc[0][1], acc[1][1]))

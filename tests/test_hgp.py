@@ -157,7 +157,7 @@ def test_mixture_weights_follow_the_counts_at_both_tiers():
     centres = {(c, k): torch.full((dim,), 10.0 * (3 * c + k)) for c in range(3) for k in range(2)}
     client0 = stats_record({0: 30, 1: 12}, {0: centres[0, 0], 1: centres[1, 0]}, dim, seed=1)
     client1 = stats_record({0: 10, 2: 8}, {0: centres[0, 1], 2: centres[2, 1]}, dim, seed=2)
-    strategy.ingest([reply_with(client0), reply_with(client1)], dim)
+    strategy.ingest([reply_with(client0), reply_with(client1)])
     mixtures = strategy.rebalance_mixtures()
     assert [m.label for m in mixtures] == [0, 1, 2]
     torch.testing.assert_close(mixtures[0].weights, torch.tensor([0.75, 0.25], dtype=torch.float64))  # Tier 1
@@ -220,7 +220,7 @@ def test_degenerate_statistics_still_sample_and_rebalance():
     zero_count = from_array_record(singular)
     zero_count["counts"] = np.array([0])
     strategy.ingest([reply_with(one_sample), reply_with(singular), reply_with(to_array_record(broken)),
-                     reply_with(to_array_record(zero_count))], dim)
+                     reply_with(to_array_record(zero_count))])
     mixtures = strategy.rebalance_mixtures()
     assert [len(m.counts) for m in mixtures] == [1, 2]  # the zero-count component is dropped
     x, y = sample_features(mixtures, class_weights(mixtures), 500, 3.0, torch.Generator().manual_seed(9))
@@ -270,10 +270,10 @@ def test_rebalancing_fixes_a_head_biased_toward_the_newest_classes(loss):
     halves = [torch.arange(len(train_y)) < 120, torch.arange(len(train_y)) >= 120]
     strategy.task = 0
     strategy.ingest([reply_with(class_statistics(train_x[halves[0] & m], train_y[halves[0] & m], strategy.opts))
-                     for m in (first, second)], 16)
+                     for m in (first, second)])
     strategy.task = 1
     strategy.ingest([reply_with(class_statistics(train_x[halves[1] & m], train_y[halves[1] & m], strategy.opts))
-                     for m in (first, second)], 16)
+                     for m in (first, second)])
     head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
     out = from_array_record(strategy.consolidate(7, head, []))
     after = per_class_accuracy(torch.from_numpy(out["head.weight"]), torch.from_numpy(out["head.bias"]), test_x, test_y)
@@ -287,9 +287,9 @@ def test_rebalancing_switches_select_the_sampled_classes():
     for old, cur in ((False, False), (True, False), (False, True), (True, True)):
         strategy = make_strategy(task=0, rebalance_old=old, rebalance_cur=cur, rebalance_lr=0.05,
                                  rebalance_batch_size=32)
-        strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))], 16)
+        strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))])
         strategy.task = 1
-        strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+        strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
         assert [m.label for m in strategy.rebalance_mixtures()] == [0, 1] * old + [2, 3] * cur
         head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
         out = strategy.consolidate(3, head, [])
@@ -306,7 +306,7 @@ def test_rebalancing_switches_select_the_sampled_classes():
 def test_sampled_logits_leave_unsampled_classes_alone():
     train_x, train_y, _, _, weight, bias = biased_setup()
     strategy = make_strategy(task=1, rebalance_old=False, rebalance_logits="sampled")
-    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
     head = to_array_record({"head.weight": weight.numpy(), "head.bias": bias.numpy()})
     out = from_array_record(strategy.consolidate(3, head, []))
     assert np.array_equal(out["head.weight"][:2], weight[:2].numpy())  # old classes take no part
@@ -316,9 +316,9 @@ def test_sampled_logits_leave_unsampled_classes_alone():
 def test_state_dict_restores_every_mixture():
     train_x, train_y, *_ = biased_setup()
     strategy = make_strategy(task=0, cov_type="lowrank", cov_dtype="float16")
-    strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y < 2], train_y[train_y < 2], strategy.opts))])
     strategy.task = 1
-    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))], 16)
+    strategy.ingest([reply_with(class_statistics(train_x[train_y >= 2], train_y[train_y >= 2], strategy.opts))])
     restored = make_strategy(cov_type="lowrank", cov_dtype="float16")
     restored.load_state_dict(strategy.state_dict())
     assert restored.task == 1
@@ -387,3 +387,109 @@ def test_hgp_end_to_end_simulation(tmp_path):
         # each reply carries at least one class's mean and packed full covariance on top of the parameters
         extra = (r["bytes_c2s"] - r["bytes_s2c"]) / r["clients_sampled"]
         assert extra >= 4 * (dim + dim * (dim + 1) // 2)
+
+
+# ---------------------------------------------------------------------------- asynchronous arrival
+def async_strategy(**options) -> HGPStrategy:
+    """4 clients, 2 tasks of 2 classes, 2 rounds per task; every round 2 clients move on."""
+    cfg = tiny_config(**{"num-tasks": 2, "num-clients": 4, "clients-per-round": 4, "rounds-per-task": 2,
+                         "switch-every": 1, "switch-fraction": 0.5, "strategy": "hgp"})
+    return HGPStrategy(cfg, 4, {k.replace("_", "-"): v for k, v in options.items()})
+
+
+def client_stats(client: int, classes: list[int], dim: int = 6):
+    """Statistics whose class means encode the client (100 * client + class), so rows can be traced."""
+    return stats_record({c: 5 for c in classes}, {c: torch.full((dim,), 100.0 * client + c) for c in classes},
+                        dim, seed=client)
+
+
+def mixture_clients(strategy: HGPStrategy, label: int) -> list[int]:
+    """The clients whose components make ``label``'s mixture, read back from the component means."""
+    m = strategy.mixture(label)
+    return sorted(int(round((float(mu[0]) - label) / 100.0)) for mu in m.means)
+
+
+def test_async_statistics_are_kept_per_class_and_client_over_several_rounds():
+    strategy = async_strategy()
+    schedule = strategy.schedule
+    fast = sorted(c for c in range(4) if schedule.position(c, 1) == 1)
+    slow = sorted(set(range(4)) - set(fast))
+    assert len(fast) == 2 and all(schedule.position(c, 2) == 1 for c in range(4))
+
+    def round_(server_round: int, reports: dict[int, tuple[int, list[int]]]) -> None:
+        clients = sorted(reports)
+        strategy.ingest([reply_with(client_stats(c, reports[c][1])) for c in clients], server_round,
+                        [(c, reports[c][0]) for c in clients])
+
+    # round 1: everyone on task 0
+    round_(1, {c: (0, [0, 1]) for c in range(4)})
+    assert mixture_clients(strategy, 0) == [0, 1, 2, 3]
+    # round 2: the fast clients on task 1 (two tasks in flight); one slow client reports task 0 again
+    round_(2, {fast[0]: (1, [2, 3]), fast[1]: (1, [2, 3]), slow[0]: (0, [0, 1])})
+    # the fast clients have left task 0: their last statistics stay; slow[0]'s newer ones replace its
+    # older; slow[1], still on task 0 and not reporting, is superseded by the round's fresher report
+    assert mixture_clients(strategy, 0) == sorted(fast + [slow[0]])
+    assert mixture_clients(strategy, 2) == fast
+    assert strategy.class_stats[0]["rounds"].tolist() == [1, 1, 2]
+    both = strategy.tasks_in_flight(1)
+    assert list(both) == [0, 1]
+    assert [m.label for m in strategy.rebalance_mixtures(both)] == [0, 1, 2, 3]  # CR_cur: both tasks
+    old_only = async_strategy(rebalance_cur=False)
+    old_only.class_stats, old_only.task = strategy.class_stats, 1
+    assert old_only.rebalance_mixtures(both) == []  # no task has been left by every client yet
+    # round 3: everyone on task 1; fast[0] and slow[1] report, fast[1] (still on task 1) is superseded
+    round_(3, {fast[0]: (1, [2, 3]), slow[1]: (1, [2])})
+    assert mixture_clients(strategy, 2) == sorted([fast[0], slow[1]])
+    assert mixture_clients(strategy, 3) == [fast[0]]
+    assert mixture_clients(strategy, 0) == sorted(fast + [slow[0]])  # task 0's classes: nobody reported them
+    later = strategy.tasks_in_flight(2)
+    assert list(later) == [1]
+    old_only.class_stats = strategy.class_stats
+    assert [m.label for m in old_only.rebalance_mixtures(later)] == [0, 1]  # CR_old: task 0, left by all
+    cur_only = async_strategy(rebalance_old=False)
+    cur_only.class_stats = strategy.class_stats
+    assert [m.label for m in cur_only.rebalance_mixtures(later)] == [2, 3]
+    # the checkpoint keeps clients and rounds
+    restored = async_strategy()
+    restored.load_state_dict(strategy.state_dict())
+    for c in range(4):
+        assert mixture_clients(restored, c) == mixture_clients(strategy, c)
+
+
+def test_async_reply_statistics_must_be_of_the_task_the_server_sent(flower_identity):
+    from flwr.app import ConfigRecord, Message
+
+    from tests.helpers import NodeList
+
+    strategy = async_strategy()
+    dim = 6
+    arrays = to_array_record({"head.weight": np.zeros((4, dim), np.float32), "head.bias": np.zeros(4, np.float32)})
+    strategy.task = 1  # the fast clients' task has started
+    sent = list(strategy.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(4)))
+    tasks = {int(m.content["config"]["client-id"]): int(m.content["config"]["task"]) for m in sent}
+    assert sorted(tasks.values()) == [0, 0, 1, 1]
+
+    def reply(msg: Message, classes: list[int]) -> Message:
+        stats = client_stats(int(msg.content["config"]["client-id"]), classes, dim)
+        content = reply_with(stats)
+        content[ARRAYS] = arrays
+        return Message(content=content, reply_to=msg)
+
+    for msg in sent:
+        own = [0, 1] if tasks[int(msg.content["config"]["client-id"])] == 0 else [2, 3]
+        other = [2, 3] if own == [0, 1] else [0, 1]
+        assert strategy.check_reply(reply(msg, own)) is None
+        assert "outside the task it was sent" in strategy.check_reply(reply(msg, other))
+
+
+def test_hgp_asynchronous_end_to_end(tmp_path):
+    """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
+    from tests.helpers import simulate_in_process as simulate
+
+    results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01,
+                       **{"hgp.samples-per-class": 64, "switch-every": 1, "switch-fraction": 0.5})
+    rounds = results["rounds"]
+    assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
+    assert all(r["clients_aggregated"] == 3 and not r["rejected"] for r in rounds)
+    acc = results["accuracy_matrix"]
+    assert acc[1][0] is None and all(v is not None and 0 <= v <= 100 for v in (acc[0][0], acc[0][1], acc[1][1]))

@@ -72,15 +72,22 @@ def test_a_schedule_that_cannot_finish_the_stream_is_a_config_error():
         tiny_config(switch_every=-1)
 
 
-def test_methods_that_need_synchronous_tasks_refuse_an_asynchronous_schedule():
+def test_every_method_takes_asynchronous_arrival_on_the_stream():
     from client.methods import strategy_class
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
-    for name in ("hepco", "fppl", "hgp"):
-        with pytest.raises(ConfigError, match="needs synchronous task arrival"):
-            strategy_class(name)(cfg, 10)
-    strategy_class("fedavg")(cfg, 10)
-    strategy_class("fedcprompt")(cfg, 10)
+    for name in ("fedavg", "fedcprompt", "powder", "hepco", "fppl", "hgp"):
+        assert not strategy_class(name)(cfg, 10).schedule.synchronous
+
+
+@pytest.mark.parametrize("name", ["hepco", "fppl", "hgp"])
+def test_stream_methods_refuse_random_tasks(name):
+    from client.methods import strategy_class
+
+    cfg = tiny_config(task_generator="random", num_clients=2, clients_per_round=2, num_rounds=2, switch_every=0,
+                      num_tasks=2, classes_per_task=2, min_overlap=0.0, task_data_fraction=0.5)
+    with pytest.raises(ConfigError, match="needs the shared task stream"):
+        strategy_class(name).check_schedule(cfg)
 
 
 def test_each_client_is_sent_its_own_task(flower_identity):
