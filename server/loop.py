@@ -374,8 +374,11 @@ PULL_INTERVAL_SECONDS = 0.2
 
 def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
     """``Grid.send_and_receive`` with a short wait between pulls (``PULL_INTERVAL_SECONDS``):
-    push the messages, then pull until every one has its reply or ``timeout`` seconds pass."""
-    pending = set(grid.push_messages(messages))
+    push the messages, then pull until every one has its reply or ``timeout`` seconds pass.
+    Replies come back in the order their messages were sent, whatever order they arrived in,
+    so that aggregation (a floating-point sum) is the same in every run."""
+    ids = list(grid.push_messages(messages))
+    pending = set(ids)
     deadline = time.monotonic() + timeout
     replies: list[Message] = []
     while pending:
@@ -385,7 +388,8 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> lis
         if not pending or time.monotonic() >= deadline:
             break
         time.sleep(PULL_INTERVAL_SECONDS)
-    return replies
+    order = {message_id: i for i, message_id in enumerate(ids)}
+    return sorted(replies, key=lambda m: order.get(m.metadata.reply_to_message_id, len(order)))
 
 
 def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
