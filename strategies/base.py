@@ -59,6 +59,9 @@ class PromptStrategy(FedAvg):
     #: prompt module of this method (clients build their model with it; the server
     #: uses it to initialise task slices). Must take CodaPrompt's constructor arguments.
     prompt_class: type[CodaPrompt] = CodaPrompt
+    #: with clients on several tasks in a round, average each task's slice and head rows over
+    #: the replies that trained it (``average_replies``); False: FedAvg-Prompt's plain average
+    per_task_in_flight: bool = False
     #: record names a client reply must carry, exactly (None: "arrays" and "metrics"
     #: required, extra records allowed). Methods that upload statistics list them here.
     reply_records: frozenset[str] | None = frozenset({ARRAYS, METRICS})
@@ -319,7 +322,7 @@ class PromptStrategy(FedAvg):
                         server_round, len(accepted), self.cfg.min_replies)
             return None, None
         weights = self.reply_weights(accepted)
-        arrays = self.combine_arrays([c[ARRAYS] for c in accepted], weights)
+        arrays = self.average_replies(accepted, weights)
         arrays = self.consolidate(server_round, arrays, accepted)
         metrics = MetricRecord({
             "num-examples": int(sum(int(c[METRICS]["num-examples"]) for c in accepted)),
@@ -437,6 +440,23 @@ class PromptStrategy(FedAvg):
         if self.cfg.population == "nodes" and len(counts) >= 3 and counts.max() > self.cfg.max_client_weight * counts.sum():
             return capped_weights(counts, self.cfg.max_client_weight)
         return counts  # every use normalises; unnormalised counts keep FedAvg's arithmetic as it was
+
+    def average_replies(self, accepted: list[RecordDict], weights: np.ndarray) -> ArrayRecord:
+        """The accepted replies' arrays, averaged (``combine_arrays``).
+
+        With ``per_task_in_flight`` and clients on several tasks in the round (asynchronous
+        arrival), each task's prompt slice and head rows are averaged over the replies whose
+        client was sent that task (``aggregate_per_task``), as Fed-CPrompt and Powder do: a
+        slice trained only by the clients that are ahead is not diluted by the others'
+        untouched copies. One task in the round (synchronous arrival): the plain average.
+        """
+        tasks = [self.assigned_task(m) for m in self.accepted_messages]
+        if (self.per_task_in_flight and self.sent_arrays is not None and len(tasks) == len(accepted)
+                and None not in tasks and len(set(tasks)) > 1):
+            updates = [(int(t), from_array_record(c[ARRAYS]), float(w)) for t, c, w in zip(tasks, accepted, weights)]
+            return to_array_record(aggregate_per_task(self.cfg, from_array_record(self.sent_arrays), updates,
+                                                      self.num_classes))
+        return self.combine_arrays([c[ARRAYS] for c in accepted], weights)
 
     def combine_arrays(self, records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
         """The round's arrays from the accepted replies (``aggregation``: mean, median, trimmed mean)."""

@@ -327,8 +327,10 @@ class FPPLStrategy(PromptStrategy):
     ----------
     cfg, num_classes, options
         As :class:`~strategies.base.PromptStrategy`; ``options`` are the ``fppl.*`` keys
-        (see :class:`client.fppl.FPPLOptions`).
+        (see :class:`FPPLOptions`).
     """
+
+    per_task_in_flight = True  # asynchronous arrival: a task's slice over the clients on it
 
     name = "fppl"
     random_tasks = False  # prototypes pooled per (client, task) of the stream

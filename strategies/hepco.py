@@ -759,6 +759,8 @@ class HePCoStrategy(PromptStrategy):
     (``self.previous``), as the paper's storage analysis says (sec. 6.2.2).
     """
 
+    per_task_in_flight = True  # asynchronous arrival: a task's slice over the clients on it
+
     name = "hepco"
     random_tasks = False  # tasks of the stream: contiguous classes and slices
     prompt_class = HePCoPrompt
@@ -800,7 +802,10 @@ class HePCoStrategy(PromptStrategy):
         started = time.perf_counter()
         opts, cfg, task = self.opts, self.cfg, self.task
         if opts.averaging == "uniform":
-            provisional = from_array_record(weighted_average([r[ARRAYS] for r in replies], np.ones(len(replies))))
+            uniform = np.ones(len(replies))
+            in_flight = {self.assigned_task(m) for m in self.accepted_messages}
+            provisional = from_array_record(self.average_replies(replies, uniform) if len(in_flight) > 1 else
+                                            weighted_average([r[ARRAYS] for r in replies], uniform))
         else:
             provisional = from_array_record(arrays)
         if not (opts.distill_prompts or opts.distill_head):

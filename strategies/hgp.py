@@ -503,6 +503,8 @@ class HGPStrategy(PromptStrategy):
         ``hgp.*`` options, see :class:`HGPOptions`.
     """
 
+    per_task_in_flight = True  # asynchronous arrival: a task's slice over the clients on it
+
     name = "hgp"
     random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import weighted_average
@@ -95,3 +95,43 @@ def test_task_start_initialises_only_the_new_slice_orthogonally():
     torch.testing.assert_close(k @ k.T, torch.eye(4), atol=1e-5, rtol=0)
     again = s.on_task_start(1, a0)  # seeded: the same init every time
     np.testing.assert_array_equal(from_array_record(again)["prompt.k0"], p1)
+
+
+@pytest.mark.parametrize("per_task", [False, True])
+def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(per_task, flower_identity):
+    """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task_in_flight, task 1's slice
+    and head rows are the mean of the two ahead clients' values (not diluted by the two others'
+    untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
+    from common.data import task_rows
+
+    cfg = tiny_config(num_clients=4, clients_per_round=4, **{"rounds-per-task": 4, "switch-every": 2,
+                                                             "switch-fraction": 0.5})
+    strategy = FedAvgPrompt(cfg, 10)
+    strategy.per_task_in_flight = per_task
+    pool = np.zeros((cfg.pool_size, 3), np.float32)
+    head = np.zeros((10, 3), np.float32)
+    sent = to_array_record({"prompt.p0": pool, "head.weight": head})
+    for server_round in range(1, 5):  # the first round with clients on both tasks
+        msgs = list(strategy.configure_train(server_round, sent, ConfigRecord({"task": 0, "round": server_round - 1}),
+                                             NodeList(4)))
+        tasks = [int(m.content["config"]["task"]) for m in msgs]
+        if len(set(tasks)) > 1:
+            break
+    assert sorted(tasks) == [0, 0, 1, 1]
+    replies = []
+    for i, (msg, task) in enumerate(zip(msgs, tasks)):
+        value = float(i + 1)  # each client writes its own value into its own task's rows only
+        p, h = pool.copy(), head.copy()
+        p[task_rows(cfg, "prompt.p0", p, task, 10)] = value
+        h[task_rows(cfg, "head.weight", h, task, 10)] = value
+        replies.append(Message(RecordDict({ARRAYS: to_array_record({"prompt.p0": p, "head.weight": h}),
+                                           METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
+                                                                  "train-seconds": 0.1})}), reply_to=msg))
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    out = from_array_record(arrays)
+    for task in (0, 1):
+        on_it = [i + 1.0 for i, t in enumerate(tasks) if t == task]
+        expected = np.mean(on_it) if per_task else sum(on_it) / 4  # diluted by the two untouched copies
+        np.testing.assert_allclose(out["prompt.p0"][task_rows(cfg, "prompt.p0", pool, task, 10)], expected, rtol=1e-6)
+        np.testing.assert_allclose(out["head.weight"][task_rows(cfg, "head.weight", head, task, 10)], expected,
+                                   rtol=1e-6)
