@@ -121,9 +121,16 @@ def test_resume_refuses_a_different_configuration():
 # ----------------------------------------------------------------------------- whole runs
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> dict:
+    """The uninterrupted run, in this process (the same results as on Ray: test_simulation_e2e)."""
+    from client.methods import load_config
+    from tests.conftest import flower_task_identity
+    from tests.helpers import run_in_process
+
     out = tmp_path_factory.mktemp("clean")
-    proc = subprocess.run(cli_args(out), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in SETTINGS.items()]
+    cfg = load_config(None, pairs, None, str(out))
+    with flower_task_identity():
+        run_in_process(cfg, nodes=cfg.clients_per_round)
     assert not (out / checkpoint.FILENAME).exists()  # a finished run clears its checkpoint
     return json.loads((out / "results.json").read_text())
 
@@ -181,13 +188,13 @@ def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
     actor, so later clients queued on that actor may time out too: the run then either
     completes with the late replies dropped, or stops with a clear error; never waits forever."""
     out = tmp_path / "hang"
-    settings = {"fault": "hang", "fault-rate": 0.2, "fault-hang-seconds": 25.0, "round-timeout": 15.0,
+    settings = {"fault": "hang", "fault-rate": 0.2, "fault-hang-seconds": 12.0, "round-timeout": 8.0,
                 "rounds-per-task": 1}
     started = time.time()
     proc = subprocess.run(cli_args(out, **settings), capture_output=True, text=True, timeout=600)
     elapsed = time.time() - started
-    # 2 rounds x 3 attempts x 15 s timeout, plus start-up and evaluation
-    assert elapsed < 2 * 3 * 15 + 120
+    # 2 rounds x 3 attempts x 8 s timeout, plus start-up and evaluation; a hang is 12 s
+    assert elapsed < 2 * 3 * 8 + 120
     if proc.returncode == 0:
         results = json.loads((out / "results.json").read_text())
         reasons = [r["reason"] for rnd in results["rounds"] for r in rnd["rejected"]]
