@@ -370,11 +370,10 @@ def _recording(gen: LatentGenerator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return record
 
 
-@pytest.mark.parametrize("mode", ["composite", "old"])
-def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
-    """Eq. 6 per sample: clients on every latent, the previous server (zeta) on old-class ones,
-    averaged over the composite batch; ``old`` averages the old term over old latents alone."""
-    s = make_strategy(**{"distill-epochs": 1, "old-prompt-mean": mode, "ablate": "classifier-distillation"})
+def _one_distillation(**options):
+    """One distillation step of a strategy with ``options`` on the test scenario, recording the
+    latent batches both generators drew; returns what the checks below need."""
+    s = make_strategy(**{"distill-epochs": 1, **options})
     sc = Scenario(s)
     cpu, layers = torch.device("cpu"), s.cfg.layers
     clients = Teachers.stack(sc.clients, layers, 4, cpu)
@@ -385,6 +384,16 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
     student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
     report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
                      torch.arange(10), torch.Generator().manual_seed(0))
+    return s, sc, clients, prev, student, new_batches, old_batches, report
+
+
+@pytest.mark.parametrize("mode", ["composite", "old"])
+def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
+    """Eq. 6 per sample: clients on every latent, the previous server (zeta) on old-class ones,
+    averaged over the composite batch; ``old`` averages the old term over old latents alone."""
+    s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
+        **{"old-prompt-mean": mode, "ablate": "classifier-distillation"})
+    cpu, layers = torch.device("cpu"), s.cfg.layers
     (z_new, _), (z_old, _) = new_batches[0], old_batches[0]
     z = torch.cat([z_new, z_old])
     assert len(z_new) == 64 and len(z_old) == 32  # replay ratio 0.5
@@ -405,17 +414,9 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
 def test_head_distillation_loss_weighs_samples_or_classes(head_loss):
     """``ce``: the paper's mean over the composite batch; ``balanced``: the mean over seen classes of
     each class's mean cross-entropy, however often the class was drawn."""
-    s = make_strategy(**{"distill-epochs": 1, "head-loss": head_loss, "ablate": "prompt-distillation"})
-    sc = Scenario(s)
+    s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
+        **{"head-loss": head_loss, "ablate": "prompt-distillation"})
     cpu, layers = torch.device("cpu"), s.cfg.layers
-    clients = Teachers.stack(sc.clients, layers, 4, cpu)
-    prev = Teachers.stack([s.previous], layers, 2, cpu)
-    torch.manual_seed(0)
-    gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
-    new_batches, old_batches = _recording(gen), _recording(old_gen)
-    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
-    report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
-                     torch.arange(10), torch.Generator().manual_seed(0))
     z = torch.cat([new_batches[0][0], old_batches[0][0]])
     y = torch.cat([new_batches[0][1], old_batches[0][1]])
     w, b = torch.from_numpy(sc.provisional["head.weight"]), torch.from_numpy(sc.provisional["head.bias"])
