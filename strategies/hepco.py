@@ -53,7 +53,7 @@ from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt, resolve_device
 from common.records import ARRAYS, from_array_record, to_array_record
-from strategies.base import PromptStrategy, weighted_average
+from strategies.base import PromptStrategy
 
 log = logging.getLogger("promptfcl")
 
@@ -802,10 +802,7 @@ class HePCoStrategy(PromptStrategy):
         started = time.perf_counter()
         opts, cfg, task = self.opts, self.cfg, self.task
         if opts.averaging == "uniform":
-            uniform = np.ones(len(replies))
-            in_flight = {self.assigned_task(m) for m in self.accepted_messages}
-            provisional = from_array_record(self.average_replies(replies, uniform) if len(in_flight) > 1 else
-                                            weighted_average([r[ARRAYS] for r in replies], uniform))
+            provisional = from_array_record(self.average_replies(replies, np.ones(len(replies))))
         else:
             provisional = from_array_record(arrays)
         if not (opts.distill_prompts or opts.distill_head):
