@@ -438,14 +438,15 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         client_secs += [float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
-        # a fresh process (deployment): its time before the first training step, and per phase
+        # a fresh process (every deployed message; an actor's first in simulation): its time before
+        # the first training step, and per phase (common/startup.py)
+        fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
         overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
                       + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
-                      for m in used if "process-seconds" in m]
-        for m in used:
-            for name in PHASES:
-                if metric_name(name) in m:
-                    startup_phases.setdefault(name, []).append(float(m[metric_name(name)]))
+                      for m in fresh]
+        for name in PHASES:
+            startup_phases.setdefault(name, []).extend(float(m[metric_name(name)]) for m in fresh
+                                                       if metric_name(name) in m)
         device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
         rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
         rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
@@ -478,7 +479,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         # deployment: median time a client process spent before training, and per start-up
         # phase over the fresh processes of the round (common/startup.py; empty when warm)
         "client_overhead_seconds": float(np.median(overheads)) if overheads else 0.0,
-        "client_startup": {k: float(np.median(v)) for k, v in startup_phases.items()},
+        "client_startup": {k: float(np.median(v)) for k, v in startup_phases.items() if v},
         "client_device_peak_mb": float(np.max(device_peaks)) if device_peaks else 0.0,
         "server_seconds": server_seconds,
         "round_seconds": round_seconds,

@@ -32,8 +32,9 @@ import pytest
 from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from common.config import ConfigError, ExperimentConfig
 from common.data import class_order
-from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, run_script,
-                             script_env, start_superlink, superlink_command, toml_file, wait_for_log)
+from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, register_node,
+                             run_script, script_env, start_node, start_superlink, submit, superlink_command, toml_file,
+                             wait_for_log)
 from tests.conftest import TINY, tiny_config
 from tests.helpers import PushPullGrid
 
@@ -89,9 +90,7 @@ def deployment(tmp_path_factory) -> Deployment:
         port = free_port()
         link = start_superlink(root, procs, env, port)
         for i in range(1, NUM_NODES + 1):
-            done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
-                              "--name", f"node{i}", f"keys/node{i}.pub", env=env, cwd=root)
-            assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
+            register_node(root, env, port, f"node{i}")
 
         # Every node talks to the SuperLink through the recording proxy.
         tap = WireTap(("127.0.0.1", port), str(root / "certs/server.pem"), str(root / "certs/server.key"),
@@ -101,22 +100,16 @@ def deployment(tmp_path_factory) -> Deployment:
             node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"),
                                   PROMPTFCL_TEST_HOSTILE="1" if i == HOSTILE else "0")
             data = f"data/node{i - 1}" if i != HOSTILE else "data/node0"  # a copy of someone's data
-            args = ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{tap_port}",
-                    "--ca", "certs/ca.crt", "--key", f"keys/node{i}", "--data-dir", data,
-                    "--config", "run.toml", "--state", f"node{i}", "--port", str(free_port()), "--threads", "1"]
-            if i == 1:
-                args += ["--device", "cpu"]  # the others use the default, auto
-            node = procs.start(args, root / f"node{i}.log", node_env, cwd=root)
-            wait_for_log(root / f"node{i}.log", "SuperNode ID", node, timeout=180)
+            extra = ["--threads", "1"] + (["--device", "cpu"] if i == 1 else [])  # the others: device auto
+            start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml, extra)
 
         started = time.time()
-        submit = run_script("submit-run.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
-                            "--config", str(run_toml), "--app", str(app), env=env, cwd=root, timeout=1500)
+        submitted = submit(root, env, port, run_toml, app)
         finished = time.time()
         procs.remember_descendants()
-        output = submit.stdout + submit.stderr
+        output = submitted.stdout + submitted.stderr
         superlink_log = (root / "superlink.log").read_text(errors="replace")
-        assert submit.returncode == 0, f"{output[-4000:]}\n--- superlink.log (tail) ---\n{superlink_log[-6000:]}"
+        assert submitted.returncode == 0, f"{output[-4000:]}\n--- superlink.log (tail) ---\n{superlink_log[-6000:]}"
         results_path = root / "server" / RUN["out-dir"] / "results.json"
         assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
         yield Deployment(root, port, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
@@ -658,11 +651,11 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     env = script_env(FLWR_HOME=str(root / "cli-home"), TMPDIR=str(root))  # the killed submitter leaves its temp dir
     out = root / "server" / "runs" / "killed"
     toml_file(root / "killed.toml", {**RUN, "out-dir": "runs/killed"})
-    submit = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.port}",
-              "--ca", "certs/ca.crt", "--config", "killed.toml", "--app", str(root / "app")]
+    submit_args = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.port}",
+                   "--ca", "certs/ca.crt", "--config", "killed.toml", "--app", str(root / "app")]
 
     before = train_messages_received(root)
-    submitter = procs.start(submit, root / "submit-killed.log", env, cwd=root)
+    submitter = procs.start(submit_args, root / "submit-killed.log", env, cwd=root)
     deadline = time.time() + 900
     while any(n < b + 2 for n, b in zip(train_messages_received(root), before)):  # round 2 reached every node
         assert submitter.poll() is None and time.time() < deadline, \
@@ -677,7 +670,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     deployment.superlink_log = root / "superlink-restarted.log"
     deployment.superlink = procs.start(superlink_command(deployment.port), deployment.superlink_log, env, cwd=root)
     wait_for_log(deployment.superlink_log, "Uvicorn running", deployment.superlink, timeout=180)
-    code, output = procs.run_to_exit([*submit, "--set", "resume=true"], root / "submit-resumed.log", env, root,
+    code, output = procs.run_to_exit([*submit_args, "--set", "resume=true"], root / "submit-resumed.log", env, root,
                                      timeout=900)
     assert code == 0, (f"{output[-4000:]}\n--- superlink-restarted.log (tail) ---\n"
                        f"{deployment.superlink_log.read_text(errors='replace')[-6000:]}")

@@ -122,17 +122,12 @@ def test_resume_refuses_a_different_configuration():
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory) -> dict:
     """The uninterrupted run, in this process (the same results as on Ray: test_simulation_e2e)."""
-    from client.methods import load_config
-    from tests.conftest import flower_task_identity
-    from tests.helpers import run_in_process
+    from tests.helpers import simulate_in_process
 
     out = tmp_path_factory.mktemp("clean")
-    pairs = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in SETTINGS.items()]
-    cfg = load_config(None, pairs, None, str(out))
-    with flower_task_identity():
-        run_in_process(cfg, nodes=cfg.clients_per_round)
+    results = simulate_in_process(out, **SETTINGS)
     assert not (out / checkpoint.FILENAME).exists()  # a finished run clears its checkpoint
-    return json.loads((out / "results.json").read_text())
+    return results
 
 
 @pytest.mark.simulation
