@@ -104,25 +104,31 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     if (out / "results.json").exists():
         (out / "results.json").unlink()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server_peak, client_peak = 0.0, 0.0
-    if watch_memory:
-        while proc.poll() is None:
+    # The child's output goes to a file, not a pipe: a pipe nobody reads while memory is watched
+    # fills up (64 KB of client tracebacks) and blocks the child for ever.
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "simulate.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        server_peak, client_peak = 0.0, 0.0
+        deadline = time.monotonic() + timeout
+        while watch_memory and proc.poll() is None and time.monotonic() < deadline:
             server_peak = max(server_peak, _peak_rss_mb(proc.pid))
             client_peak = max([client_peak] + [_peak_rss_mb(p) for p in _actor_pids()])
             time.sleep(0.25)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
         try:
-            proc.communicate(timeout=60)
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
     if proc.returncode != 0:
-        raise RuntimeError(f"simulation failed ({strategy}, {settings}):\n{output[-3000:]}")
+        output = log_path.read_text(errors="replace")
+        raise RuntimeError(f"simulation failed ({strategy}, {settings}); log {log_path}:\n{output[-3000:]}")
     results = json.loads((out / "results.json").read_text())
     if watch_memory:
         results["peak_memory_mb"] = {"server": server_peak, "client_actor": client_peak}

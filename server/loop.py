@@ -454,7 +454,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         if new_arrays is not None:
             break
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
-                    len(ok) - len(strategy.rejected), len(messages),
+                    len(strategy.accepted_messages), len(messages),
                     "; retrying with fresh clients" if attempt < cfg.round_retries else "")
     else:
         raise RoundFailed(

@@ -178,3 +178,23 @@ def test_an_interrupted_benchmark_run_is_resumed_not_refused(tmp_path, monkeypat
         except RuntimeError:
             pass
     assert "resume=True" not in seen[0] and "resume=True" in seen[1]
+
+
+def test_a_chatty_failing_run_with_memory_watched_does_not_hang(tmp_path, monkeypatch):
+    """A child that prints far more than a pipe holds (client tracebacks of a failing run) and
+    fails: its error comes back with the end of its log, instead of the watcher waiting for ever
+    on a child blocked writing to a pipe nobody reads (seen on a GPU machine)."""
+    import subprocess
+    import sys
+
+    from server import bench
+
+    real_popen = subprocess.Popen
+
+    def chatty(args, **kwargs):
+        script = "import sys; sys.stdout.write('x' * 1_000_000 + '\\nlast words\\n'); sys.exit(3)"
+        return real_popen([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", chatty)
+    with pytest.raises(RuntimeError, match="last words"):
+        bench.run_simulation_subprocess({"seed": 0}, tmp_path / "run", watch_memory=True, timeout=60)
