@@ -31,8 +31,8 @@ from client.learner import read_task_round
 from client.node_data import NodeDataError, check_classes, node_data, original_names
 from common import startup
 from common.config import ExperimentConfig
-from common.evaluation import correct_counts
-from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, to_torch
+from common.evaluation import correct_counts, pooled_counts
+from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, POOL_PREFIX, to_torch
 from common.runtime import Runtime, get_runtime
 from client.methods import learner_class, prompt_class
 
@@ -51,9 +51,7 @@ def train(msg: Message, context: Context) -> Message:
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
-    task, round_, assigned = read_task_round(config)
-    if cfg.population == "virtual":
-        client_id = assigned
+    task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
@@ -74,9 +72,7 @@ def query(msg: Message, context: Context) -> Message:
     check_same_config(cfg, config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
-    task, round_, assigned = read_task_round(config)
-    if cfg.population == "virtual":
-        client_id = assigned
+    task, round_, client_id = assignment(cfg, config, client_id)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
 
@@ -96,7 +92,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
     runtime.model.load_trainable_state(to_torch(msg.content[ARRAYS]))
-    correct, total = correct_counts(runtime, task)
+    pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
+    correct, total = pooled_counts(runtime, task, pools) if pools else correct_counts(runtime, task)
     metrics = MetricRecord({
         "correct": [int(v) for v in correct],
         "total": [int(v) for v in total],
@@ -104,6 +101,22 @@ def evaluate(msg: Message, context: Context) -> Message:
     })
     declare_sizes(cfg, runtime, metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, list[int]]:
+    """The ``pool-<task>`` entries of an evaluate message: the prompt slices each task is scored with."""
+    pools = {}
+    for key, value in config.items():
+        if not key.startswith(POOL_PREFIX):
+            continue
+        scored = key[len(POOL_PREFIX):]
+        if not scored.isdigit() or int(scored) > task:
+            raise ValueError(f"evaluate message: {key!r} names no task in 0..{task}")
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < slices for s in value):
+            raise ValueError(f"evaluate message: {key!r} must list prompt slices in 0..{slices - 1}")
+        pools[int(scored)] = value
+    return pools
 
 
 def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord) -> tuple[Runtime, int]:
@@ -125,6 +138,24 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
                       f"this node's data ({node.data.name})", run_num_classes=int(sent))
     return get_runtime(node.cfg, method_prompt, data=node.data), node.client_id
+
+
+def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:
+    """(task, round within task, client id) this message asks for.
+
+    A virtual client is the id the server names; a node is itself (``node_client``), except
+    with random tasks, where it plays the schedule's client of its turn (``schedule-slot``).
+    """
+    task, round_, assigned = read_task_round(config)
+    if cfg.population == "virtual":
+        return task, round_, assigned
+    if cfg.task_generator == "random":
+        slot = config.get("schedule-slot")
+        if not isinstance(slot, int) or not 0 <= slot < cfg.num_clients:
+            raise ValueError(f"random tasks: the message's schedule-slot {slot!r} is not a client of the "
+                             f"run's {cfg.num_clients}")
+        return task, round_, slot
+    return task, round_, node_client
 
 
 def declare_sizes(cfg: ExperimentConfig, runtime: Runtime, metrics: MetricRecord) -> None:

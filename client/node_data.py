@@ -206,8 +206,10 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     # The node's data is all its own: every sample of a task's classes is its share
     # (`centralised` on a client = "the runtime's data is this client's data").
     # (centralised-mode stays "incremental": a node learns its tasks in turn, never the joint reference)
+    # (with random tasks the node plays the schedule's client the server names, so the population stays the run's)
+    clients = cfg.num_clients if cfg.task_generator == "random" else max(cfg.num_clients, client_id + 1)
     node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
-                                   centralised_mode="incremental", num_clients=max(cfg.num_clients, client_id + 1))
+                                   centralised_mode="incremental", num_clients=clients)
     return NodeData(spec, data, node_cfg, client_id)
 
 

@@ -311,8 +311,7 @@ class ExperimentConfig:
                  f"task-data-fraction must be in (0, 1], got {self.task_data_fraction}")
             need(self.task_data_sharing in ("disjoint", "independent"),
                  f"task-data-sharing must be 'disjoint' or 'independent', got {self.task_data_sharing!r}")
-            need(self.population == "virtual" and not self.centralised,
-                 "task-generator = random needs population = virtual and centralised = false")
+            need(not self.centralised, "task-generator = random needs centralised = false")
             need(self.num_classes == 0 or self.classes_per_task <= self.num_classes,
                  f"classes-per-task ({self.classes_per_task}) exceeds num-classes ({self.num_classes})")
             need(self.head in HEADS, f"head must be one of {HEADS}, got {self.head!r}")

@@ -67,6 +67,22 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     return correct.astype(np.int64), total.astype(np.int64)
 
 
+def pooled_counts(rt: Runtime, task: int, pools: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per task i <= ``task``: (correct, total) with each scored task seen through its own prompt
+    slices (``pools``: task -> the slices its prompt module uses, ``local_tasks``), as methods
+    whose clients keep per-task local pools are evaluated; tasks without a pool count 0 of 0."""
+    correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
+    prompt = rt.model.prompt
+    try:
+        for scored, pool in pools.items():
+            prompt.local_tasks = pool
+            c, t = correct_counts(rt, task, only=scored)
+            correct[scored], total[scored] = c[scored], t[scored]
+    finally:
+        prompt.local_tasks = None
+    return correct, total
+
+
 def accuracies(correct: np.ndarray, total: np.ndarray) -> np.ndarray:
     """Per-task accuracy in percent (NaN where a task has no test samples)."""
     with np.errstate(invalid="ignore", divide="ignore"):

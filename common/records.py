@@ -3,7 +3,8 @@
 Record names used in every message (methods may add their own):
 
 * ``arrays``  (ArrayRecord)  trainable parameters: prompt components, keys, attention, head
-* ``config``  (ConfigRecord) task, round and client assignment for this message
+* ``config``  (ConfigRecord) task, round and client assignment for this message (evaluate
+  messages may add ``pool-<task>``: the prompt slices that task is scored with)
 * ``metrics`` (MetricRecord) client replies: ``num-examples``, ``train-loss``, ``train-seconds``
 * ``placement`` (ConfigRecord) client replies, optional: where the client trained (``node``: the
   Ray node id in simulation, the Flower node id in deployment; ``device``: the torch device;
@@ -20,6 +21,9 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 ARRAYS, CONFIG, METRICS, PLACEMENT = "arrays", "config", "metrics", "placement"
 PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices")
+# evaluate messages: ``pool-<task>`` = the prompt slices task <task> is scored with (methods with
+# per-task local pools, ``PromptStrategy.evaluation_pools``)
+POOL_PREFIX = "pool-"
 
 
 def to_array_record(state: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:

@@ -20,9 +20,9 @@ from flwr.serverapp import Grid
 from common import metrics
 from common.config import ConfigError, ExperimentConfig
 from common.data import client_indices
-from common.evaluation import accuracies, correct_counts
+from common.evaluation import accuracies, correct_counts, pooled_counts
 from common.startup import PHASES, metric_name
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record, to_torch
+from common.records import ARRAYS, CONFIG, METRICS, POOL_PREFIX, from_array_record, payload_bytes, to_array_record, to_torch
 from common.model import initial_trainable_state
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
@@ -62,15 +62,7 @@ class CentralEvaluator:
             return accuracies(*correct_counts(self.rt, task))
         view_arrays, pools = views
         self.rt.model.load_trainable_state(to_torch(view_arrays))
-        prompt = self.rt.model.prompt
-        out = np.full(task + 1, np.nan)
-        try:
-            for scored, pool in pools.items():
-                prompt.local_tasks = pool
-                out[scored] = accuracies(*correct_counts(self.rt, task, only=scored))[scored]
-        finally:
-            prompt.local_tasks = None
-        return out
+        return accuracies(*pooled_counts(self.rt, task, pools))
 
 
 class FederatedEvaluator:
@@ -96,6 +88,10 @@ class FederatedEvaluator:
         nodes = self.strategy.connected_nodes(self.grid, 1, cfg.round_timeout)
         config = ConfigRecord({"task": task, "config-digest": cfg.digest(),
                                "num-classes": self.strategy.num_classes})
+        views = self.strategy.evaluation_pools(arrays, task)  # each task through its own slices (Powder)
+        if views is not None:
+            arrays = views[0]
+            config.update({f"{POOL_PREFIX}{scored}": [int(s) for s in pool] for scored, pool in views[1].items()})
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
         replies = send_and_receive(self.grid, messages, cfg.round_timeout)
@@ -188,7 +184,9 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
     if m.get("num-examples") != int(t.sum()):
         return f"num-examples {m.get('num-examples')} is not the sum of the totals {int(t.sum())}"
     if strategy.cfg.population == "nodes":
-        reason = strategy.check_declared_sizes(node, m, test_total=int(t.sum()))
+        # random tasks share classes, so a held-out image counts once per task holding its class
+        held_out = int(t.max()) if strategy.cfg.task_generator == "random" else int(t.sum())
+        reason = strategy.check_declared_sizes(node, m, test_total=held_out)
         if reason is not None:
             return reason
     return c, t

@@ -261,6 +261,8 @@ class PromptStrategy(FedAvg):
         if not self.schedule.synchronous:
             task, round_ = self.schedule.assignment(client_index % self.schedule.num_clients, server_round - 1)
             node_config["task"], node_config["round"] = task, round_
+        if self.cfg.task_generator == "random":  # a deployed node plays the schedule's client of its turn
+            node_config["schedule-slot"] = client_index % self.schedule.num_clients
         return node_config
 
     # ------------------------------------------------------------------ deployment: one client per node

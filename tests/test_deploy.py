@@ -630,6 +630,33 @@ def train_messages_received(root: Path) -> list[int]:
 
 
 @pytest.mark.deploy
+def test_random_tasks_run_on_deployed_nodes(deployment):
+    """Powder's benchmark (random tasks, Powder section 5.1) with ``population = "nodes"``: each node
+    plays the schedule's client of its turn, trains its task on its own images, and scores every
+    task through the task's own local pool on its held-out data (the hostile node included: its
+    replies are rejected or bounded, never fatal)."""
+    root = deployment.root
+    env = script_env(FLWR_HOME=str(root / "cli-home"))
+    run = {**RUN, "strategy": "powder", "task-generator": "random", "num-rounds": 2, "switch-every": 1,
+           "switch-fraction": 0.25, "num-tasks": 5, "classes-per-task": 3, "min-overlap": 0.34,
+           "task-data-fraction": 0.25, "pool-size": 10, "out-dir": "runs/random", "rounds-per-task": 1}
+    done = submit(root, env, deployment.port, toml_file(root / "random.toml", run), root / "app")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads((root / "server" / "runs" / "random" / "results.json").read_text())
+    rounds = results["rounds"]
+    assert len(rounds) == 2
+    # round 1: every node on its own first task; round 2: one node moved on to a new task
+    assert sorted(rounds[0]["client_tasks"]) == [0, 1, 2, 3] and len(set(rounds[1]["client_tasks"])) == 4
+    assert max(rounds[1]["client_tasks"]) == 4
+    for record in rounds:
+        assert record["eval_nodes"] >= NUM_HONEST
+        assert all(a is not None and 0 <= a <= 100 for a in record["task_accuracies"])
+    assert len(rounds[1]["task_accuracies"]) == 5
+    assert results["asynchronous"]["average_incremental_accuracy"] is not None
+    assert all(None not in row for row in results["client_accuracy_by_round"])
+
+
+@pytest.mark.deploy
 def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
     and exactly the accuracy matrix of the uninterrupted run.
