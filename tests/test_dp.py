@@ -17,6 +17,7 @@ from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_
 from strategies.fppl import LOCAL_PROTOTYPES
 from strategies.hgp import STATS, HGPStrategy
 from tests.conftest import TINY, tiny_config
+from server.report import table
 from tests.helpers import simulate_in_process
 
 
@@ -206,3 +207,14 @@ def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
         [opacus_epsilon(z, 2 / 3, s, 1e-5) for s in (1, 2)], rel=1e-9)
     assert {k: privacy[k] for k in ("delta", "clip", "noise_multiplier", "mechanism")} == {
         "delta": 1e-5, "clip": clip, "noise_multiplier": z, "mechanism": "gaussian, client-side, client-level"}
+    assert "| differential privacy | epsilon" in table(results)
+
+
+@pytest.mark.parametrize("strategy", ["hgp", "fppl"])
+def test_noisy_statistics_pass_the_servers_checks_end_to_end(tmp_path, strategy):
+    """Noisy means and covariances (no longer positive semi-definite) are accepted and used."""
+    results = simulate_in_process(tmp_path / strategy, strategy, **{"rounds-per-task": 1, "dp.clip": 1.0,
+                                                                   "dp.noise-multiplier": 0.5})
+    assert all(not r["rejected"] and r["clients_aggregated"] == 3 for r in results["rounds"])
+    assert results["privacy"]["epsilon"] == pytest.approx(opacus_epsilon(0.5, 1.0, 2, 1e-5), rel=1e-9)
+    assert all(np.isfinite(v) for v in results["average_accuracy_per_task"])
