@@ -37,12 +37,17 @@ composed over every training attempt of the run (all tasks; a retried round rele
 with sampling rate q = clients-per-round / num-clients. The server samples clients without
 replacement; that is accounted as Poisson sampling at rate q, the usual approximation. With
 q = 1 there is no amplification. Amplification by sampling assumes the observer does not
-know which clients were sampled: the server does, so results.json also carries the epsilon
-without amplification (q = 1), the guarantee against the server itself.
+know which clients were sampled: the server does, and the sample is a function of the run's
+seed (so that runs reproduce), so anyone holding the configuration does too. results.json
+therefore also carries the epsilon without amplification (q = 1), the guarantee against the
+server and against anyone who knows the configuration; ``epsilon`` (with q) holds only against
+an observer of the released model who knows neither.
 
-Noise is drawn from the operating system's entropy on the client (a seed the server knows
-would let it subtract the noise), so runs with ``dp.noise-multiplier > 0`` are not
-bit-reproducible.
+Noise is drawn on the client from NumPy's generator seeded with the operating system's entropy
+(a seed the server knows would let it subtract the noise), so runs with
+``dp.noise-multiplier > 0`` are not bit-reproducible. It is a research mechanism: the
+generator is not cryptographic and floating-point Gaussian sampling is not hardened against
+precision attacks.
 """
 
 from __future__ import annotations
