@@ -156,14 +156,14 @@ class PromptStrategy(FedAvg):
         return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
 
     @property
-    def population(self) -> int:
+    def population_size(self) -> int:
         """How many clients a round samples from (centralised: the one client with all data)."""
         return 1 if self.cfg.centralised else self.cfg.num_clients
 
     @property
     def sample_rate(self) -> float:
         """The share of the population one round trains: differential privacy's sampling rate q."""
-        return min(1.0, self.clients_per_round / self.population)
+        return min(1.0, self.clients_per_round / self.population_size)
 
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
         """Client ids for (task, round): seeded, independent of history and of node ids.
@@ -171,7 +171,7 @@ class PromptStrategy(FedAvg):
         ``attempt`` > 0 draws afresh when a round is retried after too few usable replies.
         """
         rng = np.random.default_rng([self.cfg.seed, task, round_, attempt, 0x5A3])
-        return sorted(rng.choice(self.population, size=self.clients_per_round, replace=False).tolist())
+        return sorted(rng.choice(self.population_size, size=self.clients_per_round, replace=False).tolist())
 
     # ------------------------------------------------------------------ hooks
     def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:
