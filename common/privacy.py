@@ -119,8 +119,8 @@ class PrivateRecord:
 
 
 def clip_rows(x: np.ndarray, bound: float) -> np.ndarray:
-    """``x`` (float64) with every row (the last axis flattened per leading index; a 1-D array is
-    one row) scaled down to L2 norm <= ``bound``; rows already inside are unchanged."""
+    """``x`` (float64) with every row (``x[i]``, flattened; a 1-D array is one row) scaled down to
+    L2 norm <= ``bound``, direction kept; rows already inside are unchanged."""
     x = np.asarray(x, dtype=np.float64)
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim > 1 else x.reshape(1, -1)
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
