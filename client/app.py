@@ -23,7 +23,7 @@ import sys
 import time
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client.faults import inject_faults
@@ -32,9 +32,10 @@ from client.node_data import NodeDataError, check_classes, node_data, original_n
 from common import startup
 from common.config import ExperimentConfig
 from common.evaluation import correct_counts, pooled_counts
+from common.privacy import privacy_options, privatise_reply
 from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, POOL_PREFIX, to_torch
 from common.runtime import Runtime, get_runtime
-from client.methods import learner_class, prompt_class
+from client.methods import learner_class, prompt_class, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -53,6 +54,8 @@ def train(msg: Message, context: Context) -> Message:
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
+    # fresh OS entropy for the noise, never the run's seed (the server knows it)
+    reply = private_upload(cfg, reply, msg.content[ARRAYS], np.random.default_rng())
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
         reply[METRICS]["process-seconds"] = process_age()
@@ -61,6 +64,19 @@ def train(msg: Message, context: Context) -> Message:
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context)
     return Message(content=reply, reply_to=msg)
+
+
+def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayRecord,
+                   rng: np.random.Generator) -> RecordDict:
+    """The train reply as it may leave this client: with ``dp.*`` on, through the Gaussian
+    mechanism (common/privacy.py), the one place every method's upload is privatised; a reply
+    with no examples releases nothing of the data and goes as it is."""
+    dp = privacy_options(cfg)
+    if not dp.enabled or METRICS not in reply.metric_records or int(reply[METRICS]["num-examples"]) == 0:
+        return reply
+    strategy = strategy_class(cfg.strategy)
+    strategy.check_privacy(cfg)  # a method that cannot bound its upload never sends one
+    return privatise_reply(reply, received, strategy.private_records, dp, rng)
 
 
 @app.query()
@@ -210,7 +226,8 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
         )
 
 
-__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "query", "train", "NodeDataError"]
+__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "private_upload", "query", "train",
+           "NodeDataError"]
 
 
 # Process start to here: the interpreter, Flower's ClientApp runner and this module's imports

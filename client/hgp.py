@@ -7,7 +7,9 @@ uploads, for every class it holds, the sample count, mean and covariance of the
 prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2). With
 ``augment = "crop-flip"`` the statistics are still taken over the stored images (the
 features the head is evaluated on); option ``stats-augment`` takes them over one augmented
-view of each image instead (wider covariances, shifted means).
+view of each image instead (wider covariances, shifted means). With differential privacy
+(``dp.clip`` C) every feature is clipped to norm C before the statistics are taken, which
+bounds them (the client's train path then adds the noise, common/privacy.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from client.learner import LocalLearner
+from common.privacy import clip_rows, privacy_options
 from common.runtime import Runtime
 from strategies.hgp import STATS, HGPOptions, class_statistics
 
@@ -61,4 +64,7 @@ class HGPLearner(LocalLearner):
     def round_end(self, index: np.ndarray, task: int) -> dict[str, ArrayRecord]:
         """Upload the generative prototypes of this client's classes."""
         features, labels = self.prompted_features(index)
+        dp = privacy_options(self.cfg)
+        if dp.enabled:  # bounded features bound the statistics (HGPStrategy.private_records says how)
+            features = torch.from_numpy(clip_rows(features.numpy(), dp.clip))
         return {STATS: class_statistics(features, labels, self.hgp)}

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import ConfigError, ExperimentConfig, read_config
+from common.privacy import NAMESPACE as DP_NAMESPACE
+from common.privacy import PrivacyOptions
 
 
 
@@ -59,7 +61,8 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
     """Every dotted run-config key (``<method>.<option>``) names a method and one of its options.
 
     Options of methods other than the run's are checked too (a comparison may switch methods,
-    and a typo must not pass silently because the method is not the one running).
+    and a typo must not pass silently because the method is not the one running). One
+    namespace is not a method: ``dp.*``, differential privacy (common/privacy.py).
     """
     namespaces: dict[str, dict[str, Any]] = {}
     for key, value in method_keys.items():
@@ -68,10 +71,14 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
             raise ConfigError(f"configuration key {key!r} has an empty option name")
         namespaces.setdefault(namespace, {})[option] = value
     for namespace, options in namespaces.items():
+        if namespace == DP_NAMESPACE:
+            PrivacyOptions.from_options(options)
+            continue
         if namespace not in METHODS:
             example = next(iter(options))
             raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
-                              f"options are namespaced by method: {', '.join(sorted(METHODS))}")
+                              f"options are namespaced by method ({', '.join(sorted(METHODS))}) or "
+                              f"{DP_NAMESPACE!r} (differential privacy)")
         strategy_class(namespace).check_options(options)
 
 
@@ -79,7 +86,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
                 out: str | None = None) -> ExperimentConfig:
     """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
     as it can be before anything is loaded: every key and value, the method, every method
-    option, the task schedule and the dataset's name."""
+    option, the task schedule, differential privacy and the dataset's name."""
     from common.data import check_source
 
     cfg = read_config(config_file, overrides, strategy, out)
@@ -87,6 +94,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     check_namespaces(cfg.method)
     strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
     strategy_class(cfg.strategy).check_schedule(cfg)
+    strategy_class(cfg.strategy).check_privacy(cfg)
     check_source(cfg)
     return cfg
 

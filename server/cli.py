@@ -223,6 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
             check_method(name)
             method_cfg = ExperimentConfig.from_dict({**base, **options})
             strategy_class(name).check_options(method_cfg.method_options(name))
+            strategy_class(name).check_privacy(method_cfg)
             if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
                 strategy_class(name).check_schedule(method_cfg)
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}

@@ -21,6 +21,7 @@ from common import metrics
 from common.config import ConfigError, ExperimentConfig
 from common.data import client_indices
 from common.evaluation import accuracies, correct_counts, pooled_counts
+from common.privacy import privacy_options, privacy_report
 from common.startup import PHASES, metric_name
 from common.records import ARRAYS, CONFIG, METRICS, POOL_PREFIX, from_array_record, payload_bytes, to_array_record, to_torch
 from common.model import initial_trainable_state
@@ -309,10 +310,13 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         evaluate_now = server_round % cfg.evaluate_every == 0 or ending is not None or index == last - 1
         arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round, evaluate_now)
         state.rounds.append(record)
+        privacy = privacy_so_far(cfg, strategy, state.rounds)
+        if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
+            record["epsilon"] = privacy["epsilon"]
         on_tasks = sorted(set(record["client_tasks"]))
         clients_on = f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
         log.info(
-            "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s",
+            "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s%s",
             f"round {server_round}/{len(steps)}{clients_on}" if cfg.task_generator == "random" else
             f"task {task + 1}/{cfg.num_tasks} round {round_ + 1}/{cfg.rounds_per_task}"
             + ("" if on_tasks == [task] else clients_on),
@@ -321,6 +325,8 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             "(tasks " + " ".join(f"{a:.0f}" for a in record["task_accuracies"]) + ")", _human(record["bytes_s2c"]),
             _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
             f" | {len(record['rejected'])} replies excluded" if record["rejected"] else "",
+            "" if not privacy["enabled"] else " | eps so far " + (
+                "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}"),
         )
         if not placement_logged:  # once per process: where the clients actually trained
             log_placement(record["placement"])
@@ -330,6 +336,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             end_task(ending)
 
     results = build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
+    results["privacy"] = privacy_so_far(cfg, strategy, state.rounds)
     if last < len(steps):
         log.info("max-rounds = %d: stopped after round %d of %d; the checkpoint stays (continue with "
                  "`promptfcl resume %s --set max-rounds=0`)", cfg.max_rounds, last, len(steps), cfg.out_dir)
@@ -498,6 +505,13 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         **(evaluate.last_record if evaluate_now else {}),  # federated evaluation: nodes, failures, bytes
     }
     return new_arrays, record
+
+
+def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
+    is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too)."""
+    steps = sum(int(r["attempts"]) for r in rounds)
+    return privacy_report(privacy_options(cfg), strategy.sample_rate, steps)
 
 
 def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunState, arrays: ArrayRecord,

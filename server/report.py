@@ -86,6 +86,11 @@ def table(results: dict[str, Any]) -> str:
         f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / {timing['server_seconds_per_round']:.3f} |",
         f"| total run time | {timing['total_seconds']:.1f} s |",
     ]
+    privacy = results.get("privacy") or {}
+    if privacy.get("enabled"):  # common/privacy.py: the guarantee of the whole run
+        rows.append(f"| differential privacy | epsilon {_number(privacy['epsilon'])} at delta {privacy['delta']:g} "
+                    f"(clip {privacy['clip']:g}, noise multiplier {privacy['noise_multiplier']:g}, "
+                    f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds) |")
     if results.get("stopped_after_round") is not None:
         rows.append(f"| stopped early (max-rounds) | after round {results['stopped_after_round']}; "
                     "metrics cover the finished tasks |")

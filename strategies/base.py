@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import FedAvg
 from common.config import ConfigError, ExperimentConfig
 from common.data import task_rows
 from common.model import CodaPrompt
+from common.privacy import PrivateRecord, check_privacy
 from common.records import (ARRAYS, CONFIG, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record, payload_bytes,
                             to_array_record)
 from common.schedule import task_schedule
@@ -68,6 +69,11 @@ class PromptStrategy(FedAvg):
     #: the method's options dataclass (with a ``from_options(dict)`` classmethod that
     #: raises ConfigError on a bad value or unknown key); None: the method takes none
     options_class: Any = None
+    #: differential privacy (common/privacy.py): how each extra upload record is bounded (the
+    #: ``arrays`` update always is); a record the client uploads and this does not name is refused
+    private_records: dict[str, PrivateRecord] = {}
+    #: why the method cannot run with ``dp.*`` ("": it can)
+    dp_refusal: str = ""
     #: the fields a train reply's metrics record may hold (strategies/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
     #: whether the method works when clients are on different tasks in the same round
@@ -109,6 +115,7 @@ class PromptStrategy(FedAvg):
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self.schedule = self.check_schedule(cfg)
+        self.check_privacy(cfg)
         # client id -> its turn in the task schedule (set when the server sends it a task)
         self.schedule_slots: dict[int, int] = {}
 
@@ -124,6 +131,16 @@ class PromptStrategy(FedAvg):
                               f"switch-every = 0): {schedule.describe()}")
         return schedule
 
+    @classmethod
+    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
+        """Why this method cannot bound its uploads under ``cfg`` ("": it can); options may matter."""
+        return cls.dp_refusal
+
+    @classmethod
+    def check_privacy(cls, cfg: ExperimentConfig) -> None:
+        """Refuse ``dp.*`` (ConfigError) for a method whose upload cannot be bounded, before any loading."""
+        check_privacy(cfg, cls.name, cls.privacy_refusal(cfg))
+
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
                  self.name, self.clients_per_round, self.cfg.num_clients, self.options or "{}")
@@ -138,14 +155,23 @@ class PromptStrategy(FedAvg):
             return self.cfg.clients_per_round
         return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
 
+    @property
+    def population_size(self) -> int:
+        """How many clients a round samples from (centralised: the one client with all data)."""
+        return 1 if self.cfg.centralised else self.cfg.num_clients
+
+    @property
+    def sample_rate(self) -> float:
+        """The share of the population one round trains: differential privacy's sampling rate q."""
+        return min(1.0, self.clients_per_round / self.population_size)
+
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
         """Client ids for (task, round): seeded, independent of history and of node ids.
 
         ``attempt`` > 0 draws afresh when a round is retried after too few usable replies.
         """
-        population = 1 if self.cfg.centralised else self.cfg.num_clients
         rng = np.random.default_rng([self.cfg.seed, task, round_, attempt, 0x5A3])
-        return sorted(rng.choice(population, size=self.clients_per_round, replace=False).tolist())
+        return sorted(rng.choice(self.population_size, size=self.clients_per_round, replace=False).tolist())
 
     # ------------------------------------------------------------------ hooks
     def client_payload(self, client_id: int, arrays: ArrayRecord, config: ConfigRecord) -> RecordDict:

@@ -37,6 +37,7 @@ from torch import nn
 from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import task_classes
 from common.model import CodaPrompt
+from common.privacy import PrivateRecord
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy, method_records
 
@@ -343,6 +344,10 @@ class FPPLStrategy(PromptStrategy):
     # examples"), not logged as a malformed reply.
     reply_records = None
     fppl_reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
+    # dp.clip = C: each class prototype (a mean feature) is clipped to norm C on its own;
+    # classes, counts and the client id are the label histogram and bookkeeping, in the clear
+    private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
+                                                       public=("classes", "counts", "client"))}
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)

@@ -56,6 +56,7 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from common.config import ConfigError, ExperimentConfig, MethodOptions
 from common.data import seen_classes, task_classes
 from common.model import CodaPrompt
+from common.privacy import PrivateRecord
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from strategies.base import PromptStrategy
 
@@ -510,6 +511,21 @@ class HGPStrategy(PromptStrategy):
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     options_class = HGPOptions
+    # With dp.clip = C the client clips every feature to norm C before its statistics
+    # (client/hgp.py), so a class mean has norm <= C, and the unbiased covariance, positive
+    # semi-definite with trace sum ||x - mu||^2 / (n - 1) = n / (n - 1) (mean ||x||^2 - ||mu||^2)
+    # <= 2 C^2 (n >= 2; zero for n = 1), has Frobenius norm, and so upper-triangle and diagonal
+    # norms, <= 2 C^2. Classes and counts are the label histogram, sent in the clear.
+    private_records = {STATS: PrivateRecord(bounded={"means": (1, 1.0), "cov-triu": (2, 2.0), "cov-diag": (2, 2.0)},
+                                            public=("classes", "counts"))}
+
+    @classmethod
+    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
+        """Low-rank covariances are refused: noise on SVD factors is not noise on a bounded covariance."""
+        if HGPOptions.from_options(cfg.method_options(cls.name)).cov_type == "lowrank":
+            return ("hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of the covariance; "
+                    "use cov-type full or diag")
+        return ""
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)

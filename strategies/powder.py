@@ -320,6 +320,9 @@ class PowderStrategy(PromptStrategy):
     prompt_class = PowderPrompt
     options_class = PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
+    dp_refusal = ("its measuring exchange answers, before training, with selection weights computed from the "
+                  "client's data (a second release per round, outside the train reply), and those weights choose "
+                  "which prompts it uploads; neither release is bounded nor accounted here")
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)
