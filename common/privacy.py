@@ -205,15 +205,18 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return float(accountant.get_epsilon(delta))
 
 
-def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int) -> dict[str, Any]:
+def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_uploads: int | None = None) -> dict[str, Any]:
     """results.json's ``privacy``: ``{"enabled": false}`` with DP off, else the guarantee so far."""
     if not opts.enabled:
         return {"enabled": False}
     return {
         "enabled": True,
         "epsilon": epsilon(opts.noise_multiplier, sample_rate, steps, opts.delta),
-        # against an observer who knows which clients were sampled (the server): no amplification
-        "epsilon_without_sampling": epsilon(opts.noise_multiplier, 1.0, steps, opts.delta),
+        # against an observer who knows which clients were sampled (the server, or anyone holding
+        # the run's seed): no amplification, composed over the uploads of the most-sampled client
+        "epsilon_against_server": epsilon(opts.noise_multiplier, 1.0, steps if most_uploads is None else most_uploads,
+                                          opts.delta),
+        "most_uploads_per_client": most_uploads,
         "delta": opts.delta,
         "mechanism": MECHANISM,
         "accountant": ACCOUNTANT,

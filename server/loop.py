@@ -511,7 +511,20 @@ def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list
     """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
     is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too)."""
     steps = sum(int(r["attempts"]) for r in rounds)
-    return privacy_report(privacy_options(cfg), strategy.sample_rate, steps)
+    return privacy_report(privacy_options(cfg), strategy.sample_rate, steps, most_uploads(rounds))
+
+
+def most_uploads(rounds: list[dict[str, Any]]) -> int:
+    """Uploads of the client sampled most often: what the server (which knows the sample) sees of
+    one client. Rounds record the last attempt's clients; an earlier attempt counts for everyone."""
+    from collections import Counter
+
+    counts: Counter[int] = Counter()
+    retries = 0
+    for record in rounds:
+        counts.update({int(p["client"]) for p in record.get("placement", []) if p.get("client") is not None})
+        retries += int(record["attempts"]) - 1
+    return max(counts.values(), default=0) + retries
 
 
 def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunState, arrays: ArrayRecord,

@@ -202,7 +202,11 @@ def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     assert privacy["enabled"] and privacy["rounds"] == steps == 2
     assert privacy["sample_rate"] == pytest.approx(2 / 3)
     assert privacy["epsilon"] == pytest.approx(opacus_epsilon(z, 2 / 3, steps, 1e-5), rel=1e-9)
-    assert privacy["epsilon_without_sampling"] == pytest.approx(opacus_epsilon(z, 1.0, steps, 1e-5), rel=1e-9)
+    uploads = privacy["most_uploads_per_client"]  # the most-sampled client's, from the round records
+    assert uploads == max(sum(c == client for r in results["rounds"] for c in {p["client"] for p in r["placement"]})
+                          for client in range(3))
+    assert 0 < uploads <= steps
+    assert privacy["epsilon_against_server"] == pytest.approx(opacus_epsilon(z, 1.0, uploads, 1e-5), rel=1e-9)
     assert [r["epsilon"] for r in results["rounds"]] == pytest.approx(
         [opacus_epsilon(z, 2 / 3, s, 1e-5) for s in (1, 2)], rel=1e-9)
     assert {k: privacy[k] for k in ("delta", "clip", "noise_multiplier", "mechanism")} == {
