@@ -90,7 +90,8 @@ def table(results: dict[str, Any]) -> str:
     if privacy.get("enabled"):  # common/privacy.py: the guarantee of the whole run
         rows.append(f"| differential privacy | epsilon {_number(privacy['epsilon'])} at delta {privacy['delta']:g} "
                     f"(clip {privacy['clip']:g}, noise multiplier {privacy['noise_multiplier']:g}, "
-                    f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds) |")
+                    f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds); against the server "
+                    f"{_number(privacy.get('epsilon_against_server'))} |")
     if results.get("stopped_after_round") is not None:
         rows.append(f"| stopped early (max-rounds) | after round {results['stopped_after_round']}; "
                     "metrics cover the finished tasks |")
