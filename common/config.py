@@ -23,7 +23,8 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
           "poison", "nan-metrics")
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
-                                 "ray-address", "client-cpus", "client-gpus", "max-rounds", "evaluate-every"})
+                                 "ray-address", "client-cpus", "client-gpus", "max-rounds", "evaluate-every",
+                                 "keep-checkpoint"})
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -127,6 +128,9 @@ class ExperimentConfig:
     # `promptfcl resume DIR --set max-rounds=0` continues: smoke tests of paper-scale
     # configurations and benchmarks of one round.
     max_rounds: int = 0
+    # Keep the checkpoint of a finished run (it is deleted by default): `promptfcl audit` reads
+    # what the server received from it.
+    keep_checkpoint: bool = False
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
     fault: str = ""  # one of FAULTS (client/faults.py)
     fault_rate: float = 0.0

@@ -94,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
+    aud = sub.add_parser("audit", help="privacy audit: invert what the server received into images, score them "
+                                       "against the clients' real images and against chance (audit.json, audit.png)")
+    aud.add_argument("--run", required=True, help="run directory with a checkpoint (--set keep-checkpoint=true)")
+    aud.add_argument("--out", help="where audit.json and audit.png go (default: the run directory)")
+    aud.add_argument("--steps", type=int, default=300, help="Adam steps per inversion")
+    aud.add_argument("--lr", type=float, default=0.1)
+    aud.add_argument("--tv-weight", type=float, default=0.05, help="weight of the total-variation prior")
+    aud.add_argument("--distance", default="cosine", choices=("cosine", "l2"), help="feature distance")
+    aud.add_argument("--seed", type=int, default=0)
+    aud.add_argument("--max-real", type=int, default=256, help="real images per class scored against, at most")
+    aud.add_argument("--classes", help="comma-separated classes (default: every class with a target)")
+    aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
     from server.app import setup_logging
@@ -114,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "pretrain":
         return _pretrain(args)
+    if args.command == "audit":
+        return _audit(args)
     if args.command == "bench":
         return _bench(args)
     try:
@@ -272,6 +286,24 @@ def _parse_setting(text: str) -> dict[str, Any]:
         return {"partition": "iid"}
     raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
                       "quantity-skew:<beta>, iid or default")
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from server.audit import AuditSettings, audit_run
+
+    try:
+        classes = [int(c) for c in args.classes.split(",")] if args.classes else None
+    except ValueError:
+        print(f"error: --classes must be comma-separated integers, got {args.classes!r}", file=sys.stderr)
+        return 2
+    settings = AuditSettings(steps=args.steps, lr=args.lr, tv_weight=args.tv_weight, distance=args.distance,
+                             seed=args.seed, max_real=args.max_real)
+    try:
+        audit_run(args.run, settings, classes=classes, max_classes=args.max_classes, out=args.out)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _pretrain(args: argparse.Namespace) -> int:

@@ -363,8 +363,9 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
-    """After results are written: the checkpoint has served its purpose (unless the run stopped early)."""
-    if results.get("stopped_after_round") is not None:
+    """After results are written: the checkpoint has served its purpose (unless the run stopped early,
+    or ``keep-checkpoint`` keeps it for ``promptfcl audit``)."""
+    if results.get("stopped_after_round") is not None or cfg.keep_checkpoint:
         return
     path = Path(cfg.out_dir) / checkpoint.FILENAME
     if path.exists():
