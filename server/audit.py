@@ -80,7 +80,7 @@ class AuditSettings:
 
     steps: int = 300
     lr: float = 0.1
-    tv_weight: float = 0.05
+    tv_weight: float = 0.01
     distance: str = "cosine"
     seed: int = 0
     max_real: int = 256

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--out", help="where audit.json and audit.png go (default: the run directory)")
     aud.add_argument("--steps", type=int, default=300, help="Adam steps per inversion")
     aud.add_argument("--lr", type=float, default=0.1)
-    aud.add_argument("--tv-weight", type=float, default=0.05, help="weight of the total-variation prior")
+    aud.add_argument("--tv-weight", type=float, default=0.01, help="weight of the total-variation prior")
     aud.add_argument("--distance", default="cosine", choices=("cosine", "l2"), help="feature distance")
     aud.add_argument("--seed", type=int, default=0)
     aud.add_argument("--max-real", type=int, default=256, help="real images per class scored against, at most")
