@@ -30,6 +30,11 @@ same for a reconstruction from a random vector of the target's norm (the chance 
 reconstruction that scores clearly above its chance level shows the upload carries
 recognisable image content; one at chance shows the inversion recovered none.
 
+The model inverted is the checkpoint's: the global prompts and head after the last round. A
+client computed its upload with the model of its own round (for a class of an earlier task,
+earlier prompts, and only the prompt slices of its task), so for older uploads the audit is an
+approximation of the attack that would use the model of the upload's round.
+
 The core (:func:`invert`, :func:`best_similarity`, :func:`audit_targets`) takes a features
 callable and target vectors; :func:`audit_run` is the thin layer that loads a run.
 """
@@ -314,13 +319,17 @@ def prompted_features(model: Any) -> Features:
 
 
 def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_real: int) -> np.ndarray:
-    """The class's training images held by ``client`` for the class's task (-1, a stateless or
-    random-task population: every training image of the class), at most ``max_real``."""
+    """The class's training images held by ``client`` for the class's task, at most ``max_real``.
+
+    Every training image of the class where one client's share is not known here: ``client`` -1
+    (a head row), deployed nodes (their own data), stateless shares (they change every round)
+    and random tasks."""
     from common.data import client_indices, task_classes
 
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
-    if client >= 0 and cfg.partition != "stateless" and cfg.task_generator == "stream":
+    if client >= 0 and cfg.population == "virtual" and cfg.partition != "stateless" \
+            and cfg.task_generator == "stream":
         task = next(t for t in range(cfg.num_tasks) if label in task_classes(cfg, t, data.num_classes))
         own = client_indices(labels, cfg, data.num_classes, client, task, 0)
         index = own[labels[own] == label]
@@ -427,8 +436,9 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         cfg = ExperimentConfig.from_dict({**ckpt.config, "out-dir": str(run)})
     except ConfigError as exc:
         raise ConfigError(f"the checkpoint's configuration is not valid here: {exc}") from exc
-    if cfg.evaluation != "central" and cfg.dataset in ("", None):
-        raise ConfigError("the audit needs the run's dataset (central data) to score against")
+    if cfg.per_task_head:
+        raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
+                          "not classes")
     check_weights(cfg)
     method = strategy_class(cfg.strategy)
     started = time.perf_counter()
