@@ -15,8 +15,8 @@ for each audited class, what the server holds about it:
   averaged over the measuring clients; ``audit.json`` lists what they show (which tasks and
   classes have been measured), and its feature-level audit is the head inversion.
 
-Inversion follows the gradient inversion of features in "Hierarchical Gaussian Prototypes for
-federated class-incremental learning" (HGP), Appendix D: an image, optimised from noise with
+Inversion follows the feature inversion of "Reducing Bias in Federated Class-Incremental Learning
+with Hierarchical Generative Prototypes" (HGP), Appendix D: an image, optimised from noise with
 Adam, whose prompted features (frozen backbone, global prompts) match the target, plus a
 total-variation prior. The image lives in the dataset's own resolution and channels (a sigmoid
 keeps it in [0, 1]) and reaches the backbone through the model's own ``preprocess`` (resizing,
