@@ -333,6 +333,8 @@ def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_
         task = next(t for t in range(cfg.num_tasks) if label in task_classes(cfg, t, data.num_classes))
         own = client_indices(labels, cfg, data.num_classes, client, task, 0)
         index = own[labels[own] == label]
+        if not len(index):  # a client the partition gives none of the class (a stale id): the class's images
+            index = np.flatnonzero(labels == label)
     return data.train.images[np.sort(index)[:max_real]]
 
 

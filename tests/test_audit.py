@@ -28,7 +28,7 @@ def test_audit_run_end_to_end(tmp_path):
     assert classes == set(range(10))  # digits, 2 tasks of 5 classes: every class was uploaded
     assert {r["target"] for r in written["classes"]} == {"mean", "gaussian-sample"}
     for r in written["classes"]:
-        assert r["n_real"] > 0 and r["client"] >= 0
+        assert r["client"] >= 0 and r["n_real"] == r["count"]  # scored against exactly that client's images
         assert all(math.isfinite(r[k]) for k in ("ssim", "psnr", "chance_ssim", "chance_psnr")), r
     # a limited audit, and clear refusals
     small = audit_run(run, AuditSettings(steps=2), classes=[3], out=tmp_path / "one")
