@@ -340,3 +340,19 @@ def test_powder_scores_each_random_task_with_its_top_k_local_pool():
     assert PowderStrategy(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
     stream = PowderStrategy(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
     assert stream.evaluation_pools(to_array_record(state), 3) is None
+
+
+def test_evaluate_messages_name_each_tasks_local_pool():
+    """Federated evaluation of random tasks: the server sends ``pool-<task>`` (the prompt slices a
+    task is scored with, Powder's local pools); a node reads them back and refuses malformed ones."""
+    from flwr.app import ConfigRecord
+
+    from client.app import evaluation_pools
+
+    config = ConfigRecord({"task": 2, "pool-0": [0], "pool-2": [2, 0], "num-classes": 10})
+    assert evaluation_pools(config, 2, 4) == {0: [0], 2: [2, 0]}
+    assert evaluation_pools(ConfigRecord({"task": 2}), 2, 4) == {}
+    for bad in ({"pool-3": [0]}, {"pool-x": [0]}, {"pool-1": []}, {"pool-1": [4]}, {"pool-1": [True]},
+                {"pool-1": 1}):
+        with pytest.raises(ValueError, match="evaluate message"):
+            evaluation_pools(ConfigRecord({"task": 2, **bad}), 2, 4)
