@@ -338,69 +338,6 @@ def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_
     return data.train.images[np.sort(index)[:max_real]]
 
 
-def _hgp_targets(strategy: Any, data: Any, cfg: ExperimentConfig, classes: list[int],
-                 settings: AuditSettings) -> list[Target]:
-    """Per audited class, the uploaded Gaussian of the client with most samples of it: its mean and
-    one draw from it (the strategy's own sampler, covariance unscaled)."""
-    from strategies.hgp import build_mixture, decode_class_stats, sample_features
-
-    generator = torch.Generator().manual_seed(settings.seed + 1)
-    out = []
-    for c in classes:
-        raw = strategy.class_stats[c]
-        k = int(np.argmax(raw["counts"]))
-        row = {name: np.asarray(v)[k : k + 1] for name, v in raw.items()}
-        dim = int(row["means"].shape[1])
-        stats = decode_class_stats({**row, "classes": np.zeros(1, np.int64)}, dim)
-        client = int(row["clients"][0])
-        real = _real_images(data, cfg, c, client, settings.max_real)
-        meta = {"count": int(row["counts"][0]), "covariance": stats.kind}
-        out.append(Target(c, "mean", stats.means[0].numpy(), settings.distance, real, client, meta))
-        mixture = build_mixture(c, stats.counts, stats.means, stats.kind, stats.cov, stats.factor, stats.diag,
-                                strategy.opts.cov_eps)
-        if mixture is not None:
-            draw, _ = sample_features([mixture], torch.ones(1), 1, 1.0, generator)
-            out.append(Target(c, "gaussian-sample", draw[0].numpy(), settings.distance, real, client, meta))
-    return out
-
-
-def _fppl_targets(strategy: Any, data: Any, cfg: ExperimentConfig, classes: list[int],
-                  settings: AuditSettings) -> list[Target]:
-    """Per audited class, one client's prototype: the newest (this task's local prototypes before the pool)."""
-    sets = [strategy.current, strategy.pool]
-    out = []
-    for c in classes:
-        for protos in sets:
-            rows = np.flatnonzero(protos.classes == c)
-            if len(rows):
-                client = int(protos.clients[rows[0]])
-                real = _real_images(data, cfg, c, client, settings.max_real)
-                out.append(Target(c, "prototype", protos.means[rows[0]], settings.distance, real, client))
-                break
-    return out
-
-
-def _powder_report(strategy: Any) -> dict[str, Any]:
-    """What Powder's server state (correlation weights) shows."""
-    return {
-        "measured_tasks": np.flatnonzero(strategy.task_measured).tolist(),
-        "measured_classes": np.flatnonzero(strategy.class_measured).tolist(),
-        "note": ("Powder's server keeps task and class attention weights averaged (weighted by sample count) "
-                 "over the clients that measured them: they show which tasks and classes are present in the "
-                 "federation and how they correlate, not which client holds them, and carry no image "
-                 "features; the feature-level audit is the head inversion"),
-    }
-
-
-def _available_classes(method: str, strategy: Any, seen: list[int]) -> list[int]:
-    if method == "hgp":
-        return sorted(c for c in strategy.class_stats if c in set(seen))
-    if method == "fppl":
-        held = set(strategy.current.classes.tolist()) | set(strategy.pool.classes.tolist())
-        return sorted(c for c in seen if c in held)
-    return list(seen)
-
-
 def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | None = None,
               max_classes: int = 0, out: str | Path | None = None) -> dict[str, Any]:
     """Audit the run in ``run``; write ``audit.json`` and ``audit.png`` to ``out`` (default: ``run``).
@@ -456,7 +393,8 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     model.prompt.set_task(ckpt.task)
     seen = [int(c) for t in range(ckpt.task + 1) for c in task_classes(cfg, t, rt.data.num_classes)] \
         if cfg.task_generator == "stream" else list(range(rt.data.num_classes))
-    available = _available_classes(cfg.strategy, strategy, seen)
+    uploads = strategy.uploaded_features(seen, settings.seed + 1)  # None: no feature uploads, head rows
+    available = seen if uploads is None else sorted({u["class"] for u in uploads})
     if classes is not None:
         missing = sorted(set(classes) - set(available))
         if missing:
@@ -467,14 +405,16 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         available = available[:max_classes]
     if not available:
         raise ConfigError(f"the checkpoint holds no {cfg.strategy} targets to invert")
-    if cfg.strategy == "hgp":
-        targets = _hgp_targets(strategy, rt.data, cfg, available, settings)
-    elif cfg.strategy == "fppl":
-        targets = _fppl_targets(strategy, rt.data, cfg, available, settings)
-    else:
+    if uploads is not None:  # again for the audited classes alone: the Gaussian draws follow the seed from there
+        uploads = strategy.uploaded_features(available, settings.seed + 1)
+    if uploads is None:
         weight = model.head.weight.detach().cpu().numpy()
         targets = [Target(c, "head-row", weight[c], "logit", _real_images(rt.data, cfg, c, -1, settings.max_real))
                    for c in available]
+    else:
+        targets = [Target(u["class"], u["kind"], np.asarray(u["vector"]), settings.distance,
+                          _real_images(rt.data, cfg, u["class"], u["client"], settings.max_real), u["client"],
+                          u["meta"]) for u in uploads]
     shape = tuple(int(s) for s in rt.data.train.images.shape[1:])
     log.info("audit: %s run %s after task %d round %d: %d targets of %d classes, image %s, %d steps",
              cfg.strategy, run, ckpt.task, ckpt.round, len(targets), len(available), "x".join(map(str, shape)),
@@ -485,8 +425,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         "settings": asdict(settings), "classes": records, "means": summarise(records),
         "seconds": time.perf_counter() - started,
     }
-    if cfg.strategy == "powder":
-        doc["powder"] = _powder_report(strategy)
+    doc.update(strategy.audit_notes())
     out = Path(out) if out is not None else run
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "audit.json", lambda fh: fh.write(json.dumps(doc, indent=1).encode()))

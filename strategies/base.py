@@ -72,8 +72,6 @@ class PromptStrategy(FedAvg):
     #: differential privacy (common/privacy.py): how each extra upload record is bounded (the
     #: ``arrays`` update always is); a record the client uploads and this does not name is refused
     private_records: dict[str, PrivateRecord] = {}
-    #: why the method cannot run with ``dp.*`` ("": it can)
-    dp_refusal: str = ""
     #: the fields a train reply's metrics record may hold (strategies/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
     #: whether the method works when clients are on different tasks in the same round
@@ -134,12 +132,22 @@ class PromptStrategy(FedAvg):
     @classmethod
     def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
         """Why this method cannot bound its uploads under ``cfg`` ("": it can); options may matter."""
-        return cls.dp_refusal
+        return ""
 
     @classmethod
     def check_privacy(cls, cfg: ExperimentConfig) -> None:
         """Refuse ``dp.*`` (ConfigError) for a method whose upload cannot be bounded, before any loading."""
         check_privacy(cfg, cls.name, cls.privacy_refusal(cfg))
+
+    def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]] | None:
+        """Feature vectors clients uploaded of ``classes`` (what the privacy audit inverts; those
+        the server holds none of are left out): dicts with ``class``, ``kind``, ``vector`` (D,),
+        ``client`` and ``meta``; None: the method uploads no features (the audit inverts head rows)."""
+        return None
+
+    def audit_notes(self) -> dict[str, Any]:
+        """What else the server's state shows of the clients, for the privacy audit's report."""
+        return {}
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",

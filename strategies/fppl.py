@@ -349,6 +349,18 @@ class FPPLStrategy(PromptStrategy):
     private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
                                                        public=("classes", "counts", "client"))}
 
+    def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
+        """Per class, one client's prototype: the newest (this task's local prototypes before the pool)."""
+        out = []
+        for c in classes:
+            for protos in (self.current, self.pool):
+                rows = np.flatnonzero(protos.classes == c)
+                if len(rows):
+                    out.append({"class": c, "kind": "prototype", "vector": protos.means[rows[0]],
+                                "client": int(protos.clients[rows[0]]), "meta": {}})
+                    break
+        return out
+
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)
         self.opts = FPPLOptions.from_options(self.options)

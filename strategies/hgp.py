@@ -527,6 +527,26 @@ class HGPStrategy(PromptStrategy):
                     "use cov-type full or diag")
         return ""
 
+    def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
+        """Per class, the Gaussian of the client with most samples of it: its mean and one draw from
+        it (covariance unscaled: what the client sent, not the widened sampler of rebalancing)."""
+        generator = torch.Generator().manual_seed(seed)
+        out = []
+        for c in (c for c in classes if c in self.class_stats):
+            raw = self.class_stats[c]
+            k = int(np.argmax(raw["counts"]))
+            row = {name: np.asarray(v)[k : k + 1] for name, v in raw.items()}
+            stats = decode_class_stats({**row, "classes": np.zeros(1, np.int64)}, int(row["means"].shape[1]))
+            client, meta = int(row["clients"][0]), {"count": int(row["counts"][0]), "covariance": stats.kind}
+            out.append({"class": c, "kind": "mean", "vector": stats.means[0].numpy(), "client": client, "meta": meta})
+            mixture = build_mixture(c, stats.counts, stats.means, stats.kind, stats.cov, stats.factor, stats.diag,
+                                    self.opts.cov_eps)
+            if mixture is not None:
+                draw, _ = sample_features([mixture], torch.ones(1), 1, 1.0, generator)
+                out.append({"class": c, "kind": "gaussian-sample", "vector": draw[0].numpy(), "client": client,
+                            "meta": meta})
+        return out
+
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)
         self.opts = HGPOptions.from_options(self.options)

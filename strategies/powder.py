@@ -320,9 +320,24 @@ class PowderStrategy(PromptStrategy):
     prompt_class = PowderPrompt
     options_class = PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
-    dp_refusal = ("its measuring exchange answers, before training, with selection weights computed from the "
-                  "client's data (a second release per round, outside the train reply), and those weights choose "
-                  "which prompts it uploads; neither release is bounded nor accounted here")
+
+    @classmethod
+    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
+        """Refused whatever the options: the measuring exchange is a release outside the train reply."""
+        return ("its measuring exchange answers, before training, with selection weights computed from the "
+                "client's data (a second release per round, outside the train reply), and those weights choose "
+                "which prompts it uploads; neither release is bounded nor accounted here")
+
+    def audit_notes(self) -> dict[str, Any]:
+        """What the server's correlation weights show (the privacy audit's report)."""
+        return {"powder": {
+            "measured_tasks": np.flatnonzero(self.task_measured).tolist(),
+            "measured_classes": np.flatnonzero(self.class_measured).tolist(),
+            "note": ("Powder's server keeps task and class attention weights averaged (weighted by sample count) "
+                     "over the clients that measured them: they show which tasks and classes are present in the "
+                     "federation and how they correlate, not which client holds them, and carry no image "
+                     "features; the feature-level audit is the head inversion"),
+        }}
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(cfg, num_classes, options)
