@@ -511,8 +511,11 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
 def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
     is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too)."""
+    opts = privacy_options(cfg)
+    if not opts.enabled:  # called after every round: nothing to count
+        return privacy_report(opts, strategy.sample_rate, 0)
     steps = sum(int(r["attempts"]) for r in rounds)
-    return privacy_report(privacy_options(cfg), strategy.sample_rate, steps, most_uploads(rounds))
+    return privacy_report(opts, strategy.sample_rate, steps, most_uploads(rounds))
 
 
 def most_uploads(rounds: list[dict[str, Any]]) -> int:
