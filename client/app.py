@@ -33,7 +33,7 @@ from common import startup
 from common.config import ExperimentConfig
 from common.evaluation import correct_counts, pooled_counts
 from common.privacy import privacy_options, privatise_reply
-from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, POOL_PREFIX, to_torch
+from common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
 from common.runtime import Runtime, get_runtime
 from client.methods import learner_class, prompt_class, strategy_class
 
@@ -51,6 +51,8 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
+    # evaluate-with-train: the received model's counts, before training changes it
+    evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
@@ -63,7 +65,18 @@ def train(msg: Message, context: Context) -> Message:
             reply[METRICS][startup.metric_name(name)] = seconds
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context)
+    if evaluation is not None:
+        reply[EVALUATION] = evaluation
     return Message(content=reply, reply_to=msg)
+
+
+def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDict) -> MetricRecord:
+    """The counts an evaluate message would get for the arrays this train message carries, on
+    tasks 0..``evaluate-task`` (the server asks only where those arrays are the global model)."""
+    task = content[CONFIG][EVALUATE_TASK]
+    if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
+        raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
+    return evaluation_counts(cfg, runtime, content[ARRAYS], task, {})
 
 
 def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayRecord,
@@ -107,8 +120,19 @@ def evaluate(msg: Message, context: Context) -> Message:
         task = int(config["task"])
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
-    runtime.model.load_trainable_state(to_torch(msg.content[ARRAYS]))
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
+    metrics = evaluation_counts(cfg, runtime, msg.content[ARRAYS], task, pools)
+    metrics["process-seconds"] = process_age()
+    for name, seconds in startup.take().items():  # a fresh process: what it cost before evaluating
+        metrics[startup.metric_name(name)] = seconds
+    return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayRecord, task: int,
+                      pools: dict[int, list[int]]) -> MetricRecord:
+    """Per-task ``correct`` / ``total`` of ``arrays`` on this node's held-out data (each task
+    through its own prompt slices where ``pools`` names them), and the node's data sizes."""
+    runtime.model.load_trainable_state(to_torch(arrays))
     correct, total = pooled_counts(runtime, task, pools) if pools else correct_counts(runtime, task)
     metrics = MetricRecord({
         "correct": [int(v) for v in correct],
@@ -116,7 +140,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         "num-examples": int(np.sum(total)),
     })
     declare_sizes(cfg, runtime, metrics)
-    return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
+    return metrics
 
 
 def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, list[int]]:
@@ -226,8 +250,8 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
         )
 
 
-__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "private_upload", "query", "train",
-           "NodeDataError"]
+__all__ = ["app", "check_same_config", "client_runtime", "evaluate", "evaluate_received", "evaluation_counts",
+           "private_upload", "query", "train", "NodeDataError"]
 
 
 # Process start to here: the interpreter, Flower's ClientApp runner and this module's imports

@@ -24,7 +24,7 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
                                  "ray-address", "client-cpus", "client-gpus", "max-rounds", "evaluate-every",
-                                 "keep-checkpoint"})
+                                 "keep-checkpoint", "evaluate-with-train"})
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -165,6 +165,12 @@ class ExperimentConfig:
     # evaluate every k rounds and always at a task's end (the accuracy matrix is unchanged;
     # round records between evaluations carry no accuracy): fewer evaluation messages per node
     evaluate_every: int = 1
+    # federated evaluation: a node sampled for the next round evaluates the model it receives
+    # before training and sends the counts with its update, so the round needs no evaluation
+    # message of its own to that node. Exact: the server asks only where the arrays it sends
+    # are those it would evaluate, and sends an evaluation message to every other node; a
+    # task's end and the run's last round are evaluated by messages as before.
+    evaluate_with_train: bool = True
     num_classes: int = 0  # classes of the stream; 0 = from the server's data (needed with federated evaluation)
     class_names: str = ""  # comma-separated class names in original label order; nodes must match them
 

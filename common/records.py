@@ -9,6 +9,9 @@ Record names used in every message (methods may add their own):
 * ``placement`` (ConfigRecord) client replies, optional: where the client trained (``node``: the
   Ray node id in simulation, the Flower node id in deployment; ``device``: the torch device;
   ``cuda-visible-devices``: the environment value the client saw, absent if unset)
+* ``evaluation`` (MetricRecord) train replies, when the message's config asks for it
+  (``evaluate-task``): the node's per-task ``correct`` / ``total`` counts of the model it
+  received, as an evaluate reply's ``metrics`` (``evaluate-with-train``)
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, RecordDict
 
-ARRAYS, CONFIG, METRICS, PLACEMENT = "arrays", "config", "metrics", "placement"
+ARRAYS, CONFIG, METRICS, PLACEMENT, EVALUATION = "arrays", "config", "metrics", "placement", "evaluation"
+#: a train message's config key asking the node to evaluate the received arrays on tasks 0..value
+EVALUATE_TASK = "evaluate-task"
 PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices")
 # evaluate messages: ``pool-<task>`` = the prompt slices task <task> is scored with (methods with
 # per-task local pools, ``PromptStrategy.evaluation_pools``)

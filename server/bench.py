@@ -483,13 +483,15 @@ def format_paper_dims(report: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- deployment
-def empty_process_seconds(repeats: int = 3) -> float:
+def empty_process_seconds(repeats: int = 3, imports: str = "") -> float:
     """Median wall time of a fresh interpreter that imports Flower's ClientApp and nothing of
-    this project: the floor under any deployed message's start-up on this machine."""
+    this project: the floor under any deployed message's start-up on this machine. ``imports``:
+    more to import (``"torch"``: the floor of any ClientApp that trains with torch)."""
     times = []
+    code = "from flwr.clientapp import ClientApp; ClientApp()" + (f"; import {imports}" if imports else "")
     for _ in range(repeats):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "from flwr.clientapp import ClientApp; ClientApp()"], check=True)
+        subprocess.run([sys.executable, "-c", code], check=True)
         times.append(time.perf_counter() - started)
     return float(statistics.median(times))
 
@@ -531,8 +533,14 @@ def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict
         "deployed_eval_seconds": _median_round(deployed, "eval_seconds"),
         "simulated_eval_seconds": _median_round(simulated, "eval_seconds"),
         "per_message_overhead_seconds": overhead,
+        # evaluate messages (to nodes not carrying the counts with training): process start to reply
+        "eval_message_seconds": float(statistics.median(
+            [r["eval_process_seconds"] for r in deployed["rounds"] if r.get("eval_process_seconds")] or [0.0])),
+        # rounds whose evaluation came with the next round's train replies (evaluate-with-train)
+        "rounds_evaluated_with_training": sum(1 for r in deployed["rounds"] if r.get("eval_carried")),
         "overhead_breakdown": {**phases, "other": max(0.0, overhead - sum(phases.values()))},
         "empty_clientapp_process_seconds": empty_process_seconds(),
+        "torch_clientapp_process_seconds": empty_process_seconds(imports="torch"),
         "client_train_seconds": _median_round(deployed, "client_seconds"),
         "config": deployed["config"],
     }
@@ -548,11 +556,15 @@ def deploy_table(report: dict[str, Any]) -> str:
              f"| round, training + evaluation (s) | {report['deployed_round_seconds']:.2f} | "
              f"{report['simulated_round_seconds']:.2f} |",
              f"| of which evaluation (s) | {report['deployed_eval_seconds']:.2f} | {report['simulated_eval_seconds']:.2f} |",
+             f"| rounds evaluated with the next round's training | {report['rounds_evaluated_with_training']} of "
+             f"{report['rounds']} | |",
              f"| ratio deployed / simulated | {report['ratio']:.2f} | |", "",
              "| a deployed message's fresh process, before training | seconds |", "|---|---|",
              f"| total (per_message_overhead_seconds, median) | {report['per_message_overhead_seconds']:.2f} |"]
     lines += [f"| {name} | {value:.2f} |" for name, value in report["overhead_breakdown"].items()]
-    lines += [f"| floor: empty interpreter + Flower ClientApp import | {report['empty_clientapp_process_seconds']:.2f} |",
+    lines += [f"| an evaluate message's whole process (median) | {report['eval_message_seconds']:.2f} |",
+              f"| floor: empty interpreter + Flower ClientApp import | {report['empty_clientapp_process_seconds']:.2f} |",
+              f"| floor with torch: the same + `import torch` | {report['torch_clientapp_process_seconds']:.2f} |",
               f"| (training itself, for scale) | {report['client_train_seconds']:.2f} |"]
     return "\n".join(lines)
 

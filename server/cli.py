@@ -227,7 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
                 load_config(str(path), [], None, None)
             bench.paper_dims(Path(args.out), configs)
             return 0
-        short = ["num-tasks=2", "rounds-per-task=2"] if args.bench == "deploy" else []  # a short run unless --set
+        short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
         methods = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else

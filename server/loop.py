@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from common import metrics
@@ -23,7 +23,8 @@ from common.data import client_indices
 from common.evaluation import accuracies, correct_counts, pooled_counts
 from common.privacy import privacy_options, privacy_report
 from common.startup import PHASES, metric_name
-from common.records import ARRAYS, CONFIG, METRICS, POOL_PREFIX, from_array_record, payload_bytes, to_array_record, to_torch
+from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, from_array_record,
+                            payload_bytes, to_array_record, to_torch)
 from common.model import initial_trainable_state
 from common.runtime import Runtime, get_runtime
 from server import checkpoint
@@ -66,6 +67,20 @@ class CentralEvaluator:
         return accuracies(*pooled_counts(self.rt, task, pools))
 
 
+@dataclass
+class CarriedEvaluation:
+    """A round whose federated evaluation rides on the next round's train messages
+    (``evaluate-with-train``): nodes sent exactly these arrays evaluate them before training
+    and return the counts with their update; every other node gets an evaluate message."""
+
+    index: int  # the round's record in ``RunState.rounds``
+    task: int
+    arrays: ArrayRecord
+    asked: dict[int, int] = field(default_factory=dict)  # id() of a train message that asks -> its node
+    counts: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # node -> (correct, total)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+
+
 class FederatedEvaluator:
     """Every connected node evaluates the global parameters on its own held-out data.
 
@@ -73,7 +88,9 @@ class FederatedEvaluator:
     EVALUATE message per node carrying the prompt/head arrays; replies carry per-task
     ``correct`` / ``total`` counts, summed over nodes before dividing, so the accuracy is
     that of the union of the nodes' held-out sets. Nodes that fail or time out are left
-    out and counted in the round's record.
+    out and counted in the round's record. With ``evaluate-with-train``, the counts of the
+    nodes sampled for the next round come with their train replies (``ask`` / ``collect`` /
+    ``complete``) and only the others get a message.
     """
 
     def __init__(self, grid: Grid, strategy: PromptStrategy) -> None:
@@ -83,10 +100,55 @@ class FederatedEvaluator:
         self.last_total = 0  # held-out samples behind the last evaluation
 
     def __call__(self, arrays: ArrayRecord, task: int) -> np.ndarray:
-        from flwr.app import MessageType, RecordDict
+        return self._evaluate(arrays, task, {}, [])
+
+    # -- evaluation carried by train messages (evaluate-with-train) ------------------
+    def ask(self, messages: list[Message], carried: CarriedEvaluation) -> None:
+        """Ask, in their config, the train messages that carry exactly ``carried.arrays`` (and go
+        to a node not counted yet) to evaluate them first."""
+        asked_now: set[int] = set()  # a node playing several clients evaluates once
+        for m in messages:
+            node = int(m.metadata.dst_node_id)
+            if node in carried.counts or node in asked_now or ARRAYS not in m.content.array_records or \
+                    not same_arrays(m.content[ARRAYS], carried.arrays):
+                continue
+            asked_now.add(node)
+            config = ConfigRecord(dict(m.content[CONFIG]))  # this message's own copy
+            config[EVALUATE_TASK] = carried.task
+            m.content[CONFIG] = config
+            carried.asked[id(m)] = node
+
+    def collect(self, messages: list[Message], replies: list[Message], carried: CarriedEvaluation) -> None:
+        """Read the counts the replies to asked messages carry. A reply without them (an error,
+        a node that ignored the request) leaves its node to an evaluate message; malformed
+        counts leave the node out, as a malformed evaluate reply does."""
+        by_id = {m.metadata.message_id: carried.asked[id(m)] for m in messages if id(m) in carried.asked}
+        for reply in replies:
+            node = by_id.get(reply.metadata.reply_to_message_id)
+            if node is None or reply.has_error() or EVALUATION not in reply.content.metric_records:
+                continue
+            record = reply.content[EVALUATION]
+            try:
+                result = check_eval_metrics(record, carried.task, self.strategy, node)
+            except Exception as exc:  # nothing a reply holds may stop the run
+                result = f"evaluation could not be checked ({type(exc).__name__}: {exc})"
+            if isinstance(result, str):
+                carried.failed.append({"node": node, "reason": result})
+            else:
+                carried.counts[node] = result
+
+    def complete(self, carried: CarriedEvaluation) -> np.ndarray:
+        """The carried round's accuracies: the counts that came with training, and an evaluate
+        message to every other connected node."""
+        return self._evaluate(carried.arrays, carried.task, carried.counts, carried.failed)
+
+    def _evaluate(self, arrays: ArrayRecord, task: int, carried: dict[int, tuple[np.ndarray, np.ndarray]],
+                  carried_failed: list[dict[str, Any]]) -> np.ndarray:
+        from flwr.app import MessageType
 
         cfg = self.strategy.cfg
-        nodes = self.strategy.connected_nodes(self.grid, 1, cfg.round_timeout)
+        done = set(carried) | {f["node"] for f in carried_failed}
+        nodes = [n for n in self.strategy.connected_nodes(self.grid, 1, cfg.round_timeout) if n not in done]
         config = ConfigRecord({"task": task, "config-digest": cfg.digest(),
                                "num-classes": self.strategy.num_classes})
         views = self.strategy.evaluation_pools(arrays, task)  # each task through its own slices (Powder)
@@ -95,10 +157,11 @@ class FederatedEvaluator:
             config.update({f"{POOL_PREFIX}{scored}": [int(s) for s in pool] for scored, pool in views[1].items()})
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
-        replies = send_and_receive(self.grid, messages, cfg.round_timeout)
+        replies = send_and_receive(self.grid, messages, cfg.round_timeout) if messages else []
         sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
-        counts: list[tuple[np.ndarray, np.ndarray]] = []
-        failed = []
+        counts = dict(carried)
+        failed = list(carried_failed)
+        overheads: list[float] = []
         for reply in replies:
             # a dead node's error reply comes from the SuperLink: name the node it was sent to
             node = sent_to.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
@@ -108,25 +171,46 @@ class FederatedEvaluator:
                 result = f"reply could not be checked ({type(exc).__name__}: {exc})"
             if isinstance(result, str):
                 failed.append({"node": node, "reason": result})
-            else:
-                counts.append(result)
+                continue
+            counts[node] = result
+            m = reply.content[METRICS]
+            if metric_name("imports") in m and "process-seconds" in m:  # a fresh process: its start-up
+                overheads.append(float(m["process-seconds"]))
         failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
                    for m in unanswered(messages, replies)]
         for f in failed:
             log.warning("evaluation on node %s left out: %s", f["node"], f["reason"])
-        total = np.sum([t for _, t in counts], axis=0) if counts else np.zeros(task + 1, np.int64)
+        ordered = [counts[n] for n in sorted(counts)]  # by node id, however the counts came
+        total = np.sum([t for _, t in ordered], axis=0) if ordered else np.zeros(task + 1, np.int64)
         self.last_total = int(total.sum())
         self.last_record = {
-            "eval_nodes": len(counts),
+            "eval_nodes": len(ordered),
+            "eval_carried": len(carried),  # nodes whose counts came with their train reply
             "eval_failed": failed,
             "eval_bytes_s2c": _bytes(messages),
+            # evaluate messages only: counts carried by train replies are in that round's bytes_c2s
             "eval_bytes_c2s": _bytes([m for m in replies if not m.has_error()]),
             "eval_test_size": self.last_total,
+            # evaluate messages to fresh processes: process start to reply, median
+            "eval_process_seconds": float(np.median(overheads)) if overheads else 0.0,
         }
-        if not counts:
+        if not ordered:
             log.warning("no node returned evaluation counts for task %d", task + 1)
             return accuracies(np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64))
-        return pooled_accuracies(counts, cfg.max_client_weight)
+        return pooled_accuracies(ordered, cfg.max_client_weight)
+
+
+def same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
+    """Whether two array records hold the same names, dtypes, shapes and values."""
+    if a is b:
+        return True
+    if list(a.keys()) != list(b.keys()):
+        return False
+    for name in a.keys():
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype or list(x.shape) != list(y.shape) or x.data != y.data:
+            return False
+    return True
 
 
 def unanswered(messages: list[Message], replies: list[Message]) -> list[Message]:
@@ -165,10 +249,23 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
     content = reply.content
     if set(content.keys()) != {METRICS} or METRICS not in content.metric_records:
         return f"an evaluation reply holds exactly a 'metrics' record, got {sorted(content.keys())}"
-    m = content[METRICS]
-    specs = {"correct": None, "total": None, "num-examples": MetricSpec(int, low=0),
-             "train-size": MetricSpec(int, low=0), "test-size": MetricSpec(int, low=0)}
-    unknown = sorted(set(m.keys()) - set(specs))
+    return check_eval_metrics(content[METRICS], task, strategy, node)
+
+
+#: what evaluation counts may hold besides ``correct`` / ``total`` (evaluate replies, and the
+#: ``evaluation`` record of a train reply); a fresh process also reports its start-up
+EVAL_METRICS: dict[str, MetricSpec] = {
+    "num-examples": MetricSpec(int, low=0), "train-size": MetricSpec(int, low=0),
+    "test-size": MetricSpec(int, low=0), "process-seconds": MetricSpec(float, low=0),
+    **{metric_name(p): MetricSpec(float, low=0) for p in PHASES},
+}
+
+
+def check_eval_metrics(m: MetricRecord, task: int, strategy: PromptStrategy,
+                       node: int) -> tuple[np.ndarray, np.ndarray] | str:
+    """(correct, total) per task from evaluation counts, or why they cannot be used (see
+    ``_eval_counts``)."""
+    unknown = sorted(set(m.keys()) - set(EVAL_METRICS) - {"correct", "total"})
     if unknown:
         return f"undeclared metrics {unknown[:4]}"
     correct, total = m.get("correct"), m.get("total")
@@ -176,8 +273,8 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
         if not isinstance(values, list) or len(values) != task + 1 or \
                 not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             return f"{name} must be {task + 1} non-negative integers (one per task), got {str(values)[:80]}"
-    for name in ("num-examples", "train-size", "test-size"):
-        if name in m and (reason := specs[name].check(name, m[name])) is not None:
+    for name, spec in EVAL_METRICS.items():
+        if name in m and (reason := spec.check(name, m[name])) is not None:
             return reason
     c, t = np.asarray(correct, dtype=np.int64), np.asarray(total, dtype=np.int64)
     if (c > t).any():
@@ -245,6 +342,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     schedule = strategy.schedule
     steps = schedule.steps()  # (nominal task, round within it) of every round
     server_round, elapsed_before, pending_task_end = 0, 0.0, None
+    carried: CarriedEvaluation | None = None  # a round evaluated with the next one's training
     saved = checkpoint.load(cfg.out_dir)
     if saved is not None and not cfg.resume:
         raise ConfigError(
@@ -264,6 +362,8 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         server_round, elapsed_before = saved.server_round, saved.elapsed_seconds
         if not saved.task_finished:  # stopped between a task's last round and its end step
             pending_task_end = schedule.task_ending(server_round - 1)
+        if state.rounds and state.rounds[-1].get("eval_pending"):  # its evaluation rides on the next round
+            carried = CarriedEvaluation(len(state.rounds) - 1, int(state.rounds[-1]["task"]), arrays)
         log.info("resuming after task %d round %d (server round %d)", saved.task + 1, saved.round + 1, server_round)
 
     def save(task: int, round_: int, finished: bool) -> None:
@@ -290,8 +390,24 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                  summary["final_average_accuracy"], summary["average_incremental_accuracy"],
                  summary["average_forgetting"])
 
+    def complete(carried: CarriedEvaluation) -> None:
+        """Fill the carried round's record with its accuracies, now that its counts are in."""
+        assert isinstance(evaluate, FederatedEvaluator)
+        t = time.perf_counter()
+        task_acc = evaluate.complete(carried)
+        record = state.rounds[carried.index]
+        record.pop("eval_pending", None)
+        record.update({"accuracy": float(np.nanmean(task_acc)), "task_accuracies": [float(a) for a in task_acc],
+                       "eval_seconds": time.perf_counter() - t, **evaluate.last_record})
+        log.info("server round %d: acc %5.1f%% (tasks %s), %d of %d nodes evaluated it with their training",
+                 record["server_round"], record["accuracy"], " ".join(f"{a:.0f}" for a in task_acc),
+                 record["eval_carried"], record["eval_nodes"])
+
     if pending_task_end is not None:
         end_task(pending_task_end)
+    if carried is not None and not (cfg.evaluate_with_train and isinstance(evaluate, FederatedEvaluator)):
+        complete(carried)  # resumed with evaluate-with-train off: by evaluate messages
+        carried = None
     placement_logged = False
     # Rounds follow the schedule's steps: on the stream, task j ends after round (j+1)R, where
     # the accuracy matrix takes column j; with asynchronous arrival each client gets its own
@@ -308,8 +424,15 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         # evaluate-every: skipped rounds only; a task's end (its accuracy-matrix column) and
         # the run's last round are always evaluated
         evaluate_now = server_round % cfg.evaluate_every == 0 or ending is not None or index == last - 1
-        arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round, evaluate_now)
+        # evaluate-with-train: a round within a task is evaluated by the next round's train messages
+        carry = (cfg.evaluate_with_train and isinstance(evaluate, FederatedEvaluator) and ending is None
+                 and index < last - 1)
+        arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round, evaluate_now,
+                                   carry, carried)
         state.rounds.append(record)
+        if carried is not None:
+            complete(carried)
+        carried = CarriedEvaluation(len(state.rounds) - 1, task, arrays) if record.get("eval_pending") else None
         privacy = privacy_so_far(cfg, strategy, state.rounds)
         if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
             record["epsilon"] = privacy["epsilon"]
@@ -321,6 +444,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
             f"task {task + 1}/{cfg.num_tasks} round {round_ + 1}/{cfg.rounds_per_task}"
             + ("" if on_tasks == [task] else clients_on),
             "acc     -" if record["accuracy"] is None else f"acc {record['accuracy']:5.1f}%",
+            "evaluated with the next round" if record.get("eval_pending") else
             "not evaluated" if record["task_accuracies"] is None else
             "(tasks " + " ".join(f"{a:.0f}" for a in record["task_accuracies"]) + ")", _human(record["bytes_s2c"]),
             _human(record["bytes_c2s"]), record["client_seconds"], record["server_seconds"],
@@ -400,9 +524,12 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> lis
 
 def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
               arrays: ArrayRecord, task: int, round_: int, server_round: int,
-              evaluate_now: bool = True) -> tuple[ArrayRecord, dict[str, Any]]:
+              evaluate_now: bool = True, carry: bool = False,
+              carried: CarriedEvaluation | None = None) -> tuple[ArrayRecord, dict[str, Any]]:
     """One training round (retried with fresh clients if too few replies are usable) and, unless
-    ``evaluate_now`` is False (``evaluate-every``), its evaluation."""
+    ``evaluate_now`` is False (``evaluate-every``), its evaluation: now, or with ``carry``, by the
+    next round's train messages where they can (the record is then ``eval_pending``).
+    ``carried``: the previous round's evaluation, which this round's train messages carry."""
     cfg = strategy.cfg
     bytes_s2c = bytes_c2s = sampled = 0
     server_seconds = round_seconds = 0.0
@@ -426,9 +553,13 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
             bytes_s2c += _bytes(exchange)
             bytes_c2s += _bytes([m for m in answers if not m.has_error()])
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        if carried is not None:
+            evaluate.ask(messages, carried)  # type: ignore[union-attr]  (only federated evaluation carries)
         t1 = time.perf_counter()
         replies = send_and_receive(grid, messages, cfg.round_timeout)
         t2 = time.perf_counter()
+        if carried is not None:
+            evaluate.collect(messages, replies, carried)  # type: ignore[union-attr]
         new_arrays, agg = strategy.aggregate_train(server_round, replies)
         t3 = time.perf_counter()
         ok = [m for m in replies if not m.has_error()]
@@ -469,7 +600,9 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
             f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in rejected})[:5]}"
         )
     t4 = time.perf_counter()
-    task_acc = evaluate(new_arrays, task) if evaluate_now else None
+    # a strategy scoring tasks through their own slices sends evaluate messages other arrays
+    pending = evaluate_now and carry and strategy.evaluation_pools(new_arrays, task) is None
+    task_acc = evaluate(new_arrays, task) if evaluate_now and not pending else None
     record = {
         "task": task,
         "round": round_,
@@ -503,8 +636,10 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         "train_loss": float(agg["train-loss"]),
         # anything else the strategy reports (consolidation time, loss terms, ...)
         "strategy_metrics": {k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
-        **(evaluate.last_record if evaluate_now else {}),  # federated evaluation: nodes, failures, bytes
+        **(evaluate.last_record if evaluate_now and not pending else {}),  # federated: nodes, failures, bytes
     }
+    if pending:
+        record["eval_pending"] = True  # evaluated with the next round's training (evaluate-with-train)
     return new_arrays, record
 
 

@@ -32,15 +32,16 @@ from common.config import ConfigError, ExperimentConfig
 from common.data import task_rows
 from common.model import CodaPrompt
 from common.privacy import PrivateRecord, check_privacy
-from common.records import (ARRAYS, CONFIG, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record, payload_bytes,
-                            to_array_record)
+from common.records import (ARRAYS, CONFIG, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record,
+                            payload_bytes, to_array_record)
 from common.schedule import task_schedule
 from strategies.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
 
 log = logging.getLogger("promptfcl")
 
-#: records any reply may carry besides the method's own; the base validates them
-PLATFORM_RECORDS = frozenset({PLACEMENT})
+#: records any reply may carry besides the method's own; the base validates placement, the server
+#: loop the evaluation counts a train reply carries (evaluate-with-train)
+PLATFORM_RECORDS = frozenset({PLACEMENT, EVALUATION})
 
 
 class PromptStrategy(FedAvg):

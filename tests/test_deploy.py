@@ -32,6 +32,7 @@ import pytest
 from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from common.config import ConfigError, ExperimentConfig
 from common.data import class_order
+from common.startup import PHASES, metric_name
 from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, register_node,
                              run_script, script_env, start_node, start_superlink, submit, superlink_command, toml_file,
                              wait_for_log)
@@ -47,7 +48,7 @@ RUN = {
     **{k: v for k, v in TINY.items() if k not in ("num-clients", "clients-per-round")},
     "population": "nodes", "evaluation": "federated", "num-classes": 10,
     "class-names": ",".join(str(d) for d in range(10)), "num-clients": NUM_NODES, "clients-per-round": NUM_NODES,
-    "num-tasks": 2, "rounds-per-task": 1, "out-dir": "runs/deployed", "round-timeout": 600.0,
+    "num-tasks": 2, "rounds-per-task": 2, "out-dir": "runs/deployed", "round-timeout": 600.0,
 }
 
 
@@ -149,7 +150,9 @@ def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deploym
     acc = r["accuracy_matrix"]
     assert len(acc) == 2 and acc[1][0] is None and acc[0][0] is not None and acc[1][1] is not None
     assert all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
-    assert [x["server_round"] for x in r["rounds"]] == [1, 2]
+    assert [x["server_round"] for x in r["rounds"]] == [1, 2, 3, 4]
+    # evaluate-with-train: each task's first round is evaluated by the next round's train messages
+    assert [x["eval_carried"] for x in r["rounds"]] == [NUM_HONEST, 0, NUM_HONEST, 0]
     hostile = hostile_node_id(deployment)
     for rnd in r["rounds"]:
         # the hostile node's claim of 10^12 samples exceeds what it declared: excluded, under its own id
@@ -184,6 +187,10 @@ def hostile_node_id(deployment: Deployment) -> int:
 
 
 @pytest.mark.deploy
+COUNTS = {"correct", "total", "num-examples", "train-size", "test-size"}
+STARTUP = {"process-seconds", *(metric_name(p) for p in PHASES)}
+
+
 def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
@@ -202,14 +209,15 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     messages = wire_messages(deployment.exchanges)
     kinds = [(d, t) for d, t, _ in messages]
     rounds = len(deployment.results["rounds"])
-    # per round: a train and an evaluate message to every node, and a reply from every node
+    # per round: a train message to every node and a reply from every node; an evaluate message to
+    # every node at a task's end only (within a task, the next train messages carry the evaluation)
     for direction in ("s2c", "c2s"):
         assert kinds.count((direction, "train")) == rounds * NUM_NODES
-        assert kinds.count((direction, "evaluate")) == rounds * NUM_NODES
+        assert kinds.count((direction, "evaluate")) == RUN["num-tasks"] * NUM_NODES
 
     for direction, kind, content in messages:
         assert content is not None, f"{direction} {kind} message without content"
-        assert set(content.keys()) <= {"arrays", "config", "metrics", "placement"}, sorted(content.keys())
+        assert set(content.keys()) <= {"arrays", "config", "metrics", "placement", "evaluation"}, sorted(content)
         for name, record in content.array_records.items():
             assert set(record.keys()) <= set(shapes), f"{direction} {kind}: unexpected arrays {set(record) - set(shapes)}"
             for arr_name in record.keys():
@@ -223,12 +231,14 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
                     assert len(value) <= 64, f"{direction} {kind}: {key} carries {len(value)} values"
         if direction == "s2c":
             assert set(content["arrays"].keys()) == set(shapes)  # the whole prompt + head, nothing else
-        elif kind == "train":  # the update, its metrics, and where it was trained
-            assert set(content.keys()) == {"arrays", "metrics", "placement"}
+        elif kind == "train":  # the update, its metrics, where it was trained (and evaluation counts)
+            assert set(content.keys()) - {"evaluation"} == {"arrays", "metrics", "placement"}
             assert set(content["placement"].keys()) == {"node", "device"}
-        else:  # evaluation replies: counts only (and the node's declared data sizes)
+            if "evaluation" in content:
+                assert set(content["evaluation"].keys()) == COUNTS
+        else:  # evaluation replies: counts only (the node's declared data sizes, its process's start-up)
             assert set(content.keys()) == {"metrics"}
-            assert set(content["metrics"].keys()) == {"correct", "total", "num-examples", "train-size", "test-size"}
+            assert COUNTS <= set(content["metrics"].keys()) <= COUNTS | STARTUP
 
     # every object on the wire belongs to one of those messages (nothing smuggled beside them)
     from common.flower_internals import internal
@@ -661,11 +671,11 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
     and exactly the accuracy matrix of the uninterrupted run.
 
-    The run is the fixture's (2 tasks x 1 round) with another out-dir, which is result-neutral:
+    The run is the fixture's (2 tasks x 2 rounds) with another out-dir, which is result-neutral:
     the fixture's run is the uninterrupted reference, same nodes and so the same client ids.
     SuperLink, SuperExec and ServerApp are SIGKILLed while the nodes hold round 2's training
-    messages (round 1 and task 1 checkpointed, task 2 unfinished; their replies to the dead run
-    are never aggregated). A SuperLink restarted on the same state directory and port gets the
+    messages (round 1 checkpointed with its evaluation still to come with round 2's training;
+    the nodes' replies to the dead run are never aggregated). A SuperLink restarted on the same state directory and port gets the
     still-running SuperNodes back by itself (they retry every failed call and heartbeat, keep
     their node ids, and state.db keeps their registration), and the run submitted again with
     resume = true does round 2 only, after waiting for all its nodes as any first round does.
@@ -691,7 +701,8 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     killed = kill_hard(deployment.superlink) + kill_hard(submitter)
     assert any("flwr-serverapp" in c for c in killed), killed
     saved = checkpoint.load(out)
-    assert saved is not None and saved.server_round == 1 and saved.task_finished
+    assert saved is not None and saved.server_round == 1 and not saved.task_finished
+    assert saved.rounds[0]["eval_pending"] and saved.rounds[0]["accuracy"] is None
     assert not (out / "results.json").exists()
 
     deployment.superlink_log = root / "superlink-restarted.log"
@@ -703,9 +714,11 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
                        f"{deployment.superlink_log.read_text(errors='replace')[-6000:]}")
     assert "resuming after task 1 round 1 (server round 1)" in output
     results = json.loads((out / "results.json").read_text())
-    assert [r["server_round"] for r in results["rounds"]] == [1, 2]
-    # round 1 once; round 2 for the killed run and again for the resumed one
-    assert train_messages_received(root) == [b + 3 for b in before]
+    assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3, 4]
+    # round 1 once; round 2 for the killed run and again for the resumed one (which carries
+    # round 1's evaluation); rounds 3 and 4 once
+    assert train_messages_received(root) == [b + 5 for b in before]
+    assert results["rounds"][0]["eval_carried"] == NUM_HONEST
     assert results["accuracy_matrix"] == deployment.results["accuracy_matrix"]
     assert [r["task_accuracies"] for r in results["rounds"]] == \
         [r["task_accuracies"] for r in deployment.results["rounds"]]
