@@ -288,7 +288,7 @@ def _unsupported(model: nn.Module) -> str:
         ours = VisionTransformer(**architecture(model))
     theirs = {name: type(m).__name__ for name, m in model.named_modules()}
     mine = {name: type(m).__name__ for name, m in ours.named_modules()}
-    for name in sorted(theirs.keys() | mine.keys()):
+    for name in [*theirs, *(n for n in mine if n not in theirs)]:  # in timm's order
         if theirs.get(name) != mine.get(name):
             return (f"module {name or '(root)'!r} is {theirs.get(name, 'absent')} in timm's model, "
                     f"{mine.get(name, 'absent')} in the standard ViT")
