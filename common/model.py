@@ -75,7 +75,7 @@ def _read_built(path: Path, cfg: ExperimentConfig) -> tuple[nn.Module, str] | No
     """The backbone in a built-backbone cache file, or None (with a warning) if it is unusable."""
     try:
         with startup.phase("weights"):
-            doc = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            doc = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(doc, dict) or doc.get("format") != BUILT_FORMAT:
             found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise ValueError(f"format {found!r}, expected {BUILT_FORMAT}")
