@@ -23,8 +23,8 @@ FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record",
           "poison", "nan-metrics")
 # Keys that do not change what a run computes (excluded from the digest clients check).
 RESULT_NEUTRAL_KEYS = frozenset({"resume", "round-timeout", "threads", "device", "out-dir", "query-cache-disk",
-                                 "ray-address", "client-cpus", "client-gpus", "max-rounds", "evaluate-every",
-                                 "keep-checkpoint", "evaluate-with-train"})
+                                 "backbone-cache-disk", "ray-address", "client-cpus", "client-gpus", "max-rounds",
+                                 "evaluate-every", "keep-checkpoint", "evaluate-with-train"})
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -201,6 +201,10 @@ class ExperimentConfig:
     embed_dim: int = 96  # 0 = the model's own
     depth: int = 4  # 0 = the model's own
     num_heads: int = 3  # 0 = the model's own
+    # Keep the built, frozen backbone in the node's cache dir as a plain state dict for
+    # common/vit.py's ViT, so a fresh ClientApp process builds it without importing timm:
+    # "auto" (on with population=nodes, where every message may start a new process), "on" or "off".
+    backbone_cache_disk: str = "auto"
 
     # --- prompts (CODA-P) ---
     prompt_mode: str = "prefix"
@@ -407,6 +411,8 @@ class ExperimentConfig:
         need(self.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
         need(self.query_cache_disk in ("auto", "on", "off"),
              f"query-cache-disk must be 'auto', 'on' or 'off', got {self.query_cache_disk!r}")
+        need(self.backbone_cache_disk in ("auto", "on", "off"),
+             f"backbone-cache-disk must be 'auto', 'on' or 'off', got {self.backbone_cache_disk!r}")
         for key, least in (("client-cpus", 0.0), ("client-gpus", 0.0)):
             raw = getattr(self, key.replace("-", "_"))
             try:

@@ -1,4 +1,4 @@
-"""Frozen timm ViT backbone, CODA-P decomposed prompts, and the prompted classifier.
+"""Frozen ViT backbone, CODA-P decomposed prompts, and the prompted classifier.
 
 Reads top to bottom: ``build_backbone`` -> ``CodaPrompt`` -> ``PromptedViT``.
 Only the prompt module and the linear head are trainable; the backbone is frozen
@@ -23,12 +23,96 @@ from torch import nn
 
 from common import startup
 from common.config import ConfigError, ExperimentConfig
+from common.files import write_atomic
+from common.vit import Attention as OurAttention, Block as OurBlock, architecture, block_forward, from_state, from_timm
+from common.weights import backbone_identity, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
 
 # ---------------------------------------------------------------------------- backbone
+#: layout version of a built-backbone cache file (``backbone-cache-disk``)
+BUILT_FORMAT = 1
+
+_refusals_logged: set[str] = set()  # backbones whose from_timm refusal this process has logged
+
+
 def build_backbone(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
+    """The frozen backbone ``cfg`` names, with a sentence saying which weights it has.
+
+    With ``backbone-cache-disk`` on, a node keeps the built backbone in its cache dir
+    (:func:`backbone_cache_path`) and a fresh process reads it into common/vit.py's ViT
+    without importing timm. Otherwise, on a miss, and for a ViT outside that module's
+    scope, timm builds it (a miss then writes the cache file).
+    """
+    path = backbone_cache_path(cfg)
+    if path is not None and path.exists():
+        cached = _read_built(path, cfg)
+        if cached is not None:
+            return cached
+    model, source = _build_with_timm(cfg)
+    if path is None:
+        return model, source
+    with startup.phase("model_build"):
+        ours, reason = from_timm(model)
+    if ours is None:  # correct but slower: every process builds it with timm
+        if cfg.backbone not in _refusals_logged:
+            _refusals_logged.add(cfg.backbone)
+            log.warning("backbone %s is not cached on disk: %s; every process builds it with timm",
+                        cfg.backbone, reason)
+        return model, source
+    _write_built(path, cfg, ours, source)
+    return ours, source
+
+
+def backbone_cache_path(cfg: ExperimentConfig) -> Path | None:
+    """``<cache dir>/backbones/built-<disk backbone id>.pt`` when ``backbone-cache-disk`` is on, else None."""
+    on = cfg.backbone_cache_disk == "on" or (cfg.backbone_cache_disk == "auto" and cfg.population == "nodes")
+    return cache_dir() / "backbones" / f"built-{disk_backbone_id(cfg)}.pt" if on else None
+
+
+def _read_built(path: Path, cfg: ExperimentConfig) -> tuple[nn.Module, str] | None:
+    """The backbone in a built-backbone cache file, or None (with a warning) if it is unusable."""
+    try:
+        with startup.phase("weights"):
+            doc = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(doc, dict) or doc.get("format") != BUILT_FORMAT:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"format {found!r}, expected {BUILT_FORMAT}")
+        if doc.get("identity") != backbone_identity(cfg):  # a digest collision, or a file put there by hand
+            raise ValueError("it was built for another backbone configuration")
+        arch = doc["arch"]
+        _check_arch(arch, cfg)
+        with startup.phase("model_build"):
+            model = from_state(arch, doc["state"])
+        return model, str(doc["source"])
+    except Exception as exc:  # torch.load fails in many types on a damaged file; timm is the fallback
+        log.warning("built backbone cache %s is unusable (%s: %s); building with timm and rewriting it",
+                    path, type(exc).__name__, exc)
+        return None
+
+
+def _check_arch(arch: dict, cfg: ExperimentConfig) -> None:
+    """Raise ValueError unless ``arch`` has the sizes ``cfg`` sets."""
+    if not isinstance(arch, dict):
+        raise ValueError(f"arch is a {type(arch).__name__}, not a dict")
+    wanted = {"img_size": [cfg.image_size] * 2, "patch_size": [cfg.patch_size] * 2, "embed_dim": cfg.embed_dim,
+              "depth": cfg.depth, "num_heads": cfg.num_heads}
+    for key, value in wanted.items():
+        if value not in (0, [0, 0]) and arch.get(key) != value:  # 0: the model's own size
+            raise ValueError(f"arch {key} = {arch.get(key)!r}, the configuration says {value!r}")
+
+
+def _write_built(path: Path, cfg: ExperimentConfig, model: nn.Module, source: str) -> None:
+    doc = {"format": BUILT_FORMAT, "identity": backbone_identity(cfg), "arch": architecture(model),
+           "state": model.state_dict(), "source": source}
+    try:
+        write_atomic(path, lambda fh: torch.save(doc, fh))
+    except OSError as exc:  # a read-only or full cache dir must not stop the run
+        log.warning("cannot write built backbone cache %s (%s)", path, exc)
+
+
+def _build_with_timm(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
     """Create a frozen timm ViT by name; return it with a sentence saying which weights it has."""
     with startup.phase("model_build"):
         import timm  # a large part of a fresh process's start: imported only to build a model
@@ -235,45 +319,23 @@ class CodaPrompt(nn.Module):
 def check_blocks(backbone: nn.Module, layers: list[int]) -> None:
     """Refuse a backbone whose prompted blocks the prefix / prompt path would not reproduce.
 
-    ``_block_forward`` re-implements timm's ``vision_transformer.Block`` and ``Attention``
-    forward (pre-norm, layer scale, drop path; q/k norm, scale norm, gated output); any other
-    block or attention class (or a subclass that may change the forward) is refused rather
-    than silently run without what it adds.
+    ``common.vit.block_forward`` is timm's ``vision_transformer.Block`` and ``Attention``
+    forward (pre-norm, layer scale, drop path; q/k norm, scale norm, gated output); blocks of
+    common/vit.py's ViT or of timm's are accepted, any other class (or a subclass, which may
+    change the forward) is refused rather than silently run without what it adds.
     """
-    from timm.models.vision_transformer import Attention, Block
-
     for i in layers:
         block = backbone.blocks[i]
-        if type(block) is not Block or type(getattr(block, "attn", None)) is not Attention:
+        attn = getattr(block, "attn", None)
+        if type(block) is OurBlock and type(attn) is OurAttention:
+            continue  # checked first: a backbone read from the disk cache never imports timm
+        from timm.models.vision_transformer import Attention, Block
+
+        if type(block) is not Block or type(attn) is not Attention:
             raise ConfigError(
                 f"block {i} of this backbone is {type(block).__module__}.{type(block).__name__} with attention "
-                f"{type(getattr(block, 'attn', None)).__name__}; prompts are inserted only into timm's "
-                "vision_transformer Block / Attention, whose forward the prompted path reproduces")
-
-
-def _prefix_attention(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
-    """timm Attention forward with optional prefix keys/values (B, L, D), L split in halves."""
-    B, N, _ = x.shape
-    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    if prefix is not None:
-        half = prefix.shape[1] // 2
-        pk = prefix[:, :half].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
-        pv = prefix[:, half:].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-    out = F.scaled_dot_product_attention(q, k, v)
-    out = out.transpose(1, 2).reshape(B, N, attn.attn_dim if hasattr(attn, "attn_dim") else -1)
-    out = attn.norm(out) if hasattr(attn, "norm") else out
-    if gate is not None:
-        out = out * gate
-    return attn.proj_drop(attn.proj(out))
-
-
-def _block_forward(block: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
-    x = x + block.drop_path1(block.ls1(_prefix_attention(block.attn, block.norm1(x), prefix)))
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+                f"{type(attn).__name__}; prompts are inserted only into timm's vision_transformer "
+                "Block / Attention (or common/vit.py's), whose forward the prompted path reproduces")
 
 
 class PromptedViT(nn.Module):
@@ -349,11 +411,11 @@ class PromptedViT(nn.Module):
                 continue
             prompt = self.prompt(query, i)
             if self.mode == "prefix":
-                tokens = _block_forward(block, tokens, prompt)
+                tokens = block_forward(block, tokens, prompt)
             else:
                 n = prompt.shape[1]
                 extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
-                out = _block_forward(block, extended, None)
+                out = block_forward(block, extended)
                 tokens = torch.cat([out[:, :1], out[:, 1 + n :]], dim=1)
         return b.forward_head(b.norm(tokens), pre_logits=True)
 

@@ -35,8 +35,9 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     from common.data import load_dataset
     from common.model import build_backbone, PromptedViT, CodaPrompt
 
+    # backbone-cache-disk off: the backbone is trained here, so it stays timm's own model
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",
-                          max_train_per_class=0, max_test_per_class=0)
+                          max_train_per_class=0, max_test_per_class=0, backbone_cache_disk="off")
     data = load_dataset(src_cfg)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)

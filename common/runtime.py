@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -34,12 +33,9 @@ from common.config import ExperimentConfig
 from common.data import ArraySplit, Dataset, load_dataset_cached
 from common.files import write_atomic
 from common.model import CodaPrompt, PromptedViT, build_model, resolve_device
+from common.weights import disk_backbone_id
 
 log = logging.getLogger("promptfcl")
-
-# Keys that decide the backbone's output; a change in any of them invalidates queries.
-BACKBONE_KEYS = ("backbone", "weights", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
-
 
 class QueryCache:
     """Lazily filled (N, D) table of q(x) for one split, one backbone.
@@ -151,36 +147,6 @@ class Runtime:
             return None
         with self.autocast():  # the cache stores float32 whatever the forward's precision
             return self.query_cache(split).get(self.model, index, self.device).to(self.device)
-
-
-def _subset_fingerprint(cfg: ExperimentConfig, keys: tuple[str, ...]) -> str:
-    full = cfg.to_dict()
-    return json.dumps({k: full[k] for k in keys}, sort_keys=True)
-
-
-def backbone_id(cfg: ExperimentConfig) -> str:
-    """Identifies the backbone's function (seed matters only for random weights)."""
-    extra = f"seed={cfg.seed}" if cfg.weights == "random" else ""
-    return hashlib.sha1((_subset_fingerprint(cfg, BACKBONE_KEYS) + extra).encode()).hexdigest()[:16]
-
-
-def disk_backbone_id(cfg: ExperimentConfig) -> str:
-    """``backbone_id`` plus the weights file's size and time, so a rebuilt checkpoint
-    (``promptfcl pretrain --force``) never reuses queries of the old one."""
-    stamp = ""
-    if cfg.weights.startswith("pretrained:") or cfg.weights not in ("timm", "random"):
-        try:
-            if cfg.weights.startswith("pretrained:"):
-                from common.weights import checkpoint_path
-
-                path = checkpoint_path(cfg, cfg.weights.split(":", 1)[1])
-            else:
-                path = Path(cfg.weights).expanduser()
-            st = path.stat()
-            stamp = f"{st.st_size}-{st.st_mtime_ns}"
-        except OSError:
-            stamp = "missing"
-    return hashlib.sha1((backbone_id(cfg) + stamp).encode()).hexdigest()[:16]
 
 
 def query_disk_dir(cfg: ExperimentConfig) -> Path | None:

@@ -13,6 +13,8 @@ import torch
 from common.config import ConfigError, ExperimentConfig
 
 ARCH_KEYS = ("backbone", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
+# Keys that decide the backbone's output; a change in any of them invalidates queries.
+BACKBONE_KEYS = ("backbone", "weights", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
 
 
 def cache_dir() -> Path:
@@ -56,3 +58,44 @@ def check_weights(cfg: ExperimentConfig) -> None:
         resolve_weights(cfg)
     elif cfg.weights not in ("timm", "random") and not Path(cfg.weights).expanduser().is_file():
         raise ConfigError(f"weights checkpoint {cfg.weights} does not exist")
+
+
+def backbone_identity(cfg: ExperimentConfig) -> str:
+    """Plain text of what decides the backbone's function on this node: the backbone keys,
+    the seed (random weights only) and the weights file's size and time (``disk_backbone_id``
+    is its digest; a built-backbone cache file stores it to rule out a hash collision)."""
+    full = cfg.to_dict()
+    return json.dumps({"keys": {k: full[k] for k in BACKBONE_KEYS}, "seed": _seed_part(cfg),
+                       "weights-file": _weights_stamp(cfg)}, sort_keys=True)
+
+
+def backbone_id(cfg: ExperimentConfig) -> str:
+    """Identifies the backbone's function (seed matters only for random weights)."""
+    full = cfg.to_dict()
+    keys = json.dumps({k: full[k] for k in BACKBONE_KEYS}, sort_keys=True)
+    return hashlib.sha1((keys + _seed_part(cfg)).encode()).hexdigest()[:16]
+
+
+def disk_backbone_id(cfg: ExperimentConfig) -> str:
+    """``backbone_id`` plus the weights file's size and time, so a rebuilt checkpoint
+    (``promptfcl pretrain --force``) never reuses queries (or a built backbone) of the old one."""
+    return hashlib.sha1((backbone_id(cfg) + _weights_stamp(cfg)).encode()).hexdigest()[:16]
+
+
+def _seed_part(cfg: ExperimentConfig) -> str:
+    return f"seed={cfg.seed}" if cfg.weights == "random" else ""
+
+
+def _weights_stamp(cfg: ExperimentConfig) -> str:
+    """"size-mtime" of the weights file ``cfg`` names, "missing" without one, "" for timm/random."""
+    if cfg.weights in ("timm", "random"):
+        return ""
+    try:
+        if cfg.weights.startswith("pretrained:"):
+            path = checkpoint_path(cfg, cfg.weights.split(":", 1)[1])
+        else:
+            path = Path(cfg.weights).expanduser()
+        st = path.stat()
+        return f"{st.st_size}-{st.st_mtime_ns}"
+    except OSError:
+        return "missing"

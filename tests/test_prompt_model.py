@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.config import ConfigError
-from common.model import CodaPrompt, _block_forward, build_model, gram_schmidt_rows, masked_logits
+from common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
+from common.vit import block_forward as _block_forward
 from tests.conftest import tiny_config
 
 
@@ -167,7 +168,8 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
     """With no prompt, the prefix path of every block (and the whole prompted forward with the
     prompts zeroed) gives timm's own output: nothing timm's forward does is dropped."""
     from common.config import ExperimentConfig
-    from common.model import _block_forward, build_backbone
+    from common.model import build_backbone
+    from common.vit import block_forward as _block_forward
 
     small = backbone == ExperimentConfig().backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
