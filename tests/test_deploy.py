@@ -186,11 +186,11 @@ def hostile_node_id(deployment: Deployment) -> int:
     return int(re.search(r"SuperNode ID:? *(\d+)", text).group(1))
 
 
-@pytest.mark.deploy
 COUNTS = {"correct", "total", "num-examples", "train-size", "test-size"}
 STARTUP = {"process-seconds", *(metric_name(p) for p in PHASES)}
 
 
+@pytest.mark.deploy
 def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
