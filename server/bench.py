@@ -484,11 +484,13 @@ def format_paper_dims(report: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- deployment
 def empty_process_seconds(repeats: int = 3, imports: str = "") -> float:
-    """Median wall time of a fresh interpreter that imports Flower's ClientApp and nothing of
-    this project: the floor under any deployed message's start-up on this machine. ``imports``:
-    more to import (``"torch"``: the floor of any ClientApp that trains with torch)."""
+    """Median wall time of a fresh interpreter that imports what Flower's ``flwr-clientapp``
+    process imports (its runner and ``ClientApp``) and nothing of this project: the floor under
+    any deployed message's start-up on this machine. ``imports``: more to import (``"torch"``:
+    the floor of any ClientApp that trains with torch)."""
     times = []
-    code = "from flwr.clientapp import ClientApp; ClientApp()" + (f"; import {imports}" if imports else "")
+    code = ("from flwr.supernode.cli import flwr_clientapp; from flwr.clientapp import ClientApp; ClientApp()"
+            + (f"; import {imports}" if imports else ""))
     for _ in range(repeats):
         started = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], check=True)
@@ -563,7 +565,8 @@ def deploy_table(report: dict[str, Any]) -> str:
              f"| total (per_message_overhead_seconds, median) | {report['per_message_overhead_seconds']:.2f} |"]
     lines += [f"| {name} | {value:.2f} |" for name, value in report["overhead_breakdown"].items()]
     lines += [f"| an evaluate message's whole process (median) | {report['eval_message_seconds']:.2f} |",
-              f"| floor: empty interpreter + Flower ClientApp import | {report['empty_clientapp_process_seconds']:.2f} |",
+              f"| floor: a fresh interpreter importing Flower's ClientApp runner | "
+              f"{report['empty_clientapp_process_seconds']:.2f} |",
               f"| floor with torch: the same + `import torch` | {report['torch_clientapp_process_seconds']:.2f} |",
               f"| (training itself, for scale) | {report['client_train_seconds']:.2f} |"]
     return "\n".join(lines)
