@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -244,11 +246,20 @@ def test_folder_source_reads_one_folder_per_class(tmp_path):
         load_dataset(tiny_config(dataset=f"folder:{tmp_path}", num_tasks=2))
 
 
-def test_hub_unreachable_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="cannot load Hugging Face dataset"):
-        load_dataset(tiny_config(dataset="hf:cifar100"))
+def test_hub_unreachable_is_a_clear_error():
+    """In a fresh process: Hugging Face's libraries read the offline switches when imported, and
+    in this one they may be imported already (then the hub is tried, and retried, for real)."""
+    import subprocess
+    import sys
+
+    code = ("from common.data import DataError, load_dataset\n"
+            "from tests.conftest import tiny_config\n"
+            "try:\n    load_dataset(tiny_config(dataset='hf:cifar100'))\n"
+            "except DataError as exc:\n    print('DataError:', exc)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert "DataError: cannot load Hugging Face dataset" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():

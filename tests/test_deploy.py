@@ -48,7 +48,9 @@ RUN = {
     **{k: v for k, v in TINY.items() if k not in ("num-clients", "clients-per-round")},
     "population": "nodes", "evaluation": "federated", "num-classes": 10,
     "class-names": ",".join(str(d) for d in range(10)), "num-clients": NUM_NODES, "clients-per-round": NUM_NODES,
-    "num-tasks": 2, "rounds-per-task": 2, "out-dir": "runs/deployed", "round-timeout": 600.0,
+    # one task of two rounds: round 1 is evaluated with round 2's training (evaluate-with-train),
+    # round 2 by evaluate messages; several tasks over the wire: test_random_tasks_run_on_deployed_nodes
+    "num-tasks": 1, "rounds-per-task": 2, "out-dir": "runs/deployed", "round-timeout": 600.0,
 }
 
 
@@ -139,7 +141,8 @@ def hostile_app_dir(out: Path) -> Path:
 
 def seen_test_images(data_root: Path, task: int, seed: int = 0) -> int:
     """Held-out images of the classes seen up to ``task`` across the honest nodes' folders."""
-    seen = class_order(10, seed)[: (task + 1) * 5]  # original digits of remapped classes 0..(task+1)*5-1
+    per_task = 10 // RUN["num-tasks"]
+    seen = class_order(10, seed)[: (task + 1) * per_task]  # original digits of remapped classes seen so far
     return sum(len(list((data_root / f"node{i}" / "test" / str(d)).glob("*.png")))
                for i in range(NUM_HONEST) for d in seen)
 
@@ -148,11 +151,12 @@ def seen_test_images(data_root: Path, task: int, seed: int = 0) -> int:
 def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deployment):
     r = deployment.results
     acc = r["accuracy_matrix"]
-    assert len(acc) == 2 and acc[1][0] is None and acc[0][0] is not None and acc[1][1] is not None
+    assert len(acc) == 1 and acc[0][0] is not None
     assert all(0.0 <= v <= 100.0 for row in acc for v in row if v is not None)
-    assert [x["server_round"] for x in r["rounds"]] == [1, 2, 3, 4]
-    # evaluate-with-train: each task's first round is evaluated by the next round's train messages
-    assert [x["eval_carried"] for x in r["rounds"]] == [NUM_HONEST, 0, NUM_HONEST, 0]
+    assert [x["server_round"] for x in r["rounds"]] == [1, 2]
+    # evaluate-with-train: round 1's counts came with round 2's train replies (the hostile node's
+    # forged ones left out), round 2, the task's end, by evaluate messages
+    assert [x["eval_carried"] for x in r["rounds"]] == [NUM_HONEST, 0]
     hostile = hostile_node_id(deployment)
     for rnd in r["rounds"]:
         # the hostile node's claim of 10^12 samples exceeds what it declared: excluded, under its own id
@@ -671,7 +675,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
     and exactly the accuracy matrix of the uninterrupted run.
 
-    The run is the fixture's (2 tasks x 2 rounds) with another out-dir, which is result-neutral:
+    The run is the fixture's (1 task x 2 rounds) with another out-dir, which is result-neutral:
     the fixture's run is the uninterrupted reference, same nodes and so the same client ids.
     SuperLink, SuperExec and ServerApp are SIGKILLed while the nodes hold round 2's training
     messages (round 1 checkpointed with its evaluation still to come with round 2's training;
@@ -714,10 +718,10 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
                        f"{deployment.superlink_log.read_text(errors='replace')[-6000:]}")
     assert "resuming after task 1 round 1 (server round 1)" in output
     results = json.loads((out / "results.json").read_text())
-    assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3, 4]
+    assert [r["server_round"] for r in results["rounds"]] == [1, 2]
     # round 1 once; round 2 for the killed run and again for the resumed one (which carries
-    # round 1's evaluation); rounds 3 and 4 once
-    assert train_messages_received(root) == [b + 5 for b in before]
+    # round 1's evaluation)
+    assert train_messages_received(root) == [b + 3 for b in before]
     assert results["rounds"][0]["eval_carried"] == NUM_HONEST
     assert results["accuracy_matrix"] == deployment.results["accuracy_matrix"]
     assert [r["task_accuracies"] for r in results["rounds"]] == \
