@@ -33,8 +33,14 @@ flwr-run: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 \
 	  $(VENV)/bin/flwr run . --stream --federation-config "num-supernodes=5"
 
+# Two pytest workers, one test file at a time each (--dist loadfile: a file's module fixtures,
+# such as the deployment tests' federation, are set up once). The deployment tests spend much
+# of their time waiting on fresh ClientApp processes and polls, so the other worker runs the
+# rest meanwhile. (loadgroup would be finer, but pytest-xdist 3.8 ignores xdist_group marks
+# under pytest 9.2: pytest-dev/pytest-xdist#1386.) PYTEST_WORKERS=0 runs it all in one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
