@@ -52,7 +52,9 @@ def train(msg: Message, context: Context) -> Message:
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
     # evaluate-with-train: the received model's counts, before training changes it
+    evaluated = time.perf_counter()
     evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
+    evaluation_seconds = time.perf_counter() - evaluated
     learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
@@ -61,6 +63,8 @@ def train(msg: Message, context: Context) -> Message:
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
         reply[METRICS]["process-seconds"] = process_age()
+        if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
+            reply[METRICS]["evaluation-seconds"] = evaluation_seconds
         for name, seconds in startup.take().items():  # a fresh process's first message only
             reply[METRICS][startup.metric_name(name)] = seconds
         declare_sizes(cfg, runtime, reply[METRICS])
@@ -70,13 +74,20 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
-def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDict) -> MetricRecord:
+def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDict) -> MetricRecord | None:
     """The counts an evaluate message would get for the arrays this train message carries, on
-    tasks 0..``evaluate-task`` (the server asks only where those arrays are the global model)."""
+    tasks 0..``evaluate-task`` (the server asks only where those arrays are the global model).
+
+    None, logged, when they cannot be computed: the update still goes back, and the server
+    sends this node an evaluate message instead."""
     task = content[CONFIG][EVALUATE_TASK]
-    if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
-        raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
-    return evaluation_counts(cfg, runtime, content[ARRAYS], task, {})
+    try:
+        if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
+            raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
+        return evaluation_counts(cfg, runtime, content[ARRAYS], task, {})
+    except Exception as exc:  # the evaluation must never cost the training update
+        log.warning("evaluation asked with training not done (%s: %s); training goes on", type(exc).__name__, exc)
+        return None
 
 
 def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayRecord,

@@ -108,7 +108,7 @@ def _write_built(path: Path, cfg: ExperimentConfig, model: nn.Module, source: st
            "state": model.state_dict(), "source": source}
     try:
         write_atomic(path, lambda fh: torch.save(doc, fh))
-    except OSError as exc:  # a read-only or full cache dir must not stop the run
+    except Exception as exc:  # a read-only or full cache dir (torch's writer raises RuntimeError) must not stop the run
         log.warning("cannot write built backbone cache %s (%s)", path, exc)
 
 

@@ -63,7 +63,8 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | N
         k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.attn_drop.p if attn.training else 0.0)
     out = out.transpose(1, 2).reshape(B, N, attn.num_heads * attn.head_dim)
-    out = attn.norm(out)
+    norm = getattr(attn, "norm", None)  # timm added the scale norm within 1.0.x
+    out = norm(out) if norm is not None else out
     if gate is not None:
         out = out * gate
     return attn.proj_drop(attn.proj(out))

@@ -66,7 +66,7 @@ def backbone_identity(cfg: ExperimentConfig) -> str:
     is its digest; a built-backbone cache file stores it to rule out a hash collision)."""
     full = cfg.to_dict()
     return json.dumps({"keys": {k: full[k] for k in BACKBONE_KEYS}, "seed": _seed_part(cfg),
-                       "weights-file": _weights_stamp(cfg), "timm": _timm_version()}, sort_keys=True)
+                       "weights-file": _weights_stamp(cfg), "libraries": _library_versions()}, sort_keys=True)
 
 
 def backbone_id(cfg: ExperimentConfig) -> str:
@@ -79,18 +79,22 @@ def backbone_id(cfg: ExperimentConfig) -> str:
 def disk_backbone_id(cfg: ExperimentConfig) -> str:
     """``backbone_id`` plus the weights file's size and time, so a rebuilt checkpoint
     (``promptfcl pretrain --force``) never reuses queries (or a built backbone) of the old one,
-    and timm's version, whose model definitions (and random initialisation) may change."""
-    return hashlib.sha1((backbone_id(cfg) + _weights_stamp(cfg) + _timm_version()).encode()).hexdigest()[:16]
+    and timm's and torch's versions."""
+    return hashlib.sha1((backbone_id(cfg) + _weights_stamp(cfg) + _library_versions()).encode()).hexdigest()[:16]
 
 
-def _timm_version() -> str:
-    """The installed timm's version, read from its metadata (importing timm is what the cache avoids)."""
+def _library_versions() -> str:
+    """timm's and torch's versions, read from their metadata (importing timm is what the cache
+    avoids): model definitions and seeded random initialisation may change with either."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("timm")
-    except PackageNotFoundError:
-        return "none"
+    versions = []
+    for name in ("timm", "torch"):
+        try:
+            versions.append(f"{name}={version(name)}")
+        except PackageNotFoundError:
+            versions.append(f"{name}=none")
+    return ",".join(versions)
 
 
 def _seed_part(cfg: ExperimentConfig) -> str:

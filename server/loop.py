@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -76,7 +76,7 @@ class CarriedEvaluation:
     index: int  # the round's record in ``RunState.rounds``
     task: int
     arrays: ArrayRecord
-    asked: dict[int, int] = field(default_factory=dict)  # id() of a train message that asks -> its node
+    asked: dict[int, int] = field(default_factory=dict)  # this attempt: id() of a train message asked -> node
     counts: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # node -> (correct, total)
     failed: list[dict[str, Any]] = field(default_factory=list)
 
@@ -106,13 +106,14 @@ class FederatedEvaluator:
     def ask(self, messages: list[Message], carried: CarriedEvaluation) -> None:
         """Ask, in their config, the train messages that carry exactly ``carried.arrays`` (and go
         to a node not counted yet) to evaluate them first."""
-        asked_now: set[int] = set()  # a node playing several clients evaluates once
+        carried.asked = {}  # this attempt's messages only (ids of live objects)
+        done = set(carried.counts) | {f["node"] for f in carried.failed}
         for m in messages:
             node = int(m.metadata.dst_node_id)
-            if node in carried.counts or node in asked_now or ARRAYS not in m.content.array_records or \
+            # a node playing several clients evaluates once; one counted or refused is not asked again
+            if node in done or node in carried.asked.values() or ARRAYS not in m.content.array_records or \
                     not same_arrays(m.content[ARRAYS], carried.arrays):
                 continue
-            asked_now.add(node)
             config = ConfigRecord(dict(m.content[CONFIG]))  # this message's own copy
             config[EVALUATE_TASK] = carried.task
             m.content[CONFIG] = config
@@ -148,7 +149,9 @@ class FederatedEvaluator:
 
         cfg = self.strategy.cfg
         done = set(carried) | {f["node"] for f in carried_failed}
-        nodes = [n for n in self.strategy.connected_nodes(self.grid, 1, cfg.round_timeout) if n not in done]
+        # with counts in hand, no node need be waited for
+        nodes = [n for n in self.strategy.connected_nodes(self.grid, 0 if carried else 1, cfg.round_timeout)
+                 if n not in done]
         config = ConfigRecord({"task": task, "config-digest": cfg.digest(),
                                "num-classes": self.strategy.num_classes})
         views = self.strategy.evaluation_pools(arrays, task)  # each task through its own slices (Powder)
@@ -428,10 +431,8 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         carry = (cfg.evaluate_with_train and isinstance(evaluate, FederatedEvaluator) and ending is None
                  and index < last - 1)
         arrays, record = run_round(grid, strategy, evaluate, arrays, task, round_, server_round, evaluate_now,
-                                   carry, carried)
+                                   carry, carried, complete)
         state.rounds.append(record)
-        if carried is not None:
-            complete(carried)
         carried = CarriedEvaluation(len(state.rounds) - 1, task, arrays) if record.get("eval_pending") else None
         privacy = privacy_so_far(cfg, strategy, state.rounds)
         if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
@@ -459,6 +460,9 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         if ending is not None:
             end_task(ending)
 
+    if carried is not None:  # resumed with max-rounds at the saved round: no next round to carry it
+        complete(carried)
+        save(int(state.rounds[-1]["task"]), int(state.rounds[-1]["round"]), finished=False)
     results = build_results(cfg, runtime, state, arrays, elapsed_before + time.perf_counter() - started, evaluate)
     results["privacy"] = privacy_so_far(cfg, strategy, state.rounds)
     if last < len(steps):
@@ -524,12 +528,14 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> lis
 
 def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator | FederatedEvaluator,
               arrays: ArrayRecord, task: int, round_: int, server_round: int,
-              evaluate_now: bool = True, carry: bool = False,
-              carried: CarriedEvaluation | None = None) -> tuple[ArrayRecord, dict[str, Any]]:
+              evaluate_now: bool = True, carry: bool = False, carried: CarriedEvaluation | None = None,
+              complete_carried: Callable[[CarriedEvaluation], None] | None = None
+              ) -> tuple[ArrayRecord, dict[str, Any]]:
     """One training round (retried with fresh clients if too few replies are usable) and, unless
     ``evaluate_now`` is False (``evaluate-every``), its evaluation: now, or with ``carry``, by the
     next round's train messages where they can (the record is then ``eval_pending``).
-    ``carried``: the previous round's evaluation, which this round's train messages carry."""
+    ``carried``: the previous round's evaluation, which this round's train messages carry;
+    ``complete_carried`` finishes it after training, before this round's own evaluation."""
     cfg = strategy.cfg
     bytes_s2c = bytes_c2s = sampled = 0
     server_seconds = round_seconds = 0.0
@@ -579,6 +585,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         # the first training step, and per phase (common/startup.py)
         fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
         overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
+                      - float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
                       + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
                       for m in fresh]
         for name in PHASES:
@@ -599,6 +606,8 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
             f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
             f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in rejected})[:5]}"
         )
+    if carried is not None and complete_carried is not None:
+        complete_carried(carried)  # rounds are evaluated in order
     t4 = time.perf_counter()
     # a strategy scoring tasks through their own slices sends evaluate messages other arrays
     pending = evaluate_now and carry and strategy.evaluation_pools(new_arrays, task) is None

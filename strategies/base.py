@@ -32,7 +32,7 @@ from common.config import ConfigError, ExperimentConfig
 from common.data import task_rows
 from common.model import CodaPrompt
 from common.privacy import PrivateRecord, check_privacy
-from common.records import (ARRAYS, CONFIG, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record,
+from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record,
                             payload_bytes, to_array_record)
 from common.schedule import task_schedule
 from strategies.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
@@ -521,6 +521,10 @@ class PromptStrategy(FedAvg):
             reason = check_placement(content)
             if reason is not None:
                 return reason
+        if EVALUATION in content:  # the server loop reads its counts; here only whether it may be there
+            sent = self.sent_config(msg)
+            if EVALUATION not in content.metric_records or sent is None or EVALUATE_TASK not in sent:
+                return f"an {EVALUATION!r} record this message did not ask for (or not a metric record)"
         names = method_records(content)
         if self.reply_records is not None and names != set(self.reply_records):
             extra, missing = names - self.reply_records, self.reply_records - names

@@ -58,6 +58,8 @@ REPLY_METRICS: dict[str, MetricSpec] = {
     "train-seconds": MetricSpec(float, low=0),
     "setup-seconds": MetricSpec(float, required=False, low=0),  # deployment: process start to training
     "process-seconds": MetricSpec(float, required=False, low=0),
+    # evaluate-with-train: time the node spent evaluating the received model before training
+    "evaluation-seconds": MetricSpec(float, required=False, low=0),
     "device-peak-mb": MetricSpec(float, required=False, low=0),  # clients on CUDA
     # a fresh process's first message: seconds per start-up phase (common/startup.py)
     **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},

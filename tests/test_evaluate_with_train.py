@@ -87,7 +87,9 @@ def test_dropped_or_forged_carried_counts_cost_only_that_node(tmp_path, flower_i
     assert results["final_average_accuracy"] is not None
 
 
-def test_a_train_message_naming_no_task_to_evaluate_is_refused(flower_identity):
+def test_an_evaluation_the_node_cannot_do_never_costs_its_update(flower_identity, caplog):
+    """A bad ``evaluate-task`` (or any failure while evaluating): logged, no counts, and the
+    train reply goes back as it would without the request."""
     import numpy as np
     from flwr.app import ConfigRecord, RecordDict
 
@@ -96,8 +98,28 @@ def test_a_train_message_naming_no_task_to_evaluate_is_refused(flower_identity):
 
     cfg = tiny_config()
     content = RecordDict({"arrays": to_array_record({"x": np.zeros(1)}), "config": ConfigRecord({"evaluate-task": 7})})
-    with pytest.raises(ValueError, match="evaluate-task 7 names no task"):
-        evaluate_received(cfg, None, content)  # type: ignore[arg-type]  (refused before the runtime is used)
+    assert evaluate_received(cfg, None, content) is None  # type: ignore[arg-type]  (refused before the runtime)
+    assert "evaluate-task 7 names no task" in caplog.text
+
+
+def unasked_counts() -> ClientApp:
+    """A node that sends an ``evaluation`` record with every train reply, asked or not."""
+    from flwr.app import MetricRecord
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        reply = call_next(msg, context)
+        if msg.metadata.message_type == "train" and not reply.has_error():
+            reply.content[EVALUATION] = MetricRecord({"correct": [1], "total": [1], "num-examples": 1})
+        return reply
+
+    return client_app([mod])
+
+
+def test_counts_a_message_did_not_ask_for_reject_the_reply(tmp_path, flower_identity):
+    results, _ = run_nodes(tmp_path / "unasked", apps={1001: unasked_counts()}, **{"clients-per-round": 3})
+    first = results["rounds"][0]  # nothing to carry yet: node 1001's record was not asked for
+    assert [(r["node"], "did not ask for" in r["reason"]) for r in first["rejected"]] == [(1001, True)]
+    assert first["clients_aggregated"] == 2
 
 
 class StopsAtTrainMessage(InProcessGrid):
@@ -133,9 +155,18 @@ def test_a_round_awaiting_its_carried_evaluation_survives_a_restart(tmp_path, fl
 
     saved = checkpoint.load(str(out))
     assert saved.server_round == 1 and saved.rounds[0]["eval_pending"] and saved.rounds[0]["accuracy"] is None
+    # a copy resumed with max-rounds = 1: no round left to carry it, so evaluate messages complete it
+    import shutil
+
+    shutil.copytree(out, tmp_path / "copy")
+    at_one = cfg.replace(resume=True, max_rounds=1, out_dir=str(tmp_path / "copy"))
+    stopped = run_experiment(InProcessGrid(at_one, 3, node_configs=node_configs), at_one)  # type: ignore[arg-type]
+    assert stopped["rounds"][0]["task_accuracies"] == whole["rounds"][0]["task_accuracies"]
+    assert "eval_pending" not in stopped["rounds"][0] and stopped["rounds"][0]["eval_carried"] == 0
+    assert "eval_pending" not in checkpoint.load(str(tmp_path / "copy")).rounds[0]
     resumed_cfg = cfg.replace(resume=True)
     grid = InProcessGrid(resumed_cfg, 3, node_configs=node_configs)
     resumed = run_experiment(grid, resumed_cfg)  # type: ignore[arg-type]
     assert [r["task_accuracies"] for r in resumed["rounds"]] == [r["task_accuracies"] for r in whole["rounds"]]
-    assert resumed["rounds"][0]["eval_carried"] == 3
+    assert resumed["rounds"][0]["eval_carried"] == 3  # carried by the resumed round 2's training
     assert resumed["accuracy_matrix"] == whole["accuracy_matrix"]
