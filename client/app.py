@@ -62,11 +62,9 @@ def train(msg: Message, context: Context) -> Message:
     reply = private_upload(cfg, reply, msg.content[ARRAYS], np.random.default_rng())
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply[METRICS]["setup-seconds"] = setup
-        reply[METRICS]["process-seconds"] = process_age()
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
             reply[METRICS]["evaluation-seconds"] = evaluation_seconds
-        for name, seconds in startup.take().items():  # a fresh process's first message only
-            reply[METRICS][startup.metric_name(name)] = seconds
+        report_process_cost(reply[METRICS])
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context)
     if evaluation is not None:
@@ -133,9 +131,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         raise ValueError("evaluate message config lacks 'task'") from None
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
     metrics = evaluation_counts(cfg, runtime, msg.content[ARRAYS], task, pools)
-    metrics["process-seconds"] = process_age()
-    for name, seconds in startup.take().items():  # a fresh process: what it cost before evaluating
-        metrics[startup.metric_name(name)] = seconds
+    report_process_cost(metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
 
@@ -214,6 +210,14 @@ def declare_sizes(cfg: ExperimentConfig, runtime: Runtime, metrics: MetricRecord
     if cfg.population == "nodes":
         metrics["train-size"] = len(runtime.data.train)
         metrics["test-size"] = len(runtime.data.test)
+
+
+def report_process_cost(metrics: MetricRecord) -> None:
+    """This message's process cost, for the server's deployment-overhead figures: the process's
+    age now and, in a fresh process's first message, its start-up phases (common/startup.py)."""
+    metrics["process-seconds"] = process_age()
+    for name, seconds in startup.take().items():
+        metrics[startup.metric_name(name)] = seconds
 
 
 def in_ray_actor() -> bool:

@@ -3,6 +3,7 @@ checkpoints, and the check a run makes before it starts (no model is built here)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -61,28 +62,22 @@ def check_weights(cfg: ExperimentConfig) -> None:
 
 
 def backbone_identity(cfg: ExperimentConfig) -> str:
-    """Plain text of what decides the backbone's function on this node: the backbone keys,
-    the seed (random weights only) and the weights file's size and time (``disk_backbone_id``
-    is its digest; a built-backbone cache file stores it to rule out a hash collision)."""
+    """Plain text of what decides the backbone's function on this node: the backbone keys, the
+    seed (random weights only), the weights file's size and time (a rebuilt checkpoint,
+    ``promptfcl pretrain --force``, never reuses queries or a built backbone of the old one) and
+    timm's and torch's versions (``disk_backbone_id`` is its digest; a built-backbone cache file
+    stores it to rule out a hash collision)."""
     full = cfg.to_dict()
     return json.dumps({"keys": {k: full[k] for k in BACKBONE_KEYS}, "seed": _seed_part(cfg),
                        "weights-file": _weights_stamp(cfg), "libraries": _library_versions()}, sort_keys=True)
 
 
-def backbone_id(cfg: ExperimentConfig) -> str:
-    """Identifies the backbone's function (seed matters only for random weights)."""
-    full = cfg.to_dict()
-    keys = json.dumps({k: full[k] for k in BACKBONE_KEYS}, sort_keys=True)
-    return hashlib.sha1((keys + _seed_part(cfg)).encode()).hexdigest()[:16]
-
-
 def disk_backbone_id(cfg: ExperimentConfig) -> str:
-    """``backbone_id`` plus the weights file's size and time, so a rebuilt checkpoint
-    (``promptfcl pretrain --force``) never reuses queries (or a built backbone) of the old one,
-    and timm's and torch's versions."""
-    return hashlib.sha1((backbone_id(cfg) + _weights_stamp(cfg) + _library_versions()).encode()).hexdigest()[:16]
+    """Short digest of :func:`backbone_identity`: names a node's disk caches of this backbone."""
+    return hashlib.sha1(backbone_identity(cfg).encode()).hexdigest()[:16]
 
 
+@functools.cache
 def _library_versions() -> str:
     """timm's and torch's versions, read from their metadata (importing timm is what the cache
     avoids): model definitions and seeded random initialisation may change with either."""

@@ -30,7 +30,7 @@ from common.runtime import Runtime, get_runtime
 from server import checkpoint
 from client.methods import strategy_class
 from strategies.base import PromptStrategy
-from strategies.replies import MetricSpec, capped_weights
+from strategies.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
 
 log = logging.getLogger("promptfcl")
 
@@ -257,11 +257,7 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
 
 #: what evaluation counts may hold besides ``correct`` / ``total`` (evaluate replies, and the
 #: ``evaluation`` record of a train reply); a fresh process also reports its start-up
-EVAL_METRICS: dict[str, MetricSpec] = {
-    "num-examples": MetricSpec(int, low=0), "train-size": MetricSpec(int, low=0),
-    "test-size": MetricSpec(int, low=0), "process-seconds": MetricSpec(float, low=0),
-    **{metric_name(p): MetricSpec(float, low=0) for p in PHASES},
-}
+EVAL_METRICS: dict[str, MetricSpec] = {"num-examples": MetricSpec(int, low=0), **DECLARED_SIZES, **PROCESS_METRICS}
 
 
 def check_eval_metrics(m: MetricRecord, task: int, strategy: PromptStrategy,

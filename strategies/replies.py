@@ -51,20 +51,29 @@ class MetricSpec:
         return None
 
 
+#: what a message's process cost (deployment): its age at the reply, and a fresh process's
+#: seconds per start-up phase (common/startup.py); train and evaluation replies carry them
+PROCESS_METRICS: dict[str, MetricSpec] = {
+    "process-seconds": MetricSpec(float, required=False, low=0),
+    **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},
+}
+#: population = nodes: the data a node declares it holds (the server bounds its counts by it)
+DECLARED_SIZES: dict[str, MetricSpec] = {
+    "train-size": MetricSpec(int, required=False, low=0),
+    "test-size": MetricSpec(int, required=False, low=0),
+}
+
 #: the metrics record of a train reply (client/learner.py, client/app.py)
 REPLY_METRICS: dict[str, MetricSpec] = {
     "num-examples": MetricSpec(int, low=0),
     "train-loss": MetricSpec(float),
     "train-seconds": MetricSpec(float, low=0),
     "setup-seconds": MetricSpec(float, required=False, low=0),  # deployment: process start to training
-    "process-seconds": MetricSpec(float, required=False, low=0),
     # evaluate-with-train: time the node spent evaluating the received model before training
     "evaluation-seconds": MetricSpec(float, required=False, low=0),
     "device-peak-mb": MetricSpec(float, required=False, low=0),  # clients on CUDA
-    # a fresh process's first message: seconds per start-up phase (common/startup.py)
-    **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},
-    "train-size": MetricSpec(int, required=False, low=0),  # population = nodes: the node's data, declared
-    "test-size": MetricSpec(int, required=False, low=0),
+    **PROCESS_METRICS,
+    **DECLARED_SIZES,
 }
 
 
