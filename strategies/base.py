@@ -32,8 +32,8 @@ from common.config import ConfigError, ExperimentConfig
 from common.data import task_rows
 from common.model import CodaPrompt
 from common.privacy import PrivateRecord, check_privacy
-from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS, from_array_record,
-                            payload_bytes, to_array_record)
+from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS,
+                            from_array_record, payload_bytes, to_array_record)
 from common.schedule import task_schedule
 from strategies.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
 
