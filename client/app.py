@@ -10,7 +10,7 @@ backbone weights come from the node's disk cache, and so do the queries
 Two populations (run-config ``population``):
 
 * ``virtual``: the server says which client this node plays (``client-id``) and every
-  node holds the run's whole dataset (simulation).
+  node holds the run's whole dataset (simulation; a deployed node only with ``data-from-run``).
 * ``nodes``: this node *is* a client with its own data, given by its node config
   (``data-dir``, ``dataset``, or ``partition-id``/``num-partitions``); see client/node_data.py.
 """
@@ -29,6 +29,7 @@ from flwr.clientapp import ClientApp
 from client.faults import inject_faults
 from client.learner import read_task_round
 from client.node_data import NodeDataError, check_classes, node_data, original_names
+from client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 from common import startup
 from common.config import ExperimentConfig
 from common.evaluation import correct_counts, pooled_counts
@@ -39,7 +40,9 @@ from client.methods import learner_class, prompt_class, strategy_class
 
 log = logging.getLogger("promptfcl")
 
-app = ClientApp(mods=[inject_faults])  # seeded fault injection (run-config `fault`), a no-op by default
+# simulated nodes (Ray actors) are their operator's (client/node_policy.py); seeded fault injection
+# (run-config `fault`) runs only on nodes that enable it
+app = ClientApp(mods=[simulated_nodes_mod, inject_faults])
 
 
 @app.train()
@@ -66,7 +69,7 @@ def train(msg: Message, context: Context) -> Message:
             reply[METRICS]["evaluation-seconds"] = evaluation_seconds
         report_process_cost(reply[METRICS])
         declare_sizes(cfg, runtime, reply[METRICS])
-    reply[PLACEMENT] = placement(runtime, context)
+    reply[PLACEMENT] = placement(runtime, context, cfg.digest())
     if evaluation is not None:
         reply[EVALUATION] = evaluation
     return Message(content=reply, reply_to=msg)
@@ -169,14 +172,23 @@ def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, 
 def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord) -> tuple[Runtime, int]:
     """This process's runtime and the client id it trains as (``-1``: the server assigns it).
 
-    ``population = "nodes"``: the node's own data from its node config, checked against
-    the run's classes (``num-classes`` sent by the server, ``class-names`` of the run).
-    A simulated client (a Ray actor) given no GPU share trains on the CPU.
+    First the node's own limits (:class:`NodePolicy`): a run beyond them is refused before
+    anything is built. ``population = "nodes"``: the node's own data from its node config,
+    checked against the run's classes (``num-classes`` sent by the server, ``class-names`` of
+    the run). ``population = "virtual"`` loads the run's dataset, which a deployed node does
+    only with ``data-from-run = true``. A simulated client (a Ray actor) given no GPU share
+    trains on the CPU.
     """
+    policy = NodePolicy.from_node_config(context.node_config)
+    policy.check_run(cfg, config.get("num-classes"))
     method_prompt = prompt_class(cfg.strategy)
     if cfg.device == "auto" and cfg.client_gpus_value == 0 and in_ray_actor():
         cfg = cfg.replace(device="cpu")
     if cfg.population == "virtual":
+        if not policy.data_from_run:
+            raise NodeRefusal("node refuses the run: population = virtual loads the run's own dataset "
+                              f"({cfg.dataset!r}), and this node reads only the data its node-config names; "
+                              "use population = nodes (or start the node with data-from-run=true)")
         return get_runtime(cfg, method_prompt), -1
     with startup.phase("data"):
         node = node_data(cfg, context.node_config)
@@ -220,22 +232,17 @@ def report_process_cost(metrics: MetricRecord) -> None:
         metrics[startup.metric_name(name)] = seconds
 
 
-def in_ray_actor() -> bool:
-    """Whether this process is a Ray worker (a simulated client); Ray is never imported for this."""
-    ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
-
-
-def placement(runtime: Runtime, context: Context) -> ConfigRecord:
+def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     """Where this message was trained: the Ray node (simulation) or Flower node (deployment),
-    the torch device and the CUDA_VISIBLE_DEVICES this process saw (Ray sets it per actor)."""
+    the torch device, the CUDA_VISIBLE_DEVICES this process saw (Ray sets it per actor), and
+    the digest of the run config this node trained under (the server records it)."""
     node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray_actor() else None
     device = runtime.device
     if device.type == "cuda" and device.index is None:
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
-    fields = {"node": str(node or context.node_id), "device": str(device)}
+    fields = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         fields["cuda-visible-devices"] = visible

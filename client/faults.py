@@ -1,8 +1,10 @@
 """Seeded fault injection, as a Flower ClientApp mod: a share of clients misbehave.
 
-With ``fault = "<kind>"`` and ``fault-rate = p`` in the run config, each (client, task,
-round) of a train message misbehaves with probability p, decided by the seed, so a run's
-faults are reproducible; with ``fault-clients = "3,7"`` those clients misbehave whenever
+Only on a node whose operator enabled it (node-config ``fault-injection=true`` or
+``PROMPTFCL_FAULT_INJECTION=1``; simulated nodes are their operator's: client/node_policy.py):
+the run config chooses the fault, never whether a node obeys. There, with ``fault = "<kind>"``
+and ``fault-rate = p`` in the run config, each (client, task, round) of a train message
+misbehaves with probability p, decided by the seed, so a run's faults are reproducible; with ``fault-clients = "3,7"`` those clients misbehave whenever
 they are sampled (a fixed hostile share of the population). The mod sits between Flower and the ClientApp
 (``ClientApp(mods=[inject_faults])``), the mechanism Flower offers for wrapping a client:
 
@@ -15,14 +17,19 @@ they are sampled (a fixed hostile share of the population). The mod sits between
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
+from client.node_policy import NodePolicy
 from common.config import ExperimentConfig
 from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+
+
+log = logging.getLogger("promptfcl")
 
 
 class InjectedFault(RuntimeError):
@@ -41,8 +48,13 @@ def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> 
 
 
 def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """The mod: pass every message through, and make the chosen train messages misbehave."""
+    """The mod: pass every message through, and make the chosen train messages misbehave (on a node
+    that enabled fault injection)."""
     if msg.metadata.message_type != MessageType.TRAIN or not context.run_config.get("fault"):
+        return call_next(msg, context)
+    if not NodePolicy.from_node_config(context.node_config).fault_injection:
+        log.warning("the run asks for fault injection (fault = %r); this node did not enable it and trains "
+                    "normally", context.run_config.get("fault"))
         return call_next(msg, context)
     cfg = ExperimentConfig.from_run_config(context.run_config)
     config = msg.content[CONFIG] if CONFIG in msg.content.config_records else {}

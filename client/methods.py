@@ -82,6 +82,29 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
         strategy_class(namespace).check_options(options)
 
 
+def namespaced_defaults() -> dict[str, dict[str, Any]]:
+    """Every namespaced run-config key with its default, by namespace: ``dp`` and each method's
+    options. pyproject.toml declares them as ``[tool.flwr.app.config.<namespace>]`` tables
+    (:func:`app_config_tables`): Flower's run-config check refuses any key it does not declare."""
+    out: dict[str, dict[str, Any]] = {DP_NAMESPACE: PrivacyOptions().to_dict()}
+    for name in sorted(METHODS):
+        options = strategy_class(name).options_class
+        if options is not None:
+            out[name] = options().to_dict()
+    return out
+
+
+def app_config_tables() -> str:
+    """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
+    from common.config import toml_value
+
+    blocks = []
+    for namespace, options in namespaced_defaults().items():
+        lines = [f"[tool.flwr.app.config.{namespace}]"] + [f"{k} = {toml_value(v)}" for k, v in options.items()]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
 def load_config(config_file: str | None, overrides: list[str], strategy: str | None = None,
                 out: str | None = None) -> ExperimentConfig:
     """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far

@@ -9,9 +9,15 @@ The SuperNode's ``--node-config`` says where it is (values are TOML: quote strin
   a node may lack some classes, but a folder that is not one of the run's classes is an error.
 * ``dataset="fashion-mnist" data-dir="/srv/fmnist"``  any source promptfcl can read
   (``digits``, ``fashion-mnist``, ``hf:<name>``, ``folder:<path>``) held by this node.
-* ``partition-id=0 num-partitions=3``  a simulated share of the run's own dataset (Flower's
-  simulation sets these keys itself): train data by the run's partition scheme, held-out
-  data as the disjoint test shard ``test[partition-id::num-partitions]``.
+* ``partition-id=0 num-partitions=3 dataset="digits"``  a simulated share of the run's own
+  dataset, of which this node holds a copy (``dataset``, and ``data-dir`` where the source
+  needs one): train data by the run's partition scheme, held-out data as the disjoint test
+  shard ``test[partition-id::num-partitions]``. The node's ``dataset`` must be the run's.
+  Flower's simulation sets ``partition-id``/``num-partitions`` itself, and its nodes read the
+  run's ``dataset``/``data-dir`` (``data-from-run``, client/node_policy.py).
+
+A node never takes a data location from the run unless its node config says
+``data-from-run=true``: the run config comes from the server.
 
 Optional: ``device="cuda"|"mps"|"cpu"|"auto"``, ``threads=N`` (torch threads),
 ``client-id=N`` (seeds this node's local training; default: the partition id, or a
@@ -42,6 +48,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 from common.config import DEVICES, ConfigError, ExperimentConfig
 from common.data import (
     IMAGE_EXTENSIONS,
@@ -57,7 +64,7 @@ from common.data import (
 
 log = logging.getLogger("promptfcl")
 
-NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id")
+NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id", *POLICY_KEYS)
 # Run-config keys that decide what a node's folder data decodes to.
 FOLDER_KEYS = ("seed", "test-fraction", "image-size", "class-names", "max-train-per-class", "max-test-per-class")
 
@@ -78,6 +85,7 @@ class NodeSpec:
     device: str = ""  # "" = the run config's
     threads: int = 0  # 0 = the run config's
     client_id: int | None = None
+    data_from_run: bool = False  # may read the run's dataset / data-dir (client/node_policy.py)
 
 
 HOW_TO = ("start the SuperNode with --node-config 'data-dir=\"/path/to/images\"' (its own data, "
@@ -103,11 +111,25 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
     if threads < 0:
         raise NodeDataError("node-config threads must be >= 0")
     client_id = _int(node_config, "client-id", -1)
-    common = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None}
+    try:
+        policy = NodePolicy.from_node_config(node_config)
+    except NodeRefusal as exc:
+        raise NodeDataError(str(exc)) from None
+    common = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
+              "data_from_run": policy.data_from_run}
 
+    if "partition-id" in node_config:
+        pid, n = _int(node_config, "partition-id", -1), _int(node_config, "num-partitions", 0)
+        if n < 1 or not 0 <= pid < n:
+            raise NodeDataError(f"node-config partition-id={pid} num-partitions={n}: need 0 <= partition-id < "
+                                "num-partitions")
+        data_dir = str(node_config.get("data-dir", ""))
+        if data_dir and not Path(data_dir).expanduser().is_dir():
+            raise NodeDataError(f"this node's data directory {data_dir} does not exist; {HOW_TO}")
+        return NodeSpec("partition", dataset=str(node_config.get("dataset", "")), data_dir=data_dir,
+                        partition_id=pid, num_partitions=n,
+                        **{**common, "client_id": common["client_id"] if common["client_id"] is not None else pid})
     if "data-dir" in node_config or "dataset" in node_config:
-        if "partition-id" in node_config:
-            raise NodeDataError("node-config has both data-dir/dataset and partition-id: choose one")
         data_dir = str(node_config.get("data-dir", ""))
         dataset = str(node_config.get("dataset", "")) or "folder"
         if dataset == "folder":
@@ -119,14 +141,6 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
         if dataset.startswith("folder:") and not Path(dataset[7:]).expanduser().is_dir():
             raise NodeDataError(f"this node's data directory {dataset[7:]} does not exist; {HOW_TO}")
         return NodeSpec("local", dataset=dataset, data_dir=data_dir, **common)
-
-    if "partition-id" in node_config:
-        pid, n = _int(node_config, "partition-id", -1), _int(node_config, "num-partitions", 0)
-        if n < 1 or not 0 <= pid < n:
-            raise NodeDataError(f"node-config partition-id={pid} num-partitions={n}: need 0 <= partition-id < "
-                                "num-partitions")
-        return NodeSpec("partition", partition_id=pid, num_partitions=n,
-                        **{**common, "client_id": common["client_id"] if common["client_id"] is not None else pid})
     raise NodeDataError(f"this node was started without data: {HOW_TO}")
 
 
@@ -179,7 +193,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
             raise NodeDataError(
                 f"this node is partition {spec.partition_id} of {spec.num_partitions}, but the run has "
                 f"num-clients = {cfg.num_clients} nodes: start the nodes with num-partitions={cfg.num_clients}")
-        full = load_dataset_cached(cfg)
+        full = load_dataset_cached(partition_source(cfg, spec))
         check_classes(cfg, full.num_classes, original_names(full, cfg.seed), "the run's dataset")
         # Held-out data: a disjoint shard of the test split, so the nodes' counts add up
         # to exactly the central evaluation over the whole test split.
@@ -193,7 +207,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
         data = load_folder(cfg, Path(spec.dataset[len("folder:"):]).expanduser())
         names = original_names(data, cfg.seed)
     else:
-        source_cfg = dataclasses.replace(cfg, dataset=spec.dataset, data_dir=spec.data_dir or cfg.data_dir)
+        source_cfg = dataclasses.replace(cfg, dataset=spec.dataset, data_dir=spec.data_dir)  # never the run's
         try:
             data = load_dataset(source_cfg)
         except ConfigError as exc:
@@ -211,6 +225,20 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
                                    centralised_mode="incremental", num_clients=clients)
     return NodeData(spec, data, node_cfg, client_id)
+
+
+def partition_source(cfg: ExperimentConfig, spec: NodeSpec) -> ExperimentConfig:
+    """The run's config with the dataset location of a partition node: its own copy of the run's
+    dataset (``dataset``, ``data-dir`` of its node config), or, with ``data-from-run``, the run's."""
+    if spec.data_from_run and not spec.dataset:
+        return cfg
+    if not spec.dataset:
+        raise NodeDataError(f"this node is partition {spec.partition_id} of the run's dataset {cfg.dataset!r}, but its "
+                            "node-config does not name the copy it holds: add dataset=\"...\" (and data-dir=\"...\" "
+                            "where the source needs one), or data-from-run=true to read the run's location")
+    if spec.dataset != cfg.dataset:
+        raise NodeDataError(f"this node holds dataset {spec.dataset!r}, but the run partitions {cfg.dataset!r}")
+    return dataclasses.replace(cfg, data_dir=spec.data_dir)
 
 
 def original_names(data: Dataset, seed: int) -> list[str]:
@@ -398,9 +426,10 @@ def main(argv: list[str] | None = None) -> int:
             raise NodeDataError(f"--node-config {args.node_config!r} is not key=value pairs with TOML values "
                                 f"(quote strings: data-dir=\"/path\"): {exc}") from None
         cfg = load_config(args.config, args.set, None, None)
+        NodePolicy.from_node_config(node_config).check_run(cfg)
         node = node_data(cfg, node_config)
         check_weights(cfg)  # the backbone must be on this node (the server has none)
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     d = node.data

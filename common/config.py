@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from common.errors import ConfigError  # re-exported: the error of configurations
+from common.files import class_name_problem
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
 AUGMENTATIONS = ("none", "crop-flip")
@@ -33,6 +34,7 @@ POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
 HEADS = ("auto", "per-class", "per-task")
+DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
 
 
 
@@ -274,13 +276,20 @@ class ExperimentConfig:
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> "ExperimentConfig":
-        """From Flower's ``context.run_config``; an empty one is an error, not the defaults."""
+        """From Flower's ``context.run_config``; an empty one is an error, not the defaults.
+
+        Flower fuses the overrides into every key pyproject.toml declares, so the run config
+        holds every method's options (``[tool.flwr.app.config.<method>]``); only the run's
+        method's and ``dp.*`` are kept (Flower has already refused keys it does not declare).
+        """
         if not run_config:
             raise ConfigError(
                 "the run config is empty: Flower did not pass the app's configuration "
                 "(run with `flwr run .` or `promptfcl simulate`)"
             )
-        return cls.from_dict(run_config)
+        strategy = str(run_config.get("strategy", cls.strategy))
+        kept = (f"{strategy}.", f"{DP_NAMESPACE}.")
+        return cls.from_dict({k: v for k, v in run_config.items() if "." not in k or k.startswith(kept)})
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ExperimentConfig":
@@ -438,6 +447,9 @@ class ExperimentConfig:
              f"num-classes ({self.num_classes}) is not divisible into num-tasks = {self.num_tasks} equal tasks")
         names = self.class_name_list
         need(len(names) == len(set(names)), "class-names has duplicates")
+        for name in names:  # class names become folder names on the nodes
+            problem = class_name_problem(name)
+            need(problem is None, f"class-names: {name!r} cannot be a class folder's name ({problem})")
         need(not names or self.num_classes in (0, len(names)),
              f"class-names lists {len(names)} classes but num-classes = {self.num_classes}")
         need(self.evaluation == "central" or self.population == "nodes",
@@ -445,6 +457,15 @@ class ExperimentConfig:
              "evaluate centrally)")
         need(self.evaluation == "central" or self.num_classes > 0,
              "evaluation=federated: the server holds no data, so set num-classes (and optionally class-names)")
+
+
+def toml_value(value: object) -> str:
+    """``value`` (bool, int, float or str) as a TOML literal."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def valid_ray_address(address: str) -> bool:

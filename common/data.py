@@ -15,6 +15,7 @@ import functools
 import gzip
 import hashlib
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 
 from common.config import ConfigError, ExperimentConfig
 from common.errors import DataError  # re-exported: the error of datasets
+from common.files import class_folder
 
 log = logging.getLogger("promptfcl")
 
@@ -234,12 +236,14 @@ def read_class_folders(split_root: Path, names: list[str], image_size: int, skip
 
     A missing class folder is an error unless ``skip_missing`` (a node may hold only some
     classes); an unreadable image is always an error. No images gives an empty split.
+    ``names`` may come from the server (``class-names``): each must be one folder directly
+    inside ``split_root`` (:func:`class_folder`), or nothing is read.
     """
     from PIL import Image, UnidentifiedImageError
 
     images, labels = [], []
-    for label, cls in enumerate(names):
-        cls_dir = split_root / cls
+    folders = [class_folder(split_root, cls) for cls in names]  # every name checked before any read
+    for label, cls_dir in enumerate(folders):
         if not cls_dir.is_dir():
             if skip_missing:
                 continue

@@ -1,4 +1,5 @@
-"""Writing files so that a crash never leaves half of one (checkpoints, results, caches)."""
+"""Files: written so that a crash never leaves half of one (checkpoints, results, caches), and
+read only where they should be (class folders named by the server)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+from common.errors import DataError
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -22,3 +25,34 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def class_folder(root: Path, name: str) -> Path:
+    """``root/name`` for a class name that is one path component, else DataError.
+
+    Class names reach a node in the run config, so they are untrusted: an absolute path,
+    ``..``, a separator or a NUL would make the node read outside its data directory. The
+    joined path is also checked lexically to sit directly in ``root`` (a symlinked class
+    folder that the node's own operator placed there is followed).
+    """
+    reason = class_name_problem(name)
+    if reason is None:
+        joined = Path(os.path.normpath(root / name))
+        if joined.parent != Path(os.path.normpath(root)):
+            reason = "resolves outside the data directory"
+    if reason is not None:
+        raise DataError(f"class name {name!r} refused: {reason} (a class name is one folder inside the data directory)")
+    return root / name
+
+
+def class_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a class folder's name (None: it can)."""
+    if not name or name in (".", ".."):
+        return "empty, '.' or '..'"
+    if "/" in name or "\\" in name or "\x00" in name:
+        return "contains a path separator or NUL"
+    if os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
+        return "an absolute path"
+    if len(name) > 255:
+        return "longer than 255 characters"
+    return None

@@ -53,6 +53,10 @@ INTERNALS: dict[str, Internal] = {
         "flwr.common.config", "parse_config_args",
         "python -m client.node_data check: read --node-config exactly as flower-supernode does",
         "a public parser of `--node-config` / `--run-config` strings"),
+    "fused_run_config": Internal(
+        "flwr.common.config", "get_fused_config_from_dir",
+        "tests: the check the SuperLink applies to `flwr run -c` overrides (every key must be declared)",
+        "a public run-config validator"),
     "task_identity": Internal(
         "flwr.supercore.task_identity", "TaskIdentity",
         "tests: a process identity, without which Message objects cannot be built outside a run",

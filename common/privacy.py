@@ -59,10 +59,10 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
+from common.config import DP_NAMESPACE, ConfigError, ExperimentConfig, MethodOptions
 from common.records import ARRAYS, METRICS, from_array_record, to_array_record
 
-NAMESPACE = "dp"
+NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"
 ACCOUNTANT = "opacus RDPAccountant (RDP of the Poisson-sampled Gaussian mechanism)"
 

@@ -25,7 +25,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 ARRAYS, CONFIG, METRICS, PLACEMENT, EVALUATION = "arrays", "config", "metrics", "placement", "evaluation"
 #: a train message's config key asking the node to evaluate the received arrays on tasks 0..value
 EVALUATE_TASK = "evaluate-task"
-PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices")
+PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices", "config-digest")
 # evaluate messages: ``pool-<task>`` = the prompt slices task <task> is scored with (methods with
 # per-task local pools, ``PromptStrategy.evaluation_pools``)
 POOL_PREFIX = "pool-"

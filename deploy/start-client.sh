@@ -4,7 +4,9 @@
 #   deploy/start-client.sh --superlink HOST:PORT --ca ca.crt --key keys/node1
 #                          --data-dir /path/to/images [--device auto|cuda|mps|cpu]
 #                          [--config deploy/run.toml] [--set KEY=VALUE ...] [--state DIR] [--port 9094]
-#   deploy/start-client.sh ... --partition-id I --num-partitions N    (a simulated share of the run's dataset)
+#   deploy/start-client.sh ... --partition-id I --num-partitions N --dataset NAME [--data-dir DIR]
+#                                                  (a simulated share of the run's dataset, of which
+#                                                   this node holds a copy)
 #   deploy/start-client.sh ... --dataset fashion-mnist --data-dir DIR (another source held by this node)
 #   deploy/start-client.sh ... --insecure                             (TLS off: test setups only)
 #
@@ -17,6 +19,12 @@
 #   --port          local port between the SuperNode and its ClientApp processes (one per node
 #                   on a machine; default 9094)
 #   --threads N     torch threads per ClientApp process (default: all cores)
+#   --node KEY=VAL  more node-config (TOML values), this node's own rules (client/node_policy.py):
+#                   max-image-size=512 (and max-batch-size, max-pool-size, max-prompt-length,
+#                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
+#                   max-local-epochs): refuse runs beyond these sizes; fault-injection=true: obey
+#                   the run's fault switch (robustness experiments); data-from-run=true: read the
+#                   run's dataset location instead of this node's
 #
 # The node refuses to start if its data is missing or does not match the run's classes.
 # Caches (backbone weights, decoded images, backbone queries) live in $PROMPTFCL_CACHE
@@ -25,7 +33,7 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
-config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0
+config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
@@ -43,7 +51,8 @@ while [ $# -gt 0 ]; do
     --state) state=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --node) extra+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -55,18 +64,22 @@ case "$device" in auto|cpu|cuda|mps) ;; *) die "--device must be auto, cpu, cuda
 node_config="device=\"$device\""
 [ "$threads" = 0 ] || node_config="$node_config threads=$threads"
 if [ -n "$pid" ] || [ -n "$nparts" ]; then
-  [ -z "$data_dir$dataset" ] || die "give either --data-dir/--dataset or --partition-id/--num-partitions"
   [[ "$pid" =~ ^[0-9]+$ && "$nparts" =~ ^[0-9]+$ ]] || die "--partition-id and --num-partitions must both be numbers"
+  [ -n "$dataset" ] || die "a partition node names the dataset it holds a copy of: --dataset NAME (and --data-dir DIR where the source needs one)"
   node_config="$node_config partition-id=$pid num-partitions=$nparts"
 else
   [ -n "$data_dir$dataset" ] || die "this node needs data: --data-dir DIR (or --dataset NAME, or --partition-id/--num-partitions)"
-  if [ -n "$data_dir" ]; then
-    [ -d "$data_dir" ] || die "data directory $data_dir does not exist"
-    data_dir="$(cd "$data_dir" && pwd)"
-    node_config="$node_config data-dir=\"$data_dir\""
-  fi
-  [ -z "$dataset" ] || node_config="$node_config dataset=\"$dataset\""
 fi
+if [ -n "$data_dir" ]; then
+  [ -d "$data_dir" ] || die "data directory $data_dir does not exist"
+  data_dir="$(cd "$data_dir" && pwd)"
+  node_config="$node_config data-dir=\"$data_dir\""
+fi
+[ -z "$dataset" ] || node_config="$node_config dataset=\"$dataset\""
+for kv in ${extra[@]+"${extra[@]}"}; do
+  [[ "$kv" =~ ^[a-z-]+=[^[:space:]]+$ ]] || die "--node takes KEY=VALUE (TOML value, no spaces), got '$kv'"
+  node_config="$node_config $kv"
+done
 
 args=(--superlink "$superlink" --port "$port" --node-config "$node_config")
 if [ "$insecure" = 1 ]; then

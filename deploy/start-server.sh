@@ -2,15 +2,21 @@
 # Start the SuperLink (the server side) in the foreground, with TLS and node authentication.
 #
 #   deploy/start-server.sh --certs certs [--state DIR] [--host 0.0.0.0] [--port 8000]
+#                          [--control-host 127.0.0.1] [--control-port 9093]
 #                          [--no-node-auth] [--insecure]
 #
 #   --certs DIR      holds ca.crt, server.pem, server.key (deploy/make-certs.sh)
 #   --state DIR      persistent state: DIR/state.db (runs, registered nodes), DIR/flwr-home
 #                    (installed app bundles); the ServerApp runs in DIR, so a relative
 #                    out-dir lands in DIR/<out-dir>. Default: ./superlink-state
-#   --host, --port   where the SuperLink listens; one HTTPS port serves the Fleet API
-#                    (SuperNodes), the Control API (`flwr run`, node registration) and the
-#                    ServerApp runtime. Default 0.0.0.0:8000.
+#   --host, --port   the node-facing address: serves only the Fleet API (/v1/fleet/*, what
+#                    SuperNodes call) and /health; anything else is refused (403, logged).
+#                    Default 0.0.0.0:8000.
+#   --control-host, --control-port
+#                    the operator's address: the Control API (`flwr run`, `flwr supernode
+#                    register`, logs, stopping runs) and the ServerApp runtime. Default
+#                    127.0.0.1:9093 (this machine only); TLS is required when not loopback.
+#                    deploy/submit-run.sh and deploy/register-node.sh use this address.
 #   --no-node-auth   accept any SuperNode (default: only registered keys, deploy/register-node.sh)
 #   --insecure       no TLS at all: only for a closed test network, never across the internet
 #
@@ -20,20 +26,33 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 certs=""; state=superlink-state; host=0.0.0.0; port=8000; auth=1; insecure=0
+control_host=127.0.0.1; control_port=9093
 while [ $# -gt 0 ]; do
   case "$1" in
     --certs) certs=$2; shift 2 ;;
     --state) state=$2; shift 2 ;;
     --host) host=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
+    --control-host) control_host=$2; shift 2 ;;
+    --control-port) control_port=$2; shift 2 ;;
     --no-node-auth) auth=0; shift ;;
     --insecure) insecure=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
 
-args=(--host "$host" --port "$port" --disable-runtime-dependency-installation)
+is_loopback() { case "$1" in 127.*|localhost|::1|"[::1]") return 0 ;; *) return 1 ;; esac; }
+[[ "$port" =~ ^[0-9]+$ && "$control_port" =~ ^[0-9]+$ ]] || die "--port and --control-port must be numbers"
+[ "$port" != "$control_port" ] \
+  || die "the node-facing address ($host:$port) and the control address ($control_host:$control_port) must differ"
+if [ "$insecure" = 1 ] && ! is_loopback "$control_host"; then
+  die "--insecure with --control-host $control_host: the Control API (run submission, node registration) must not be served without TLS beyond this machine"
+fi
+# Flower's --host/--port: the control listener (Flower's own lifespan and SuperExec use it);
+# deploy/superlink.py adds the node-facing listener.
+args=(--fleet-host "$host" --fleet-port "$port" --host "$control_host" --port "$control_port"
+      --disable-runtime-dependency-installation)
 if [ "$insecure" = 1 ]; then
   [ -z "$certs" ] || die "--insecure and --certs contradict each other"
   echo "WARNING: starting the SuperLink WITHOUT TLS (--insecure): traffic is readable and forgeable" >&2
@@ -55,6 +74,6 @@ command -v flower-superlink >/dev/null || die "flower-superlink not found: insta
 "$PYTHON" -c "import server.app, client.app" 2>/dev/null \
   || die "promptfcl is not importable by $PYTHON: install it on this machine first (make install)"
 cd "$state"
-echo "SuperLink on $host:$port, state in $state, node authentication $([ $auth = 1 ] && echo on || echo off)" >&2
-# flower-superlink with a longer HTTP keep-alive (deploy/superlink.py says why).
+echo "SuperLink: nodes on $host:$port (Fleet API only), operator on $control_host:$control_port, state in $state, node authentication $([ $auth = 1 ] && echo on || echo off)" >&2
+# flower-superlink on two listeners, with a longer HTTP keep-alive (deploy/superlink.py says why).
 exec "$PYTHON" "$DEPLOY_DIR/superlink.py" "${args[@]}"

@@ -47,9 +47,8 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 # and validate it with promptfcl's own configuration checks.
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
 import sys
-from common.config import ConfigError, ExperimentConfig, parse_overrides
+from common.config import ConfigError, ExperimentConfig, parse_overrides, toml_value
 from server.cli import load_config
-from server.simulation import _toml_value
 
 src, dst, *sets = sys.argv[1:]
 try:
@@ -64,7 +63,7 @@ final = cfg.to_dict()
 keys = [k for k in final if k in wanted and (k not in defaults or final[k] != defaults[k])]
 with open(dst, "w") as fh:
     for k in keys:
-        fh.write(f'"{k}" = {_toml_value(final[k])}\n')
+        fh.write(f'"{k}" = {toml_value(final[k])}\n')
 print(f"run config: {cfg.population} population, {cfg.evaluation} evaluation, strategy {cfg.strategy}, "
       f"{cfg.num_tasks} tasks x {cfg.rounds_per_task} rounds, {cfg.num_clients} nodes", file=sys.stderr)
 EOF

@@ -176,6 +176,11 @@ def error_chain(exc: BaseException) -> str:
     return "\n  caused by ".join(parts)
 
 
+#: run-config keys that say where a run computes, not what: `promptfcl resume` never reads them
+#: from the checkpoint
+PLACEMENT_KEYS = ("ray-address", "device", "threads", "client-cpus", "client-gpus")
+
+
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
     from server import checkpoint
 
@@ -183,7 +188,17 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
     if saved is None:
         raise ConfigError(f"{out_dir} holds no checkpoint to resume")
     raw = dict(saved.config)
-    raw.update(parse_overrides(overrides))
+    given = parse_overrides(overrides)
+    # Where to run is this machine's choice, never the checkpoint's: a crafted checkpoint must
+    # not join this driver to a foreign Ray cluster (whose traffic is pickled code).
+    defaults = ExperimentConfig().to_dict()
+    for key in PLACEMENT_KEYS:
+        saved_value = raw.pop(key, defaults[key])
+        now = given.get(key, defaults[key])
+        if saved_value != now:
+            log.info("resume: %s = %r (the checkpoint had %r; where to run comes from the command line "
+                     "or the defaults)", key, now, saved_value)
+    raw.update(given)
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
     checkpoint.check_compatible(saved, cfg)

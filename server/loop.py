@@ -636,6 +636,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         # accepted replies' update norms (what update-norm-factor compares); their spread shows
         # how far honest clients differ, and so how tight the factor can be
         "update_norms": [float(v) for v in strategy.update_norms],
+        "reply_shares": list(strategy.reply_shares),  # each accepted reply's share of the round's weight
         "examples": int(agg["num-examples"]),  # training samples behind the aggregate
         "rejected": rejected,
         "train_loss": float(agg["train-loss"]),
@@ -704,6 +705,7 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunStat
     random_tasks = cfg.task_generator == "random"  # no task ends for everyone: no accuracy matrix
     return {
         "config": cfg.to_dict(),
+        "config_digest": cfg.digest(),  # what every node's reply echoes (placement): the same run config
         "backbone": backbone,
         "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],

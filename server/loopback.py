@@ -29,9 +29,9 @@ VENV_BIN = Path(sys.executable).parent
 
 def toml_file(path: Path, values: dict[str, Any]) -> Path:
     """A flat run-config TOML file (``deploy/run.toml``'s format) holding ``values``."""
-    from server.simulation import _toml_value
+    from common.config import toml_value
 
-    path.write_text("".join(f'"{k}" = {_toml_value(v)}\n' for k, v in values.items()))
+    path.write_text("".join(f'"{k}" = {toml_value(v)}\n' for k, v in values.items()))
     return path
 
 
@@ -152,10 +152,26 @@ def run_script(name: str, *args: str, env: dict[str, str], cwd: Path, timeout: f
                           timeout=timeout)
 
 
-def superlink_command(port: int) -> list[str]:
+@dataclass(frozen=True)
+class Ports:
+    """The SuperLink's two addresses on loopback: nodes use ``fleet``, the operator ``control``."""
+
+    fleet: int
+    control: int
+
+    @classmethod
+    def free(cls) -> "Ports":
+        fleet = free_port()
+        control = free_port()
+        while control == fleet:
+            control = free_port()
+        return cls(fleet, control)
+
+
+def superlink_command(ports: Ports) -> list[str]:
     """deploy/start-server.sh as the README runs it, state in <root>/server (the same on a restart)."""
     return ["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(ports.fleet), "--control-port", str(ports.control)]
 
 
 def checked(done: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
@@ -173,15 +189,17 @@ def make_credentials(root: Path, env: dict[str, str], nodes: list[str]) -> None:
         checked(run_script("make-node-key.sh", "--out", "keys", name, env=env, cwd=root), f"make-node-key.sh {name}")
 
 
-def start_superlink(root: Path, procs: Processes, env: dict[str, str], port: int) -> subprocess.Popen:
-    """The SuperLink (TLS, node authentication), serving ``port``, once it accepts connections."""
-    link = procs.start(superlink_command(port), root / "superlink.log", env, cwd=root)
-    wait_for_log(root / "superlink.log", "Uvicorn running", link, timeout=180)
+def start_superlink(root: Path, procs: Processes, env: dict[str, str], ports: Ports,
+                    log: str = "superlink.log") -> subprocess.Popen:
+    """The SuperLink (TLS, node authentication) on ``ports``, once both listeners accept connections."""
+    link = procs.start(superlink_command(ports), root / log, env, cwd=root)
+    wait_for_log(root / log, f"Uvicorn running on https://127.0.0.1:{ports.fleet}", link, timeout=180)
     return link
 
 
-def register_node(root: Path, env: dict[str, str], port: int, name: str) -> None:
-    done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt",
+def register_node(root: Path, env: dict[str, str], control_port: int, name: str) -> None:
+    """deploy/register-node.sh on the SuperLink's machine (the control address)."""
+    done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{control_port}", "--ca", "certs/ca.crt",
                       "--name", name, f"keys/{name}.pub", env=env, cwd=root)
     if done.returncode != 0 or "registered successfully" not in done.stdout:
         raise RuntimeError(f"registering {name} failed:\n{done.stdout}{done.stderr}")
@@ -198,10 +216,10 @@ def start_node(root: Path, procs: Processes, env: dict[str, str], superlink: str
     return node
 
 
-def submit(root: Path, env: dict[str, str], port: int, run_toml: Path, app: Path | None = None,
+def submit(root: Path, env: dict[str, str], control_port: int, run_toml: Path, app: Path | None = None,
            timeout: float = 1500) -> subprocess.CompletedProcess:
-    """deploy/submit-run.sh against the SuperLink on ``port``; returns when the run has ended."""
-    args = ["--superlink", f"127.0.0.1:{port}", "--ca", "certs/ca.crt", "--config", str(run_toml)]
+    """deploy/submit-run.sh against the SuperLink's control address; returns when the run has ended."""
+    args = ["--superlink", f"127.0.0.1:{control_port}", "--ca", "certs/ca.crt", "--config", str(run_toml)]
     if app is not None:
         args += ["--app", str(app)]
     return run_script("submit-run.sh", *args, env=env, cwd=root, timeout=timeout)
@@ -221,15 +239,15 @@ def run_deployed(root: Path, run: dict[str, Any], nodes: int, threads: int = 1, 
     run_toml = toml_file(root / "run.toml", run)
     procs = Processes()
     try:
-        port = free_port()
-        start_superlink(root, procs, env, port)
+        ports = Ports.free()
+        start_superlink(root, procs, env, ports)
         for i, name in enumerate(names):
-            register_node(root, env, port, name)
+            register_node(root, env, ports.control, name)
             # the machine's own cache (PROMPTFCL_CACHE or ~/.cache/promptfcl): weights, decoded
             # images and queries, as a node that has run before has them
-            start_node(root, procs, script_env(), f"127.0.0.1:{port}", name, f"data/node{i}", run_toml,
+            start_node(root, procs, script_env(), f"127.0.0.1:{ports.fleet}", name, f"data/node{i}", run_toml,
                        ["--threads", str(threads)])
-        done = submit(root, env, port, run_toml, timeout=timeout)
+        done = submit(root, env, ports.control, run_toml, timeout=timeout)
         procs.remember_descendants()
         checked(done, "submit-run.sh")
         results = root / "server" / str(run["out-dir"]) / "results.json"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig
+from common.config import ConfigError, ExperimentConfig, toml_value
 
 log = logging.getLogger("promptfcl")
 
@@ -144,14 +144,6 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
     return plan
 
 
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
     """A minimal Flower app directory whose pyproject carries ``cfg`` as its run config."""
     lines = [
@@ -160,7 +152,7 @@ def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
         "[tool.flwr.app.components]", 'serverapp = "server.app:app"', 'clientapp = "client.app:app"', "",
         "[tool.flwr.app.config]",
     ]
-    lines += [f'"{key}" = {_toml_value(value)}' for key, value in cfg.to_dict().items()]
+    lines += [f'"{key}" = {toml_value(value)}' for key, value in cfg.to_dict().items()]
     root.mkdir(parents=True, exist_ok=True)
     (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return root

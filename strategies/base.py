@@ -108,6 +108,7 @@ class PromptStrategy(FedAvg):
         # population = nodes: data sizes each node declared in its first reply (train, test), by node id
         self.node_sizes: dict[int, tuple[int, int]] = {}
         self.update_norms: list[float] = []  # the last aggregation's accepted update norms
+        self.reply_shares: list[float] = []  # the last aggregation's weight shares (reply_weights)
         self.accepted_messages: list[Message] = []  # the last aggregation's accepted replies
         self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
         self._sent_numpy: tuple[ArrayRecord | None, dict[str, np.ndarray]] = (None, {})
@@ -377,6 +378,7 @@ class PromptStrategy(FedAvg):
         """
         self.rejected = []
         self.placements = {}
+        self.reply_shares = []
         kept: list[Message] = []
         for msg in replies:
             try:
@@ -471,12 +473,15 @@ class PromptStrategy(FedAvg):
         return update_norm(from_array_record(msg.content[ARRAYS]), self.reply_start(msg))
 
     def reply_weights(self, accepted: list[RecordDict]) -> np.ndarray:
-        """Aggregation weights: sample counts, each capped at ``max-client-weight`` of the round
-        when the counts cannot be verified (``population = "nodes"``) and 3 or more replies arrived."""
+        """Aggregation weights, for every method: sample counts, each capped at ``max-client-weight``
+        of the round when the counts cannot be verified (``population = "nodes"``) and 2 or more
+        replies arrived. Their shares are kept in ``reply_shares`` (the round's record)."""
         counts = np.array([int(c[METRICS]["num-examples"]) for c in accepted], dtype=np.float64)
-        if self.cfg.population == "nodes" and len(counts) >= 3 and counts.max() > self.cfg.max_client_weight * counts.sum():
-            return capped_weights(counts, self.cfg.max_client_weight)
-        return counts  # every use normalises; unnormalised counts keep FedAvg's arithmetic as it was
+        weights = counts  # every use normalises; unnormalised counts keep FedAvg's arithmetic as it was
+        if self.cfg.population == "nodes" and len(counts) >= 2 and counts.max() > self.cfg.max_client_weight * counts.sum():
+            weights = capped_weights(counts, self.cfg.max_client_weight)
+        self.reply_shares = [float(w) for w in weights / weights.sum()] if weights.sum() > 0 else []
+        return weights
 
     def average_replies(self, accepted: list[RecordDict], weights: np.ndarray) -> ArrayRecord:
         """The accepted replies' arrays, averaged (``combine_arrays``).
@@ -591,7 +596,8 @@ class PromptStrategy(FedAvg):
         where = self.placements.get(message.metadata.message_id, {})
         return {"client": int(config["client-id"]) if "client-id" in config else None,
                 "node": where.get("node"), "device": where.get("device"),
-                "cuda_visible_devices": where.get("cuda-visible-devices")}
+                "cuda_visible_devices": where.get("cuda-visible-devices"),
+                "config_digest": where.get("config-digest")}
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

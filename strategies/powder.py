@@ -627,7 +627,7 @@ class PowderStrategy(PromptStrategy):
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
                         server_round, len(pairs), self.cfg.min_replies)
             return None, None
-        weights = np.array([int(c[METRICS]["num-examples"]) for _, c in pairs], dtype=np.float64)
+        weights = self.reply_weights([c for _, c in pairs])  # capped like every method's
         base = from_array_record(self.global_arrays)
         merged = self.merge(base, [(s.task, self.raw_slices(s, from_array_record(c[ARRAYS]), base), w)
                                    for (s, c), w in zip(pairs, weights)])
@@ -638,7 +638,7 @@ class PowderStrategy(PromptStrategy):
         arrays = self.consolidate(server_round, to_array_record(merged), contents)
         tasks = {s.task for s, _ in pairs}
         metrics = MetricRecord({
-            "num-examples": int(weights.sum()),
+            "num-examples": int(sum(int(c[METRICS]["num-examples"]) for _, c in pairs)),
             "clients": len(pairs),
             "tasks-aggregated": len(tasks),
             "tasks-measured": measured_tasks,

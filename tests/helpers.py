@@ -64,11 +64,21 @@ class NodeList:
         return self.ids
 
 
-def client_app(mods: list[Mod] | None = None) -> ClientApp:
-    """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods."""
+def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """In-process nodes are the test's own, as Ray-simulated nodes are their operator's: they read
+    the run's data location and obey its fault switch (client/node_policy.py)."""
+    from client.node_policy import trust_run
+
+    trust_run(context)
+    return call_next(msg, context)
+
+
+def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientApp:
+    """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods;
+    ``operated``: the nodes are the test's own (:func:`operated_by_the_test`), as in a simulation."""
     from client.app import app as real, evaluate, query, train
 
-    app = ClientApp(mods=list(mods or []) + list(real._mods))
+    app = ClientApp(mods=([operated_by_the_test] if operated else []) + list(mods or []) + list(real._mods))
     app.train()(train)
     app.query()(query)
     app.evaluate()(evaluate)
@@ -151,12 +161,13 @@ class InProcessGrid(PushPullGrid):
 
 
 def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, ClientApp] | None = None,
-                   dead: dict[int, str] | None = None) -> dict[str, Any]:
+                   dead: dict[int, str] | None = None,
+                   node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
     from server.loop import finish, run_experiment
     from server.report import write_outputs
 
-    grid = InProcessGrid(cfg, nodes, apps, dead=dead)
+    grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
     write_outputs(results, cfg.out_dir)
     finish(cfg, results)

@@ -41,4 +41,4 @@ def inflated(counts: MetricRecord) -> MetricRecord:
                          "num-examples": 10**9 * tasks})
 
 
-app = client_app([hostile])
+app = client_app([hostile], operated=False)  # deployed nodes: their own node configs decide

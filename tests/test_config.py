@@ -12,10 +12,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_run_config_equals_the_dataclass_defaults():
+    from client.methods import app_config_tables, namespaced_defaults
+
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    run_config = doc["tool"]["flwr"]["app"]["config"]
+    run_config = dict(doc["tool"]["flwr"]["app"]["config"])
+    tables = {k: run_config.pop(k) for k in list(run_config) if isinstance(run_config[k], dict)}
     assert run_config == ExperimentConfig().to_dict()
+    # every namespaced option (dp.*, <method>.*) is declared with its default
+    assert tables == namespaced_defaults(), "regenerate with client.methods.app_config_tables():\n" + app_config_tables()
     assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "client.app:app"}
+
+
+def test_every_key_passes_flowers_own_run_config_check():
+    """The check the SuperLink applies to `flwr run -c` (and so to deploy/submit-run.sh): every key
+    the project knows is accepted, and the fused run config gives the run's method its options."""
+    from common.flower_internals import internal
+
+    get_fused_config_from_dir = internal("fused_run_config")
+
+    from client.methods import namespaced_defaults
+
+    every = dict(ExperimentConfig().to_dict())
+    for namespace, options in namespaced_defaults().items():
+        every.update({f"{namespace}.{k}": v for k, v in options.items()})
+    assert len(every) > 150
+    assert get_fused_config_from_dir(ROOT, every) == every
+    overrides = {"strategy": "hgp", "hgp.cov-type": "diag", "dp.clip": 1.0, "dp.noise-multiplier": 0.5,
+                 "powder.row-top": 2, "fppl.debias": False, "hepco.ablate": "prompt-distillation"}
+    fused = get_fused_config_from_dir(ROOT, overrides)
+    cfg = ExperimentConfig.from_run_config(fused)
+    # the run's method's options and dp.*, not the other methods'
+    assert cfg.method_options("hgp")["cov-type"] == "diag" and cfg.method_options("dp")["clip"] == 1.0
+    assert cfg.method_options("dp")["noise-multiplier"] == 0.5
+    assert set(cfg.method_options("hgp")) == set(namespaced_defaults()["hgp"])
+    assert not cfg.method_options("powder") and not cfg.method_options("fppl")
+    with pytest.raises(ValueError, match="not present in the main dictionary"):
+        get_fused_config_from_dir(ROOT, {"hgp.no-such-option": 1})
 
 
 def test_round_trip_through_flat_dict():

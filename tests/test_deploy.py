@@ -33,9 +33,8 @@ from client.node_data import NodeDataError, export_digits, node_data, parse_node
 from common.config import ConfigError, ExperimentConfig
 from common.data import class_order
 from common.startup import PHASES, metric_name
-from server.loopback import (DEPLOY, ROOT, VENV_BIN, Processes, descendants, free_port, make_credentials, register_node,
-                             run_script, script_env, start_node, start_superlink, submit, superlink_command, toml_file,
-                             wait_for_log)
+from server.loopback import (DEPLOY, ROOT, VENV_BIN, Ports, Processes, descendants, free_port, make_credentials,
+                             register_node, run_script, script_env, start_node, start_superlink, submit, toml_file)
 from tests.conftest import TINY, tiny_config
 from tests.helpers import PushPullGrid
 
@@ -58,7 +57,7 @@ RUN = {
 @dataclass
 class Deployment:
     root: Path
-    port: int  # the SuperLink's
+    ports: Ports  # the SuperLink's: node-facing (Fleet API only) and control (the operator's)
     tap_port: int
     results: dict
     submit_output: str
@@ -90,13 +89,13 @@ def deployment(tmp_path_factory) -> Deployment:
     procs = Processes()
     tap = None
     try:
-        port = free_port()
-        link = start_superlink(root, procs, env, port)
+        ports = Ports.free()
+        link = start_superlink(root, procs, env, ports)
         for i in range(1, NUM_NODES + 1):
-            register_node(root, env, port, f"node{i}")
+            register_node(root, env, ports.control, f"node{i}")
 
-        # Every node talks to the SuperLink through the recording proxy.
-        tap = WireTap(("127.0.0.1", port), str(root / "certs/server.pem"), str(root / "certs/server.key"),
+        # Every node talks to the SuperLink's node-facing address through the recording proxy.
+        tap = WireTap(("127.0.0.1", ports.fleet), str(root / "certs/server.pem"), str(root / "certs/server.key"),
                       str(root / "certs/ca.crt"))
         tap_port = tap.start()
         for i in range(1, NUM_NODES + 1):
@@ -107,7 +106,7 @@ def deployment(tmp_path_factory) -> Deployment:
             start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml, extra)
 
         started = time.time()
-        submitted = submit(root, env, port, run_toml, app)
+        submitted = submit(root, env, ports.control, run_toml, app)
         finished = time.time()
         procs.remember_descendants()
         output = submitted.stdout + submitted.stderr
@@ -115,7 +114,7 @@ def deployment(tmp_path_factory) -> Deployment:
         assert submitted.returncode == 0, f"{output[-4000:]}\n--- superlink.log (tail) ---\n{superlink_log[-6000:]}"
         results_path = root / "server" / RUN["out-dir"] / "results.json"
         assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
-        yield Deployment(root, port, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
+        yield Deployment(root, ports, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
                          started, finished, procs, link, root / "superlink.log")
     finally:
         if tap is not None:
@@ -237,7 +236,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
             assert set(content["arrays"].keys()) == set(shapes)  # the whole prompt + head, nothing else
         elif kind == "train":  # the update, its metrics, where it was trained (and evaluation counts)
             assert set(content.keys()) - {"evaluation"} == {"arrays", "metrics", "placement"}
-            assert set(content["placement"].keys()) == {"node", "device"}
+            assert set(content["placement"].keys()) == {"node", "device", "config-digest"}
             if "evaluation" in content:
                 assert set(content["evaluation"].keys()) == COUNTS
         else:  # evaluation replies: counts only (the node's declared data sizes, its process's start-up)
@@ -309,7 +308,7 @@ def test_bytes_on_the_wire_per_round(deployment, capsys):
 def test_unregistered_node_key_is_refused(deployment):
     root = deployment.root
     code, out = deployment.processes.run_to_exit(
-        ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{deployment.port}", "--ca",
+        ["bash", str(DEPLOY / "start-client.sh"), "--superlink", f"127.0.0.1:{deployment.ports.fleet}", "--ca",
          "certs/ca.crt", "--key", "keys/stranger", "--data-dir", "data/node0", "--config", "run.toml",
          "--state", "stranger", "--port", str(free_port())],
         root / "stranger.log", script_env(PROMPTFCL_CACHE=str(root / "cache-stranger")), root, timeout=180)
@@ -322,12 +321,12 @@ def test_unregistered_node_key_is_refused(deployment):
 def test_node_without_the_ca_certificate_cannot_connect(deployment):
     root = deployment.root
     # the script refuses outright ...
-    done = run_script("start-client.sh", "--superlink", f"127.0.0.1:{deployment.port}", "--key", "keys/node1",
+    done = run_script("start-client.sh", "--superlink", f"127.0.0.1:{deployment.ports.fleet}", "--key", "keys/node1",
                       "--data-dir", "data/node0", env=script_env(), cwd=root)
     assert done.returncode != 0 and "--ca" in done.stderr
     # ... and a SuperNode started by hand without --root-certificates fails the TLS handshake
     code, out = deployment.processes.run_to_exit(
-        [str(VENV_BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{deployment.port}",
+        [str(VENV_BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{deployment.ports.fleet}",
          "--auth-supernode-private-key", "keys/node1", "--port", str(free_port()),
          "--node-config", f'data-dir="{root / "data/node0"}"'],
         root / "noca.log", script_env(FLWR_HOME=str(root / "noca-home")), root, timeout=180)
@@ -419,7 +418,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
 
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
     cfg = nodes_config()
-    shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3}).data.test for i in range(3)]
+    shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3, "dataset": "digits"}).data.test for i in range(3)]
     from common.data import load_dataset_cached
 
     full = load_dataset_cached(cfg).test
@@ -603,17 +602,55 @@ def test_superlink_keeps_idle_connections_longer_than_its_clients(deployment):
 
     assert httpx.Limits().keepalive_expiry == 5.0  # the clients' expiry this guards against
     context = ssl.create_default_context(cafile=str(deployment.root / "certs" / "ca.crt"))
-    conn = http.client.HTTPSConnection("127.0.0.1", deployment.port, context=context, timeout=10)
+    conns = [http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+             for port in (deployment.ports.fleet, deployment.ports.control)]  # both listeners
     try:
         for pause in (0.0, 6.5):
             time.sleep(pause)
-            conn.request("GET", "/")  # any path: a reply at all means the connection stayed open
-            reply = conn.getresponse()
-            reply.read()
-            assert reply.status in (200, 404, 405), reply.status
-            assert not reply.will_close
+            for conn in conns:
+                conn.request("GET", "/health")  # a reply at all means the connection stayed open
+                reply = conn.getresponse()
+                reply.read()
+                assert reply.status == 200, reply.status
+                assert not reply.will_close
     finally:
-        conn.close()
+        for conn in conns:
+            conn.close()
+
+
+@pytest.mark.deploy
+def test_node_facing_address_serves_the_fleet_api_only(deployment):
+    """What a node machine reaches (the node-facing address) cannot drive the SuperLink: an anonymous
+    Control API call is refused there and answered on the operator's (loopback) address; registering
+    a key through it fails; the nodes still registered, ran and completed over it (the fixture)."""
+    import http.client
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(deployment.root / "certs" / "ca.crt"))
+
+    def call(port: int, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+        try:
+            conn.request("POST", path, body=b"", headers={"content-type": "application/protobuf"})
+            reply = conn.getresponse()
+            return reply.status, reply.read()
+        finally:
+            conn.close()
+
+    for path in ("/v1/control/list-runs", "/v1/control/list-runs?x=/v1/fleet/get-run",
+                 "/v1/fleet/../control/list-runs", "/v1/runtime/get-nodes", "/docs"):
+        status, body = call(deployment.ports.fleet, path)
+        assert status == 403 and b"only the Fleet API" in body, (path, status, body[:200])
+    assert call(deployment.ports.control, "/v1/control/list-runs")[0] == 200  # the operator's address answers
+    log = deployment.superlink_log.read_text(errors="replace")
+    assert "node-facing address: refused POST /v1/control/list-runs from 127.0.0.1" in log
+    # a node machine that tries to register another key through the node-facing address fails
+    done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{deployment.ports.fleet}", "--ca", "certs/ca.crt",
+                      "--name", "intruder", "keys/stranger.pub",
+                      env=script_env(FLWR_HOME=str(deployment.root / "intruder-home")), cwd=deployment.root)
+    assert done.returncode != 0 and "registered successfully" not in done.stdout
+    # the nodes themselves came in over the node-facing address (through the tap) and trained
+    assert deployment.results["rounds"][-1]["clients_aggregated"] == NUM_HONEST
 
 
 # ----------------------------------------------------------------------------- the server machine dies mid-run
@@ -654,7 +691,7 @@ def test_random_tasks_run_on_deployed_nodes(deployment):
     run = {**RUN, "strategy": "powder", "task-generator": "random", "num-rounds": 2, "switch-every": 1,
            "switch-fraction": 0.25, "num-tasks": 5, "classes-per-task": 3, "min-overlap": 0.34,
            "task-data-fraction": 0.25, "pool-size": 10, "out-dir": "runs/random", "rounds-per-task": 1}
-    done = submit(root, env, deployment.port, toml_file(root / "random.toml", run), root / "app")
+    done = submit(root, env, deployment.ports.control, toml_file(root / "random.toml", run), root / "app")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((root / "server" / "runs" / "random" / "results.json").read_text())
     rounds = results["rounds"]
@@ -671,6 +708,33 @@ def test_random_tasks_run_on_deployed_nodes(deployment):
 
 
 @pytest.mark.deploy
+def test_method_options_and_differential_privacy_run_deployed(deployment):
+    """Namespaced run-config keys pass Flower's own check on the SuperLink and reach every node:
+    HGP with a non-default option (``hgp.cov-type = "diag"``: a node without it would upload
+    full covariances, which the server refuses) and differential privacy on (``dp.*``)."""
+    root = deployment.root
+    env = script_env(FLWR_HOME=str(root / "cli-home"))
+    run = {**RUN, "strategy": "hgp", "hgp.cov-type": "diag", "hgp.rebalance-epochs": 1,
+           "dp.clip": 1.0, "dp.noise-multiplier": 0.5, "dp.delta": 1e-3, "rounds-per-task": 1,
+           "out-dir": "runs/hgp-dp"}
+    done = submit(root, env, deployment.ports.control, toml_file(root / "hgp-dp.toml", run), root / "app")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads((root / "server" / "runs" / "hgp-dp" / "results.json").read_text())
+    cfg = results["config"]
+    assert cfg["strategy"] == "hgp" and cfg["hgp.cov-type"] == "diag" and cfg["hgp.rebalance-epochs"] == 1
+    assert cfg["dp.clip"] == 1.0 and cfg["dp.noise-multiplier"] == 0.5
+    assert not any(k.startswith(("powder.", "fppl.", "hepco.", "fedcprompt.")) for k in cfg)
+    (record,) = results["rounds"]
+    # every honest node trained under exactly the server's configuration, and its diagonal
+    # statistics were accepted (the hostile node's inflated count is refused as before)
+    assert record["clients_aggregated"] == NUM_HONEST
+    placed = [p for p in record["placement"] if p["node"] is not None]
+    assert len(placed) == NUM_HONEST and {p["config_digest"] for p in placed} == {results["config_digest"]}
+    assert not any("covariance" in x["reason"] for x in record["rejected"])
+    assert results["privacy"]["epsilon"] is not None and results["privacy"]["delta"] == 1e-3
+
+
+@pytest.mark.deploy
 def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
     and exactly the accuracy matrix of the uninterrupted run.
@@ -683,7 +747,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     still-running SuperNodes back by itself (they retry every failed call and heartbeat, keep
     their node ids, and state.db keeps their registration), and the run submitted again with
     resume = true does round 2 only, after waiting for all its nodes as any first round does.
-    Runs last: it leaves the restarted SuperLink serving ``deployment.port`` (stopped with the
+    Runs last: it leaves the restarted SuperLink serving ``deployment.ports`` (stopped with the
     fixture's processes).
     """
     from server import checkpoint
@@ -692,7 +756,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     env = script_env(FLWR_HOME=str(root / "cli-home"), TMPDIR=str(root))  # the killed submitter leaves its temp dir
     out = root / "server" / "runs" / "killed"
     toml_file(root / "killed.toml", {**RUN, "out-dir": "runs/killed"})
-    submit_args = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.port}",
+    submit_args = ["bash", str(DEPLOY / "submit-run.sh"), "--superlink", f"127.0.0.1:{deployment.ports.control}",
                    "--ca", "certs/ca.crt", "--config", "killed.toml", "--app", str(root / "app")]
 
     before = train_messages_received(root)
@@ -710,8 +774,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     assert not (out / "results.json").exists()
 
     deployment.superlink_log = root / "superlink-restarted.log"
-    deployment.superlink = procs.start(superlink_command(deployment.port), deployment.superlink_log, env, cwd=root)
-    wait_for_log(deployment.superlink_log, "Uvicorn running", deployment.superlink, timeout=180)
+    deployment.superlink = start_superlink(root, procs, env, deployment.ports, log=deployment.superlink_log.name)
     code, output = procs.run_to_exit([*submit_args, "--set", "resume=true"], root / "submit-resumed.log", env, root,
                                      timeout=900)
     assert code == 0, (f"{output[-4000:]}\n--- superlink-restarted.log (tail) ---\n"

@@ -1,0 +1,123 @@
+"""What a node accepts from a run: limits it sets itself, and switches only its operator turns on.
+
+Everything in a run config comes from the server, and a node that joins a federation across
+organisations must not let the server decide how much of its memory and time a message may
+take, or switch on behaviour meant for experiments. Three rules, all read from the node's own
+``--node-config`` (never from the run):
+
+* **Limits.** Each run-config size that scales what a message allocates or computes on the
+  node has a ceiling (:data:`LIMITS`, node-config ``max-<key>`` to change it). A message of a
+  run beyond a ceiling is refused before anything is built: the ClientApp raises
+  :class:`NodeRefusal`, Flower returns an error reply, and the server logs it with the node id.
+* **Fault injection** (client/faults.py) runs only on a node started with
+  ``fault-injection=true`` (or ``PROMPTFCL_FAULT_INJECTION=1`` in its environment).
+* **Data location.** A node reads only the data its node config names; ``data-from-run=true``
+  lets a partition node read the run's ``dataset`` / ``data-dir`` instead.
+
+Flower's Ray simulation (``promptfcl simulate``, ``flwr run`` with a local federation) runs
+every node in a Ray actor for the one operator who started it and chose the run config, so
+:func:`simulated_nodes_mod` sets the last two switches on those nodes. A deployed node's
+ClientApp runs in a process of its SuperNode, never in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Context, Message
+
+from common.config import ExperimentConfig
+
+#: run-config key -> the node's default ceiling (node-config ``max-<key>`` overrides it). Generous
+#: for paper-scale runs on a GPU node (ViT-B/16 at 224 px, batch 128, pools of 100 x 20 tokens).
+LIMITS: dict[str, int] = {
+    "image-size": 1024,  # activations and decoded images grow with its square
+    "batch-size": 2048,
+    "pool-size": 4096,  # prompt components per layer
+    "prompt-length": 1024,
+    "num-classes": 100_000,  # head rows, per-class statistics (HGP: a D x D covariance each)
+    "num-tasks": 1000,
+    "embed-dim": 8192,  # backbone width, built on the node
+    "depth": 128,
+    "num-heads": 256,
+    "local-epochs": 1000,  # time, not memory: a message may not keep the node busy for ever
+}
+FAULT_INJECTION = "fault-injection"
+DATA_FROM_RUN = "data-from-run"
+#: node-config keys of this module (client/node_data.py accepts them beside its own)
+POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, *(f"max-{k}" for k in LIMITS))
+FAULT_INJECTION_ENV = "PROMPTFCL_FAULT_INJECTION"
+
+
+class NodeRefusal(ValueError):
+    """A node declines a message of a run outside the limits its operator set."""
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """The node's own limits and switches, from its node config."""
+
+    limits: Mapping[str, int]
+    fault_injection: bool = False
+    data_from_run: bool = False
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodePolicy":
+        limits = dict(LIMITS)
+        for key in LIMITS:
+            value = node_config.get(f"max-{key}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise NodeRefusal(f"node-config max-{key} must be a positive integer, got {value!r}")
+            limits[key] = value
+        return cls(limits, flag(node_config, FAULT_INJECTION) or os.environ.get(FAULT_INJECTION_ENV) == "1",
+                   flag(node_config, DATA_FROM_RUN))
+
+    def check_run(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
+        """Refuse (:class:`NodeRefusal`) a run whose sizes exceed this node's limits; ``sent_num_classes``
+        is the head size a message names (checked the same way)."""
+        run = cfg.to_dict()
+        sizes = {key: run[key] for key in LIMITS}
+        if sent_num_classes is not None:
+            if isinstance(sent_num_classes, bool) or not isinstance(sent_num_classes, int):
+                raise NodeRefusal(f"the message's num-classes {sent_num_classes!r} is not an integer")
+            sizes["num-classes"] = max(int(sizes["num-classes"]), sent_num_classes)
+        for key, value in sizes.items():
+            if int(value) > self.limits[key]:
+                raise NodeRefusal(f"node refuses the run: {key} = {value} exceeds this node's limit "
+                                  f"max-{key} = {self.limits[key]} (its operator's node-config)")
+
+
+def flag(node_config: Mapping[str, Any], key: str) -> bool:
+    """A boolean node-config switch (absent: off); anything but a boolean is an error."""
+    value = node_config.get(key, False)
+    if not isinstance(value, bool):
+        raise NodeRefusal(f"node-config {key} must be true or false, got {value!r}")
+    return value
+
+
+def simulated_nodes_mod(msg: Message, context: Context,
+                        call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower mod: a node simulated in a Ray actor belongs to the operator who chose the run config,
+    so it takes its data location from the run and obeys the run's fault switch."""
+    if in_ray_actor():
+        trust_run(context)
+    return call_next(msg, context)
+
+
+def trust_run(context: Context) -> None:
+    """Switch on what an operator who chose the run config may (simulated or test nodes)."""
+    context.node_config.setdefault(FAULT_INJECTION, True)
+    context.node_config.setdefault(DATA_FROM_RUN, True)
+
+
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray worker (a simulated client); Ray is never imported for this."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
