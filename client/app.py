@@ -26,17 +26,17 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.faults import inject_faults
-from client.learner import read_task_round
-from client.node_data import NodeDataError, check_classes, node_data, original_names
-from client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
-from common import startup
-from common.config import ExperimentConfig
-from common.evaluation import correct_counts, pooled_counts
-from common.privacy import privacy_options, privatise_reply
-from common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
-from common.runtime import Runtime, get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
+from promptfcl.client.faults import inject_faults
+from promptfcl.common.learner import read_task_round
+from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
+from promptfcl.client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
+from promptfcl.common import startup
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.evaluation import correct_counts, pooled_counts
+from promptfcl.common.privacy import privacy_options, privatise_reply
+from promptfcl.common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
+from promptfcl.common.runtime import Runtime, get_runtime
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
 
 log = logging.getLogger("promptfcl")
 

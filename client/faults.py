@@ -24,9 +24,9 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from client.node_policy import NodePolicy
-from common.config import ExperimentConfig
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.client.node_policy import NodePolicy
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 
 
 log = logging.getLogger("promptfcl")

@@ -48,9 +48,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
-from common.config import DEVICES, ConfigError, ExperimentConfig
-from common.data import (
+from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
+from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig
+from promptfcl.common.data import (
     IMAGE_EXTENSIONS,
     read_class_folders,
     ArraySplit,
@@ -289,7 +289,7 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from common.weights import cache_dir
+    from promptfcl.common.weights import cache_dir
 
     full = cfg.to_dict()
     listing = _listing(root)
@@ -413,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             print(d)
         return 0
 
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from common.weights import check_weights
-    from client.methods import load_config
+    from promptfcl.common.weights import check_weights
+    from promptfcl.strategies.registry import load_config
 
     try:
         try:

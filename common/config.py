@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from common.errors import ConfigError  # re-exported: the error of configurations
-from common.files import class_name_problem
+from promptfcl.common.errors import ConfigError  # re-exported: the error of configurations
+from promptfcl.common.files import class_name_problem
 
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
 AUGMENTATIONS = ("none", "crop-flip")
@@ -356,7 +356,7 @@ class ExperimentConfig:
              "set clients-per-round > 0 or client-fraction > 0")
         need(self.clients_per_round <= self.num_clients,
              f"clients-per-round ({self.clients_per_round}) exceeds num-clients ({self.num_clients})")
-        from common.schedule import task_schedule
+        from promptfcl.common.schedule import task_schedule
 
         task_schedule(self)  # switch-every / switch-fraction / num-tasks: raises ConfigError
         need(self.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {self.partition!r}")

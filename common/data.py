@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ConfigError, ExperimentConfig
-from common.errors import DataError  # re-exported: the error of datasets
-from common.files import class_folder
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.errors import DataError  # re-exported: the error of datasets
+from promptfcl.common.files import class_folder
 
 log = logging.getLogger("promptfcl")
 
@@ -505,7 +505,7 @@ def client_indices(
     if not 0 <= client_id < max(cfg.num_clients, 1):
         raise ValueError(f"client id {client_id} outside the population of {cfg.num_clients}")
     if cfg.task_generator == "random":  # the task's client holds all of its data
-        from common.schedule import task_schedule
+        from promptfcl.common.schedule import task_schedule
 
         owner = task_schedule(cfg).owner(task)
         if client_id != owner:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.data import head_rows, head_size, seen_classes, task_classes
-from common.model import masked_logits
-from common.runtime import Runtime
+from promptfcl.common.data import head_rows, head_size, seen_classes, task_classes
+from promptfcl.common.model import masked_logits
+from promptfcl.common.runtime import Runtime
 
 
 @torch.no_grad()

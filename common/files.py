@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from common.errors import DataError
+from promptfcl.common.errors import DataError
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import startup
-from common.config import ConfigError, ExperimentConfig
-from common.files import write_atomic
-from common.vit import Attention as OurAttention, Block as OurBlock, architecture, block_forward, from_state, from_timm
-from common.weights import backbone_identity, cache_dir, disk_backbone_id
+from promptfcl.common import startup
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.files import write_atomic
+from promptfcl.common.vit import Attention as OurAttention, Block as OurBlock, architecture, block_forward, from_state, from_timm
+from promptfcl.common.weights import backbone_identity, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -148,7 +148,7 @@ def _build_with_timm(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
         _seeded_reinit(model, cfg.seed)
     else:
         if cfg.weights.startswith("pretrained:"):
-            from common.weights import checkpoint_meta, resolve_weights
+            from promptfcl.common.weights import checkpoint_meta, resolve_weights
 
             path = resolve_weights(cfg)
             meta = checkpoint_meta(path)
@@ -434,7 +434,7 @@ def build_model(cfg: ExperimentConfig, num_classes: int,
                 prompt_class: type[CodaPrompt] | None = None) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init."""
-    from common.data import head_size
+    from promptfcl.common.data import head_size
 
     backbone, source = build_backbone(cfg)
     state = torch.random.get_rng_state()

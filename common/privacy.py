@@ -59,8 +59,8 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from common.config import DP_NAMESPACE, ConfigError, ExperimentConfig, MethodOptions
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"

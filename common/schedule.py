@@ -30,10 +30,10 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from common.errors import ConfigError
+from promptfcl.common.errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from common.config import ExperimentConfig
+    from promptfcl.common.config import ExperimentConfig
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config import ConfigError, ExperimentConfig
 
 ARCH_KEYS = ("backbone", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
 # Keys that decide the backbone's output; a change in any of them invalidates queries.

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ExperimentConfig
-from server import checkpoint
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.server import checkpoint
 
 log = logging.getLogger("promptfcl")
 
@@ -99,7 +99,7 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
     """
     if (out / checkpoint.FILENAME).is_file():  # an interrupted earlier benchmark run: continue it, not start over
         settings = {**settings, "resume": True}  # (a different configuration is refused by the run)
-    args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     if (out / "results.json").exists():
@@ -142,12 +142,12 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     import torch.nn.functional as F
     from flwr.app import RecordDict
 
-    from client.learner import LocalLearner
-    from common.data import client_indices, task_classes
-    from common.model import masked_logits
-    from common.records import ARRAYS, to_array_record
-    from common.runtime import _runtime, get_runtime
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.common.data import client_indices, task_classes
+    from promptfcl.common.model import masked_logits
+    from promptfcl.common.records import ARRAYS, to_array_record
+    from promptfcl.common.runtime import _runtime, get_runtime
+    from promptfcl.strategies.fedavg.strategy import FedAvgPrompt
 
     out: dict[str, float] = {}
     for cached in (True, False):
@@ -210,7 +210,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
 def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000),
          methods: tuple[str, ...] = ()) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-    from client.methods import METHODS
+    from promptfcl.strategies.registry import METHODS
 
     import torch
 
@@ -378,7 +378,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from client.methods import load_config
+    from promptfcl.strategies.registry import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1
@@ -509,8 +509,8 @@ def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict
 
     Writes ``deploy.json`` into ``out_dir`` and prints a table.
     """
-    from server.loopback import run_deployed
-    from common.startup import PHASES
+    from promptfcl.server.loopback import run_deployed
+    from promptfcl.common.startup import PHASES
 
     out_dir.mkdir(parents=True, exist_ok=True)
     same = {**base, "num-clients": nodes, "clients-per-round": nodes, "threads": 1}
@@ -709,7 +709,7 @@ def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
 def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
     with some of its options changed (an ablation), compared as a method of its own."""
-    from common.config import parse_overrides
+    from promptfcl.common.config import parse_overrides
 
     name, *pairs = spec.split("/")
     return name, {f"{name}.{k}": v for k, v in parse_overrides(pairs).items()}

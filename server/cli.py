@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig, parse_overrides
-from common.data import DataError
-from common.weights import check_weights
-from client.methods import METHODS, check_method, load_config, strategy_class
+from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.common.data import DataError
+from promptfcl.common.weights import check_weights
+from promptfcl.strategies.registry import METHODS, check_method, load_config, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -108,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-    from server.app import setup_logging
+    from promptfcl.server.app import setup_logging
 
     setup_logging()
     if args.command == "strategies":
         print("\n".join(sorted(METHODS)))
         return 0
     if args.command == "show":
-        from server.report import table
+        from promptfcl.server.report import table
 
         path = Path(args.dir) / "results.json"
         if not path.is_file():
@@ -141,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from common.data import load_dataset_cached
+            from promptfcl.common.data import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from server.simulation import run_simulation
+    from promptfcl.server.simulation import run_simulation
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
@@ -182,7 +182,7 @@ PLACEMENT_KEYS = ("ray-address", "device", "threads", "client-cpus", "client-gpu
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     saved = checkpoint.load(out_dir)
     if saved is None:
@@ -210,7 +210,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     import shutil
     import time as _time
 
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -229,7 +229,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from server import bench
+    from promptfcl.server import bench
 
     try:
         if args.bench == "paper-dims":
@@ -261,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
             bench.deploy_overhead(Path(args.out), base, args.nodes)
         elif args.bench == "robustness":
-            from common.config import FAULTS
+            from promptfcl.common.config import FAULTS
 
             attacks = [a for a in args.attacks.split(",") if a]
             defences = [d for d in args.defences.split(",") if d]
@@ -304,7 +304,7 @@ def _parse_setting(text: str) -> dict[str, Any]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from server.audit import AuditSettings, audit_run
+    from promptfcl.server.audit import AuditSettings, audit_run
 
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
@@ -322,8 +322,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from common.pretrain import pretrain
-    from common.weights import checkpoint_path
+    from promptfcl.common.pretrain import pretrain
+    from promptfcl.common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)

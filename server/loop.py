@@ -17,20 +17,20 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common import metrics
-from common.config import ConfigError, ExperimentConfig
-from common.data import client_indices
-from common.evaluation import accuracies, correct_counts, pooled_counts
-from common.privacy import privacy_options, privacy_report
-from common.startup import PHASES, metric_name
-from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, from_array_record,
+from promptfcl.common import metrics
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.data import client_indices
+from promptfcl.common.evaluation import accuracies, correct_counts, pooled_counts
+from promptfcl.common.privacy import privacy_options, privacy_report
+from promptfcl.common.startup import PHASES, metric_name
+from promptfcl.common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, from_array_record,
                             payload_bytes, to_array_record, to_torch)
-from common.model import initial_trainable_state
-from common.runtime import Runtime, get_runtime
-from server import checkpoint
-from client.methods import strategy_class
-from strategies.base import PromptStrategy
-from strategies.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
+from promptfcl.common.model import initial_trainable_state
+from promptfcl.common.runtime import Runtime, get_runtime
+from promptfcl.server import checkpoint
+from promptfcl.strategies.registry import strategy_class
+from promptfcl.strategies.platform.strategy import PromptStrategy
+from promptfcl.strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
 
 log = logging.getLogger("promptfcl")
 
@@ -471,11 +471,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                             "average_forgetting": None})
         return results
     if not schedule.synchronous:
-        from server.transfer import client_accuracy_by_round
+        from promptfcl.server.transfer import client_accuracy_by_round
 
         results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, state.rounds, cfg.num_tasks)
     if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
-        from server.transfer import asynchronous_results, single_task_accuracies
+        from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
 
         single = single_task_accuracies(cfg, schedule) if runtime is not None else None
         results["asynchronous"] = asynchronous_results(cfg, schedule, state.rounds, single)
@@ -690,7 +690,7 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, state: RunStat
             "fingerprint": runtime.data.fingerprint,
         }
     else:  # federated evaluation: what the server knows of the nodes' data
-        from common.data import class_order
+        from promptfcl.common.data import class_order
 
         names = cfg.class_name_list
         backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"

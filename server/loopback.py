@@ -29,7 +29,7 @@ VENV_BIN = Path(sys.executable).parent
 
 def toml_file(path: Path, values: dict[str, Any]) -> Path:
     """A flat run-config TOML file (``deploy/run.toml``'s format) holding ``values``."""
-    from common.config import toml_value
+    from promptfcl.common.config import toml_value
 
     path.write_text("".join(f'"{k}" = {toml_value(v)}\n' for k, v in values.items()))
     return path
@@ -228,7 +228,7 @@ def submit(root: Path, env: dict[str, str], control_port: int, run_toml: Path, a
 def run_deployed(root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500) -> dict[str, Any]:
     """A whole loopback deployment of ``run`` (run-config keys) on ``nodes`` SuperNodes, each with a
     disjoint share of the digits as image folders; returns the run's results.json."""
-    from client.node_data import export_digits
+    from promptfcl.client.node_data import export_digits
 
     root = root.resolve()  # the scripts run inside it
     root.mkdir(parents=True, exist_ok=True)

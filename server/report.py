@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.files import write_atomic
+from promptfcl.common.files import write_atomic
 
 
 def write_json_atomic(path: Path, obj: Any) -> int:

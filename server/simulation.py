@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig, toml_value
+from promptfcl.common.config import ConfigError, ExperimentConfig, toml_value
 
 log = logging.getLogger("promptfcl")
 
@@ -149,7 +149,7 @@ def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
     lines = [
         "[project]", 'name = "promptfcl-run"', 'version = "0.0.0"', "",
         "[tool.flwr.app]", 'publisher = "promptfcl"', "",
-        "[tool.flwr.app.components]", 'serverapp = "server.app:app"', 'clientapp = "client.app:app"', "",
+        "[tool.flwr.app.components]", 'serverapp = "promptfcl.server.app:app"', 'clientapp = "promptfcl.client.app:app"', "",
         "[tool.flwr.app.config]",
     ]
     lines += [f'"{key}" = {toml_value(value)}' for key, value in cfg.to_dict().items()]
@@ -201,10 +201,10 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
     from flwr.app import Context, RecordDict
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
-    from client.app import app as client_app
-    from server.app import app as server_app
+    from promptfcl.client.app import app as client_app
+    from promptfcl.server.app import app as server_app
 
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)

@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from common import metrics
-from common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
-from common.evaluation import accuracies, correct_counts
-from common.files import write_atomic
-from common.model import CodaPrompt, initial_trainable_state
-from common.weights import cache_dir
-from common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from common.runtime import get_runtime
-from common.schedule import RandomTaskSchedule
+from promptfcl.common import metrics
+from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
+from promptfcl.common.evaluation import accuracies, correct_counts
+from promptfcl.common.files import write_atomic
+from promptfcl.common.model import CodaPrompt, initial_trainable_state
+from promptfcl.common.weights import cache_dir
+from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import get_runtime
+from promptfcl.common.schedule import RandomTaskSchedule
 
 log = logging.getLogger("promptfcl")
 
@@ -45,8 +45,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from client.learner import LocalLearner
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.fedavg.strategy import FedAvgPrompt
 
     started = time.perf_counter()
     rt = get_runtime(cfg, CodaPrompt)

@@ -19,7 +19,7 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from common.config import ExperimentConfig
+from promptfcl.common.config import ExperimentConfig
 
 #: a Flower mod: (message, context, call_next) -> reply
 Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]
@@ -31,7 +31,7 @@ def simulate(out: Path, strategy: str = "fedavg", timeout: int = 600, **override
     from tests.conftest import TINY
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
-    args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
@@ -43,7 +43,7 @@ def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -
     """:func:`simulate`'s run (same configuration, loaded and checked the same way) with the
     ClientApps in this process (:class:`InProcessGrid`, one node per client of a round): the
     same server loop, strategies and ClientApp, without Ray's start-up; results.json."""
-    from client.methods import load_config
+    from promptfcl.strategies.registry import load_config
     from tests.conftest import TINY, flower_task_identity
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
@@ -67,7 +67,7 @@ class NodeList:
 def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """In-process nodes are the test's own, as Ray-simulated nodes are their operator's: they read
     the run's data location and obey its fault switch (client/node_policy.py)."""
-    from client.node_policy import trust_run
+    from promptfcl.client.node_policy import trust_run
 
     trust_run(context)
     return call_next(msg, context)
@@ -76,7 +76,7 @@ def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Me
 def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientApp:
     """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods;
     ``operated``: the nodes are the test's own (:func:`operated_by_the_test`), as in a simulation."""
-    from client.app import app as real, evaluate, query, train
+    from promptfcl.client.app import app as real, evaluate, query, train
 
     app = ClientApp(mods=([operated_by_the_test] if operated else []) + list(mods or []) + list(real._mods))
     app.train()(train)
@@ -164,8 +164,8 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
                    dead: dict[int, str] | None = None,
                    node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
-    from server.loop import finish, run_experiment
-    from server.report import write_outputs
+    from promptfcl.server.loop import finish, run_experiment
+    from promptfcl.server.report import write_outputs
 
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
@@ -178,7 +178,7 @@ def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
     """A small valid checkpoint of the tiny configuration at ``server_round``."""
     import numpy as np
 
-    from server import checkpoint
+    from promptfcl.server import checkpoint
     from tests.conftest import tiny_config
 
     return checkpoint.Checkpoint(

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError
-from server.audit import AuditSettings, Target, audit_run, audit_targets
+from promptfcl.common.config import ConfigError
+from promptfcl.server.audit import AuditSettings, Target, audit_run, audit_targets
 
 
 def test_audit_run_end_to_end(tmp_path):

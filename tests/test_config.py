@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, ExperimentConfig, parse_overrides
-from server.cli import load_config
+from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.server.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_run_config_equals_the_dataclass_defaults():
-    from client.methods import app_config_tables, namespaced_defaults
+    from promptfcl.strategies.registry import app_config_tables, namespaced_defaults
 
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
     run_config = dict(doc["tool"]["flwr"]["app"]["config"])
@@ -20,17 +20,17 @@ def test_pyproject_run_config_equals_the_dataclass_defaults():
     assert run_config == ExperimentConfig().to_dict()
     # every namespaced option (dp.*, <method>.*) is declared with its default
     assert tables == namespaced_defaults(), "regenerate with client.methods.app_config_tables():\n" + app_config_tables()
-    assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "client.app:app"}
+    assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "promptfcl.server.app:app", "clientapp": "promptfcl.client.app:app"}
 
 
 def test_every_key_passes_flowers_own_run_config_check():
     """The check the SuperLink applies to `flwr run -c` (and so to deploy/submit-run.sh): every key
     the project knows is accepted, and the fused run config gives the run's method its options."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     get_fused_config_from_dir = internal("fused_run_config")
 
-    from client.methods import namespaced_defaults
+    from promptfcl.strategies.registry import namespaced_defaults
 
     every = dict(ExperimentConfig().to_dict())
     for namespace, options in namespaced_defaults().items():

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from client.app import private_upload
-from client.methods import learner_class, load_config, prompt_class
-from common.config import ConfigError
-from common.privacy import (PrivacyOptions, PrivateRecord, clip_rows, epsilon, gaussian_mechanism,
+from promptfcl.client.app import private_upload
+from promptfcl.strategies.registry import learner_class, load_config, prompt_class
+from promptfcl.common.config import ConfigError
+from promptfcl.common.privacy import (PrivacyOptions, PrivateRecord, clip_rows, epsilon, gaussian_mechanism,
                             privacy_report, privatise_reply)
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.fppl import LOCAL_PROTOTYPES
-from strategies.hgp import STATS, HGPStrategy
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.fppl.strategy import LOCAL_PROTOTYPES
+from promptfcl.strategies.hgp.strategy import STATS, HGPStrategy
 from tests.conftest import TINY, tiny_config
-from server.report import table
+from promptfcl.server.report import table
 from tests.helpers import simulate_in_process
 
 
@@ -84,7 +84,7 @@ def test_noiseless_mechanism_is_the_identity_inside_the_bounds():
 def fit_and_release(strategy: str, clip: float, **options):
     """One real client fit (task 0, client 0, tiny configuration) and its upload through the
     ClientApp's shared DP path with no noise: (raw reply, released reply, received arrays)."""
-    from common.runtime import get_runtime
+    from promptfcl.common.runtime import get_runtime
 
     cfg = tiny_config(strategy=strategy, **{"dp.clip": clip, **options})
     rt = get_runtime(cfg, prompt_class(strategy))

@@ -10,13 +10,13 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from client.fedcprompt import FedCPromptLearner, c2l_loss
-from common.config import ConfigError
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.base import weighted_average
-from strategies.fedcprompt import (
+from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
+from promptfcl.strategies.platform.strategy import weighted_average
+from promptfcl.strategies.fedcprompt.strategy import (
     KNOWN_TASKS,
     FedCPromptOptions,
     FedCPromptPrompt,
@@ -72,7 +72,7 @@ def test_options_defaults_validation_and_registry():
 
 
 def test_paper_scale_config_loads():
-    from server.cli import load_config
+    from promptfcl.server.cli import load_config
 
     cfg = load_config(str(ROOT / "configs/fedcprompt-cifar100.toml"), [], None, None)
     assert cfg.strategy == "fedcprompt" and cfg.dataset == "hf:cifar100" and cfg.num_tasks == 10
@@ -225,7 +225,7 @@ def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
 
 
 def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
-    from client.learner import LocalLearner
+    from promptfcl.common.learner import LocalLearner
 
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt, _, arrays = start(cfg, tasks=2)

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from client.fppl import FPPLLearner, local_prototypes, unified_representation_loss
-from common.config import ConfigError
-from common.model import build_model
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.fppl import (
+from promptfcl.strategies.fppl.learner import FPPLLearner, local_prototypes, unified_representation_loss
+from promptfcl.common.config import ConfigError
+from promptfcl.common.model import build_model
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
+from promptfcl.strategies.fppl.strategy import (
     GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt, FPPLStrategy, PrototypeSet, debias_head,
 )
 from tests.conftest import reply_from, tiny_config
@@ -337,7 +337,7 @@ def test_without_pool_debiasing_uses_only_current_prototypes():
 def test_pool_and_global_prototypes_survive_a_checkpoint():
     s, arrays, replies, _ = _biased_setup({})
     s.consolidate(1, arrays, replies)
-    from server.checkpoint import _join, _split
+    from promptfcl.server.checkpoint import _join, _split
 
     tensors: dict = {}
     saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from common.config import ConfigError
-from common.records import from_array_record, to_array_record
-from client.methods import METHODS, strategy_class
-from strategies.hepco import (
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import from_array_record, to_array_record
+from promptfcl.strategies.registry import METHODS, strategy_class
+from promptfcl.strategies.hepco.strategy import (
     HePCoOptions,
     HePCoPrompt,
     HePCoStrategy,
@@ -121,10 +121,10 @@ def head_accuracy(state: dict[str, np.ndarray], z: torch.Tensor, y: torch.Tensor
 
 # ---------------------------------------------------------------------------- options and registry
 def test_registered_with_paper_defaults_and_own_prompt():
-    from client.learner import LocalLearner
-    from client.methods import learner_class
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.registry import learner_class
 
-    assert METHODS["hepco"].strategy == "strategies.hepco:HePCoStrategy" and learner_class("hepco") is LocalLearner
+    assert METHODS["hepco"].strategy == "promptfcl.strategies.hepco.strategy:HePCoStrategy" and learner_class("hepco") is LocalLearner
     assert strategy_class("hepco").prompt_class is HePCoPrompt
     o = HePCoOptions()
     assert (o.noise_dim, o.label_embed_dim, o.hidden) == (64, 64, [256, 1024])
@@ -622,7 +622,7 @@ def test_simulation_end_to_end(tmp_path):
 
 # ---------------------------------------------------------------------------- asynchronous arrival
 def test_async_latents_follow_the_replies_and_each_client_teaches_its_own_task():
-    from strategies.hepco import TaskTeachers, draw_labels, group_generator_losses
+    from promptfcl.strategies.hepco.strategy import TaskTeachers, draw_labels, group_generator_losses
 
     sc = Scenario(make_strategy(), clients=4)
     cpu = torch.device("cpu")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from common.config import ConfigError
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.hgp import (
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.hgp.strategy import (
     STATS,
     HGPOptions,
     HGPPrompt,
@@ -329,8 +329,8 @@ def test_state_dict_restores_every_mixture():
 
 # ---------------------------------------------------------------------------- client and end to end
 def test_learner_uploads_the_statistics_of_its_prompted_features():
-    from client.hgp import HGPLearner
-    from common.runtime import get_runtime
+    from promptfcl.strategies.hgp.learner import HGPLearner
+    from promptfcl.common.runtime import get_runtime
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag"})
     rt = get_runtime(cfg, HGPPrompt)
@@ -350,9 +350,9 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
 def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     """augment = crop-flip: hgp.stats-augment takes each image through one augmented view (q(x) on
     the view); stats-augment = false, or augment = none, uses the stored images."""
-    from client.hgp import HGPLearner
-    from common.data import augment_images
-    from common.runtime import get_runtime
+    from promptfcl.strategies.hgp.learner import HGPLearner
+    from promptfcl.common.data import augment_images
+    from promptfcl.common.runtime import get_runtime
 
     index = None
     feats = {}

@@ -9,13 +9,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from client.learner import LocalLearner
-from client.powder import PowderLearner, classic_distillation, dual_distillation, sample_weights
-from common.config import ConfigError
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.powder import (
+from promptfcl.common.learner import LocalLearner
+from promptfcl.strategies.powder.learner import PowderLearner, classic_distillation, dual_distillation, sample_weights
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
+from promptfcl.strategies.powder.strategy import (
     ALPHA,
     CLASS_CORR,
     LOCAL_TASKS,

@@ -127,7 +127,7 @@ def test_no_gpu_share_hides_the_gpu_and_results_match(cluster, fedavg_run, tmp_p
 
 def test_gpu_share_on_a_cluster_without_gpus_is_refused_before_training(tmp_path):
     """A local Ray on this GPU-less machine: asking for a GPU share stops with a clear error."""
-    args = [sys.executable, "-m", "server.cli", "simulate", "--out", str(tmp_path), "--set", "weights=\"random\"",
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--out", str(tmp_path), "--set", "weights=\"random\"",
             "--set", "client-gpus=0.5"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import ConfigError
-from server import checkpoint
+from promptfcl.common.config import ConfigError
+from promptfcl.server import checkpoint
 from tests.conftest import TINY, tiny_config
 from tests.helpers import make_ckpt, simulate
 
@@ -23,7 +23,7 @@ SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round":
 
 
 def cli_args(out: Path, **overrides) -> list[str]:
-    args = [sys.executable, "-m", "server.cli", "simulate", "--out", str(out)]
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--out", str(out)]
     for key, value in {**SETTINGS, **overrides}.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     return args
@@ -153,7 +153,7 @@ def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
     # a plain re-run must not clobber the unfinished one
     again = subprocess.run(cli_args(out), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "unfinished run" in again.stderr
-    resumed = subprocess.run([sys.executable, "-m", "server.cli", "resume", str(out)],
+    resumed = subprocess.run([sys.executable, "-m", "promptfcl.server.cli", "resume", str(out)],
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -65,10 +65,10 @@ def test_same_seed_same_result(fedavg_run, tmp_path):
 
 def test_bad_config_fails_before_training(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "simulate", "--set", "num-tasks=3", "--set", "pool-size=4",
+        [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--set", "num-tasks=3", "--set", "pool-size=4",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "pool-size" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", "--strategy", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown strategy 'nope'" in proc.stderr

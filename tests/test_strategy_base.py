@@ -7,9 +7,9 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.base import weighted_average
-from strategies.fedavg import FedAvgPrompt
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import weighted_average
+from promptfcl.strategies.fedavg.strategy import FedAvgPrompt
 from tests.conftest import reply_from, tiny_config
 from tests.helpers import NodeList
 
@@ -82,7 +82,7 @@ def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from common.model import build_model
+    from promptfcl.common.model import build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
     model, _ = build_model(cfg, 10)
@@ -102,7 +102,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task_in_flight, task 1's slice
     and head rows are the mean of the two ahead clients' values (not diluted by the two others'
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
-    from common.data import task_rows
+    from promptfcl.common.data import task_rows
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})

@@ -14,9 +14,9 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig, read_config
-from common.privacy import NAMESPACE as DP_NAMESPACE
-from common.privacy import PrivacyOptions
+from promptfcl.common.config import ConfigError, ExperimentConfig, read_config
+from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
+from promptfcl.common.privacy import PrivacyOptions
 
 
 
@@ -32,12 +32,12 @@ class Method:
 
 #: every method, by the name ``strategy = "<name>"`` selects
 METHODS: dict[str, Method] = {
-    "fedavg": Method("strategies.fedavg:FedAvgPrompt", "client.learner:LocalLearner"),
-    "fppl": Method("strategies.fppl:FPPLStrategy", "client.fppl:FPPLLearner"),
-    "hgp": Method("strategies.hgp:HGPStrategy", "client.hgp:HGPLearner"),
-    "hepco": Method("strategies.hepco:HePCoStrategy", "client.learner:LocalLearner"),
-    "fedcprompt": Method("strategies.fedcprompt:FedCPromptStrategy", "client.fedcprompt:FedCPromptLearner"),
-    "powder": Method("strategies.powder:PowderStrategy", "client.powder:PowderLearner"),
+    "fedavg": Method("promptfcl.strategies.fedavg.strategy:FedAvgPrompt", "promptfcl.common.learner:LocalLearner"),
+    "fppl": Method("promptfcl.strategies.fppl.strategy:FPPLStrategy", "promptfcl.strategies.fppl.learner:FPPLLearner"),
+    "hgp": Method("promptfcl.strategies.hgp.strategy:HGPStrategy", "promptfcl.strategies.hgp.learner:HGPLearner"),
+    "hepco": Method("promptfcl.strategies.hepco.strategy:HePCoStrategy", "promptfcl.common.learner:LocalLearner"),
+    "fedcprompt": Method("promptfcl.strategies.fedcprompt.strategy:FedCPromptStrategy", "promptfcl.strategies.fedcprompt.learner:FedCPromptLearner"),
+    "powder": Method("promptfcl.strategies.powder.strategy:PowderStrategy", "promptfcl.strategies.powder.learner:PowderLearner"),
 }
 
 
@@ -96,7 +96,7 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
 
 def app_config_tables() -> str:
     """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
-    from common.config import toml_value
+    from promptfcl.common.config import toml_value
 
     blocks = []
     for namespace, options in namespaced_defaults().items():
@@ -110,7 +110,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
     as it can be before anything is loaded: every key and value, the method, every method
     option, the task schedule, differential privacy and the dataset's name."""
-    from common.data import check_source
+    from promptfcl.common.data import check_source
 
     cfg = read_config(config_file, overrides, strategy, out)
     check_method(cfg.strategy)

@@ -32,10 +32,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.model import CodaPrompt
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy, aggregate_per_task
+from promptfcl.common.config import ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.model import CodaPrompt
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import PromptStrategy, aggregate_per_task
 
 log = logging.getLogger("promptfcl")
 

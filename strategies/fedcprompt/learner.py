@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
-from client.learner import Batch, LocalLearner
-from common.records import CONFIG
-from common.runtime import Runtime
-from strategies.fedcprompt import KNOWN_TASKS, FedCPromptOptions, FedCPromptPrompt
+from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.records import CONFIG
+from promptfcl.common.runtime import Runtime
+from promptfcl.strategies.fedcprompt.strategy import KNOWN_TASKS, FedCPromptOptions, FedCPromptPrompt
 
 
 def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,

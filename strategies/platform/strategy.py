@@ -28,14 +28,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from common.config import ConfigError, ExperimentConfig
-from common.data import task_rows
-from common.model import CodaPrompt
-from common.privacy import PrivateRecord, check_privacy
-from common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS,
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.data import task_rows
+from promptfcl.common.model import CodaPrompt
+from promptfcl.common.privacy import PrivateRecord, check_privacy
+from promptfcl.common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS,
                             from_array_record, payload_bytes, to_array_record)
-from common.schedule import task_schedule
-from strategies.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
+from promptfcl.common.schedule import task_schedule
+from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, capped_weights, check_metrics, combine, norm_outliers, update_norm
 
 log = logging.getLogger("promptfcl")
 

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from client.learner import Batch, LocalLearner
-from common.data import client_indices, head_rows, head_size, task_rows
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
-from common.runtime import Runtime
-from strategies.powder import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
+from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.data import client_indices, head_rows, head_size, task_rows
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import Runtime
+from promptfcl.strategies.powder.strategy import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
                                PowderPrompt)
 
 

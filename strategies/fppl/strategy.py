@@ -34,12 +34,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from torch import nn
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_classes
-from common.model import CodaPrompt
-from common.privacy import PrivateRecord
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy, method_records
+from promptfcl.common.config import ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.data import task_classes
+from promptfcl.common.model import CodaPrompt
+from promptfcl.common.privacy import PrivateRecord
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import PromptStrategy, method_records
 
 log = logging.getLogger("promptfcl")
 

@@ -53,12 +53,12 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import seen_classes, task_classes
-from common.model import CodaPrompt
-from common.privacy import PrivateRecord
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy
+from promptfcl.common.config import ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.data import seen_classes, task_classes
+from promptfcl.common.model import CodaPrompt
+from promptfcl.common.privacy import PrivateRecord
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import PromptStrategy
 
 log = logging.getLogger("promptfcl")
 

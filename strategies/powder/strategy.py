@@ -66,12 +66,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_classes, task_rows
-from common.model import CodaPrompt
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.base import PromptStrategy, aggregate_per_task
-from strategies.replies import MetricSpec, check_metrics
+from promptfcl.common.config import ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.data import task_classes, task_rows
+from promptfcl.common.model import CodaPrompt
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import PromptStrategy, aggregate_per_task
+from promptfcl.strategies.platform.replies import MetricSpec, check_metrics
 
 #: the metrics record of a reply to the measuring exchange (client/powder.py)
 MEASURE_METRICS = {"num-examples": MetricSpec(int, low=0)}

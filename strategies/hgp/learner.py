@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from client.learner import LocalLearner
-from common.privacy import clip_rows, privacy_options
-from common.runtime import Runtime
-from strategies.hgp import STATS, HGPOptions, class_statistics
+from promptfcl.common.learner import LocalLearner
+from promptfcl.common.privacy import clip_rows, privacy_options
+from promptfcl.common.runtime import Runtime
+from promptfcl.strategies.hgp.strategy import STATS, HGPOptions, class_statistics
 
 
 class HGPLearner(LocalLearner):

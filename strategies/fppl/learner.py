@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from client.learner import Batch, LocalLearner
-from common.data import task_classes
-from common.records import CONFIG, to_array_record
-from common.runtime import Runtime
-from strategies.fppl import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt
+from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.data import task_classes
+from promptfcl.common.records import CONFIG, to_array_record
+from promptfcl.common.runtime import Runtime
+from promptfcl.strategies.fppl.strategy import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt
 
 
 # ---------------------------------------------------------------------------- losses

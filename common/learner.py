@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from common.data import augment_images, client_indices, head_rows, head_size, head_targets, training_classes
-from common.model import masked_logits
-from common.records import ARRAYS, METRICS, to_array_record, to_torch
-from common.runtime import Runtime
+from promptfcl.common.data import augment_images, client_indices, head_rows, head_size, head_targets, training_classes
+from promptfcl.common.model import masked_logits
+from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
+from promptfcl.common.runtime import Runtime
 
 log = logging.getLogger("promptfcl")
 

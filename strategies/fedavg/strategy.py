@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strategies.base import PromptStrategy
+from promptfcl.strategies.platform.strategy import PromptStrategy
 
 
 class FedAvgPrompt(PromptStrategy):

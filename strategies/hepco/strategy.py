@@ -49,11 +49,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from torch import nn
 
-from common.config import ConfigError, ExperimentConfig, MethodOptions
-from common.data import task_classes
-from common.model import CodaPrompt, resolve_device
-from common.records import ARRAYS, from_array_record, to_array_record
-from strategies.base import PromptStrategy
+from promptfcl.common.config import ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.data import task_classes
+from promptfcl.common.model import CodaPrompt, resolve_device
+from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
+from promptfcl.strategies.platform.strategy import PromptStrategy
 
 log = logging.getLogger("promptfcl")
 
@@ -669,7 +669,7 @@ class RealDataProbe:
     """
 
     def __init__(self, cfg: ExperimentConfig, per_class: int) -> None:
-        from common.runtime import get_runtime
+        from promptfcl.common.runtime import get_runtime
 
         self.rt = get_runtime(cfg, HePCoPrompt)  # the server's central evaluation runtime (cached)
         self.cfg, self.per_class = cfg, per_class
@@ -688,7 +688,7 @@ class RealDataProbe:
     def features(self, state: dict[str, np.ndarray], index: np.ndarray, task: int,
                  batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """(q(x), f(x)) of training images ``index`` under the prompts of ``state`` (float32, CPU)."""
-        from common.records import to_torch
+        from promptfcl.common.records import to_torch
 
         rt, model = self.rt, self.rt.model
         model.load_trainable_state(to_torch(to_array_record(state)))

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from common.config import AGGREGATIONS
-from common.startup import PHASES, metric_name
+from promptfcl.common.config import AGGREGATIONS
+from promptfcl.common.startup import PHASES, metric_name
 
 
 @dataclass(frozen=True)
