@@ -36,7 +36,7 @@ from promptfcl.common.evaluation import correct_counts, pooled_counts
 from promptfcl.common.privacy import privacy_options, privatise_reply
 from promptfcl.common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
 from promptfcl.common.runtime import Runtime, get_runtime
-from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
+from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -58,7 +58,7 @@ def train(msg: Message, context: Context) -> Message:
     evaluated = time.perf_counter()
     evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    learner = build_learner(cfg, runtime)
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
@@ -112,7 +112,7 @@ def query(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     check_same_config(cfg, config)
     runtime, client_id = client_runtime(cfg, context, config)
-    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    learner = build_learner(cfg, runtime)
     task, round_, client_id = assignment(cfg, config, client_id)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 

@@ -15,7 +15,6 @@ import functools
 import gzip
 import hashlib
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,7 +200,6 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySpl
 
 def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
     """``root/<class>/*.png`` (split by test-fraction) or ``root/{train,test}/<class>/*``."""
-    from PIL import Image, UnidentifiedImageError
 
     root = Path(path).expanduser()
     if not root.is_dir():

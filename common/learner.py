@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.data import augment_images, client_indices, head_rows, head_size, head_targets, training_classes
 from promptfcl.common.model import masked_logits
+from promptfcl.common.options import MethodOptions, NoOptions
 from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
 from promptfcl.common.runtime import Runtime
 
@@ -53,14 +54,19 @@ class LocalLearner:
     ----------
     runtime : Runtime
         Data, model, device and query cache of this process.
-    options : dict
-        Method options (``<strategy>.*`` keys of the run config, prefix removed).
+    options : MethodOptions or mapping, optional
+        The method's options, parsed (a mapping of ``<method>.*`` keys, prefix removed, is
+        parsed with ``options_class``; None: the defaults).
     """
 
-    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+    #: the method's options dataclass (the same as its strategy's)
+    options_class: type[MethodOptions] = NoOptions
+
+    def __init__(self, runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None) -> None:
         self.rt = runtime
         self.cfg = runtime.cfg
-        self.options = options or {}
+        self.opts: Any = options if isinstance(options, MethodOptions) else \
+            self.options_class.from_options(options or {})
         self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
 
     # ------------------------------------------------------------------ hooks

@@ -59,7 +59,8 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig, MethodOptions
+from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig
+from promptfcl.common.options import MethodOptions
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE

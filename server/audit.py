@@ -359,7 +359,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from promptfcl.strategies.registry import strategy_class
+    from promptfcl.strategies.registry import build_strategy, strategy_class
     from promptfcl.common.data import task_classes
     from promptfcl.common.runtime import get_runtime
     from promptfcl.common.weights import check_weights
@@ -382,7 +382,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     method = strategy_class(cfg.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
-    strategy = method(cfg, rt.data.num_classes, cfg.method_options(cfg.strategy))
+    strategy = build_strategy(cfg, rt.data.num_classes)
     try:
         strategy.load_state_dict(ckpt.strategy_state)
         rt.model.load_trainable_state({k: torch.from_numpy(np.array(v, copy=True)) for k, v in ckpt.arrays.items()})

@@ -210,7 +210,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
 def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000),
          methods: tuple[str, ...] = ()) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-    from promptfcl.strategies.registry import METHODS
+    from promptfcl.strategies.registry import methods as registered
 
     import torch
 
@@ -242,7 +242,7 @@ def perf(out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10
     log.info("bytes per round per method ...")
     vit_bytes = 4 * VIT_B16_PARAMETERS
     report["bytes"] = {}
-    for name in methods or tuple(sorted(METHODS)):
+    for name in methods or tuple(sorted(registered())):
         settings = {**base, "num-tasks": 2, "rounds-per-task": 1, "local-epochs": 1}
         results = run_simulation_subprocess(settings, out_dir / f"bytes-{name}", strategy=name)
         comm = results["communication"]

@@ -24,7 +24,7 @@ from typing import Any
 from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
 from promptfcl.common.data import DataError
 from promptfcl.common.weights import check_weights
-from promptfcl.strategies.registry import METHODS, check_method, load_config, strategy_class
+from promptfcl.strategies.registry import check_method, load_config, methods, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run an experiment in Flower's Ray simulation")
-    sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(METHODS))}")
+    sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(methods()))}")
     sim.add_argument("--config", help="TOML file of run-config keys (e.g. configs/*.toml)")
     sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     sim.add_argument("--out", help="output directory (default: out-dir of the config)")
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     if args.command == "strategies":
-        print("\n".join(sorted(METHODS)))
+        print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
         from promptfcl.server.report import table
@@ -245,13 +245,13 @@ def _bench(args: argparse.Namespace) -> int:
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
-        methods = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else
-                   [m for m in args.methods.split(",") if m] or sorted(METHODS))
-        for m in methods:  # every method (variant) must fit the configuration before any run starts
+        chosen = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else
+                  [m for m in args.methods.split(",") if m] or sorted(methods()))
+        for m in chosen:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
             check_method(name)
             method_cfg = ExperimentConfig.from_dict({**base, **options})
-            strategy_class(name).check_options(method_cfg.method_options(name))
+            strategy_class(name).parse_options(method_cfg.method_options(name))
             strategy_class(name).check_privacy(method_cfg)
             if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
                 strategy_class(name).check_schedule(method_cfg)
@@ -273,14 +273,14 @@ def _bench(args: argparse.Namespace) -> int:
                              [int(v) for v in args.seeds.split(",")], args.share)
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
-            bench.perf(Path(args.out), base, populations=pops, methods=tuple(methods))
+            bench.perf(Path(args.out), base, populations=pops, methods=tuple(chosen))
         else:
             settings = [_parse_setting(s) for s in args.settings.split(",") if s]
             seeds = [int(v) for v in args.seeds.split(",")]
             upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
             if base.get("task-generator") == "random" and settings != [{}]:  # the partition plays no part
                 raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
-            bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=upper_bound)
+            bench.compare(Path(args.out), base, chosen, seeds, settings, upper_bound=upper_bound)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

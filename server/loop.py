@@ -28,7 +28,7 @@ from promptfcl.common.records import (ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION,
 from promptfcl.common.model import initial_trainable_state
 from promptfcl.common.runtime import Runtime, get_runtime
 from promptfcl.server import checkpoint
-from promptfcl.strategies.registry import strategy_class
+from promptfcl.strategies.registry import build_strategy, strategy_class
 from promptfcl.strategies.platform.strategy import PromptStrategy
 from promptfcl.strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
 
@@ -283,7 +283,7 @@ def check_eval_metrics(m: MetricRecord, task: int, strategy: PromptStrategy,
     if strategy.cfg.population == "nodes":
         # random tasks share classes, so a held-out image counts once per task holding its class
         held_out = int(t.max()) if strategy.cfg.task_generator == "random" else int(t.sum())
-        reason = strategy.check_declared_sizes(node, m, test_total=held_out)
+        reason = strategy.bounds.check_declared(node, m, test_total=held_out)
         if reason is not None:
             return reason
     return c, t
@@ -315,7 +315,7 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
         # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
         log.info("federated evaluation: %d classes in %d tasks; the nodes hold the data and the backbone",
                  cfg.num_classes, cfg.num_tasks)
-        strategy: PromptStrategy = method(cfg, cfg.num_classes, cfg.method_options(cfg.strategy))
+        strategy: PromptStrategy = build_strategy(cfg, cfg.num_classes)
         evaluate = FederatedEvaluator(grid, strategy)
         arrays = to_array_record(initial_trainable_state(cfg, method.prompt_class))
     else:
@@ -326,11 +326,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
                  data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
         if cfg.num_classes and cfg.num_classes != data.num_classes:
             raise ConfigError(f"num-classes = {cfg.num_classes} but {data.name} has {data.num_classes} classes")
-        strategy = method(cfg, data.num_classes, cfg.method_options(cfg.strategy))
+        strategy = build_strategy(cfg, data.num_classes)
         if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
-            strategy.max_examples = len(data.train)
+            strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
-            strategy.examples_of = lambda client, task, round_: len(
+            strategy.bounds.examples_of = lambda client, task, round_: len(
                 client_indices(labels, cfg, data.num_classes, client, task, round_))
         evaluate = CentralEvaluator(runtime, strategy)
         arrays = to_array_record(runtime.model.trainable_state())
@@ -573,7 +573,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         server_seconds += (t1 - t0 - waited) + (t3 - t2)
         round_seconds += t3 - t0
         # only accepted replies' metrics are read: they have passed the checks of every field
-        used = [m.content[METRICS] for m in strategy.accepted_messages] if new_arrays is not None else []
+        used = [m.content[METRICS] for m in [a.reply for a in strategy.accepted]] if new_arrays is not None else []
         client_secs += [float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
@@ -594,7 +594,7 @@ def run_round(grid: Grid, strategy: PromptStrategy, evaluate: CentralEvaluator |
         if new_arrays is not None:
             break
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
-                    len(strategy.accepted_messages), len(messages),
+                    len([a.reply for a in strategy.accepted]), len(messages),
                     "; retrying with fresh clients" if attempt < cfg.round_retries else "")
     else:
         raise RoundFailed(

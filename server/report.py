@@ -67,7 +67,7 @@ def table(results: dict[str, Any]) -> str:
     for i, row in enumerate(acc):
         cells = ["" if v is None else f"{v:.1f}" for v in row]
         rows.append(f"| T{i + 1} | " + " | ".join(cells) + " |")
-    rows.append(f"| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"] or []) + " |")
+    rows.append("| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"] or []) + " |")
     comm, timing = results["communication"], results["timing"]
     cfg = results["config"]
     rows += [

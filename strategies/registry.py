@@ -1,60 +1,101 @@
-"""Methods, found by name from the run configuration (``strategy = "<name>"``): the one
-registry.
+"""Methods, found by name from the run configuration (``strategy = "<name>"``): the one registry.
 
-A method is one module in ``strategies/`` (its server strategy, its options, its prompt
-module and the record keys both sides use) plus, when local learning changes, a learner
-in ``client/<name>.py``. ``METHODS`` below lists both halves of every method; it lives in
-the client layer because it names client classes, and the strategies never do.
-Configurations are loaded here too: checking one needs the method's options.
+A method is one folder: a package whose ``__init__.py`` defines ``METHOD``, a :class:`Method`
+naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills the platform's
+hooks) and its learner (the client's side, a ``LocalLearner`` subclass), both relative to the
+package; the folder holds everything else of the method (options, prompt module, records,
+losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a method; so is
+every package another distribution registers under the entry-point group
+``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository.
+Both halves are imported on first use: a client process loads only its own method.
+
+Configurations are loaded here too: checking one needs the methods' options.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass
+import importlib.metadata
+import pkgutil
+from dataclasses import dataclass, replace
 from typing import Any
 
 from promptfcl.common.config import ConfigError, ExperimentConfig, read_config
 from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
 from promptfcl.common.privacy import PrivacyOptions
 
+ENTRY_POINTS = "promptfcl.methods"
 
 
 @dataclass(frozen=True)
 class Method:
-    """Where a method's two halves live, as ``"module:Class"`` (imported on first use, so a
-    client process loads only its own method). Its prompt module is the strategy's
-    ``prompt_class`` (the server builds the model from it too)."""
+    """A method by name, and where its two halves live (``".module:Class"``, relative to ``package``)."""
 
-    strategy: str  # a strategies.base.PromptStrategy subclass: the server's side
-    learner: str  # a client.learner.LocalLearner subclass (or itself): local learning
+    name: str
+    strategy: str  # a PromptStrategy subclass: the server's side
+    learner: str  # a LocalLearner subclass: local learning
+    package: str = ""  # the method's package (set by discovery)
 
-
-#: every method, by the name ``strategy = "<name>"`` selects
-METHODS: dict[str, Method] = {
-    "fedavg": Method("promptfcl.strategies.fedavg.strategy:FedAvgPrompt", "promptfcl.common.learner:LocalLearner"),
-    "fppl": Method("promptfcl.strategies.fppl.strategy:FPPLStrategy", "promptfcl.strategies.fppl.learner:FPPLLearner"),
-    "hgp": Method("promptfcl.strategies.hgp.strategy:HGPStrategy", "promptfcl.strategies.hgp.learner:HGPLearner"),
-    "hepco": Method("promptfcl.strategies.hepco.strategy:HePCoStrategy", "promptfcl.common.learner:LocalLearner"),
-    "fedcprompt": Method("promptfcl.strategies.fedcprompt.strategy:FedCPromptStrategy", "promptfcl.strategies.fedcprompt.learner:FedCPromptLearner"),
-    "powder": Method("promptfcl.strategies.powder.strategy:PowderStrategy", "promptfcl.strategies.powder.learner:PowderLearner"),
-}
+    def load(self, which: str) -> Any:
+        """The strategy or learner class (``which``), imported on first use."""
+        module, attr = getattr(self, which).split(":")
+        return getattr(importlib.import_module(module, self.package or None), attr)
 
 
-def load_by_path(path: str) -> Any:
-    """The object a ``"module:attribute"`` string names (imported on first use)."""
-    module, attr = path.split(":")
-    return getattr(importlib.import_module(module), attr)
+@functools.cache
+def methods() -> dict[str, Method]:
+    """Every method: this package's folders, then entry points of other installed distributions."""
+    import promptfcl.strategies as here
+
+    found: dict[str, Method] = {}
+    packages = [f"{here.__name__}.{info.name}" for info in pkgutil.iter_modules(here.__path__) if info.ispkg]
+    packages += [ep.value.split(":")[0] for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)]
+    for package in packages:
+        spec = getattr(importlib.import_module(package), "METHOD", None)
+        if spec is None:
+            continue
+        if spec.name in found:
+            raise ConfigError(f"two methods are named {spec.name!r}: {found[spec.name].package} and {package}")
+        found[spec.name] = replace(spec, package=package)
+    return found
 
 
 def check_method(name: str) -> None:
-    if name not in METHODS:
-        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(METHODS))}")
+    if name not in methods():
+        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(methods()))}")
 
 
 def strategy_class(name: str) -> Any:
+    """The ``PromptStrategy`` subclass of method ``name``."""
     check_method(name)
-    return load_by_path(METHODS[name].strategy)
+    return methods()[name].load("strategy")
+
+
+def learner_class(name: str) -> Any:
+    """The ``LocalLearner`` subclass that trains method ``name`` on a client."""
+    check_method(name)
+    return methods()[name].load("learner")
+
+
+def prompt_class(name: str) -> Any:
+    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
+    return strategy_class(name).prompt_class
+
+
+def method_options(cfg: ExperimentConfig) -> Any:
+    """The run's method options, parsed once (ConfigError on unknown keys or bad values)."""
+    return strategy_class(cfg.strategy).parse_options(cfg.method_options(cfg.strategy))
+
+
+def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
+    """The run's server strategy, with its options parsed once."""
+    return strategy_class(cfg.strategy)(cfg, num_classes, method_options(cfg))
+
+
+def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
+    """The run's local learner on ``runtime``, with the method's options parsed once."""
+    return learner_class(cfg.strategy)(runtime, method_options(cfg))
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:
@@ -74,12 +115,12 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
         if namespace == DP_NAMESPACE:
             PrivacyOptions.from_options(options)
             continue
-        if namespace not in METHODS:
+        if namespace not in methods():
             example = next(iter(options))
             raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
-                              f"options are namespaced by method ({', '.join(sorted(METHODS))}) or "
+                              f"options are namespaced by method ({', '.join(sorted(methods()))}) or "
                               f"{DP_NAMESPACE!r} (differential privacy)")
-        strategy_class(namespace).check_options(options)
+        strategy_class(namespace).parse_options(options)
 
 
 def namespaced_defaults() -> dict[str, dict[str, Any]]:
@@ -87,10 +128,10 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
     options. pyproject.toml declares them as ``[tool.flwr.app.config.<namespace>]`` tables
     (:func:`app_config_tables`): Flower's run-config check refuses any key it does not declare."""
     out: dict[str, dict[str, Any]] = {DP_NAMESPACE: PrivacyOptions().to_dict()}
-    for name in sorted(METHODS):
-        options = strategy_class(name).options_class
-        if options is not None:
-            out[name] = options().to_dict()
+    for name in sorted(methods()):
+        defaults = strategy_class(name).options_class().to_dict()
+        if defaults:
+            out[name] = defaults
     return out
 
 
@@ -115,19 +156,8 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     cfg = read_config(config_file, overrides, strategy, out)
     check_method(cfg.strategy)
     check_namespaces(cfg.method)
-    strategy_class(cfg.strategy).check_options(cfg.method_options(cfg.strategy))
-    strategy_class(cfg.strategy).check_schedule(cfg)
-    strategy_class(cfg.strategy).check_privacy(cfg)
+    method = strategy_class(cfg.strategy)
+    method.check_schedule(cfg)
+    method.check_privacy(cfg)
     check_source(cfg)
     return cfg
-
-
-def learner_class(name: str) -> Any:
-    """The ``LocalLearner`` subclass that trains method ``name`` on a client."""
-    check_method(name)
-    return load_by_path(METHODS[name].learner)
-
-
-def prompt_class(name: str) -> Any:
-    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
-    return strategy_class(name).prompt_class

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.strategies.fppl.learner import FPPLLearner, local_prototypes, unified_representation_loss
+from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
 from promptfcl.common.config import ConfigError
 from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch

@@ -17,7 +17,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
+from promptfcl.common.records import ARRAYS, METRICS, PLACEMENT, from_array_record, to_array_record
 from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.registry import check_namespaces, strategy_class
 from promptfcl.strategies.platform.replies import capped_weights

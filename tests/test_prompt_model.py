@@ -1,6 +1,5 @@
 """The CODA-P prompt module and the prompted ViT: shapes, slices, freezing, orthogonality."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -17,7 +17,7 @@ import pytest
 from promptfcl.common.config import ConfigError
 from promptfcl.server import checkpoint
 from tests.conftest import TINY, tiny_config
-from tests.helpers import make_ckpt, simulate
+from tests.helpers import make_ckpt
 
 SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round": 3, "lr": 0.01}
 

@@ -1,11 +1,13 @@
-"""FedAvg-Prompt: CODA-P clients and sample-weighted averaging, the papers' common baseline."""
+"""FedAvg-Prompt's server: the platform's sample-weighted average, nothing more."""
 
 from __future__ import annotations
 
+from promptfcl.strategies.fedavg.options import FedAvgOptions
+from promptfcl.strategies.fedavg.prompt import FedAvgPrompt
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
 
-class FedAvgPrompt(PromptStrategy):
+class FedAvgStrategy(PromptStrategy):
     """FedAvg over CODA-P prompt components, keys, attention vectors and the head.
 
     Clients train their task's prompt slice and the head with cross-entropy over the
@@ -13,3 +15,5 @@ class FedAvgPrompt(PromptStrategy):
     """
 
     name = "fedavg"
+    prompt_class = FedAvgPrompt
+    options_class = FedAvgOptions

@@ -1,6 +1,6 @@
 """Fed-CPrompt's client: CODA-P with frozen past and future slices, CE + lambda * C2L.
 
-The shared loop (client/learner.py) trains the current task's slice and the head with
+The shared loop (common/learner.py) trains the current task's slice and the head with
 CE over the current task's classes; this learner
 
 * reads ``known-tasks`` from the server's message, so the prompt module uses every
@@ -29,7 +29,9 @@ from flwr.app import RecordDict
 from promptfcl.common.learner import Batch, LocalLearner
 from promptfcl.common.records import CONFIG
 from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.fedcprompt.strategy import KNOWN_TASKS, FedCPromptOptions, FedCPromptPrompt
+from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
+from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
+from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
 
 
 def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,
@@ -65,13 +67,14 @@ class FedCPromptLearner(LocalLearner):
     ----------
     runtime : Runtime
         Data, model (with :class:`FedCPromptPrompt`), device and query cache.
-    options : dict
-        ``fedcprompt.*`` options (prefix removed).
+    options : FedCPromptOptions
+        ``fedcprompt.*`` options.
     """
 
-    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+    options_class = FedCPromptOptions
+
+    def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)
-        self.opts = FedCPromptOptions.from_options(self.options)
         self.server_params: dict[str, torch.Tensor] = {}  # the incoming global trainable parameters
         self.previous: torch.Tensor | None = None  # P_s^m(r-1), flattened
         self.others: torch.Tensor | None = None  # P_s^i, i != m known, (n, V)

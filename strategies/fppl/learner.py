@@ -12,8 +12,8 @@ FPPL ("Federated Prototype-Augmented Prompt Learning", section IV-A/B):
 * after local training, the per-class mean features (local prototypes, eq. 3) are
   uploaded next to the prompts, the fusion layer and the head.
 
-The pieces both sides share (the prompt module :class:`FPPLPrompt`, the options
-:class:`FPPLOptions`, the record names) live in :mod:`strategies.fppl`, as every method's do.
+The pieces both sides share (the prompt module, the options, the record names) are this
+folder's ``prompt.py``, ``options.py`` and ``records.py``, as every method's are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from promptfcl.common.learner import Batch, LocalLearner
 from promptfcl.common.data import task_classes
 from promptfcl.common.records import CONFIG, to_array_record
 from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.fppl.strategy import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt
+from promptfcl.strategies.fppl.options import FPPLOptions
+from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 
 # ---------------------------------------------------------------------------- losses
@@ -100,9 +102,10 @@ class FPPLLearner(LocalLearner):
     (``round_start``) and returns the local prototypes (``round_end``).
     """
 
-    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+    options_class = FPPLOptions
+
+    def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)
-        self.opts = FPPLOptions.from_options(self.options)
         self.proto_classes: torch.Tensor | None = None
         self.proto_means: torch.Tensor | None = None
         self.client_id = -1

@@ -1,7 +1,7 @@
 """HGP's client: the shared local loop, then a generative prototype per local class.
 
 Local learning is the shared loop (CE over the current task's classes) with HGP's
-prompt module (keys only, normalised cosine weights; see strategies/hgp.py). After
+prompt module (keys only, normalised cosine weights; see prompt.py). After
 training, the client runs its local data through the prompted model once more and
 uploads, for every class it holds, the sample count, mean and covariance of the
 prompted pre-logit features as the ``class-stats`` record (paper section 3.2.2). With
@@ -14,7 +14,6 @@ bounds them (the client's train path then adds the noise, common/privacy.py).
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +21,9 @@ from flwr.app import ArrayRecord
 
 from promptfcl.common.learner import LocalLearner
 from promptfcl.common.privacy import clip_rows, privacy_options
-from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.hgp.strategy import STATS, HGPOptions, class_statistics
+from promptfcl.strategies.hgp.gaussians import class_statistics
+from promptfcl.strategies.hgp.options import HGPOptions
+from promptfcl.strategies.hgp.records import STATS
 
 
 class HGPLearner(LocalLearner):
@@ -33,13 +33,11 @@ class HGPLearner(LocalLearner):
     ----------
     runtime : Runtime
         Data, model, device and query cache of this process.
-    options : dict
-        ``hgp.*`` options (prefix removed); the covariance encoding is read here.
+    options : HGPOptions
+        ``hgp.*`` options; the covariance encoding is read here.
     """
 
-    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
-        super().__init__(runtime, options)
-        self.hgp = HGPOptions.from_options(self.options)
+    options_class = HGPOptions
 
     @torch.no_grad()
     def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +49,7 @@ class HGPLearner(LocalLearner):
         """
         rt, model = self.rt, self.rt.model
         model.eval()
-        augment = self.augmentation(0x57A75) if self.hgp.stats_augment else None
+        augment = self.augmentation(0x57A75) if self.opts.stats_augment else None
         queries = rt.queries("train", index) if augment is None else None
         feats = []
         for start in range(0, len(index), batch_size):
@@ -67,4 +65,4 @@ class HGPLearner(LocalLearner):
         dp = privacy_options(self.cfg)
         if dp.enabled:  # bounded features bound the statistics (HGPStrategy.private_records says how)
             features = torch.from_numpy(clip_rows(features.numpy(), dp.clip))
-        return {STATS: class_statistics(features, labels, self.hgp)}
+        return {STATS: class_statistics(features, labels, self.opts)}

@@ -35,8 +35,9 @@ from promptfcl.common.learner import Batch, LocalLearner
 from promptfcl.common.data import client_indices, head_rows, head_size, task_rows
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.powder.strategy import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS, PowderOptions,
-                               PowderPrompt)
+from promptfcl.strategies.powder.options import PowderOptions
+from promptfcl.strategies.powder.prompt import PowderPrompt
+from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -94,9 +95,10 @@ class PowderLearner(LocalLearner):
         ``powder.*`` options (prefix removed).
     """
 
-    def __init__(self, runtime: Runtime, options: dict[str, Any] | None = None) -> None:
+    options_class = PowderOptions
+
+    def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)
-        self.opts = PowderOptions.from_options(self.options)
         self.local_tasks: list[int] = []
         self.own_weights: dict[int, float] | None = None  # G_task[s, task] per local task s (None: not sent)
         self.measure = False
