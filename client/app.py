@@ -27,14 +27,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from promptfcl.client.faults import inject_faults
-from promptfcl.common.learner import read_task_round
 from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 from promptfcl.common import startup
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.evaluation import correct_counts, pooled_counts
+from promptfcl.common.learner import read_task_round
 from promptfcl.common.privacy import privacy_options, privatise_reply
-from promptfcl.common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
+from promptfcl.common.records import (
+    ARRAYS,
+    CONFIG,
+    EVALUATE_TASK,
+    EVALUATION,
+    METRICS,
+    PLACEMENT,
+    POOL_PREFIX,
+    to_torch,
+)
 from promptfcl.common.runtime import Runtime, get_runtime
 from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
 
@@ -182,7 +191,9 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
     method_prompt = prompt_class(cfg.strategy)
-    if cfg.device == "auto" and cfg.client_gpus_value == 0 and in_ray_actor():
+    if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
+        # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
+        # (Ray announces it will stop hiding them from such actors)
         cfg = cfg.replace(device="cpu")
     if cfg.population == "virtual":
         if not policy.data_from_run:
@@ -230,6 +241,11 @@ def report_process_cost(metrics: MetricRecord) -> None:
     metrics["process-seconds"] = process_age()
     for name, seconds in startup.take().items():
         metrics[startup.metric_name(name)] = seconds
+
+
+def ray_gpu_share() -> float:
+    """The share of a GPU Ray gave this actor (its assigned resources, set by the simulation's plan)."""
+    return float(sys.modules["ray"].get_runtime_context().get_assigned_resources().get("GPU", 0.0))
 
 
 def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:

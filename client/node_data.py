@@ -42,31 +42,32 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
-from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig
+from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
 from promptfcl.common.data import (
     IMAGE_EXTENSIONS,
-    read_class_folders,
     ArraySplit,
     DataError,
     Dataset,
-    ordered_dataset,
-    class_order,
     load_dataset,
     load_dataset_cached,
+    ordered_dataset,
+    read_class_folders,
 )
+from promptfcl.common.tasks import class_order
 
 log = logging.getLogger("promptfcl")
 
 NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id", *POLICY_KEYS)
 # Run-config keys that decide what a node's folder data decodes to.
-FOLDER_KEYS = ("seed", "test-fraction", "image-size", "class-names", "max-train-per-class", "max-test-per-class")
+FOLDER_KEYS = keys_of("node-folder")
 
 
 class NodeDataError(DataError):

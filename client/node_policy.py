@@ -65,7 +65,7 @@ class NodePolicy:
     data_from_run: bool = False
 
     @classmethod
-    def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodePolicy":
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
         limits = dict(LIMITS)
         for key in LIMITS:
             value = node_config.get(f"max-{key}")

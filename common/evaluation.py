@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from promptfcl.common.data import head_rows, head_size, seen_classes, task_classes
 from promptfcl.common.model import masked_logits
 from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, seen_classes, task_classes
 
 
 @torch.no_grad()
@@ -32,7 +32,9 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     data = getattr(rt.data, split)
     random_tasks = cfg.task_generator == "random"
     k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
-    seen = seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
+    seen = (
+        seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
+    )
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[seen] = True
     index = np.flatnonzero(np.isin(data.labels, seen))

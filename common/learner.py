@@ -19,19 +19,22 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.data import augment_images, client_indices, head_rows, head_size, head_targets, training_classes
+from promptfcl.common.augment import augment_images
 from promptfcl.common.model import masked_logits
 from promptfcl.common.options import MethodOptions, NoOptions
+from promptfcl.common.partitions import client_indices
 from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
 from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, head_targets, training_classes
 
 log = logging.getLogger("promptfcl")
 

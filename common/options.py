@@ -7,8 +7,9 @@ once (``PromptStrategy.parse_options``) into the object the strategy and the lea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from promptfcl.common.errors import ConfigError
 
@@ -66,6 +67,8 @@ class MethodOptions:
         values: dict[str, Any] = {}
         for key, raw in (options or {}).items():
             f = known.get(str(key)) or known.get(str(key).replace("_", "-"))
+            if f is None and not known:
+                raise ConfigError(f"{cls.prefix!r} takes no options, got {cls.prefix}.{key}")
             if f is None:
                 raise ConfigError(f"unknown option {cls.prefix}.{key}; known: "
                                   f"{', '.join(f'{cls.prefix}.{k}' for k in sorted(known))}")

@@ -33,7 +33,7 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     is discarded, only the backbone is kept.
     """
     from promptfcl.common.data import load_dataset
-    from promptfcl.common.model import build_backbone, PromptedViT, CodaPrompt
+    from promptfcl.common.model import CodaPrompt, PromptedViT, build_backbone
 
     # backbone-cache-disk off: the backbone is trained here, so it stays timm's own model
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",

@@ -53,8 +53,9 @@ precision attacks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
@@ -206,7 +207,8 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return float(accountant.get_epsilon(delta))
 
 
-def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_uploads: int | None = None) -> dict[str, Any]:
+def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int,
+                   most_uploads: int | None = None) -> dict[str, Any]:
     """results.json's ``privacy``: ``{"enabled": false}`` with DP off, else the guarantee so far."""
     if not opts.enabled:
         return {"enabled": False}
@@ -215,8 +217,9 @@ def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_up
         "epsilon": epsilon(opts.noise_multiplier, sample_rate, steps, opts.delta),
         # against an observer who knows which clients were sampled (the server, or anyone holding
         # the run's seed): no amplification, composed over the uploads of the most-sampled client
-        "epsilon_against_server": epsilon(opts.noise_multiplier, 1.0, steps if most_uploads is None else most_uploads,
-                                          opts.delta),
+        "epsilon_against_server": epsilon(
+            opts.noise_multiplier, 1.0, steps if most_uploads is None else most_uploads, opts.delta
+        ),
         "most_uploads_per_client": most_uploads,
         "delta": opts.delta,
         "mechanism": MECHANISM,
@@ -228,5 +231,17 @@ def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_up
     }
 
 
-__all__ = ["ACCOUNTANT", "MECHANISM", "NAMESPACE", "PrivacyOptions", "PrivateRecord", "check_privacy", "clip_rows",
-           "epsilon", "gaussian_mechanism", "privacy_options", "privacy_report", "privatise_reply"]
+__all__ = [
+    "ACCOUNTANT",
+    "MECHANISM",
+    "NAMESPACE",
+    "PrivacyOptions",
+    "PrivateRecord",
+    "check_privacy",
+    "clip_rows",
+    "epsilon",
+    "gaussian_mechanism",
+    "privacy_options",
+    "privacy_report",
+    "privatise_reply",
+]

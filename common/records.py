@@ -16,7 +16,7 @@ Record names used in every message (methods may add their own):
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config import ExperimentConfig, keys_of
 from promptfcl.common.data import ArraySplit, Dataset, load_dataset_cached
 from promptfcl.common.files import write_atomic
 from promptfcl.common.model import CodaPrompt, PromptedViT, build_model, resolve_device
@@ -220,7 +220,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
 
 
 # Keys that say where a node's data is, not what the model is.
-_DATA_LOCATION_KEYS = frozenset({"dataset", "data-dir", "centralised", "centralised-mode", "num-clients"})
+_DATA_LOCATION_KEYS = frozenset(keys_of("data-location"))
 
 
 def _same_model(rt: Runtime, cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> bool:

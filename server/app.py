@@ -9,8 +9,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.data import check_source
-from promptfcl.server.loop import finish, run_experiment
 from promptfcl.server.report import table, write_outputs
+from promptfcl.server.run import finish, run_experiment
 from promptfcl.strategies.registry import check_method, check_namespaces
 
 log = logging.getLogger("promptfcl")

@@ -1,15 +1,16 @@
 """``promptfcl`` command line.
 
-    promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
-    promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
-                                           build the offline backbone (cached; skipped if present)
-    promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
-    promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
-    promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
-    promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
-    promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter, median, trimmed mean)
-    promptfcl show DIR                     print the result table of a finished run
-    promptfcl strategies                   list the available methods
+promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
+promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
+                                       build the offline backbone (cached; skipped if present)
+promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
+promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
+promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
+promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
+promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter,
+                                       median, trimmed mean)
+promptfcl show DIR                     print the result table of a finished run
+promptfcl strategies                   list the available methods
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ log = logging.getLogger("promptfcl")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run an experiment in Flower's Ray simulation")
     sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(methods()))}")
     sim.add_argument("--config", help="TOML file of run-config keys (e.g. configs/*.toml)")
-    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    sim.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
     sim.add_argument("--out", help="output directory (default: out-dir of the config)")
     sim.add_argument("--supernodes", type=int, help="Flower nodes to start (default: clients per round)")
     sim.add_argument("--verbose", action="store_true", help="Flower's debug logging")
@@ -47,24 +52,37 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--force", action="store_true", help="rebuild even if a cached backbone exists")
     res = sub.add_parser("resume", help="continue a stopped run from the checkpoint in its output directory")
     res.add_argument("dir")
-    res.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="only keys that do not change results (round-timeout, threads, device, "
-                          "ray-address, client-cpus, client-gpus)")
+    res.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only keys that do not change results (round-timeout, threads, device, "
+        "ray-address, client-cpus, client-gpus)",
+    )
     res.add_argument("--supernodes", type=int)
     res.add_argument("--verbose", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks (they print figures)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    perf = bench_sub.add_parser("perf", help="client speed vs compute bound, per-round cost vs population, memory, bytes")
+    perf = bench_sub.add_parser(
+        "perf", help="client speed vs compute bound, per-round cost vs population, memory, bytes"
+    )
     perf.add_argument("--out", default="runs/bench-perf")
     perf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     perf.add_argument("--populations", default="10,100,1000")
     perf.add_argument("--methods", default="", help="comma-separated (default: all)")
-    dims = bench_sub.add_parser("paper-dims", help="one round of each paper configuration at the papers' model "
-                                                   "dimensions (random ViT-B/16 weights, stand-in data)")
+    dims = bench_sub.add_parser(
+        "paper-dims",
+        help="one round of each paper configuration at the papers' model "
+        "dimensions (random ViT-B/16 weights, stand-in data)",
+    )
     dims.add_argument("--out", default="runs/bench-paper-dims")
     dims.add_argument("--configs", default="configs/*.toml", help="glob of paper configurations")
-    dep = bench_sub.add_parser("deploy", help="a loopback deployment (deploy/ scripts) against the same "
-                                             "configuration simulated: round time and per-message start-up")
+    dep = bench_sub.add_parser(
+        "deploy",
+        help="a loopback deployment (deploy/ scripts) against the same "
+        "configuration simulated: round time and per-message start-up",
+    )
     dep.add_argument("--out", default="runs/bench-deploy")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     dep.add_argument("--nodes", type=int, default=3, help="SuperNodes (one client each)")
@@ -76,26 +94,40 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
-    cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + the centralised references "
-                                               "(incremental and joint) on identical splits")
+    cmp_ = bench_sub.add_parser(
+        "compare",
+        help="every method + FedAvg-Prompt + the centralised references (incremental and joint) on identical splits",
+    )
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    cmp_.add_argument("--methods", default="",
-                      help="comma-separated (default: all); NAME/key=value/... is a variant with those "
-                           "NAME.* options, e.g. powder/dual=false (an ablation)")
+    cmp_.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated (default: all); NAME/key=value/... is a variant with those "
+        "NAME.* options, e.g. powder/dual=false (an ablation)",
+    )
     cmp_.add_argument("--seeds", default="0,1,2")
-    cmp_.add_argument("--settings", default="dirichlet:0.5,dirichlet:0.1,quantity:1",
-                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k> (k classes per client), "
-                           "quantity-skew:<beta> (client sizes from Dir(beta), labels IID), iid, or default "
-                           "(as configured)")
-    cmp_.add_argument("--no-upper-bound", action="store_true",
-                      help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
-                           "(they ignore the partition: one run per seed each)")
+    cmp_.add_argument(
+        "--settings",
+        default="dirichlet:0.5,dirichlet:0.1,quantity:1",
+        help="heterogeneity levels: dirichlet:<beta>, quantity:<k> (k classes per client), "
+        "quantity-skew:<beta> (client sizes from Dir(beta), labels IID), iid, or default "
+        "(as configured)",
+    )
+    cmp_.add_argument(
+        "--no-upper-bound",
+        action="store_true",
+        help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
+        "(they ignore the partition: one run per seed each)",
+    )
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
-    aud = sub.add_parser("audit", help="privacy audit: invert what the server received into images, score them "
-                                       "against the clients' real images and against chance (audit.json, audit.png)")
+    aud = sub.add_parser(
+        "audit",
+        help="privacy audit: invert what the server received into images, score them "
+        "against the clients' real images and against chance (audit.json, audit.png)",
+    )
     aud.add_argument("--run", required=True, help="run directory with a checkpoint (--set keep-checkpoint=true)")
     aud.add_argument("--out", help="where audit.json and audit.png go (default: the run directory)")
     aud.add_argument("--steps", type=int, default=300, help="Adam steps per inversion")
@@ -196,8 +228,12 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
         saved_value = raw.pop(key, defaults[key])
         now = given.get(key, defaults[key])
         if saved_value != now:
-            log.info("resume: %s = %r (the checkpoint had %r; where to run comes from the command line "
-                     "or the defaults)", key, now, saved_value)
+            log.info(
+                "resume: %s = %r (the checkpoint had %r; where to run comes from the command line or the defaults)",
+                key,
+                now,
+                saved_value,
+            )
     raw.update(given)
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
@@ -216,8 +252,9 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     if cfg.resume:
         return
     if (out / checkpoint.FILENAME).exists() or (out / checkpoint.LEGACY_FILENAME).exists():
-        raise ConfigError(f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` "
-                          "or choose another --out")
+        raise ConfigError(
+            f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` or choose another --out"
+        )
     if (out / "results.json").exists():
         stamp = _time.strftime("%Y%m%d-%H%M%S", _time.localtime((out / "results.json").stat().st_mtime))
         archive = out / "previous" / stamp
@@ -245,8 +282,13 @@ def _bench(args: argparse.Namespace) -> int:
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
-        chosen = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else
-                  [m for m in args.methods.split(",") if m] or sorted(methods()))
+        chosen = (
+            [args.method]
+            if args.bench == "robustness"
+            else [base["strategy"]]
+            if args.bench == "deploy"
+            else [m for m in args.methods.split(",") if m] or sorted(methods())
+        )
         for m in chosen:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
             check_method(name)
@@ -267,10 +309,19 @@ def _bench(args: argparse.Namespace) -> int:
             defences = [d for d in args.defences.split(",") if d]
             bad = [a for a in attacks if a not in FAULTS or not a] + [d for d in defences if d not in bench.DEFENCES]
             if bad:
-                raise ConfigError(f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
-                                  f"defences: {', '.join(bench.DEFENCES)}")
-            bench.robustness(Path(args.out), base, args.method, attacks, defences,
-                             [int(v) for v in args.seeds.split(",")], args.share)
+                raise ConfigError(
+                    f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
+                    f"defences: {', '.join(bench.DEFENCES)}"
+                )
+            bench.robustness(
+                Path(args.out),
+                base,
+                args.method,
+                attacks,
+                defences,
+                [int(v) for v in args.seeds.split(",")],
+                args.share,
+            )
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
             bench.perf(Path(args.out), base, populations=pops, methods=tuple(chosen))
@@ -299,8 +350,10 @@ def _parse_setting(text: str) -> dict[str, Any]:
         return {"partition": "quantity-skew", "dirichlet-beta": float(value or 0.5)}
     if kind == "iid":
         return {"partition": "iid"}
-    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
-                      "quantity-skew:<beta>, iid or default")
+    raise ConfigError(
+        f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
+        "quantity-skew:<beta>, iid or default"
+    )
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -311,8 +364,14 @@ def _audit(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"error: --classes must be comma-separated integers, got {args.classes!r}", file=sys.stderr)
         return 2
-    settings = AuditSettings(steps=args.steps, lr=args.lr, tv_weight=args.tv_weight, distance=args.distance,
-                             seed=args.seed, max_real=args.max_real)
+    settings = AuditSettings(
+        steps=args.steps,
+        lr=args.lr,
+        tv_weight=args.tv_weight,
+        distance=args.distance,
+        seed=args.seed,
+        max_real=args.max_real,
+    )
     try:
         audit_run(args.run, settings, classes=classes, max_classes=args.max_classes, out=args.out)
     except (ConfigError, DataError) as exc:

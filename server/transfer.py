@@ -27,10 +27,10 @@ from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
 from promptfcl.common.evaluation import accuracies, correct_counts
 from promptfcl.common.files import write_atomic
 from promptfcl.common.model import CodaPrompt, initial_trainable_state
-from promptfcl.common.weights import cache_dir
 from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import get_runtime
 from promptfcl.common.schedule import RandomTaskSchedule
+from promptfcl.common.weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -46,7 +46,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     methods of one comparison train the reference once.
     """
     from promptfcl.common.learner import LocalLearner
-    from promptfcl.strategies.fedavg.strategy import FedAvgPrompt
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
     rt = get_runtime(cfg, CodaPrompt)
@@ -65,7 +65,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     learner = LocalLearner(rt)
     initial = to_array_record(initial_trainable_state(dataclasses.replace(cfg, num_classes=rt.data.num_classes),
                                                       CodaPrompt))
-    fresh = FedAvgPrompt(cfg, rt.data.num_classes)
+    fresh = FedAvgStrategy(cfg, rt.data.num_classes)
     per_task = cfg.pool_size // cfg.num_tasks
     out = np.full(cfg.num_tasks, np.nan)
     for task in range(cfg.num_tasks):

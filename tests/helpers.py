@@ -86,7 +86,7 @@ def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientAp
 
 
 class PushPullGrid:
-    """``push_messages`` / ``pull_messages`` (what the server loop calls, ``server.loop.send_and_receive``)
+    """``push_messages`` / ``pull_messages`` (what the server loop calls, ``server.messaging.send_and_receive``)
     for a test grid that answers a batch of messages at once in ``send_and_receive``."""
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
@@ -164,7 +164,7 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
                    dead: dict[int, str] | None = None,
                    node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
-    from promptfcl.server.loop import finish, run_experiment
+    from promptfcl.server.run import finish, run_experiment
     from promptfcl.server.report import write_outputs
 
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)

@@ -1,5 +1,5 @@
 """evaluate-with-train: a round's federated evaluation carried by the next round's train
-messages (server/loop.py ``CarriedEvaluation``). The accuracies must be exactly those of
+messages (server/evaluation.py ``CarriedEvaluation``). The accuracies must be exactly those of
 evaluate messages, training must not notice, and a node that drops or forges the carried
 counts costs only its own counts."""
 
@@ -21,7 +21,7 @@ NODES = (1001, 1002, 1003)
 
 def run_nodes(out: Path, apps: dict[int, ClientApp] | None = None, **overrides: Any) -> tuple[dict, InProcessGrid]:
     """A deployment-shaped run in this process: 3 nodes, each its own partition, federated evaluation."""
-    from promptfcl.server.loop import run_experiment
+    from promptfcl.server.run import run_experiment
 
     cfg = tiny_config(**{"population": "nodes", "evaluation": "federated", "num-classes": 10, "num-clients": 3,
                          "rounds-per-task": 3, "out-dir": str(out), **overrides})
@@ -142,7 +142,7 @@ class StopsAtTrainMessage(InProcessGrid):
 def test_a_round_awaiting_its_carried_evaluation_survives_a_restart(tmp_path, flower_identity):
     """The server stops while sending round 2: round 1's checkpoint still waits for its counts.
     Resumed, round 2's train messages carry them and every accuracy equals the unbroken run's."""
-    from promptfcl.server.loop import run_experiment
+    from promptfcl.server.run import run_experiment
 
     whole, _ = run_nodes(tmp_path / "whole", **{"clients-per-round": 3})
     out = tmp_path / "stopped"

@@ -49,7 +49,7 @@ def one_round(method: str):
     cls = strategy_class(method)
     rt = get_runtime(cfg, cls.prompt_class)
     strategy = cls(cfg, rt.data.num_classes, cfg.method_options(method))
-    strategy.max_examples = len(rt.data.train)
+    strategy.bounds.max_examples = len(rt.data.train)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
     grid = InProcessGrid(cfg, 3)
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0, "attempt": 0}), grid))

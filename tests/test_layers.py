@@ -131,10 +131,45 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 def test_every_method_has_a_strategy_and_a_learner():
     from promptfcl.common.learner import LocalLearner
-    from promptfcl.strategies.registry import METHODS, learner_class, prompt_class, strategy_class
     from promptfcl.common.model import CodaPrompt
     from promptfcl.strategies.platform.strategy import PromptStrategy
+    from promptfcl.strategies.registry import learner_class, methods, prompt_class, strategy_class
 
-    for name in METHODS:
+    assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
+    for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), CodaPrompt)
+        # strategy and learner read the same options
+        assert learner_class(name).options_class is strategy_class(name).options_class
+
+
+#: what every method folder holds, by the same names (extras beside them are the method's own)
+METHOD_FILES = {"__init__.py", "options.py", "prompt.py", "strategy.py", "learner.py"}
+
+
+def test_every_method_is_one_folder_laid_out_alike():
+    from promptfcl.strategies.registry import methods
+
+    for name, method in methods().items():
+        folder = ROOT / "strategies" / name
+        assert method.package == f"promptfcl.strategies.{name}" and folder.is_dir()
+        assert METHOD_FILES <= {p.name for p in folder.glob("*.py")}, name
+        assert (method.strategy, method.learner) == (".strategy:" + method.load("strategy").__name__,
+                                                     ".learner:" + method.load("learner").__name__)
+    # no method code outside its folder: client/ holds the ClientApp and the node's own rules only
+    assert {p.stem for p in (ROOT / "client").glob("*.py")} == {"__init__", "app", "faults", "node_data", "node_policy"}
+
+
+def test_no_method_overrides_the_platforms_contract():
+    """The platform owns configure/aggregate and the reply checks; a method that tries is refused."""
+    import pytest
+
+    from promptfcl.strategies.platform.strategy import SEALED, PromptStrategy
+    from promptfcl.strategies.registry import methods, strategy_class
+
+    for name in methods():
+        cls = strategy_class(name)
+        for klass in cls.__mro__[: cls.__mro__.index(PromptStrategy)]:
+            assert not SEALED & set(vars(klass)), (name, klass)
+    with pytest.raises(TypeError, match="overrides \\['aggregate_train'\\]"):
+        type("Rogue", (PromptStrategy,), {"aggregate_train": lambda self, *a: None})

@@ -8,7 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.data import client_indices, load_dataset, task_classes
+from promptfcl.common.data import load_dataset
+
+from promptfcl.common.partitions import client_indices
+
+from promptfcl.common.tasks import task_classes
 from promptfcl.server.cli import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -45,8 +45,12 @@ class FedCPromptOptions(MethodOptions):
 
         need(np.isfinite(self.gamma) and self.gamma > 0, f"gamma must be > 0, got {self.gamma}")
         need(np.isfinite(self.alpha) and self.alpha >= 0, f"alpha must be >= 0 (paper: [0, 1]), got {self.alpha}")
-        need(np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}")
+        need(
+            np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}"
+        )
         need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
         need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
-        need(self.c2l_first_task in C2L_FIRST_TASK,
-             f"c2l-first-task must be one of {C2L_FIRST_TASK}, got {self.c2l_first_task!r}")
+        need(
+            self.c2l_first_task in C2L_FIRST_TASK,
+            f"c2l-first-task must be one of {C2L_FIRST_TASK}, got {self.c2l_first_task!r}",
+        )

@@ -5,7 +5,7 @@ Clients run CODA-P (decomposed prompts, task slices of the pool). While a client
 task m it uses the server's slices of every *other known* task frozen -- past ones
 (1..m-1) and future ones (m+1..n, learnt by clients that are ahead) -- and trains its
 own slice and the head (eq. 2). Its loss is CE + lambda * C2L (eq. 3-4), see
-``client/fedcprompt.py``.
+``learner.py``.
 
 The server averages *per task slice*: for every task m trained this round, slice m of
 every prompt array (P, K, A of each prompted block) and the head rows of task m's

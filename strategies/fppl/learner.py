@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from flwr.app import RecordDict
 
 from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.data import task_classes
 from promptfcl.common.records import CONFIG, to_array_record
 from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import task_classes
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
@@ -65,7 +65,9 @@ def unified_representation_loss(
 
 
 @torch.no_grad()
-def local_prototypes(rt: Runtime, index: np.ndarray, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def local_prototypes(
+    rt: Runtime, index: np.ndarray, batch_size: int = 256
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class mean prompted feature over the training samples ``index`` (eq. 3).
 
     Uses the model as it is (call after training, with the task set); eval mode.
@@ -131,8 +133,9 @@ class FPPLLearner(LocalLearner):
         """ur-weight * L_ur (eq. 6), or None without global prototypes or with the loss switched off."""
         if not self.opts.unified_loss or self.proto_means is None:
             return None
-        loss = unified_representation_loss(batch.features, batch.labels, self.proto_classes,
-                                           self.proto_means, self.opts.temperature)
+        loss = unified_representation_loss(
+            batch.features, batch.labels, self.proto_classes, self.proto_means, self.opts.temperature
+        )
         return None if loss is None else self.opts.ur_weight * loss
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
@@ -141,12 +144,19 @@ class FPPLLearner(LocalLearner):
         The client id goes along so the server can keep the latest prototypes per client.
         """
         classes, means, counts = local_prototypes(self.rt, index)
-        return {LOCAL_PROTOTYPES: to_array_record({
-            "classes": classes, "means": means, "counts": counts,
-            "client": np.array([self.client_id], np.int64)})}
+        return {
+            LOCAL_PROTOTYPES: to_array_record(
+                {"classes": classes, "means": means, "counts": counts, "client": np.array([self.client_id], np.int64)}
+            )
+        }
 
 
 __all__ = [
-    "FPPLOptions", "FPPLPrompt", "FPPLLearner", "unified_representation_loss", "local_prototypes",
-    "LOCAL_PROTOTYPES", "GLOBAL_PROTOTYPES",
+    "FPPLOptions",
+    "FPPLPrompt",
+    "FPPLLearner",
+    "unified_representation_loss",
+    "local_prototypes",
+    "LOCAL_PROTOTYPES",
+    "GLOBAL_PROTOTYPES",
 ]

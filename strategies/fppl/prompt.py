@@ -37,7 +37,9 @@ class FPPLPrompt(CodaPrompt):
         self.task = 0
         for layer in self.layers:
             # Uniform in [-1, 1], as the authors' FedPrompt ("uniformly initialized", paper).
-            self.register_parameter(f"p{layer}", nn.Parameter(torch.empty(num_tasks, length, embed_dim).uniform_(-1, 1)))
+            self.register_parameter(
+                f"p{layer}", nn.Parameter(torch.empty(num_tasks, length, embed_dim).uniform_(-1, 1))
+            )
         bound = 1.0 / math.sqrt(embed_dim)  # CosineLinear's init
         self.fusion = nn.Parameter(torch.empty(num_tasks, embed_dim).uniform_(-bound, bound))
         self.fusion_scale = nn.Parameter(torch.ones(1))

@@ -31,7 +31,7 @@ class PrototypeSet:
         self.clients = np.asarray(self.clients, np.int64).reshape(-1)
 
     @classmethod
-    def empty(cls, dim: int = 0) -> "PrototypeSet":
+    def empty(cls, dim: int = 0) -> PrototypeSet:
         return cls(np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64))
 
     def __len__(self) -> int:
@@ -41,7 +41,7 @@ class PrototypeSet:
     def nbytes(self) -> int:
         return int(self.classes.nbytes + self.means.nbytes + self.clients.nbytes)
 
-    def concat(self, other: "PrototypeSet") -> "PrototypeSet":
+    def concat(self, other: PrototypeSet) -> PrototypeSet:
         if not len(self):
             return other
         if not len(other):
@@ -50,7 +50,7 @@ class PrototypeSet:
                             np.concatenate([self.means, other.means]),
                             np.concatenate([self.clients, other.clients]))
 
-    def replace_clients(self, newer: "PrototypeSet", classes_per_task: int | None = None) -> "PrototypeSet":
+    def replace_clients(self, newer: PrototypeSet, classes_per_task: int | None = None) -> PrototypeSet:
         """Keep only the newest prototypes of each client: drop ours of clients in ``newer``.
 
         With ``classes_per_task`` (the stream's tasks: task t owns classes [t k, (t+1) k)), only
@@ -65,7 +65,7 @@ class PrototypeSet:
             return self.clients
         return np.stack([self.clients, self.classes // classes_per_task], axis=1).view(np.dtype((np.void, 16))).ravel()
 
-    def select(self, mask: np.ndarray) -> "PrototypeSet":
+    def select(self, mask: np.ndarray) -> PrototypeSet:
         """The prototypes where ``mask`` is true, in order."""
         return PrototypeSet(self.classes[mask], self.means[mask], self.clients[mask])
 
@@ -80,7 +80,7 @@ class PrototypeSet:
         return {f"{prefix}_classes": self.classes, f"{prefix}_means": self.means, f"{prefix}_clients": self.clients}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], prefix: str) -> "PrototypeSet":
+    def from_state(cls, state: dict[str, Any], prefix: str) -> PrototypeSet:
         return cls(state[f"{prefix}_classes"], state[f"{prefix}_means"], state[f"{prefix}_clients"])
 
 

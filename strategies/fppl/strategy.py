@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.data import task_classes
 from promptfcl.common.privacy import PrivateRecord
-from promptfcl.common.records import ARRAYS, METRICS, to_array_record, from_array_record
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.tasks import task_classes
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
 from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head

@@ -95,8 +95,15 @@ class RealDataProbe:
             fs.append(f.float().cpu())
         return torch.cat(qs), torch.cat(fs)
 
-    def measure(self, provisional: dict[str, np.ndarray], distilled: dict[str, np.ndarray], task: int,
-                seen: np.ndarray, old: np.ndarray, latents: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    def measure(
+        self,
+        provisional: dict[str, np.ndarray],
+        distilled: dict[str, np.ndarray],
+        task: int,
+        seen: np.ndarray,
+        old: np.ndarray,
+        latents: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> dict[str, float]:
         """The metrics above; ``latents`` maps ``"old"`` / ``"new"`` to (pseudo-latents, labels)."""
         index = self.images(seen)
         y = torch.as_tensor(self.rt.data.train.labels[index])
@@ -125,8 +132,10 @@ class RealDataProbe:
         out["real-prompt-shift"] = float((f_dist - q).norm(dim=-1).mean() / (q - q.mean(0)).norm(dim=-1).mean())
 
         # Pseudo-latents against the real class means of both spaces.
-        means = {"query": torch.stack([q[y == c].mean(0) for c in seen]),
-                 "feature": torch.stack([f_dist[y == c].mean(0) for c in seen])}
+        means = {
+            "query": torch.stack([q[y == c].mean(0) for c in seen]),
+            "feature": torch.stack([f_dist[y == c].mean(0) for c in seen]),
+        }
         for name, (z, labels) in latents.items():
             z, labels = z.float().cpu(), labels.cpu()
             pos = torch.searchsorted(seen_t, labels)  # seen is ascending
@@ -136,6 +145,7 @@ class RealDataProbe:
                 classes = labels.unique()
                 z_mean = torch.stack([z[labels == c].mean(0) for c in classes])
                 out[f"latent-{space}-cos-{name}"] = float(
-                    F.cosine_similarity(z_mean, mu[torch.searchsorted(seen_t, classes)], dim=-1).mean())
+                    F.cosine_similarity(z_mean, mu[torch.searchsorted(seen_t, classes)], dim=-1).mean()
+                )
             out[f"latent-feature-norm-ratio-{name}"] = float(z.norm(dim=-1).mean() / f_dist.norm(dim=-1).mean())
         return out

@@ -5,8 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from promptfcl.strategies.hepco.latents import (LatentGenerator, LatentStudent, PromptGrams, Teachers, TaskTeachers,
-                                                draw_labels, task_groups)
+from promptfcl.strategies.hepco.latents import (
+    LatentGenerator,
+    LatentStudent,
+    PromptGrams,
+    TaskTeachers,
+    Teachers,
+    draw_labels,
+    task_groups,
+)
 from promptfcl.strategies.hepco.options import HePCoOptions
 
 

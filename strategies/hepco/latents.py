@@ -54,9 +54,11 @@ class Teachers:
 
     @classmethod
     def stack(cls, states: list[dict[str, np.ndarray]], layers: list[int], stop: int,
-              device: torch.device) -> "Teachers":
+              device: torch.device) -> Teachers:
         def cat(name: str, upto: int | None = None) -> torch.Tensor:
-            return torch.stack([torch.from_numpy(np.array(s[name][:upto], dtype=np.float32)) for s in states]).to(device)
+            return torch.stack([torch.from_numpy(np.array(s[name][:upto], dtype=np.float32)) for s in states]).to(
+                device
+            )
 
         return cls(
             keys={l: F.normalize(cat(f"prompt.k{l}", stop), dim=-1) for l in layers},
@@ -93,7 +95,7 @@ class TaskTeachers:
         return (labels >= self.classes[0]) & (labels <= self.classes[-1])
 
 
-def task_groups(classes: torch.Tensor, teachers: "Teachers | list[TaskTeachers]") -> list[TaskTeachers]:
+def task_groups(classes: torch.Tensor, teachers: Teachers | list[TaskTeachers]) -> list[TaskTeachers]:
     """``teachers`` as task groups: stacked teachers of one task (``classes``) make a single group."""
     return [TaskTeachers(classes, teachers, 1)] if isinstance(teachers, Teachers) else list(teachers)
 
@@ -105,8 +107,9 @@ def draw_labels(groups: list[TaskTeachers], n: int, rng: torch.Generator) -> tor
         classes = groups[0].classes
         return classes[torch.randint(len(classes), (n,), generator=rng, device=classes.device)]
     classes = torch.cat([g.classes for g in groups])
-    weights = torch.cat([torch.full((len(g.classes),), g.replies / len(g.classes), dtype=torch.float64)
-                         for g in groups]).to(classes.device)
+    weights = torch.cat(
+        [torch.full((len(g.classes),), g.replies / len(g.classes), dtype=torch.float64) for g in groups]
+    ).to(classes.device)
     return classes[torch.multinomial(weights, n, replacement=True, generator=rng)]
 
 
@@ -118,8 +121,7 @@ class LatentStudent(nn.Module):
     earlier tasks learnt through the prompts.
     """
 
-    def __init__(self, state: dict[str, np.ndarray], layers: list[int], trainable: slice,
-                 device: torch.device) -> None:
+    def __init__(self, state: dict[str, np.ndarray], layers: list[int], trainable: slice, device: torch.device) -> None:
         super().__init__()
         self.layers, self.trainable = list(layers), trainable
 
@@ -187,8 +189,13 @@ class PromptGrams:
             for l in self.layers:
                 fixed = self._flat(getattr(student, f"p_fixed{l}"))  # (M_f, LD)
                 p_c = self._flat(teachers.prompts[l])  # (C, M_c, LD)
-                c = {"p_c": p_c, "fixed": fixed, "g_ff": fixed @ fixed.T,
-                     "g_fc": torch.einsum("mx,cnx->cmn", fixed, p_c), "g_cc": torch.einsum("cmx,cnx->cmn", p_c, p_c)}
+                c = {
+                    "p_c": p_c,
+                    "fixed": fixed,
+                    "g_ff": fixed @ fixed.T,
+                    "g_fc": torch.einsum("mx,cnx->cmn", fixed, p_c),
+                    "g_cc": torch.einsum("cmx,cnx->cmn", p_c, p_c),
+                }
                 self.cache[l] = c
                 if not track_student:
                     c["g_ss"], c["g_sc"] = self._student_blocks(l)

@@ -137,14 +137,22 @@ class HePCoOptions(MethodOptions):
         try:
             hidden = self.hidden
         except ValueError:
-            raise ConfigError(f"hepco: generator-hidden must be comma-separated integers, got {self.generator_hidden!r}") from None
+            raise ConfigError("hepco: generator-hidden must be comma-separated integers, "
+                              f"got {self.generator_hidden!r}") from None
         need(len(hidden) >= 1 and all(h >= 1 for h in hidden), "generator-hidden needs at least one positive width")
         bad = self.ablated - set(ABLATIONS)
         need(not bad, f"unknown ablation(s) {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
-        need(self.averaging in ("uniform", "samples"), f"averaging must be 'uniform' or 'samples', got {self.averaging!r}")
-        need(self.old_prompt_mean in ("composite", "old"),
-             f"old-prompt-mean must be 'composite' or 'old', got {self.old_prompt_mean!r}")
-        need(self.distill_generator_mode in ("eval", "train"),
-             f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}")
+        need(
+            self.averaging in ("uniform", "samples"),
+            f"averaging must be 'uniform' or 'samples', got {self.averaging!r}",
+        )
+        need(
+            self.old_prompt_mean in ("composite", "old"),
+            f"old-prompt-mean must be 'composite' or 'old', got {self.old_prompt_mean!r}",
+        )
+        need(
+            self.distill_generator_mode in ("eval", "train"),
+            f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}",
+        )
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")

@@ -49,12 +49,12 @@ import torch
 from flwr.app import ArrayRecord
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.data import task_classes
 from promptfcl.common.model import resolve_device
 from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
+from promptfcl.common.tasks import task_classes
 from promptfcl.strategies.hepco.diagnostics import RealDataProbe, sample_latents, teacher_accuracy
 from promptfcl.strategies.hepco.distill import distill, train_generator
-from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, Teachers, TaskTeachers, task_groups
+from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
 from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
 from promptfcl.strategies.platform.rounds import Accepted

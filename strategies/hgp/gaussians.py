@@ -311,7 +311,8 @@ def sample_features(mixtures: list[ClassMixture], weights: torch.Tensor, n: int,
 
 # ---------------------------------------------------------------------------- rebalancing
 def rebalance_head(weight: torch.Tensor, bias: torch.Tensor, draw: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                   allowed: torch.Tensor, opts: HGPOptions, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                   allowed: torch.Tensor, opts: HGPOptions,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit the head to synthetic features by CE over the ``allowed`` (seen) classes (eq. 7).
 
     Parameters
@@ -340,8 +341,11 @@ def rebalance_head(weight: torch.Tensor, bias: torch.Tensor, draw: Callable[[int
     optimizer = torch.optim.SGD([w, b], lr=opts.rebalance_lr, momentum=opts.rebalance_momentum)
     feats, labels = draw(0)
     steps_per_epoch = math.ceil(len(labels) / opts.rebalance_batch_size)
-    scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=opts.rebalance_epochs * steps_per_epoch)
-                 if opts.rebalance_schedule == "cosine" else None)
+    scheduler = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=opts.rebalance_epochs * steps_per_epoch)
+        if opts.rebalance_schedule == "cosine"
+        else None
+    )
     for epoch in range(opts.rebalance_epochs):
         if epoch > 0 and opts.resample_each_epoch:
             feats, labels = draw(epoch)

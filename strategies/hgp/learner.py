@@ -14,7 +14,6 @@ bounds them (the client's train path then adds the noise, common/privacy.py).
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from flwr.app import ArrayRecord

@@ -50,12 +50,21 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.data import seen_classes, task_classes
 from promptfcl.common.privacy import PrivateRecord
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.strategies.hgp.gaussians import (FEATURE_BOUND, WIRE_ARRAYS, ClassMixture, _mixture_from_raw,
-                                                build_mixture, check_class_stats, class_weights, decode_class_stats,
-                                                rebalance_head, sample_features)
+from promptfcl.common.tasks import seen_classes, task_classes
+from promptfcl.strategies.hgp.gaussians import (
+    FEATURE_BOUND,
+    WIRE_ARRAYS,
+    ClassMixture,
+    _mixture_from_raw,
+    build_mixture,
+    check_class_stats,
+    class_weights,
+    decode_class_stats,
+    rebalance_head,
+    sample_features,
+)
 from promptfcl.strategies.hgp.options import HGPOptions
 from promptfcl.strategies.hgp.prompt import HGPPrompt
 from promptfcl.strategies.hgp.records import STATS
@@ -175,7 +184,8 @@ class HGPStrategy(PromptStrategy):
         mixtures = self.rebalance_mixtures(in_flight)
         if not mixtures:
             return arrays
-        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, server_round, 0x46B]).integers(2**31)))
+        seed = int(np.random.default_rng([self.cfg.seed, server_round, 0x46B]).integers(2**31))
+        gen = torch.Generator().manual_seed(seed)
         weights = class_weights(mixtures, self.opts.class_weights)
         n = self.opts.samples_per_class * len(mixtures)
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -192,19 +202,30 @@ class HGPStrategy(PromptStrategy):
         else:
             allowed = torch.tensor(sorted(m.label for m in mixtures))
         sampled = time.perf_counter()
-        w, b = rebalance_head(torch.from_numpy(state["head.weight"]), torch.from_numpy(state["head.bias"]),
-                              draw, allowed, self.opts, gen)
+        w, b = rebalance_head(
+            torch.from_numpy(state["head.weight"]), torch.from_numpy(state["head.bias"]), draw, allowed, self.opts, gen
+        )
         state["head.weight"] = w.numpy().astype(state["head.weight"].dtype)
         state["head.bias"] = b.numpy().astype(state["head.bias"].dtype)
-        self.last_rebalance = {"classes": len(mixtures), "samples": n,
-                               "prepare_seconds": sampled - started, "seconds": time.perf_counter() - started}
-        log.info("hgp round %d: head rebalanced on %d synthetic features of %d classes in %.2fs",
-                 server_round, n, len(mixtures), self.last_rebalance["seconds"])
+        self.last_rebalance = {
+            "classes": len(mixtures),
+            "samples": n,
+            "prepare_seconds": sampled - started,
+            "seconds": time.perf_counter() - started,
+        }
+        log.info(
+            "hgp round %d: head rebalanced on %d synthetic features of %d classes in %.2fs",
+            server_round,
+            n,
+            len(mixtures),
+            self.last_rebalance["seconds"],
+        )
         return to_array_record(state)
 
     # ------------------------------------------------------------------ mixtures
-    def ingest(self, replies: list[RecordDict], server_round: int = 0,
-               origins: list[tuple[int, int]] | None = None) -> None:
+    def ingest(
+        self, replies: list[RecordDict], server_round: int = 0, origins: list[tuple[int, int]] | None = None
+    ) -> None:
         """Tier 1: keep each (class, client)'s newest statistics.
 
         Parameters
@@ -238,12 +259,15 @@ class HGPStrategy(PromptStrategy):
                 if c in allowed and int(arrays["counts"][row]) > 0:
                     fresh.setdefault(c, []).append((arrays, row, client))
         for c, rows in fresh.items():
-            encodings = {tuple((k, a[k].dtype.str, a[k].shape[1:]) for k in sorted(a) if k.startswith("cov-"))
-                         for a, _, _ in rows}
+            encodings = {
+                tuple((k, a[k].dtype.str, a[k].shape[1:]) for k in sorted(a) if k.startswith("cov-"))
+                for a, _, _ in rows
+            }
             kept = self._kept_rows(c, {client for _, _, client in rows}, server_round)
             if kept is not None:
-                encodings.add(tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(kept.items())
-                                    if k.startswith("cov-")))
+                encodings.add(
+                    tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(kept.items()) if k.startswith("cov-"))
+                )
             if len(encodings) != 1:
                 log.warning("hgp: class %d received mixed covariance encodings; skipped this round", c)
                 continue
@@ -262,8 +286,13 @@ class HGPStrategy(PromptStrategy):
         if stored is None or "clients" not in stored:
             return None
         task = label // (self.num_classes // self.cfg.num_tasks)  # the stream's tasks own contiguous classes
-        keep = np.array([c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
-                         for c in stored["clients"].tolist()], dtype=bool)
+        keep = np.array(
+            [
+                c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
+                for c in stored["clients"].tolist()
+            ],
+            dtype=bool,
+        )
         if not keep.any():
             return None
         return {k: v[keep] for k, v in stored.items()}
@@ -272,8 +301,13 @@ class HGPStrategy(PromptStrategy):
         """The prepared Tier-1 mixture of ``label`` (None if never reported)."""
         if label not in self._mixtures:
             raw = self.class_stats.get(label)
-            self._mixtures[label] = None if raw is None else _mixture_from_raw(
-                label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps)
+            self._mixtures[label] = (
+                None
+                if raw is None
+                else _mixture_from_raw(
+                    label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps
+                )
+            )
         return self._mixtures[label]
 
     def rebalance_mixtures(self, in_flight: range | None = None) -> list[ClassMixture]:

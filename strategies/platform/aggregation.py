@@ -21,8 +21,8 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from promptfcl.common.config import AGGREGATIONS, ExperimentConfig
-from promptfcl.common.data import task_rows
 from promptfcl.common.records import to_array_record
+from promptfcl.common.tasks import task_rows
 from promptfcl.strategies.platform.replies import capped_weights, combine
 
 
@@ -124,14 +124,20 @@ def aggregate_per_task(
             weight[rows] += float(w)
         trained = weight > 0
         merged = value.copy()
-        merged[trained] = (total[trained] / weight[trained].reshape((-1,) + (1,) * (value.ndim - 1))).astype(value.dtype)
+        per_row = weight[trained].reshape((-1,) + (1,) * (value.ndim - 1))
+        merged[trained] = (total[trained] / per_row).astype(value.dtype)
         out[name] = merged
     return out
 
 
-def _robust_per_row(cfg: ExperimentConfig, name: str, value: np.ndarray,
-                    updates: list[tuple[int, Mapping[str, np.ndarray], float]], num_classes: int,
-                    combiner: Combiner) -> np.ndarray:
+def _robust_per_row(
+    cfg: ExperimentConfig,
+    name: str,
+    value: np.ndarray,
+    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    num_classes: int,
+    combiner: Combiner,
+) -> np.ndarray:
     """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
     the set of replies that trained them); untrained rows keep ``value``."""
     owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
@@ -141,6 +147,7 @@ def _robust_per_row(cfg: ExperimentConfig, name: str, value: np.ndarray,
     for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
         rows = np.flatnonzero((owners == pattern).all(axis=1))
         idx = np.flatnonzero(pattern)
-        merged[rows] = combiner([np.asarray(updates[i][1][name])[rows] for i in idx],
-                                np.array([updates[i][2] for i in idx]))
+        merged[rows] = combiner(
+            [np.asarray(updates[i][1][name])[rows] for i in idx], np.array([updates[i][2] for i in idx])
+        )
     return merged

@@ -15,8 +15,15 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.records import (ARRAYS, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, PLACEMENT_FIELDS,
-                                      payload_bytes)
+from promptfcl.common.records import (
+    ARRAYS,
+    EVALUATE_TASK,
+    EVALUATION,
+    METRICS,
+    PLACEMENT,
+    PLACEMENT_FIELDS,
+    payload_bytes,
+)
 from promptfcl.strategies.platform.replies import MetricSpec, check_metrics
 from promptfcl.strategies.platform.rounds import Sent
 

@@ -63,7 +63,7 @@ DECLARED_SIZES: dict[str, MetricSpec] = {
     "test-size": MetricSpec(int, required=False, low=0),
 }
 
-#: the metrics record of a train reply (client/learner.py, client/app.py)
+#: the metrics record of a train reply (common/learner.py, client/app.py)
 REPLY_METRICS: dict[str, MetricSpec] = {
     "num-examples": MetricSpec(int, low=0),
     "train-loss": MetricSpec(float),

@@ -27,8 +27,8 @@ is the run's policy (:mod:`~promptfcl.strategies.platform.aggregation`), not the
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,19 +42,20 @@ from promptfcl.common.options import MethodOptions, NoOptions
 from promptfcl.common.privacy import PrivateRecord, check_privacy
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from promptfcl.common.schedule import task_schedule
-from promptfcl.strategies.platform import sampling
 from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
 from promptfcl.strategies.platform.checks import NO_EXAMPLES, SampleBounds, platform_problem
 from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, norm_outliers, update_norm
 from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
+from promptfcl.strategies.platform.sampling import Sampling
 
 log = logging.getLogger("promptfcl")
 
 #: Flower's contract and the platform's round logic: methods fill hooks instead
-SEALED = frozenset({"configure_train", "aggregate_train", "configure_exchange", "aggregate_exchange", "accept"})
+SEALED = frozenset({"configure_train", "aggregate_train", "configure_exchange", "aggregate_exchange", "accept",
+                    "check_reply"})
 
 
-class PromptStrategy(FedAvg):
+class PromptStrategy(Sampling, FedAvg):
     """Sample-weighted FedAvg over prompt and head parameters, aware of the task schedule.
 
     Parameters
@@ -326,6 +327,10 @@ class PromptStrategy(FedAvg):
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
         return accepted
 
+    def check_reply(self, reply: Message) -> str | None:
+        """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
+        return self._safely(self._problem, reply, self.sent_round.match(reply))
+
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
@@ -379,97 +384,6 @@ class PromptStrategy(FedAvg):
             return to_array_record(aggregate_per_task(self.cfg, from_array_record(self.round_arrays), updates,
                                                       self.num_classes, self.combiner))
         return combine_records([a.content[ARRAYS] for a in accepted], weights, self.combiner)
-
-    # ------------------------------------------------------------------ sampling and messages
-    @property
-    def clients_per_round(self) -> int:
-        if self.cfg.centralised:
-            return 1
-        if self.cfg.clients_per_round > 0:
-            return self.cfg.clients_per_round
-        return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
-
-    @property
-    def population_size(self) -> int:
-        """How many clients a round samples from (centralised: the one client with all data)."""
-        return 1 if self.cfg.centralised else self.cfg.num_clients
-
-    @property
-    def sample_rate(self) -> float:
-        """The share of the population one round trains: differential privacy's sampling rate q."""
-        return min(1.0, self.clients_per_round / self.population_size)
-
-    def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
-        return sampling.sample_clients(self.cfg.seed, self.population_size, self.clients_per_round, task, round_,
-                                       attempt)
-
-    def sample_nodes(self, nodes: list[int], task: int, round_: int, attempt: int = 0) -> list[int]:
-        return sampling.sample_nodes(self.cfg.seed, nodes, self.clients_per_round, task, round_, attempt)
-
-    def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
-        return sampling.connected_nodes(grid, minimum, timeout)
-
-    def _clients(self, config: ConfigRecord, grid: Grid) -> list[tuple[int, int, int]]:
-        """(client id, node id, schedule slot) of each client of this round."""
-        task, round_, attempt = int(config["task"]), int(config["round"]), int(config.get("attempt", 0))
-        if self.cfg.population == "nodes":  # every connected node is one client with its own data
-            # before the first round, wait for the whole population; later, for enough to aggregate
-            minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
-            nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
-            self._nodes_ready = True
-            # a node's place in the sorted connected ids is its turn in the task schedule
-            return [(sampling.node_client_id(n), n, nodes.index(n)) for n in self.sample_nodes(nodes, task, round_, attempt)]
-        clients = self.sample_clients(task, round_, attempt)
-        nodes = sorted(grid.get_node_ids())
-        if not nodes:
-            raise RuntimeError("no Flower nodes are connected")
-        if len(nodes) < len(clients) and not self._warned_few_nodes:
-            log.warning("%d clients per round but %d Flower nodes: nodes play several clients in turn "
-                        "(start more SuperNodes / num-supernodes for parallelism)", len(clients), len(nodes))
-            self._warned_few_nodes = True
-        return [(client, nodes[i % len(nodes)], client) for i, client in enumerate(clients)]
-
-    def _send(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
-              make: Callable[[Sent, ArrayRecord], RecordDict | None], kind: str) -> SentRound:
-        """The round's messages: each sampled client's config, then the method's content for it."""
-        out = SentRound()
-        for client, node, slot in self._clients(config, grid):
-            client_config = self.client_config(config, client, slot, server_round)
-            sent = Sent(client, int(client_config["task"]), int(client_config["round"]),
-                        slot % self.schedule.num_clients, client_config)
-            content = make(sent, arrays)
-            if content is None:
-                continue
-            sent.message = Message(content=content, message_type=kind, dst_node_id=node)
-            out.sent.append(sent)
-        return out
-
-    def client_config(self, config: ConfigRecord, client_id: int, slot: int, server_round: int) -> ConfigRecord:
-        """The round's config for one client: its id, and its own task when tasks arrive asynchronously."""
-        client_config = ConfigRecord(dict(config))
-        client_config["client-id"] = client_id
-        client_config["server-round"] = server_round
-        client_config["config-digest"] = self.cfg.digest()
-        turn = slot % self.schedule.num_clients
-        self.schedule_slots[client_id] = turn
-        if not self.schedule.synchronous:
-            client_config["task"], client_config["round"] = self.schedule.assignment(turn, server_round - 1)
-        if self.cfg.task_generator == "random":  # a deployed node plays the schedule's client of its turn
-            client_config["schedule-slot"] = turn
-        if self.cfg.population == "nodes":
-            client_config["num-classes"] = self.num_classes
-        return client_config
-
-    # ------------------------------------------------------------------ schedule helpers for methods
-    def client_position(self, client_id: int, round_index: int) -> int:
-        """The task ``client_id`` is on in ``round_index`` (0-based), by the schedule."""
-        slot = self.schedule_slots.get(client_id, client_id % self.schedule.num_clients)
-        return self.schedule.position(slot, round_index)
-
-    def tasks_in_flight(self, round_index: int) -> range:
-        """The tasks some client of the population is on in ``round_index`` (slowest to newest)."""
-        return range(self.schedule.position(self.schedule.slowest_client, round_index),
-                     self.schedule.newest_task(round_index) + 1)
 
     def placement_of(self, message: Message) -> dict[str, Any]:
         """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""

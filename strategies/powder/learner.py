@@ -1,6 +1,6 @@
 """Powder's client: local pool from the server, alpha measurement, CE + lambda * dual distillation.
 
-The shared loop (client/learner.py) trains the current task's slice and the head with CE
+The shared loop (common/learner.py) trains the current task's slice and the head with CE
 over the current task's classes; this learner
 
 * rebuilds full-size arrays from the server's per-client payload (only the slices of its
@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.data import client_indices, head_rows, head_size, task_rows
+from promptfcl.common.partitions import client_indices
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, task_rows
 from promptfcl.strategies.powder.options import PowderOptions
 from promptfcl.strategies.powder.prompt import PowderPrompt
 from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
@@ -244,8 +245,9 @@ class PowderLearner(LocalLearner):
                     if queries is not None:
                         q = queries[start : start + batch_size]
                     else:
-                        x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[start : start + batch_size]])
-                                                .to(rt.device))
+                        x = rt.model.preprocess(
+                            torch.from_numpy(rt.data.train.images[index[start : start + batch_size]]).to(rt.device)
+                        )
                         q = rt.model.query(x)
                     for li, layer in enumerate(prompt.layers):
                         w = prompt.weights(q, layer).double().cpu().numpy()
@@ -265,14 +267,16 @@ class PowderLearner(LocalLearner):
             out["classes"].append(c)
             out["class-alpha"].append(total / count)
             out["class-count"].append(count)
-        return to_array_record({
-            "tasks": np.asarray(out["tasks"], dtype=np.int64),
-            "task-alpha": np.asarray(out["task-alpha"], dtype=np.float64).reshape(-1, width),
-            "task-count": np.asarray(out["task-count"], dtype=np.int64),
-            "classes": np.asarray(out["classes"], dtype=np.int64),
-            "class-alpha": np.asarray(out["class-alpha"], dtype=np.float64).reshape(-1, width),
-            "class-count": np.asarray(out["class-count"], dtype=np.int64),
-        })
+        return to_array_record(
+            {
+                "tasks": np.asarray(out["tasks"], dtype=np.int64),
+                "task-alpha": np.asarray(out["task-alpha"], dtype=np.float64).reshape(-1, width),
+                "task-count": np.asarray(out["task-count"], dtype=np.int64),
+                "classes": np.asarray(out["classes"], dtype=np.int64),
+                "class-alpha": np.asarray(out["class-alpha"], dtype=np.float64).reshape(-1, width),
+                "class-count": np.asarray(out["class-count"], dtype=np.int64),
+            }
+        )
 
     @torch.no_grad()
     def teacher_logits(self, batch: Batch) -> torch.Tensor:

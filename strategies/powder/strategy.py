@@ -65,18 +65,29 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.data import task_classes, task_rows
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.common.tasks import task_classes, task_rows
 from promptfcl.strategies.platform.aggregation import aggregate_per_task
 from promptfcl.strategies.platform.replies import check_metrics
 from promptfcl.strategies.platform.rounds import Accepted, Sent
 from promptfcl.strategies.platform.strategy import PromptStrategy
-from promptfcl.strategies.powder.correlation import (correlation_matrix, first_step_aggregation, select_tasks,
-                                                     sparsify_rows)
+from promptfcl.strategies.powder.correlation import (
+    correlation_matrix,
+    first_step_aggregation,
+    select_tasks,
+    sparsify_rows,
+)
 from promptfcl.strategies.powder.options import PowderOptions
 from promptfcl.strategies.powder.prompt import PowderPrompt
-from promptfcl.strategies.powder.records import (ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, MEASURE_METRICS,
-                                                 OWN_WEIGHTS, PREVIOUS)
+from promptfcl.strategies.powder.records import (
+    ALPHA,
+    CLASS_CORR,
+    LOCAL_TASKS,
+    MEASURE,
+    MEASURE_METRICS,
+    OWN_WEIGHTS,
+    PREVIOUS,
+)
 
 log = logging.getLogger("promptfcl")
 
@@ -327,7 +338,8 @@ class PowderStrategy(PromptStrategy):
         for t in sent.data.measure:
             if t >= 0:
                 allowed_classes |= set(task_classes(self.cfg, t, self.num_classes).tolist())
-        for kind, ids, allowed in (("task", a["tasks"], set(sent.data.measure)), ("class", a["classes"], allowed_classes)):
+        for kind, ids, allowed in (("task", a["tasks"], set(sent.data.measure)),
+                                   ("class", a["classes"], allowed_classes)):
             alpha, count = a[f"{kind}-alpha"], a[f"{kind}-count"]
             if ids.ndim != 1 or alpha.shape != (len(ids), self.width) or count.shape != (len(ids),):
                 return f"{kind} alphas of shape {alpha.shape} for {ids.shape} ids (width {self.width} expected)"
@@ -341,8 +353,10 @@ class PowderStrategy(PromptStrategy):
         """Merge the returned task slices into P_g per task (as raw slices, ``raw_slices``), then
         update the correlations from the alphas measured in training."""
         base = from_array_record(self.global_arrays)
-        merged = self.merge(base, [(a.task, self.raw_slices(a.sent, from_array_record(a.content[ARRAYS]), base),
-                                    a.weight) for a in accepted])
+        merged = self.merge(
+            base,
+            [(a.task, self.raw_slices(a.sent, from_array_record(a.content[ARRAYS]), base), a.weight) for a in accepted],
+        )
         measuring = [a.content[ALPHA] for a in accepted if a.sent.data.measure]
         self.measured_in_training = self.update_correlation(measuring)
         if measuring:
@@ -351,11 +365,15 @@ class PowderStrategy(PromptStrategy):
 
     def round_metrics(self, accepted: list[Accepted]) -> dict[str, float]:
         measured, self.measured_before = self.measured_before + self.measured_in_training, 0
-        return {"tasks-aggregated": len({a.task for a in accepted}), "tasks-measured": measured,
-                "local-pool-tasks": float(np.mean([len(a.sent.data.local_tasks) for a in accepted]))}
+        return {
+            "tasks-aggregated": len({a.task for a in accepted}),
+            "tasks-measured": measured,
+            "local-pool-tasks": float(np.mean([len(a.sent.data.local_tasks) for a in accepted])),
+        }
 
-    def raw_slices(self, sent: Sent, reply: Mapping[str, np.ndarray],
-                   base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def raw_slices(
+        self, sent: Sent, reply: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """A reply's prompt slices as raw slices: P_g[t] + (trained slice - the P_hat slice sent).
 
         P_g holds the raw per-task slices; eq. 3's mixed slices are only sent. Storing a
@@ -373,8 +391,9 @@ class PowderStrategy(PromptStrategy):
             out[name] = (raw + (np.asarray(reply[name], np.float64) - start)).astype(np.asarray(base[name]).dtype)
         return out
 
-    def merge(self, base: Mapping[str, np.ndarray],
-              updates: list[tuple[int, Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+    def merge(
+        self, base: Mapping[str, np.ndarray], updates: list[tuple[int, Mapping[str, np.ndarray], float]]
+    ) -> dict[str, np.ndarray]:
         """P_g with every trained task slice (and its head rows) replaced by the sample-weighted
         average of the clients that trained it; other arrays averaged over every reply.
 
@@ -420,5 +439,17 @@ class PowderStrategy(PromptStrategy):
         return task_rows(self.cfg, name, value, task, self.num_classes)
 
 
-__all__ = ["ALPHA", "CLASS_CORR", "LOCAL_TASKS", "MEASURE", "PREVIOUS", "PowderOptions", "PowderPrompt", "PowderStrategy",
-           "correlation_matrix", "first_step_aggregation", "select_tasks", "sparsify_rows"]
+__all__ = [
+    "ALPHA",
+    "CLASS_CORR",
+    "LOCAL_TASKS",
+    "MEASURE",
+    "PREVIOUS",
+    "PowderOptions",
+    "PowderPrompt",
+    "PowderStrategy",
+    "correlation_matrix",
+    "first_step_aggregation",
+    "select_tasks",
+    "sparsify_rows",
+]
