@@ -73,9 +73,9 @@ def train(msg: Message, context: Context) -> Message:
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
     reply = private_upload(cfg, reply, msg.content[ARRAYS], np.random.default_rng())
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
-        reply[METRICS]["setup-seconds"] = setup
+        reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
-            reply[METRICS]["evaluation-seconds"] = evaluation_seconds
+            reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
         report_process_cost(reply[METRICS])
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context, cfg.digest())
@@ -164,7 +164,7 @@ def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayReco
 
 def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, list[int]]:
     """The ``pool-<task>`` entries of an evaluate message: the prompt slices each task is scored with."""
-    pools = {}
+    pools: dict[int, list[int]] = {}
     for key, value in config.items():
         if not key.startswith(POOL_PREFIX):
             continue
@@ -174,7 +174,7 @@ def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, 
         if not isinstance(value, list) or not value or \
                 not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < slices for s in value):
             raise ValueError(f"evaluate message: {key!r} must list prompt slices in 0..{slices - 1}")
-        pools[int(scored)] = value
+        pools[int(scored)] = [int(s) for s in value]
     return pools
 
 
@@ -283,7 +283,7 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
     theirs = config.get("config-digest")
     if theirs is not None and theirs != cfg.digest():
         raise ValueError(
-            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs}); "
+            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs!r}); "
             "both sides must run the same promptfcl configuration"
         )
 

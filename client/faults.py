@@ -59,7 +59,7 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
         )
         return call_next(msg, context)
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG] if CONFIG in msg.content.config_records else {}
+    config = msg.content.config_records[CONFIG] if CONFIG in msg.content.config_records else ConfigRecord()
     try:
         client, task, round_ = int(config["client-id"]), int(config["task"]), int(config["round"])
     except (KeyError, TypeError, ValueError):

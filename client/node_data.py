@@ -410,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "export-digits":
-        for d in export_digits(Path(args.out), args.nodes):
-            print(d)
+        for folder in export_digits(Path(args.out), args.nodes):
+            print(folder)
         return 0
 
     from promptfcl.common.flower_internals import internal
@@ -428,17 +428,17 @@ def main(argv: list[str] | None = None) -> int:
                                 f"(quote strings: data-dir=\"/path\"): {exc}") from None
         cfg = load_config(args.config, args.set, None, None)
         NodePolicy.from_node_config(node_config).check_run(cfg)
-        node = node_data(cfg, node_config)
+        loaded = node_data(cfg, node_config)
         check_weights(cfg)  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    d = node.data
+    d = loaded.data
     k = d.num_classes // cfg.num_tasks
     per_task = [int(np.sum(d.train.labels // k == t)) for t in range(cfg.num_tasks)]
     held = [int(np.sum(d.test.labels // k == t)) for t in range(cfg.num_tasks)]
     print(f"ok: {d.name}: {d.num_classes} classes, {len(d.train)} train / {len(d.test)} held-out images; "
-          f"train per task {per_task}, held-out per task {held}; client-id {node.client_id}")
+          f"train per task {per_task}, held-out per task {held}; client-id {loaded.client_id}")
     return 0
 
 

@@ -32,6 +32,6 @@ def augment_images(images: np.ndarray, kind: str, rng: np.random.Generator) -> n
     cols = np.where(flip[:, None], cols[:, ::-1], cols)
     batch = np.arange(n)[:, None, None, None]
     channel = np.arange(images.shape[1])[None, :, None, None]
-    return np.ascontiguousarray(padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]])
+    return np.ascontiguousarray(padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]])  # type: ignore[call-overload]
 
 

@@ -14,22 +14,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from promptfcl.common.config_checks import (  # noqa: F401
+    AGGREGATIONS,
+    AUGMENTATIONS,
+    CENTRALISED_MODES,
+    DEVICES,
+    EVALUATIONS,
+    FAULTS,
+    HEADS,
+    PARTITIONS,
+    POPULATIONS,
+    PRECISIONS,
+    PROMPT_MODES,
+    TASK_GENERATORS,
+    valid_ray_address,
+    validate_config,
+)
 from promptfcl.common.errors import ConfigError  # re-exported: the error of configurations
 from promptfcl.common.options import coerce_value
 
-PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
-AUGMENTATIONS = ("none", "crop-flip")
-CENTRALISED_MODES = ("incremental", "joint")
-FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
-          "poison", "nan-metrics")
-PROMPT_MODES = ("prefix", "prompt")
-TASK_GENERATORS = ("stream", "random")
-DEVICES = ("auto", "cpu", "cuda", "mps")
-PRECISIONS = ("auto", "fp32", "bf16")
-POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
-EVALUATIONS = ("central", "federated")
-AGGREGATIONS = ("mean", "median", "trimmed-mean")
-HEADS = ("auto", "per-class", "per-task")
 DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
 
 
@@ -342,8 +345,6 @@ class ExperimentConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work; checked before any training (common/config_checks.py)."""
-        from promptfcl.common.config_checks import validate_config
-
         validate_config(self)
 
 
@@ -370,14 +371,6 @@ def toml_value(value: object) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def valid_ray_address(address: str) -> bool:
-    """'' , 'auto', 'HOST:PORT' or 'ray://HOST:PORT' (Ray client)."""
-    if address in ("", "auto"):
-        return True
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host)
 
 
 def read_config(

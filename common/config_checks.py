@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from promptfcl.common.config import (
-    AGGREGATIONS,
-    AUGMENTATIONS,
-    CENTRALISED_MODES,
-    DEVICES,
-    EVALUATIONS,
-    FAULTS,
-    HEADS,
-    PARTITIONS,
-    POPULATIONS,
-    PRECISIONS,
-    PROMPT_MODES,
-    TASK_GENERATORS,
-    ConfigError,
-    ExperimentConfig,
-    valid_ray_address,
-)
+from promptfcl.common.errors import ConfigError
 from promptfcl.common.files import class_name_problem
+
+if TYPE_CHECKING:
+    from promptfcl.common.config import ExperimentConfig
+
+# the values a key may take
+PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
+AUGMENTATIONS = ("none", "crop-flip")
+CENTRALISED_MODES = ("incremental", "joint")
+FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
+          "poison", "nan-metrics")
+PROMPT_MODES = ("prefix", "prompt")
+TASK_GENERATORS = ("stream", "random")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+PRECISIONS = ("auto", "fp32", "bf16")
+POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
+EVALUATIONS = ("central", "federated")
+AGGREGATIONS = ("mean", "median", "trimmed-mean")
+HEADS = ("auto", "per-class", "per-task")
+
+
+def valid_ray_address(address: str) -> bool:
+    """'' , 'auto', 'HOST:PORT' or 'ray://HOST:PORT' (Ray client)."""
+    if address in ("", "auto"):
+        return True
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in host)
 
 
 def validate_config(cfg: ExperimentConfig) -> None:

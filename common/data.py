@@ -134,7 +134,7 @@ def _to_uint8_chw(img: object, size: int | None) -> np.ndarray:
     if img.mode not in ("L", "RGB"):
         img = img.convert("RGB")
     if size is not None and img.size != (size, size):
-        img = img.resize((size, size), Image.BILINEAR)
+        img = img.resize((size, size), Image.Resampling.BILINEAR)
     arr = np.asarray(img, dtype=np.uint8)
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 

@@ -12,6 +12,8 @@ authors' code gives every client task its own block).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -74,7 +76,7 @@ def pooled_counts(rt: Runtime, task: int, pools: dict[int, list[int]]) -> tuple[
     slices (``pools``: task -> the slices its prompt module uses, ``local_tasks``), as methods
     whose clients keep per-task local pools are evaluated; tasks without a pool count 0 of 0."""
     correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
-    prompt = rt.model.prompt
+    prompt: Any = rt.model.prompt  # a prompt module with local pools (Powder's)
     try:
         for scored, pool in pools.items():
             prompt.local_tasks = pool

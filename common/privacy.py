@@ -188,8 +188,8 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
         extras[name][key][row] = value  # cast to the array's dtype (float16 transport included)
     for name, arrays in extras.items():
         reply[name] = to_array_record(arrays)
-    if METRICS in reply.metric_records and "train-loss" in reply[METRICS]:
-        reply[METRICS]["train-loss"] = 0.0  # data-dependent, outside the mechanism: not released
+    if METRICS in reply.metric_records and "train-loss" in reply.metric_records[METRICS]:
+        reply.metric_records[METRICS]["train-loss"] = 0.0  # data-dependent, outside the mechanism: not released
     return reply
 
 

@@ -123,7 +123,7 @@ def summary_so_far(acc: np.ndarray) -> dict[str, float | None]:
     done = finished_tasks(acc)
     if done == 0:
         return {"final_average_accuracy": None, "average_incremental_accuracy": None, "average_forgetting": None}
-    return metrics.summary(acc, upto=done - 1)
+    return dict(metrics.summary(acc, upto=done - 1))
 
 
 def human_bytes(n: float) -> str:

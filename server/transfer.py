@@ -76,7 +76,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
         arrays = to_array_record(state)
         for round_ in range(schedule.finish(task) - schedule.start(task) + 1):
             reply = learner.fit(RecordDict({ARRAYS: arrays}), task, round_, schedule.owner(task))
-            arrays = reply[ARRAYS]
+            arrays = reply.array_records[ARRAYS]
         rt.model.load_trainable_state(to_torch(arrays))
         out[task] = accuracies(*correct_counts(rt, task))[task]
     log.info("single-task reference: %s (%.1f s)", " ".join(f"{a:.0f}" for a in out),

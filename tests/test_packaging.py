@@ -26,7 +26,15 @@ def test_every_package_of_the_layers_is_installed_under_promptfcl():
 
 
 def test_the_wheel_holds_one_top_level_package_with_its_configs_and_scripts(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT),
+    import shutil
+
+    source = tmp_path / "src"  # a copy: building writes build/ beside the sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in (*LAYERS, "configs", "deploy"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source),
                            "-w", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = tmp_path.glob("promptfcl-*.whl")

@@ -17,3 +17,4 @@ class FedAvgStrategy(PromptStrategy):
     name = "fedavg"
     prompt_class = FedAvgPrompt
     options_class = FedAvgOptions
+    opts: FedAvgOptions

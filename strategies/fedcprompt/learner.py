@@ -72,6 +72,7 @@ class FedCPromptLearner(LocalLearner):
     """
 
     options_class = FedCPromptOptions
+    opts: FedCPromptOptions
 
     def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)
@@ -128,7 +129,7 @@ class FedCPromptLearner(LocalLearner):
         model = self.rt.model
         current = {n: p for n, p in self.prompt.named_parameters()}
         current |= {f"head.{n}": p for n, p in model.head.named_parameters()}
-        return 0.5 * sum(((p - self.server_params[n]) ** 2).sum() for n, p in current.items())
+        return 0.5 * torch.stack([((p - self.server_params[n]) ** 2).sum() for n, p in current.items()]).sum()
 
     def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
         total = None

@@ -49,6 +49,7 @@ class FedCPromptStrategy(PromptStrategy):
     name = "fedcprompt"
     prompt_class = FedCPromptPrompt
     options_class = FedCPromptOptions
+    opts: FedCPromptOptions
     per_task = "always"  # slice m and task m's head rows over the clients that trained m, whatever the round
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -105,6 +105,7 @@ class FPPLLearner(LocalLearner):
     """
 
     options_class = FPPLOptions
+    opts: FPPLOptions
 
     def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)

@@ -57,6 +57,7 @@ class FPPLStrategy(PromptStrategy):
     name = "fppl"
     prompt_class = FPPLPrompt
     options_class = FPPLOptions
+    opts: FPPLOptions
     per_task = "in-flight"  # asynchronous arrival: a task's prompt over the clients on it
     random_tasks = False  # prototypes pooled per (client, task) of the stream
     # (a client with no examples of its task replies without prototypes: the platform leaves

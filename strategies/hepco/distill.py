@@ -63,7 +63,7 @@ def group_generator_losses(z: torch.Tensor, labels: torch.Tensor, groups: list[T
 
     One group (synchronous arrival) is exactly :func:`generator_losses` on every latent.
     """
-    grams = grams if grams is not None else [None] * len(groups)
+    grams = grams if grams is not None else [None] * len(groups)  # type: ignore[list-item]
     if len(groups) == 1:
         g = groups[0]
         return generator_losses(z, labels, g.classes, g.teachers, student, use_kl, use_mse, grams[0])

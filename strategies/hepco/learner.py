@@ -15,3 +15,4 @@ class HePCoLearner(LocalLearner):
     """Plain prompt learning (the paper's clients upload keys, prompts and head only)."""
 
     options_class = HePCoOptions
+    opts: HePCoOptions

@@ -76,6 +76,7 @@ class HePCoStrategy(PromptStrategy):
     random_tasks = False  # tasks of the stream: contiguous classes and slices
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
+    opts: HePCoOptions
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
         super().__init__(cfg, num_classes, options)

@@ -128,6 +128,7 @@ def check_class_stats(arrays: Mapping[str, np.ndarray], dim: int) -> str:
         raise ValueError("class-stats has negative counts")
     if len(np.unique(classes)) != n:
         raise ValueError("class-stats repeats a class")
+    expected: dict[str, tuple[int, ...]]
     if "cov-triu" in arrays:
         kind, expected = "full", {"cov-triu": (n, dim * (dim + 1) // 2)}
     elif "cov-factor" in arrays:

@@ -37,6 +37,7 @@ class HGPLearner(LocalLearner):
     """
 
     options_class = HGPOptions
+    opts: HGPOptions
 
     @torch.no_grad()
     def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:

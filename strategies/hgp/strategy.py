@@ -94,6 +94,7 @@ class HGPStrategy(PromptStrategy):
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     options_class = HGPOptions
+    opts: HGPOptions
     # With dp.clip = C the client clips every feature to norm C before its statistics
     # (strategies/hgp/learner.py), so a class mean has norm <= C, and the unbiased covariance, positive
     # semi-definite with trace sum ||x - mu||^2 / (n - 1) = n / (n - 1) (mean ||x||^2 - ||mu||^2)

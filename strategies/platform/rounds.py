@@ -45,7 +45,7 @@ class Sent:
     def final_config(self) -> ConfigRecord:
         """The config the message finally carried (the server loop may ask a message to evaluate too)."""
         if self.message is not None and CONFIG in self.message.content.config_records:
-            return self.message.content[CONFIG]
+            return self.message.content.config_records[CONFIG]
         return self.config
 
     @property
@@ -53,7 +53,7 @@ class Sent:
         """The arrays the message carried (None: none)."""
         assert self.message is not None
         content = self.message.content
-        return content[ARRAYS] if ARRAYS in content.array_records else None
+        return content.array_records[ARRAYS] if ARRAYS in content.array_records else None
 
 
 @dataclass

@@ -383,11 +383,11 @@ class PromptStrategy(Sampling, FedAvg):
             updates = [(t, from_array_record(a.content[ARRAYS]), float(w)) for t, a, w in zip(tasks, accepted, weights)]
             return to_array_record(aggregate_per_task(self.cfg, from_array_record(self.round_arrays), updates,
                                                       self.num_classes, self.combiner))
-        return combine_records([a.content[ARRAYS] for a in accepted], weights, self.combiner)
+        return combine_records([a.content.array_records[ARRAYS] for a in accepted], weights, self.combiner)
 
     def placement_of(self, message: Message) -> dict[str, Any]:
         """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""
-        config = message.content[CONFIG] if CONFIG in message.content.config_records else {}
+        config = message.content.config_records[CONFIG] if CONFIG in message.content.config_records else ConfigRecord()
         where = self.placements.get(message.metadata.message_id, {})
         return {"client": int(config["client-id"]) if "client-id" in config else None,
                 "node": where.get("node"), "device": where.get("device"),

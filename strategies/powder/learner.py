@@ -97,6 +97,7 @@ class PowderLearner(LocalLearner):
     """
 
     options_class = PowderOptions
+    opts: PowderOptions
 
     def __init__(self, runtime: Runtime, options: Any = None) -> None:
         super().__init__(runtime, options)
@@ -229,7 +230,8 @@ class PowderLearner(LocalLearner):
         rows = prompt.pool_rows()
         width = len(prompt.layers) * self.cfg.pool_size
         labels_all = rt.data.train.labels
-        out = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [], "class-count": []}
+        out: dict[str, list[Any]] = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [],
+                                     "class-count": []}
         by_class: dict[int, list] = {}
         was_training = prompt.training
         prompt.eval()
@@ -283,7 +285,8 @@ class PowderLearner(LocalLearner):
         """Logits of the round-start model on the batch, masked like the student's."""
         model = self.rt.model
         prompt, head = model.prompt, model.head
-        model.prompt, model.head = self.teacher
+        assert self.teacher is not None, "teacher_logits before round_start"
+        model.prompt, model.head = self.teacher  # type: ignore[assignment]
         try:
             logits = model.head(model.features(batch.images, batch.query))
         finally:

@@ -117,6 +117,7 @@ class PowderStrategy(PromptStrategy):
     name = "powder"
     prompt_class = PowderPrompt
     options_class = PowderOptions
+    opts: PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
 
     @classmethod
