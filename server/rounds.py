@@ -163,7 +163,8 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         spent.sampled += len(messages)
         spent.server_seconds += (t1 - t0 - waited) + (t3 - t2)
         spent.round_seconds += t3 - t0
-        spent.read_replies([a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else [])
+        used = [a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else []
+        spent.read_replies(used)
         spent.rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
         spent.rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
                             "attempt": attempt} for m in unanswered(messages, replies)]

@@ -12,8 +12,8 @@ import json
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -76,7 +76,8 @@ def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Me
 def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientApp:
     """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods;
     ``operated``: the nodes are the test's own (:func:`operated_by_the_test`), as in a simulation."""
-    from promptfcl.client.app import app as real, evaluate, query, train
+    from promptfcl.client.app import app as real
+    from promptfcl.client.app import evaluate, query, train
 
     app = ClientApp(mods=([operated_by_the_test] if operated else []) + list(mods or []) + list(real._mods))
     app.train()(train)
@@ -164,8 +165,8 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
                    dead: dict[int, str] | None = None,
                    node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
-    from promptfcl.server.run import finish, run_experiment
     from promptfcl.server.report import write_outputs
+    from promptfcl.server.run import finish, run_experiment
 
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
@@ -174,7 +175,7 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
     return results
 
 
-def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
+def make_ckpt(server_round: int) -> Any:
     """A small valid checkpoint of the tiny configuration at ``server_round``."""
     import numpy as np
 
@@ -186,3 +187,29 @@ def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
         task_finished=False, arrays={"head.weight": np.ones((2, 2), np.float32) * server_round},
         strategy_state={}, accuracy_matrix=np.full((2, 2), np.nan), rounds=[], rng=checkpoint.capture_rng(),
         elapsed_seconds=1.0)
+
+
+def accepted_of(contents: list[RecordDict], tasks: list[int] | int = 0, clients: list[int] | None = None,
+                weights: list[float] | None = None) -> list:
+    """Accepted replies as the platform hands them to a method's hooks (``aggregate``, ``consolidate``,
+    ``round_metrics``): reply ``i`` from client ``clients[i]`` (default ``i``), trained on ``tasks[i]``
+    (one int: every reply's task), with weight ``weights[i]`` (default its sample count)."""
+    from flwr.app import ConfigRecord, MessageType
+
+    from promptfcl.common.records import METRICS
+    from promptfcl.strategies.platform.rounds import Accepted, Sent
+    from tests.conftest import flower_task_identity
+
+    tasks = [tasks] * len(contents) if isinstance(tasks, int) else list(tasks)
+    clients = list(range(len(contents))) if clients is None else list(clients)
+    out = []
+    with flower_task_identity():
+        for i, content in enumerate(contents):
+            config = ConfigRecord({"task": tasks[i], "round": 0, "client-id": clients[i]})
+            request = Message(content=RecordDict({"config": config}), dst_node_id=1000 + i,
+                              message_type=MessageType.TRAIN)
+            sent = Sent(clients[i], tasks[i], 0, clients[i], config, message=request)
+            weight = weights[i] if weights is not None else float(content[METRICS]["num-examples"]) \
+                if METRICS in content.metric_records else 0.0
+            out.append(Accepted(sent, Message(content=content, reply_to=request), weight=weight))
+    return out

@@ -14,7 +14,6 @@ import os
 from flwr.app import Context, Message, MessageType, MetricRecord
 
 from promptfcl.common.records import EVALUATION
-
 from tests.helpers import client_app
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.config import ConfigError
 from promptfcl.common.augment import augment_images
+from promptfcl.common.config import ConfigError
 from promptfcl.common.data import DataError, load_dataset
 from promptfcl.common.partitions import client_indices
 from promptfcl.common.tasks import class_order, seen_classes, task_classes

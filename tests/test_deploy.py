@@ -31,10 +31,25 @@ import pytest
 
 from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.tasks import class_order
 from promptfcl.common.startup import PHASES, metric_name
-from promptfcl.server.loopback import (DEPLOY, ROOT, VENV_BIN, Ports, Processes, descendants, free_port, make_credentials,
-                             register_node, run_script, script_env, start_node, start_superlink, submit, toml_file)
+from promptfcl.common.tasks import class_order
+from promptfcl.server.loopback import (
+    DEPLOY,
+    ROOT,
+    VENV_BIN,
+    Ports,
+    Processes,
+    descendants,
+    free_port,
+    make_credentials,
+    register_node,
+    run_script,
+    script_env,
+    start_node,
+    start_superlink,
+    submit,
+    toml_file,
+)
 from tests.conftest import TINY, tiny_config
 from tests.helpers import PushPullGrid
 
@@ -71,9 +86,9 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
-    from tests.wiretap import WireTap
-
     import shutil
+
+    from tests.wiretap import WireTap
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make the TLS certificates (deploy/make-certs.sh)")
@@ -198,8 +213,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
 
-    from promptfcl.common.model import CodaPrompt, build_backbone
-    from promptfcl.common.model import initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, build_backbone, initial_trainable_state
     from promptfcl.common.records import to_array_record
     from tests.wiretap import fab_files, wire_messages, wire_objects
 

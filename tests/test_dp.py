@@ -9,15 +9,22 @@ import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.client.app import private_upload
-from promptfcl.strategies.registry import learner_class, load_config, prompt_class
 from promptfcl.common.config import ConfigError
-from promptfcl.common.privacy import (PrivacyOptions, PrivateRecord, clip_rows, epsilon, gaussian_mechanism,
-                            privacy_report, privatise_reply)
+from promptfcl.common.privacy import (
+    PrivacyOptions,
+    PrivateRecord,
+    clip_rows,
+    epsilon,
+    gaussian_mechanism,
+    privacy_report,
+    privatise_reply,
+)
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.server.report import table
 from promptfcl.strategies.fppl.strategy import LOCAL_PROTOTYPES
 from promptfcl.strategies.hgp.strategy import STATS, HGPStrategy
+from promptfcl.strategies.registry import learner_class, load_config, prompt_class
 from tests.conftest import TINY, tiny_config
-from promptfcl.server.report import table
 from tests.helpers import simulate_in_process
 
 

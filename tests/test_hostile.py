@@ -19,8 +19,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.records import ARRAYS, METRICS, PLACEMENT, from_array_record, to_array_record
 from promptfcl.common.runtime import get_runtime
-from promptfcl.strategies.registry import check_namespaces, strategy_class
 from promptfcl.strategies.platform.replies import capped_weights
+from promptfcl.strategies.registry import check_namespaces, strategy_class
 from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app, run_in_process
 

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from promptfcl.common.data import load_dataset
-
 from promptfcl.common.partitions import client_indices
-
 from promptfcl.common.tasks import task_classes
 from promptfcl.server.cli import load_config
 

@@ -10,8 +10,9 @@ import pytest
 
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError
-from promptfcl.common.data import load_dataset, random_task_indices, random_tasks, seen_classes, task_classes
+from promptfcl.common.data import load_dataset
 from promptfcl.common.schedule import RandomTaskSchedule, task_schedule
+from promptfcl.common.tasks import random_task_indices, random_tasks, seen_classes, task_classes
 from tests.conftest import tiny_config
 
 RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
@@ -67,7 +68,7 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     for g in range(len(shares)):
         for h in range(g):
             assert not set(shares[g].tolist()) & set(shares[h].tolist()), f"tasks {h} and {g} share an image"
-    from promptfcl.common.data import client_indices
+    from promptfcl.common.partitions import client_indices
 
     owner = schedule.owner(3)
     assert np.array_equal(client_indices(labels, cfg, 10, owner, 3, 0), shares[3])
@@ -201,7 +202,7 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
 
 
 def test_a_per_task_head_gives_every_task_its_own_block():
-    from promptfcl.common.data import head_rows, head_size, head_targets, task_rows
+    from promptfcl.common.tasks import head_rows, head_size, head_targets, task_rows
     from promptfcl.strategies.platform.strategy import aggregate_per_task
 
     cfg = random_config(head="per-task")
@@ -237,9 +238,9 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     from flwr.app import RecordDict
 
     from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.data import head_rows
     from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
     from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.tasks import head_rows
 
     cfg = random_config(head=head, lr=0.05)
     rt = get_runtime(cfg)

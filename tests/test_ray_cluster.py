@@ -41,9 +41,8 @@ def free_port() -> int:
 
 def ray_nodes(address: str) -> list[dict]:
     """The alive nodes of the cluster at ``address`` (id and resources), asked by a separate driver."""
-    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
-            "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
-            % address)
+    code = (f"import json, ray; ray.init(address={address!r}, logging_level='ERROR'); "
+            "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -60,7 +60,6 @@ def test_synchronous_matrix_unchanged(name, tmp_path):
 
 if __name__ == "__main__":
     import subprocess
-
     import sys
 
     # the commit whose code made the runs (an exported tree has no git: pass it)

@@ -169,8 +169,8 @@ def test_the_platform_checks_a_new_methods_records(toy_method, tmp_path, flower_
     from flwr.app import MessageType
 
     from promptfcl.common.records import to_array_record
-    from tests.helpers import client_app, run_in_process
     from promptfcl.strategies.registry import load_config
+    from tests.helpers import client_app, run_in_process
 
     def forge(msg, context, call_next):
         reply = call_next(msg, context)

@@ -131,6 +131,7 @@ def wire_objects(exchanges: list[Exchange]) -> tuple[dict[str, bytes], dict[str,
 def wire_messages(exchanges: list[Exchange]) -> list[tuple[str, str, Any]]:
     """Every message that crossed the wire: (direction "s2c"/"c2s", message type, RecordDict content)."""
     from flwr.app import Message
+
     from promptfcl.common.flower_internals import internal
 
     PullMessagesResponse, PushMessagesRequest = internal("pull_messages_response"), internal("push_messages_request")

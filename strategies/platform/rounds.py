@@ -94,9 +94,10 @@ class SentRound:
     def messages(self) -> list[Message]:
         return [s.message for s in self.sent if s.message is not None]
 
-    def match(self, reply: Message) -> Sent | None:
+    def match(self, reply: Message, consume: bool = True) -> Sent | None:
         """The message ``reply`` answers: by message id (Flower's grids set ids when sending); where
-        the messages carry none, the next unmatched one sent to the reply's node."""
+        the messages carry none, the next unmatched one sent to the reply's node (``consume``: the
+        match is taken, as a round's replies are)."""
         if not self._by_id:
             self._by_id = {s.message.metadata.message_id: s for s in self.sent
                            if s.message is not None and s.message.metadata.message_id}
@@ -104,7 +105,8 @@ class SentRound:
             return self._by_id.get(reply.metadata.reply_to_message_id)
         for i, s in enumerate(self.sent):
             if i not in self._taken and s.node == reply.metadata.src_node_id:
-                self._taken.add(i)
+                if consume:
+                    self._taken.add(i)
                 return s
         return None
 

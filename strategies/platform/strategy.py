@@ -329,7 +329,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     def check_reply(self, reply: Message) -> str | None:
         """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
-        return self._safely(self._problem, reply, self.sent_round.match(reply))
+        return self._safely(self._problem, reply, self.sent_round.match(reply, consume=False))
 
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
