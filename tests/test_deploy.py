@@ -139,12 +139,11 @@ def deployment(tmp_path_factory) -> Deployment:
 
 def hostile_app_dir(out: Path) -> Path:
     """This app with tests/hostile_app.py as its ClientApp (every node runs it; only the node whose
-    environment says so misbehaves)."""
+    environment says so misbehaves). The app's code is the installed ``promptfcl`` on every machine;
+    the bundle carries the configuration and the test's own ClientApp."""
     import shutil
 
-    for package in ("common", "client", "server", "strategies"):
-        shutil.copytree(ROOT / package, out / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (out / "tests").mkdir()
+    (out / "tests").mkdir(parents=True)
     for name in ("__init__.py", "helpers.py", "hostile_app.py"):
         if (ROOT / "tests" / name).exists():
             shutil.copy(ROOT / "tests" / name, out / "tests" / name)
@@ -267,7 +266,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     assert types <= {"Message", "RecordDict", "ArrayRecord", "Array", "ArrayChunk", "ConfigRecord", "MetricRecord"}
     # the app bundle nodes fetched: code and text only, no weights, no data
     files = fab_files(deployment.exchanges)
-    assert "pyproject.toml" in files and "client/app.py" in files and "tests/hostile_app.py" in files
+    assert "pyproject.toml" in files and "tests/hostile_app.py" in files
     assert all(f.startswith(".info/") or f.endswith((".py", ".toml", ".md", ".yaml", ".yml", ".json", ".jsonl"))
                for f in files), files
     assert max(files.values()) < 200_000

@@ -200,6 +200,7 @@ def test_methods_that_cannot_bound_their_upload_refuse_dp():
 
 
 # ---------------------------------------------------------------------------- (e) end to end
+@pytest.mark.e2e
 def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     z, clip = 1.0, 0.5
     results = simulate_in_process(tmp_path / "dp", "fedavg", **{"rounds-per-task": 1, "clients-per-round": 2,
@@ -221,6 +222,7 @@ def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     assert "| differential privacy | epsilon" in table(results)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["hgp", "fppl"])
 def test_noisy_statistics_pass_the_servers_checks_end_to_end(tmp_path, strategy):
     """Noisy means and covariances (no longer positive semi-definite) are accepted and used."""

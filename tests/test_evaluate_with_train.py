@@ -139,6 +139,7 @@ class StopsAtTrainMessage(InProcessGrid):
         return super().send_and_receive(messages, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_a_round_awaiting_its_carried_evaluation_survives_a_restart(tmp_path, flower_identity):
     """The server stops while sending round 2: round 1's checkpoint still waits for its counts.
     Resumed, round 2's train messages carry them and every accuracy equals the unbroken run's."""

@@ -357,6 +357,7 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_end_to_end_synchronous_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -370,6 +371,7 @@ def test_end_to_end_synchronous_simulation(tmp_path):
     assert results["final_average_accuracy"] == pytest.approx((acc[0][1] + acc[1][1]) / 2)
 
 
+@pytest.mark.e2e
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Every round 2 of 3 clients move on: in round 2 two clients train task 2 while one is on task 1."""
     from tests.helpers import simulate_in_process as simulate

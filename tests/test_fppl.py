@@ -420,6 +420,7 @@ def test_registered():
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_fppl_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -507,6 +508,7 @@ def test_async_replies_are_checked_against_the_task_and_client_the_server_sent(f
         assert "repeat a class" in s.check_reply(twice)
 
 
+@pytest.mark.e2e
 def test_fppl_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

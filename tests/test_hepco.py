@@ -587,6 +587,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_simulation_end_to_end(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -704,6 +705,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     assert not np.array_equal(from_array_record(arrays)["head.weight"], frozen["head.weight"])
 
 
+@pytest.mark.e2e
 def test_hepco_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

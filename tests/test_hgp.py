@@ -374,6 +374,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     torch.testing.assert_close(feats["crop-flip", True], expected)
 
 
+@pytest.mark.e2e
 def test_hgp_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -482,6 +483,7 @@ def test_async_reply_statistics_must_be_of_the_task_the_server_sent(flower_ident
         assert "outside the task it was sent" in strategy.check_reply(reply(msg, other))
 
 
+@pytest.mark.e2e
 def test_hgp_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

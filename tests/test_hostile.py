@@ -224,6 +224,7 @@ def baseline_without_node(tmp_path_factory):
         return run_in_process(cfg, nodes=3, apps={1003: dead})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("label", sorted(HOSTILE))
 def test_a_hostile_node_is_excluded_and_the_run_completes(label, baseline_without_node, tmp_path, flower_identity):
     cfg = method_config("fedavg", **{"out-dir": str(tmp_path)})
@@ -262,6 +263,7 @@ def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
         assert [n for n, _ in strategy.rejected] == [node], label
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["silent", "lost"])
 def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
     # a silent node is waited for until round-timeout, as by Flower's grid
@@ -272,6 +274,7 @@ def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
         assert ("round-timeout" if how == "silent" else "node lost") in rnd["rejected"][0]["reason"]
 
 
+@pytest.mark.e2e
 def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity):
     """A node sends NaN losses; the run stops after 2 rounds (its checkpoint kept), results are
     written, and the resumed run ends where the uninterrupted one does."""

@@ -141,6 +141,7 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
         client_runtime(virtual, ctx, ConfigRecord({}))
 
 
+@pytest.mark.e2e
 def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, caplog):
     cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, "num-tasks": 1,
                                              "out-dir": str(tmp_path / "out")})

@@ -286,6 +286,7 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),
                                             ("powder", "per-task"), ("fedcprompt", "per-task")])
 def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):

@@ -161,6 +161,7 @@ def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
     assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3, 4]  # none lost, none twice
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault, rate", [("nan", 0.4), ("huge-count", 0.4), ("extra-record", 0.4)])
 def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate, flower_identity):
     """The project's fault injection (a ClientApp mod) in the real ClientApp and server loop, in-process."""
@@ -209,6 +210,7 @@ def test_all_clients_failing_ends_with_a_clear_error(tmp_path):
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.e2e
 def test_evaluate_every_skips_rounds_but_not_task_ends(tmp_path):
     """evaluate-every = 3: rounds in between carry no accuracy; every task end (the accuracy
     matrix) and the last round are evaluated, and the matrix equals the every-round run's."""

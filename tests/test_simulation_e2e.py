@@ -52,6 +52,7 @@ def test_bytes_match_the_parameters_that_travel(fedavg_run):
         assert r["bytes_c2s"] > 0
 
 
+@pytest.mark.e2e
 def test_same_seed_same_result(fedavg_run, tmp_path):
     """The same configuration run again, in this process instead of on Ray actors, gives the same
     accuracy matrix: results depend on the seed, not on the engine or the order replies arrive in."""

@@ -49,6 +49,7 @@ def run_record(name: str, out: Path) -> dict[str, Any]:
             "round_accuracy": [r["accuracy"] for r in results["rounds"]]}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_synchronous_matrix_unchanged(name, tmp_path):
     expected = json.loads(FIXTURE.read_text())[name]
