@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export FLWR_TELEMETRY_ENABLED = 0
 export HF_HUB_OFFLINE ?= 0
 
-.PHONY: run test install clean-venv flwr-run
+.PHONY: run test lint typecheck install clean-venv flwr-run
 
 install: $(STAMP)
 
@@ -39,8 +39,18 @@ flwr-run: $(STAMP)
 # rest meanwhile. (loadgroup would be finer, but pytest-xdist 3.8 ignores xdist_group marks
 # under pytest 9.2: pytest-dev/pytest-xdist#1386.) PYTEST_WORKERS=0 runs it all in one process.
 PYTEST_WORKERS ?= 2
-test: $(STAMP)
+test: lint typecheck
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# ruff and mypy, configured in pyproject.toml
+lint: $(STAMP)
+	$(PY) -m ruff check common client server strategies deploy scripts tests
+
+# mypy reads the installed name (promptfcl.*) from links to the layers' folders
+typecheck: $(STAMP)
+	@mkdir -p .mypy/promptfcl
+	@for d in common client server strategies; do ln -sfn ../../$$d .mypy/promptfcl/$$d; done
+	$(PY) -m mypy
 
 clean-venv:
 	rm -rf $(VENV)

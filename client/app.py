@@ -26,17 +26,26 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.faults import inject_faults
-from client.learner import read_task_round
-from client.node_data import NodeDataError, check_classes, node_data, original_names
-from client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
-from common import startup
-from common.config import ExperimentConfig
-from common.evaluation import correct_counts, pooled_counts
-from common.privacy import privacy_options, privatise_reply
-from common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, PLACEMENT, POOL_PREFIX, to_torch
-from common.runtime import Runtime, get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
+from promptfcl.client.faults import inject_faults
+from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
+from promptfcl.client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
+from promptfcl.common import startup
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.evaluation import correct_counts, pooled_counts
+from promptfcl.common.learner import read_task_round
+from promptfcl.common.privacy import privacy_options, privatise_reply
+from promptfcl.common.records import (
+    ARRAYS,
+    CONFIG,
+    EVALUATE_TASK,
+    EVALUATION,
+    METRICS,
+    PLACEMENT,
+    POOL_PREFIX,
+    to_torch,
+)
+from promptfcl.common.runtime import Runtime, get_runtime
+from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -58,15 +67,15 @@ def train(msg: Message, context: Context) -> Message:
     evaluated = time.perf_counter()
     evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    learner = build_learner(cfg, runtime)
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
     reply = private_upload(cfg, reply, msg.content[ARRAYS], np.random.default_rng())
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
-        reply[METRICS]["setup-seconds"] = setup
+        reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
-            reply[METRICS]["evaluation-seconds"] = evaluation_seconds
+            reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
         report_process_cost(reply[METRICS])
         declare_sizes(cfg, runtime, reply[METRICS])
     reply[PLACEMENT] = placement(runtime, context, cfg.digest())
@@ -112,7 +121,7 @@ def query(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     check_same_config(cfg, config)
     runtime, client_id = client_runtime(cfg, context, config)
-    learner = learner_class(cfg.strategy)(runtime, cfg.method_options(cfg.strategy))
+    learner = build_learner(cfg, runtime)
     task, round_, client_id = assignment(cfg, config, client_id)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
@@ -155,7 +164,7 @@ def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayReco
 
 def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, list[int]]:
     """The ``pool-<task>`` entries of an evaluate message: the prompt slices each task is scored with."""
-    pools = {}
+    pools: dict[int, list[int]] = {}
     for key, value in config.items():
         if not key.startswith(POOL_PREFIX):
             continue
@@ -165,7 +174,7 @@ def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, 
         if not isinstance(value, list) or not value or \
                 not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < slices for s in value):
             raise ValueError(f"evaluate message: {key!r} must list prompt slices in 0..{slices - 1}")
-        pools[int(scored)] = value
+        pools[int(scored)] = [int(s) for s in value]
     return pools
 
 
@@ -182,7 +191,9 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
     method_prompt = prompt_class(cfg.strategy)
-    if cfg.device == "auto" and cfg.client_gpus_value == 0 and in_ray_actor():
+    if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
+        # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
+        # (Ray announces it will stop hiding them from such actors)
         cfg = cfg.replace(device="cpu")
     if cfg.population == "virtual":
         if not policy.data_from_run:
@@ -232,6 +243,11 @@ def report_process_cost(metrics: MetricRecord) -> None:
         metrics[startup.metric_name(name)] = seconds
 
 
+def ray_gpu_share() -> float:
+    """The share of a GPU Ray gave this actor (its assigned resources, set by the simulation's plan)."""
+    return float(sys.modules["ray"].get_runtime_context().get_assigned_resources().get("GPU", 0.0))
+
+
 def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     """Where this message was trained: the Ray node (simulation) or Flower node (deployment),
     the torch device, the CUDA_VISIBLE_DEVICES this process saw (Ray sets it per actor), and
@@ -267,7 +283,7 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
     theirs = config.get("config-digest")
     if theirs is not None and theirs != cfg.digest():
         raise ValueError(
-            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs}); "
+            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs!r}); "
             "both sides must run the same promptfcl configuration"
         )
 

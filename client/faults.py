@@ -4,7 +4,8 @@ Only on a node whose operator enabled it (node-config ``fault-injection=true`` o
 ``PROMPTFCL_FAULT_INJECTION=1``; simulated nodes are their operator's: client/node_policy.py):
 the run config chooses the fault, never whether a node obeys. There, with ``fault = "<kind>"``
 and ``fault-rate = p`` in the run config, each (client, task, round) of a train message
-misbehaves with probability p, decided by the seed, so a run's faults are reproducible; with ``fault-clients = "3,7"`` those clients misbehave whenever
+misbehaves with probability p, decided by the seed, so a run's faults are reproducible; with
+``fault-clients = "3,7"`` those clients misbehave whenever
 they are sampled (a fixed hostile share of the population). The mod sits between Flower and the ClientApp
 (``ClientApp(mods=[inject_faults])``), the mechanism Flower offers for wrapping a client:
 
@@ -24,10 +25,9 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from client.node_policy import NodePolicy
-from common.config import ExperimentConfig
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-
+from promptfcl.client.node_policy import NodePolicy
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 
 log = logging.getLogger("promptfcl")
 
@@ -53,11 +53,13 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     if msg.metadata.message_type != MessageType.TRAIN or not context.run_config.get("fault"):
         return call_next(msg, context)
     if not NodePolicy.from_node_config(context.node_config).fault_injection:
-        log.warning("the run asks for fault injection (fault = %r); this node did not enable it and trains "
-                    "normally", context.run_config.get("fault"))
+        log.warning(
+            "the run asks for fault injection (fault = %r); this node did not enable it and trains normally",
+            context.run_config.get("fault"),
+        )
         return call_next(msg, context)
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG] if CONFIG in msg.content.config_records else {}
+    config = msg.content.config_records[CONFIG] if CONFIG in msg.content.config_records else ConfigRecord()
     try:
         client, task, round_ = int(config["client-id"]), int(config["task"]), int(config["round"])
     except (KeyError, TypeError, ValueError):
@@ -88,8 +90,10 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray]) -> Record
     elif kind == "huge-values":
         arrays = {k: v * np.asarray(1e30, dtype=v.dtype) for k, v in arrays.items()}
     elif kind == "poison":  # the update reversed and scaled; arrays of another shape than sent: negated
-        arrays = {k: (sent[k] - 10.0 * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape
-                  else -10.0 * v for k, v in arrays.items()}
+        arrays = {
+            k: (sent[k] - 10.0 * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape else -10.0 * v
+            for k, v in arrays.items()
+        }
     elif kind == "extra-record":
         out["unexpected"] = ConfigRecord({"note": "not part of the protocol"})
     elif kind == "missing-record":

@@ -42,31 +42,32 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
-from common.config import DEVICES, ConfigError, ExperimentConfig
-from common.data import (
+from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
+from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
+from promptfcl.common.data import (
     IMAGE_EXTENSIONS,
-    read_class_folders,
     ArraySplit,
     DataError,
     Dataset,
-    ordered_dataset,
-    class_order,
     load_dataset,
     load_dataset_cached,
+    ordered_dataset,
+    read_class_folders,
 )
+from promptfcl.common.tasks import class_order
 
 log = logging.getLogger("promptfcl")
 
 NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id", *POLICY_KEYS)
 # Run-config keys that decide what a node's folder data decodes to.
-FOLDER_KEYS = ("seed", "test-fraction", "image-size", "class-names", "max-train-per-class", "max-test-per-class")
+FOLDER_KEYS = keys_of("node-folder")
 
 
 class NodeDataError(DataError):
@@ -289,7 +290,7 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from common.weights import cache_dir
+    from promptfcl.common.weights import cache_dir
 
     full = cfg.to_dict()
     listing = _listing(root)
@@ -409,15 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "export-digits":
-        for d in export_digits(Path(args.out), args.nodes):
-            print(d)
+        for folder in export_digits(Path(args.out), args.nodes):
+            print(folder)
         return 0
 
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from common.weights import check_weights
-    from client.methods import load_config
+    from promptfcl.common.weights import check_weights
+    from promptfcl.strategies.registry import load_config
 
     try:
         try:
@@ -427,17 +428,17 @@ def main(argv: list[str] | None = None) -> int:
                                 f"(quote strings: data-dir=\"/path\"): {exc}") from None
         cfg = load_config(args.config, args.set, None, None)
         NodePolicy.from_node_config(node_config).check_run(cfg)
-        node = node_data(cfg, node_config)
+        loaded = node_data(cfg, node_config)
         check_weights(cfg)  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    d = node.data
+    d = loaded.data
     k = d.num_classes // cfg.num_tasks
     per_task = [int(np.sum(d.train.labels // k == t)) for t in range(cfg.num_tasks)]
     held = [int(np.sum(d.test.labels // k == t)) for t in range(cfg.num_tasks)]
     print(f"ok: {d.name}: {d.num_classes} classes, {len(d.train)} train / {len(d.test)} held-out images; "
-          f"train per task {per_task}, held-out per task {held}; client-id {node.client_id}")
+          f"train per task {per_task}, held-out per task {held}; client-id {loaded.client_id}")
     return 0
 
 

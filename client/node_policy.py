@@ -29,7 +29,7 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from common.config import ExperimentConfig
+from promptfcl.common.config import ExperimentConfig
 
 #: run-config key -> the node's default ceiling (node-config ``max-<key>`` overrides it). Generous
 #: for paper-scale runs on a GPU node (ViT-B/16 at 224 px, batch 128, pools of 100 x 20 tokens).
@@ -65,7 +65,7 @@ class NodePolicy:
     data_from_run: bool = False
 
     @classmethod
-    def from_node_config(cls, node_config: Mapping[str, Any]) -> "NodePolicy":
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
         limits = dict(LIMITS)
         for key in LIMITS:
             value = node_config.get(f"max-{key}")

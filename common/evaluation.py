@@ -12,12 +12,14 @@ authors' code gives every client task its own block).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from common.data import head_rows, head_size, seen_classes, task_classes
-from common.model import masked_logits
-from common.runtime import Runtime
+from promptfcl.common.model import masked_logits
+from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, seen_classes, task_classes
 
 
 @torch.no_grad()
@@ -32,7 +34,9 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     data = getattr(rt.data, split)
     random_tasks = cfg.task_generator == "random"
     k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
-    seen = seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
+    seen = (
+        seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
+    )
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[seen] = True
     index = np.flatnonzero(np.isin(data.labels, seen))
@@ -72,7 +76,7 @@ def pooled_counts(rt: Runtime, task: int, pools: dict[int, list[int]]) -> tuple[
     slices (``pools``: task -> the slices its prompt module uses, ``local_tasks``), as methods
     whose clients keep per-task local pools are evaluated; tasks without a pool count 0 of 0."""
     correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
-    prompt = rt.model.prompt
+    prompt: Any = rt.model.prompt  # a prompt module with local pools (Powder's)
     try:
         for scored, pool in pools.items():
             prompt.local_tasks = pool

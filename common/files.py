@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
-from common.errors import DataError
+from promptfcl.common.errors import DataError
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:

@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import startup
-from common.config import ConfigError, ExperimentConfig
-from common.files import write_atomic
-from common.vit import Attention as OurAttention, Block as OurBlock, architecture, block_forward, from_state, from_timm
-from common.weights import backbone_identity, cache_dir, disk_backbone_id
+from promptfcl.common import startup
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.files import write_atomic
+from promptfcl.common.vit import Attention as OurAttention
+from promptfcl.common.vit import Block as OurBlock
+from promptfcl.common.vit import architecture, block_forward, from_state, from_timm
+from promptfcl.common.weights import backbone_identity, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -148,7 +150,7 @@ def _build_with_timm(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
         _seeded_reinit(model, cfg.seed)
     else:
         if cfg.weights.startswith("pretrained:"):
-            from common.weights import checkpoint_meta, resolve_weights
+            from promptfcl.common.weights import checkpoint_meta, resolve_weights
 
             path = resolve_weights(cfg)
             meta = checkpoint_meta(path)
@@ -375,11 +377,12 @@ class PromptedViT(nn.Module):
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         expected = set(self.trainable_state())
         if set(state) != expected:
-            raise ValueError(f"trainable state keys differ: missing {expected - set(state)}, extra {set(state) - expected}")
+            raise ValueError(f"trainable state keys differ: missing {expected - set(state)}, "
+                             f"extra {set(state) - expected}")
         self.prompt.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("prompt.")})
         self.head.load_state_dict({k[5:]: v for k, v in state.items() if k.startswith("head.")})
 
-    def train(self, mode: bool = True) -> "PromptedViT":
+    def train(self, mode: bool = True) -> PromptedViT:
         super().train(mode)
         self.backbone.eval()  # frozen: dropout/droppath stay off
         return self
@@ -430,22 +433,27 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device)[None, :], float("-inf"))
 
 
-def build_model(cfg: ExperimentConfig, num_classes: int,
-                prompt_class: type[CodaPrompt] | None = None) -> tuple[PromptedViT, str]:
+def build_model(
+    cfg: ExperimentConfig, num_classes: int, prompt_class: type[CodaPrompt] | None = None
+) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init."""
-    from common.data import head_size
+    from promptfcl.common.tasks import head_size
 
     backbone, source = build_backbone(cfg)
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
-    prompt = (prompt_class or CodaPrompt)(int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+    prompt = (prompt_class or CodaPrompt)(
+        int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks
+    )
     model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode)
     torch.random.set_rng_state(state)
     return model, source
 
 
-def initial_trainable_state(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] | None = None) -> dict[str, torch.Tensor]:
+def initial_trainable_state(
+    cfg: ExperimentConfig, prompt_class: type[CodaPrompt] | None = None
+) -> dict[str, torch.Tensor]:
     """The initial prompt and head parameters, built without data or backbone weights.
 
     Their initialisation is seeded and independent of the backbone's weights, so a randomly

@@ -53,14 +53,16 @@ precision attacks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from common.config import DP_NAMESPACE, ConfigError, ExperimentConfig, MethodOptions
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig
+from promptfcl.common.options import MethodOptions
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"
@@ -186,8 +188,8 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
         extras[name][key][row] = value  # cast to the array's dtype (float16 transport included)
     for name, arrays in extras.items():
         reply[name] = to_array_record(arrays)
-    if METRICS in reply.metric_records and "train-loss" in reply[METRICS]:
-        reply[METRICS]["train-loss"] = 0.0  # data-dependent, outside the mechanism: not released
+    if METRICS in reply.metric_records and "train-loss" in reply.metric_records[METRICS]:
+        reply.metric_records[METRICS]["train-loss"] = 0.0  # data-dependent, outside the mechanism: not released
     return reply
 
 
@@ -205,7 +207,8 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return float(accountant.get_epsilon(delta))
 
 
-def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_uploads: int | None = None) -> dict[str, Any]:
+def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int,
+                   most_uploads: int | None = None) -> dict[str, Any]:
     """results.json's ``privacy``: ``{"enabled": false}`` with DP off, else the guarantee so far."""
     if not opts.enabled:
         return {"enabled": False}
@@ -214,8 +217,9 @@ def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_up
         "epsilon": epsilon(opts.noise_multiplier, sample_rate, steps, opts.delta),
         # against an observer who knows which clients were sampled (the server, or anyone holding
         # the run's seed): no amplification, composed over the uploads of the most-sampled client
-        "epsilon_against_server": epsilon(opts.noise_multiplier, 1.0, steps if most_uploads is None else most_uploads,
-                                          opts.delta),
+        "epsilon_against_server": epsilon(
+            opts.noise_multiplier, 1.0, steps if most_uploads is None else most_uploads, opts.delta
+        ),
         "most_uploads_per_client": most_uploads,
         "delta": opts.delta,
         "mechanism": MECHANISM,
@@ -227,5 +231,17 @@ def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int, most_up
     }
 
 
-__all__ = ["ACCOUNTANT", "MECHANISM", "NAMESPACE", "PrivacyOptions", "PrivateRecord", "check_privacy", "clip_rows",
-           "epsilon", "gaussian_mechanism", "privacy_options", "privacy_report", "privatise_reply"]
+__all__ = [
+    "ACCOUNTANT",
+    "MECHANISM",
+    "NAMESPACE",
+    "PrivacyOptions",
+    "PrivateRecord",
+    "check_privacy",
+    "clip_rows",
+    "epsilon",
+    "gaussian_mechanism",
+    "privacy_options",
+    "privacy_report",
+    "privatise_reply",
+]

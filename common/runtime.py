@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import startup
-from common.config import ExperimentConfig
-from common.data import ArraySplit, Dataset, load_dataset_cached
-from common.files import write_atomic
-from common.model import CodaPrompt, PromptedViT, build_model, resolve_device
-from common.weights import disk_backbone_id
+from promptfcl.common import startup
+from promptfcl.common.config import ExperimentConfig, keys_of
+from promptfcl.common.data import ArraySplit, Dataset, load_dataset_cached
+from promptfcl.common.files import write_atomic
+from promptfcl.common.model import CodaPrompt, PromptedViT, build_model, resolve_device
+from promptfcl.common.weights import disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -156,7 +156,7 @@ def query_disk_dir(cfg: ExperimentConfig) -> Path | None:
     on = cfg.query_cache_disk == "on" or (cfg.query_cache_disk == "auto" and cfg.population == "nodes")
     if not on:
         return None
-    from common.weights import cache_dir
+    from promptfcl.common.weights import cache_dir
 
     return cache_dir() / "queries"
 
@@ -220,7 +220,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
 
 
 # Keys that say where a node's data is, not what the model is.
-_DATA_LOCATION_KEYS = frozenset({"dataset", "data-dir", "centralised", "centralised-mode", "num-clients"})
+_DATA_LOCATION_KEYS = frozenset(keys_of("data-location"))
 
 
 def _same_model(rt: Runtime, cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> bool:

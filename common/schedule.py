@@ -25,15 +25,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
-from common.errors import ConfigError
+from promptfcl.common.errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from common.config import ExperimentConfig
+    from promptfcl.common.config import ExperimentConfig
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:
@@ -74,7 +73,7 @@ class TaskSchedule:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> "TaskSchedule":
+    def from_config(cls, cfg: ExperimentConfig) -> TaskSchedule:
         if cfg.centralised:  # one client holding all data: the upper bound sees the stream in order
             return cls(cfg.num_tasks, 1, cfg.rounds_per_task, seed=cfg.seed)
         return cls(cfg.num_tasks, cfg.num_clients, cfg.rounds_per_task, cfg.switch_every, cfg.switch_fraction,
@@ -301,14 +300,16 @@ class RandomTaskSchedule:
     def describe(self) -> str:
         switching = (f"every {self.every} rounds {self.movers} random clients switch to a new task"
                      if self.every else "no switches")
-        return f"random tasks: {self.num_tasks} tasks over {self.num_clients} clients, {switching} ({self.num_rounds} rounds)"
+        return (f"random tasks: {self.num_tasks} tasks over {self.num_clients} clients, {switching} "
+                f"({self.num_rounds} rounds)")
 
 
 def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:
     """The run's schedule (raises ConfigError for settings that cannot work)."""
     if cfg.task_generator == "random":
-        return RandomTaskSchedule(cfg.num_tasks, cfg.num_clients, cfg.num_rounds, cfg.switch_every,
-                                  cfg.switch_fraction, cfg.seed)
+        return RandomTaskSchedule(
+            cfg.num_tasks, cfg.num_clients, cfg.num_rounds, cfg.switch_every, cfg.switch_fraction, cfg.seed
+        )
     return TaskSchedule.from_config(cfg)
 
 

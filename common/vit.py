@@ -58,8 +58,9 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | N
     q, k = attn.q_norm(q), attn.k_norm(k)
     if prefix is not None:
         half = prefix.shape[1] // 2
-        pk = prefix[:, :half].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
-        pv = prefix[:, half:].reshape(B, half, attn.num_heads, attn.head_dim).transpose(1, 2)
+        heads, head_dim = int(attn.num_heads), int(attn.head_dim)  # type: ignore[call-overload]
+        pk = prefix[:, :half].reshape(B, half, heads, head_dim).transpose(1, 2)
+        pv = prefix[:, half:].reshape(B, half, heads, head_dim).transpose(1, 2)
         k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.attn_drop.p if attn.training else 0.0)
     out = out.transpose(1, 2).reshape(B, N, attn.num_heads * attn.head_dim)

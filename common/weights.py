@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config import ConfigError, ExperimentConfig, keys_of
 
-ARCH_KEYS = ("backbone", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
+ARCH_KEYS = keys_of("architecture")
 # Keys that decide the backbone's output; a change in any of them invalidates queries.
-BACKBONE_KEYS = ("backbone", "weights", "image-size", "patch-size", "embed-dim", "depth", "num-heads")
+BACKBONE_KEYS = keys_of("backbone")
 
 
 def cache_dir() -> Path:

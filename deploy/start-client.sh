@@ -100,7 +100,7 @@ fi
 check=(check --node-config "$node_config")
 [ -n "$config" ] && check+=(--config "$(abspath "$config")")
 for s in ${sets[@]+"${sets[@]}"}; do check+=(--set "$s"); done
-(cd "$REPO_DIR" && "$PYTHON" -m client.node_data "${check[@]}") || die "this node's data is not usable for the run (see above)"
+"$PYTHON" -m promptfcl.client.node_data "${check[@]}" || die "this node's data is not usable for the run (see above)"
 
 mkdir -p "$state"
 export FLWR_HOME="$(cd "$state" && pwd)/flwr-home"

@@ -71,7 +71,7 @@ args+=(--database "$state/state.db")
 export FLWR_HOME="$state/flwr-home"
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 command -v flower-superlink >/dev/null || die "flower-superlink not found: install promptfcl (make install) first"
-"$PYTHON" -c "import server.app, client.app" 2>/dev/null \
+"$PYTHON" -c "import promptfcl.server.app, promptfcl.client.app" 2>/dev/null \
   || die "promptfcl is not importable by $PYTHON: install it on this machine first (make install)"
 cd "$state"
 echo "SuperLink: nodes on $host:$port (Fleet API only), operator on $control_host:$control_port, state in $state, node authentication $([ $auth = 1 ] && echo on || echo off)" >&2

@@ -47,8 +47,8 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 # and validate it with promptfcl's own configuration checks.
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
 import sys
-from common.config import ConfigError, ExperimentConfig, parse_overrides, toml_value
-from server.cli import load_config
+from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides, toml_value
+from promptfcl.server.cli import load_config
 
 src, dst, *sets = sys.argv[1:]
 try:

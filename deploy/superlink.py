@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int | None:
 
     import uvicorn
 
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     flower_superlink = internal("superlink_main")
     handler = logging.StreamHandler()

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.metrics import task_forgetting  # noqa: E402
+from promptfcl.common.metrics import task_forgetting  # noqa: E402
 
 
 def find_runs(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:

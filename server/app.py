@@ -7,11 +7,11 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import ExperimentConfig
-from common.data import check_source
-from server.loop import finish, run_experiment
-from server.report import table, write_outputs
-from client.methods import check_method, check_namespaces
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.data import check_source
+from promptfcl.server.report import table, write_outputs
+from promptfcl.server.run import finish, run_experiment
+from promptfcl.strategies.registry import check_method, check_namespaces
 
 log = logging.getLogger("promptfcl")
 

@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import ConfigError, ExperimentConfig
-from common.files import write_atomic
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.files import write_atomic
 
 log = logging.getLogger("promptfcl")
 
@@ -324,7 +324,8 @@ def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_
     Every training image of the class where one client's share is not known here: ``client`` -1
     (a head row), deployed nodes (their own data), stateless shares (they change every round)
     and random tasks."""
-    from common.data import client_indices, task_classes
+    from promptfcl.common.partitions import client_indices
+    from promptfcl.common.tasks import task_classes
 
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
@@ -359,11 +360,11 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from client.methods import strategy_class
-    from common.data import task_classes
-    from common.runtime import get_runtime
-    from common.weights import check_weights
-    from server import checkpoint
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.tasks import task_classes
+    from promptfcl.common.weights import check_weights
+    from promptfcl.server import checkpoint
+    from promptfcl.strategies.registry import build_strategy, strategy_class
 
     settings.validate()
     run = Path(run)
@@ -382,7 +383,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     method = strategy_class(cfg.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
-    strategy = method(cfg, rt.data.num_classes, cfg.method_options(cfg.strategy))
+    strategy = build_strategy(cfg, rt.data.num_classes)
     try:
         strategy.load_state_dict(ckpt.strategy_state)
         rt.model.load_trainable_state({k: torch.from_numpy(np.array(v, copy=True)) for k, v in ckpt.arrays.items()})

@@ -1,15 +1,16 @@
 """``promptfcl`` command line.
 
-    promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
-    promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
-                                           build the offline backbone (cached; skipped if present)
-    promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
-    promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
-    promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
-    promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
-    promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter, median, trimmed mean)
-    promptfcl show DIR                     print the result table of a finished run
-    promptfcl strategies                   list the available methods
+promptfcl simulate [--strategy NAME] [--config FILE.toml] [--set key=value ...] [--out DIR]
+promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
+                                       build the offline backbone (cached; skipped if present)
+promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
+promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
+promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
+promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
+promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter,
+                                       median, trimmed mean)
+promptfcl show DIR                     print the result table of a finished run
+promptfcl strategies                   list the available methods
 """
 
 from __future__ import annotations
@@ -21,21 +22,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig, parse_overrides
-from common.data import DataError
-from common.weights import check_weights
-from client.methods import METHODS, check_method, load_config, strategy_class
+from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.common.data import DataError
+from promptfcl.common.weights import check_weights
+from promptfcl.strategies.registry import check_method, load_config, methods, strategy_class
 
 log = logging.getLogger("promptfcl")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="promptfcl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run an experiment in Flower's Ray simulation")
-    sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(METHODS))}")
+    sim.add_argument("--strategy", help=f"one of: {', '.join(sorted(methods()))}")
     sim.add_argument("--config", help="TOML file of run-config keys (e.g. configs/*.toml)")
-    sim.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    sim.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)"
+    )
     sim.add_argument("--out", help="output directory (default: out-dir of the config)")
     sim.add_argument("--supernodes", type=int, help="Flower nodes to start (default: clients per round)")
     sim.add_argument("--verbose", action="store_true", help="Flower's debug logging")
@@ -47,24 +52,37 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--force", action="store_true", help="rebuild even if a cached backbone exists")
     res = sub.add_parser("resume", help="continue a stopped run from the checkpoint in its output directory")
     res.add_argument("dir")
-    res.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="only keys that do not change results (round-timeout, threads, device, "
-                          "ray-address, client-cpus, client-gpus)")
+    res.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="only keys that do not change results (round-timeout, threads, device, "
+        "ray-address, client-cpus, client-gpus)",
+    )
     res.add_argument("--supernodes", type=int)
     res.add_argument("--verbose", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks (they print figures)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    perf = bench_sub.add_parser("perf", help="client speed vs compute bound, per-round cost vs population, memory, bytes")
+    perf = bench_sub.add_parser(
+        "perf", help="client speed vs compute bound, per-round cost vs population, memory, bytes"
+    )
     perf.add_argument("--out", default="runs/bench-perf")
     perf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     perf.add_argument("--populations", default="10,100,1000")
     perf.add_argument("--methods", default="", help="comma-separated (default: all)")
-    dims = bench_sub.add_parser("paper-dims", help="one round of each paper configuration at the papers' model "
-                                                   "dimensions (random ViT-B/16 weights, stand-in data)")
+    dims = bench_sub.add_parser(
+        "paper-dims",
+        help="one round of each paper configuration at the papers' model "
+        "dimensions (random ViT-B/16 weights, stand-in data)",
+    )
     dims.add_argument("--out", default="runs/bench-paper-dims")
     dims.add_argument("--configs", default="configs/*.toml", help="glob of paper configurations")
-    dep = bench_sub.add_parser("deploy", help="a loopback deployment (deploy/ scripts) against the same "
-                                             "configuration simulated: round time and per-message start-up")
+    dep = bench_sub.add_parser(
+        "deploy",
+        help="a loopback deployment (deploy/ scripts) against the same "
+        "configuration simulated: round time and per-message start-up",
+    )
     dep.add_argument("--out", default="runs/bench-deploy")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     dep.add_argument("--nodes", type=int, default=3, help="SuperNodes (one client each)")
@@ -76,26 +94,40 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
-    cmp_ = bench_sub.add_parser("compare", help="every method + FedAvg-Prompt + the centralised references "
-                                               "(incremental and joint) on identical splits")
+    cmp_ = bench_sub.add_parser(
+        "compare",
+        help="every method + FedAvg-Prompt + the centralised references (incremental and joint) on identical splits",
+    )
     cmp_.add_argument("--out", default="runs/bench-compare")
     cmp_.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    cmp_.add_argument("--methods", default="",
-                      help="comma-separated (default: all); NAME/key=value/... is a variant with those "
-                           "NAME.* options, e.g. powder/dual=false (an ablation)")
+    cmp_.add_argument(
+        "--methods",
+        default="",
+        help="comma-separated (default: all); NAME/key=value/... is a variant with those "
+        "NAME.* options, e.g. powder/dual=false (an ablation)",
+    )
     cmp_.add_argument("--seeds", default="0,1,2")
-    cmp_.add_argument("--settings", default="dirichlet:0.5,dirichlet:0.1,quantity:1",
-                      help="heterogeneity levels: dirichlet:<beta>, quantity:<k> (k classes per client), "
-                           "quantity-skew:<beta> (client sizes from Dir(beta), labels IID), iid, or default "
-                           "(as configured)")
-    cmp_.add_argument("--no-upper-bound", action="store_true",
-                      help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
-                           "(they ignore the partition: one run per seed each)")
+    cmp_.add_argument(
+        "--settings",
+        default="dirichlet:0.5,dirichlet:0.1,quantity:1",
+        help="heterogeneity levels: dirichlet:<beta>, quantity:<k> (k classes per client), "
+        "quantity-skew:<beta> (client sizes from Dir(beta), labels IID), iid, or default "
+        "(as configured)",
+    )
+    cmp_.add_argument(
+        "--no-upper-bound",
+        action="store_true",
+        help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
+        "(they ignore the partition: one run per seed each)",
+    )
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
-    aud = sub.add_parser("audit", help="privacy audit: invert what the server received into images, score them "
-                                       "against the clients' real images and against chance (audit.json, audit.png)")
+    aud = sub.add_parser(
+        "audit",
+        help="privacy audit: invert what the server received into images, score them "
+        "against the clients' real images and against chance (audit.json, audit.png)",
+    )
     aud.add_argument("--run", required=True, help="run directory with a checkpoint (--set keep-checkpoint=true)")
     aud.add_argument("--out", help="where audit.json and audit.png go (default: the run directory)")
     aud.add_argument("--steps", type=int, default=300, help="Adam steps per inversion")
@@ -108,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-    from server.app import setup_logging
+    from promptfcl.server.app import setup_logging
 
     setup_logging()
     if args.command == "strategies":
-        print("\n".join(sorted(METHODS)))
+        print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
-        from server.report import table
+        from promptfcl.server.report import table
 
         path = Path(args.dir) / "results.json"
         if not path.is_file():
@@ -141,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from common.data import load_dataset_cached
+            from promptfcl.common.data import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from server.simulation import run_simulation
+    from promptfcl.server.simulation import run_simulation
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
@@ -182,7 +214,7 @@ PLACEMENT_KEYS = ("ray-address", "device", "threads", "client-cpus", "client-gpu
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     saved = checkpoint.load(out_dir)
     if saved is None:
@@ -196,8 +228,12 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
         saved_value = raw.pop(key, defaults[key])
         now = given.get(key, defaults[key])
         if saved_value != now:
-            log.info("resume: %s = %r (the checkpoint had %r; where to run comes from the command line "
-                     "or the defaults)", key, now, saved_value)
+            log.info(
+                "resume: %s = %r (the checkpoint had %r; where to run comes from the command line or the defaults)",
+                key,
+                now,
+                saved_value,
+            )
     raw.update(given)
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
@@ -210,14 +246,15 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     import shutil
     import time as _time
 
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     out = Path(cfg.out_dir)
     if cfg.resume:
         return
     if (out / checkpoint.FILENAME).exists() or (out / checkpoint.LEGACY_FILENAME).exists():
-        raise ConfigError(f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` "
-                          "or choose another --out")
+        raise ConfigError(
+            f"{out} holds an unfinished run; continue it with `promptfcl resume {out}` or choose another --out"
+        )
     if (out / "results.json").exists():
         stamp = _time.strftime("%Y%m%d-%H%M%S", _time.localtime((out / "results.json").stat().st_mtime))
         archive = out / "previous" / stamp
@@ -229,7 +266,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from server import bench
+    from promptfcl.server import bench
 
     try:
         if args.bench == "paper-dims":
@@ -245,13 +282,18 @@ def _bench(args: argparse.Namespace) -> int:
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
-        methods = ([args.method] if args.bench == "robustness" else [base["strategy"]] if args.bench == "deploy" else
-                   [m for m in args.methods.split(",") if m] or sorted(METHODS))
-        for m in methods:  # every method (variant) must fit the configuration before any run starts
+        chosen = (
+            [args.method]
+            if args.bench == "robustness"
+            else [base["strategy"]]
+            if args.bench == "deploy"
+            else [m for m in args.methods.split(",") if m] or sorted(methods())
+        )
+        for m in chosen:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
             check_method(name)
             method_cfg = ExperimentConfig.from_dict({**base, **options})
-            strategy_class(name).check_options(method_cfg.method_options(name))
+            strategy_class(name).parse_options(method_cfg.method_options(name))
             strategy_class(name).check_privacy(method_cfg)
             if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
                 strategy_class(name).check_schedule(method_cfg)
@@ -261,26 +303,35 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
             bench.deploy_overhead(Path(args.out), base, args.nodes)
         elif args.bench == "robustness":
-            from common.config import FAULTS
+            from promptfcl.common.config import FAULTS
 
             attacks = [a for a in args.attacks.split(",") if a]
             defences = [d for d in args.defences.split(",") if d]
             bad = [a for a in attacks if a not in FAULTS or not a] + [d for d in defences if d not in bench.DEFENCES]
             if bad:
-                raise ConfigError(f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
-                                  f"defences: {', '.join(bench.DEFENCES)}")
-            bench.robustness(Path(args.out), base, args.method, attacks, defences,
-                             [int(v) for v in args.seeds.split(",")], args.share)
+                raise ConfigError(
+                    f"unknown attacks or defences {bad}; attacks: {', '.join(f for f in FAULTS if f)}; "
+                    f"defences: {', '.join(bench.DEFENCES)}"
+                )
+            bench.robustness(
+                Path(args.out),
+                base,
+                args.method,
+                attacks,
+                defences,
+                [int(v) for v in args.seeds.split(",")],
+                args.share,
+            )
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
-            bench.perf(Path(args.out), base, populations=pops, methods=tuple(methods))
+            bench.perf(Path(args.out), base, populations=pops, methods=tuple(chosen))
         else:
             settings = [_parse_setting(s) for s in args.settings.split(",") if s]
             seeds = [int(v) for v in args.seeds.split(",")]
             upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
             if base.get("task-generator") == "random" and settings != [{}]:  # the partition plays no part
                 raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
-            bench.compare(Path(args.out), base, methods, seeds, settings, upper_bound=upper_bound)
+            bench.compare(Path(args.out), base, chosen, seeds, settings, upper_bound=upper_bound)
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -299,20 +350,28 @@ def _parse_setting(text: str) -> dict[str, Any]:
         return {"partition": "quantity-skew", "dirichlet-beta": float(value or 0.5)}
     if kind == "iid":
         return {"partition": "iid"}
-    raise ConfigError(f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
-                      "quantity-skew:<beta>, iid or default")
+    raise ConfigError(
+        f"unknown heterogeneity setting {text!r}: use dirichlet:<beta>, quantity:<k>, "
+        "quantity-skew:<beta>, iid or default"
+    )
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from server.audit import AuditSettings, audit_run
+    from promptfcl.server.audit import AuditSettings, audit_run
 
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
     except ValueError:
         print(f"error: --classes must be comma-separated integers, got {args.classes!r}", file=sys.stderr)
         return 2
-    settings = AuditSettings(steps=args.steps, lr=args.lr, tv_weight=args.tv_weight, distance=args.distance,
-                             seed=args.seed, max_real=args.max_real)
+    settings = AuditSettings(
+        steps=args.steps,
+        lr=args.lr,
+        tv_weight=args.tv_weight,
+        distance=args.distance,
+        seed=args.seed,
+        max_real=args.max_real,
+    )
     try:
         audit_run(args.run, settings, classes=classes, max_classes=args.max_classes, out=args.out)
     except (ConfigError, DataError) as exc:
@@ -322,8 +381,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from common.pretrain import pretrain
-    from common.weights import checkpoint_path
+    from promptfcl.common.pretrain import pretrain
+    from promptfcl.common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)

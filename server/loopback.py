@@ -29,7 +29,7 @@ VENV_BIN = Path(sys.executable).parent
 
 def toml_file(path: Path, values: dict[str, Any]) -> Path:
     """A flat run-config TOML file (``deploy/run.toml``'s format) holding ``values``."""
-    from common.config import toml_value
+    from promptfcl.common.config import toml_value
 
     path.write_text("".join(f'"{k}" = {toml_value(v)}\n' for k, v in values.items()))
     return path
@@ -146,10 +146,12 @@ def wait_for_log(log: Path, text: str, proc: subprocess.Popen, timeout: float) -
     raise TimeoutError(f"'{text}' not in {log} after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def run_script(name: str, *args: str, env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_script(name: str, *args: str, env: dict[str, str], cwd: Path,
+               timeout: float = 120) -> subprocess.CompletedProcess:
     """One of deploy/'s scripts, to completion."""
-    return subprocess.run(["bash", str(DEPLOY / name), *args], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", str(DEPLOY / name), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class Ports:
     control: int
 
     @classmethod
-    def free(cls) -> "Ports":
+    def free(cls) -> Ports:
         fleet = free_port()
         control = free_port()
         while control == fleet:
@@ -170,8 +172,20 @@ class Ports:
 
 def superlink_command(ports: Ports) -> list[str]:
     """deploy/start-server.sh as the README runs it, state in <root>/server (the same on a restart)."""
-    return ["bash", str(DEPLOY / "start-server.sh"), "--certs", "certs", "--state", "server",
-            "--host", "127.0.0.1", "--port", str(ports.fleet), "--control-port", str(ports.control)]
+    return [
+        "bash",
+        str(DEPLOY / "start-server.sh"),
+        "--certs",
+        "certs",
+        "--state",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports.fleet),
+        "--control-port",
+        str(ports.control),
+    ]
 
 
 def checked(done: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
@@ -189,8 +203,9 @@ def make_credentials(root: Path, env: dict[str, str], nodes: list[str]) -> None:
         checked(run_script("make-node-key.sh", "--out", "keys", name, env=env, cwd=root), f"make-node-key.sh {name}")
 
 
-def start_superlink(root: Path, procs: Processes, env: dict[str, str], ports: Ports,
-                    log: str = "superlink.log") -> subprocess.Popen:
+def start_superlink(
+    root: Path, procs: Processes, env: dict[str, str], ports: Ports, log: str = "superlink.log"
+) -> subprocess.Popen:
     """The SuperLink (TLS, node authentication) on ``ports``, once both listeners accept connections."""
     link = procs.start(superlink_command(ports), root / log, env, cwd=root)
     wait_for_log(root / log, f"Uvicorn running on https://127.0.0.1:{ports.fleet}", link, timeout=180)
@@ -199,25 +214,60 @@ def start_superlink(root: Path, procs: Processes, env: dict[str, str], ports: Po
 
 def register_node(root: Path, env: dict[str, str], control_port: int, name: str) -> None:
     """deploy/register-node.sh on the SuperLink's machine (the control address)."""
-    done = run_script("register-node.sh", "--superlink", f"127.0.0.1:{control_port}", "--ca", "certs/ca.crt",
-                      "--name", name, f"keys/{name}.pub", env=env, cwd=root)
+    done = run_script(
+        "register-node.sh",
+        "--superlink",
+        f"127.0.0.1:{control_port}",
+        "--ca",
+        "certs/ca.crt",
+        "--name",
+        name,
+        f"keys/{name}.pub",
+        env=env,
+        cwd=root,
+    )
     if done.returncode != 0 or "registered successfully" not in done.stdout:
         raise RuntimeError(f"registering {name} failed:\n{done.stdout}{done.stderr}")
 
 
-def start_node(root: Path, procs: Processes, env: dict[str, str], superlink: str, name: str, data: str,
-               run_toml: Path, extra: list[str] | None = None) -> subprocess.Popen:
+def start_node(
+    root: Path,
+    procs: Processes,
+    env: dict[str, str],
+    superlink: str,
+    name: str,
+    data: str,
+    run_toml: Path,
+    extra: list[str] | None = None,
+) -> subprocess.Popen:
     """A SuperNode started with deploy/start-client.sh, once it has its node id."""
-    args = ["bash", str(DEPLOY / "start-client.sh"), "--superlink", superlink, "--ca", "certs/ca.crt",
-            "--key", f"keys/{name}", "--data-dir", data, "--config", str(run_toml), "--state", name,
-            "--port", str(free_port()), *(extra or [])]
+    args = [
+        "bash",
+        str(DEPLOY / "start-client.sh"),
+        "--superlink",
+        superlink,
+        "--ca",
+        "certs/ca.crt",
+        "--key",
+        f"keys/{name}",
+        "--data-dir",
+        data,
+        "--config",
+        str(run_toml),
+        "--state",
+        name,
+        "--port",
+        str(free_port()),
+        *(extra or []),
+    ]
     node = procs.start(args, root / f"{name}.log", env, cwd=root)
     wait_for_log(root / f"{name}.log", "SuperNode ID", node, timeout=180)
     return node
 
 
-def submit(root: Path, env: dict[str, str], control_port: int, run_toml: Path, app: Path | None = None,
-           timeout: float = 1500) -> subprocess.CompletedProcess:
+def submit(
+    root: Path, env: dict[str, str], control_port: int, run_toml: Path, app: Path | None = None, timeout: float = 1500
+) -> subprocess.CompletedProcess:
     """deploy/submit-run.sh against the SuperLink's control address; returns when the run has ended."""
     args = ["--superlink", f"127.0.0.1:{control_port}", "--ca", "certs/ca.crt", "--config", str(run_toml)]
     if app is not None:
@@ -225,10 +275,12 @@ def submit(root: Path, env: dict[str, str], control_port: int, run_toml: Path, a
     return run_script("submit-run.sh", *args, env=env, cwd=root, timeout=timeout)
 
 
-def run_deployed(root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500) -> dict[str, Any]:
+def run_deployed(
+    root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500
+) -> dict[str, Any]:
     """A whole loopback deployment of ``run`` (run-config keys) on ``nodes`` SuperNodes, each with a
     disjoint share of the digits as image folders; returns the run's results.json."""
-    from client.node_data import export_digits
+    from promptfcl.client.node_data import export_digits
 
     root = root.resolve()  # the scripts run inside it
     root.mkdir(parents=True, exist_ok=True)
@@ -245,8 +297,16 @@ def run_deployed(root: Path, run: dict[str, Any], nodes: int, threads: int = 1, 
             register_node(root, env, ports.control, name)
             # the machine's own cache (PROMPTFCL_CACHE or ~/.cache/promptfcl): weights, decoded
             # images and queries, as a node that has run before has them
-            start_node(root, procs, script_env(), f"127.0.0.1:{ports.fleet}", name, f"data/node{i}", run_toml,
-                       ["--threads", str(threads)])
+            start_node(
+                root,
+                procs,
+                script_env(),
+                f"127.0.0.1:{ports.fleet}",
+                name,
+                f"data/node{i}",
+                run_toml,
+                ["--threads", str(threads)],
+            )
         done = submit(root, env, ports.control, run_toml, timeout=timeout)
         procs.remember_descendants()
         checked(done, "submit-run.sh")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.files import write_atomic
+from promptfcl.common.files import write_atomic
 
 
 def write_json_atomic(path: Path, obj: Any) -> int:
@@ -67,7 +67,7 @@ def table(results: dict[str, Any]) -> str:
     for i, row in enumerate(acc):
         cells = ["" if v is None else f"{v:.1f}" for v in row]
         rows.append(f"| T{i + 1} | " + " | ".join(cells) + " |")
-    rows.append(f"| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"] or []) + " |")
+    rows.append("| **A_t** | " + " | ".join(f"{v:.1f}" for v in results["average_accuracy_per_task"] or []) + " |")
     comm, timing = results["communication"], results["timing"]
     cfg = results["config"]
     rows += [
@@ -75,26 +75,35 @@ def table(results: dict[str, Any]) -> str:
         "| metric | value |",
         "|---|---|",
         f"| strategy | {cfg['strategy']} |",
-        (f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
-         if cfg.get("population", "virtual") != "nodes" else  # deployment: each node brings its data
-         f"| dataset | each node's own ({n} tasks, {cfg['num-clients']} nodes, {cfg.get('evaluation')} evaluation) |"),
+        (
+            f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
+            if cfg.get("population", "virtual") != "nodes"
+            # deployment: each node brings its data
+            else f"| dataset | each node's own ({n} tasks, {cfg['num-clients']} nodes, "
+                 f"{cfg.get('evaluation')} evaluation) |"
+        ),
         f"| final average accuracy A_N | {_number(results['final_average_accuracy'])} |",
         f"| average incremental accuracy | {_number(results['average_incremental_accuracy'])} |",
         f"| average forgetting | {_number(results['average_forgetting'])} |",
         f"| bytes S2C / C2S per round | {comm['bytes_s2c_per_round']:,.0f} / {comm['bytes_c2s_per_round']:,.0f} |",
         f"| trainable parameters | {comm['trainable_parameters']:,} |",
-        f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / {timing['server_seconds_per_round']:.3f} |",
+        f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / "
+        f"{timing['server_seconds_per_round']:.3f} |",
         f"| total run time | {timing['total_seconds']:.1f} s |",
     ]
     privacy = results.get("privacy") or {}
     if privacy.get("enabled"):  # common/privacy.py: the guarantee of the whole run
-        rows.append(f"| differential privacy | epsilon {_number(privacy['epsilon'])} at delta {privacy['delta']:g} "
-                    f"(clip {privacy['clip']:g}, noise multiplier {privacy['noise_multiplier']:g}, "
-                    f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds); against the server "
-                    f"{_number(privacy.get('epsilon_against_server'))} |")
+        rows.append(
+            f"| differential privacy | epsilon {_number(privacy['epsilon'])} at delta {privacy['delta']:g} "
+            f"(clip {privacy['clip']:g}, noise multiplier {privacy['noise_multiplier']:g}, "
+            f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds); against the server "
+            f"{_number(privacy.get('epsilon_against_server'))} |"
+        )
     if results.get("stopped_after_round") is not None:
-        rows.append(f"| stopped early (max-rounds) | after round {results['stopped_after_round']}; "
-                    "metrics cover the finished tasks |")
+        rows.append(
+            f"| stopped early (max-rounds) | after round {results['stopped_after_round']}; "
+            "metrics cover the finished tasks |"
+        )
     return "\n".join(rows)
 
 
@@ -103,8 +112,10 @@ def rounds_table(results: dict[str, Any]) -> str:
     rows = ["| round | accuracy | bytes S2C | bytes C2S | client s | server s |", "|---|---|---|---|---|---|"]
     for r in results["rounds"]:
         acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.1f}"  # not evaluated (evaluate-every)
-        rows.append(f"| {r['server_round']} | {acc} | {r['bytes_s2c']:,} | {r['bytes_c2s']:,} | "
-                    f"{r['client_seconds']:.2f} | {r['server_seconds']:.3f} |")
+        rows.append(
+            f"| {r['server_round']} | {acc} | {r['bytes_s2c']:,} | {r['bytes_c2s']:,} | "
+            f"{r['client_seconds']:.2f} | {r['server_seconds']:.3f} |"
+        )
     if results.get("stopped_after_round") is not None:
         rows.append(f"\nstopped after round {results['stopped_after_round']} (max-rounds)")
     return "\n".join(rows)
@@ -122,8 +133,10 @@ def asynchronous_table(results: dict[str, Any]) -> str:
     rows = ["| task | client | rounds | single-task | at its last round | final |", "|---|---|---|---|---|---|"]
     for g, (t, s) in enumerate(zip(a["tasks"], single)):
         at_finish, final = by_round[t["last_round"] - 1][g], by_round[-1][g]
-        rows.append(f"| T{g + 1} | {t['client']} | {t['first_round']}-{t['last_round']} | "
-                    f"{'' if s is None else f'{s:.1f}'} | {at_finish:.1f} | {final:.1f} |")
+        rows.append(
+            f"| T{g + 1} | {t['client']} | {t['first_round']}-{t['last_round']} | "
+            f"{'' if s is None else f'{s:.1f}'} | {at_finish:.1f} | {final:.1f} |"
+        )
 
     def value(key: str) -> str:
         return "n/a (no single-task reference)" if a.get(key) is None else f"{a[key]:.2f}"
@@ -185,8 +198,15 @@ def plot(results: dict[str, Any], out: Path) -> None:
     for i in range(n):
         for t in range(n):
             if not np.isnan(acc[i, t]):
-                ax.text(t, i, f"{acc[i, t]:.0f}", ha="center", va="center", fontsize=7,
-                        color="white" if acc[i, t] < 60 else "black")
+                ax.text(
+                    t,
+                    i,
+                    f"{acc[i, t]:.0f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if acc[i, t] < 60 else "black",
+                )
     ax.set_xticks(range(n), [f"T{t + 1}" for t in range(n)])
     ax.set_yticks(range(n), [f"T{t + 1}" for t in range(n)])
     ax.set_xlabel("after learning task")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, ExperimentConfig, toml_value
+from promptfcl.common.config import ConfigError, ExperimentConfig, toml_value
 
 log = logging.getLogger("promptfcl")
 
@@ -147,9 +147,17 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
 def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
     """A minimal Flower app directory whose pyproject carries ``cfg`` as its run config."""
     lines = [
-        "[project]", 'name = "promptfcl-run"', 'version = "0.0.0"', "",
-        "[tool.flwr.app]", 'publisher = "promptfcl"', "",
-        "[tool.flwr.app.components]", 'serverapp = "server.app:app"', 'clientapp = "client.app:app"', "",
+        "[project]",
+        'name = "promptfcl-run"',
+        'version = "0.0.0"',
+        "",
+        "[tool.flwr.app]",
+        'publisher = "promptfcl"',
+        "",
+        "[tool.flwr.app.components]",
+        'serverapp = "promptfcl.server.app:app"',
+        'clientapp = "promptfcl.client.app:app"',
+        "",
         "[tool.flwr.app.config]",
     ]
     lines += [f'"{key}" = {toml_value(value)}' for key, value in cfg.to_dict().items()]
@@ -176,16 +184,21 @@ def connect_ray(address: str, cpus: int | None = None) -> list[RayNode]:
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     os.environ["PYTHONPATH"] = pythonpath
-    common: dict[str, Any] = {"runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}},
-                              "include_dashboard": False, "logging_level": logging.WARNING}
+    common: dict[str, Any] = {
+        "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath}},
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+    }
     try:
         if address:
             ray.init(address=address, **common)
         else:  # "local": never attach to a cluster started on this machine by someone else
             ray.init(address="local", num_cpus=cpus or os.cpu_count() or 1, **common)
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"cannot {'join the Ray cluster at ' + address if address else 'start a local Ray'}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"cannot {'join the Ray cluster at ' + address if address else 'start a local Ray'}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     nodes = []
     for node in ray.nodes():
         if not node.get("Alive", False):
@@ -201,17 +214,14 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
     from flwr.app import Context, RecordDict
-    from common.flower_internals import internal
 
-    from client.app import app as client_app
-    from server.app import app as server_app
+    from promptfcl.client.app import app as client_app
+    from promptfcl.common.flower_internals import internal
+    from promptfcl.server.app import app as server_app
 
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)
         log.info("Flower simulation: %s", plan.describe())
-        # the nodes get the resolved shares: a client given no GPU trains on the CPU even where
-        # Ray leaves the GPUs visible (Ray announces it will stop hiding them from such actors)
-        cfg = cfg.replace(client_cpus=f"{plan.client_cpus:g}", client_gpus=f"{plan.client_gpus:g}")
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
             app_dir = write_app_dir(cfg, Path(tmp))
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())

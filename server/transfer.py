@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from common import metrics
-from common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
-from common.evaluation import accuracies, correct_counts
-from common.files import write_atomic
-from common.model import CodaPrompt, initial_trainable_state
-from common.weights import cache_dir
-from common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from common.runtime import get_runtime
-from common.schedule import RandomTaskSchedule
+from promptfcl.common import metrics
+from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
+from promptfcl.common.evaluation import accuracies, correct_counts
+from promptfcl.common.files import write_atomic
+from promptfcl.common.model import CodaPrompt, initial_trainable_state
+from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import get_runtime
+from promptfcl.common.schedule import RandomTaskSchedule
+from promptfcl.common.weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -45,8 +45,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from client.learner import LocalLearner
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
     rt = get_runtime(cfg, CodaPrompt)
@@ -65,7 +65,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     learner = LocalLearner(rt)
     initial = to_array_record(initial_trainable_state(dataclasses.replace(cfg, num_classes=rt.data.num_classes),
                                                       CodaPrompt))
-    fresh = FedAvgPrompt(cfg, rt.data.num_classes)
+    fresh = FedAvgStrategy(cfg, rt.data.num_classes)
     per_task = cfg.pool_size // cfg.num_tasks
     out = np.full(cfg.num_tasks, np.nan)
     for task in range(cfg.num_tasks):
@@ -76,7 +76,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
         arrays = to_array_record(state)
         for round_ in range(schedule.finish(task) - schedule.start(task) + 1):
             reply = learner.fit(RecordDict({ARRAYS: arrays}), task, round_, schedule.owner(task))
-            arrays = reply[ARRAYS]
+            arrays = reply.array_records[ARRAYS]
         rt.model.load_trainable_state(to_torch(arrays))
         out[task] = accuracies(*correct_counts(rt, task))[task]
     log.info("single-task reference: %s (%.1f s)", " ".join(f"{a:.0f}" for a in out),

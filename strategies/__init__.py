@@ -1,5 +1,3 @@
-"""Server strategies, one module per method (the registry of methods: ``client/methods.py``).
-
-``base`` holds what every method shares (``PromptStrategy``, reply checks, per-slice
-averaging), ``replies`` the reply schema and the robust aggregation rules.
-"""
+"""Methods: one folder per method (``fedavg``, ``fedcprompt``, ``fppl``, ``hepco``, ``hgp``,
+``powder``), each filling the hooks of the shared platform (``platform/``); ``registry.py`` finds
+them (and methods other distributions register)."""

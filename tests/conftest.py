@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from common.config import ExperimentConfig  # noqa: E402
+from promptfcl.common.config import ExperimentConfig  # noqa: E402
 
 TINY: dict[str, Any] = {
     "dataset": "digits",
@@ -50,7 +50,7 @@ def tiny() -> ExperimentConfig:
 @contextlib.contextmanager
 def flower_task_identity():
     """Flower's process identity, which building Message objects outside a run needs."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     TaskIdentity = internal("task_identity")
 

@@ -12,14 +12,14 @@ import json
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from common.config import ExperimentConfig
+from promptfcl.common.config import ExperimentConfig
 
 #: a Flower mod: (message, context, call_next) -> reply
 Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]
@@ -31,7 +31,7 @@ def simulate(out: Path, strategy: str = "fedavg", timeout: int = 600, **override
     from tests.conftest import TINY
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
-    args = [sys.executable, "-m", "server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
@@ -43,7 +43,7 @@ def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -
     """:func:`simulate`'s run (same configuration, loaded and checked the same way) with the
     ClientApps in this process (:class:`InProcessGrid`, one node per client of a round): the
     same server loop, strategies and ClientApp, without Ray's start-up; results.json."""
-    from client.methods import load_config
+    from promptfcl.strategies.registry import load_config
     from tests.conftest import TINY, flower_task_identity
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
@@ -67,7 +67,7 @@ class NodeList:
 def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """In-process nodes are the test's own, as Ray-simulated nodes are their operator's: they read
     the run's data location and obey its fault switch (client/node_policy.py)."""
-    from client.node_policy import trust_run
+    from promptfcl.client.node_policy import trust_run
 
     trust_run(context)
     return call_next(msg, context)
@@ -76,7 +76,8 @@ def operated_by_the_test(msg: Message, context: Context, call_next: Callable[[Me
 def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientApp:
     """The project's ClientApp functions behind ``mods`` (outermost first), then its own mods;
     ``operated``: the nodes are the test's own (:func:`operated_by_the_test`), as in a simulation."""
-    from client.app import app as real, evaluate, query, train
+    from promptfcl.client.app import app as real
+    from promptfcl.client.app import evaluate, query, train
 
     app = ClientApp(mods=([operated_by_the_test] if operated else []) + list(mods or []) + list(real._mods))
     app.train()(train)
@@ -86,7 +87,7 @@ def client_app(mods: list[Mod] | None = None, operated: bool = True) -> ClientAp
 
 
 class PushPullGrid:
-    """``push_messages`` / ``pull_messages`` (what the server loop calls, ``server.loop.send_and_receive``)
+    """``push_messages`` / ``pull_messages`` (what the server loop calls, ``server.messaging.send_and_receive``)
     for a test grid that answers a batch of messages at once in ``send_and_receive``."""
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
@@ -164,8 +165,8 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
                    dead: dict[int, str] | None = None,
                    node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
-    from server.loop import finish, run_experiment
-    from server.report import write_outputs
+    from promptfcl.server.report import write_outputs
+    from promptfcl.server.run import finish, run_experiment
 
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
@@ -174,11 +175,11 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
     return results
 
 
-def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
+def make_ckpt(server_round: int) -> Any:
     """A small valid checkpoint of the tiny configuration at ``server_round``."""
     import numpy as np
 
-    from server import checkpoint
+    from promptfcl.server import checkpoint
     from tests.conftest import tiny_config
 
     return checkpoint.Checkpoint(
@@ -186,3 +187,29 @@ def make_ckpt(server_round: int) -> "checkpoint.Checkpoint":
         task_finished=False, arrays={"head.weight": np.ones((2, 2), np.float32) * server_round},
         strategy_state={}, accuracy_matrix=np.full((2, 2), np.nan), rounds=[], rng=checkpoint.capture_rng(),
         elapsed_seconds=1.0)
+
+
+def accepted_of(contents: list[RecordDict], tasks: list[int] | int = 0, clients: list[int] | None = None,
+                weights: list[float] | None = None) -> list:
+    """Accepted replies as the platform hands them to a method's hooks (``aggregate``, ``consolidate``,
+    ``round_metrics``): reply ``i`` from client ``clients[i]`` (default ``i``), trained on ``tasks[i]``
+    (one int: every reply's task), with weight ``weights[i]`` (default its sample count)."""
+    from flwr.app import ConfigRecord, MessageType
+
+    from promptfcl.common.records import METRICS
+    from promptfcl.strategies.platform.rounds import Accepted, Sent
+    from tests.conftest import flower_task_identity
+
+    tasks = [tasks] * len(contents) if isinstance(tasks, int) else list(tasks)
+    clients = list(range(len(contents))) if clients is None else list(clients)
+    out = []
+    with flower_task_identity():
+        for i, content in enumerate(contents):
+            config = ConfigRecord({"task": tasks[i], "round": 0, "client-id": clients[i]})
+            request = Message(content=RecordDict({"config": config}), dst_node_id=1000 + i,
+                              message_type=MessageType.TRAIN)
+            sent = Sent(clients[i], tasks[i], 0, clients[i], config, message=request)
+            weight = weights[i] if weights is not None else float(content[METRICS]["num-examples"]) \
+                if METRICS in content.metric_records else 0.0
+            out.append(Accepted(sent, Message(content=content, reply_to=request), weight=weight))
+    return out

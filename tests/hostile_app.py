@@ -13,8 +13,7 @@ import os
 
 from flwr.app import Context, Message, MessageType, MetricRecord
 
-from common.records import EVALUATION
-
+from promptfcl.common.records import EVALUATION
 from tests.helpers import client_app
 
 

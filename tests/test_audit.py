@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError
-from server.audit import AuditSettings, Target, audit_run, audit_targets
+from promptfcl.common.config import ConfigError
+from promptfcl.server.audit import AuditSettings, Target, audit_run, audit_targets
 
 
+@pytest.mark.e2e
 def test_audit_run_end_to_end(tmp_path):
     """A tiny HGP run keeps its checkpoint; the audit inverts every class's uploaded mean and a
     Gaussian draw, writes audit.json and audit.png, every score finite."""

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from server.bench import finished_run, summary_table
+from promptfcl.server.bench import finished_run, summary_table
 from tests.conftest import TINY
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _write_results(run_dir, settings):
-    from common.config import ExperimentConfig
+    from promptfcl.common.config import ExperimentConfig
 
     run_dir.mkdir(parents=True)
     cfg = ExperimentConfig.from_dict({**settings, "out-dir": str(run_dir)})
@@ -44,7 +44,7 @@ def test_summary_table_reports_mean_and_spread_per_setting_and_method():
 
 
 def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypatch):
-    from server import bench
+    from promptfcl.server import bench
 
     def fake_run(settings, out, strategy="fedavg", **_):
         if strategy == "hgp":
@@ -53,7 +53,7 @@ def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypa
                 "average_forgetting": 5.0, "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
                 "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
 
-    monkeypatch.setattr(bench, "run_simulation_subprocess", fake_run)
+    monkeypatch.setattr("promptfcl.server.bench.comparison.run_simulation_subprocess", fake_run)
     rows = bench.compare(tmp_path, dict(TINY), ["fedavg", "hgp"], [0, 1], [{"partition": "iid"}], upper_bound=False)
     assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedavg", 1)]
     md = (tmp_path / "compare.md").read_text()
@@ -62,7 +62,7 @@ def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypa
 
 
 def test_a_method_variant_carries_its_options():
-    from server.bench import parse_method
+    from promptfcl.server.bench import parse_method
 
     assert parse_method("powder") == ("powder", {})
     assert parse_method("powder/dual=false/k=1/selection=random") == (
@@ -84,7 +84,7 @@ def test_summary_table_of_random_task_runs_has_section_5_1_columns():
 @pytest.mark.simulation
 def test_paper_dims_runs_a_paper_configuration_at_vit_b16_size(tmp_path):
     """One real simulated round of Fed-CPrompt's CIFAR-100 configuration at the paper's size."""
-    from server.bench import paper_dims
+    from promptfcl.server.bench import paper_dims
 
     report = paper_dims(tmp_path, [CONFIGS / "fedcprompt-cifar100.toml"])
     v = report["methods"]["fedcprompt"]
@@ -101,7 +101,7 @@ def test_paper_dims_runs_a_paper_configuration_at_vit_b16_size(tmp_path):
     assert json.loads((tmp_path / "paper_dims.json").read_text())["methods"]["fedcprompt"] == v
 def test_compare_reports_the_incremental_and_the_joint_upper_bound(tmp_path, monkeypatch):
     """Both centralised references run once per seed, whatever the setting, under their own names."""
-    from server import bench
+    from promptfcl.server import bench
 
     calls = []
 
@@ -114,7 +114,7 @@ def test_compare_reports_the_incremental_and_the_joint_upper_bound(tmp_path, mon
                 "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
                 "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
 
-    monkeypatch.setattr(bench, "run_simulation_subprocess", fake_run)
+    monkeypatch.setattr("promptfcl.server.bench.comparison.run_simulation_subprocess", fake_run)
     rows = bench.compare(tmp_path, dict(TINY), ["fedavg"], [0], [{"partition": "iid"},
                                                                  {"partition": "quantity-skew", "dirichlet-beta": 0.5}])
     assert {(r["method"], r["setting"]) for r in rows} == {
@@ -127,7 +127,7 @@ def test_compare_reports_the_incremental_and_the_joint_upper_bound(tmp_path, mon
 
 
 def test_quantity_skew_is_a_heterogeneity_setting():
-    from server.cli import _parse_setting
+    from promptfcl.server.cli import _parse_setting
 
     assert _parse_setting("quantity-skew:0.5") == {"partition": "quantity-skew", "dirichlet-beta": 0.5}
     assert _parse_setting("quantity:2") == {"partition": "quantity", "classes-per-client": 2}
@@ -138,7 +138,7 @@ def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypat
 
     import pytest
 
-    from server import bench
+    from promptfcl.server import bench
 
     started = []
     real_popen = subprocess.Popen
@@ -158,7 +158,7 @@ def test_an_interrupted_benchmark_run_is_resumed_not_refused(tmp_path, monkeypat
     a fresh one starts without it."""
     import subprocess
 
-    from server import bench, checkpoint
+    from promptfcl.server import bench, checkpoint
 
     seen = []
     real_popen = subprocess.Popen
@@ -187,7 +187,7 @@ def test_a_chatty_failing_run_with_memory_watched_does_not_hang(tmp_path, monkey
     import subprocess
     import sys
 
-    from server import bench
+    from promptfcl.server import bench
 
     real_popen = subprocess.Popen
 

@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, ExperimentConfig, parse_overrides
-from server.cli import load_config
+from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.server.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pyproject_run_config_equals_the_dataclass_defaults():
-    from client.methods import app_config_tables, namespaced_defaults
+    from promptfcl.strategies.registry import app_config_tables, namespaced_defaults
 
     doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
     run_config = dict(doc["tool"]["flwr"]["app"]["config"])
@@ -20,17 +20,17 @@ def test_pyproject_run_config_equals_the_dataclass_defaults():
     assert run_config == ExperimentConfig().to_dict()
     # every namespaced option (dp.*, <method>.*) is declared with its default
     assert tables == namespaced_defaults(), "regenerate with client.methods.app_config_tables():\n" + app_config_tables()
-    assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "client.app:app"}
+    assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "promptfcl.server.app:app", "clientapp": "promptfcl.client.app:app"}
 
 
 def test_every_key_passes_flowers_own_run_config_check():
     """The check the SuperLink applies to `flwr run -c` (and so to deploy/submit-run.sh): every key
     the project knows is accepted, and the fused run config gives the run's method its options."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     get_fused_config_from_dir = internal("fused_run_config")
 
-    from client.methods import namespaced_defaults
+    from promptfcl.strategies.registry import namespaced_defaults
 
     every = dict(ExperimentConfig().to_dict())
     for namespace, options in namespaced_defaults().items():
@@ -120,3 +120,24 @@ def test_resources_and_cluster_keys_do_not_change_what_a_run_computes():
     assert (placed.client_gpus_value, placed.client_cpus_value) == (0.25, 4.0)
     assert (plain.client_gpus_value, plain.client_cpus_value) == (None, None)
     assert ExperimentConfig.from_dict({"ray-address": "ray://head:10001"}).ray_address == "ray://head:10001"
+
+
+def test_every_key_has_a_section_and_the_derived_key_sets_follow_from_them():
+    """The run config is split into sections; what a key enters (the digest, a decoded dataset, a
+    node's folder cache, the backbone's identity, a client's data location) is declared on the key
+    itself, so no list elsewhere has to change with a new key."""
+    from dataclasses import fields
+
+    from promptfcl.common.config import IDENTITIES, RESULT_NEUTRAL_KEYS, SECTIONS, keys_in, keys_of
+
+    keys = [f.name.replace("_", "-") for f in fields(ExperimentConfig) if f.name != "method"]
+    assert sorted(k for s in SECTIONS for k in keys_in(s)) == sorted(keys)  # each key in exactly one section
+    assert all(keys_of(i) for i in IDENTITIES)
+    base = ExperimentConfig()
+    for key in keys_in("placement") + keys_in("output"):  # where and how a run goes: never what it computes
+        assert key in RESULT_NEUTRAL_KEYS
+    assert base.replace(threads=3, out_dir="elsewhere").digest() == base.digest()
+    assert base.replace(lr=0.5).digest() != base.digest() and "lr" not in RESULT_NEUTRAL_KEYS
+    # the decoded dataset depends on its source and preprocessing, not on training
+    assert {"dataset", "data-dir", "image-size", "seed"} <= set(keys_of("dataset")) and "lr" not in keys_of("dataset")
+    assert set(keys_of("architecture")) < set(keys_of("backbone")) and "weights" in keys_of("backbone")

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import ConfigError
-from common.data import (
-    DataError, augment_images, class_order, client_indices, load_dataset, seen_classes, task_classes,
-)
+from promptfcl.common.augment import augment_images
+from promptfcl.common.config import ConfigError
+from promptfcl.common.data import DataError, load_dataset
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.tasks import class_order, seen_classes, task_classes
 from tests.conftest import tiny_config
 
 
@@ -150,7 +151,7 @@ def test_crop_flip_is_a_seeded_padded_crop_and_horizontal_flip():
 
 
 def test_joint_centralised_client_holds_every_seen_task(digits):
-    from common.data import training_classes
+    from promptfcl.common.tasks import training_classes
 
     joint = tiny_config(num_tasks=5, centralised=True, centralised_mode="joint")
     incremental = tiny_config(num_tasks=5, centralised=True)
@@ -263,7 +264,7 @@ def test_hub_unreachable_is_a_clear_error():
 
 
 def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():
-    from common.data import task_rows
+    from promptfcl.common.tasks import task_rows
 
     pool, head, other = np.zeros((12, 4, 3)), np.zeros((10, 3)), np.zeros((5, 3))
     four, five = tiny_config(num_tasks=4, pool_size=12), tiny_config(num_tasks=5, pool_size=10)

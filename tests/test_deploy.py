@@ -29,12 +29,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
-from common.config import ConfigError, ExperimentConfig
-from common.data import class_order
-from common.startup import PHASES, metric_name
-from server.loopback import (DEPLOY, ROOT, VENV_BIN, Ports, Processes, descendants, free_port, make_credentials,
-                             register_node, run_script, script_env, start_node, start_superlink, submit, toml_file)
+from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.startup import PHASES, metric_name
+from promptfcl.common.tasks import class_order
+from promptfcl.server.loopback import (
+    DEPLOY,
+    ROOT,
+    VENV_BIN,
+    Ports,
+    Processes,
+    descendants,
+    free_port,
+    make_credentials,
+    register_node,
+    run_script,
+    script_env,
+    start_node,
+    start_superlink,
+    submit,
+    toml_file,
+)
 from tests.conftest import TINY, tiny_config
 from tests.helpers import PushPullGrid
 
@@ -71,9 +86,9 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
-    from tests.wiretap import WireTap
-
     import shutil
+
+    from tests.wiretap import WireTap
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make the TLS certificates (deploy/make-certs.sh)")
@@ -124,17 +139,16 @@ def deployment(tmp_path_factory) -> Deployment:
 
 def hostile_app_dir(out: Path) -> Path:
     """This app with tests/hostile_app.py as its ClientApp (every node runs it; only the node whose
-    environment says so misbehaves)."""
+    environment says so misbehaves). The app's code is the installed ``promptfcl`` on every machine;
+    the bundle carries the configuration and the test's own ClientApp."""
     import shutil
 
-    for package in ("common", "client", "server", "strategies"):
-        shutil.copytree(ROOT / package, out / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (out / "tests").mkdir()
+    (out / "tests").mkdir(parents=True)
     for name in ("__init__.py", "helpers.py", "hostile_app.py"):
         if (ROOT / "tests" / name).exists():
             shutil.copy(ROOT / "tests" / name, out / "tests" / name)
     text = (ROOT / "pyproject.toml").read_text()
-    (out / "pyproject.toml").write_text(text.replace('clientapp = "client.app:app"', 'clientapp = "tests.hostile_app:app"'))
+    (out / "pyproject.toml").write_text(text.replace('clientapp = "promptfcl.client.app:app"', 'clientapp = "tests.hostile_app:app"'))
     return out
 
 
@@ -198,9 +212,8 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
 
-    from common.model import CodaPrompt, build_backbone
-    from common.model import initial_trainable_state
-    from common.records import to_array_record
+    from promptfcl.common.model import CodaPrompt, build_backbone, initial_trainable_state
+    from promptfcl.common.records import to_array_record
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
@@ -244,7 +257,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
             assert COUNTS <= set(content["metrics"].keys()) <= COUNTS | STARTUP
 
     # every object on the wire belongs to one of those messages (nothing smuggled beside them)
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     get_object_type_from_object_content = internal("object_type")
 
@@ -253,7 +266,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     assert types <= {"Message", "RecordDict", "ArrayRecord", "Array", "ArrayChunk", "ConfigRecord", "MetricRecord"}
     # the app bundle nodes fetched: code and text only, no weights, no data
     files = fab_files(deployment.exchanges)
-    assert "pyproject.toml" in files and "client/app.py" in files and "tests/hostile_app.py" in files
+    assert "pyproject.toml" in files and "tests/hostile_app.py" in files
     assert all(f.startswith(".info/") or f.endswith((".py", ".toml", ".md", ".yaml", ".yml", ".json", ".jsonl"))
                for f in files), files
     assert max(files.values()) < 200_000
@@ -397,7 +410,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     # a node that lacks some classes keeps the others' labels (matched by name, not position)
     import shutil
 
-    from client import node_data as node_data_module
+    from promptfcl.client import node_data as node_data_module
 
     shutil.rmtree(node / "train" / "0")
     shutil.rmtree(node / "test" / "0")
@@ -408,7 +421,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     label_of_7 = order.index(7)
     assert (partial.data.train.labels == label_of_7).sum() == (full.data.train.labels == label_of_7).sum()
     # without class-names the folders define the classes, and the server's count is enforced
-    from client.node_data import check_classes, original_names
+    from promptfcl.client.node_data import check_classes, original_names
 
     sorted_cfg = nodes_config()
     nine = node_data(sorted_cfg, {"data-dir": str(node)})
@@ -419,7 +432,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
     cfg = nodes_config()
     shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3, "dataset": "digits"}).data.test for i in range(3)]
-    from common.data import load_dataset_cached
+    from promptfcl.common.data import load_dataset_cached
 
     full = load_dataset_cached(cfg).test
     assert sum(len(s) for s in shards) == len(full)
@@ -430,8 +443,8 @@ DISK_CACHE_PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from flwr.app import ConfigRecord, Context, RecordDict
-from client.app import client_runtime
-from common.config import ExperimentConfig
+from promptfcl.client.app import client_runtime
+from promptfcl.common.config import ExperimentConfig
 cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
 ctx = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
 t1 = time.perf_counter()
@@ -468,8 +481,8 @@ def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
 def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_path):
     import torch
 
-    from common.data import ArraySplit
-    from common.runtime import QueryCache
+    from promptfcl.common.data import ArraySplit
+    from promptfcl.common.runtime import QueryCache
 
     class Model:  # q(x) = mean pixel, enough to tell entries apart
         def preprocess(self, x):
@@ -521,12 +534,12 @@ class FakeGrid(PushPullGrid):
 
 
 def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
-    from common.records import to_array_record
-    from server.loop import FederatedEvaluator
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.records import to_array_record
+    from promptfcl.server.evaluation import FederatedEvaluator
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgPrompt(cfg, 10)
+    strategy = FedAvgStrategy(cfg, 10)
     grid = FakeGrid({11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: "node 13 crashed", 14: ([1], [1])})
     acc = FederatedEvaluator(grid, strategy)(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
     # (5 + 10) / 30 and (1 + 9) / 20; the crashed node and the malformed reply are left out
@@ -541,12 +554,12 @@ def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
 def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
     """Counts beyond what a node declared, correct above total, and one node's weight above
     max-client-weight: none of them decides the accuracy."""
-    from common.records import to_array_record
-    from server.loop import FederatedEvaluator
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.records import to_array_record
+    from promptfcl.server.evaluation import FederatedEvaluator
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgPrompt(cfg, 10)
+    strategy = FedAvgStrategy(cfg, 10)
     head = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     honest = {11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: ([3, 3], [10, 10])}
     FederatedEvaluator(FakeGrid(honest), strategy)(head, 1)  # each node declares its sizes once
@@ -570,11 +583,11 @@ def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
 def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity):
     from flwr.app import ConfigRecord
 
-    from common.records import to_array_record
-    from strategies.fedavg import FedAvgPrompt
+    from promptfcl.common.records import to_array_record
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(clients_per_round=2, num_clients=3)
-    strategy = FedAvgPrompt(cfg, 10)
+    strategy = FedAvgStrategy(cfg, 10)
     grid = FakeGrid({30: "", 10: "", 20: ""})
     arrays = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     msgs = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), grid)
@@ -583,7 +596,7 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     assert chosen == strategy.sample_nodes([10, 20, 30], 0, 0)  # a pure function of the sorted ids
     assert all(m.content["config"]["num-classes"] == 10 for m in msgs)
     # fewer nodes than the population: the first round waits, then says how many came
-    strategy = FedAvgPrompt(nodes_config(num_clients=3, round_timeout=1.5), 10)
+    strategy = FedAvgStrategy(nodes_config(num_clients=3, round_timeout=1.5), 10)
     with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
         strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
 
@@ -750,7 +763,7 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     Runs last: it leaves the restarted SuperLink serving ``deployment.ports`` (stopped with the
     fixture's processes).
     """
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     root, procs = deployment.root, deployment.processes
     env = script_env(FLWR_HOME=str(root / "cli-home"), TMPDIR=str(root))  # the killed submitter leaves its temp dir

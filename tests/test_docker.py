@@ -56,7 +56,7 @@ def test_the_image_installs_the_project_from_its_own_pyproject():
     assert targets and all(re.fullmatch(r"\.(\[[a-z,-]+\])?", t) for t in targets), targets
     assert not any("-e" == t or "--no-deps" == t for args in installs for t in args)  # a real install, deps included
     # and the image checks that what DP and the audit need is importable
-    assert "import server.app, client.app, opacus, torchmetrics" in DOCKERFILE
+    assert "import promptfcl.server.app, promptfcl.client.app, opacus, torchmetrics" in DOCKERFILE
 
 
 def test_volumes_are_owned_by_the_user_the_containers_run_as():

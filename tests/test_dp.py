@@ -8,16 +8,23 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from client.app import private_upload
-from client.methods import learner_class, load_config, prompt_class
-from common.config import ConfigError
-from common.privacy import (PrivacyOptions, PrivateRecord, clip_rows, epsilon, gaussian_mechanism,
-                            privacy_report, privatise_reply)
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from strategies.fppl import LOCAL_PROTOTYPES
-from strategies.hgp import STATS, HGPStrategy
+from promptfcl.client.app import private_upload
+from promptfcl.common.config import ConfigError
+from promptfcl.common.privacy import (
+    PrivacyOptions,
+    PrivateRecord,
+    clip_rows,
+    epsilon,
+    gaussian_mechanism,
+    privacy_report,
+    privatise_reply,
+)
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.server.report import table
+from promptfcl.strategies.fppl.strategy import LOCAL_PROTOTYPES
+from promptfcl.strategies.hgp.strategy import STATS, HGPStrategy
+from promptfcl.strategies.registry import learner_class, load_config, prompt_class
 from tests.conftest import TINY, tiny_config
-from server.report import table
 from tests.helpers import simulate_in_process
 
 
@@ -84,7 +91,7 @@ def test_noiseless_mechanism_is_the_identity_inside_the_bounds():
 def fit_and_release(strategy: str, clip: float, **options):
     """One real client fit (task 0, client 0, tiny configuration) and its upload through the
     ClientApp's shared DP path with no noise: (raw reply, released reply, received arrays)."""
-    from common.runtime import get_runtime
+    from promptfcl.common.runtime import get_runtime
 
     cfg = tiny_config(strategy=strategy, **{"dp.clip": clip, **options})
     rt = get_runtime(cfg, prompt_class(strategy))
@@ -193,6 +200,7 @@ def test_methods_that_cannot_bound_their_upload_refuse_dp():
 
 
 # ---------------------------------------------------------------------------- (e) end to end
+@pytest.mark.e2e
 def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     z, clip = 1.0, 0.5
     results = simulate_in_process(tmp_path / "dp", "fedavg", **{"rounds-per-task": 1, "clients-per-round": 2,
@@ -214,6 +222,7 @@ def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     assert "| differential privacy | epsilon" in table(results)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["hgp", "fppl"])
 def test_noisy_statistics_pass_the_servers_checks_end_to_end(tmp_path, strategy):
     """Noisy means and covariances (no longer positive semi-definite) are accepted and used."""

@@ -1,5 +1,5 @@
 """evaluate-with-train: a round's federated evaluation carried by the next round's train
-messages (server/loop.py ``CarriedEvaluation``). The accuracies must be exactly those of
+messages (server/evaluation.py ``CarriedEvaluation``). The accuracies must be exactly those of
 evaluate messages, training must not notice, and a node that drops or forges the carried
 counts costs only its own counts."""
 
@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from common.records import EVALUATION
+from promptfcl.common.records import EVALUATION
 from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app
 
@@ -21,7 +21,7 @@ NODES = (1001, 1002, 1003)
 
 def run_nodes(out: Path, apps: dict[int, ClientApp] | None = None, **overrides: Any) -> tuple[dict, InProcessGrid]:
     """A deployment-shaped run in this process: 3 nodes, each its own partition, federated evaluation."""
-    from server.loop import run_experiment
+    from promptfcl.server.run import run_experiment
 
     cfg = tiny_config(**{"population": "nodes", "evaluation": "federated", "num-classes": 10, "num-clients": 3,
                          "rounds-per-task": 3, "out-dir": str(out), **overrides})
@@ -93,8 +93,8 @@ def test_an_evaluation_the_node_cannot_do_never_costs_its_update(flower_identity
     import numpy as np
     from flwr.app import ConfigRecord, RecordDict
 
-    from client.app import evaluate_received
-    from common.records import to_array_record
+    from promptfcl.client.app import evaluate_received
+    from promptfcl.common.records import to_array_record
 
     cfg = tiny_config()
     content = RecordDict({"arrays": to_array_record({"x": np.zeros(1)}), "config": ConfigRecord({"evaluate-task": 7})})
@@ -139,10 +139,11 @@ class StopsAtTrainMessage(InProcessGrid):
         return super().send_and_receive(messages, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_a_round_awaiting_its_carried_evaluation_survives_a_restart(tmp_path, flower_identity):
     """The server stops while sending round 2: round 1's checkpoint still waits for its counts.
     Resumed, round 2's train messages carry them and every accuracy equals the unbroken run's."""
-    from server.loop import run_experiment
+    from promptfcl.server.run import run_experiment
 
     whole, _ = run_nodes(tmp_path / "whole", **{"clients-per-round": 3})
     out = tmp_path / "stopped"
@@ -151,7 +152,7 @@ def test_a_round_awaiting_its_carried_evaluation_survives_a_restart(tmp_path, fl
     node_configs = {n: {"partition-id": i, "num-partitions": 3} for i, n in enumerate(NODES)}
     with pytest.raises(KeyboardInterrupt):
         run_experiment(StopsAtTrainMessage(cfg, 3, node_configs=node_configs, n=4), cfg)  # type: ignore[arg-type]
-    from server import checkpoint
+    from promptfcl.server import checkpoint
 
     saved = checkpoint.load(str(out))
     assert saved.server_round == 1 and saved.rounds[0]["eval_pending"] and saved.rounds[0]["accuracy"] is None

@@ -10,19 +10,16 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from client.fedcprompt import FedCPromptLearner, c2l_loss
-from common.config import ConfigError
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.base import weighted_average
-from strategies.fedcprompt import (
-    KNOWN_TASKS,
-    FedCPromptOptions,
-    FedCPromptPrompt,
-    FedCPromptStrategy,
-    aggregate_per_task,
-)
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
+from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
+from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
+from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
+from promptfcl.strategies.fedcprompt.strategy import FedCPromptStrategy
+from promptfcl.strategies.platform.aggregation import aggregate_per_task, weighted_average
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
 from tests.conftest import reply_from, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,15 +61,15 @@ def test_options_defaults_validation_and_registry():
     with pytest.raises(ConfigError, match="unknown option fedcprompt.nope"):
         FedCPromptStrategy(tiny_config(), 10, {"nope": 1})
     with pytest.raises(ConfigError, match="gamma"):
-        FedCPromptStrategy.check_options({"gamma": -1})  # what the CLI runs before any training
-    FedCPromptStrategy.check_options({"lambda": 0.5})
+        FedCPromptStrategy.parse_options({"gamma": -1})  # what the CLI runs before any training
+    assert FedCPromptStrategy.parse_options({"lambda": 0.5}).lambda_ == 0.5
     assert strategy_class("fedcprompt") is FedCPromptStrategy
     assert learner_class("fedcprompt") is FedCPromptLearner
     assert prompt_class("fedcprompt") is FedCPromptPrompt
 
 
 def test_paper_scale_config_loads():
-    from server.cli import load_config
+    from promptfcl.server.cli import load_config
 
     cfg = load_config(str(ROOT / "configs/fedcprompt-cifar100.toml"), [], None, None)
     assert cfg.strategy == "fedcprompt" and cfg.dataset == "hf:cifar100" and cfg.num_tasks == 10
@@ -225,7 +222,7 @@ def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
 
 
 def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
-    from client.learner import LocalLearner
+    from promptfcl.common.learner import LocalLearner
 
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt, _, arrays = start(cfg, tasks=2)
@@ -254,9 +251,10 @@ class ScheduledStrategy(FedCPromptStrategy):
 
     task_of_client: dict[int, int] = {}
 
-    def client_payload(self, client_id, arrays, config):
-        config["task"] = self.task_of_client.get(client_id, int(config["task"]))
-        return super().client_payload(client_id, arrays, config)
+    def payload(self, sent, arrays):
+        sent.task = self.task_of_client.get(sent.client, sent.task)
+        sent.config["task"] = sent.task
+        return super().payload(sent, arrays)
 
 
 def async_setup(num_tasks=3, known=2):
@@ -276,7 +274,7 @@ def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
     msgs = list(s.configure_train(5, base, ConfigRecord({"task": 0, "round": 3}), NodeList(2)))
     assert [m.content[CONFIG]["task"] for m in msgs] == [0, 1, 0, 1]
     assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
-    assert s.client_tasks == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert {sent.client: sent.task for sent in s.sent_round.sent} == {0: 0, 1: 1, 2: 0, 3: 1}
     for m in msgs:  # the grid gives every sent message an id
         m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     # nodes 100 and 101 each play a task-0 and a task-1 client: only message ids can tell them apart
@@ -295,14 +293,14 @@ def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
         np.testing.assert_allclose(out[name][2:4], t1)
         np.testing.assert_array_equal(out[name][4:6], -1.0)
     assert metrics["clients"] == 4 and metrics["tasks-aggregated"] == 2 and metrics["num-examples"] == 80
-    assert s.last_tasks == {0: 2, 1: 2}
+    assert sorted(a.task for a in s.accepted) == [0, 0, 1, 1]
     assert len(s.rejected) == 1 and "no matching message" in s.rejected[0][1]
 
 
 def test_per_slice_aggregation_reuses_the_base_validation(flower_identity):
     cfg, s, shapes, base = async_setup(num_tasks=3, known=3)
     s.task_of_client = {0: 2, 1: 0, 2: 0, 3: 0}
-    msgs = list(s.configure_train(1, base, ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
+    s.configure_train(1, base, ConfigRecord({"task": 0, "round": 0}), NodeList(4))
     # no message ids (as in a unit test): replies are matched by node, one client per node here
     nan = reply_content(1.0, 5, shapes)
     nan[ARRAYS] = to_array_record({k: np.full(v, np.nan, np.float32) for k, v in shapes.items()})
@@ -359,6 +357,7 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_end_to_end_synchronous_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -372,6 +371,7 @@ def test_end_to_end_synchronous_simulation(tmp_path):
     assert results["final_average_accuracy"] == pytest.approx((acc[0][1] + acc[1][1]) / 2)
 
 
+@pytest.mark.e2e
 def test_end_to_end_asynchronous_simulation(tmp_path):
     """Every round 2 of 3 clients move on: in round 2 two clients train task 2 while one is on task 1."""
     from tests.helpers import simulate_in_process as simulate

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from client.fppl import FPPLLearner, local_prototypes, unified_representation_loss
-from common.config import ConfigError
-from common.model import build_model
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.fppl import (
-    GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, FPPLOptions, FPPLPrompt, FPPLStrategy, PrototypeSet, debias_head,
-)
-from tests.conftest import reply_from, tiny_config
+from promptfcl.common.config import ConfigError
+from promptfcl.common.model import build_model
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
+from promptfcl.strategies.fppl.options import FPPLOptions
+from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
+from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
+from promptfcl.strategies.fppl.strategy import FPPLStrategy
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
+from tests.conftest import tiny_config
+from tests.helpers import accepted_of
 
 NUM_CLASSES = 10  # digits: 2 tasks x 5 classes in the tiny configuration
 
@@ -47,8 +49,23 @@ def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) ->
         if t:
             s.on_task_end(t - 1, arrays)
         arrays = s.on_task_start(t, arrays)
-    s.sent_arrays = arrays
     return s, arrays
+
+
+def accepted(replies: list[RecordDict], classes_per_task: int = 5) -> list:
+    """The replies as the platform hands them to the hooks: each from the client its prototype record
+    names, on the task of its prototypes' classes."""
+    clients = [int(r[LOCAL_PROTOTYPES]["client"].numpy()[0]) for r in replies]
+    tasks = [int(r[LOCAL_PROTOTYPES]["classes"].numpy()[0]) // classes_per_task for r in replies]
+    return accepted_of(replies, tasks=tasks, clients=clients)
+
+
+def answered(s: FPPLStrategy, arrays, make, nodes: int, server_round: int = 1) -> list[Message]:
+    """Round ``server_round``'s train messages to ``nodes`` nodes (task 0), each answered by
+    ``make(client_id, i)`` (the i-th message's reply content)."""
+    config = ConfigRecord({"task": 0, "round": server_round - 1})
+    msgs = list(s.configure_train(server_round, arrays, config, NodeList(nodes)))
+    return [Message(make(int(m.content["config"]["client-id"]), i), reply_to=m) for i, m in enumerate(msgs)]
 
 
 def client_reply(arrays, n: int, classes, means, client: int = 0, head_shift: float = 0.0) -> RecordDict:
@@ -173,8 +190,9 @@ def test_global_prototypes_are_the_per_class_mean_over_holders_and_reach_every_c
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(2, d)), rng.normal(size=(2, d))
-    replies = [reply_from(1, client_reply(arrays, 900, [0, 1], a, client=4)),  # many samples
-               reply_from(2, client_reply(arrays, 10, [1, 2], b, client=7))]
+    # the first client holds many samples, the second few
+    replies = answered(s, arrays, lambda client, i: client_reply(arrays, (900, 10)[i], ([0, 1], [1, 2])[i], (a, b)[i],
+                                                                 client=client), nodes=2)
     s.aggregate_train(1, replies)
     np.testing.assert_array_equal(s.global_classes, [0, 1, 2])
     np.testing.assert_allclose(s.global_means[0], a[0], rtol=1e-6)
@@ -204,17 +222,20 @@ def test_learner_uses_the_global_prototypes_of_the_current_task_only():
 
 
 def test_malformed_prototypes_are_rejected(flower_identity):
-    s, arrays = strategy_at_task(0)
+    s, arrays = strategy_at_task(0, num_clients=4, clients_per_round=4)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
-    good = client_reply(arrays, 10, [0], np.zeros((1, d)))
-    nan = client_reply(arrays, 10, [0], np.full((1, d), np.nan))
-    wrong_dim = client_reply(arrays, 10, [0], np.zeros((1, d + 1)))
-    missing = client_reply(arrays, 10, [0], np.zeros((1, d)))
-    del missing[LOCAL_PROTOTYPES]
-    s.aggregate_train(1, [reply_from(1, good), reply_from(2, nan), reply_from(3, wrong_dim), reply_from(4, missing)])
-    reasons = dict(s.rejected)
-    assert set(reasons) == {2, 3, 4}
-    assert "non-finite" in reasons[2] and "shape" in reasons[3] and "missing" in reasons[4]
+
+    def make(client: int, i: int) -> RecordDict:
+        means = [np.zeros((1, d)), np.full((1, d), np.nan), np.zeros((1, d + 1)), np.zeros((1, d))][i]
+        content = client_reply(arrays, 10, [0], means, client=client)
+        if i == 3:
+            del content[LOCAL_PROTOTYPES]
+        return content
+
+    s.aggregate_train(1, answered(s, arrays, make, nodes=4))
+    reasons = dict(s.rejected)  # nodes 101, 102, 103 sent a NaN, a wrong width, no prototypes
+    assert set(reasons) == {101, 102, 103}
+    assert "non-finite" in reasons[101] and "shape" in reasons[102] and "missing" in reasons[103]
 
 
 # ---------------------------------------------------------------------------- server: debiasing
@@ -236,7 +257,6 @@ def _biased_setup(options: dict):
     state["head.weight"] = (0.5 * centres).astype(np.float32)
     state["head.bias"] = np.where(np.arange(NUM_CLASSES) >= 5, 5.0, 0.0).astype(np.float32)
     arrays = s.on_task_start(1, to_array_record(state))
-    s.sent_arrays = arrays
     replies = [client_reply(arrays, 50, np.arange(5, 10), centres[5:] + 0.3 * rng.normal(size=(5, d)) / np.sqrt(d),
                             client=k) for k in range(3)]
     return s, arrays, replies, old
@@ -255,7 +275,7 @@ def test_debiasing_improves_the_head_on_held_prototypes_of_under_represented_cla
     seen = np.arange(10)
     rare = PrototypeSet(old.classes[old.classes == 3], old.means[old.classes == 3], old.clients[old.classes == 3])
     assert _accuracy(arrays, old, seen) < 0.5 and _accuracy(arrays, rare, seen) == 0.0
-    out = s.consolidate(1, arrays, replies)
+    out = s.consolidate(1, arrays, accepted(replies))
     assert _accuracy(out, old, seen) > 0.9
     assert _accuracy(out, rare, seen) == 1.0
     assert _accuracy(out, s.current, seen) == 1.0  # current classes still right
@@ -283,7 +303,8 @@ def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower
 
     for flag, expect in ((True, True), (False, False)):
         s, arrays = strategy_at_task(0, {"unified-loss": flag}, rounds_per_task=2)
-        s.aggregate_train(1, [reply_from(1, client_reply(arrays, 10, [0, 1], np.zeros((2, d))))])
+        s.aggregate_train(1, answered(s, arrays, lambda c, i: client_reply(arrays, 10, [0, 1], np.zeros((2, d)), client=c),
+                                      nodes=2))
         messages = list(s.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(2)))
         assert (GLOBAL_PROTOTYPES in messages[0].content.array_records) is expect
 
@@ -310,18 +331,18 @@ def test_without_fusion_each_sample_uses_one_task_prompt():
 
 def test_without_debias_the_head_is_the_plain_average():
     s, arrays, replies, _ = _biased_setup({"debias": False})
-    out = s.consolidate(1, arrays, replies)
+    out = s.consolidate(1, arrays, accepted(replies))
     for name in ("head.weight", "head.bias"):
         np.testing.assert_array_equal(from_array_record(out)[name], from_array_record(arrays)[name])
     s, arrays, replies, _ = _biased_setup({})
-    out = s.consolidate(1, arrays, replies)
+    out = s.consolidate(1, arrays, accepted(replies))
     assert not np.array_equal(from_array_record(out)["head.bias"], from_array_record(arrays)["head.bias"])
 
 
 def test_without_pool_debiasing_uses_only_current_prototypes():
     s, arrays, replies, old = _biased_setup({"pool": False, "server-epochs": 40, "server-lr": 0.02})
     assert len(s.pool) == 0  # task 0's prototypes were not kept
-    out = s.consolidate(1, arrays, replies)
+    out = s.consolidate(1, arrays, accepted(replies))
     np.testing.assert_array_equal(np.unique(s.debias_set().classes), np.arange(5, 10))
     before, after = from_array_record(arrays), from_array_record(out)
     np.testing.assert_array_equal(after["head.weight"][:5], before["head.weight"][:5])  # old rows untouched
@@ -329,15 +350,15 @@ def test_without_pool_debiasing_uses_only_current_prototypes():
 
     s, arrays, replies, old = _biased_setup({"server-epochs": 40, "server-lr": 0.02})
     assert len(s.pool) == len(old)
-    s.consolidate(1, arrays, replies)
+    s.consolidate(1, arrays, accepted(replies))
     np.testing.assert_array_equal(np.unique(s.debias_set().classes), np.arange(10))
 
 
 # ---------------------------------------------------------------------------- state and options
 def test_pool_and_global_prototypes_survive_a_checkpoint():
     s, arrays, replies, _ = _biased_setup({})
-    s.consolidate(1, arrays, replies)
-    from server.checkpoint import _join, _split
+    s.consolidate(1, arrays, accepted(replies))
+    from promptfcl.server.checkpoint import _join, _split
 
     tensors: dict = {}
     saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it
@@ -349,16 +370,15 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
     np.testing.assert_array_equal(restored.global_means, s.global_means)
     assert restored.task == 1
     # the next round behaves identically
-    restored.sent_arrays = s.sent_arrays
-    out_a, out_b = s.consolidate(2, arrays, replies), restored.consolidate(2, arrays, replies)
+    out_a, out_b = s.consolidate(2, arrays, accepted(replies)), restored.consolidate(2, arrays, accepted(replies))
     np.testing.assert_array_equal(from_array_record(out_a)["head.weight"], from_array_record(out_b)["head.weight"])
 
 
 def test_latest_per_client_keeps_each_clients_newest_prototypes():
     s, arrays = strategy_at_task(0, {"latest-per-client": True}, rounds_per_task=3)
     d = from_array_record(arrays)["prompt.fusion"].shape[1]
-    s.consolidate(1, arrays, [client_reply(arrays, 5, [0, 1], np.zeros((2, d)), client=c) for c in (1, 2)])
-    s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.ones((1, d)), client=2)])
+    s.consolidate(1, arrays, accepted([client_reply(arrays, 5, [0, 1], np.zeros((2, d)), client=c) for c in (1, 2)]))
+    s.consolidate(2, arrays, accepted([client_reply(arrays, 5, [0], np.ones((1, d)), client=2)]))
     assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist())) == [(1, 0), (1, 1), (2, 0)]
     np.testing.assert_allclose(s.global_means[0], np.full(d, 0.5))  # client 1's old, client 2's new
 
@@ -370,9 +390,9 @@ def test_with_partial_participation_only_latest_per_client_keeps_every_class_in_
     for latest in (True, False):
         s, arrays = strategy_at_task(0, {"latest-per-client": latest}, rounds_per_task=2)
         d = from_array_record(arrays)["prompt.fusion"].shape[1]
-        s.consolidate(1, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=1),
-                                  client_reply(arrays, 5, [1], np.ones((1, d)), client=2)])
-        s.consolidate(2, arrays, [client_reply(arrays, 5, [0], np.zeros((1, d)), client=3)])  # last round
+        s.consolidate(1, arrays, accepted([client_reply(arrays, 5, [0], np.zeros((1, d)), client=1),
+                                           client_reply(arrays, 5, [1], np.ones((1, d)), client=2)]))
+        s.consolidate(2, arrays, accepted([client_reply(arrays, 5, [0], np.zeros((1, d)), client=3)]))  # last round
         s.on_task_end(0, arrays)
         pools[latest] = sorted(set(s.pool.classes.tolist()))
     assert FPPLOptions().latest_per_client is True
@@ -390,7 +410,7 @@ def test_options_are_validated():
     with pytest.raises(ConfigError):
         FPPLStrategy(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
     with pytest.raises(ConfigError, match="fppl.bogus"):
-        FPPLStrategy.check_options({"bogus": 1})  # what the CLI runs before any training
+        FPPLStrategy.parse_options({"bogus": 1})  # what the CLI runs before any training
 
 
 def test_registered():
@@ -400,6 +420,7 @@ def test_registered():
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_fppl_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -437,7 +458,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
         return client_reply(arrays, 5, classes, means, client=client)
 
     # round 1: every client on task 0
-    s.consolidate(1, arrays, [protos(c, [0, 1]) for c in range(4)])
+    s.consolidate(1, arrays, accepted([protos(c, [0, 1]) for c in range(4)]))
     s.pool_departed(1)  # as round 2's configure_train does
     # the fast clients leave task 0 now: their prototypes are pooled, the slow ones' stay current
     assert sorted(set(s.pool.clients.tolist())) == fast and sorted(set(s.current.clients.tolist())) == slow
@@ -447,7 +468,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
     arrays = s.on_task_start(1, arrays)
     p = from_array_record(arrays)
     np.testing.assert_array_equal(p["prompt.p0"][1], p["prompt.p0"][0])  # task 1 starts from task 0's prompt
-    s.consolidate(2, arrays, [protos(fast[0], [5, 6]), protos(fast[1], [5]), protos(slow[0], [0, 1], version=1)])
+    s.consolidate(2, arrays, accepted([protos(fast[0], [5, 6]), protos(fast[1], [5]), protos(slow[0], [0, 1], version=1)]))
     s.pool_departed(2)
     # now every client has left task 0: the pool holds one set per client, slow[0]'s newest
     pool0 = sorted(zip(s.pool.clients.tolist(), s.pool.classes.tolist(), s.pool.means[:, 0].tolist()))
@@ -458,7 +479,7 @@ def test_async_prototypes_enter_the_pool_as_each_client_leaves_its_task():
     np.testing.assert_allclose(s.global_means[0], np.full(d, 100.0 * np.mean(fast) + 5))
     assert sorted(set(s.debias_set().classes.tolist())) == [0, 1, 5, 6]  # every class with prototypes
     # round 3: a client's newer prototypes of task 1 replace its older ones; its task 0 ones stay pooled
-    s.consolidate(3, arrays, [protos(fast[0], [5, 6], version=1), protos(slow[1], [7])])
+    s.consolidate(3, arrays, accepted([protos(fast[0], [5, 6], version=1), protos(slow[1], [7])]))
     s.pool_departed(3)
     assert sorted(zip(s.current.clients.tolist(), s.current.classes.tolist(), s.current.means[:, 0].tolist())) == \
         sorted([(fast[0], 5, 100.0 * fast[0] + 5.5), (fast[0], 6, 100.0 * fast[0] + 6.5), (fast[1], 5, 100.0 * fast[1] + 5),
@@ -487,6 +508,7 @@ def test_async_replies_are_checked_against_the_task_and_client_the_server_sent(f
         assert "repeat a class" in s.check_reply(twice)
 
 
+@pytest.mark.e2e
 def test_fppl_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

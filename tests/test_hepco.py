@@ -10,24 +10,17 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from common.config import ConfigError
-from common.records import from_array_record, to_array_record
-from client.methods import METHODS, strategy_class
-from strategies.hepco import (
-    HePCoOptions,
-    HePCoPrompt,
-    HePCoStrategy,
-    LatentGenerator,
-    LatentStudent,
-    PromptGrams,
-    RealDataProbe,
-    Teachers,
-    distill,
-    generator_losses,
-    teacher_accuracy,
-    train_generator,
-)
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import from_array_record, to_array_record
+from promptfcl.strategies.hepco.diagnostics import RealDataProbe, teacher_accuracy
+from promptfcl.strategies.hepco.distill import distill, generator_losses, train_generator
+from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, PromptGrams, Teachers
+from promptfcl.strategies.hepco.options import HePCoOptions
+from promptfcl.strategies.hepco.prompt import HePCoPrompt
+from promptfcl.strategies.hepco.strategy import HePCoStrategy
+from promptfcl.strategies.registry import methods, strategy_class
 from tests.conftest import tiny_config
+from tests.helpers import accepted_of
 
 D, NUM_CLASSES = 48, 10  # tiny_config: embed-dim 48, digits, 2 tasks of 5 classes, pool 4, layers 0,1
 
@@ -101,7 +94,7 @@ class Scenario:
 
     def consolidate(self, provisional: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         arrays = to_array_record(provisional or self.provisional)
-        return from_array_record(self.strategy.consolidate(2, arrays, self.replies))
+        return from_array_record(self.strategy.consolidate(2, arrays, accepted_of(self.replies, tasks=1)))
 
 
 def prompt_mse(state: dict[str, np.ndarray], teachers: list[dict[str, np.ndarray]], z: torch.Tensor,
@@ -121,10 +114,10 @@ def head_accuracy(state: dict[str, np.ndarray], z: torch.Tensor, y: torch.Tensor
 
 # ---------------------------------------------------------------------------- options and registry
 def test_registered_with_paper_defaults_and_own_prompt():
-    from client.learner import LocalLearner
-    from client.methods import learner_class
+    from promptfcl.strategies.hepco.learner import HePCoLearner
+    from promptfcl.strategies.registry import learner_class
 
-    assert METHODS["hepco"].strategy == "strategies.hepco:HePCoStrategy" and learner_class("hepco") is LocalLearner
+    assert methods()["hepco"].strategy == ".strategy:HePCoStrategy" and learner_class("hepco") is HePCoLearner
     assert strategy_class("hepco").prompt_class is HePCoPrompt
     o = HePCoOptions()
     assert (o.noise_dim, o.label_embed_dim, o.hidden) == (64, 64, [256, 1024])
@@ -416,7 +409,6 @@ def test_head_distillation_loss_weighs_samples_or_classes(head_loss):
     each class's mean cross-entropy, however often the class was drawn."""
     s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
         **{"head-loss": head_loss, "ablate": "prompt-distillation"})
-    cpu, layers = torch.device("cpu"), s.cfg.layers
     z = torch.cat([new_batches[0][0], old_batches[0][0]])
     y = torch.cat([new_batches[0][1], old_batches[0][1]])
     w, b = torch.from_numpy(sc.provisional["head.weight"]), torch.from_numpy(sc.provisional["head.bias"])
@@ -546,7 +538,7 @@ def test_both_distillations_off_is_the_plain_average():
     s = make_strategy(ablate="prompt-distillation,classifier-distillation", averaging="uniform")
     sc = Scenario(s)
     replies = [reply(c, n) for c, n in zip(sc.clients, (1, 50, 200))]  # uniform: counts do not matter
-    out = from_array_record(s.consolidate(2, to_array_record(sc.provisional), replies))
+    out = from_array_record(s.consolidate(2, to_array_record(sc.provisional), accepted_of(replies, tasks=1)))
     for name in out:
         np.testing.assert_allclose(out[name], np.mean([c[name] for c in sc.clients], axis=0), rtol=1e-6, atol=1e-7)
 
@@ -589,12 +581,13 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
     fresh = make_strategy(**SMALL)
     fresh.load_state_dict(copy.deepcopy(state))
     fresh.task, fresh.round = 1, 0
-    again = from_array_record(fresh.consolidate(2, to_array_record(sc.provisional), sc.replies))
+    again = from_array_record(fresh.consolidate(2, to_array_record(sc.provisional), accepted_of(sc.replies, tasks=1)))
     for name in first:
         np.testing.assert_array_equal(first[name], again[name])
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 def test_simulation_end_to_end(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -622,7 +615,8 @@ def test_simulation_end_to_end(tmp_path):
 
 # ---------------------------------------------------------------------------- asynchronous arrival
 def test_async_latents_follow_the_replies_and_each_client_teaches_its_own_task():
-    from strategies.hepco import TaskTeachers, draw_labels, group_generator_losses
+    from promptfcl.strategies.hepco.distill import group_generator_losses
+    from promptfcl.strategies.hepco.latents import TaskTeachers, draw_labels
 
     sc = Scenario(make_strategy(), clients=4)
     cpu = torch.device("cpu")
@@ -686,11 +680,11 @@ def test_async_server_step_over_several_rounds(flower_identity):
     before = from_array_record(arrays)
     arrays, m2, tasks2 = round_(2, arrays)
     assert tasks2 == [0, 0, 1, 1]
-    groups = s.task_teachers([m.content for m in s.accepted_messages], per)
+    groups = s.task_teachers(s.accepted, per)
     assert [(g.replies, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
         [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
     # the distilled model moved both tasks' slices away from the replies' uniform average
-    average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted_messages], axis=0)
+    average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted], axis=0)
                for k in before}
     after = from_array_record(arrays)
     for t in (0, 1):
@@ -711,6 +705,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     assert not np.array_equal(from_array_record(arrays)["head.weight"], frozen["head.weight"])
 
 
+@pytest.mark.e2e
 def test_hepco_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

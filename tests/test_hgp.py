@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from common.config import ConfigError
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.hgp import (
-    STATS,
-    HGPOptions,
-    HGPPrompt,
-    HGPStrategy,
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.hgp.gaussians import (
     build_mixture,
     class_statistics,
     class_weights,
     decode_class_stats,
     sample_features,
 )
+from promptfcl.strategies.hgp.options import HGPOptions
+from promptfcl.strategies.hgp.prompt import HGPPrompt
+from promptfcl.strategies.hgp.records import STATS
+from promptfcl.strategies.hgp.strategy import HGPStrategy
 from tests.conftest import tiny_config
+from tests.helpers import accepted_of
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -63,7 +63,7 @@ def test_options_defaults_and_validation():
         with pytest.raises(ConfigError, match="hgp"):
             HGPOptions.from_options(bad)
         with pytest.raises(ConfigError, match="hgp"):
-            HGPStrategy.check_options(bad)  # what the CLI runs before any training
+            HGPStrategy.parse_options(bad)  # what the CLI runs before any training
 
 
 # ---------------------------------------------------------------------------- prompting
@@ -237,7 +237,7 @@ def test_no_statistics_leaves_the_head_unchanged():
     statistics never get this far: check_reply excludes the reply (tests/test_hostile.py)."""
     strategy = make_strategy()
     head = to_array_record({"head.weight": np.ones((4, 8), np.float32), "head.bias": np.zeros(4, np.float32)})
-    out = strategy.consolidate(1, head, [RecordDict({METRICS: MetricRecord({"num-examples": 3})})])
+    out = strategy.consolidate(1, head, accepted_of([RecordDict({METRICS: MetricRecord({"num-examples": 3})})]))
     assert out is head
 
 
@@ -329,8 +329,8 @@ def test_state_dict_restores_every_mixture():
 
 # ---------------------------------------------------------------------------- client and end to end
 def test_learner_uploads_the_statistics_of_its_prompted_features():
-    from client.hgp import HGPLearner
-    from common.runtime import get_runtime
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.strategies.hgp.learner import HGPLearner
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag"})
     rt = get_runtime(cfg, HGPPrompt)
@@ -350,9 +350,9 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
 def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     """augment = crop-flip: hgp.stats-augment takes each image through one augmented view (q(x) on
     the view); stats-augment = false, or augment = none, uses the stored images."""
-    from client.hgp import HGPLearner
-    from common.data import augment_images
-    from common.runtime import get_runtime
+    from promptfcl.common.augment import augment_images
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.strategies.hgp.learner import HGPLearner
 
     index = None
     feats = {}
@@ -374,6 +374,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     torch.testing.assert_close(feats["crop-flip", True], expected)
 
 
+@pytest.mark.e2e
 def test_hgp_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
@@ -482,6 +483,7 @@ def test_async_reply_statistics_must_be_of_the_task_the_server_sent(flower_ident
         assert "outside the task it was sent" in strategy.check_reply(reply(msg, other))
 
 
+@pytest.mark.e2e
 def test_hgp_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate

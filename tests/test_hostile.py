@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from common.config import ConfigError, ExperimentConfig
-from common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
-from common.runtime import get_runtime
-from client.methods import check_namespaces, strategy_class
-from strategies.replies import capped_weights
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.records import ARRAYS, METRICS, PLACEMENT, from_array_record, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.platform.replies import capped_weights
+from promptfcl.strategies.registry import check_namespaces, strategy_class
 from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app, run_in_process
 
@@ -49,7 +49,7 @@ def one_round(method: str):
     cls = strategy_class(method)
     rt = get_runtime(cfg, cls.prompt_class)
     strategy = cls(cfg, rt.data.num_classes, cfg.method_options(method))
-    strategy.max_examples = len(rt.data.train)
+    strategy.bounds.max_examples = len(rt.data.train)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
     grid = InProcessGrid(cfg, 3)
     messages = list(strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0, "attempt": 0}), grid))
@@ -86,7 +86,7 @@ def mutations(content: RecordDict) -> list[tuple[str, RecordDict]]:
         out.append((f"an extra {kind} record", variant(lambda c, m=make: c.__setitem__("extra", m()))))
     wrong_values = [("a list of ints", [1, 2]), ("a list of floats", [1.0]), ("NaN", math.nan), ("inf", math.inf),
                     ("-inf", -math.inf), ("negative", -1), ("a huge int", 10**18)]
-    from strategies.replies import REPLY_METRICS
+    from promptfcl.strategies.platform.replies import REPLY_METRICS
 
     for field in list(content[METRICS].keys()):
         if REPLY_METRICS[field].required:
@@ -145,7 +145,7 @@ def test_every_wrong_field_is_rejected_with_the_node_and_never_raises(method, fl
 
 
 def test_update_norm_outliers_against_the_lower_median():
-    from strategies.replies import norm_outliers
+    from promptfcl.strategies.platform.replies import norm_outliers
 
     flagged = norm_outliers([1.0, 1.5, 2.0, 1e30, 5e29], 10, 0)  # two hostile replies of five
     assert flagged[:3] == [None, None, None] and all("lower median 2" in f for f in flagged[3:])
@@ -224,6 +224,7 @@ def baseline_without_node(tmp_path_factory):
         return run_in_process(cfg, nodes=3, apps={1003: dead})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("label", sorted(HOSTILE))
 def test_a_hostile_node_is_excluded_and_the_run_completes(label, baseline_without_node, tmp_path, flower_identity):
     cfg = method_config("fedavg", **{"out-dir": str(tmp_path)})
@@ -240,7 +241,7 @@ def test_a_hostile_node_is_excluded_and_the_run_completes(label, baseline_withou
 def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
     """HGP checks its class statistics as FPPL and Powder check theirs: a bad record excludes the
     reply (prompts and head included), with the node in ``rejected``."""
-    from strategies.hgp import STATS
+    from promptfcl.strategies.hgp.strategy import STATS
 
     strategy, messages, replies = one_round("hgp")
     stats = from_array_record(replies[0].content[STATS])
@@ -262,6 +263,7 @@ def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
         assert [n for n, _ in strategy.rejected] == [node], label
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["silent", "lost"])
 def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
     # a silent node is waited for until round-timeout, as by Flower's grid
@@ -272,6 +274,7 @@ def test_a_dead_node_is_named_by_its_own_id(how, tmp_path, flower_identity):
         assert ("round-timeout" if how == "silent" else "node lost") in rnd["rejected"][0]["reason"]
 
 
+@pytest.mark.e2e
 def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity):
     """A node sends NaN losses; the run stops after 2 rounds (its checkpoint kept), results are
     written, and the resumed run ends where the uninterrupted one does."""
@@ -291,7 +294,7 @@ def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity
 
 
 def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
-    from server.report import write_outputs
+    from promptfcl.server.report import write_outputs
 
     results = {"config": {}, "accuracy_matrix": [[50.0]], "average_accuracy_per_task": [50.0],
                "rounds": [{"server_round": 1, "task": 0, "round": 0, "accuracy": 50.0, "task_accuracies": [50.0],
@@ -324,7 +327,7 @@ def test_data_problems_stop_the_run_before_ray_starts_and_name_the_file(tmp_path
         _write_idx(data / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
     images = data / "train-images-idx3-ubyte.gz"
     images.write_bytes(images.read_bytes()[:200])  # an interrupted copy
-    base = [sys.executable, "-m", "server.cli", "simulate", "--out", str(tmp_path / "run"), "--set", 'weights="random"']
+    base = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--out", str(tmp_path / "run"), "--set", 'weights="random"']
     for extra, expected in (
         (["--set", 'dataset="fashion-mnist"', "--set", f'data-dir="{data}"'],
          [str(images), "truncated gzip (EOFError", "re-install"]),

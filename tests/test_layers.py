@@ -32,19 +32,39 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def project_modules() -> dict[str, Path]:
-    return {f"{p.parent.name}.{p.stem}": p for layer in LAYERS for p in sorted((ROOT / layer).glob("*.py"))
-            if p.stem != "__init__"} | {layer: ROOT / layer / "__init__.py" for layer in LAYERS}
+    """Every module of the four layers by its installed name (``promptfcl.strategies.hgp.strategy``)."""
+    out = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(("promptfcl", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return out
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a module name belongs to (None: not the project's)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "promptfcl" and parts[1] in LAYERS else None
 
 
 def test_no_import_goes_against_the_layers():
     bad = []
     for name, path in project_modules().items():
-        own = LAYERS.index(name.split(".")[0])
+        own = LAYERS.index(layer_of(name))
         for line, module in imports_of(path):
-            top = module.split(".")[0]
-            if top in LAYERS and LAYERS.index(top) > own:
+            top = layer_of(module)
+            if top is not None and LAYERS.index(top) > own:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not bad, "imports against common <- strategies <- client <- server:\n  " + "\n  ".join(bad)
+
+
+def test_the_layers_are_imported_by_their_installed_name_only():
+    """``promptfcl.common...``, never a bare ``common...``: the repository root on sys.path would make
+    a second copy of every module (and of every class) in tests."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for folder in (*LAYERS, "tests", "deploy", "scripts") for path in sorted((ROOT / folder).rglob("*.py"))
+           for line, module in imports_of(path) if module.split(".")[0] in LAYERS]
+    assert not bad, "\n  ".join(bad)
 
 
 def test_no_import_cycles_between_modules():
@@ -71,7 +91,7 @@ def test_flower_internals_are_used_only_through_one_module():
     public = ("flwr.app", "flwr.serverapp", "flwr.clientapp", "flwr.server.strategy.aggregate")
     bad = []
     for folder in (*LAYERS, "tests", "deploy"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name == "flower_internals.py":
                 continue
             for line, module in imports_of(path):
@@ -82,30 +102,10 @@ def test_flower_internals_are_used_only_through_one_module():
 
 def test_every_flower_internal_promptfcl_uses_exists():
     """Fails with every missing name and its public replacement after a Flower upgrade."""
-    from common.flower_internals import missing_internals
+    from promptfcl.common.flower_internals import missing_internals
 
     missing = missing_internals()
     assert not missing, "the installed Flower lacks:\n  " + "\n  ".join(missing)
-
-
-def test_another_package_named_like_a_layer_is_reported_clearly(tmp_path):
-    """promptfcl installs `common`, `strategies`, `client` and `server` as top-level names (Flower
-    loads components by module path from the app directory); a foreign package of one of those
-    names must give a clear error, not a confusing import failure later."""
-    import os
-    import subprocess
-    import sys
-
-    fake = tmp_path / "site" / "common"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    elsewhere = tmp_path / "cwd"
-    elsewhere.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    proc = subprocess.run([sys.executable, "-c", "import server.cli"], cwd=elsewhere, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "another installed package uses the top-level name `common`" in proc.stderr
 
 
 def test_code_cites_papers_by_title_not_by_a_path_outside_the_repository():
@@ -122,7 +122,7 @@ def test_code_cites_papers_by_title_not_by_a_path_outside_the_repository():
 
 
 def test_strategies_never_name_client_code_even_as_strings():
-    """A lazy "client.x:Y" string in strategies/ is an upward import in disguise."""
+    """A lazy "promptfcl.client.x:Y" string in strategies/ is an upward import in disguise."""
     offenders = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "strategies").rglob("*.py")
                  for n, line in enumerate(p.read_text().splitlines(), 1)
                  if '"client.' in line or "'client." in line]
@@ -130,11 +130,46 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
-    from client.learner import LocalLearner
-    from client.methods import METHODS, learner_class, prompt_class, strategy_class
-    from common.model import CodaPrompt
-    from strategies.base import PromptStrategy
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.common.model import CodaPrompt
+    from promptfcl.strategies.platform.strategy import PromptStrategy
+    from promptfcl.strategies.registry import learner_class, methods, prompt_class, strategy_class
 
-    for name in METHODS:
+    assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
+    for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), CodaPrompt)
+        # strategy and learner read the same options
+        assert learner_class(name).options_class is strategy_class(name).options_class
+
+
+#: what every method folder holds, by the same names (extras beside them are the method's own)
+METHOD_FILES = {"__init__.py", "options.py", "prompt.py", "strategy.py", "learner.py"}
+
+
+def test_every_method_is_one_folder_laid_out_alike():
+    from promptfcl.strategies.registry import methods
+
+    for name, method in methods().items():
+        folder = ROOT / "strategies" / name
+        assert method.package == f"promptfcl.strategies.{name}" and folder.is_dir()
+        assert METHOD_FILES <= {p.name for p in folder.glob("*.py")}, name
+        assert (method.strategy, method.learner) == (".strategy:" + method.load("strategy").__name__,
+                                                     ".learner:" + method.load("learner").__name__)
+    # no method code outside its folder: client/ holds the ClientApp and the node's own rules only
+    assert {p.stem for p in (ROOT / "client").glob("*.py")} == {"__init__", "app", "faults", "node_data", "node_policy"}
+
+
+def test_no_method_overrides_the_platforms_contract():
+    """The platform owns configure/aggregate and the reply checks; a method that tries is refused."""
+    import pytest
+
+    from promptfcl.strategies.platform.strategy import SEALED, PromptStrategy
+    from promptfcl.strategies.registry import methods, strategy_class
+
+    for name in methods():
+        cls = strategy_class(name)
+        for klass in cls.__mro__[: cls.__mro__.index(PromptStrategy)]:
+            assert not SEALED & set(vars(klass)), (name, klass)
+    with pytest.raises(TypeError, match="overrides \\['aggregate_train'\\]"):
+        type("Rogue", (PromptStrategy,), {"aggregate_train": lambda self, *a: None})

@@ -6,17 +6,17 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from client.learner import LocalLearner
-from common.evaluation import accuracies, correct_counts
-from common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from common.runtime import get_runtime
-from strategies.fedavg import FedAvgPrompt
+from promptfcl.common.evaluation import accuracies, correct_counts
+from promptfcl.common.learner import LocalLearner
+from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from tests.conftest import tiny_config
 
 
 def start(cfg, task=0):
     rt = get_runtime(cfg)
-    s = FedAvgPrompt(cfg, rt.data.num_classes)
+    s = FedAvgStrategy(cfg, rt.data.num_classes)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(task + 1):
         arrays = s.on_task_start(t, arrays)
@@ -92,7 +92,7 @@ def test_bfloat16_autocast_trains_float32_parameters_and_still_learns():
 
 def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_images(monkeypatch):
     """augment = crop-flip: q(x) is computed on each augmented batch, never read from the cache."""
-    from common.data import augment_images
+    from promptfcl.common.augment import augment_images
 
     cfg = tiny_config(num_tasks=2, centralised=True, augment="crop-flip", local_epochs=1, batch_size=64)
     rt, arrays = start(cfg)

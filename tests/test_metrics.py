@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from common import metrics
+from promptfcl.common import metrics
 
 NAN = np.nan
 # acc[i][t]: accuracy on task i after learning task t

@@ -16,11 +16,11 @@ import asyncio
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from client.node_data import NodeDataError, export_digits, node_data, parse_node_config
-from client.node_policy import LIMITS, NodePolicy, NodeRefusal
-from common.config import ConfigError
-from common.errors import DataError
-from common.files import class_folder
+from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
+from promptfcl.client.node_policy import LIMITS, NodePolicy, NodeRefusal
+from promptfcl.common.config import ConfigError
+from promptfcl.common.errors import DataError
+from promptfcl.common.files import class_folder
 from tests.conftest import tiny_config
 from tests.helpers import client_app, run_in_process
 
@@ -63,7 +63,7 @@ def test_node_facing_listener_passes_fleet_calls_and_refuses_everything_else():
 
 # ----------------------------------------------------------------------------- class names stay in the folder
 def test_class_names_from_the_server_never_leave_the_nodes_data_folder(tmp_path):
-    from common.data import read_class_folders
+    from promptfcl.common.data import read_class_folders
 
     (node,) = export_digits(tmp_path / "data", 1)
     outside = tmp_path / "outside"
@@ -104,8 +104,8 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
 
 def message(cfg, **config) -> Message:
     """A train message of ``cfg``'s first round for client 0, with the initial prompts and head."""
-    from common.model import CodaPrompt, initial_trainable_state
-    from common.records import to_array_record
+    from promptfcl.common.model import CodaPrompt, initial_trainable_state
+    from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({
         "arrays": to_array_record(initial_trainable_state(cfg, CodaPrompt)),
@@ -114,7 +114,7 @@ def message(cfg, **config) -> Message:
 
 
 def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
-    from client.app import client_runtime
+    from promptfcl.client.app import client_runtime
 
     cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3})
     ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "max-image-size": 8}, state=RecordDict(),
@@ -141,6 +141,7 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
         client_runtime(virtual, ctx, ConfigRecord({}))
 
 
+@pytest.mark.e2e
 def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, caplog):
     cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, "num-tasks": 1,
                                              "out-dir": str(tmp_path / "out")})
@@ -156,7 +157,7 @@ def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, 
 
 
 def test_fault_injection_obeys_the_node_not_the_run(tmp_path, flower_identity):
-    from client.faults import InjectedFault
+    from promptfcl.client.faults import InjectedFault
 
     cfg = tiny_config(fault="raise", **{"fault-clients": "0", "num-classes": 10})
     msg = message(cfg)
@@ -173,8 +174,8 @@ def test_fault_injection_obeys_the_node_not_the_run(tmp_path, flower_identity):
 
 # ----------------------------------------------------------------------------- resume
 def test_resume_takes_where_to_run_from_the_command_line_not_the_checkpoint(tmp_path, caplog):
-    from server import checkpoint
-    from server.cli import _resume_config
+    from promptfcl.server import checkpoint
+    from promptfcl.server.cli import _resume_config
     from tests.helpers import make_ckpt
 
     ckpt = make_ckpt(1)
@@ -193,7 +194,7 @@ def test_resume_takes_where_to_run_from_the_command_line_not_the_checkpoint(tmp_
 def claims_more(factor: int):
     """A mod: the node's train replies claim ``factor`` times their samples (num-examples, every method's
     per-class counts), and it declares a train-size that makes the claim its declared maximum."""
-    from common.records import to_array_record
+    from promptfcl.common.records import to_array_record
 
     def mod(msg, context, call_next):
         reply = call_next(msg, context)
@@ -241,11 +242,11 @@ def test_every_method_caps_one_nodes_share_of_a_round(tmp_path, flower_identity,
 # ----------------------------------------------------------------------------- the app's run config
 def test_simulated_app_dir_declares_every_key_it_sets(tmp_path):
     """What `promptfcl simulate` writes for Flower passes Flower's own fusion unchanged."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     get_fused_config_from_dir = internal("fused_run_config")
 
-    from server.simulation import write_app_dir
+    from promptfcl.server.simulation import write_app_dir
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag", "dp.clip": 1.0})
     app = write_app_dir(cfg, tmp_path / "app")

@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.data import client_indices, load_dataset, task_classes
-from server.cli import load_config
+from promptfcl.common.data import load_dataset
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.tasks import task_classes
+from promptfcl.server.cli import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CLASSES = {"hf:cifar100": 100, "hf:imagenet-r": 200, "hf:tiny-imagenet": 200, "hf:domainnet": 345, "hf:cub200": 200}
@@ -81,7 +83,7 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     assert data.num_classes == n_classes
     classes = set(task_classes(cfg, 0, n_classes).tolist())
     if cfg.task_generator == "random":  # Powder: tasks of random classes, each held by one client
-        from common.schedule import task_schedule
+        from promptfcl.common.schedule import task_schedule
 
         schedule = task_schedule(small)
         assert len(schedule.switch_rounds) == 4 and schedule.movers == 2

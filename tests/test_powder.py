@@ -9,25 +9,22 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from client.learner import LocalLearner
-from client.powder import PowderLearner, classic_distillation, dual_distillation, sample_weights
-from common.config import ConfigError
-from common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
-from common.runtime import get_runtime
-from client.methods import learner_class, prompt_class, strategy_class
-from strategies.powder import (
-    ALPHA,
-    CLASS_CORR,
-    LOCAL_TASKS,
-    MEASURE,
-    PowderOptions,
-    PowderPrompt,
-    PowderStrategy,
+from promptfcl.common.config import ConfigError
+from promptfcl.common.learner import LocalLearner
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
     first_step_aggregation,
     select_tasks,
     sparsify_rows,
 )
+from promptfcl.strategies.powder.learner import PowderLearner, classic_distillation, dual_distillation, sample_weights
+from promptfcl.strategies.powder.options import PowderOptions
+from promptfcl.strategies.powder.prompt import PowderPrompt
+from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE
+from promptfcl.strategies.powder.strategy import PowderStrategy
+from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
 from tests.conftest import reply_from, tiny_config
 
 
@@ -52,7 +49,7 @@ def test_options_defaults_validation_and_registry():
                 {"temperature": 0}, {"row-top": -1}, {"k": 1.5}, {"gamma": 1}):
         with pytest.raises(ConfigError, match="powder"):
             PowderOptions.from_options(bad)
-    PowderStrategy.check_options({"k": 2})
+    PowderStrategy.parse_options({"k": 2})
     assert strategy_class("powder") is PowderStrategy
     assert learner_class("powder") is PowderLearner
     assert prompt_class("powder") is PowderPrompt
@@ -169,16 +166,17 @@ def test_payload_holds_only_the_top_k_tasks_aggregated_and_is_smaller(flower_ide
         assert payload_bytes(m.content) < full_bytes  # tiny arrays here: framing is much of both
         assert sum(v.nbytes for v in sent.values()) < 0.5 * sum(v.nbytes for v in state.values())
         assert list(config[CLASS_CORR]) == [1.0, 1.0]  # no class measured yet: identity rows
-    assert [x.local_tasks for x in s.sent] == [[0, 2]] * 4
+    assert [x.data.local_tasks for x in s.sent_round.sent] == [[0, 2]] * 4
 
 
 def send_tasks(strategy: PowderStrategy, task_of_client: dict[int, int]) -> None:
     """Make ``strategy`` send each client the task given here (clients on different tasks at once)."""
 
     class Scheduled(type(strategy)):
-        def client_payload(self, client_id, arrays, config):
-            config["task"] = task_of_client[client_id]
-            return super().client_payload(client_id, arrays, config)
+        def client_config(self, config, client_id, slot, server_round):
+            out = super().client_config(config, client_id, slot, server_round)
+            out["task"] = task_of_client[client_id]
+            return out
 
     strategy.__class__ = Scheduled
 
@@ -196,13 +194,13 @@ def test_measuring_in_the_training_round_sends_the_whole_aggregated_pool(flower_
     s.new_tasks_pending = True  # a task has just started
     m = list(s.configure_train(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1)))[0]
     assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
-    assert s.sent[0].measure == (1, 0)  # it has just switched from task 0: both are measured
+    assert s.sent_round.sent[0].data.measure == (1, 0)  # it has just switched from task 0: both are measured
     s.new_tasks_pending = False
     m = list(s.configure_train(2, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
-    assert m.content[CONFIG][MEASURE] is False and s.sent[0].measure == ()
+    assert m.content[CONFIG][MEASURE] is False and s.sent_round.sent[0].data.measure == ()
     s.task_measured[1] = False  # never measured: measured when next trained
     m = list(s.configure_train(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
-    assert m.content[CONFIG][MEASURE] is True and s.sent[0].measure == (1,)
+    assert m.content[CONFIG][MEASURE] is True and s.sent_round.sent[0].data.measure == (1,)
     assert s.configure_exchange(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)) == []
 
 
@@ -224,12 +222,12 @@ def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_
         m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     assert len(ex) == 4 and all(m.metadata.message_type == "query" for m in ex)
     hat = first_step_aggregation(state, s.mixing_matrix(), 4, cfg.pool_size, cfg.num_tasks)
-    for m, x in zip(ex, s.sent):
+    for m, x in zip(ex, s.exchange_round.sent):
         assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
         sent = from_array_record(m.content[ARRAYS])
         assert set(sent) == {"prompt.p0", "prompt.k0", "prompt.a0"}  # the pool only: no head rows
         np.testing.assert_allclose(sent["prompt.p0"], hat["prompt.p0"], rtol=1e-6)
-        assert x.measure == (int(m.content[CONFIG]["task"]),)
+        assert x.data.measure == (int(m.content[CONFIG]["task"]),)
     # task 3 now measures like task 1; a reply for a task nobody asked about is excluded
     e = np.eye(8)
     alphas = {0: e[0] + e[1], 3: e[0] + 0.2 * e[2], 1: e[0] + 0.2 * e[2]}
@@ -243,10 +241,10 @@ def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_
     assert s.task_correlation()[3, 1] == pytest.approx(1.0)
     msgs = configure(s, 4, arrays, 0, 2, 2)
     assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [1, 3], [1, 3], [0, 2]]
-    assert all(m.content[CONFIG][MEASURE] is False and x.measure == () for m, x in zip(msgs, s.sent))
+    assert all(m.content[CONFIG][MEASURE] is False and x.data.measure == () for m, x in zip(msgs, s.sent_round.sent))
     _, metrics = s.aggregate_train(4, [echo(m) for m in msgs])
     assert metrics["tasks-measured"] == 3 and metrics["local-pool-tasks"] == 2
-    assert len(s.rejected) == 1 and "measuring" in s.rejected[0][1]
+    assert len(s.rejected) == 1 and s.rejected[0][1].startswith("exchange: ")
     # nothing new and every task measured: no exchange
     assert s.configure_exchange(5, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(2)) == []
 
@@ -293,9 +291,9 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     _, s, state = strategy_with_pool(k=2)
     send_tasks(s, {0: 0, 1: 3, 2: 0, 3: 1})
     msgs = configure(s, 5, to_array_record(state), 0, 2, 2)  # two nodes, each playing two clients
-    good = [reply_for(msgs[0], s.sent[0], 1.0, 10), reply_for(msgs[1], s.sent[1], 7.0, 10),
-            reply_for(msgs[2], s.sent[2], 3.0, 30)]
-    bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s.sent[3].expected.keys()}),
+    good = [reply_for(msgs[0], s.sent_round.sent[0], 1.0, 10), reply_for(msgs[1], s.sent_round.sent[1], 7.0, 10),
+            reply_for(msgs[2], s.sent_round.sent[2], 3.0, 30)]
+    bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s.sent_round.sent[3].expected.keys()}),
                             ALPHA: ArrayRecord(), METRICS: MetricRecord({"num-examples": 5, "train-loss": 1.0, "train-seconds": 0.1})})
     stray = reply_from(101, bad_shape)  # answers no message of this round
     arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
@@ -313,7 +311,7 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     assert len(s.rejected) == 2 and "array prompt" in s.rejected[0][1] and "cannot tell" in s.rejected[1][1]
     # alphas sent back unasked are refused
     msgs = configure(s, 6, arrays, 0, 2, 1)
-    assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([0], [0])))
+    assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, alpha_record([0], [0])))
 
 
 def echo(msg: Message, shift: dict[int, float] | None = None, n: int = 10) -> Message:
@@ -401,13 +399,13 @@ def test_alpha_replies_update_the_correlations(flower_identity):
     s.task_measured[:] = False
     s.new_tasks_pending = True
     msgs = configure(s, 1, to_array_record(state), 1, 0, 2)
-    assert all(x.measure == (1, 0) for x in s.sent)
-    wrong = reply_for(msgs[0], s.sent[0], 1.0, 5, alpha_record([2], [4]))
+    assert all(x.data.measure == (1, 0) for x in s.sent_round.sent)
+    wrong = reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, alpha_record([2], [4]))
     assert "asked for" in s.check_reply(wrong)
     a0 = to_array_record({"tasks": np.array([1, 0]), "task-alpha": np.stack([np.eye(8)[0], np.eye(8)[0] + np.eye(8)[1]]),
                           "task-count": np.array([5, 5]), "classes": np.array([2, 3]),
                           "class-alpha": np.stack([np.eye(8)[2], np.eye(8)[2]]), "class-count": np.array([2, 3])})
-    replies = [reply_for(msgs[0], s.sent[0], 1.0, 5, a0), reply_for(msgs[1], s.sent[1], 1.0, 5, alpha_record([1], [2]))]
+    replies = [reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, a0), reply_for(msgs[1], s.sent_round.sent[1], 1.0, 5, alpha_record([1], [2]))]
     _, metrics = s.aggregate_train(1, replies)
     assert metrics["tasks-measured"] == 2 and not s.new_tasks_pending
     assert s.task_measured[:2].all() and not s.task_measured[2:].any()
@@ -528,7 +526,7 @@ def test_client_answers_the_measuring_exchange_with_the_alphas_it_would_measure_
     assert set(answer.keys()) == {ALPHA, METRICS} and answer[METRICS]["num-examples"] > 0
     for name in ("tasks", "task-alpha", "task-count", "classes", "class-alpha", "class-count"):
         np.testing.assert_allclose(answer[ALPHA][name].numpy(), in_training[name].numpy(), rtol=1e-6)
-    assert s.check_measurement(reply_from(100, answer)) is None
+    assert s.check_exchange(reply_from(100, answer), s.exchange_round.sent[0]) is None
     assert rt.model.prompt.local_tasks is None
     with pytest.raises(NotImplementedError):
         LocalLearner(rt).answer(ex[0].content, 1, 0, 0)

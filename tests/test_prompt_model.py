@@ -1,12 +1,11 @@
 """The CODA-P prompt module and the prompted ViT: shapes, slices, freezing, orthogonality."""
 
-import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError
-from common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
-from common.vit import block_forward as _block_forward
+from promptfcl.common.config import ConfigError
+from promptfcl.common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
+from promptfcl.common.vit import block_forward as _block_forward
 from tests.conftest import tiny_config
 
 
@@ -155,7 +154,7 @@ def _backbones_in_use() -> list[str]:
     import tomllib
     from pathlib import Path
 
-    from common.config import ExperimentConfig
+    from promptfcl.common.config import ExperimentConfig
 
     names = {ExperimentConfig().backbone}
     for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
@@ -167,9 +166,9 @@ def _backbones_in_use() -> list[str]:
 def test_the_unprompted_path_equals_timms_own_forward(backbone):
     """With no prompt, the prefix path of every block (and the whole prompted forward with the
     prompts zeroed) gives timm's own output: nothing timm's forward does is dropped."""
-    from common.config import ExperimentConfig
-    from common.model import build_backbone
-    from common.vit import block_forward as _block_forward
+    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.model import build_backbone
+    from promptfcl.common.vit import block_forward as _block_forward
 
     small = backbone == ExperimentConfig().backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
@@ -186,8 +185,8 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
 def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
     from timm.models.vision_transformer import Block
 
-    from common.config import ConfigError
-    from common.model import CodaPrompt, PromptedViT, build_backbone
+    from promptfcl.common.config import ConfigError
+    from promptfcl.common.model import CodaPrompt, PromptedViT, build_backbone
 
     class OtherBlock(Block):  # a subclass may change the forward: refused, not silently run
         pass

@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from common import metrics
-from common.config import ConfigError
-from common.data import load_dataset, random_task_indices, random_tasks, seen_classes, task_classes
-from common.schedule import RandomTaskSchedule, task_schedule
+from promptfcl.common import metrics
+from promptfcl.common.config import ConfigError
+from promptfcl.common.data import load_dataset
+from promptfcl.common.schedule import RandomTaskSchedule, task_schedule
+from promptfcl.common.tasks import random_task_indices, random_tasks, seen_classes, task_classes
 from tests.conftest import tiny_config
 
 RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
@@ -67,7 +68,7 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     for g in range(len(shares)):
         for h in range(g):
             assert not set(shares[g].tolist()) & set(shares[h].tolist()), f"tasks {h} and {g} share an image"
-    from common.data import client_indices
+    from promptfcl.common.partitions import client_indices
 
     owner = schedule.owner(3)
     assert np.array_equal(client_indices(labels, cfg, 10, owner, 3, 0), shares[3])
@@ -148,7 +149,7 @@ def test_random_generator_needs_its_keys():
         tiny_config(min_overlap=0.5)
     with pytest.raises(ConfigError, match="partition, dirichlet-beta and classes-per-client do not apply"):
         random_config(partition="iid")
-    from client.methods import strategy_class
+    from promptfcl.strategies.registry import strategy_class
 
     with pytest.raises(ConfigError, match="needs the shared task stream"):
         strategy_class("hgp").check_schedule(random_config(switch_every=0, num_tasks=3, pool_size=6))
@@ -157,7 +158,7 @@ def test_random_generator_needs_its_keys():
 
 
 def test_checkpoints_from_before_the_random_keys_still_resume():
-    from server import checkpoint
+    from promptfcl.server import checkpoint
     from tests.helpers import make_ckpt
 
     ckpt = make_ckpt(1)
@@ -185,7 +186,7 @@ def test_asynchronous_metrics_by_hand():
 
 
 def test_a_head_row_shared_by_two_tasks_averages_both():
-    from strategies.base import aggregate_per_task
+    from promptfcl.strategies.platform.strategy import aggregate_per_task
 
     cfg = random_config(head="per-class")
     tasks = random_tasks(cfg, 10)
@@ -201,8 +202,8 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
 
 
 def test_a_per_task_head_gives_every_task_its_own_block():
-    from common.data import head_rows, head_size, head_targets, task_rows
-    from strategies.base import aggregate_per_task
+    from promptfcl.common.tasks import head_rows, head_size, head_targets, task_rows
+    from promptfcl.strategies.platform.strategy import aggregate_per_task
 
     cfg = random_config(head="per-task")
     per_class = random_config(head="per-class")
@@ -236,10 +237,10 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     import torch
     from flwr.app import RecordDict
 
-    from client.learner import LocalLearner
-    from common.data import head_rows
-    from common.records import ARRAYS, from_array_record, to_array_record
-    from common.runtime import get_runtime
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.tasks import head_rows
 
     cfg = random_config(head=head, lr=0.05)
     rt = get_runtime(cfg)
@@ -251,7 +252,7 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
     assert moved.tolist() == sorted(head_rows(cfg, g, 10).tolist())
     # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
-    from common.evaluation import correct_counts
+    from promptfcl.common.evaluation import correct_counts
 
     state = {k: v.clone() for k, v in start.items()}
     state["head.weight"].zero_()
@@ -271,7 +272,7 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
 
 
 def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
-    from server.transfer import single_task_accuracies
+    from promptfcl.server.transfer import single_task_accuracies
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = random_config()
@@ -285,6 +286,7 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- end to end
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),
                                             ("powder", "per-task"), ("fedcprompt", "per-task")])
 def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
@@ -320,8 +322,8 @@ def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
 
 
 def test_powder_scores_each_random_task_with_its_top_k_local_pool():
-    from common.records import from_array_record, to_array_record
-    from strategies.powder import PowderStrategy, first_step_aggregation
+    from promptfcl.common.records import from_array_record, to_array_record
+    from promptfcl.strategies.powder.strategy import PowderStrategy, first_step_aggregation
 
     cfg = random_config(strategy="powder")
     s = PowderStrategy(cfg, 10, {"k": 2})
@@ -347,7 +349,7 @@ def test_evaluate_messages_name_each_tasks_local_pool():
     task is scored with, Powder's local pools); a node reads them back and refuses malformed ones."""
     from flwr.app import ConfigRecord
 
-    from client.app import evaluation_pools
+    from promptfcl.client.app import evaluation_pools
 
     config = ConfigRecord({"task": 2, "pool-0": [0], "pool-2": [2, 0], "num-classes": 10})
     assert evaluation_pools(config, 2, 4) == {0: [0], 2: [2, 0]}

@@ -41,9 +41,8 @@ def free_port() -> int:
 
 def ray_nodes(address: str) -> list[dict]:
     """The alive nodes of the cluster at ``address`` (id and resources), asked by a separate driver."""
-    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
-            "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))"
-            % address)
+    code = (f"import json, ray; ray.init(address={address!r}, logging_level='ERROR'); "
+            "print(json.dumps([{'id': n['NodeID'], 'resources': n['Resources']} for n in ray.nodes() if n['Alive']]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,7 +126,7 @@ def test_no_gpu_share_hides_the_gpu_and_results_match(cluster, fedavg_run, tmp_p
 
 def test_gpu_share_on_a_cluster_without_gpus_is_refused_before_training(tmp_path):
     """A local Ray on this GPU-less machine: asking for a GPU share stops with a clear error."""
-    args = [sys.executable, "-m", "server.cli", "simulate", "--out", str(tmp_path), "--set", "weights=\"random\"",
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--out", str(tmp_path), "--set", "weights=\"random\"",
             "--set", "client-gpus=0.5"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

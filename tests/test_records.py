@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from common.records import from_array_record, payload_bytes, to_array_record, to_torch
+from promptfcl.common.records import from_array_record, payload_bytes, to_array_record, to_torch
 
 
 def test_round_trip_preserves_names_values_and_dtypes():

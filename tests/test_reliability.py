@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import ConfigError
-from server import checkpoint
+from promptfcl.common.config import ConfigError
+from promptfcl.server import checkpoint
 from tests.conftest import TINY, tiny_config
-from tests.helpers import make_ckpt, simulate
+from tests.helpers import make_ckpt
 
 SETTINGS = {**TINY, "rounds-per-task": 2, "num-clients": 4, "clients-per-round": 3, "lr": 0.01}
 
 
 def cli_args(out: Path, **overrides) -> list[str]:
-    args = [sys.executable, "-m", "server.cli", "simulate", "--out", str(out)]
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--out", str(out)]
     for key, value in {**SETTINGS, **overrides}.items():
         args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
     return args
@@ -153,7 +153,7 @@ def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
     # a plain re-run must not clobber the unfinished one
     again = subprocess.run(cli_args(out), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "unfinished run" in again.stderr
-    resumed = subprocess.run([sys.executable, "-m", "server.cli", "resume", str(out)],
+    resumed = subprocess.run([sys.executable, "-m", "promptfcl.server.cli", "resume", str(out)],
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -161,6 +161,7 @@ def test_killed_server_resumes_to_the_same_accuracy_matrix(clean_run, tmp_path):
     assert [r["server_round"] for r in results["rounds"]] == [1, 2, 3, 4]  # none lost, none twice
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault, rate", [("nan", 0.4), ("huge-count", 0.4), ("extra-record", 0.4)])
 def test_corrupt_replies_are_excluded_and_logged(tmp_path, fault, rate, flower_identity):
     """The project's fault injection (a ClientApp mod) in the real ClientApp and server loop, in-process."""
@@ -209,6 +210,7 @@ def test_all_clients_failing_ends_with_a_clear_error(tmp_path):
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.e2e
 def test_evaluate_every_skips_rounds_but_not_task_ends(tmp_path):
     """evaluate-every = 3: rounds in between carry no accuracy; every task end (the accuracy
     matrix) and the last round are evaluated, and the matrix equals the every-round run's."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord
 
-from common.config import ConfigError
-from common.schedule import TaskSchedule
+from promptfcl.common.config import ConfigError
+from promptfcl.common.schedule import TaskSchedule
 from tests.conftest import tiny_config
 
 
@@ -73,7 +73,7 @@ def test_a_schedule_that_cannot_finish_the_stream_is_a_config_error():
 
 
 def test_every_method_takes_asynchronous_arrival_on_the_stream():
-    from client.methods import strategy_class
+    from promptfcl.strategies.registry import strategy_class
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
     for name in ("fedavg", "fedcprompt", "powder", "hepco", "fppl", "hgp"):
@@ -82,7 +82,7 @@ def test_every_method_takes_asynchronous_arrival_on_the_stream():
 
 @pytest.mark.parametrize("name", ["hepco", "fppl", "hgp"])
 def test_stream_methods_refuse_random_tasks(name):
-    from client.methods import strategy_class
+    from promptfcl.strategies.registry import strategy_class
 
     cfg = tiny_config(task_generator="random", num_clients=2, clients_per_round=2, num_rounds=2, switch_every=0,
                       num_tasks=2, classes_per_task=2, min_overlap=0.0, task_data_fraction=0.5)
@@ -93,12 +93,12 @@ def test_stream_methods_refuse_random_tasks(name):
 def test_each_client_is_sent_its_own_task(flower_identity):
     import numpy as np
 
-    from client.methods import strategy_class
+    from promptfcl.strategies.registry import strategy_class
     from tests.helpers import NodeList
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
     strategy = strategy_class("fedavg")(cfg, 10)
-    from common.records import to_array_record
+    from promptfcl.common.records import to_array_record
 
     arrays = to_array_record({"w": np.zeros(2, np.float32)})
     messages = list(strategy.configure_train(2, arrays, ConfigRecord({"task": 0, "round": 1}), NodeList(4)))

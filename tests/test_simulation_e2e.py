@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +52,7 @@ def test_bytes_match_the_parameters_that_travel(fedavg_run):
         assert r["bytes_c2s"] > 0
 
 
+@pytest.mark.e2e
 def test_same_seed_same_result(fedavg_run, tmp_path):
     """The same configuration run again, in this process instead of on Ray actors, gives the same
     accuracy matrix: results depend on the seed, not on the engine or the order replies arrive in."""
@@ -65,10 +65,10 @@ def test_same_seed_same_result(fedavg_run, tmp_path):
 
 def test_bad_config_fails_before_training(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "simulate", "--set", "num-tasks=3", "--set", "pool-size=4",
+        [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--set", "num-tasks=3", "--set", "pool-size=4",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "pool-size" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "simulate", "--strategy", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown strategy 'nope'" in proc.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError
-from server.simulation import RayNode, plan_simulation
+from promptfcl.common.config import ConfigError
+from promptfcl.server.simulation import RayNode, plan_simulation
 from tests.conftest import tiny_config
 
 

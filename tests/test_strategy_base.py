@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
-from common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from strategies.base import weighted_average
-from strategies.fedavg import FedAvgPrompt
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from promptfcl.strategies.platform.aggregation import weighted_average
 from tests.conftest import reply_from, tiny_config
 from tests.helpers import NodeList
 
@@ -30,17 +30,17 @@ def test_weighted_average_uses_sample_counts():
 
 
 def test_sampling_is_seeded_and_independent_of_node_ids():
-    s = FedAvgPrompt(tiny_config(num_clients=50, clients_per_round=5), 10)
+    s = FedAvgStrategy(tiny_config(num_clients=50, clients_per_round=5), 10)
     a, b = s.sample_clients(1, 2), s.sample_clients(1, 2)
     assert a == b and len(set(a)) == 5 and all(0 <= c < 50 for c in a)
     assert s.sample_clients(1, 3) != a
-    other_seed = FedAvgPrompt(tiny_config(num_clients=50, clients_per_round=5, seed=9), 10)
+    other_seed = FedAvgStrategy(tiny_config(num_clients=50, clients_per_round=5, seed=9), 10)
     assert other_seed.sample_clients(1, 2) != a
 
 
 def test_configure_train_assigns_clients_to_nodes(flower_identity):
     cfg = tiny_config(num_clients=50, clients_per_round=3)
-    s = FedAvgPrompt(cfg, 10)
+    s = FedAvgStrategy(cfg, 10)
     arrays = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
     msgs = list(s.configure_train(7, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(4)))
     assert [m.metadata.dst_node_id for m in msgs] == [100, 101, 102]
@@ -53,40 +53,38 @@ def test_configure_train_assigns_clients_to_nodes(flower_identity):
 
 
 def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
-    s = FedAvgPrompt(tiny_config(), 10)
-    s.sent_arrays = content(0.0, 1)[ARRAYS]
+    s = FedAvgStrategy(tiny_config(num_clients=7, clients_per_round=7), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(7)))
     nan = content(1.0, 5)
     nan[ARRAYS] = to_array_record({"head.weight": np.full((3, 2), np.nan, np.float32)})
     missing = RecordDict({METRICS: MetricRecord({"num-examples": 5})})
-    replies = [
-        reply_from(1, content(1.0, 10)),
-        reply_from(2, content(4.0, 30)),
-        reply_from(3, nan),
-        reply_from(4, content(9.0, 10, shape=(2, 2))),
-        reply_from(5, missing),
-        reply_from(6, content(9.0, 0)),
-        reply_from(7, error="boom"),
-    ]
+    contents = [content(1.0, 10), content(4.0, 30), nan, content(9.0, 10, shape=(2, 2)), missing, content(9.0, 0)]
+    replies = [Message(c, reply_to=m) for c, m in zip(contents, msgs)]
+    replies.append(Message(Error(code=0, reason="boom"), reply_to=msgs[6]))
     arrays, metrics = s.aggregate_train(1, replies)
     np.testing.assert_allclose(from_array_record(arrays)["head.weight"], 3.25)  # (10*1 + 30*4) / 40
     assert metrics["num-examples"] == 40 and metrics["clients"] == 2
     reasons = dict(s.rejected)
-    assert set(reasons) == {3, 4, 5, 6, 7}
-    assert "non-finite" in reasons[3] and "shape" not in reasons[3]
-    assert "(2, 2)" in reasons[4] and "missing" in reasons[5] and "no training" in reasons[6] and "boom" in reasons[7]
+    assert set(reasons) == {102, 103, 104, 105, 106}  # the nodes the bad replies' messages went to
+    assert "non-finite" in reasons[102] and "shape" not in reasons[102]
+    assert "(2, 2)" in reasons[103] and "missing" in reasons[104] and "no training" in reasons[105]
+    assert "boom" in reasons[106]
+    # a reply to no message of this round is left out, under the node it came from
+    stray = reply_from(42, content(1.0, 10))
+    assert s.aggregate_train(1, [stray]) == (None, None) and "no matching message" in dict(s.rejected)[42]
 
 
 def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
-    s = FedAvgPrompt(tiny_config(), 10)
+    s = FedAvgStrategy(tiny_config(), 10)
     assert s.aggregate_train(1, [reply_from(1, error="x")]) == (None, None)
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from common.model import build_model
+    from promptfcl.common.model import build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
     model, _ = build_model(cfg, 10)
-    s = FedAvgPrompt(cfg, 10)
+    s = FedAvgStrategy(cfg, 10)
     a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
     a1 = s.on_task_start(1, a0)
     p0, p1 = from_array_record(a0)["prompt.k0"], from_array_record(a1)["prompt.k0"]
@@ -99,15 +97,15 @@ def test_task_start_initialises_only_the_new_slice_orthogonally():
 
 @pytest.mark.parametrize("per_task", [False, True])
 def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(per_task, flower_identity):
-    """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task_in_flight, task 1's slice
+    """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task = "in-flight", task 1's slice
     and head rows are the mean of the two ahead clients' values (not diluted by the two others'
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
-    from common.data import task_rows
+    from promptfcl.common.tasks import task_rows
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
-    strategy = FedAvgPrompt(cfg, 10)
-    strategy.per_task_in_flight = per_task
+    strategy = FedAvgStrategy(cfg, 10)
+    strategy.per_task = "in-flight" if per_task else "never"
     pool = np.zeros((cfg.pool_size, 3), np.float32)
     head = np.zeros((10, 3), np.float32)
     sent = to_array_record({"prompt.p0": pool, "head.weight": head})

@@ -49,6 +49,7 @@ def run_record(name: str, out: Path) -> dict[str, Any]:
             "round_accuracy": [r["accuracy"] for r in results["rounds"]]}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_synchronous_matrix_unchanged(name, tmp_path):
     expected = json.loads(FIXTURE.read_text())[name]
@@ -60,7 +61,6 @@ def test_synchronous_matrix_unchanged(name, tmp_path):
 
 if __name__ == "__main__":
     import subprocess
-
     import sys
 
     # the commit whose code made the runs (an exported tree has no git: pass it)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import ConfigError, ExperimentConfig
-from common.model import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
-from common.vit import VisionTransformer, from_timm
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.model import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
+from promptfcl.common.vit import VisionTransformer, from_timm
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,9 +94,9 @@ def test_from_timm_refuses_a_vit_outside_the_standard_one(change, reason):
 # ---------------------------------------------------------------------------- the disk cache
 _FRESH_PROCESS = """
 import json, sys, torch
-from common import startup
-from common.config import ExperimentConfig
-from common.model import build_model
+from promptfcl.common import startup
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.model import build_model
 model, source = build_model(ExperimentConfig.from_dict(json.loads(sys.argv[1])), 10)
 torch.save(model.query(torch.load(sys.argv[2])), sys.argv[3])
 print(json.dumps({"timm": "timm" in sys.modules, "backbone": type(model.backbone).__module__,
@@ -117,7 +117,7 @@ def test_a_fresh_process_reads_the_cached_backbone_without_timm(cache, tmp_path)
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == {"timm": False, "backbone": "common.vit", "phases": ["model_build", "weights"],
+    assert report == {"timm": False, "backbone": "promptfcl.common.vit", "phases": ["model_build", "weights"],
                       "source": source}
     assert torch.equal(torch.load(tmp_path / "q.pt"), model.query(x))
     assert torch.equal(model.query(x), query(timm_reference(cfg), x))

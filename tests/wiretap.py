@@ -108,7 +108,7 @@ def _parse(cls: Any, raw: bytes) -> Any:
 
 def wire_objects(exchanges: list[Exchange]) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Object contents by id: (sent to nodes, sent by nodes)."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     PullObjectResponse, PushObjectRequest = internal("pull_object_response"), internal("push_object_request")
     get_object_id = internal("object_id")
@@ -131,7 +131,8 @@ def wire_objects(exchanges: list[Exchange]) -> tuple[dict[str, bytes], dict[str,
 def wire_messages(exchanges: list[Exchange]) -> list[tuple[str, str, Any]]:
     """Every message that crossed the wire: (direction "s2c"/"c2s", message type, RecordDict content)."""
     from flwr.app import Message
-    from common.flower_internals import internal
+
+    from promptfcl.common.flower_internals import internal
 
     PullMessagesResponse, PushMessagesRequest = internal("pull_messages_response"), internal("push_messages_request")
     inflate_object_from_contents = internal("inflate_object")
@@ -159,7 +160,7 @@ def wire_messages(exchanges: list[Exchange]) -> list[tuple[str, str, Any]]:
 
 def fab_files(exchanges: list[Exchange]) -> dict[str, int]:
     """Files (name -> size) of the app bundles nodes fetched (``get-fab``)."""
-    from common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal
 
     GetFabResponse = internal("get_fab_response")
 

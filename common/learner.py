@@ -1,0 +1,194 @@
+"""Local learning on a client: the one training loop every method shares.
+
+``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the
+current task's classes). A method changes local learning by subclassing it and
+overriding hooks, never by copying the loop:
+
+* ``round_start(content)``  read extra records the server sent (prototypes, ...)
+* ``extra_loss(batch)``     add a term to the loss of each batch
+* ``round_end(index)``      return extra records to upload (statistics, ...)
+* ``answer(content)``       reply to a message before training (Powder's measuring step)
+
+Training-time augmentation (``augment``) lives here too, for every method: each batch
+is augmented with views drawn from a generator seeded by (seed, client, task, round),
+and q(x) is computed on the augmented images (the query cache holds the stored images').
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from promptfcl.common.augment import augment_images
+from promptfcl.common.model import masked_logits
+from promptfcl.common.options import MethodOptions, NoOptions
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
+from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, head_targets, training_classes
+
+log = logging.getLogger("promptfcl")
+
+
+@dataclass
+class Batch:
+    """One training batch and what the forward pass made of it."""
+
+    images: torch.Tensor  # preprocessed (B, C, H, W)
+    labels: torch.Tensor  # (B,) the head rows of the true classes (the classes themselves with a per-class head)
+    query: torch.Tensor  # (B, D)
+    features: torch.Tensor  # prompted pre-logit features (B, D)
+    logits: torch.Tensor  # masked to the current task's head rows (B, head outputs)
+
+
+class LocalLearner:
+    """FedAvg-Prompt local learning (CODA-P prompts + linear head, CE on the current task).
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model, device and query cache of this process.
+    options : MethodOptions or mapping, optional
+        The method's options, parsed (a mapping of ``<method>.*`` keys, prefix removed, is
+        parsed with ``options_class``; None: the defaults).
+    """
+
+    #: the method's options dataclass (the same as its strategy's)
+    options_class: type[MethodOptions] = NoOptions
+
+    def __init__(self, runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None) -> None:
+        self.rt = runtime
+        self.cfg = runtime.cfg
+        self.opts: Any = options if isinstance(options, MethodOptions) else \
+            self.options_class.from_options(options or {})
+        self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
+
+    # ------------------------------------------------------------------ hooks
+    def round_start(self, content: RecordDict, task: int) -> None:
+        """Read method-specific records sent by the server."""
+
+    def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
+        """Extra loss term for one batch (None: plain cross-entropy)."""
+        return None
+
+    def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
+        """Extra records to upload, by record name."""
+        return {}
+
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """Reply to an exchange before training (``PromptStrategy.configure_exchange``); only
+        methods whose strategy requests one implement it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no exchange before training")
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """Train on this client's share of ``task`` starting from the global parameters."""
+        cfg, rt, model = self.cfg, self.rt, self.rt.model
+        started = time.perf_counter()
+        index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
+
+        self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
+        model.load_trainable_state(to_torch(content[ARRAYS]))
+        model.prompt.set_task(task)
+        self.round_start(content, task)
+        if len(index) == 0:
+            # Nothing to learn from: reply zero examples, the server leaves this client out.
+            return self._reply(index, task, started, losses=[])
+
+        # the CE's rows: the task's (its own block with a per-task head); every seen class's
+        # for the joint upper bound (stream tasks only, one row per class)
+        rows = (training_classes(cfg, task, rt.data.num_classes) if cfg.centralised_mode == "joint"
+                else head_rows(cfg, task, rt.data.num_classes))
+        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
+        allowed[rows] = True
+        seed = self.seed
+        torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
+        rng = np.random.default_rng(seed + [0xBA7C4])
+        augment = self.augmentation()
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=cfg.lr)
+        steps = cfg.local_epochs * math.ceil(len(index) / cfg.batch_size)
+        scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+                     if cfg.lr_schedule == "cosine" else None)
+        # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
+        # so the cache (queries of the stored images) serves only unaugmented training.
+        queries = rt.queries("train", index) if augment is None else None
+        images = rt.data.train.images
+        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
+
+        model.train()
+        losses: list[float] = []
+        for _ in range(cfg.local_epochs):
+            order = rng.permutation(len(index))
+            for start in range(0, len(order), cfg.batch_size):
+                pos = order[start : start + cfg.batch_size]
+                x = self.inputs(images[index[pos]], augment)
+                y = labels[pos].to(rt.device)
+                with rt.autocast():
+                    q = queries[pos] if queries is not None else model.query(x)
+                    feats = model.features(x, q)
+                    logits = masked_logits(model.head(feats), allowed)
+                    loss = F.cross_entropy(logits, y)
+                    extra = self.extra_loss(Batch(x, y, q, feats, logits), task)
+                    if extra is not None:
+                        loss = loss + extra
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                losses.append(float(loss.detach()))
+        model.eval()
+        return self._reply(index, task, started, losses)
+
+    def augmentation(self, stream: int = 0xA06) -> np.random.Generator | None:
+        """A random source of augmented views for this fit (None: ``augment = "none"``).
+
+        Seeded by (seed, client, task, round), like the batch order, and ``stream`` (a hook
+        that needs views of its own, such as HGP's statistics pass, takes another stream), so
+        the same fit sees the same views in any process.
+        """
+        if self.cfg.augment == "none":
+            return None
+        return np.random.default_rng(list(self.seed) + [stream])
+
+    def inputs(self, images: np.ndarray, augment: np.random.Generator | None) -> torch.Tensor:
+        """Preprocessed model inputs of a uint8 batch, augmented first when ``augment`` is given."""
+        if augment is not None:
+            images = augment_images(images, self.cfg.augment, augment)
+        return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device))
+
+    def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float]) -> RecordDict:
+        extras = self.round_end(index, task) if len(index) else {}
+        metrics = MetricRecord({
+            "num-examples": int(len(index)),
+            "train-loss": float(np.mean(losses)) if losses else 0.0,
+            "train-seconds": time.perf_counter() - started,
+        })
+        if self.rt.device.type == "cuda":  # what the round needed on the GPU (benchmarks, sizing actors per GPU)
+            metrics["device-peak-mb"] = torch.cuda.max_memory_allocated(self.rt.device) / 1e6
+        reply = RecordDict({ARRAYS: to_array_record(self.rt.model.trainable_state()), METRICS: metrics})
+        for name, record in extras.items():
+            reply[name] = record
+        return reply
+
+
+def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
+    """(task, round within task, client id) from a train message's config."""
+    try:
+        return int(config["task"]), int(config["round"]), int(config["client-id"])
+    except KeyError as exc:
+        raise ValueError(f"train message config lacks {exc}") from None
+
+
+__all__ = ["Batch", "LocalLearner", "read_task_round", "ArrayRecord"]

@@ -1,0 +1,122 @@
+"""What every benchmark shares: the papers' figures, peak memory, a simulation in a subprocess, the machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from promptfcl.server import checkpoint
+
+log = logging.getLogger("promptfcl")
+
+
+VIT_B16_PARAMETERS = 85_798_656  # timm vit_base_patch16_224 without its ImageNet head (num_classes=0)
+
+# The papers' datasets: classes, and approximate training / test images per class (for the
+# stand-ins of ``paper-dims`` and its extrapolation to a full-size round).
+PAPER_DATASETS: dict[str, tuple[int, int, int]] = {
+    "hf:cifar100": (100, 500, 100),
+    "hf:imagenet-r": (200, 120, 30),  # 30,000 images, 80/20 split as in CODA-P
+    "hf:tiny-imagenet": (200, 500, 50),
+    "hf:domainnet": (345, 1200, 300),
+    "hf:cub200": (200, 30, 29),
+}
+
+# What each paper reports about its communication (bytes of one method, or its parameters).
+PAPER_COMMUNICATION: dict[str, str] = {
+    "hepco": "31.37 MB per exchange, 9.5% of ViT-B/16 (HePCo, Table 1)",
+    "fppl": "0.25M parameters per round (FPPL, Table II COMM)",
+    "powder": "493.08 MB over the whole run; Fed-CODAP 815.63 MB (Powder, Table 2)",
+    "fedcprompt": "not reported",
+    "hgp": "not reported",
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _peak_rss_mb(pid: int) -> float:
+    """Peak resident set size (VmHWM) of a live process, in MB (Linux /proc)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def _actor_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"ClientAppActor" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str = "fedavg",
+                              watch_memory: bool = False, timeout: int = 6 * 3600) -> dict[str, Any]:
+    """``promptfcl simulate`` in a child process; returns results.json (+ peak memory if watched).
+
+    A run still going after ``timeout`` seconds is interrupted (SIGINT, so Ray shuts down, then
+    killed) before TimeoutExpired is raised: a timed-out run never keeps training in the
+    background. The default is generous because the joint upper bound trains on every seen task
+    (about 3x the incremental run's work on 5 tasks) and benchmarks share small machines.
+    """
+    if (out / checkpoint.FILENAME).is_file():  # an interrupted earlier benchmark run: continue it, not start over
+        settings = {**settings, "resume": True}  # (a different configuration is refused by the run)
+    args = [sys.executable, "-m", "promptfcl.server.cli", "simulate", "--strategy", strategy, "--out", str(out)]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={json.dumps(value) if isinstance(value, str) else value}"]
+    if (out / "results.json").exists():
+        (out / "results.json").unlink()
+    # The child's output goes to a file, not a pipe: a pipe nobody reads while memory is watched
+    # fills up (64 KB of client tracebacks) and blocks the child for ever.
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "simulate.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+        server_peak, client_peak = 0.0, 0.0
+        deadline = time.monotonic() + timeout
+        while watch_memory and proc.poll() is None and time.monotonic() < deadline:
+            server_peak = max(server_peak, _peak_rss_mb(proc.pid))
+            client_peak = max([client_peak] + [_peak_rss_mb(p) for p in _actor_pids()])
+            time.sleep(0.25)
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    if proc.returncode != 0:
+        output = log_path.read_text(errors="replace")
+        raise RuntimeError(f"simulation failed ({strategy}, {settings}); log {log_path}:\n{output[-3000:]}")
+    results = json.loads((out / "results.json").read_text())
+    if watch_memory:
+        results["peak_memory_mb"] = {"server": server_peak, "client_actor": client_peak}
+    return results
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                            "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info

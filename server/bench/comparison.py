@@ -1,0 +1,200 @@
+"""``promptfcl bench compare``: every method on identical splits, seeds and heterogeneity, with the
+centralised references; Markdown and CSV tables and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from promptfcl.common.config import ExperimentConfig
+from promptfcl.server.bench.common import run_simulation_subprocess
+
+log = logging.getLogger("promptfcl")
+
+
+# ----------------------------------------------------------------------------- compare
+#: the centralised references of ``compare``: name -> centralised-mode
+UPPER_BOUNDS = {"upper-bound-incremental": "incremental", "upper-bound-joint": "joint"}
+
+
+def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list[int],
+            settings: list[dict[str, Any]], upper_bound: bool = True) -> list[dict[str, Any]]:
+    """Every method (+ the two centralised references, ``UPPER_BOUNDS``) x heterogeneity setting x seed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    references = list(UPPER_BOUNDS) if upper_bound else []
+    runs = [(m, s, h) for h in settings for m in methods + references for s in seeds]
+    for i, (method, seed, setting) in enumerate(runs, 1):
+        label = _setting_label(setting)
+        strategy, options = parse_method(method)
+        run_settings = {**base, **setting, **options, "seed": seed}
+        run_dir = out_dir / "runs" / f"{method.replace('/', '+')}-{label}-seed{seed}"
+        if method in UPPER_BOUNDS:  # one client with all data: the partition plays no part, one run per seed
+            strategy = "fedavg"
+            run_settings = {**base, "seed": seed, "centralised": True, "centralised-mode": UPPER_BOUNDS[method]}
+            run_dir = out_dir / "runs" / f"{method}-seed{seed}"
+        results = finished_run(run_dir, {**run_settings, "strategy": strategy})
+        if results is not None:
+            log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
+        else:
+            log.info("[%d/%d] %s, %s, seed %d", i, len(runs), method, label, seed)
+            try:
+                results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one broken run must not cost the others
+                log.error("[%d/%d] %s, %s, seed %d FAILED; going on with the rest:\n%s",
+                          i, len(runs), method, label, seed, str(exc)[-1500:])
+                failed.append(f"{method}, {label}, seed {seed} (log: {run_dir})")
+                _write_compare(out_dir, rows, failed)
+                continue
+        comm, timing = results["communication"], results["timing"]
+        rows.append({
+            "method": method, "setting": label, "seed": seed,
+            "A_N": results["final_average_accuracy"], "AIA": results["average_incremental_accuracy"],
+            "forgetting": results["average_forgetting"],
+            "bytes_s2c_per_round": comm["bytes_s2c_per_round"], "bytes_c2s_per_round": comm["bytes_c2s_per_round"],
+            "client_seconds_per_round": timing["client_seconds_per_round"],
+            "server_seconds_per_round": timing["server_seconds_per_round"],
+        })
+        if results.get("asynchronous"):  # random tasks: Powder's section 5.1 metrics
+            a = results["asynchronous"]
+            rows[-1].update({"FM": a["forgetting_measure"], "FT": a.get("forward_transfer", np.nan),
+                             "BT": a["backward_transfer"], "CT": a.get("combined_transfer", np.nan),
+                             "bytes_s2c_total": comm["bytes_s2c_total"], "bytes_c2s_total": comm["bytes_c2s_total"]})
+        _write_compare(out_dir, rows, failed)
+    print(summary_table(rows))
+    if failed:
+        print("failed runs (left out of the table):\n  " + "\n  ".join(failed))
+    return rows
+
+
+def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The results of an earlier run in ``run_dir`` with exactly these settings, else None.
+
+    An interrupted ``bench compare`` started again redoes only the runs it lacks; a run
+    whose configuration differs (other code defaults, other --set values) is redone.
+    """
+    path = run_dir / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text())
+        done = ExperimentConfig.from_dict(results["config"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s unreadable (%s): running again", path, exc)
+        return None
+    wanted = ExperimentConfig.from_dict({**settings, "out-dir": str(run_dir)})
+    return results if done.digest() == wanted.digest() else None
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
+    with some of its options changed (an ablation), compared as a method of its own."""
+    from promptfcl.common.config import parse_overrides
+
+    name, *pairs = spec.split("/")
+    return name, {f"{name}.{k}": v for k, v in parse_overrides(pairs).items()}
+
+
+def _setting_label(setting: dict[str, Any]) -> str:
+    if not setting:
+        return "default"
+    part = setting.get("partition", "dirichlet")
+    if part == "dirichlet":
+        return f"dirichlet-{setting.get('dirichlet-beta', 0.5)}"
+    if part == "quantity":
+        return f"quantity-{setting.get('classes-per-client', 1)}"
+    if part == "quantity-skew":
+        return f"quantity-skew-{setting.get('dirichlet-beta', 0.5)}"
+    return part
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: mean +- std over seeds for each (setting, method)."""
+    keys = ["A_N", "AIA", "forgetting"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["method"]), []).append(r)
+    if all("CT" in r for r in rows):  # random tasks: Powder's Table 2 / Table 5 columns
+        lines = ["| setting | method | seeds | AIA | FM | FT | BT | CT | MB S2C total | MB C2S total |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for (setting, method), rs in groups.items():
+            cells = [f"{np.mean([r[k] for r in rs]):.2f} ± {np.std([r[k] for r in rs]):.2f}"
+                     for k in ("AIA", "FM", "FT", "BT", "CT")]
+            lines.append(f"| {setting} | {method} | {len(rs)} | " + " | ".join(cells) +
+                         f" | {np.mean([r['bytes_s2c_total'] for r in rs]) / 1e6:.2f}"
+                         f" | {np.mean([r['bytes_c2s_total'] for r in rs]) / 1e6:.2f} |")
+        return "\n".join(lines)
+    lines = [
+        "| setting | method | seeds | A_N | AIA | forgetting | KB S2C/round | KB C2S/round "
+        "| client s/round | server s/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (setting, method), rs in groups.items():
+        cells = []
+        for k in keys:
+            v = np.array([r[k] for r in rs])
+            cells.append(f"{v.mean():.1f} ± {v.std():.1f}")
+        mean = {
+            k: float(np.mean([r[k] for r in rs]))
+            for k in (
+                "bytes_s2c_per_round",
+                "bytes_c2s_per_round",
+                "client_seconds_per_round",
+                "server_seconds_per_round",
+            )
+        }
+        lines.append(
+            f"| {setting} | {method} | {len(rs)} | "
+            + " | ".join(cells)
+            + f" | {mean['bytes_s2c_per_round'] / 1000:.0f} | {mean['bytes_c2s_per_round'] / 1000:.0f} | "
+            f"{mean['client_seconds_per_round']:.2f} | {mean['server_seconds_per_round']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def _write_compare(out_dir: Path, rows: list[dict[str, Any]], failed: Sequence[str] = ()) -> None:
+    if not rows:
+        return
+    with open(out_dir / "compare.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    failures = "".join(f"\n* failed, left out: {f}" for f in failed)
+    (out_dir / "compare.md").write_text(summary_table(rows) + "\n" + failures + ("\n" if failed else ""))
+    _plot_compare(out_dir, rows)
+
+
+def _plot_compare(out_dir: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({r["setting"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(methods), 1)
+    for ax, key in zip(axes, ("A_N", "forgetting")):
+        for j, m in enumerate(methods):
+            means = [
+                np.mean([r[key] for r in rows if r["method"] == m and r["setting"] == s] or [np.nan]) for s in settings
+            ]
+            stds = [
+                np.std([r[key] for r in rows if r["method"] == m and r["setting"] == s] or [np.nan]) for s in settings
+            ]
+            ax.bar(np.arange(len(settings)) + j * width, means, width, yerr=stds, label=m, capsize=2)
+        ax.set_xticks(np.arange(len(settings)) + width * (len(methods) - 1) / 2, settings, fontsize=8)
+        ax.set_ylabel(key + " (%)")
+        ax.set_title(key)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "compare.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,205 @@
+"""One training round: messages out, replies in, aggregation, and its typed record.
+
+A round is retried with freshly sampled clients when too few replies are usable
+(``round-retries``); what every attempt cost is accounted in the round's record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+
+from promptfcl.common.records import CONFIG, METRICS
+from promptfcl.common.startup import PHASES, metric_name
+from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
+from promptfcl.strategies.platform.strategy import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+
+class RoundFailed(RuntimeError):
+    """A round got too few usable replies even after its retries."""
+
+
+@dataclass
+class RoundRecord:
+    """What one round did (results.json's ``rounds``, and the checkpoint's)."""
+
+    task: int
+    round: int
+    server_round: int
+    accuracy: float | None  # None: not evaluated this round (evaluate-every), or not yet (eval_pending)
+    task_accuracies: list[float] | None
+    bytes_s2c: int
+    bytes_c2s: int
+    client_seconds: float
+    client_seconds_max: float
+    client_process_seconds_max: float
+    # deployment: median time a client process spent before training, and per start-up phase
+    # over the fresh processes of the round (common/startup.py; empty when warm)
+    client_overhead_seconds: float
+    client_startup: dict[str, float]
+    client_device_peak_mb: float
+    server_seconds: float
+    round_seconds: float
+    eval_seconds: float
+    attempts: int
+    clients_sampled: int
+    client_tasks: list[int]  # the task each client of the (last) attempt trained
+    placement: list[dict[str, Any]]  # where each client of the (last) attempt trained
+    clients_aggregated: int
+    # accepted replies' update norms (what update-norm-factor compares): their spread shows how far
+    # honest clients differ, and so how tight the factor can be
+    update_norms: list[float]
+    reply_shares: list[float]  # each accepted reply's share of the round's weight
+    examples: int  # training samples behind the aggregate
+    rejected: list[dict[str, Any]]
+    train_loss: float
+    strategy_metrics: dict[str, Any]  # the method's own figures (consolidation time, loss terms, ...)
+    evaluation: dict[str, Any] = field(default_factory=dict)  # federated evaluation: nodes, failures, bytes
+    eval_pending: bool = False  # evaluated with the next round's training (evaluate-with-train)
+    epsilon: float | None = None  # differential privacy: the guarantee after this round
+    private: bool = False  # whether ``epsilon`` applies (dp.* on)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("evaluation", "eval_pending", "epsilon", "private")}
+        out.update(self.evaluation)
+        if self.eval_pending:
+            out["eval_pending"] = True
+        if self.private:
+            out["epsilon"] = self.epsilon
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RoundRecord:
+        names = {f.name for f in fields(cls)}
+        core = {k: v for k, v in d.items() if k in names and k not in ("evaluation", "private")}
+        evaluation = {k: v for k, v in d.items() if k not in names}
+        return cls(**core, evaluation=evaluation, private="epsilon" in d)
+
+
+@dataclass
+class Attempts:
+    """What a round's attempts cost and received, accumulated."""
+
+    bytes_s2c: int = 0
+    bytes_c2s: int = 0
+    sampled: int = 0
+    server_seconds: float = 0.0
+    round_seconds: float = 0.0
+    client_secs: list[float] = field(default_factory=list)
+    process_secs: list[float] = field(default_factory=list)
+    device_peaks: list[float] = field(default_factory=list)  # clients on CUDA: peak memory allocated, MB
+    overheads: list[float] = field(default_factory=list)
+    startup_phases: dict[str, list[float]] = field(default_factory=dict)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    count: int = 0  # attempts made
+
+    def read_replies(self, used: list[MetricRecord]) -> None:
+        """The accepted replies' metrics (they have passed the checks of every field)."""
+        self.client_secs += [float(m["train-seconds"]) for m in used]
+        # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
+        self.process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
+        # a fresh process (every deployed message; an actor's first in simulation): its time before
+        # the first training step, and per phase (common/startup.py)
+        fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
+        self.overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
+                           - float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
+                           + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
+                           for m in fresh]
+        for name in PHASES:
+            self.startup_phases.setdefault(name, []).extend(float(m[metric_name(name)]) for m in fresh
+                                                            if metric_name(name) in m)
+        self.device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
+
+
+def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: int, round_: int, server_round: int,
+                before_aggregation: Any = None) -> tuple[ArrayRecord, MetricRecord, Attempts, list]:
+    """Configure, send, receive and aggregate one round, retrying with fresh clients while too few
+    replies are usable. ``before_aggregation(messages, replies)`` sees each attempt's exchange
+    (the federated evaluator reads the counts train replies carry; it may also mark the messages
+    before they go, through ``before_aggregation.ask(messages)``).
+
+    Returns the new arrays, the aggregated metrics, what the attempts cost, and the last attempt's
+    messages.
+
+    Raises
+    ------
+    RoundFailed
+        Every attempt had fewer than ``min-replies`` usable replies (the last checkpoint is intact).
+    """
+    cfg = strategy.cfg
+    spent = Attempts()
+    for attempt in range(cfg.round_retries + 1):
+        spent.count = attempt + 1
+        t0 = time.perf_counter()
+        config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
+        exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
+        if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
+            tx = time.perf_counter()
+            answers = send_and_receive(grid, exchange, cfg.round_timeout)
+            waited = time.perf_counter() - tx
+            strategy.aggregate_exchange(server_round, answers)
+            spent.bytes_s2c += message_bytes(exchange)
+            spent.bytes_c2s += message_bytes([m for m in answers if not m.has_error()])
+        messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        if before_aggregation is not None:
+            before_aggregation.ask(messages)
+        t1 = time.perf_counter()
+        replies = send_and_receive(grid, messages, cfg.round_timeout)
+        t2 = time.perf_counter()
+        if before_aggregation is not None:
+            before_aggregation.collect(messages, replies)
+        new_arrays, agg = strategy.aggregate_train(server_round, replies)
+        t3 = time.perf_counter()
+        spent.bytes_s2c += message_bytes(messages)
+        spent.bytes_c2s += message_bytes([m for m in replies if not m.has_error()])
+        spent.sampled += len(messages)
+        spent.server_seconds += (t1 - t0 - waited) + (t3 - t2)
+        spent.round_seconds += t3 - t0
+        used = [a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else []
+        spent.read_replies(used)
+        spent.rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
+        spent.rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
+                            "attempt": attempt} for m in unanswered(messages, replies)]
+        if new_arrays is not None:
+            return new_arrays, agg, spent, messages  # type: ignore[return-value]
+        log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
+                    len(strategy.accepted), len(messages),
+                    "; retrying with fresh clients" if attempt < cfg.round_retries else "")
+    raise RoundFailed(
+        f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
+        f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
+        f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
+
+
+def round_record(strategy: PromptStrategy, task: int, round_: int, server_round: int, agg: MetricRecord,
+                 spent: Attempts, messages: list) -> RoundRecord:
+    """The round's record from what its attempts spent and what the strategy aggregated (not evaluated yet)."""
+    return RoundRecord(
+        task=task, round=round_, server_round=server_round, accuracy=None, task_accuracies=None,
+        bytes_s2c=spent.bytes_s2c, bytes_c2s=spent.bytes_c2s,
+        client_seconds=float(np.mean(spent.client_secs)) if spent.client_secs else 0.0,
+        client_seconds_max=float(np.max(spent.client_secs)) if spent.client_secs else 0.0,
+        client_process_seconds_max=float(np.max(spent.process_secs)) if spent.process_secs else 0.0,
+        client_overhead_seconds=float(np.median(spent.overheads)) if spent.overheads else 0.0,
+        client_startup={k: float(np.median(v)) for k, v in spent.startup_phases.items() if v},
+        client_device_peak_mb=float(np.max(spent.device_peaks)) if spent.device_peaks else 0.0,
+        server_seconds=spent.server_seconds, round_seconds=spent.round_seconds, eval_seconds=0.0,
+        attempts=spent.count, clients_sampled=spent.sampled,
+        client_tasks=[int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records],
+        placement=[strategy.placement_of(m) for m in messages],
+        clients_aggregated=int(agg["clients"]),
+        update_norms=[float(v) for v in strategy.update_norms],
+        reply_shares=list(strategy.reply_shares),
+        examples=int(agg["num-examples"]),
+        rejected=spent.rejected,
+        train_loss=float(agg["train-loss"]),
+        strategy_metrics={k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
+    )

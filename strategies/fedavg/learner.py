@@ -1,0 +1,13 @@
+"""FedAvg-Prompt's client: the shared local loop as it is (CE over the current task's classes)."""
+
+from __future__ import annotations
+
+from promptfcl.common.learner import LocalLearner
+from promptfcl.strategies.fedavg.options import FedAvgOptions
+
+
+class FedAvgLearner(LocalLearner):
+    """CODA-P local learning: the task's prompt slice and the head, cross-entropy on the current task."""
+
+    options_class = FedAvgOptions
+    opts: FedAvgOptions

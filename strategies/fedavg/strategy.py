@@ -1,0 +1,20 @@
+"""FedAvg-Prompt's server: the platform's sample-weighted average, nothing more."""
+
+from __future__ import annotations
+
+from promptfcl.strategies.fedavg.options import FedAvgOptions
+from promptfcl.strategies.fedavg.prompt import FedAvgPrompt
+from promptfcl.strategies.platform.strategy import PromptStrategy
+
+
+class FedAvgStrategy(PromptStrategy):
+    """FedAvg over CODA-P prompt components, keys, attention vectors and the head.
+
+    Clients train their task's prompt slice and the head with cross-entropy over the
+    current task's classes; the server averages by sample count. No extra state.
+    """
+
+    name = "fedavg"
+    prompt_class = FedAvgPrompt
+    options_class = FedAvgOptions
+    opts: FedAvgOptions

@@ -1,0 +1,146 @@
+"""Fed-CPrompt's client: CODA-P with frozen past and future slices, CE + lambda * C2L.
+
+The shared loop (common/learner.py) trains the current task's slice and the head with
+CE over the current task's classes; this learner
+
+* reads ``known-tasks`` from the server's message, so the prompt module uses every
+  known slice other than the current one frozen (eq. 2, see FedCPromptPrompt);
+* keeps the incoming global prompt as the server's previous-round prompt
+  P_s^m(r-1) and the server's other task slices P_s^i;
+* adds, per batch, lambda * C2L (eq. 3):
+
+      C2L = max(||P_c^m - P_s^m(r-1)|| - gamma * min_{i != m, i known} ||P_c^m - P_s^i|| + alpha, 0)
+
+  with P^m the task's slice of the prompt components of every prompted block, as one
+  vector (option ``c2l-params = "pka"``: components, keys and attention vectors). With
+  no other known task (the first task of a synchronous run) the min is over an empty set:
+  option ``c2l-first-task`` = "drift" (default) drops the term, leaving the drift penalty
+  ||P_c^m - P_s^m(r-1)|| + alpha; "off" reads the empty min as +infinity, so C2L = 0;
+* optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+
+from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.records import CONFIG
+from promptfcl.common.runtime import Runtime
+from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
+from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
+from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
+
+
+def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,
+             gamma: float, alpha: float, first_task: str = "drift") -> torch.Tensor:
+    """Eq. 3 for one client: hinge of (drift from the previous round - gamma * nearest other + alpha).
+
+    Parameters
+    ----------
+    current : (V,) tensor
+        The client's prompt of task m (trainable).
+    previous : (V,) tensor
+        The server's prompt of task m from the previous round.
+    others : (n, V) tensor
+        The server's prompts of the other known tasks (n may be 0).
+    first_task : {"drift", "off"}
+        With n = 0, the min term is dropped ("drift": C2L = drift + alpha) or read as
+        +infinity ("off": C2L = 0).
+    """
+    drift = torch.linalg.vector_norm(current - previous)
+    if others.shape[0] > 0:
+        nearest = torch.linalg.vector_norm(current[None, :] - others, dim=1).min()
+    elif first_task == "off":
+        return torch.zeros((), dtype=current.dtype, device=current.device)
+    else:
+        nearest = torch.zeros((), dtype=current.dtype, device=current.device)
+    return torch.clamp(drift - gamma * nearest + alpha, min=0.0)
+
+
+class FedCPromptLearner(LocalLearner):
+    """FedAvg-Prompt local learning with Fed-CPrompt's prompt use and loss.
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model (with :class:`FedCPromptPrompt`), device and query cache.
+    options : FedCPromptOptions
+        ``fedcprompt.*`` options.
+    """
+
+    options_class = FedCPromptOptions
+    opts: FedCPromptOptions
+
+    def __init__(self, runtime: Runtime, options: Any = None) -> None:
+        super().__init__(runtime, options)
+        self.server_params: dict[str, torch.Tensor] = {}  # the incoming global trainable parameters
+        self.previous: torch.Tensor | None = None  # P_s^m(r-1), flattened
+        self.others: torch.Tensor | None = None  # P_s^i, i != m known, (n, V)
+        self.last_c2l: float | None = None  # C2L of the last batch (diagnostics, tests)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def prompt(self) -> FedCPromptPrompt:
+        prompt = self.rt.model.prompt
+        if not isinstance(prompt, FedCPromptPrompt):
+            raise TypeError(f"Fed-CPrompt needs the model built with FedCPromptPrompt, got {type(prompt).__name__}")
+        return prompt
+
+    def task_vector(self, params: dict[str, torch.Tensor], task: int) -> torch.Tensor:
+        """Task ``task``'s slice of the C2L parameters (every prompted block) as one vector."""
+        s = self.prompt.slice_of(task)
+        return torch.cat([params[f"{kind}{layer}"][s].reshape(-1)
+                          for layer in self.prompt.layers for kind in self.opts.c2l_params])
+
+    # ------------------------------------------------------------------ hooks
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        try:
+            return super().fit(content, task, round_, client_id)
+        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
+            self.prompt.known_tasks = None
+            self.server_params, self.previous, self.others = {}, None, None
+
+    def round_start(self, content: RecordDict, task: int) -> None:
+        """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
+        prompt = self.prompt
+        known = int(content[CONFIG].get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
+        if not task < known <= self.cfg.num_tasks:
+            raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.num_tasks}")
+        prompt.known_tasks = known
+        # The shared loop loaded the global arrays just before this hook: they are the model's values now.
+        self.server_params = {name: p.detach().clone() for name, p in prompt.named_parameters()}
+        head = {f"head.{name}": p.detach().clone() for name, p in self.rt.model.head.named_parameters()}
+        self.previous = self.task_vector(self.server_params, task)
+        others = [self.task_vector(self.server_params, i) for i in range(known) if i != task]
+        self.others = torch.stack(others) if others else self.previous.new_zeros((0, self.previous.numel()))
+        self.server_params.update(head)
+
+    def c2l(self, task: int) -> torch.Tensor:
+        """C2L of the model's current prompt for ``task`` (eq. 3)."""
+        current = self.task_vector(dict(self.prompt.named_parameters()), task)
+        return c2l_loss(current, self.previous, self.others, self.opts.gamma, self.opts.alpha,
+                        self.opts.c2l_first_task)
+
+    def proximal(self) -> torch.Tensor:
+        """FedProx: 1/2 ||w - w_global||^2 over the prompt and head (untrained slices contribute 0)."""
+        model = self.rt.model
+        current = {n: p for n, p in self.prompt.named_parameters()}
+        current |= {f"head.{n}": p for n, p in model.head.named_parameters()}
+        return 0.5 * torch.stack([((p - self.server_params[n]) ** 2).sum() for n, p in current.items()]).sum()
+
+    def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
+        total = None
+        if self.opts.c2l and self.opts.lambda_ > 0:
+            c2l = self.c2l(task)
+            self.last_c2l = float(c2l.detach())
+            total = self.opts.lambda_ * c2l
+        if self.opts.prox_mu > 0:
+            prox = self.opts.prox_mu * self.proximal()
+            total = prox if total is None else total + prox
+        return total
+
+
+__all__ = ["FedCPromptLearner", "c2l_loss"]

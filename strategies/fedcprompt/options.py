@@ -1,0 +1,56 @@
+"""Fed-CPrompt's options (run-config keys ``fedcprompt.<key>``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from promptfcl.common.config import ConfigError
+from promptfcl.common.options import MethodOptions
+
+C2L_PARAMS = ("p", "pka")
+C2L_FIRST_TASK = ("drift", "off")
+
+
+@dataclass(frozen=True)
+class FedCPromptOptions(MethodOptions):
+    """Fed-CPrompt's options (run-config keys ``fedcprompt.<key>``, kebab-case).
+
+    The paper gives ranges, not values: gamma > 0, alpha in [0, 1], lambda in [0, 1].
+    """
+
+    prefix = "fedcprompt"
+
+    # weight of the distance to the nearest other task's prompt (eq. 3). At 1 the hinge never
+    # opens once another task is known (orthogonal slices sit ~sqrt(2 * rows) apart, far more
+    # than a round's drift); 0.1 keeps C2L active (the authors' code weighs the two terms 1e3 : 1e1).
+    gamma: float = 0.1
+    alpha: float = 0.5  # margin of the hinge (eq. 3)
+    lambda_: float = 1.0  # run-config key "lambda": weight of C2L in the loss (eq. 4)
+    c2l: bool = True  # false = CE only (the paper's "w/o C2L" ablation, Table 4)
+    c2l_params: str = "p"  # C2L on the prompt components P (eq. 3) or on P, K and A ("pka", eq. 4's w)
+    prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w_global||^2 (Table 4: c2l=false, prox-mu>0)
+    # C2L while no other task's slice is known (the first task of a synchronous run), where
+    # eq. 3's min over the other tasks is over an empty set. "drift": that term is dropped and
+    # C2L = ||P_c^m - P_s^m(r-1)|| + alpha, the paper's first goal (restrict the change from the
+    # previous round's server prompt) without the second; "off": the empty min read as
+    # +infinity, so the hinge is closed and the loss is CE alone until a second task is known.
+    c2l_first_task: str = "drift"
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError("fedcprompt." + msg)
+
+        need(np.isfinite(self.gamma) and self.gamma > 0, f"gamma must be > 0, got {self.gamma}")
+        need(np.isfinite(self.alpha) and self.alpha >= 0, f"alpha must be >= 0 (paper: [0, 1]), got {self.alpha}")
+        need(
+            np.isfinite(self.lambda_) and self.lambda_ >= 0, f"lambda must be >= 0 (paper: [0, 1]), got {self.lambda_}"
+        )
+        need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
+        need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
+        need(
+            self.c2l_first_task in C2L_FIRST_TASK,
+            f"c2l-first-task must be one of {C2L_FIRST_TASK}, got {self.c2l_first_task!r}",
+        )

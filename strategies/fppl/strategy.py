@@ -1,0 +1,250 @@
+"""FPPL on the server: global prototypes, prototype pool and classifier debiasing.
+
+Per round (Algorithm 1 of FPPL, lines 8-12):
+
+1. sample-size-weighted FedAvg of task prompts, fusion layer and head (the base class);
+2. classifier debiasing: the head is trained with cross-entropy on the prototype pool
+   C_g plus this round's local prototypes for E_server epochs (eq. 4);
+3. global prototypes G^y = mean of the local prototypes of class y over the clients
+   holding y (eq. 5); sent to every client of the next round for L_ur.
+
+When a client leaves a task, the pool grows by its local prototypes of that task (line 14);
+with synchronous arrival every client leaves at the task's end. Under asynchronous arrival
+clients on different tasks train in the same round: each client's prototypes are kept per
+(client, task), G^y averages over every client that holds y so far (those that have left the
+task included), G covers the classes of every task some client is on next round, and the
+head is debiased on every class with prototypes.
+The method's other parts: ``options.py``, ``prompt.py`` (one prompt per task, fused by a
+cosine-linear layer), ``prototypes.py`` (prototype sets, debiasing), ``records.py`` and the
+client's ``learner.py`` (its loss, local prototypes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
+
+from promptfcl.common.privacy import PrivateRecord
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.tasks import task_classes
+from promptfcl.strategies.fppl.options import FPPLOptions
+from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
+from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
+from promptfcl.strategies.platform.rounds import Accepted, Sent
+from promptfcl.strategies.platform.strategy import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+
+class FPPLStrategy(PromptStrategy):
+    """FPPL's server: FedAvg + prototype aggregation, prototype pool and classifier debiasing.
+
+    State a checkpoint must hold (:meth:`state_dict`): the prototype pool C_g, the
+    current task's local prototypes (they join the pool at the task's end) and the
+    global prototypes G to send next round.
+
+    Parameters
+    ----------
+    cfg, num_classes, options
+        As :class:`~promptfcl.strategies.platform.strategy.PromptStrategy`; ``options`` are the
+        ``fppl.*`` keys (see :class:`FPPLOptions`).
+    """
+
+    name = "fppl"
+    prompt_class = FPPLPrompt
+    options_class = FPPLOptions
+    opts: FPPLOptions
+    per_task = "in-flight"  # asynchronous arrival: a task's prompt over the clients on it
+    random_tasks = False  # prototypes pooled per (client, task) of the stream
+    # (a client with no examples of its task replies without prototypes: the platform leaves
+    # it out as "no training examples" before it checks the records)
+    reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
+    # dp.clip = C: each class prototype (a mean feature) is clipped to norm C on its own;
+    # classes, counts and the client id are the label histogram and bookkeeping, in the clear
+    private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
+                                                       public=("classes", "counts", "client"))}
+
+    def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
+        """Per class, one client's prototype: the newest (this task's local prototypes before the pool)."""
+        out = []
+        for c in classes:
+            for protos in (self.current, self.pool):
+                rows = np.flatnonzero(protos.classes == c)
+                if len(rows):
+                    out.append({"class": c, "kind": "prototype", "vector": protos.means[rows[0]],
+                                "client": int(protos.clients[rows[0]]), "meta": {}})
+                    break
+        return out
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.task = 0
+        self.pool = PrototypeSet.empty()  # C_g: prototypes of finished tasks
+        self.current = PrototypeSet.empty()  # {C_k^t}: the current task's local prototypes
+        self.global_classes = np.zeros(0, np.int64)  # G: classes ...
+        self.global_means = np.zeros((0, 0), np.float32)  # ... and their global prototypes
+        self._global_record: ArrayRecord | None = None  # built once per round, shared by all messages
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("fppl: options %s (one prompt per task: pool-size %d is not used)",
+                 self.opts.to_dict(), self.cfg.pool_size)
+
+    # ------------------------------------------------------------------ task hooks
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """A client reaches a new task: prompt p_t <- p_{t-1} (task 0: random); fusion switch.
+
+        Under asynchronous arrival the first client to reach task t gets the server's p_{t-1}
+        as it stands, while others still train it. G holds the classes of the tasks some client
+        is on (:meth:`consolidate`), so the new task's first round has no G of its own classes.
+        """
+        self.task = task
+        state = from_array_record(arrays)
+        state["prompt.hard_selection"] = np.full((1,), 0.0 if self.opts.fusion else 1.0, np.float32)
+        return super().on_task_start(task, to_array_record(state))
+
+    def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Every client has left ``task`` (its nominal end): its prototypes still in {C_k^t} join C_g
+        (Algorithm 1, line 14). Under asynchronous arrival those of clients that left earlier
+        have joined at the first round they trained a later task (:meth:`pool_departed`)."""
+        self._pool_finished(self.current.classes < (task + 1) * self.classes_per_task)
+        log.info("fppl: after task %d the prototype pool holds %d prototypes of %d classes (%.1f KB)",
+                 task + 1, len(self.pool), len(np.unique(self.pool.classes)), self.pool.nbytes / 1e3)
+        return arrays
+
+    # ------------------------------------------------------------------ messages
+    def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
+        """Prototypes of clients that have moved on join the pool; G of the classes some client trains now."""
+        self.task = task
+        self.pool_departed(server_round - 1)
+        self._global_record = None
+        tasks = self.tasks_in_flight(server_round - 1)
+        k = self.classes_per_task
+        keep = (self.global_classes >= tasks.start * k) & (self.global_classes < tasks.stop * k)
+        if self.opts.unified_loss and keep.any():
+            self._global_record = to_array_record({"classes": self.global_classes[keep],
+                                                   "means": self.global_means[keep]})
+
+    def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict:
+        """Parameters and config, plus G (the current classes' global prototypes) once there is one."""
+        content = super().payload(sent, arrays)
+        if self._global_record is not None:
+            content[GLOBAL_PROTOTYPES] = self._global_record
+        return content
+
+    def check_records(self, reply: Message, sent: Sent) -> str | None:
+        """A well-formed, finite local-prototype record of the classes of the task the client was sent."""
+        content = reply.content
+        if LOCAL_PROTOTYPES not in content.array_records:
+            return f"{LOCAL_PROTOTYPES!r} is not an array record"
+        rec = content[LOCAL_PROTOTYPES]
+        if not {"classes", "means"} <= set(rec.keys()):
+            return f"{LOCAL_PROTOTYPES!r} record lacks 'classes' or 'means'"
+        classes, means = rec["classes"].numpy(), rec["means"].numpy()
+        dim = int(content[ARRAYS]["prompt.fusion"].shape[1])  # already checked against what was sent
+        if means.ndim != 2 or means.shape != (classes.shape[0], dim):
+            return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
+        if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
+            return "prototype classes must be a vector of integers"
+        if classes.size and (classes.min() < 0 or classes.max() >= self.num_classes):
+            return "prototype classes out of range"
+        if len(np.unique(classes)) != len(classes):
+            return "prototypes repeat a class"
+        if not np.isfinite(means).all():
+            return "prototypes have non-finite values"
+        if not np.isin(classes, task_classes(self.cfg, sent.task, self.num_classes)).all():
+            return "prototypes of classes outside the task the client was sent"
+        if "client" in rec.keys():
+            claimed = rec["client"].numpy().reshape(-1)
+            if claimed.shape != (1,) or int(claimed[0]) != sent.client:
+                return "prototypes claim another client than the one the server sent"
+        return None
+
+    # ------------------------------------------------------------------ aggregation
+    @property
+    def classes_per_task(self) -> int:
+        return self.num_classes // self.cfg.num_tasks
+
+    def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
+        """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5) for the
+        next round's tasks."""
+        received = self._collect(accepted)
+        self.current = (self.current.replace_clients(received, self.classes_per_task)
+                        if self.opts.latest_per_client else received)
+        if self.opts.debias:
+            arrays = self._debias(server_round, arrays)
+        self._update_global(self.tasks_in_flight(server_round))  # server_round: the next round's 0-based index
+        return arrays
+
+    def pool_departed(self, round_index: int) -> None:
+        """The prototypes of the clients that have left their task by ``round_index`` (0-based)
+        join C_g: a client's last prototypes of a task are final once it trains the next one."""
+        k = self.classes_per_task
+        self._pool_finished(np.array([c >= 0 and self.client_position(int(c), round_index) > int(y) // k
+                                      for c, y in zip(self.current.clients, self.current.classes)], dtype=bool))
+
+    def _pool_finished(self, finished: np.ndarray) -> None:
+        """C_g <- C_g U the ``finished`` rows of {C_k^t} (dropped for FPPL-WOP); the rest stay current."""
+        if not finished.any():
+            return
+        if self.opts.pool:
+            self.pool = self.pool.concat(self.current.select(finished))
+        self.current = self.current.select(~finished)
+
+    def _update_global(self, tasks: range) -> None:
+        """G (eq. 5) of the classes of ``tasks``: per class, the mean over every client holding it so
+        far, in the pool or still current (with synchronous arrival, the current task's clients)."""
+        held = self.pool.concat(self.current)
+        held = held.select((held.classes >= tasks.start * self.classes_per_task)
+                           & (held.classes < tasks.stop * self.classes_per_task))
+        if len(held):
+            self.global_classes, self.global_means = held.class_means()
+        else:
+            self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+
+    def _collect(self, accepted: list[Accepted]) -> PrototypeSet:
+        """This round's local prototypes, each under the client the server sent."""
+        out = PrototypeSet.empty()
+        for a in accepted:
+            rec = a.content[LOCAL_PROTOTYPES]
+            classes = rec["classes"].numpy().astype(np.int64)
+            out = out.concat(PrototypeSet(classes, rec["means"].numpy().astype(np.float32),
+                                          np.full(len(classes), a.client, np.int64)))
+        return out
+
+    def debias_set(self) -> PrototypeSet:
+        """Prototypes the head is debiased on: C_g U {C_k^t}, or {C_k^t} alone for FPPL-WOP."""
+        return self.pool.concat(self.current) if self.opts.pool else self.current
+
+    def _debias(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        data = self.debias_set()
+        if not len(data):
+            return arrays
+        state = from_array_record(arrays)
+        state["head.weight"], state["head.bias"] = debias_head(
+            state["head.weight"], state["head.bias"], data.means, data.classes,
+            epochs=self.opts.server_epochs, lr=self.opts.server_lr, batch_size=self.opts.server_batch_size,
+            seed=[self.cfg.seed, server_round, 0xDEB1A5])
+        return to_array_record(state)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Prototype pool, current task's local prototypes, global prototypes, task."""
+        return {
+            "task": self.task,
+            **self.pool.to_state("pool"),
+            **self.current.to_state("current"),
+            "global_classes": self.global_classes,
+            "global_means": self.global_means,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.task = int(state["task"])
+        self.pool = PrototypeSet.from_state(state, "pool")
+        self.current = PrototypeSet.from_state(state, "current")
+        self.global_classes = np.asarray(state["global_classes"], np.int64)
+        self.global_means = np.asarray(state["global_means"], np.float32)

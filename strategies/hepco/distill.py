@@ -1,0 +1,209 @@
+"""HePCo's server training: the generators (eq. 5) and latent distillation (sec. 5.3, eq. 6)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from promptfcl.strategies.hepco.latents import (
+    LatentGenerator,
+    LatentStudent,
+    PromptGrams,
+    TaskTeachers,
+    Teachers,
+    draw_labels,
+    task_groups,
+)
+from promptfcl.strategies.hepco.options import HePCoOptions
+
+
+# ---------------------------------------------------------------------------- losses
+def _local_labels(labels: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """Positions of ``labels`` in ``classes`` (classes are a contiguous range here)."""
+    return labels - classes[0]
+
+
+def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor, teachers: Teachers,
+                     student: LatentStudent, use_kl: bool = True, use_mse: bool = True,
+                     grams: PromptGrams | None = None) -> dict[str, torch.Tensor]:
+    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers).
+
+    L_cls: CE of each teacher's head over ``classes``; L_KL: KL(softmax student head ||
+    softmax teacher head) over ``classes``; L_MSE: MSE of final prompts, summed over
+    prompted layers. A switched-off term is not computed at all (zero).
+
+    Logits are restricted to ``classes``: clients train their heads with cross-entropy
+    over the current task's classes only, so those logits are where their knowledge is
+    (for the old-class generator, ``classes`` are the previous model's seen classes).
+    ``grams`` (for a fixed student) computes L_MSE without forming the prompts.
+    """
+    y = _local_labels(labels, classes)
+    t_logits = teachers.logits(z, classes)  # (C, B, K)
+    C = t_logits.shape[0]
+    l_cls = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="mean") * C
+    zero = z.new_zeros(())
+    l_kl, l_mse = zero, zero
+    if use_kl:
+        s_logp = F.log_softmax(student.logits(z, classes), dim=-1)  # (B, K)
+        t_logp = F.log_softmax(t_logits, dim=-1)
+        l_kl = (s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1).sum()
+    if use_mse and grams is not None:
+        l_mse = grams.mse(z)
+    elif use_mse:
+        for layer in student.layers:
+            diff = student.final_prompts(z, layer)[None] - teachers.final_prompts(z, layer)
+            l_mse = l_mse + diff.pow(2).mean(dim=(1, 2, 3)).sum()
+    return {"cls": l_cls, "kl": l_kl, "mse": l_mse}
+
+
+def group_generator_losses(z: torch.Tensor, labels: torch.Tensor, groups: list[TaskTeachers], student: LatentStudent,
+                           use_kl: bool = True, use_mse: bool = True,
+                           grams: list[PromptGrams] | None = None) -> dict[str, torch.Tensor]:
+    """:func:`generator_losses` of each task group on the latents of its classes, summed.
+
+    One group (synchronous arrival) is exactly :func:`generator_losses` on every latent.
+    """
+    grams = grams if grams is not None else [None] * len(groups)  # type: ignore[list-item]
+    if len(groups) == 1:
+        g = groups[0]
+        return generator_losses(z, labels, g.classes, g.teachers, student, use_kl, use_mse, grams[0])
+    total: dict[str, torch.Tensor] = {}
+    for g, gram in zip(groups, grams):
+        mine = g.holds(labels)
+        if not bool(mine.any()):
+            continue
+        parts = generator_losses(z[mine], labels[mine], g.classes, g.teachers, student, use_kl, use_mse, gram)
+        total = {k: total[k] + v if k in total else v for k, v in parts.items()}
+    return total
+
+
+def generator_objective(parts: dict[str, torch.Tensor], lambda_kl: float, lambda_mse: float) -> torch.Tensor:
+    """Eq. 5: minimise L_cls - lambda_KL L_KL - lambda_MSE L_MSE."""
+    return parts["cls"] - lambda_kl * parts["kl"] - lambda_mse * parts["mse"]
+
+
+def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teachers | list[TaskTeachers],
+                    student: LatentStudent, opts: HePCoOptions, steps: int, rng: torch.Generator) -> dict[str, float]:
+    """Fit ``gen`` for ``classes`` against ``teachers`` with the student fixed; last step's losses.
+
+    ``teachers``: the stacked teachers of ``classes``, or one group per task trained this round
+    (:class:`TaskTeachers`, whose classes together are ``classes``).
+    """
+    groups = task_groups(classes, teachers)
+    student.requires_grad_(False)  # gradients reach z (and the generator) only
+    optimizer = torch.optim.Adam(gen.parameters(), lr=opts.generator_lr)
+    gen.train()
+    last: dict[str, float] = {}
+    grams = [PromptGrams(student, g.teachers) for g in groups] if opts.use_mse and steps else None
+    for _ in range(steps):
+        labels = draw_labels(groups, opts.generator_batch_size, rng)
+        z = gen.sample(labels, rng)
+        parts = group_generator_losses(z, labels, groups, student, opts.use_kl, opts.use_mse, grams)
+        loss = generator_objective(parts, opts.lambda_kl, opts.lambda_mse)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        last = {k: float(v.detach()) for k, v in parts.items()}
+    student.requires_grad_(True)
+    return last
+
+
+def set_sampling_mode(generators: list[LatentGenerator], mode: str) -> None:
+    """BatchNorm mode of ``generators`` while they only produce latents (``"eval"`` | ``"train"``)."""
+    for gen in generators:
+        gen.train(mode == "train")
+
+
+def distill(student: LatentStudent, opts: HePCoOptions,
+            current: tuple[LatentGenerator, torch.Tensor, Teachers | list[TaskTeachers]],
+            past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
+            rng: torch.Generator, use_grams: bool = True) -> dict[str, float]:
+    """Latent distillation (sec. 5.3) of the student's prompt slice and head, in place.
+
+    Parameters
+    ----------
+    current : (generator, classes, clients)
+        Current-task generator, its classes and the stacked client teachers, or one group
+        of them per task trained this round (:class:`TaskTeachers`): every client still
+        teaches the prompts on every latent (eq. 6), each through its own active slices.
+    past : (generator, classes, previous server) or None
+        Old-class generator, old classes and the previous task's server model; None
+        when there is no previous model (first task, or the ablation).
+    seen : Tensor
+        All classes seen so far: the head's cross-entropy is over these.
+    use_grams : bool
+        Prompt MSE through :class:`PromptGrams` (same loss, far cheaper); False forms
+        every teacher's prompts (the reference computation).
+
+    Returns
+    -------
+    dict
+        Last step's prompt loss and head loss.
+    """
+    gen, classes, clients = current
+    groups = task_groups(classes, clients)
+    prompt_opt = torch.optim.Adam(student.prompt_parameters(), lr=opts.distill_lr)
+    head_opt = torch.optim.Adam(student.head_parameters(), lr=opts.distill_lr)
+    n_old = int(round(opts.replay_ratio * opts.distill_batch_size)) if past is not None else 0
+    # Eq. 6's zeta term as a per-sample loss over the composite batch: the old-latent mean
+    # times the old share of the batch ("composite", the paper), or the old-latent mean
+    # alone ("old": the previous-task teacher 1/share times heavier).
+    old_weight = (n_old / (opts.distill_batch_size + n_old)
+                  if opts.old_prompt_mean == "composite" and n_old else 1.0)
+    device = seen.device
+    set_sampling_mode([gen] + ([past[0]] if past is not None else []), opts.distill_generator_mode)
+    last: dict[str, float] = {}
+    grams = grams_old = None
+    if opts.distill_prompts and use_grams and opts.distill_epochs:
+        grams = [PromptGrams(student, g.teachers, track_student=True) for g in groups]
+        grams_old = PromptGrams(student, past[2], track_student=True) if n_old else None  # type: ignore[index]
+    for _ in range(opts.distill_epochs):
+        with torch.no_grad():
+            y_new = draw_labels(groups, opts.distill_batch_size, rng)
+            z_new = gen.sample(y_new, rng)
+            if n_old:
+                old_gen, old_classes, _ = past  # type: ignore[misc]
+                y_old = old_classes[torch.randint(len(old_classes), (n_old,), generator=rng, device=device)]
+                z_old = old_gen.sample(y_old, rng)
+                z, y = torch.cat([z_new, z_old]), torch.cat([y_new, y_old])
+            else:
+                z, y = z_new, y_new
+            # Distillation targets: teachers' final prompts (eq. 6), fixed for this step.
+            direct = opts.distill_prompts and grams is None
+            targets = {l: [g.teachers.final_prompts(z, l) for g in groups] for l in student.layers} if direct else {}
+            old_targets = ({l: past[2].final_prompts(z_old, l)[0] for l in student.layers}  # type: ignore[index]
+                           if direct and n_old else {})
+        if grams is not None:
+            # Eq. 6: clients on every latent; zeta: the previous server on old-class latents only.
+            loss_p = grams[0].mse(z)
+            for more in grams[1:]:
+                loss_p = loss_p + more.mse(z)
+            loss_p = loss_p + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
+            prompt_opt.zero_grad(set_to_none=True)
+            loss_p.backward()
+            prompt_opt.step()
+            last["prompt-loss"] = float(loss_p.detach())
+        elif opts.distill_prompts:
+            loss_p = z.new_zeros(())
+            for l in student.layers:
+                mine = student.final_prompts(z, l)
+                for target in targets[l]:
+                    loss_p = loss_p + (mine[None] - target).pow(2).mean(dim=(1, 2, 3)).sum()
+                if n_old:  # zeta: the previous server teaches on old-class latents only
+                    loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
+            prompt_opt.zero_grad(set_to_none=True)
+            loss_p.backward()
+            prompt_opt.step()
+            last["prompt-loss"] = float(loss_p.detach())
+        if opts.distill_head:
+            target = _local_labels(y, seen)
+            weight = None
+            if opts.head_loss == "balanced":  # 1 / (latents of the class in this batch): classes weigh alike
+                counts = torch.bincount(target, minlength=len(seen)).float()
+                weight = torch.where(counts > 0, 1.0 / counts.clamp_min(1.0), torch.zeros_like(counts))
+            loss_h = F.cross_entropy(student.logits(z, seen), target, weight=weight)
+            head_opt.zero_grad(set_to_none=True)
+            loss_h.backward()
+            head_opt.step()
+            last["head-loss"] = float(loss_h.detach())
+    return last

@@ -1,0 +1,158 @@
+"""HePCo's options (run-config keys ``hepco.<key>``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from promptfcl.common.config import ConfigError
+from promptfcl.common.options import MethodOptions
+
+#: Table 3 rows, as names for ``hepco.ablate`` (comma-separated, composable).
+ABLATIONS = ("previous-model", "kl", "mse", "prompt-distillation", "classifier-distillation")
+
+
+@dataclass
+class HePCoOptions(MethodOptions):
+    """``hepco.*`` run-config options (kebab-case keys), paper defaults (Appendix B).
+
+    Attributes
+    ----------
+    noise_dim, label_embed_dim : int
+        Generator input: noise (64) concatenated with a label embedding (64).
+    generator_hidden : str
+        Hidden widths, comma-separated: layer inputs [128, 256, 1024] -> D.
+    generator_batchnorm : bool
+        BatchNorm between generator layers (authors' code; the paper does not say).
+    generator_epochs, generator_batch_size, generator_lr : int, int, float
+        100 steps of 64 latents, Adam 1e-4.
+    past_generator_epochs_per_task : int
+        Extra steps per past task for the old-class generator (code: 50; paper: 0).
+    distill_epochs, distill_batch_size, distill_lr : int, int, float
+        200 steps, 64 current-task latents per step (+ replay), Adam 1e-4.
+    lambda_kl, lambda_mse : float
+        Weights of the maximised disagreement terms (1 and 0.1).
+    replay_ratio : float
+        Old-class latents per current-task latent in the composite batch (0.5).
+    ablate : str
+        Comma-separated Table 3 ablations, any of :data:`ABLATIONS`.
+    averaging : str
+        Provisional model: ``"uniform"`` (1/C sum, sec. 5.2 and the code) or
+        ``"samples"`` (the platform's sample-weighted FedAvg).
+    old_prompt_mean : str
+        What the previous-task server's prompt MSE (eq. 6, the ``zeta`` term) is averaged
+        over. ``"composite"`` (default, the paper): eq. 6 is a per-sample loss over the
+        composite batch and ``zeta`` switches the teacher on for old-class samples, so the
+        term is the old-latent mean scaled by the old share of the batch (1/3 at replay
+        ratio 0.5). ``"old"``: the mean over the old latents alone, which weighs the
+        previous-task teacher 1/share (3) times more than the paper.
+    distill_generator_mode : str
+        BatchNorm mode of the generators while they produce distillation latents.
+        ``"eval"`` (default): running statistics, as the authors' code (the paper does not
+        say, and the generator's BatchNorm is itself the code's). ``"train"``: each
+        batch's own statistics.
+    head_loss : str
+        Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
+        sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
+        at replay ratio 0.5 an old class gets 1/(2t) of a current class's latents at task
+        t (0-indexed, equal-size tasks).
+        ``"balanced"`` (not in the paper): each seen class drawn in the batch weighs the same,
+        so the head is not pulled towards the current task by how often it is sampled.
+    diagnostics : bool
+        Also measure, every round, the consolidation against real data (a measurement,
+        never fed back into training; needs the server's central data, so simulation
+        with ``evaluation = "central"``): real queries and prompted features of up to
+        ``diagnostics_per_class`` training images per seen class, their distance to the
+        pseudo-latents, and the accuracy on the real prompted features of the provisional
+        and distilled prompts x heads (see :class:`RealDataProbe`).
+    diagnostics_per_class : int
+        Real images and pseudo-latents per class for the diagnostics.
+    """
+
+    prefix = "hepco"
+
+    noise_dim: int = 64
+    label_embed_dim: int = 64
+    generator_hidden: str = "256,1024"
+    generator_batchnorm: bool = True
+    generator_epochs: int = 100
+    generator_batch_size: int = 64
+    generator_lr: float = 1e-4
+    past_generator_epochs_per_task: int = 0
+    distill_epochs: int = 200
+    distill_batch_size: int = 64
+    distill_lr: float = 1e-4
+    lambda_kl: float = 1.0
+    lambda_mse: float = 0.1
+    replay_ratio: float = 0.5
+    ablate: str = ""
+    averaging: str = "uniform"
+    old_prompt_mean: str = "composite"
+    distill_generator_mode: str = "eval"
+    head_loss: str = "ce"
+    diagnostics: bool = False
+    diagnostics_per_class: int = 50
+
+    # ---------------------------------------------------------------- derived switches
+    @property
+    def ablated(self) -> set[str]:
+        return {a.strip() for a in self.ablate.split(",") if a.strip()}
+
+    @property
+    def use_previous(self) -> bool:
+        return "previous-model" not in self.ablated
+
+    @property
+    def use_kl(self) -> bool:
+        return "kl" not in self.ablated
+
+    @property
+    def use_mse(self) -> bool:
+        return "mse" not in self.ablated
+
+    @property
+    def distill_prompts(self) -> bool:
+        return "prompt-distillation" not in self.ablated
+
+    @property
+    def distill_head(self) -> bool:
+        return "classifier-distillation" not in self.ablated
+
+    @property
+    def hidden(self) -> list[int]:
+        return [int(v) for v in self.generator_hidden.split(",") if v.strip()]
+
+    # ---------------------------------------------------------------- parsing
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"hepco: {msg}")
+
+        for name in ("noise_dim", "label_embed_dim", "generator_batch_size", "distill_batch_size"):
+            need(getattr(self, name) >= 1, f"{name.replace('_', '-')} must be >= 1")
+        for name in ("generator_epochs", "distill_epochs", "past_generator_epochs_per_task"):
+            need(getattr(self, name) >= 0, f"{name.replace('_', '-')} must be >= 0")
+        need(self.generator_lr > 0 and self.distill_lr > 0, "learning rates must be > 0")
+        need(self.lambda_kl >= 0 and self.lambda_mse >= 0, "lambda-kl and lambda-mse must be >= 0")
+        need(self.replay_ratio >= 0, f"replay-ratio must be >= 0, got {self.replay_ratio}")
+        try:
+            hidden = self.hidden
+        except ValueError:
+            raise ConfigError("hepco: generator-hidden must be comma-separated integers, "
+                              f"got {self.generator_hidden!r}") from None
+        need(len(hidden) >= 1 and all(h >= 1 for h in hidden), "generator-hidden needs at least one positive width")
+        bad = self.ablated - set(ABLATIONS)
+        need(not bad, f"unknown ablation(s) {sorted(bad)}; choose from {', '.join(ABLATIONS)}")
+        need(
+            self.averaging in ("uniform", "samples"),
+            f"averaging must be 'uniform' or 'samples', got {self.averaging!r}",
+        )
+        need(
+            self.old_prompt_mean in ("composite", "old"),
+            f"old-prompt-mean must be 'composite' or 'old', got {self.old_prompt_mean!r}",
+        )
+        need(
+            self.distill_generator_mode in ("eval", "train"),
+            f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}",
+        )
+        need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
+        need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")

@@ -1,0 +1,153 @@
+"""How accepted replies become one model: their weights, and how their arrays combine.
+
+Two policies every method's aggregation goes through, chosen once from the run config
+(:func:`aggregation_policies`), so no method weighs or combines replies its own way:
+
+* **weighting**: sample counts (FedAvg), each capped at ``max-client-weight`` of the round
+  where counts cannot be verified (``population = "nodes"``, from 2 replies on);
+* **combining**: the weighted mean, or the coordinate-wise median or trimmed mean
+  (``aggregation``) with Flower's own aggregation functions.
+
+:func:`aggregate_per_task` applies them per task slice (clients on different tasks in one
+round, asynchronous arrival and random tasks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from promptfcl.common.config import AGGREGATIONS, ExperimentConfig
+from promptfcl.common.records import to_array_record
+from promptfcl.common.tasks import task_rows
+from promptfcl.strategies.platform.replies import capped_weights, combine
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """Aggregation weights from the replies' sample counts; ``cap`` > 0: none above that share of
+    the round (from 2 replies on). Uncapped weights are the counts themselves, so FedAvg's
+    arithmetic is exactly what it always was."""
+
+    cap: float = 0.0
+
+    def __call__(self, counts: Sequence[int]) -> np.ndarray:
+        weights = np.asarray(counts, dtype=np.float64)
+        if self.cap > 0 and len(weights) >= 2 and weights.max() > self.cap * weights.sum():
+            return capped_weights(weights, self.cap)
+        return weights
+
+
+@dataclass(frozen=True)
+class Combiner:
+    """One array from the replies' arrays: ``mode`` "mean" (weighted), "median" or "trimmed-mean"
+    (coordinate-wise, unweighted, ``trim`` cut at each end)."""
+
+    mode: str = "mean"
+    trim: float = 0.2
+
+    def __call__(self, values: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+        return combine(values, weights, self.mode, self.trim)
+
+
+def aggregation_policies(cfg: ExperimentConfig) -> tuple[Weighting, Combiner]:
+    """The run's weighting and combining (counts are capped only where the server cannot check them)."""
+    if cfg.aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {cfg.aggregation!r}; one of {AGGREGATIONS}")
+    cap = cfg.max_client_weight if cfg.population == "nodes" else 0.0
+    return Weighting(cap), Combiner(cfg.aggregation, cfg.trim_fraction)
+
+
+def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: Combiner = Combiner()) -> ArrayRecord:
+    """Every array of ``records`` combined across them (``combiner``)."""
+    return to_array_record({name: combiner([r[name].numpy() for r in records], weights)
+                            for name in records[0].keys()})
+
+
+def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
+    """Sum_i w_i x_i / Sum_i w_i per array, accumulated in float64, cast back to the input dtype."""
+    return combine_records(records, weights)
+
+
+def aggregate_per_task(
+    cfg: ExperimentConfig,
+    base: Mapping[str, np.ndarray],
+    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    num_classes: int,
+    combiner: Combiner | None = None,
+) -> dict[str, np.ndarray]:
+    """FedAvg per task slice, all tasks of the round in parallel.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+        Locates a task's rows (``common.data.task_rows``): its slice of every prompt array,
+        its classes' rows of every head array.
+    base : dict
+        The server's arrays this round started from (values of rows nobody trained).
+    updates : list of (task, arrays, weight)
+        Each accepted reply: the task its client trained, its arrays, its weight.
+    num_classes : int
+        Classes of the head.
+    combiner : Combiner, optional
+        The run's combining rule (default: the run config's ``aggregation``).
+
+    Each row is the weighted average over the replies whose task owns it, so a head row shared
+    by two tasks (random tasks of overlapping classes) averages both. Any array that is not
+    task-structured is combined over all replies. With a median or trimmed-mean combiner, each
+    row is instead the coordinate-wise median (trimmed mean) over the replies whose task owns it.
+    """
+    combiner = combiner or Combiner(cfg.aggregation, cfg.trim_fraction)
+    all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
+    out: dict[str, np.ndarray] = {}
+    for name, value in base.items():
+        value = np.asarray(value)
+        if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
+            if combiner.mode != "mean":
+                out[name] = combiner([a[name] for _, a, _ in updates], all_weights)
+                continue
+            acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
+                      zip(updates, all_weights / all_weights.sum()))
+            out[name] = np.asarray(acc).astype(value.dtype)
+            continue
+        if combiner.mode != "mean":
+            out[name] = _robust_per_row(cfg, name, value, updates, num_classes, combiner)
+            continue
+        total = np.zeros(value.shape, dtype=np.float64)
+        weight = np.zeros(value.shape[0], dtype=np.float64)
+        for task, arrays, w in updates:
+            rows = task_rows(cfg, name, value, int(task), num_classes)
+            total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
+            weight[rows] += float(w)
+        trained = weight > 0
+        merged = value.copy()
+        per_row = weight[trained].reshape((-1,) + (1,) * (value.ndim - 1))
+        merged[trained] = (total[trained] / per_row).astype(value.dtype)
+        out[name] = merged
+    return out
+
+
+def _robust_per_row(
+    cfg: ExperimentConfig,
+    name: str,
+    value: np.ndarray,
+    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    num_classes: int,
+    combiner: Combiner,
+) -> np.ndarray:
+    """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
+    the set of replies that trained them); untrained rows keep ``value``."""
+    owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
+    for i, (task, _, _) in enumerate(updates):
+        owners[task_rows(cfg, name, value, int(task), num_classes), i] = True
+    merged = value.copy()
+    for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
+        rows = np.flatnonzero((owners == pattern).all(axis=1))
+        idx = np.flatnonzero(pattern)
+        merged[rows] = combiner(
+            [np.asarray(updates[i][1][name])[rows] for i in idx], np.array([updates[i][2] for i in idx])
+        )
+    return merged

@@ -1,0 +1,165 @@
+"""What a client reply may contain, and how accepted replies are combined.
+
+Any client may be broken or hostile, so the server checks every field of every reply
+before using it (``PromptStrategy.check_reply`` calls the checks here) and bounds what one
+reply can do to the model:
+
+* metrics: every field of the ``metrics`` record has a declared type and range
+  (:data:`REPLY_METRICS`); a missing, mistyped, non-finite or out-of-range field, or one
+  that is not declared, excludes the reply;
+* update norms: a reply whose update (its arrays minus what it was sent) is more than
+  ``update-norm-factor`` times the round's lower median update norm, or above
+  ``max-update-norm``, is excluded (the lower median is an honest reply's norm while fewer
+  than half of the replies are hostile, and with two replies the smaller one);
+* weights: with ``population = "nodes"`` (counts that the server cannot verify) no reply
+  gets more than ``max-client-weight`` of a round's weight once 3 or more replies arrive;
+* combination: sample-weighted mean (FedAvg), or coordinate-wise median or trimmed mean
+  (``aggregation``), the latter two with Flower's own aggregation functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from promptfcl.common.config import AGGREGATIONS
+from promptfcl.common.startup import PHASES, metric_name
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One field of a reply's metrics record: its type and the range it must lie in."""
+
+    kind: type  # int or float (a float field takes an int too)
+    required: bool = True
+    low: float = -math.inf
+    high: float = math.inf
+
+    def check(self, name: str, value: Any) -> str | None:
+        """Why ``value`` is not a valid ``name`` (None: it is)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (self.kind is int and not isinstance(value, int)):
+            return f"metric {name!r} must be a single {self.kind.__name__}, got {type(value).__name__}"
+        if not math.isfinite(value):
+            return f"metric {name!r} is not finite ({value})"
+        if not self.low <= value <= self.high:
+            return f"metric {name!r} = {value} out of range [{self.low}, {self.high}]"
+        return None
+
+
+#: what a message's process cost (deployment): its age at the reply, and a fresh process's
+#: seconds per start-up phase (common/startup.py); train and evaluation replies carry them
+PROCESS_METRICS: dict[str, MetricSpec] = {
+    "process-seconds": MetricSpec(float, required=False, low=0),
+    **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},
+}
+#: population = nodes: the data a node declares it holds (the server bounds its counts by it)
+DECLARED_SIZES: dict[str, MetricSpec] = {
+    "train-size": MetricSpec(int, required=False, low=0),
+    "test-size": MetricSpec(int, required=False, low=0),
+}
+
+#: the metrics record of a train reply (common/learner.py, client/app.py)
+REPLY_METRICS: dict[str, MetricSpec] = {
+    "num-examples": MetricSpec(int, low=0),
+    "train-loss": MetricSpec(float),
+    "train-seconds": MetricSpec(float, low=0),
+    "setup-seconds": MetricSpec(float, required=False, low=0),  # deployment: process start to training
+    # evaluate-with-train: time the node spent evaluating the received model before training
+    "evaluation-seconds": MetricSpec(float, required=False, low=0),
+    "device-peak-mb": MetricSpec(float, required=False, low=0),  # clients on CUDA
+    **PROCESS_METRICS,
+    **DECLARED_SIZES,
+}
+
+
+def check_metrics(record: Mapping[str, Any], specs: Mapping[str, MetricSpec]) -> str | None:
+    """Why a metrics record does not follow ``specs`` (None: it does)."""
+    unknown = sorted(set(record.keys()) - set(specs))
+    if unknown:
+        return f"undeclared metrics {unknown[:4]}"
+    for name, spec in specs.items():
+        if name not in record:
+            if spec.required:
+                return f"metric {name!r} missing"
+            continue
+        reason = spec.check(name, record[name])
+        if reason is not None:
+            return reason
+    return None
+
+
+def update_norm(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None) -> float:
+    """L2 norm of ``reply - start`` over all arrays (of ``reply`` itself when ``start`` is None)."""
+    total = 0.0
+    for name, value in reply.items():
+        diff = np.asarray(value, dtype=np.float64)
+        if start is not None:
+            diff = diff - np.asarray(start[name], dtype=np.float64)
+        total += float(np.square(diff).sum())
+    return math.sqrt(total)
+
+
+def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list[str | None]:
+    """For each norm, why it is an outlier (None: it is not).
+
+    ``factor`` > 0: above ``factor`` times the lower median of all the norms (the
+    ceil(n/2)-th smallest: a hostile minority cannot move it, and of two replies it is the
+    smaller); ``ceiling`` > 0: above ``ceiling``.
+    """
+    reference = float(np.sort(np.asarray(norms, dtype=np.float64))[(len(norms) - 1) // 2]) if len(norms) else 0.0
+    out: list[str | None] = []
+    for n in norms:
+        if ceiling > 0 and n > ceiling:
+            out.append(f"update norm {n:.3g} above max-update-norm = {ceiling:g}")
+        elif factor > 0 and len(norms) > 1 and n > factor * reference:
+            out.append(f"update norm {n:.3g} above update-norm-factor = {factor:g} x the round's lower median "
+                       f"{reference:.3g}")
+        else:
+            out.append(None)
+    return out
+
+
+def capped_weights(counts: Sequence[float], cap: float) -> np.ndarray:
+    """Normalised weights proportional to ``counts`` with none above ``cap`` (excess shared
+    among the others in proportion); unchanged when no weight exceeds ``cap`` or a cap
+    cannot be met (fewer than 1 / cap replies)."""
+    w = np.asarray(counts, dtype=np.float64)
+    w = w / w.sum()
+    if cap <= 0 or cap >= 1 or len(w) * cap < 1 or (w <= cap).all():
+        return w
+    capped = np.zeros(len(w), dtype=bool)
+    while True:
+        over = (w > cap + 1e-12) & ~capped
+        if not over.any():
+            return w
+        capped |= over
+        free = 1.0 - cap * capped.sum()
+        rest = w[~capped]
+        w = np.where(capped, cap, w * free / rest.sum() if rest.sum() > 0 else 0.0)
+
+
+def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean", trim: float = 0.2) -> np.ndarray:
+    """One array from the replies' arrays: weighted mean, or coordinate-wise median or
+    trimmed mean (unweighted, Flower's ``aggregate_median`` / ``aggregate_trimmed_avg``),
+    computed in float64 and cast back to the first array's dtype."""
+    first = np.asarray(values[0])
+    if mode == "mean":
+        w = np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        acc = np.zeros(first.shape, dtype=np.float64)
+        for wi, v in zip(w, values):
+            acc += wi * np.asarray(v, dtype=np.float64)
+        return acc.astype(first.dtype)
+    from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
+
+    layers = [([np.asarray(v, dtype=np.float64)], 1) for v in values]
+    if mode == "median":
+        return np.asarray(aggregate_median(layers)[0]).astype(first.dtype)
+    if mode == "trimmed-mean":
+        return np.asarray(aggregate_trimmed_avg(layers, trim)[0]).astype(first.dtype)
+    raise ValueError(f"unknown aggregation {mode!r}; one of {AGGREGATIONS}")

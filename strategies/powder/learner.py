@@ -1,0 +1,309 @@
+"""Powder's client: local pool from the server, alpha measurement, CE + lambda * dual distillation.
+
+The shared loop (common/learner.py) trains the current task's slice and the head with CE
+over the current task's classes; this learner
+
+* rebuilds full-size arrays from the server's per-client payload (only the slices of its
+  local pool and its task's head rows travel) and restricts the prompt module to that local
+  pool (eq. 4, :class:`PowderPrompt`), its own slice's change mixed into every local slice
+  with eq. 3's weights (``powder-own-weights``);
+* when the server asks (``powder-measure``: in the measuring message before training, or at
+  the start of the training round with ``measuring = "in-training"``), measures the average
+  prompt-selection weights alpha (eq. 6) of its current task and of the task it has just
+  finished, per task and per class, over the whole pool it was sent;
+* adds, per batch, lambda * L_dual (eq. 5): the KL divergence from the model at the start
+  of the round (the teacher, holding the transferred knowledge) to the current model over
+  the non-true classes of the task (the true-class logit removed, as in FedNTD), each
+  sample weighted by beta = softmax over the batch of its class's total correlation
+  sum_i G_class[y, i]. ``distillation = "classic"`` uses plain KD over all the task's
+  classes instead (Table 5, DIS);
+* replies only its task's slice of every prompt array (the P_hat slice it was sent plus its
+  raw slice's change) and its task's head rows, plus the ``powder-alpha`` record.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
+from promptfcl.common.runtime import Runtime
+from promptfcl.common.tasks import head_rows, head_size, task_rows
+from promptfcl.strategies.powder.options import PowderOptions
+from promptfcl.strategies.powder.prompt import PowderPrompt
+from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
+
+
+def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Eq. 5: sum_b beta_b KL(teacher_b || student_b) over the non-true classes.
+
+    Parameters
+    ----------
+    student, teacher : (B, C) tensors
+        Logits; classes outside the task are -inf (``masked_logits``) and take no part.
+    labels : (B,) tensor
+        True classes: their logit is removed from both distributions (FedNTD).
+    weights : (B,) tensor, optional
+        beta, summing to 1 over the batch (None: 1/B each, a plain mean).
+    temperature : float
+        Softening of both distributions; the loss is scaled by its square (as FedNTD).
+    """
+    keep = torch.isfinite(student) & torch.isfinite(teacher)
+    keep[torch.arange(len(labels), device=labels.device), labels] = False
+    per_row = keep.sum(dim=1)
+    if len(labels) == 0 or int(per_row.max()) == 0:
+        return student.new_zeros(())
+    if not bool((per_row == per_row[0]).all()):
+        raise ValueError("every sample must have the same classes in play")
+    s = student[keep].view(len(labels), -1) / temperature
+    t = teacher[keep].view(len(labels), -1) / temperature
+    p_t = F.softmax(t, dim=1)
+    kl = (p_t * (F.log_softmax(t, dim=1) - F.log_softmax(s, dim=1))).sum(dim=1)
+    if weights is None:
+        weights = torch.full_like(kl, 1.0 / len(kl))
+    return temperature**2 * (weights * kl).sum()
+
+
+def classic_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Plain KD (the DIS ablation): mean KL(teacher || student) over all the task's classes."""
+    keep = torch.isfinite(student[0]) & torch.isfinite(teacher[0])
+    s, t = student[:, keep] / temperature, teacher[:, keep] / temperature
+    kl = (F.softmax(t, dim=1) * (F.log_softmax(t, dim=1) - F.log_softmax(s, dim=1))).sum(dim=1)
+    return temperature**2 * kl.mean()
+
+
+def sample_weights(class_total: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """beta: softmax over the batch of each sample's class total correlation (eq. 5)."""
+    return F.softmax(class_total[labels].float(), dim=0)
+
+
+class PowderLearner(LocalLearner):
+    """Local learning of Powder (eq. 8) on the local pool the server sent.
+
+    Parameters
+    ----------
+    runtime : Runtime
+        Data, model (with :class:`PowderPrompt`), device and query cache.
+    options : dict
+        ``powder.*`` options (prefix removed).
+    """
+
+    options_class = PowderOptions
+    opts: PowderOptions
+
+    def __init__(self, runtime: Runtime, options: Any = None) -> None:
+        super().__init__(runtime, options)
+        self.local_tasks: list[int] = []
+        self.own_weights: dict[int, float] | None = None  # G_task[s, task] per local task s (None: not sent)
+        self.measure = False
+        self.previous = -1  # the task just finished, measured too (-1: none)
+        self.client_id = 0
+        self.class_total: torch.Tensor | None = None  # sum_i G_class[y, i] per head row of class y (1 where unknown)
+        self.teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # round-start prompt and head
+        self.alpha_record = ArrayRecord()
+        self.last_distillation: float | None = None  # the last batch's term (diagnostics, tests)
+
+    @property
+    def prompt(self) -> PowderPrompt:
+        prompt = self.rt.model.prompt
+        if not isinstance(prompt, PowderPrompt):
+            raise TypeError(f"Powder needs the model built with PowderPrompt, got {type(prompt).__name__}")
+        return prompt
+
+    # ------------------------------------------------------------------ wire format
+    def expand(self, sent: ArrayRecord, task: int, prompts_only: bool = False) -> ArrayRecord:
+        """Full-size arrays: the local pool's slices and the task's head rows in place, zeros elsewhere
+        (``prompts_only``: the payload holds the prompt arrays only, as a measuring message does)."""
+        full = {k: v.detach().cpu().numpy() for k, v in self.rt.model.trainable_state().items()}
+        got = from_array_record(sent)
+        names = {k for k in full if k.startswith("prompt.")} if prompts_only else set(full)
+        if set(got) != names:
+            raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(names)}")
+        out = {}
+        for name, value in full.items():
+            rows = self.rows(name, value, task)
+            if name not in got:  # not sent: not used
+                out[name] = np.zeros_like(value)
+                continue
+            if rows is None:
+                out[name] = got[name]
+                continue
+            value = np.zeros_like(value)
+            if name.startswith("prompt."):  # the local pool: its tasks' slices, in order
+                rows = np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
+            value[rows] = got[name]
+            out[name] = value
+        return to_array_record(out)
+
+    def own_part(self, arrays: ArrayRecord, task: int) -> ArrayRecord:
+        """The reply: the task's slice of every prompt array and the task's head rows."""
+        out = {}
+        for name, value in from_array_record(arrays).items():
+            rows = self.rows(name, value, task)
+            out[name] = value if rows is None else value[rows]
+        return to_array_record(out)
+
+    def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
+        """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
+        return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
+
+    # ------------------------------------------------------------------ the round
+    def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
+        """This round's local pool, mixing weights, measuring request and class correlations."""
+        local = [int(t) for t in config[LOCAL_TASKS]]
+        if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
+            raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
+        self.local_tasks, self.client_id, self.round_ = local, client_id, round_
+        weights = config.get(OWN_WEIGHTS)
+        if weights is not None and len(weights) != len(local):
+            raise ValueError(f"{OWN_WEIGHTS} has {len(weights)} values for the local pool {local}")
+        self.own_weights = None if weights is None else dict(zip(local, (float(w) for w in weights)))
+        self.measure = bool(config.get(MEASURE, False))
+        self.previous = int(config.get(PREVIOUS, -1))
+        if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
+            raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
+        # indexed like the logits (head rows), as the batches' labels are
+        total = torch.ones(head_size(self.cfg, self.rt.data.num_classes))
+        corr = [float(v) for v in config.get(CLASS_CORR, [])]
+        rows = head_rows(self.cfg, task, self.rt.data.num_classes)  # in the order of the task's classes
+        if corr:
+            if len(corr) != len(rows):
+                raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(rows)} classes")
+            total[rows] = torch.tensor(corr)
+        self.class_total = total.to(self.rt.device)
+
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
+        self.alpha_record = ArrayRecord()
+        inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
+        try:
+            reply = super().fit(inner, task, round_, client_id)
+        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
+            self.prompt.end_round()
+            self.teacher = None
+        reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
+        reply[ALPHA] = self.alpha_record
+        return reply
+
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the
+        task just finished, over the whole P_hat sent; no training."""
+        config = content[CONFIG]
+        self.read_message(config, task, round_, client_id)
+        if not self.measure:
+            raise ValueError(f"a message before training must ask for alphas ({MEASURE} = true)")
+        model = self.rt.model
+        model.load_trainable_state(to_torch(self.expand(content[ARRAYS], task, prompts_only=True)))
+        model.prompt.set_task(task)
+        self.prompt.begin_round(self.local_tasks, None)
+        try:
+            record = self.measure_alphas([task] + ([self.previous] if self.previous >= 0 else []))
+        finally:
+            self.prompt.end_round()
+        n = len(client_indices(self.rt.data.train.labels, self.cfg, self.rt.data.num_classes, client_id, task, round_))
+        return RecordDict({ALPHA: record, METRICS: MetricRecord({"num-examples": int(n)})})
+
+    def round_start(self, content: RecordDict, task: int) -> None:
+        """Restrict the prompt to the local pool; measure alphas if asked; keep the round-start model."""
+        self.prompt.begin_round(self.local_tasks, self.own_weights)
+        if self.measure:
+            measured = [task] + ([self.previous] if self.previous >= 0 else [])
+            self.alpha_record = self.measure_alphas(measured)
+        if self.opts.dual and self.opts.lambda_ > 0:
+            model = self.rt.model
+            self.teacher = (copy.deepcopy(model.prompt).eval(), copy.deepcopy(model.head).eval())
+
+    @torch.no_grad()
+    def measure_alphas(self, tasks: list[int], batch_size: int = 256) -> ArrayRecord:
+        """Eq. 6 per task and per class: mean selection weights over the client's samples,
+        laid out over every pool row of every prompted block (zeros for rows not in the pool)."""
+        rt, prompt = self.rt, self.prompt
+        rows = prompt.pool_rows()
+        width = len(prompt.layers) * self.cfg.pool_size
+        labels_all = rt.data.train.labels
+        out: dict[str, list[Any]] = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [],
+                                     "class-count": []}
+        by_class: dict[int, list] = {}
+        was_training = prompt.training
+        prompt.eval()
+        try:
+            for t in tasks:
+                index = client_indices(labels_all, self.cfg, rt.data.num_classes, self.client_id, t,
+                                       self.round_ if t == tasks[0] else 0)
+                if len(index) == 0:
+                    continue
+                queries = rt.queries("train", index)
+                alphas = np.zeros((len(index), width), dtype=np.float64)
+                for start in range(0, len(index), batch_size):
+                    if queries is not None:
+                        q = queries[start : start + batch_size]
+                    else:
+                        x = rt.model.preprocess(
+                            torch.from_numpy(rt.data.train.images[index[start : start + batch_size]]).to(rt.device)
+                        )
+                        q = rt.model.query(x)
+                    for li, layer in enumerate(prompt.layers):
+                        w = prompt.weights(q, layer).double().cpu().numpy()
+                        alphas[start : start + len(q), li * self.cfg.pool_size + rows] = w
+                out["tasks"].append(t)
+                out["task-alpha"].append(alphas.mean(axis=0))
+                out["task-count"].append(len(index))
+                labels = labels_all[index]
+                for c in np.unique(labels):  # a class in both measured tasks (random tasks) pools its samples
+                    mask = labels == c
+                    total = by_class.setdefault(int(c), [np.zeros(width), 0])
+                    total[0] += alphas[mask].sum(axis=0)
+                    total[1] += int(mask.sum())
+        finally:
+            prompt.train(was_training)
+        for c, (total, count) in sorted(by_class.items()):
+            out["classes"].append(c)
+            out["class-alpha"].append(total / count)
+            out["class-count"].append(count)
+        return to_array_record(
+            {
+                "tasks": np.asarray(out["tasks"], dtype=np.int64),
+                "task-alpha": np.asarray(out["task-alpha"], dtype=np.float64).reshape(-1, width),
+                "task-count": np.asarray(out["task-count"], dtype=np.int64),
+                "classes": np.asarray(out["classes"], dtype=np.int64),
+                "class-alpha": np.asarray(out["class-alpha"], dtype=np.float64).reshape(-1, width),
+                "class-count": np.asarray(out["class-count"], dtype=np.int64),
+            }
+        )
+
+    @torch.no_grad()
+    def teacher_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits of the round-start model on the batch, masked like the student's."""
+        model = self.rt.model
+        prompt, head = model.prompt, model.head
+        assert self.teacher is not None, "teacher_logits before round_start"
+        model.prompt, model.head = self.teacher  # type: ignore[assignment]
+        try:
+            logits = model.head(model.features(batch.images, batch.query))
+        finally:
+            model.prompt, model.head = prompt, head
+        return logits.masked_fill(~torch.isfinite(batch.logits), float("-inf"))
+
+    def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
+        if self.teacher is None:
+            return None
+        teacher = self.teacher_logits(batch)
+        if self.opts.distillation == "classic":
+            loss = classic_distillation(batch.logits, teacher, self.opts.temperature)
+        else:
+            beta = sample_weights(self.class_total, batch.labels)
+            loss = dual_distillation(batch.logits, teacher, batch.labels, beta, self.opts.temperature)
+        self.last_distillation = float(loss.detach())
+        return self.opts.lambda_ * loss
+
+
+__all__ = ["PowderLearner", "classic_distillation", "dual_distillation", "sample_weights"]

@@ -1,0 +1,163 @@
+"""Methods, found by name from the run configuration (``strategy = "<name>"``): the one registry.
+
+A method is one folder: a package whose ``__init__.py`` defines ``METHOD``, a :class:`Method`
+naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills the platform's
+hooks) and its learner (the client's side, a ``LocalLearner`` subclass), both relative to the
+package; the folder holds everything else of the method (options, prompt module, records,
+losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a method; so is
+every package another distribution registers under the entry-point group
+``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository.
+Both halves are imported on first use: a client process loads only its own method.
+
+Configurations are loaded here too: checking one needs the methods' options.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import pkgutil
+from dataclasses import dataclass, replace
+from typing import Any
+
+from promptfcl.common.config import ConfigError, ExperimentConfig, read_config
+from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
+from promptfcl.common.privacy import PrivacyOptions
+
+ENTRY_POINTS = "promptfcl.methods"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method by name, and where its two halves live (``".module:Class"``, relative to ``package``)."""
+
+    name: str
+    strategy: str  # a PromptStrategy subclass: the server's side
+    learner: str  # a LocalLearner subclass: local learning
+    package: str = ""  # the method's package (set by discovery)
+
+    def load(self, which: str) -> Any:
+        """The strategy or learner class (``which``), imported on first use."""
+        module, attr = getattr(self, which).split(":")
+        return getattr(importlib.import_module(module, self.package or None), attr)
+
+
+@functools.cache
+def methods() -> dict[str, Method]:
+    """Every method: this package's folders, then entry points of other installed distributions."""
+    import promptfcl.strategies as here
+
+    found: dict[str, Method] = {}
+    packages = [f"{here.__name__}.{info.name}" for info in pkgutil.iter_modules(here.__path__) if info.ispkg]
+    packages += [ep.value.split(":")[0] for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)]
+    for package in packages:
+        spec = getattr(importlib.import_module(package), "METHOD", None)
+        if spec is None:
+            continue
+        if spec.name in found:
+            raise ConfigError(f"two methods are named {spec.name!r}: {found[spec.name].package} and {package}")
+        found[spec.name] = replace(spec, package=package)
+    return found
+
+
+def check_method(name: str) -> None:
+    if name not in methods():
+        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(sorted(methods()))}")
+
+
+def strategy_class(name: str) -> Any:
+    """The ``PromptStrategy`` subclass of method ``name``."""
+    check_method(name)
+    return methods()[name].load("strategy")
+
+
+def learner_class(name: str) -> Any:
+    """The ``LocalLearner`` subclass that trains method ``name`` on a client."""
+    check_method(name)
+    return methods()[name].load("learner")
+
+
+def prompt_class(name: str) -> Any:
+    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
+    return strategy_class(name).prompt_class
+
+
+def method_options(cfg: ExperimentConfig) -> Any:
+    """The run's method options, parsed once (ConfigError on unknown keys or bad values)."""
+    return strategy_class(cfg.strategy).parse_options(cfg.method_options(cfg.strategy))
+
+
+def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
+    """The run's server strategy, with its options parsed once."""
+    return strategy_class(cfg.strategy)(cfg, num_classes, method_options(cfg))
+
+
+def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
+    """The run's local learner on ``runtime``, with the method's options parsed once."""
+    return learner_class(cfg.strategy)(runtime, method_options(cfg))
+
+
+def check_namespaces(method_keys: dict[str, Any]) -> None:
+    """Every dotted run-config key (``<method>.<option>``) names a method and one of its options.
+
+    Options of methods other than the run's are checked too (a comparison may switch methods,
+    and a typo must not pass silently because the method is not the one running). One
+    namespace is not a method: ``dp.*``, differential privacy (common/privacy.py).
+    """
+    namespaces: dict[str, dict[str, Any]] = {}
+    for key, value in method_keys.items():
+        namespace, _, option = key.partition(".")
+        if not option:
+            raise ConfigError(f"configuration key {key!r} has an empty option name")
+        namespaces.setdefault(namespace, {})[option] = value
+    for namespace, options in namespaces.items():
+        if namespace == DP_NAMESPACE:
+            PrivacyOptions.from_options(options)
+            continue
+        if namespace not in methods():
+            example = next(iter(options))
+            raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
+                              f"options are namespaced by method ({', '.join(sorted(methods()))}) or "
+                              f"{DP_NAMESPACE!r} (differential privacy)")
+        strategy_class(namespace).parse_options(options)
+
+
+def namespaced_defaults() -> dict[str, dict[str, Any]]:
+    """Every namespaced run-config key with its default, by namespace: ``dp`` and each method's
+    options. pyproject.toml declares them as ``[tool.flwr.app.config.<namespace>]`` tables
+    (:func:`app_config_tables`): Flower's run-config check refuses any key it does not declare."""
+    out: dict[str, dict[str, Any]] = {DP_NAMESPACE: PrivacyOptions().to_dict()}
+    for name in sorted(methods()):
+        defaults = strategy_class(name).options_class().to_dict()
+        if defaults:
+            out[name] = defaults
+    return out
+
+
+def app_config_tables() -> str:
+    """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
+    from promptfcl.common.config import toml_value
+
+    blocks = []
+    for namespace, options in namespaced_defaults().items():
+        lines = [f"[tool.flwr.app.config.{namespace}]"] + [f"{k} = {toml_value(v)}" for k, v in options.items()]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def load_config(config_file: str | None, overrides: list[str], strategy: str | None = None,
+                out: str | None = None) -> ExperimentConfig:
+    """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
+    as it can be before anything is loaded: every key and value, the method, every method
+    option, the task schedule, differential privacy and the dataset's name."""
+    from promptfcl.common.data import check_source
+
+    cfg = read_config(config_file, overrides, strategy, out)
+    check_method(cfg.strategy)
+    check_namespaces(cfg.method)
+    method = strategy_class(cfg.strategy)
+    method.check_schedule(cfg)
+    method.check_privacy(cfg)
+    check_source(cfg)
+    return cfg

@@ -1,0 +1,60 @@
+"""The distribution: one installed name, every package of the layers in it, the paper configs and
+deployment scripts as package data, a license."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("common", "strategies", "client", "server")
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_of_the_layers_is_installed_under_promptfcl():
+    listed = set(pyproject()["tool"]["setuptools"]["packages"])
+    found = {"promptfcl." + ".".join(p.parent.relative_to(ROOT).parts) for layer in LAYERS
+             for p in (ROOT / layer).rglob("__init__.py")}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+    assert all(name.startswith("promptfcl.") for name in listed)
+
+
+def test_the_wheel_holds_one_top_level_package_with_its_configs_and_scripts(tmp_path):
+    import shutil
+
+    source = tmp_path / "src"  # a copy: building writes build/ beside the sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in (*LAYERS, "configs", "deploy"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source),
+                           "-w", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("promptfcl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"promptfcl", wheel.name.split("-py3")[0] + ".dist-info"}
+    for config in (ROOT / "configs").glob("*.toml"):
+        assert f"promptfcl/configs/{config.name}" in names
+    for script in ("start-server.sh", "start-client.sh", "submit-run.sh", "register-node.sh", "superlink.py",
+                   "run.toml", "Dockerfile", "compose.yaml"):
+        assert f"promptfcl/deploy/{script}" in names
+    for method in ("fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"):
+        assert f"promptfcl/strategies/{method}/strategy.py" in names
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def test_pins_are_ranges_and_flower_stays_on_1_41_with_its_reason():
+    deps = pyproject()["project"]["dependencies"]
+    assert all("==" not in d for d in deps), deps
+    assert any(d.startswith("flwr[simulation]>=1.41,<1.42") for d in deps)
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "1.42 cannot be installed and tested here" in text.replace("\n    # ", " ")
