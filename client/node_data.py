@@ -337,7 +337,8 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
 def _read_split(split_root: Path, names: list[str], cfg: ExperimentConfig) -> ArraySplit:
     """The node's images of the run's classes (a node may lack some classes)."""
     try:
-        return read_class_folders(split_root, names, cfg.image_size, skip_missing=True)
+        return read_class_folders(split_root, names, cfg.image_size, skip_missing=True,
+                                  interpolation=cfg.resize_interpolation)
     except DataError as exc:
         raise NodeDataError(str(exc)) from exc
 

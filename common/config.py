@@ -122,9 +122,17 @@ class ExperimentConfig:
     # beta of partition = dirichlet and of partition = quantity-skew
     dirichlet_beta: float = key(0.5, "federation", ("results",))
     classes_per_client: int = key(1, "federation", ("results",))  # for partition = quantity
-    # dirichlet and quantity-skew: smallest share of a task a client may get; the Dirichlet draw
-    # is repeated until every client has at least this many (0: empty shares allowed)
+    # dirichlet and quantity-skew: smallest share a client may get (of a task, or of the training
+    # set with partition-scope = dataset); the Dirichlet draw is repeated until every client has at
+    # least this many (0: empty shares allowed; NIID-Bench and FPPL's code: 10)
     min_partition_size: int = key(0, "federation", ("results",))
+    # dirichlet: NIID-Bench's balancing (also FPPL's code): a client holding the average share
+    # gets nothing of the classes cut after that
+    dirichlet_balance: bool = key(False, "federation", ("results",))
+    # "task": each task's samples are partitioned on their own (a fresh draw per task);
+    # "dataset": the whole training set once, each task taking its classes' part of every
+    # client's share (NIID-Bench's partition of a dataset, FPPL's code)
+    partition_scope: str = key("task", "federation", ("results",))
     # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
     category_ratio: float = key(0.6, "federation", ("results",))
     split_ratio: float = key(0.1, "federation", ("results",))
@@ -211,11 +219,22 @@ class ExperimentConfig:
     # offline default's clients hold ~30 samples per task, so a larger step is needed.
     lr: float = key(1e-2, "training", ("results",))
     lr_schedule: str = key("cosine", "training", ("results",))  # "cosine" or "constant", over one round's local steps
-    # Training-time augmentation of every method's local training (common/learner.py):
-    # "none", or "crop-flip" (random crop with zero padding of 1/8 of the side, then a random
-    # horizontal flip; seeded per client, task and round). The query cache does not serve
-    # augmented batches: q(x) is recomputed on the augmented image.
+    # Training-time augmentation of every method's local training (common/learner.py), seeded
+    # per client, task and round: "none"; "crop-flip" (random crop with zero padding of 1/8 of
+    # the side, then a random horizontal flip); "resized-crop-flip" (torchvision's
+    # RandomResizedCrop to the backbone's size + horizontal flip, CODA-P's and FPPL's code; the
+    # crop keeps augment-crop-scale to 1 of the area: torchvision 0.08, FPPL's code 0.05).
+    # The query cache does not serve augmented batches: q(x) is recomputed on the augmented image.
     augment: str = key("none", "training", ("results",))
+    augment_crop_scale: float = key(0.08, "training", ("results",))
+    # Inputs (common/preprocess.py): "backbone" normalises with the backbone's pretraining mean
+    # and std, "unit" feeds [0, 1] pixels (CODA-P's and FPPL's code, HePCo's text)
+    input_norm: str = key("backbone", "model", ("results",))
+    # every resize to the backbone's size: "bilinear" or "bicubic" (HGP's text)
+    resize_interpolation: str = key("bilinear", "model", ("results", "dataset", "node-folder"))
+    # evaluation keeps this central fraction of each side before resizing (CODA-P's and FPPL's
+    # code: Resize(256) + CenterCrop(224) = 0.875; 1: the whole image)
+    eval_crop: float = key(1.0, "evaluation", ("results",))
     query_cache: bool = key(True, "caching", ("results",))
     # Persist q(x) in the node's cache dir so a fresh ClientApp process reuses it: "auto" (on
     # with population=nodes, where every message may start a new process), "on" or "off".

@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
-AUGMENTATIONS = ("none", "crop-flip")
+PARTITION_SCOPES = ("task", "dataset")
+AUGMENTATIONS = ("none", "crop-flip", "resized-crop-flip")
+INPUT_NORMS = ("backbone", "unit")
+INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
           "poison", "nan-metrics")
@@ -56,9 +59,11 @@ def validate_config(cfg: ExperimentConfig) -> None:
         need(cfg.num_classes == 0 or cfg.classes_per_task <= cfg.num_classes,
              f"classes-per-task ({cfg.classes_per_task}) exceeds num-classes ({cfg.num_classes})")
         need(cfg.head in HEADS, f"head must be one of {HEADS}, got {cfg.head!r}")
-        need(cfg.partition == "dirichlet" and cfg.dirichlet_beta == 0.5 and cfg.classes_per_client == 1,
+        need(cfg.partition == "dirichlet" and cfg.dirichlet_beta == 0.5 and cfg.classes_per_client == 1
+             and cfg.partition_scope == "task" and not cfg.dirichlet_balance,
              "task-generator = random: each task's data is held by its one client, so partition, "
-             "dirichlet-beta and classes-per-client do not apply; leave them unset")
+             "dirichlet-beta, dirichlet-balance, partition-scope and classes-per-client do not apply; "
+             "leave them unset")
     else:
         need(cfg.num_rounds == 0, "num-rounds applies to task-generator = random only (the stream runs "
                                    "num-tasks x rounds-per-task rounds)")
@@ -81,6 +86,10 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {cfg.dirichlet_beta}")
     need(cfg.classes_per_client >= 1, "classes-per-client must be >= 1")
     need(cfg.min_partition_size >= 0, "min-partition-size must be >= 0")
+    need(cfg.partition_scope in PARTITION_SCOPES,
+         f"partition-scope must be one of {PARTITION_SCOPES}, got {cfg.partition_scope!r}")
+    need(cfg.partition_scope == "task" or cfg.partition != "stateless",
+         "partition-scope = dataset does not apply to the stateless population (it draws per round)")
     need(cfg.centralised_mode in CENTRALISED_MODES,
          f"centralised-mode must be one of {CENTRALISED_MODES}, got {cfg.centralised_mode!r}")
     need(cfg.centralised_mode == "incremental" or (cfg.centralised and cfg.population == "virtual"),
@@ -96,6 +105,11 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.lr > 0, "lr must be > 0")
     need(cfg.lr_schedule in ("cosine", "constant"), "lr-schedule must be 'cosine' or 'constant'")
     need(cfg.augment in AUGMENTATIONS, f"augment must be one of {AUGMENTATIONS}, got {cfg.augment!r}")
+    need(0.0 < cfg.augment_crop_scale <= 1.0, f"augment-crop-scale must be in (0, 1], got {cfg.augment_crop_scale}")
+    need(cfg.input_norm in INPUT_NORMS, f"input-norm must be one of {INPUT_NORMS}, got {cfg.input_norm!r}")
+    need(cfg.resize_interpolation in INTERPOLATIONS,
+         f"resize-interpolation must be one of {INTERPOLATIONS}, got {cfg.resize_interpolation!r}")
+    need(0.0 < cfg.eval_crop <= 1.0, f"eval-crop must be in (0, 1], got {cfg.eval_crop}")
     need(cfg.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
     need(cfg.device in DEVICES, f"device must be one of {DEVICES}, got {cfg.device!r}")
     need(cfg.prompt_mode in PROMPT_MODES, f"prompt-mode must be one of {PROMPT_MODES}")

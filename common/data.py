@@ -126,7 +126,7 @@ def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[
     return splits[0], splits[1], names
 
 
-def _to_uint8_chw(img: object, size: int | None) -> np.ndarray:
+def _to_uint8_chw(img: object, size: int | None, interpolation: str = "bilinear") -> np.ndarray:
     from PIL import Image
 
     if not isinstance(img, Image.Image):
@@ -134,25 +134,26 @@ def _to_uint8_chw(img: object, size: int | None) -> np.ndarray:
     if img.mode not in ("L", "RGB"):
         img = img.convert("RGB")
     if size is not None and img.size != (size, size):
-        img = img.resize((size, size), Image.Resampling.BILINEAR)
+        img = img.resize((size, size), Image.Resampling[interpolation.upper()])
     arr = np.asarray(img, dtype=np.uint8)
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
-def _stack_images(images: list[object], image_size: int) -> np.ndarray:
-    """Keep native size when all images share it (resizing happens per batch); else resize."""
+def _stack_images(images: list[object], image_size: int, interpolation: str = "bilinear") -> np.ndarray:
+    """Keep native size when all images share it (resizing happens per batch); else resize
+    (``resize-interpolation``)."""
     from PIL import Image
 
     sizes = {im.size if isinstance(im, Image.Image) else np.asarray(im).shape[:2] for im in images[:256]}
     size = None if len(sizes) == 1 else image_size
-    arrays = [_to_uint8_chw(im, size) for im in images]
+    arrays = [_to_uint8_chw(im, size, interpolation) for im in images]
     channels = max(a.shape[0] for a in arrays)
     if channels == 3:
         arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]
     try:
         return np.stack(arrays)
     except ValueError:  # sizes differed beyond the first 256
-        return np.stack([_to_uint8_chw(im, image_size) for im in images])
+        return np.stack([_to_uint8_chw(im, image_size, interpolation) for im in images])
 
 
 def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
@@ -181,7 +182,7 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySpl
 
     def convert(split: object) -> ArraySplit:
         return ArraySplit(
-            _stack_images(list(split[img_col]), cfg.image_size),  # type: ignore[index]
+            _stack_images(list(split[img_col]), cfg.image_size, cfg.resize_interpolation),  # type: ignore[index]
             np.asarray(split[lab_col], dtype=np.int64),  # type: ignore[index]
         )
 
@@ -207,7 +208,8 @@ def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, l
     if len(names) < 2:
         raise DataError(f"folder dataset {base} needs one sub-folder per class (found {len(names)})")
     def read(split_root: Path) -> ArraySplit:
-        split = read_class_folders(split_root, names, cfg.image_size, skip_missing=False)
+        split = read_class_folders(split_root, names, cfg.image_size, skip_missing=False,
+                                   interpolation=cfg.resize_interpolation)
         if not len(split):
             raise DataError(f"no images under {split_root}")
         return split
@@ -226,7 +228,8 @@ def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, l
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
-def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool) -> ArraySplit:
+def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
+                       interpolation: str = "bilinear") -> ArraySplit:
     """Images of ``split_root/<class>/*`` labelled by position in ``names``.
 
     A missing class folder is an error unless ``skip_missing`` (a node may hold only some
@@ -254,7 +257,7 @@ def read_class_folders(split_root: Path, names: list[str], image_size: int, skip
             labels.append(label)
     if not images:
         return ArraySplit(np.zeros((0, 1, image_size, image_size), np.uint8), np.zeros(0, np.int64))
-    return ArraySplit(_stack_images(images, image_size), np.asarray(labels, dtype=np.int64))
+    return ArraySplit(_stack_images(images, image_size, interpolation), np.asarray(labels, dtype=np.int64))
 
 
 def _cap_per_class(split: ArraySplit, cap: int, seed: int) -> ArraySplit:

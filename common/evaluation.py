@@ -47,7 +47,7 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     all_logits = torch.empty(len(index) if random_tasks else 0, head_size(cfg, rt.data.num_classes))
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
-        x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device))
+        x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device), evaluation=split == "test")
         with rt.autocast():
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             logits = model(x, q)

@@ -32,6 +32,7 @@ from promptfcl.common.augment import augment_images
 from promptfcl.common.model import masked_logits
 from promptfcl.common.options import MethodOptions, NoOptions
 from promptfcl.common.partitions import client_indices
+from promptfcl.common.preprocess import random_resized_crops
 from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
 from promptfcl.common.runtime import Runtime
 from promptfcl.common.tasks import head_rows, head_size, head_targets, training_classes
@@ -164,9 +165,13 @@ class LocalLearner:
 
     def inputs(self, images: np.ndarray, augment: np.random.Generator | None) -> torch.Tensor:
         """Preprocessed model inputs of a uint8 batch, augmented first when ``augment`` is given."""
-        if augment is not None:
+        crops = None
+        if augment is not None and self.cfg.augment == "resized-crop-flip":  # cropped on the device
+            crops = torch.from_numpy(random_resized_crops(len(images), images.shape[-2], images.shape[-1], augment,
+                                                          scale=(self.cfg.augment_crop_scale, 1.0)))
+        elif augment is not None:
             images = augment_images(images, self.cfg.augment, augment)
-        return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device))
+        return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device), crops)
 
     def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float]) -> RecordDict:
         extras = self.round_end(index, task) if len(index) else {}

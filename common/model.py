@@ -24,6 +24,7 @@ from torch import nn
 from promptfcl.common import startup
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.files import write_atomic
+from promptfcl.common.preprocess import InputPipeline
 from promptfcl.common.vit import Attention as OurAttention
 from promptfcl.common.vit import Block as OurBlock
 from promptfcl.common.vit import architecture, block_forward, from_state, from_timm
@@ -348,7 +349,8 @@ class PromptedViT(nn.Module):
     via :func:`masked_logits`.
     """
 
-    def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix") -> None:
+    def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
+                 input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0) -> None:
         super().__init__()
         self.backbone, self.prompt, self.mode = backbone, prompt, mode
         self.embed_dim = int(backbone.embed_dim)
@@ -361,11 +363,10 @@ class PromptedViT(nn.Module):
             raise ConfigError("embed dim not divisible by heads")
         self.head = nn.Linear(self.embed_dim, num_classes)
         cfg = getattr(backbone, "pretrained_cfg", {}) or {}
-        mean, std = cfg.get("mean", (0.5, 0.5, 0.5)), cfg.get("std", (0.5, 0.5, 0.5))
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-        self.in_chans = int(backbone.patch_embed.proj.in_channels)
-        self.image_size = int(backbone.patch_embed.img_size[0])
+        self.inputs = InputPipeline(
+            int(backbone.patch_embed.img_size[0]), int(backbone.patch_embed.proj.in_channels),
+            tuple(cfg.get("mean", (0.5, 0.5, 0.5))), tuple(cfg.get("std", (0.5, 0.5, 0.5))),
+            input_norm, interpolation, eval_crop)
 
     # -- parameters that travel ------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -388,14 +389,11 @@ class PromptedViT(nn.Module):
         return self
 
     # -- forward ------------------------------------------------------------------
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, C, H, W) -> normalised float at the backbone's size and channels."""
-        x = images.float().div_(255.0)
-        if x.shape[1] != self.in_chans:
-            x = x.expand(-1, self.in_chans, -1, -1) if x.shape[1] == 1 else x[:, : self.in_chans]
-        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return (x - self.mean) / self.std
+    def preprocess(self, images: torch.Tensor, crops: torch.Tensor | None = None,
+                   evaluation: bool = False) -> torch.Tensor:
+        """uint8 (B, C, H, W) -> inputs at the backbone's size, channels and normalisation
+        (``crops``: training views; ``evaluation``: evaluation's central crop; see ``InputPipeline``)."""
+        return self.inputs(images, crops, evaluation)
 
     @torch.no_grad()
     def query(self, x: torch.Tensor) -> torch.Tensor:
@@ -446,7 +444,8 @@ def build_model(
     prompt = (prompt_class or CodaPrompt)(
         int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks
     )
-    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode)
+    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
+                        cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop)
     torch.random.set_rng_state(state)
     return model, source
 

@@ -36,85 +36,144 @@ def client_indices(
     pool = np.flatnonzero(np.isin(labels, classes))
     if cfg.partition == "stateless":
         return _stateless_indices(labels, pool, classes, cfg, client_id, task, round_)
-    parts = _static_partition(
-        labels[pool].tobytes(), cfg.partition, cfg.num_clients, cfg.seed, task,
-        cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
-    )
+    if cfg.partition_scope == "dataset":  # one partition of the whole training set; each task takes its classes
+        parts = _static_partition(labels.tobytes(), cfg.partition, cfg.num_clients, cfg.seed, -1, cfg.dirichlet_beta,
+                                  cfg.classes_per_client, cfg.min_partition_size, cfg.dirichlet_balance)
+        mine = parts[client_id]
+        return mine[np.isin(labels[mine], classes)]
+    parts = _static_partition(labels[pool].tobytes(), cfg.partition, cfg.num_clients, cfg.seed, task,
+                              cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
+                              cfg.dirichlet_balance)
     return pool[parts[client_id]]
 
 
-@functools.lru_cache(maxsize=16)
-def _static_partition(
-    task_labels_bytes: bytes, scheme: str, num_clients: int, seed: int, task: int,
-    beta: float, classes_per_client: int, min_size: int,
-) -> list[np.ndarray]:
-    """Split one task's samples across the whole population, once per (seed, task).
-
-    Uses flwr-datasets partitioners (quantity skew: see ``_quantity_skew``); returns
-    positions into the task's sample pool.
-    Cost is O(samples + clients) once per process, never per round.
-    """
-    import datasets as hf
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
-
-    task_labels = np.frombuffer(task_labels_bytes, dtype=np.int64)
-    pos = np.arange(len(task_labels))
-    part_seed = int(np.random.default_rng([seed, task, 0x9A27]).integers(2**31 - 1))
-    if scheme == "iid":
-        # IidPartitioner shards a shuffled dataset; shuffle by seed first.
-        shuffled = np.random.default_rng(part_seed).permutation(pos)
-        ds = hf.Dataset.from_dict({"label": task_labels[shuffled], "pos": shuffled})
-        partitioner = IidPartitioner(num_partitions=num_clients)
-    elif scheme == "dirichlet":
-        ds = hf.Dataset.from_dict({"label": task_labels, "pos": pos})
-        partitioner = DirichletPartitioner(
-            num_partitions=num_clients, partition_by="label", alpha=beta,
-            min_partition_size=min_size, self_balancing=False, shuffle=True, seed=part_seed,
-        )
-    elif scheme == "quantity-skew":
-        return _quantity_skew(len(task_labels), num_clients, beta, min_size, part_seed, task)
-    elif scheme == "quantity":
-        n_classes = len(np.unique(task_labels))
-        if classes_per_client > n_classes:
-            raise ConfigError(f"classes-per-client = {classes_per_client} exceeds the {n_classes} classes of a task")
-        ds = hf.Dataset.from_dict({"label": task_labels, "pos": pos})
-        partitioner = PathologicalPartitioner(
-            num_partitions=num_clients, partition_by="label",
-            num_classes_per_partition=classes_per_client, class_assignment_mode="random",
-            shuffle=True, seed=part_seed,
-        )
-    else:  # pragma: no cover - validated in config
-        raise ConfigError(f"unknown partition {scheme!r}")
-    partitioner.dataset = ds
-    try:
-        return [np.asarray(partitioner.load_partition(i)["pos"], dtype=np.int64) for i in range(num_clients)]
-    except ValueError as exc:
-        raise ConfigError(f"cannot partition task {task} with {scheme} over {num_clients} clients: {exc}") from exc
+def partition_summary(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> str:
+    """Compute every task's partition once (raising ConfigError where one cannot be made, before
+    any client trains) and describe it: client share sizes and the classes no client holds."""
+    if cfg.task_generator == "random" or cfg.centralised or cfg.partition == "stateless":
+        return f"partition: {cfg.partition if not cfg.centralised else 'centralised'} (drawn per task or round)"
+    sizes, unheld = [], 0
+    for task in range(cfg.num_tasks):
+        parts = [client_indices(labels, cfg, num_classes, c, task, 0) for c in range(cfg.num_clients)]
+        sizes += [len(p) for p in parts]
+        held = np.unique(labels[np.concatenate(parts)]) if parts else np.zeros(0, np.int64)
+        unheld += len(np.setdiff1d(task_classes(cfg, task, num_classes), held))
+    return (f"partition: {cfg.partition} (scope {cfg.partition_scope}), client shares of a task: "
+            f"min {min(sizes)}, median {int(np.median(sizes))}, max {max(sizes)}, {sizes.count(0)} empty; "
+            f"{unheld} task classes held by no client")
 
 
 #: Dirichlet redraws allowed before a min-partition-size is declared out of reach
 MAX_SIZE_DRAWS = 10_000
 
 
-def _quantity_skew(n: int, num_clients: int, beta: float, min_size: int, seed: int, task: int) -> list[np.ndarray]:
-    """Quantity skew as in NIID-Bench ("Federated Learning on Non-IID Data Silos: An
-    Experimental Study", Li et al. 2022), the setting Fed-CPrompt's Table 2 follows.
+@functools.lru_cache(maxsize=16)
+def _static_partition(
+    labels_bytes: bytes, scheme: str, num_clients: int, seed: int, task: int,
+    beta: float, classes_per_client: int, min_size: int, balance: bool,
+) -> list[np.ndarray]:
+    """Split a task's samples (``task`` = -1: the whole training set) across the population, once
+    per (seed, task); positions into the samples given. O(samples + clients) once per process,
+    never per round. The skewed partitions are NIID-Bench's ("Federated Learning on Non-IID
+    Data Silos: An Experimental Study", Li et al. 2022, section 4), which FPPL's and
+    Fed-CPrompt's settings follow.
+    """
+    labels = np.frombuffer(labels_bytes, dtype=np.int64)
+    what = "the training set" if task < 0 else f"task {task}"
+    rng = np.random.default_rng([seed, 0xDA7A5E7] if task < 0 else [seed, task, 0x9A27])
+    if scheme == "iid":
+        return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
+    if scheme == "dirichlet":
+        return _label_dirichlet(labels, num_clients, beta, min_size, balance, rng, what)
+    if scheme == "quantity-skew":
+        return _quantity_skew(len(labels), num_clients, beta, min_size, rng, what)
+    if scheme == "quantity":
+        return _k_classes(labels, num_clients, classes_per_client, rng, what)
+    raise ConfigError(f"unknown partition {scheme!r}")  # pragma: no cover - validated in config
+
+
+def _label_dirichlet(labels: np.ndarray, num_clients: int, beta: float, min_size: int, balance: bool,
+                     rng: np.random.Generator, what: str) -> list[np.ndarray]:
+    """Label skew (NIID-Bench's "noniid-labeldir"): each class's samples are cut at proportions
+    drawn from Dir(beta) over the clients.
+
+    ``balance`` (NIID-Bench's and FPPL's code, not in either paper's text): a client that
+    already holds the average share N / clients gets nothing of the classes that follow.
+    The whole draw is repeated until every client holds at least ``min_size`` samples
+    (NIID-Bench and FPPL's code use 10).
+    """
+    n = len(labels)
+    if min_size * num_clients > n:
+        raise ConfigError(f"cannot partition {what} with dirichlet: {num_clients} clients x "
+                          f"min-partition-size {min_size} exceeds its {n} samples")
+    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in np.unique(labels)]
+    for _ in range(MAX_SIZE_DRAWS):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, np.int64)
+        for idx in by_class:
+            proportions = rng.dirichlet(np.full(num_clients, beta))
+            if balance:  # some client is always below the average until the last class is cut
+                proportions = proportions * (sizes < n / num_clients)
+                proportions = proportions / proportions.sum()
+            cuts = (np.cumsum(proportions) * len(idx)).astype(np.int64)[:-1]
+            for client, piece in enumerate(np.split(idx, cuts)):
+                parts[client].append(piece)
+                sizes[client] += len(piece)
+        if sizes.min() >= min_size:
+            return [np.sort(np.concatenate(p)) for p in parts]
+    raise ConfigError(f"cannot partition {what} with dirichlet: no Dir({beta}) draw in {MAX_SIZE_DRAWS} gave "
+                      f"every one of {num_clients} clients >= {min_size} of its {n} samples; lower "
+                      "min-partition-size or raise dirichlet-beta")
+
+
+def _k_classes(labels: np.ndarray, num_clients: int, k: int, rng: np.random.Generator,
+               what: str) -> list[np.ndarray]:
+    """Quantity-based label skew (NIID-Bench's "noniid-#label k"): k classes per client, each
+    class's samples split evenly over the clients that hold it.
+
+    NIID-Bench gives client i the class i mod K first and draws the rest at random, which
+    covers every class only when clients >= K. Here client i's first classes are i, i + clients,
+    i + 2 clients, ... (up to k of them, below K), the same as NIID-Bench when clients >= K, and
+    every class is held whenever clients x k >= K; fewer refuses (a class no client holds is
+    never trained but always tested).
+    """
+    classes = np.unique(labels)
+    n_classes = len(classes)
+    if k > n_classes:
+        raise ConfigError(f"classes-per-client = {k} exceeds the {n_classes} classes of {what}")
+    if num_clients * k < n_classes:
+        raise ConfigError(f"cannot partition {what} with quantity: {num_clients} clients x classes-per-client "
+                          f"{k} = {num_clients * k} < its {n_classes} classes, so {n_classes - num_clients * k} "
+                          "would be held by no client; raise classes-per-client or num-clients")
+    held: list[list[int]] = []
+    for i in range(num_clients):
+        current = [s for s in range(i, min(k * num_clients, n_classes), num_clients)] or [i % n_classes]
+        while len(current) < k:
+            c = int(rng.integers(n_classes))
+            if c not in current:
+                current.append(c)
+        held.append(current)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for position, c in enumerate(classes):
+        holders = [i for i in range(num_clients) if position in held[i]]
+        pieces = np.array_split(rng.permutation(np.flatnonzero(labels == c)), len(holders))
+        for client, piece in zip(holders, pieces):
+            parts[client].append(piece)
+    return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _quantity_skew(n: int, num_clients: int, beta: float, min_size: int, rng: np.random.Generator,
+                   what: str) -> list[np.ndarray]:
+    """Quantity skew as in NIID-Bench, the setting Fed-CPrompt's Table 2 follows.
 
     Client dataset sizes follow proportions drawn from Dir(beta) over the clients; the
     samples are shuffled and cut at those proportions, so labels are IID: each client's
     label histogram is a random sample of the task's. As in NIID-Bench, the proportions are
     drawn again until every client gets at least ``min_size`` samples (NIID-Bench uses 10).
-
-    flwr-datasets' SizePartitioner cuts consecutive sizes in the same way but refuses empty
-    partitions, which Dir(beta) gives at small beta; the cut is done here instead.
-
-    Returns positions into the task's sample pool, one array per client (a pure function
-    of its arguments).
     """
     if min_size * num_clients > n:
-        raise ConfigError(f"cannot partition task {task} with quantity-skew: {num_clients} clients x "
+        raise ConfigError(f"cannot partition {what} with quantity-skew: {num_clients} clients x "
                           f"min-partition-size {min_size} exceeds its {n} samples")
-    rng = np.random.default_rng(seed)
     order = rng.permutation(n)
     for _ in range(MAX_SIZE_DRAWS):
         proportions = rng.dirichlet(np.full(num_clients, beta))
@@ -122,10 +181,9 @@ def _quantity_skew(n: int, num_clients: int, beta: float, min_size: int, seed: i
         sizes = np.diff(np.concatenate([[0], cuts, [n]]))
         if sizes.min() >= min_size:
             return [np.sort(part) for part in np.split(order, cuts)]
-    raise ConfigError(f"cannot partition task {task} with quantity-skew: no Dir({beta}) draw in {MAX_SIZE_DRAWS} "
+    raise ConfigError(f"cannot partition {what} with quantity-skew: no Dir({beta}) draw in {MAX_SIZE_DRAWS} "
                       f"gave every one of {num_clients} clients >= {min_size} of its {n} samples; lower "
                       "min-partition-size or raise dirichlet-beta")
-
 
 
 def _stateless_indices(

@@ -49,10 +49,12 @@ class QueryCache:
     path : Path, optional
         On-disk copy (``.npz``): read at construction, updated whenever new queries
         are computed. None keeps the cache in memory only.
+    evaluation : bool
+        The images are evaluation inputs (``eval-crop`` applies).
     """
 
-    def __init__(self, split: ArraySplit, dim: int, path: Path | None = None) -> None:
-        self.split = split
+    def __init__(self, split: ArraySplit, dim: int, path: Path | None = None, evaluation: bool = False) -> None:
+        self.split, self.evaluation = split, evaluation
         self.table = torch.zeros(len(split), dim)
         self.filled = torch.zeros(len(split), dtype=torch.bool)
         self.computed = 0  # how many queries this cache has had to compute
@@ -66,7 +68,8 @@ class QueryCache:
         missing = idx[~self.filled[idx]].unique()
         for start in range(0, len(missing), batch):
             chunk = missing[start : start + batch]
-            x = model.preprocess(torch.from_numpy(self.split.images[chunk.numpy()]).to(device))
+            x = model.preprocess(torch.from_numpy(self.split.images[chunk.numpy()]).to(device),
+                                 evaluation=self.evaluation)
             self.table[chunk] = model.query(x).float().cpu()
             self.filled[chunk] = True
             self.computed += len(chunk)
@@ -136,9 +139,11 @@ class Runtime:
         if split not in self.caches:
             path = None
             if self.disk_dir is not None:
-                path = self.disk_dir / f"{disk_backbone_id(self.cfg)}-{self.data.fingerprint}-{split}.npz"
+                inputs = self.model.inputs.identity(evaluation=split == "test")
+                path = self.disk_dir / f"{disk_backbone_id(self.cfg)}-{self.data.fingerprint}-{inputs}-{split}.npz"
             with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
-                self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path)
+                self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path,
+                                                evaluation=split == "test")
         return self.caches[split]
 
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.model import initial_trainable_state
-from promptfcl.common.partitions import client_indices
+from promptfcl.common.partitions import client_indices, partition_summary
 from promptfcl.common.records import from_array_record, to_array_record
 from promptfcl.common.runtime import Runtime, get_runtime
 from promptfcl.server import checkpoint
@@ -117,6 +117,7 @@ class ExperimentRun:
         if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
+            log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
             strategy.bounds.examples_of = lambda client, task, round_: len(
                 client_indices(labels, cfg, data.num_classes, client, task, round_))
         self.evaluator = CentralEvaluator(runtime, strategy)

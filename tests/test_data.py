@@ -59,8 +59,7 @@ def test_static_partitions_cover_the_task_disjointly(digits, partition):
     union = np.concatenate(parts)
     assert len(union) == len(np.unique(union)), "a sample was given to two clients"
     task_pool = np.flatnonzero(np.isin(digits.train.labels, task_classes(cfg, 1, 10)))
-    if partition != "quantity":  # quantity-based may leave classes' shares unassigned only if no client holds them
-        assert set(union.tolist()) == set(task_pool.tolist())
+    assert set(union.tolist()) == set(task_pool.tolist()), "a sample of the task was given to no client"
     assert set(np.unique(digits.train.labels[union])) <= set(task_classes(cfg, 1, 10).tolist())
     # pure function of (seed, client, task): recomputed identically
     again = shares(digits, cfg, task=1)
@@ -73,19 +72,80 @@ def test_quantity_partition_gives_each_client_k_classes(digits):
         assert len(np.unique(digits.train.labels[part])) == 2
 
 
+def _stream_labels(classes=100, per_class=500):
+    """Labels of a CIFAR-100-like training set (classes x per_class samples)."""
+    return np.repeat(np.arange(classes), per_class).astype(np.int64)
+
+
+def test_quantity_partition_holds_every_class_of_every_task():
+    """10 tasks x 10 classes, 10 clients, k in {1, 2}, seeds 0-4: every class of every task is held
+    by some client (flwr-datasets' random assignment left 235 of these 1,000 task classes to no one)."""
+    labels = _stream_labels()
+    for k in (1, 2):
+        for seed in range(5):
+            cfg = tiny_config(num_tasks=10, num_clients=10, partition="quantity", classes_per_client=k, seed=seed)
+            for task in range(10):
+                parts = [client_indices(labels, cfg, 100, c, task, 0) for c in range(10)]
+                assert [len(np.unique(labels[p])) for p in parts] == [k] * 10
+                union = np.concatenate(parts)
+                assert len(union) == len(np.unique(union)) == 5000  # every sample of the task, once
+    # NIID-Bench's assignment when clients >= classes: client i holds the task's class i mod K first
+    cfg = tiny_config(num_tasks=10, num_clients=25, partition="quantity", classes_per_client=1, seed=3)
+    task_cls = task_classes(cfg, 2, 100)
+    for c in range(25):
+        assert set(labels[client_indices(labels, cfg, 100, c, 2, 0)]) == {task_cls[c % 10]}
+
+
+def test_quantity_partition_refuses_when_clients_cannot_hold_every_class():
+    cfg = tiny_config(num_tasks=10, num_clients=4, partition="quantity", classes_per_client=2)
+    with pytest.raises(ConfigError, match="4 clients x classes-per-client 2 = 8 < its 10 classes"):
+        client_indices(_stream_labels(), cfg, 100, 0, 0, 0)
+    cfg = cfg.replace(classes_per_client=3)  # 12 >= 10: every class held, some by two clients
+    parts = [client_indices(_stream_labels(), cfg, 100, c, 0, 0) for c in range(4)]
+    assert len(np.unique(_stream_labels()[np.concatenate(parts)])) == 10
+
+
+def test_dirichlet_as_niid_bench_min_size_balance_and_dataset_scope():
+    """NIID-Bench's label skew (FPPL's code): redraw until every client holds min-partition-size,
+    balancing caps a client at the average share, and partition-scope = dataset cuts the whole
+    training set once (a client's task shares are parts of one share)."""
+    labels = _stream_labels()
+    base = tiny_config(num_tasks=10, num_clients=100, partition="dirichlet", dirichlet_beta=0.05, min_partition_size=0)
+
+    def task_sizes(cfg, task=0):
+        return np.array([len(client_indices(labels, cfg, 100, c, task, 0)) for c in range(100)])
+
+    assert (task_sizes(base) == 0).sum() >= 2  # beta 0.05 leaves clients empty without a minimum
+    few = base.replace(num_clients=20, min_partition_size=10)  # (100 clients cannot all reach 10 in one task)
+    assert min(len(client_indices(labels, few, 100, c, 0, 0)) for c in range(20)) >= 10
+    whole = base.replace(partition_scope="dataset", min_partition_size=10)
+    totals = sum(task_sizes(whole, t) for t in range(10))
+    assert totals.min() >= 10 and totals.sum() == len(labels)
+    balanced = sum(task_sizes(whole.replace(dirichlet_balance=True), t) for t in range(10))
+    assert balanced.sum() == len(labels)
+    assert balanced.max() < totals.max() and balanced.std() < totals.std()  # the cap at N / clients
+    # scope dataset: the same client's shares of two tasks come from one draw, and differ from
+    # the per-task draws
+    assert not np.array_equal(client_indices(labels, whole, 100, 7, 3, 0), client_indices(labels, base, 100, 7, 3, 0))
+    with pytest.raises(ConfigError, match="min-partition-size"):
+        task_sizes(base.replace(min_partition_size=60))  # 100 x 60 > the task's 5000 samples
+
+
 def test_dirichlet_skew_grows_as_beta_shrinks(digits):
-    def mean_max_share(beta):
-        cfg = tiny_config(num_tasks=2, num_clients=8, partition="dirichlet", dirichlet_beta=beta, min_partition_size=0)
+    def mean_max_share(beta):  # a client's largest class share, averaged over clients and 6 seeds
         fractions = []
-        for part in shares(digits, cfg, task=0):
-            if len(part):
-                counts = np.bincount(digits.train.labels[part], minlength=10)
-                fractions.append(counts.max() / counts.sum())
+        for seed in range(6):
+            cfg = tiny_config(num_tasks=2, num_clients=8, partition="dirichlet", dirichlet_beta=beta,
+                              min_partition_size=0, seed=seed)
+            for part in shares(digits, cfg, task=0):
+                if len(part):
+                    counts = np.bincount(digits.train.labels[part], minlength=10)
+                    fractions.append(counts.max() / counts.sum())
         return np.mean(fractions)
 
     iid_like, skewed = mean_max_share(100.0), mean_max_share(0.05)
-    assert iid_like < 0.45  # 5 classes per task: near-uniform shares
-    assert skewed > 0.8  # nearly one class per client
+    assert iid_like < 0.3  # 5 classes per task: near-uniform shares (measured 0.22)
+    assert skewed > 0.7  # mostly one class per client (measured 0.78)
 
 
 def _label_distance(labels, part, pool):

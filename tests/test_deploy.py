@@ -485,7 +485,7 @@ def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_p
     from promptfcl.common.runtime import QueryCache
 
     class Model:  # q(x) = mean pixel, enough to tell entries apart
-        def preprocess(self, x):
+        def preprocess(self, x, evaluation=False):
             return x.float()
 
         def query(self, x):

@@ -75,9 +75,9 @@ def test_paper_scale_config_loads():
     assert cfg.strategy == "fedcprompt" and cfg.dataset == "hf:cifar100" and cfg.num_tasks == 10
     assert (cfg.num_clients, cfg.clients_per_round, cfg.rounds_per_task, cfg.local_epochs) == (10, 10, 40, 5)
     assert (cfg.lr, cfg.batch_size, cfg.pool_size, cfg.prompt_length) == (1e-4, 128, 100, 8)
-    assert cfg.layers == [1, 2, 3, 4, 5] and cfg.prompt_mode == "prefix" and cfg.weights == "timm"
+    assert cfg.layers == [0, 1, 2, 3, 4] and cfg.prompt_mode == "prefix" and cfg.weights == "timm"
     assert (cfg.partition, cfg.dirichlet_beta) == ("dirichlet", 0.5)
-    assert cfg.augment == "crop-flip"
+    assert cfg.augment == "resized-crop-flip" and cfg.input_norm == "unit"  # CODA-P's code
     opts = FedCPromptOptions.from_options(cfg.method_options("fedcprompt"))
     assert opts == FedCPromptOptions()  # the file spells out the defaults
 

@@ -147,8 +147,11 @@ def test_random_generator_needs_its_keys():
         tiny_config(num_rounds=4)
     with pytest.raises(ConfigError, match="classes-per-task and min-overlap apply"):
         tiny_config(min_overlap=0.5)
-    with pytest.raises(ConfigError, match="partition, dirichlet-beta and classes-per-client do not apply"):
+    with pytest.raises(ConfigError, match="partition, dirichlet-beta, dirichlet-balance, partition-scope and "
+                                          "classes-per-client do not apply"):
         random_config(partition="iid")
+    with pytest.raises(ConfigError, match="partition-scope"):
+        random_config(partition_scope="dataset")
     from promptfcl.strategies.registry import strategy_class
 
     with pytest.raises(ConfigError, match="needs the shared task stream"):
