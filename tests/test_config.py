@@ -19,7 +19,7 @@ def test_pyproject_run_config_equals_the_dataclass_defaults():
     tables = {k: run_config.pop(k) for k in list(run_config) if isinstance(run_config[k], dict)}
     assert run_config == ExperimentConfig().to_dict()
     # every namespaced option (dp.*, <method>.*) is declared with its default
-    assert tables == namespaced_defaults(), "regenerate with client.methods.app_config_tables():\n" + app_config_tables()
+    assert tables == namespaced_defaults(), "regenerate with scripts/app-config-tables.py:\n" + app_config_tables()
     assert doc["tool"]["flwr"]["app"]["components"] == {"serverapp": "promptfcl.server.app:app", "clientapp": "promptfcl.client.app:app"}
 
 

@@ -116,6 +116,34 @@ def test_class_statistics_encode_counts_means_and_covariances(cov_type):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_ledoit_wolf_shrinkage_makes_a_few_samples_covariance_full_rank():
+    """A client-class cell with fewer samples than D has a singular covariance (its synthetic
+    features stay in the span of its samples); Ledoit-Wolf shrinks it toward mu I by
+    scikit-learn's intensity, keeping the trace, and it is then full rank."""
+    from sklearn.covariance import ledoit_wolf_shrinkage
+
+    gen = torch.Generator().manual_seed(3)
+    dim = 24
+    x, y = gaussian_data(torch.randn(1, dim, generator=gen), [10], 1.0, gen)  # 10 samples in 24 dims
+    plain = decode_class_stats(from_array_record(class_statistics(x, y, HGPOptions())), dim).cov[0]
+    opts = HGPOptions.from_options({"cov-shrinkage": "ledoit-wolf"})
+    shrunk = decode_class_stats(from_array_record(class_statistics(x, y, opts)), dim).cov[0]
+    def spectrum(cov):  # eigenvalues relative to the largest
+        values = torch.linalg.eigvalsh(cov)
+        return values / values[-1]
+
+    assert (spectrum(plain) < 1e-5).sum() == dim - 9  # rank n - 1 = 9 (up to float32 on the wire)
+    assert spectrum(shrunk).min() > 1e-2  # full rank, well conditioned
+    s = float(ledoit_wolf_shrinkage(x.double().numpy()))
+    assert 0 < s < 1
+    mu = torch.diagonal(plain).mean()
+    torch.testing.assert_close(shrunk, (1 - s) * plain + s * mu * torch.eye(dim, dtype=torch.float64),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.trace(shrunk), torch.trace(plain), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ConfigError, match="cov-shrinkage applies to cov-type = full"):
+        HGPOptions.from_options({"cov-shrinkage": "ledoit-wolf", "cov-type": "diag"})
+
+
 def test_float16_transport_is_close_and_smaller():
     gen = torch.Generator().manual_seed(2)
     x, y = gaussian_data(torch.randn(2, 32, generator=gen), [50, 50], 2.0, gen)

@@ -77,7 +77,10 @@ def class_statistics(features: torch.Tensor, labels: torch.Tensor, opts: HGPOpti
         counts.append(n)
         means.append(mu)
         if opts.cov_type == "full":
-            covs.append((centred.T @ centred)[iu[0], iu[1]])
+            cov = centred.T @ centred
+            if opts.cov_shrinkage == "ledoit-wolf" and n > 1:
+                cov = ledoit_wolf(xc, cov)
+            covs.append(cov[iu[0], iu[1]])
         elif opts.cov_type == "diag":
             diags.append((centred**2).sum(0))
         else:  # lowrank: top principal directions of the centred data (rank <= n - 1)
@@ -99,6 +102,17 @@ def class_statistics(features: torch.Tensor, labels: torch.Tensor, opts: HGPOpti
     if opts.cov_type == "lowrank":
         out["cov-factor"] = _to_wire(torch.stack(factors), opts.cov_dtype)
     return to_array_record(out)
+
+
+def ledoit_wolf(samples: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """``cov`` shrunk toward mu I (mu: its mean variance) by the Ledoit-Wolf intensity of
+    ``samples`` (scikit-learn's estimate, "A well-conditioned estimator for large-dimensional
+    covariance matrices", Ledoit and Wolf 2004): (1 - s) cov + s mu I."""
+    from sklearn.covariance import ledoit_wolf_shrinkage
+
+    shrinkage = float(ledoit_wolf_shrinkage(samples.numpy()))
+    mu = torch.diagonal(cov).mean()
+    return (1 - shrinkage) * cov + shrinkage * mu * torch.eye(len(cov), dtype=cov.dtype)
 
 
 #: the covariance arrays of each encoding on the wire

@@ -9,6 +9,7 @@ from promptfcl.common.options import MethodOptions
 
 COV_TYPES = ("full", "diag", "lowrank")
 COV_DTYPES = ("float32", "float16")
+COV_SHRINKAGES = ("none", "ledoit-wolf")
 LOSSES = ("ce", "logit-norm")
 CLASS_WEIGHTS = ("counts", "uniform")
 SCHEDULES = ("cosine", "constant")
@@ -26,6 +27,10 @@ class HGPOptions(MethodOptions):
     prefix = "hgp"
 
     cov_type: str = "full"  # "full" (paper), "diag" (authors' code default), "lowrank"
+    # "ledoit-wolf": each client shrinks its full class covariances toward a scaled identity
+    # by the Ledoit-Wolf intensity (a class cell holds fewer samples than D, so its sample
+    # covariance is singular); "none" (the paper, the authors' code) sends them as computed
+    cov_shrinkage: str = "none"
     cov_rank: int = 16  # r of the low-rank-plus-diagonal encoding
     cov_dtype: str = "float32"  # transport precision of the covariance: "float32" or "float16"
     cov_multiplier: float = 3.0  # covariance scale when sampling (code: 3)
@@ -57,6 +62,10 @@ class HGPOptions(MethodOptions):
                 raise ConfigError("hgp." + msg)
 
         need(self.cov_type in COV_TYPES, f"cov-type must be one of {COV_TYPES}, got {self.cov_type!r}")
+        need(self.cov_shrinkage in COV_SHRINKAGES,
+             f"cov-shrinkage must be one of {COV_SHRINKAGES}, got {self.cov_shrinkage!r}")
+        need(self.cov_shrinkage == "none" or self.cov_type == "full",
+             "cov-shrinkage applies to cov-type = full (diag and lowrank are not singular)")
         need(self.cov_dtype in COV_DTYPES, f"cov-dtype must be one of {COV_DTYPES}, got {self.cov_dtype!r}")
         need(self.cov_rank >= 1, f"cov-rank must be >= 1, got {self.cov_rank}")
         need(self.cov_multiplier > 0, f"cov-multiplier must be > 0, got {self.cov_multiplier}")
