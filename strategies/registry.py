@@ -36,6 +36,16 @@ class Method:
     strategy: str  # a PromptStrategy subclass: the server's side
     learner: str  # a LocalLearner subclass: local learning
     package: str = ""  # the method's package (set by discovery)
+    #: named settings of the method's options a paper compares against (``bench compare``
+    #: runs ``<name>/<variant>``), e.g. HePCo's FedAvg-Prompt baseline
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def variant(self, name: str) -> dict[str, Any]:
+        """The options (kebab-case keys, no namespace) of variant ``name``."""
+        named = dict(self.variants)
+        if name not in named:
+            raise ConfigError(f"{self.name} has no variant {name!r}; its variants: {', '.join(named) or 'none'}")
+        return dict(named[name])
 
     def load(self, which: str) -> Any:
         """The strategy or learner class (``which``), imported on first use."""

@@ -194,9 +194,10 @@ def test_gram_prompt_mse_equals_the_direct_computation(teacher_stop):
     torch.testing.assert_close(z_gram.grad, z_direct.grad, rtol=1e-3, atol=1e-7)
 
 
-def test_gram_distillation_matches_the_direct_one():
+@pytest.mark.parametrize("teachers", ["clients-and-previous", "previous"])
+def test_gram_distillation_matches_the_direct_one(teachers):
     """Same steps with the cheap Gram loss and with every teacher prompt formed explicitly."""
-    s = make_strategy(**{"distill-epochs": 5, "distill-lr": 1e-2})
+    s = make_strategy(**{"distill-epochs": 5, "distill-lr": 1e-2, "old-latent-teachers": teachers})
     sc = Scenario(s)
     cpu = torch.device("cpu")
     clients = Teachers.stack(sc.clients, s.cfg.layers, 4, cpu)
@@ -380,12 +381,14 @@ def _one_distillation(**options):
     return s, sc, clients, prev, student, new_batches, old_batches, report
 
 
-@pytest.mark.parametrize("mode", ["composite", "old"])
-def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
+@pytest.mark.parametrize("mode, teachers", [("composite", "clients-and-previous"), ("old", "clients-and-previous"),
+                                           ("composite", "previous")])
+def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode, teachers):
     """Eq. 6 per sample: clients on every latent, the previous server (zeta) on old-class ones,
-    averaged over the composite batch; ``old`` averages the old term over old latents alone."""
+    averaged over the composite batch; ``old`` averages the old term over old latents alone.
+    ``previous`` (the authors' code): the clients teach the current-task latents only."""
     s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
-        **{"old-prompt-mean": mode, "ablate": "classifier-distillation"})
+        **{"old-prompt-mean": mode, "ablate": "classifier-distillation", "old-latent-teachers": teachers})
     cpu, layers = torch.device("cpu"), s.cfg.layers
     (z_new, _), (z_old, _) = new_batches[0], old_batches[0]
     z = torch.cat([z_new, z_old])
@@ -398,7 +401,9 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode):
         per_old = sum((fresh.final_prompts(z_old, l) - prev.final_prompts(z_old, l)[0]).pow(2).mean(dim=(1, 2))
                       for l in layers)  # (B_old,)
     zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
-    expected = float(per_client.mean(1).sum() + zeta_term)
+    clients_term = per_client.mean(1).sum() if teachers == "clients-and-previous" else \
+        per_client[:, : len(z_new)].mean(1).sum()
+    expected = float(clients_term + zeta_term)
     assert report["prompt-loss"] == pytest.approx(expected, rel=1e-4)
     assert float(per_old.mean()) > 0.1 * expected  # the old term matters in this check
 
@@ -514,6 +519,46 @@ def test_real_data_probe_measures_distance_and_accuracy():
 
 # ---------------------------------------------------------------------------- ablations at the server
 SMALL = {"generator-epochs": 3, "distill-epochs": 4, "distill-lr": 1e-2, "averaging": "samples"}
+
+
+def test_whole_pool_training_trains_every_component_on_every_task():
+    """``pool-training = whole`` (the authors' code): the pool is one slice on every task, nothing
+    frozen, initialised once; the choice travels in the prompt's buffer to clients and evaluators."""
+    s = make_strategy(**{"pool-training": "whole"})
+    from promptfcl.common.model import initial_trainable_state
+
+    initial = initial_trainable_state(s.cfg.replace(num_classes=NUM_CLASSES), HePCoPrompt)
+    arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))
+    state = from_array_record(arrays)
+    assert state["prompt.whole_pool"].tolist() == [1.0]
+    again = from_array_record(s.on_task_start(1, to_array_record(state)))
+    for name in state:  # task 1 starts from the pool as it is: nothing re-initialised
+        np.testing.assert_array_equal(again[name], state[name])
+    prompt = s.prompt_from(again)
+    prompt.set_task(1)
+    prompt.train()
+    q = torch.randn(4, D)
+    prompt(q, s.cfg.layers[0]).pow(2).sum().backward()
+    grad = getattr(prompt, f"p{s.cfg.layers[0]}").grad
+    assert (grad.abs().sum(dim=(1, 2)) > 0).all()  # every component, task 0's included
+    assert s.components(0) == s.components(3) == s.cfg.pool_size
+    sliced = make_strategy()
+    assert sliced.components(0) == sliced.cfg.pool_size // sliced.cfg.num_tasks
+    cfg = tiny_config(strategy="hepco", switch_fraction=0.5, switch_every=1, rounds_per_task=2,
+                      **{"hepco.pool-training": "whole"})
+    with pytest.raises(ConfigError, match="pool-training = whole"):
+        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+
+
+def test_paper_baseline_is_a_named_variant():
+    from promptfcl.server.bench import parse_method
+
+    assert parse_method("hepco/baseline") == (
+        "hepco", {"hepco.ablate": "prompt-distillation,classifier-distillation"})
+    assert parse_method("hepco/baseline/replay-ratio=1") == (
+        "hepco", {"hepco.ablate": "prompt-distillation,classifier-distillation", "hepco.replay-ratio": 1})
+    with pytest.raises(ConfigError, match="hepco has no variant 'nope'"):
+        parse_method("hepco/nope")
 
 
 def test_prompt_distillation_switch():
@@ -680,7 +725,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     before = from_array_record(arrays)
     arrays, m2, tasks2 = round_(2, arrays)
     assert tasks2 == [0, 0, 1, 1]
-    groups = s.task_teachers(s.accepted, per)
+    groups = s.task_teachers(s.accepted)
     assert [(g.replies, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
         [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
     # the distilled model moved both tasks' slices away from the replies' uniform average

@@ -96,11 +96,20 @@ def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
 
 def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
-    with some of its options changed (an ablation), compared as a method of its own."""
+    with some of its options changed (an ablation), compared as a method of its own; a part
+    without ``=`` names one of the method's variants (``"hepco/baseline"``)."""
     from promptfcl.common.config import parse_overrides
+    from promptfcl.strategies.registry import check_method, methods
 
-    name, *pairs = spec.split("/")
-    return name, {f"{name}.{k}": v for k, v in parse_overrides(pairs).items()}
+    name, *parts = spec.split("/")
+    options: dict[str, Any] = {}
+    for part in parts:
+        if "=" in part:
+            options.update(parse_overrides([part]))
+        elif name not in UPPER_BOUNDS:
+            check_method(name)
+            options.update(methods()[name].variant(part))
+    return name, {f"{name}.{k}": v for k, v in options.items()}
 
 
 def _setting_label(setting: dict[str, Any]) -> str:

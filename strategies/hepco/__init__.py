@@ -3,4 +3,9 @@ distillation at the server, plain prompt clients."""
 
 from promptfcl.strategies.registry import Method
 
-METHOD = Method("hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner")
+METHOD = Method(
+    "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner",
+    # the paper's FedAvg-Prompt baseline (Table 1): HePCo with both distillations ablated, so
+    # the same prompts, averaging and clients, without the server's consolidation
+    variants=(("baseline", (("ablate", "prompt-distillation,classifier-distillation"),)),),
+)

@@ -168,16 +168,20 @@ def distill(student: LatentStudent, opts: HePCoOptions,
                 z, y = torch.cat([z_new, z_old]), torch.cat([y_new, y_old])
             else:
                 z, y = z_new, y_new
+            # the latents the clients teach on: all of them (eq. 6), or the current task's only
+            # (the authors' code: the previous server alone teaches the old-class latents)
+            taught = z if opts.old_latent_teachers == "clients-and-previous" else z_new
             # Distillation targets: teachers' final prompts (eq. 6), fixed for this step.
             direct = opts.distill_prompts and grams is None
-            targets = {l: [g.teachers.final_prompts(z, l) for g in groups] for l in student.layers} if direct else {}
+            targets = ({l: [g.teachers.final_prompts(taught, l) for g in groups] for l in student.layers}
+                       if direct else {})
             old_targets = ({l: past[2].final_prompts(z_old, l)[0] for l in student.layers}  # type: ignore[index]
                            if direct and n_old else {})
         if grams is not None:
             # Eq. 6: clients on every latent; zeta: the previous server on old-class latents only.
-            loss_p = grams[0].mse(z)
+            loss_p = grams[0].mse(taught)
             for more in grams[1:]:
-                loss_p = loss_p + more.mse(z)
+                loss_p = loss_p + more.mse(taught)
             loss_p = loss_p + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
             prompt_opt.zero_grad(set_to_none=True)
             loss_p.backward()
@@ -188,7 +192,7 @@ def distill(student: LatentStudent, opts: HePCoOptions,
             for l in student.layers:
                 mine = student.final_prompts(z, l)
                 for target in targets[l]:
-                    loss_p = loss_p + (mine[None] - target).pow(2).mean(dim=(1, 2, 3)).sum()
+                    loss_p = loss_p + (mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)).sum()
                 if n_old:  # zeta: the previous server teaches on old-class latents only
                     loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)

@@ -50,6 +50,16 @@ class HePCoOptions(MethodOptions):
         ``"eval"`` (default): running statistics, as the authors' code (the paper does not
         say, and the generator's BatchNorm is itself the code's). ``"train"``: each
         batch's own statistics.
+    old_latent_teachers : str
+        Who teaches the prompts on old-class latents in eq. 6. ``"clients-and-previous"``
+        (default, the paper): every client on every latent of the composite batch, and the
+        previous task's server (the ``zeta`` term) on the old-class latents too.
+        ``"previous"`` (the authors' code): the clients on the current-task latents only, the
+        previous server alone on the old-class latents.
+    pool_training : str
+        ``"task-slices"`` (default: CODA-P's slices, which the paper builds on): each task
+        trains its own slice of the pool, earlier slices frozen, on clients and in
+        distillation. ``"whole"`` (the authors' code): the whole pool is trained on every task.
     head_loss : str
         Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
         sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
@@ -88,6 +98,8 @@ class HePCoOptions(MethodOptions):
     averaging: str = "uniform"
     old_prompt_mean: str = "composite"
     distill_generator_mode: str = "eval"
+    old_latent_teachers: str = "clients-and-previous"
+    pool_training: str = "task-slices"
     head_loss: str = "ce"
     diagnostics: bool = False
     diagnostics_per_class: int = 50
@@ -154,5 +166,9 @@ class HePCoOptions(MethodOptions):
             self.distill_generator_mode in ("eval", "train"),
             f"distill-generator-mode must be 'eval' or 'train', got {self.distill_generator_mode!r}",
         )
+        need(self.old_latent_teachers in ("clients-and-previous", "previous"),
+             f"old-latent-teachers must be 'clients-and-previous' or 'previous', got {self.old_latent_teachers!r}")
+        need(self.pool_training in ("task-slices", "whole"),
+             f"pool-training must be 'task-slices' or 'whole', got {self.pool_training!r}")
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")

@@ -12,12 +12,29 @@ class HePCoPrompt(CodaPrompt):
     """The paper's decomposed prompting (sec. 5.1): ``p = sum_m cos(q, K_m) P_m``.
 
     CODA-P without attention vectors (the paper's client weights are ``{P, K}``, so
-    none are created and none travel); task slices, freezing of earlier slices and
-    orthogonal initialisation are CODA-P's, as the paper adapts L2P "as noted by
-    Smith et al. (2022)".
+    none are created and none travel). Task slices, freezing of earlier slices and
+    orthogonal initialisation are CODA-P's, which the paper builds on (it adapts L2P "as
+    noted by Smith et al. (2022)") without mentioning slices; the authors' code trains the
+    whole pool on every task instead, with no slices and nothing frozen. Buffer
+    ``whole_pool`` (1: the authors' way, ``hepco.pool-training = "whole"``) travels with the
+    parameters, so clients and evaluators follow the server's choice.
     """
 
     kinds = "pk"  # no attention vectors
+
+    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+        super().__init__(embed_dim, layers, pool_size, length, num_tasks)
+        self.register_buffer("whole_pool", torch.zeros(1))
+
+    def slice_of(self, task: int) -> slice:
+        """Task ``task``'s components: its CODA-P slice, or the whole pool (``whole_pool``)."""
+        return slice(0, self.pool_size) if bool(self.whole_pool.item()) else super().slice_of(task)
+
+    def init_task_slice(self, task: int, generator: torch.Generator, orthogonal: bool = True) -> None:
+        """CODA-P's initialisation of the new slice; the whole pool is initialised once, at task 0."""
+        if bool(self.whole_pool.item()) and task > 0:
+            return
+        super().init_task_slice(task, generator, orthogonal)
 
     def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """alpha (B, M_active): cosine of the query with each active key."""

@@ -91,6 +91,21 @@ class HePCoStrategy(PromptStrategy):
             raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
                               "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
+        if self.opts.pool_training == "whole" and cfg.switch_fraction < 1.0:
+            raise ConfigError("hepco.pool-training = whole trains one pool for every task: it needs synchronous "
+                              "arrival (switch-fraction = 1), where no two tasks train in one round")
+
+    def components(self, task: int) -> int:
+        """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
+        if self.opts.pool_training == "whole":
+            return self.cfg.pool_size
+        return (task + 1) * (self.cfg.pool_size // self.cfg.num_tasks)
+
+    def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The pool-training choice travels in the prompt's ``whole_pool`` buffer; then CODA-P's new slice."""
+        state = from_array_record(arrays)
+        state["prompt.whole_pool"] = np.full((1,), float(self.opts.pool_training == "whole"), np.float32)
+        return super().on_task_start(task, to_array_record(state))
 
     # ------------------------------------------------------------------ hooks
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
@@ -118,7 +133,7 @@ class HePCoStrategy(PromptStrategy):
         dev = self.device
         # the tasks this round's replies trained (one, the current task, with synchronous arrival):
         # the current-task generator and the distillation cover all their classes
-        groups = self.task_teachers(accepted, per_task)
+        groups = self.task_teachers(accepted)
         low, high = int(groups[0].classes[0]) // k, int(groups[-1].classes[-1]) // k
         classes = torch.arange(low * k, (high + 1) * k, device=dev)
         seen = torch.arange((high + 1) * k, device=dev)
@@ -126,7 +141,9 @@ class HePCoStrategy(PromptStrategy):
         rng = torch.Generator(device=dev).manual_seed(seed)
 
         clients = groups[0].teachers if len(groups) == 1 else groups
-        student = LatentStudent(provisional, cfg.layers, slice(low * per_task, (high + 1) * per_task), dev)
+        trainable = (slice(0, cfg.pool_size) if opts.pool_training == "whole"
+                     else slice(low * per_task, (high + 1) * per_task))
+        student = LatentStudent(provisional, cfg.layers, trainable, dev)
         dim = int(student.head_w.shape[1])
         report: dict[str, float] = {}
 
@@ -142,7 +159,7 @@ class HePCoStrategy(PromptStrategy):
         past = None
         if past_gen is not None:
             old_classes = torch.arange(task * k, device=dev)
-            prev = Teachers.stack([self.previous], cfg.layers, task * per_task, dev)  # type: ignore[list-item]
+            prev = Teachers.stack([self.previous], cfg.layers, self.components(task - 1), dev)  # type: ignore[list-item]
             steps = opts.generator_epochs + opts.past_generator_epochs_per_task * task
             parts = train_generator(past_gen, old_classes, prev, student, opts, steps, rng)
             report.update({f"past-gen-{name}": v for name, v in parts.items()})
@@ -163,14 +180,14 @@ class HePCoStrategy(PromptStrategy):
                  " ".join(f"{name} {v:.3g}" for name, v in report.items() if not name.endswith("seconds")))
         return to_array_record(distilled)
 
-    def task_teachers(self, accepted: list[Accepted], per_task: int) -> list[TaskTeachers]:
+    def task_teachers(self, accepted: list[Accepted]) -> list[TaskTeachers]:
         """The round's client teachers, one group per task they trained (ascending), each stacked
         up to its task's slices; the task of a reply is the one the server sent it."""
         groups = []
         for t in sorted({a.task for a in accepted}):
             states = [from_array_record(a.content[ARRAYS]) for a in accepted if a.task == t]
             groups.append(TaskTeachers(torch.as_tensor(task_classes(self.cfg, t, self.num_classes), device=self.device),
-                                       Teachers.stack(states, self.cfg.layers, (t + 1) * per_task, self.device),
+                                       Teachers.stack(states, self.cfg.layers, self.components(t), self.device),
                                        len(states)))
         return groups
 
@@ -227,7 +244,7 @@ class HePCoStrategy(PromptStrategy):
         if not self.opts.use_previous:
             self.previous, self.previous_task = None, -1  # the ablation keeps nothing
             return arrays
-        stop = (task + 1) * (self.cfg.pool_size // self.cfg.num_tasks)
+        stop = self.components(task)
         state = from_array_record(arrays)
         kept = {}
         for l in self.cfg.layers:
