@@ -71,7 +71,7 @@ def train(msg: Message, context: Context) -> Message:
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
-    reply = private_upload(cfg, reply, msg.content[ARRAYS], np.random.default_rng())
+    reply = private_upload(cfg, reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng())
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead

@@ -85,6 +85,25 @@ class LocalLearner:
         """Extra records to upload, by record name."""
         return {}
 
+    def held_out(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(trained on, held out for validation) of this fit's samples (hook; default: none held out)."""
+        return index, index[:0]
+
+    def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
+        """After local epoch ``epoch`` (hook; ``validation``: the held-out samples): True stops the
+        fit's local training there. Default: never."""
+        return False
+
+    def uploaded(self, state: dict[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
+        """The trained parameters the reply carries (hook; default: all of them). A method whose
+        clients leave parts unchanged may send less (FPPL: the task's own prompt)."""
+        return state
+
+    def update_reference(self, received: ArrayRecord, task: int) -> ArrayRecord:
+        """What a reply's arrays are an update of: the received arrays as :meth:`uploaded` would
+        send them (differential privacy clips the difference)."""
+        return to_array_record(self.uploaded(to_torch(received), task))
+
     def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """Reply to an exchange before training (``PromptStrategy.configure_exchange``); only
         methods whose strategy requests one implement it."""
@@ -118,22 +137,23 @@ class LocalLearner:
 
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=cfg.lr)
-        steps = cfg.local_epochs * math.ceil(len(index) / cfg.batch_size)
+        trained, validation = self.held_out(index)
+        steps = cfg.local_epochs * math.ceil(len(trained) / cfg.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
                      if cfg.lr_schedule == "cosine" else None)
         # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
         # so the cache (queries of the stored images) serves only unaugmented training.
-        queries = rt.queries("train", index) if augment is None else None
+        queries = rt.queries("train", trained) if augment is None else None
         images = rt.data.train.images
-        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
+        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[trained], rt.data.num_classes))
 
         model.train()
         losses: list[float] = []
-        for _ in range(cfg.local_epochs):
-            order = rng.permutation(len(index))
+        for epoch in range(cfg.local_epochs):
+            order = rng.permutation(len(trained))
             for start in range(0, len(order), cfg.batch_size):
                 pos = order[start : start + cfg.batch_size]
-                x = self.inputs(images[index[pos]], augment)
+                x = self.inputs(images[trained[pos]], augment)
                 y = labels[pos].to(rt.device)
                 with rt.autocast():
                     q = queries[pos] if queries is not None else model.query(x)
@@ -149,8 +169,32 @@ class LocalLearner:
                 if scheduler is not None:
                     scheduler.step()
                 losses.append(float(loss.detach()))
+            if self.epoch_end(epoch, validation, task):
+                break
+            model.train()
         model.eval()
         return self._reply(index, task, started, losses)
+
+    @torch.no_grad()
+    def accuracy(self, index: np.ndarray, task: int, batch_size: int = 256) -> float:
+        """Accuracy of the model as it stands on training samples ``index``, among ``task``'s head
+        rows (what local training optimises; validation for early stopping). Leaves the model in
+        eval mode."""
+        rt, cfg, model = self.rt, self.cfg, self.rt.model
+        model.eval()
+        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
+        allowed[head_rows(cfg, task, rt.data.num_classes)] = True
+        targets = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
+        queries = rt.queries("train", index)
+        correct = 0
+        for start in range(0, len(index), batch_size):
+            images = rt.data.train.images[index[start : start + batch_size]]
+            x = model.preprocess(torch.from_numpy(images).to(rt.device))
+            with rt.autocast():
+                q = queries[start : start + batch_size] if queries is not None else model.query(x)
+                logits = masked_logits(model(x, q).float(), allowed)
+            correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
+        return correct / max(len(index), 1)
 
     def augmentation(self, stream: int = 0xA06) -> np.random.Generator | None:
         """A random source of augmented views for this fit (None: ``augment = "none"``).
@@ -182,7 +226,8 @@ class LocalLearner:
         })
         if self.rt.device.type == "cuda":  # what the round needed on the GPU (benchmarks, sizing actors per GPU)
             metrics["device-peak-mb"] = torch.cuda.max_memory_allocated(self.rt.device) / 1e6
-        reply = RecordDict({ARRAYS: to_array_record(self.rt.model.trainable_state()), METRICS: metrics})
+        reply = RecordDict({ARRAYS: to_array_record(self.uploaded(self.rt.model.trainable_state(), task)),
+                            METRICS: metrics})
         for name, record in extras.items():
             reply[name] = record
         return reply

@@ -277,6 +277,9 @@ class ExperimentRun:
         results = build_results(cfg, self.runtime, self.matrix, rounds, self.arrays,
                                 self.elapsed_before + time.perf_counter() - self.started, self.evaluator)
         results["privacy"] = privacy_so_far(cfg, self.strategy, self.rounds)
+        stateful = self.strategy.stateful_parameters(self.arrays)
+        if stateful is not None:  # what a paper that counts stateful clients' traffic would count
+            results["communication"]["stateful_parameters_per_exchange"] = stateful
         if self.last < len(self.steps):
             log.info("max-rounds = %d: stopped after round %d of %d; the checkpoint stays (continue with "
                      "`promptfcl resume %s --set max-rounds=0`)", cfg.max_rounds, self.last, len(self.steps),
@@ -294,7 +297,8 @@ class ExperimentRun:
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
             from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
 
-            single = single_task_accuracies(cfg, schedule) if self.runtime is not None else None
+            single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components())
+                      if self.runtime is not None else None)
             results["asynchronous"] = asynchronous_results(cfg, schedule, rounds, single)
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],
                             "average_incremental_accuracy": results["asynchronous"]["average_incremental_accuracy"],

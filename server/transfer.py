@@ -6,8 +6,11 @@ Forward and combined transfer compare each task's accuracy in the federated run 
 FedAvg-Prompt's client (CODA-P, cross-entropy over the task's classes) on the task's data,
 on the task's client, for as many rounds as the task lasted in the run, starting from the
 initial parameters with only the task's own prompt slice (every other slice zero, so it
-contributes nothing). It depends on the data, the schedule and the training settings, not
-on the method, so every method on the same schedule is measured against the same figures.
+contributes nothing). The slice holds as many components as the method trains for a task
+(``PromptStrategy.reference_components``: one task's slice; Powder: its local pool of k
+slices), so a method is not credited with transfer that is only a larger prompt. Otherwise it
+depends on the data, the schedule and the training settings, and methods with the same
+prompt capacity are measured against the same figures.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ log = logging.getLogger("promptfcl")
 REFERENCE_VERSION = 1
 
 
-def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) -> np.ndarray:
-    """Accuracy (%) of every task trained alone for its duration in the run.
+def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
+                           components: int | None = None) -> np.ndarray:
+    """Accuracy (%) of every task trained alone for its duration in the run, with ``components``
+    prompt components (default: one task's slice of the run's pool).
 
     Cached on disk (``<cache>/single-task/``) by everything it depends on (the
     configuration without the method, the data's and the backbone's identity), so the
@@ -49,6 +54,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule) 
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
+    if components is not None and components != cfg.pool_size // cfg.num_tasks:
+        cfg = dataclasses.replace(cfg, pool_size=components * cfg.num_tasks)  # slices of that size
     rt = get_runtime(cfg, CodaPrompt)
     relevant = {k: v for k, v in cfg.to_dict().items()
                 if k not in RESULT_NEUTRAL_KEYS and k != "strategy" and "." not in k}

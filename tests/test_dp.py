@@ -100,8 +100,9 @@ def fit_and_release(strategy: str, clip: float, **options):
     content = RecordDict({ARRAYS: received, CONFIG: ConfigRecord({"task": 0, "round": 0, "client-id": 0})})
     raw = learner.fit(content, task=0, round_=0, client_id=0)
     raw_copy = RecordDict({name: to_array_record(from_array_record(raw[name])) for name in raw.array_records})
-    released = private_upload(cfg, raw, received, np.random.default_rng(0))
-    return raw_copy, released, from_array_record(received)
+    reference = learner.update_reference(received, 0)  # what the reply's arrays update (FPPL: its task's prompt)
+    released = private_upload(cfg, raw, reference, np.random.default_rng(0))
+    return raw_copy, released, from_array_record(reference)
 
 
 def update_norm(reply: RecordDict, received: dict[str, np.ndarray]) -> float:

@@ -228,13 +228,63 @@ def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
     rt, _, arrays = start(cfg, tasks=2)
     content = train_content(arrays, 1, 2)
     plain = from_array_record(LocalLearner(rt).fit(content, 1, 0, 0)[ARRAYS])
-    off = from_array_record(FedCPromptLearner(rt, {"c2l": False}).fit(content, 1, 0, 0)[ARRAYS])
-    on = from_array_record(FedCPromptLearner(rt, {"gamma": 0.05, "alpha": 1.0}).fit(content, 1, 0, 0)[ARRAYS])
-    for name in plain:
-        np.testing.assert_array_equal(off[name], plain[name])  # synchronous, C2L off: FedAvg-Prompt's client
+    off = from_array_record(FedCPromptLearner(rt, {"c2l": False, "early-stopping": False}).fit(content, 1, 0, 0)[ARRAYS])
+    on = from_array_record(FedCPromptLearner(rt, {"gamma": 0.05, "alpha": 1.0, "early-stopping": False}).fit(
+        content, 1, 0, 0)[ARRAYS])
+    for name in plain:  # synchronous, C2L and early stopping off: FedAvg-Prompt's client
+        np.testing.assert_array_equal(off[name], plain[name])
     drift = lambda st: sum(np.linalg.norm(st[f"prompt.p{l}"] - from_array_record(arrays)[f"prompt.p{l}"])  # noqa: E731
                            for l in cfg.layers)
     assert drift(on) < drift(plain)  # C2L restrains the drift from the previous round
+
+
+class ScriptedValidation(FedCPromptLearner):
+    """Validation accuracies by epoch from a script; records the state after each epoch."""
+
+    script: list[float] = []
+
+    def accuracy(self, index, task, batch_size=256):
+        self.states.append({k: v.clone() for k, v in self.rt.model.trainable_state().items()})
+        return self.script[len(self.states) - 1]
+
+
+def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch():
+    """The paper's early stopping on a validation set: 10% of the task's samples held out (the same
+    every round, never trained on); after 2 epochs without a gain training stops, and the reply
+    carries the parameters of the best epoch."""
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=5)
+    rt, _, arrays = start(cfg, tasks=1)
+    learner = ScriptedValidation(rt, {"c2l": False})
+    learner.states, learner.script = [], [0.5, 0.7, 0.6, 0.65, 0.9]
+    seen = []
+    learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
+    reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
+    assert learner.epochs_run == 4  # best at epoch 2, no gain at 3 and 4: stop before epoch 5
+    after = from_array_record(reply[ARRAYS])
+    for name, value in learner.states[1].items():  # epoch 2's parameters
+        np.testing.assert_array_equal(after[name], value.numpy())
+    assert not np.array_equal(after["head.weight"], learner.states[3]["head.weight"].numpy())
+    trained, validation = seen[0]
+    everything = np.concatenate([trained, validation])
+    assert len(np.intersect1d(trained, validation)) == 0 and len(validation) == round(0.1 * len(everything))
+    learner.seed = [cfg.seed, 0, 0, 7]  # another round of the same client and task: the same share
+    np.testing.assert_array_equal(FedCPromptLearner.held_out(learner, np.sort(everything))[1], validation)
+    off = FedCPromptLearner(rt, {"early-stopping": False})
+    assert len(off.held_out(np.sort(everything))[1]) == 0
+
+
+def test_validation_accuracy_is_the_models_on_the_tasks_rows():
+    cfg = tiny_config(num_tasks=2, centralised=True)
+    rt, _, arrays = start(cfg, tasks=1)
+    learner = FedCPromptLearner(rt)
+    rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
+    rt.model.prompt.set_task(0)
+    index = np.flatnonzero(rt.data.train.labels < 5)[:40]
+    with torch.no_grad():
+        x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[index]))
+        logits = rt.model(x, rt.model.query(x))[:, :5]
+    expected = float((logits.argmax(1).numpy() == rt.data.train.labels[index]).mean())
+    assert learner.accuracy(index, 0) == pytest.approx(expected)
 
 
 # ---------------------------------------------------------------------------- per-slice aggregation

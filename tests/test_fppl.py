@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.model import build_model
@@ -69,9 +69,12 @@ def answered(s: FPPLStrategy, arrays, make, nodes: int, server_round: int = 1) -
 
 
 def client_reply(arrays, n: int, classes, means, client: int = 0, head_shift: float = 0.0) -> RecordDict:
-    """A well-formed FPPL client reply: parameters, metrics and local prototypes."""
+    """A well-formed FPPL client reply: parameters (of the task prompts only the row of the task of
+    its classes, as FPPLLearner.uploaded sends), metrics and local prototypes."""
     state = from_array_record(arrays)
     state["head.bias"] = state["head.bias"] + np.float32(head_shift)
+    task = int(classes[0]) // 5 if len(classes) else 0
+    state = {k: v[task : task + 1] if k.startswith("prompt.p") else v for k, v in state.items()}
     return RecordDict({
         ARRAYS: to_array_record(state),
         METRICS: MetricRecord({"num-examples": n, "train-loss": 1.0, "train-seconds": 0.1}),
@@ -79,6 +82,52 @@ def client_reply(arrays, n: int, classes, means, client: int = 0, head_shift: fl
             "classes": np.asarray(classes, np.int64), "means": np.asarray(means, np.float32),
             "counts": np.ones(len(classes), np.int64), "client": np.array([client], np.int64)}),
     })
+
+
+def test_replies_carry_only_the_trained_prompt_and_aggregate_as_complete_ones(flower_identity):
+    """C2S leaves out the other tasks' frozen prompts; the server completes each reply with the
+    prompts it sent, so the average is that of the complete replies. A reply that sends every
+    prompt no longer has the expected shapes and is refused."""
+    s, arrays = strategy_at_task(1, num_clients=3, clients_per_round=3)
+    state = from_array_record(arrays)
+    rng = np.random.default_rng(0)
+    trained = [rng.normal(size=state["prompt.p0"].shape[1:]).astype(np.float32) for _ in range(3)]
+
+    def make(client, i):
+        content = client_reply(arrays, 10 * (i + 1), [5, 6], np.zeros((2, state["prompt.fusion"].shape[1])),
+                               client=client)
+        if i < 2:
+            content[ARRAYS]["prompt.p0"] = Array(trained[i][None])
+        else:  # the old format: every task's prompt
+            full = state["prompt.p0"].copy()
+            full[1] = trained[i]
+            content[ARRAYS]["prompt.p0"] = Array(full)
+        return content
+
+    config = ConfigRecord({"task": 1, "round": 0})
+    msgs = list(s.configure_train(1, arrays, config, NodeList(3)))
+    replies = [Message(make(int(m.content["config"]["client-id"]), i), reply_to=m) for i, m in enumerate(msgs)]
+    assert [r.content[ARRAYS]["prompt.p0"].numpy().shape[0] for r in replies] == [1, 1, state["prompt.p0"].shape[0]]
+    out, _ = s.aggregate_train(1, replies)
+    assert [node for node, _ in s.rejected] == [102] and "prompt.p0: float32(2" in s.rejected[0][1]
+    merged = from_array_record(out)["prompt.p0"]
+    np.testing.assert_array_equal(merged[0], state["prompt.p0"][0])  # task 0's frozen prompt as sent
+    np.testing.assert_allclose(merged[1], (10 * trained[0] + 20 * trained[1]) / 30, rtol=1e-5, atol=1e-7)
+    assert not (merged[2:] != state["prompt.p0"][2:]).any()
+
+
+def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions():
+    """FPPL's 0.25 M parameters per round (ImageNet-R, 20 tasks, 5 blocks x 20 tokens, D = 768):
+    one task prompt per block, psi, the head and a task's global prototypes = 253,640."""
+    s, _ = strategy_at_task(0)
+    s.cfg = s.cfg.replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
+    s.num_classes = 200
+    d, t, length = 768, 20, 20
+    state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
+             "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),
+             "prompt.hard_selection": np.zeros(1, np.float32),
+             "head.weight": np.zeros((200, d), np.float32), "head.bias": np.zeros(200, np.float32)}
+    assert s.stateful_parameters(to_array_record(state)) == 253_640
 
 
 # ---------------------------------------------------------------------------- prompt and fusion
@@ -133,9 +182,9 @@ def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
     reply = FPPLLearner(rt).fit(content, task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
-    for layer in cfg.layers:
-        np.testing.assert_array_equal(after[f"prompt.p{layer}"][0], before[f"prompt.p{layer}"][0])
-        assert not np.array_equal(after[f"prompt.p{layer}"][1], before[f"prompt.p{layer}"][1])
+    for layer in cfg.layers:  # only task 1's prompt travels back: the frozen ones stay home
+        assert after[f"prompt.p{layer}"].shape == (1,) + before[f"prompt.p{layer}"].shape[1:]
+        assert not np.array_equal(after[f"prompt.p{layer}"][0], before[f"prompt.p{layer}"][1])
     assert not np.array_equal(after["prompt.fusion"][:2], before["prompt.fusion"][:2])  # psi learns
     np.testing.assert_array_equal(after["prompt.fusion_scale"], [1.0])  # the paper's plain cosine
     np.testing.assert_array_equal(after["head.weight"][:5], before["head.weight"][:5])  # task 0's rows
@@ -144,8 +193,7 @@ def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     protos = reply[LOCAL_PROTOTYPES]
     classes, means = protos["classes"].numpy(), protos["means"].numpy()
     np.testing.assert_array_equal(classes, np.arange(5, 10))
-    rt.model.load_trainable_state(to_torch(reply[ARRAYS]))
-    rt.model.prompt.set_task(1)
+    rt.model.prompt.set_task(1)  # the runtime's model holds what the fit trained
     rt.model.eval()
     idx = np.flatnonzero(rt.data.train.labels == 7)
     x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[idx]))

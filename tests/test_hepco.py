@@ -651,9 +651,9 @@ def test_simulation_end_to_end(tmp_path):
     assert "past-gen-teacher-acc" not in first and "real-old-acc-provisional" not in first  # no old task yet
     assert {"past-gen-teacher-acc", "real-old-acc-distilled-head", "latent-query-ncm-old"} <= set(last)
     assert 0.0 <= last["real-old-acc-distilled"] <= 100.0
-    # What travels: prompts and keys (no attention vectors) and the head, nothing else.
+    # What travels: prompts and keys (no attention vectors), the head, and the pool-training switch.
     cfg = tiny_config()
-    n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1)
+    n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1) + 1
     assert results["communication"]["trainable_parameters"] == n
     assert 4 * n <= results["communication"]["bytes_per_client_exchange"] <= 4 * n * 1.05 + 4096
 

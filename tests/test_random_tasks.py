@@ -288,6 +288,27 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
     assert single_task_accuracies(cfg.replace(lr=0.5), task_schedule(cfg)).tolist() != [1, 2, 3, 4]
 
 
+def test_powders_single_task_reference_trains_its_local_pools_components(tmp_path, monkeypatch):
+    """Powder trains k slices per task: its reference trains as many (a task's slice k times as large);
+    reference = task-slice keeps FedAvg-Prompt's one slice."""
+    from promptfcl.server import transfer
+    from promptfcl.strategies.powder.strategy import PowderStrategy
+
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
+    cfg = random_config(strategy="powder", **{"powder.k": 3})
+    per_task = cfg.pool_size // cfg.num_tasks
+    powder = PowderStrategy(cfg, 10, cfg.method_options("powder"))
+    assert powder.reference_components() == 3 * per_task
+    cfg_slice = random_config(strategy="powder", **{"powder.reference": "task-slice"})
+    assert PowderStrategy(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
+    built = []
+    real = transfer.get_runtime
+    monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.pool_size) or real(c, p))
+    larger = transfer.single_task_accuracies(cfg, task_schedule(cfg), powder.reference_components())
+    assert built == [3 * cfg.pool_size] and larger.shape == (cfg.num_tasks,)
+    assert len(list((tmp_path / "single-task").glob("*.json"))) == 1  # cached apart from the one-slice reference
+
+
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.e2e
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),

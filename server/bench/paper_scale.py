@@ -121,6 +121,8 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             "server_seconds": r["server_seconds"],
             "eval_seconds": r["eval_seconds"],
             "paper_communication": PAPER_COMMUNICATION.get(cfg.strategy, ""),
+            # what one exchange would carry if clients kept what they hold (FPPL's count), else None
+            "stateful_parameters_per_exchange": results["communication"].get("stateful_parameters_per_exchange"),
             "extrapolated_round_seconds": round_seconds,
             "extrapolated_images_per_client": images,
             "run_bytes_total_extrapolated": (s2c + c2s) * sampled * _paper_rounds(cfg),
@@ -151,6 +153,9 @@ def format_paper_dims(report: dict[str, Any]) -> str:
     ]
     for name, v in report["methods"].items():
         paper = v["paper_communication"]
+        if v.get("stateful_parameters_per_exchange"):
+            stateful = v["stateful_parameters_per_exchange"]
+            paper += f"; stateful-equivalent {stateful / 1e6:.3f}M params ({4 * stateful / 1e6:.2f} MB) per direction"
         if name == "powder":
             paper += f"; ours over the paper's run ≈ {v['run_bytes_total_extrapolated'] / 1e6:,.0f} MB (extrapolated)"
         peak = f"{v['client_peak_memory_mb']:,.0f}"

@@ -16,13 +16,17 @@ CE over the current task's classes; this learner
   no other known task (the first task of a synchronous run) the min is over an empty set:
   option ``c2l-first-task`` = "drift" (default) drops the term, leaving the drift penalty
   ||P_c^m - P_s^m(r-1)|| + alpha; "off" reads the empty min as +infinity, so C2L = 0;
-* optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters.
+* optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters;
+* stops local training early (``early-stopping``): a fixed validation share of the task's
+  samples is held out, the parameters with the best validation accuracy so far are kept
+  after each local epoch, and training stops after ``patience`` epochs without improvement.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import RecordDict
 
@@ -80,6 +84,9 @@ class FedCPromptLearner(LocalLearner):
         self.previous: torch.Tensor | None = None  # P_s^m(r-1), flattened
         self.others: torch.Tensor | None = None  # P_s^i, i != m known, (n, V)
         self.last_c2l: float | None = None  # C2L of the last batch (diagnostics, tests)
+        self.best: tuple[float, dict[str, torch.Tensor]] | None = None  # early stopping: accuracy, state
+        self.stale = 0  # epochs since the best
+        self.epochs_run = 0  # local epochs of the last fit (diagnostics, tests)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -102,6 +109,7 @@ class FedCPromptLearner(LocalLearner):
         finally:  # the runtime (and its model) is shared by the process: leave no round state behind
             self.prompt.known_tasks = None
             self.server_params, self.previous, self.others = {}, None, None
+            self.best, self.stale = None, 0
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
@@ -130,6 +138,33 @@ class FedCPromptLearner(LocalLearner):
         current = {n: p for n, p in self.prompt.named_parameters()}
         current |= {f"head.{n}": p for n, p in model.head.named_parameters()}
         return 0.5 * torch.stack([((p - self.server_params[n]) ** 2).sum() for n, p in current.items()]).sum()
+
+    def held_out(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Early stopping's validation share of the task's samples: the same every round (seeded by
+        client and task), at least one sample and never all of them."""
+        if not self.opts.early_stopping or len(index) < 2:
+            return index, index[:0]
+        n = min(len(index) - 1, max(1, round(self.opts.validation_fraction * len(index))))
+        order = np.random.default_rng(list(self.seed[:3]) + [0xE5]).permutation(len(index))
+        return np.sort(index[order[n:]]), np.sort(index[order[:n]])
+
+    def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
+        """Keep the best parameters on the validation share; stop after ``patience`` epochs without a gain."""
+        self.epochs_run = epoch + 1
+        if not len(validation):
+            return False
+        accuracy = self.accuracy(validation, task)
+        if self.best is None or accuracy > self.best[0]:
+            self.best, self.stale = (accuracy, {k: v.clone() for k, v in self.rt.model.trainable_state().items()}), 0
+            return False
+        self.stale += 1
+        return self.stale >= self.opts.patience
+
+    def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
+        """Early stopping: the reply carries the best parameters on the validation share."""
+        if self.best is not None:
+            self.rt.model.load_trainable_state(self.best[1])
+        return {}
 
     def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
         total = None

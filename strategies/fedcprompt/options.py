@@ -37,6 +37,13 @@ class FedCPromptOptions(MethodOptions):
     # previous round's server prompt) without the second; "off": the empty min read as
     # +infinity, so the hinge is closed and the loss is CE alone until a second task is known.
     c2l_first_task: str = "drift"
+    # "an early-stopping mechanism in each task using a validation set" (Appendix D), read as
+    # local early stopping: each client holds out validation-fraction of its task's samples
+    # (the same ones every round) and, after each local epoch, keeps the best parameters on
+    # them; it stops after `patience` epochs without improvement. The paper gives neither value.
+    early_stopping: bool = True
+    validation_fraction: float = 0.1
+    patience: int = 2
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -50,6 +57,9 @@ class FedCPromptOptions(MethodOptions):
         )
         need(self.c2l_params in C2L_PARAMS, f"c2l-params must be one of {C2L_PARAMS}, got {self.c2l_params!r}")
         need(np.isfinite(self.prox_mu) and self.prox_mu >= 0, f"prox-mu must be >= 0, got {self.prox_mu}")
+        need(0 < self.validation_fraction < 1,
+             f"validation-fraction must be in (0, 1), got {self.validation_fraction}")
+        need(self.patience >= 1, f"patience must be >= 1, got {self.patience}")
         need(
             self.c2l_first_task in C2L_FIRST_TASK,
             f"c2l-first-task must be one of {C2L_FIRST_TASK}, got {self.c2l_first_task!r}",

@@ -30,7 +30,7 @@ from promptfcl.common.records import CONFIG, to_array_record
 from promptfcl.common.runtime import Runtime
 from promptfcl.common.tasks import task_classes
 from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 
@@ -138,6 +138,13 @@ class FPPLLearner(LocalLearner):
             batch.features, batch.labels, self.proto_classes, self.proto_means, self.opts.temperature
         )
         return None if loss is None else self.opts.ur_weight * loss
+
+    def uploaded(self, state: dict[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
+        """Every array but the frozen prompts of the other tasks: of each ``prompt.p<layer>``
+        (T, L, D) only row ``task`` (1, L, D), the one this client trained."""
+        rows = self.rt.model.prompt.slice_of(task)
+        return {name: value[rows] if name in task_prompt_names(self.cfg.layers) else value
+                for name, value in state.items()}
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
         """Upload C_k^t: the per-class mean features of this client's data, with their counts.

@@ -11,6 +11,11 @@ from torch import nn
 from promptfcl.common.model import CodaPrompt
 
 
+def task_prompt_names(layers: list[int]) -> set[str]:
+    """The trainable-state names of the per-task prompts (``prompt.p<layer>``, one row per task)."""
+    return {f"prompt.p{layer}" for layer in layers}
+
+
 class FPPLPrompt(CodaPrompt):
     """One prompt per task, fused by a cosine-linear layer on the query (eq. 2).
 

@@ -31,7 +31,7 @@ from promptfcl.common.privacy import PrivateRecord
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.common.tasks import task_classes
 from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
 from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 from promptfcl.strategies.platform.rounds import Accepted, Sent
@@ -130,11 +130,45 @@ class FPPLStrategy(PromptStrategy):
                                                    "means": self.global_means[keep]})
 
     def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict:
-        """Parameters and config, plus G (the current classes' global prototypes) once there is one."""
+        """Parameters and config, plus G (the current classes' global prototypes) once there is one.
+
+        The reply carries every array but the other tasks' frozen prompts: of each task prompt
+        array only the row of the task the client was sent (``sent.expected``).
+        """
         content = super().payload(sent, arrays)
         if self._global_record is not None:
             content[GLOBAL_PROTOTYPES] = self._global_record
+        state = from_array_record(content[ARRAYS])
+        sent.expected = to_array_record({name: value[sent.task : sent.task + 1] if name in self._task_prompts else value
+                                         for name, value in state.items()})
         return content
+
+    @property
+    def _task_prompts(self) -> set[str]:
+        return task_prompt_names(self.cfg.layers)
+
+    def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
+        """FedAvg over the replies, each completed with the frozen prompts it was sent."""
+        complete = []
+        for a in accepted:
+            state = from_array_record(a.sent.arrays)  # type: ignore[arg-type]
+            reply = from_array_record(a.content[ARRAYS])
+            for name in self._task_prompts:
+                state[name] = state[name].copy()
+                state[name][a.task : a.task + 1] = reply[name]
+            complete.append(to_array_record({**reply, **{n: state[n] for n in self._task_prompts}}))
+        return self.average(accepted, np.array([a.weight for a in accepted]), complete)
+
+    def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
+        """FPPL's count (the paper's 0.25 M per round on ImageNet-R): one task prompt per layer, psi,
+        the head and the global prototypes of a task's classes; the other tasks' prompts are frozen,
+        so a client that kept them would not receive them again."""
+        state = from_array_record(arrays)
+        prompts = sum(int(np.prod(state[name].shape[1:])) for name in self._task_prompts)
+        unsent = {"prompt.hard_selection"} | ({"prompt.fusion_scale"} if self.opts.fusion_scale == "fixed" else set())
+        others = sum(int(np.prod(v.shape)) for name, v in state.items()
+                     if name not in self._task_prompts and name not in unsent)
+        return prompts + others + self.classes_per_task * int(state["prompt.fusion"].shape[1])
 
     def check_records(self, reply: Message, sent: Sent) -> str | None:
         """A well-formed, finite local-prototype record of the classes of the task the client was sent."""

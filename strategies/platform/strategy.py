@@ -220,6 +220,17 @@ class PromptStrategy(Sampling, FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    def reference_components(self) -> int:
+        """Prompt components per prompted block of the single-task reference of the transfer
+        metrics (random tasks, server/transfer.py); default: one task's slice."""
+        return self.cfg.pool_size // self.cfg.num_tasks
+
+    def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
+        """Parameters one client exchange would carry each way if clients kept what they already
+        hold between rounds (for comparing with a paper that counts it so); None: the same as
+        what is sent."""
+        return None
+
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]] | None:
         """Feature vectors clients uploaded of ``classes`` (what the privacy audit inverts): dicts
         with ``class``, ``kind``, ``vector`` (D,), ``client`` and ``meta``; None: none uploaded."""
@@ -373,17 +384,20 @@ class PromptStrategy(Sampling, FedAvg):
         return [a.update_norm for a in self.accepted]
 
     # ------------------------------------------------------------------ averaging (the default aggregate)
-    def average(self, accepted: Sequence[Accepted], weights: np.ndarray) -> ArrayRecord:
-        """The accepted replies' arrays combined with ``weights`` (the run's combiner); per task
-        slice and head rows over the replies that trained each (``per_task``) when they trained
-        several tasks, so a slice trained only by clients that are ahead is not diluted."""
+    def average(self, accepted: Sequence[Accepted], weights: np.ndarray,
+                arrays: Sequence[ArrayRecord] | None = None) -> ArrayRecord:
+        """The accepted replies' arrays (or ``arrays``, one per reply: a method that completes
+        partial replies first) combined with ``weights`` (the run's combiner); per task slice and
+        head rows over the replies that trained each (``per_task``) when they trained several
+        tasks, so a slice trained only by clients that are ahead is not diluted."""
+        records = list(arrays) if arrays is not None else [a.content.array_records[ARRAYS] for a in accepted]
         tasks = [a.task for a in accepted]
         per_task = self.per_task == "always" or (self.per_task == "in-flight" and len(set(tasks)) > 1)
         if per_task and self.round_arrays is not None:
-            updates = [(t, from_array_record(a.content[ARRAYS]), float(w)) for t, a, w in zip(tasks, accepted, weights)]
+            updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
             return to_array_record(aggregate_per_task(self.cfg, from_array_record(self.round_arrays), updates,
                                                       self.num_classes, self.combiner))
-        return combine_records([a.content.array_records[ARRAYS] for a in accepted], weights, self.combiner)
+        return combine_records(records, weights, self.combiner)
 
     def placement_of(self, message: Message) -> dict[str, Any]:
         """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""

@@ -46,6 +46,10 @@ class PowderOptions(MethodOptions):
     # fewer; the alphas are measured at the start of the training round on the whole pool the
     # client then trains with, and G changes only after that round.
     measuring: str = "exchange"
+    # The single-task reference of FT and CT (section 5.1: "single task training"): a task trained
+    # alone with as many prompt components as a Powder client trains ("local-pool": k slices),
+    # or with one task's slice ("task-slice", the reference FedAvg-Prompt is measured against)
+    reference: str = "local-pool"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -61,4 +65,6 @@ class PowderOptions(MethodOptions):
         need(np.isfinite(self.temperature) and self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.row_top >= 0, f"row-top must be >= 0 (0: dense rows), got {self.row_top}")
         need(self.evaluation in ("local", "global"), f"evaluation must be 'local' or 'global', got {self.evaluation!r}")
+        need(self.reference in ("local-pool", "task-slice"),
+             f"reference must be 'local-pool' or 'task-slice', got {self.reference!r}")
         need(self.measuring in MEASURINGS, f"measuring must be one of {MEASURINGS}, got {self.measuring!r}")

@@ -153,6 +153,12 @@ class PowderStrategy(PromptStrategy):
         self.measured_before = 0  # tasks measured in this round's exchange
         self.measured_in_training = 0  # tasks measured by this round's train replies
 
+    def reference_components(self) -> int:
+        """The single-task reference trains as many components as a client's local pool (k slices),
+        or one task's slice (``reference = "task-slice"``)."""
+        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        return per_task * (min(self.opts.k, self.cfg.num_tasks) if self.opts.reference == "local-pool" else 1)
+
     def summary(self) -> None:
         super().summary()
         log.info("powder: %s", self.opts.to_dict())
