@@ -167,6 +167,9 @@ class ExperimentConfig:
     # Keep the checkpoint of a finished run (it is deleted by default): `promptfcl audit` reads
     # what the server received from it.
     keep_checkpoint: bool = key(False, "output", ())
+    # while the run goes, besides rounds.jsonl and accuracy_matrix.csv: "none" or "tensorboard"
+    # (scalars under <out-dir>/tensorboard; needs the tensorboard package)
+    tracker: str = key("none", "output", ())
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
     fault: str = key("", "robustness", ("results",))  # one of FAULTS (client/faults.py)
     fault_rate: float = key(0.0, "robustness", ("results",))

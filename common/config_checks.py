@@ -86,6 +86,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {cfg.dirichlet_beta}")
     need(cfg.classes_per_client >= 1, "classes-per-client must be >= 1")
     need(cfg.min_partition_size >= 0, "min-partition-size must be >= 0")
+    need(cfg.tracker in ("none", "tensorboard"), f"tracker must be 'none' or 'tensorboard', got {cfg.tracker!r}")
     need(cfg.partition_scope in PARTITION_SCOPES,
          f"partition-scope must be one of {PARTITION_SCOPES}, got {cfg.partition_scope!r}")
     need(cfg.partition_scope == "task" or cfg.partition != "stateless",

@@ -12,11 +12,20 @@ from typing import BinaryIO
 from promptfcl.common.errors import DataError
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write to a temporary file beside ``path``, sync, then rename over ``path``."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], shared: bool = False) -> None:
+    """Write to a temporary file beside ``path``, sync, then rename over ``path``.
+
+    The file is the owner's alone (0600, as the temporary file is made), or with ``shared`` as
+    readable as the user's umask lets a new file be (0644 under the usual 022): results are
+    for the group, checkpoints and caches are not.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if shared:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()

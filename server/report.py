@@ -14,7 +14,7 @@ def write_json_atomic(path: Path, obj: Any) -> int:
     become null (strict JSON has no NaN); returns how many there were."""
     clean, replaced = json_safe(obj)
     text = json.dumps(clean, indent=2, allow_nan=False).encode()
-    write_atomic(path, lambda fh: fh.write(text))
+    write_atomic(path, lambda fh: fh.write(text), shared=True)
     return replaced
 
 

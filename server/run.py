@@ -26,6 +26,7 @@ from promptfcl.common.records import from_array_record, to_array_record
 from promptfcl.common.runtime import Runtime, get_runtime
 from promptfcl.server import checkpoint
 from promptfcl.server.evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
+from promptfcl.server.progress import RunTrackers
 from promptfcl.server.results import build_results, human_bytes, log_placement, privacy_so_far
 from promptfcl.server.rounds import RoundRecord, round_record, train_round
 from promptfcl.strategies.platform.strategy import PromptStrategy
@@ -94,6 +95,8 @@ class ExperimentRun:
         self.last = min(len(self.steps), cfg.max_rounds) if cfg.max_rounds else len(self.steps)
         self.plan = EvaluationPlan.of(cfg, self.last - 1)
         self._resume()
+        # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
+        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round)
 
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
@@ -155,6 +158,12 @@ class ExperimentRun:
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
         """Every remaining round; the results dictionary (see server/report.py)."""
+        try:
+            return self._run()
+        finally:
+            self.trackers.close()
+
+    def _run(self) -> dict[str, Any]:
         self.strategy.summary()
         if self.pending_task_end is not None:
             self.end_task(self.pending_task_end)
@@ -205,6 +214,8 @@ class ExperimentRun:
         if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
             record.private, record.epsilon = True, privacy["epsilon"]
         self.log_round(record, privacy)
+        if not record.eval_pending:  # final now; a carried round is written when its accuracies arrive
+            self.trackers.round(record.to_dict())
         self.save(task, round_, finished=False)
         if ending is not None:
             self.end_task(ending)
@@ -225,6 +236,7 @@ class ExperimentRun:
         self.score(record, task_acc)
         record.eval_seconds = time.perf_counter() - t
         record.evaluation = dict(self.evaluator.last_record)
+        self.trackers.round(record.to_dict())
         log.info("server round %d: acc %5.1f%% (tasks %s), %d of %d nodes evaluated it with their training",
                  record.server_round, record.accuracy, " ".join(f"{a:.0f}" for a in task_acc),
                  record.evaluation["eval_carried"], record.evaluation["eval_nodes"])
@@ -237,6 +249,7 @@ class ExperimentRun:
             self.arrays = end_arrays
             task_acc = self.evaluator(self.arrays, task)
         self.matrix[: task + 1, task] = task_acc
+        self.trackers.task_end(task, self.matrix)
         self.save(task, self.cfg.rounds_per_task - 1, finished=True)
         summary = metrics.summary(self.matrix, upto=task)
         log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f", task + 1, summary["final_average_accuracy"],
@@ -256,7 +269,7 @@ class ExperimentRun:
         on_tasks = sorted(set(record.client_tasks))
         clients_on = f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
         log.info(
-            "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s%s",
+            "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s%s | %s",
             f"round {record.server_round}/{len(self.steps)}{clients_on}" if cfg.task_generator == "random" else
             f"task {record.task + 1}/{cfg.num_tasks} round {record.round + 1}/{cfg.rounds_per_task}"
             + ("" if on_tasks == [record.task] else clients_on),
@@ -268,6 +281,7 @@ class ExperimentRun:
             f" | {len(record.rejected)} replies excluded" if record.rejected else "",
             "" if not privacy["enabled"] else " | eps so far " + (
                 "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}"),
+            self.trackers.progress(record.server_round),
         )
 
     # ------------------------------------------------------------------ results

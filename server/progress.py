@@ -1,0 +1,152 @@
+"""What a run shows while it goes: ``rounds.jsonl``, the accuracy matrix as CSV, an optional
+tracker (TensorBoard), and the remaining time.
+
+A long GPU run must not be a black box until it ends, and a crashed run's finished rounds
+must be readable without unpickling its checkpoint. Every round's record is appended to
+``<out-dir>/rounds.jsonl`` (one JSON object per line, flushed) as soon as it is final (a round
+whose evaluation rides on the next round is written when its accuracies arrive); after every
+task the accuracy matrix is rewritten as ``accuracy_matrix.csv``. A resumed run keeps the lines
+of the rounds its checkpoint holds and drops any written after it.
+
+Trackers implement :class:`Tracker` (``round``, ``task_end``, ``close``); ``tracker =
+"tensorboard"`` adds :class:`TensorBoardTracker` (needs the ``tensorboard`` package).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from promptfcl.common.config import ConfigError
+from promptfcl.common.files import write_atomic
+
+log = logging.getLogger("promptfcl")
+
+ROUNDS_FILE = "rounds.jsonl"
+MATRIX_FILE = "accuracy_matrix.csv"
+TRACKERS = ("none", "tensorboard")
+
+
+class Tracker(Protocol):
+    """Where a run reports while it goes (one object per run)."""
+
+    def round(self, record: dict[str, Any]) -> None:
+        """A round's final record (the fields of results.json's ``rounds``)."""
+
+    def task_end(self, task: int, matrix: np.ndarray) -> None:
+        """Task ``task`` ended; ``matrix`` is the accuracy matrix so far (NaN: not yet)."""
+
+    def close(self) -> None:
+        """The run stops (finished, stopped early or failed)."""
+
+
+class RoundsFile:
+    """``rounds.jsonl`` and ``accuracy_matrix.csv`` in ``out_dir``; ``keep`` rounds of an earlier
+    process (resume) stay, later lines are dropped."""
+
+    def __init__(self, out_dir: str | Path, keep: int = 0) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / ROUNDS_FILE
+        kept: list[str] = []
+        if keep and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if 0 < int(json.loads(line)["server_round"]) <= keep:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a crash
+        write_atomic(path, lambda fh: fh.write("".join(f"{line}\n" for line in kept).encode()), shared=True)
+        self.fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+
+    def round(self, record: dict[str, Any]) -> None:
+        from promptfcl.server.report import json_safe
+
+        self.fh.write(json.dumps(json_safe(record)[0], allow_nan=False) + "\n")
+        self.fh.flush()
+
+    def task_end(self, task: int, matrix: np.ndarray) -> None:
+        rows = ["task," + ",".join(f"after_task_{t + 1}" for t in range(matrix.shape[1]))]
+        rows += [f"{i + 1}," + ",".join("" if np.isnan(v) else f"{v:.4f}" for v in row) for i, row in enumerate(matrix)]
+        text = ("\n".join(rows) + "\n").encode()
+        write_atomic(self.dir / MATRIX_FILE, lambda fh: fh.write(text), shared=True)
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorBoardTracker:
+    """Accuracy, bytes and seconds per round, A_t per task, under ``<out-dir>/tensorboard``."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError("tracker = tensorboard needs the tensorboard package "
+                              "(pip install 'promptfcl[tensorboard]')") from exc
+        self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+
+    def round(self, record: dict[str, Any]) -> None:
+        step = int(record["server_round"])
+        if record.get("accuracy") is not None:
+            self.writer.add_scalar("accuracy", record["accuracy"], step)
+        for key in ("bytes_s2c", "bytes_c2s", "client_seconds", "server_seconds", "train_loss"):
+            if isinstance(record.get(key), (int, float)):
+                self.writer.add_scalar(key, record[key], step)
+        self.writer.flush()
+
+    def task_end(self, task: int, matrix: np.ndarray) -> None:
+        self.writer.add_scalar("A_t", float(np.nanmean(matrix[: task + 1, task])), task + 1)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RunTrackers:
+    """The run's trackers together (rounds.jsonl always, ``tracker`` if set) and its ETA."""
+
+    def __init__(self, out_dir: str | Path, tracker: str, total_rounds: int, done: int = 0) -> None:
+        if tracker not in TRACKERS:
+            raise ConfigError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
+        self.trackers: list[Tracker] = [RoundsFile(out_dir, keep=done)]
+        if tracker == "tensorboard":
+            self.trackers.append(TensorBoardTracker(out_dir))
+        self.total, self.done, self.started = total_rounds, done, time.perf_counter()
+        self.first = done  # rounds done before this process: not in its timing
+
+    def round(self, record: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.round(record)
+
+    def task_end(self, task: int, matrix: np.ndarray) -> None:
+        for t in self.trackers:
+            t.task_end(task, matrix)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+
+    def progress(self, server_round: int) -> str:
+        """``round r/N, ETA ...`` from this process's mean round time."""
+        self.done = server_round
+        ran = self.done - self.first
+        if ran <= 0 or self.done >= self.total:
+            return f"round {self.done}/{self.total}"
+        left = (time.perf_counter() - self.started) / ran * (self.total - self.done)
+        return f"round {self.done}/{self.total}, ETA {format_seconds(left)}"
+
+
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
