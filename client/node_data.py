@@ -183,6 +183,9 @@ def node_data(cfg: ExperimentConfig, node_config: Mapping[str, Any]) -> NodeData
 
 
 def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
+    if cfg.splits:
+        raise NodeDataError(f"the run names a splits file ({cfg.splits!r}); a node does not open files the "
+                            "server names (reuse splits in simulation)")
     node_cfg = cfg
     if spec.device:
         node_cfg = dataclasses.replace(node_cfg, device=spec.device)
@@ -363,7 +366,11 @@ def _as_dataset(cfg: ExperimentConfig, root: Path, names: list[str], train: Arra
     if len(test) and train.images.shape[1:] != test.images.shape[1:]:
         raise NodeDataError(f"{root}: train images {train.images.shape[1:]} and test images "
                             f"{test.images.shape[1:]} differ in shape")
-    return ordered_dataset(cfg, f"folder:{root}", train, test, num_classes, names)
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        split = f"this node's folders {root}/train and {root}/test"
+    else:
+        split = f"this node's folder {root} split by seed {cfg.seed} per class, {cfg.test_fraction:.0%} held out"
+    return ordered_dataset(cfg, f"folder:{root}", train, test, num_classes, names, split)
 
 
 # ---------------------------------------------------------------------------- export (demo data)

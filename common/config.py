@@ -75,6 +75,9 @@ class ExperimentConfig:
     dataset: str = key("digits", "data", ("results", "dataset", "data-location"))
     # source-specific; fashion-mnist defaults to the Debian package path
     data_dir: str = key("", "data", ("results", "dataset", "data-location"))
+    # hf: sources: the hub revision (a commit hash, tag or branch) to load; "" = the default
+    # branch, unpinned (recorded as such in results.json, so a later run may differ)
+    hf_revision: str = key("", "data", ("results", "dataset", "data-location"))
     num_tasks: int = key(5, "data", ("results", "dataset"))
     # "stream": one class-incremental stream, task t owns classes [t k, (t+1) k), every client
     # walks it. "random": Powder's benchmark (Powder, section 5.1): every task belongs to one
@@ -103,6 +106,10 @@ class ExperimentConfig:
     # 0 = all; caps big sources for quick runs
     max_train_per_class: int = key(0, "data", ("results", "dataset", "node-folder"))
     max_test_per_class: int = key(0, "data", ("results", "dataset", "node-folder"))
+    # a splits.npz another run wrote beside its results.json: this run takes that run's class
+    # order and every client's share per task from it instead of drawing them (simulation and
+    # central evaluation only: deployed nodes do not open files the server names)
+    splits: str = key("", "data", ("results", "dataset"))
 
     # --- federation ---
     num_clients: int = key(10, "federation", ("results", "data-location"))  # size of the (virtual) client population

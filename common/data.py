@@ -8,6 +8,7 @@ one copy of the data serves any backbone. Labels are remapped once by the seeded
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import logging
@@ -58,21 +59,43 @@ class Dataset:
     num_classes: int
     class_names: list[str]  # indexed by remapped label
     fingerprint: str  # identifies the exact arrays (for caches keyed by data)
+    split: str = ""  # where train and test came from (recorded in results.json)
+
+
+@dataclass
+class Source:
+    """What a source reader gives: both splits, the class names, and how they were split."""
+
+    train: ArraySplit
+    test: ArraySplit
+    names: list[str]
+    split: str
+
+
+def seeded_split(full: ArraySplit, test_fraction: float, seed: int) -> tuple[ArraySplit, ArraySplit]:
+    """A stratified train/test split of one split, the same for the same seed (CODA-P's protocol
+    splits ImageNet-R this way, 80/20)."""
+    from sklearn.model_selection import train_test_split
+
+    tr, te = train_test_split(np.arange(len(full)), test_size=test_fraction, stratify=full.labels,
+                              random_state=seed)
+    return ArraySplit(full.images[tr], full.labels[tr]), ArraySplit(full.images[te], full.labels[te])
+
+
+def _split_note(what: str, test_fraction: float, seed: int) -> str:
+    return f"{what} split by seed {seed}, stratified: {1 - test_fraction:.0%} train / {test_fraction:.0%} test"
 
 
 # ---------------------------------------------------------------------------- sources
-def _digits(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+def _digits(cfg: ExperimentConfig) -> Source:
     from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     bunch = load_digits()
     images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None]  # (N,1,8,8)
-    labels = bunch.target.astype(np.int64)
-    tr, te = train_test_split(
-        np.arange(len(labels)), test_size=cfg.test_fraction, stratify=labels, random_state=cfg.seed
-    )
+    full = ArraySplit(images, bunch.target.astype(np.int64))
+    train, test = seeded_split(full, cfg.test_fraction, cfg.seed)
     names = [str(i) for i in range(10)]
-    return ArraySplit(images[tr], labels[tr]), ArraySplit(images[te], labels[te]), names
+    return Source(train, test, names, _split_note("scikit-learn's digits (one set)", cfg.test_fraction, cfg.seed))
 
 
 def _read_idx(path: Path, fix: str) -> np.ndarray:
@@ -97,7 +120,7 @@ def _read_idx(path: Path, fix: str) -> np.ndarray:
         raise DataError(f"{path}: not a readable idx file ({type(exc).__name__}: {exc}); {fix}") from exc
 
 
-def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+def _fashion_mnist(cfg: ExperimentConfig) -> Source:
     root = Path(cfg.data_dir or FASHION_MNIST_DIR)
     if not root.is_dir():
         raise DataError(
@@ -123,7 +146,7 @@ def _fashion_mnist(cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[
             raise DataError(f"Fashion-MNIST {prefix}: {len(x)} images but {len(y)} labels")
         splits.append(ArraySplit(x[:, None].copy(), y))
     names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-    return splits[0], splits[1], names
+    return Source(splits[0], splits[1], names, f"the source's train (60,000) and t10k (10,000) files in {root}")
 
 
 def _to_uint8_chw(img: object, size: int | None, interpolation: str = "bilinear") -> np.ndarray:
@@ -156,22 +179,39 @@ def _stack_images(images: list[object], image_size: int, interpolation: str = "b
         return np.stack([_to_uint8_chw(im, image_size, interpolation) for im in images])
 
 
-def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+#: split names read as the test split, in order of preference
+HF_TEST_SPLITS = ("test", "validation", "valid", "val")
+
+
+def hf_splits(split_names: list[str], hub_name: str) -> tuple[str, str | None]:
+    """(train split, test split or None = split the train split by seed).
+
+    A dataset with only one split (whatever its name) is that one split, never train and
+    test at once; several splits without a ``train`` are ambiguous and refused.
+    """
+    if len(split_names) == 1:
+        return split_names[0], None
+    if "train" not in split_names:
+        raise DataError(f"{hub_name}: splits {split_names} have no 'train'; which one to train on is "
+                        "ambiguous (use a dataset with a train split, or a folder: source)")
+    return "train", next((s for s in HF_TEST_SPLITS if s in split_names), None)
+
+
+def _huggingface(name: str, cfg: ExperimentConfig) -> Source:
     try:
         import datasets as hf
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise DataError("the `datasets` package is required for hf: sources") from exc
     hub_name = HF_ALIASES.get(name, name)
+    revision = cfg.hf_revision or None
     try:
-        dd = hf.load_dataset(hub_name)
+        dd = hf.load_dataset(hub_name, revision=revision)
     except Exception as exc:  # the hub raises many types (ConnectionError, OfflineModeIsEnabled, ...)
         raise DataError(
-            f"cannot load Hugging Face dataset {hub_name!r} ({type(exc).__name__}: {exc}). "
-            "The hub must be reachable (or the dataset in the local HF cache)."
+            f"cannot load Hugging Face dataset {hub_name!r} at revision {revision or 'main'} "
+            f"({type(exc).__name__}: {exc}). The hub must be reachable (or the dataset in the local HF cache)."
         ) from exc
-    split_names = list(dd.keys())
-    train_name = "train" if "train" in dd else split_names[0]
-    test_name = next((s for s in ("test", "validation", "valid", "val") if s in dd), None)
+    train_name, test_name = hf_splits(list(dd.keys()), hub_name)
     first = dd[train_name]
     img_col = next((c for c in IMAGE_COLUMNS if c in first.column_names), None)
     lab_col = next((c for c in LABEL_COLUMNS if c in first.column_names), None)
@@ -186,17 +226,19 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySpl
             np.asarray(split[lab_col], dtype=np.int64),  # type: ignore[index]
         )
 
+    where = f"Hugging Face {hub_name} at revision {revision or 'main (unpinned)'}"
     if test_name is None:
-        parts = first.train_test_split(test_size=cfg.test_fraction, seed=cfg.seed, stratify_by_column=lab_col)
-        train, test = convert(parts["train"]), convert(parts["test"])
+        train, test = seeded_split(convert(first), cfg.test_fraction, cfg.seed)
+        split = _split_note(f"{where}, its only split {train_name!r},", cfg.test_fraction, cfg.seed)
     else:
         train, test = convert(first), convert(dd[test_name])
+        split = f"{where}, splits {train_name!r} (train) and {test_name!r} (test)"
     if not names:
         names = [str(i) for i in range(int(max(train.labels.max(), test.labels.max())) + 1)]
-    return train, test, names
+    return Source(train, test, names, split)
 
 
-def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, list[str]]:
+def _folder(path: str, cfg: ExperimentConfig) -> Source:
     """``root/<class>/*.png`` (split by test-fraction) or ``root/{train,test}/<class>/*``."""
 
     root = Path(path).expanduser()
@@ -215,14 +257,9 @@ def _folder(path: str, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit, l
         return split
 
     if has_splits:
-        return read(root / "train"), read(root / "test"), names
-    full = read(root)
-    from sklearn.model_selection import train_test_split
-
-    tr, te = train_test_split(
-        np.arange(len(full)), test_size=cfg.test_fraction, stratify=full.labels, random_state=cfg.seed
-    )
-    return ArraySplit(full.images[tr], full.labels[tr]), ArraySplit(full.images[te], full.labels[te]), names
+        return Source(read(root / "train"), read(root / "test"), names, f"the folders {root}/train and {root}/test")
+    train, test = seeded_split(read(root), cfg.test_fraction, cfg.seed)
+    return Source(train, test, names, _split_note(f"the folder {root}", cfg.test_fraction, cfg.seed))
 
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
@@ -286,15 +323,21 @@ def check_source(cfg: ExperimentConfig) -> None:
 def load_dataset(cfg: ExperimentConfig) -> Dataset:
     """Load a source, remap labels to the seeded class order, and check the task split."""
     check_source(cfg)
+    if cfg.splits:  # the source split and caps of the run that wrote the splits file
+        from promptfcl.common.splits import read_splits
+
+        cfg = dataclasses.replace(cfg, seed=read_splits(cfg.splits).data_seed)
     name = cfg.dataset
     if name == "digits":
-        train, test, names = _digits(cfg)
+        source = _digits(cfg)
     elif name == "fashion-mnist":
-        train, test, names = _fashion_mnist(cfg)
+        source = _fashion_mnist(cfg)
     elif name.startswith("hf:"):
-        train, test, names = _huggingface(name[3:], cfg)
+        source = _huggingface(name[3:], cfg)
     else:
-        train, test, names = _folder(name[len("folder:"):], cfg)
+        source = _folder(name[len("folder:"):], cfg)
+    train, test, names = source.train, source.test, source.names
+    check_distinct_splits(name, train, test)
 
     num_classes = int(max(train.labels.max(), test.labels.max())) + 1
     if cfg.task_generator == "random":
@@ -310,11 +353,20 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
     missing = set(range(num_classes)) - set(np.unique(train.labels).tolist())
     if missing:
         raise DataError(f"{name}: classes {sorted(missing)[:10]} have no training images")
-    return ordered_dataset(cfg, name, train, test, num_classes, names)
+    return ordered_dataset(cfg, name, train, test, num_classes, names, source.split)
+
+
+def check_distinct_splits(name: str, train: ArraySplit, test: ArraySplit) -> None:
+    """Refuse a source whose train and test resolve to the same data: every accuracy would be
+    measured on training images."""
+    if train.images.shape == test.images.shape and np.array_equal(train.labels, test.labels) \
+            and np.array_equal(train.images, test.images):
+        raise DataError(f"{name}: the train and test splits are the same {len(train)} images; "
+                        "a test split must hold images not trained on")
 
 
 def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: ArraySplit, num_classes: int,
-                    names: list[str]) -> Dataset:
+                    names: list[str], split: str) -> Dataset:
     """Cap per class, remap labels to the seeded class order, and fingerprint the arrays.
 
     Shared by every source and by nodes' own folders (client/node_data.py), so all of them
@@ -323,15 +375,25 @@ def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: A
     train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
     test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
     order = class_order(num_classes, cfg.seed)
+    if cfg.splits:  # another run's class order (common/splits.py)
+        from promptfcl.common.splits import check_matches, read_splits
+
+        recorded = read_splits(cfg.splits)
+        if len(recorded.class_order) != num_classes:
+            raise DataError(f"splits file {cfg.splits} orders {len(recorded.class_order)} classes; "
+                            f"{name} has {num_classes}")
+        order = recorded.class_order
     remap = np.empty(num_classes, dtype=np.int64)
     remap[order] = np.arange(num_classes)
     train = ArraySplit(train.images, remap[train.labels])
     test = ArraySplit(test.images, remap[test.labels])
+    if cfg.splits:
+        check_matches(recorded, train.labels)
     ordered_names = [names[c] if c < len(names) else str(c) for c in order]
     digest = hashlib.sha1()
     for arr in (train.images, train.labels, test.images, test.labels):
         digest.update(np.ascontiguousarray(arr).data)
-    return Dataset(name, train, test, num_classes, ordered_names, digest.hexdigest()[:16])
+    return Dataset(name, train, test, num_classes, ordered_names, digest.hexdigest()[:16], split)
 
 
 DATA_KEYS = keys_of("dataset")

@@ -11,18 +11,37 @@ import functools
 import numpy as np
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.splits import ANY_ROUND, check_matches, read_splits
 from promptfcl.common.tasks import random_task_indices, task_classes, training_classes
 
 
 def client_indices(
     labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, client_id: int, task: int, round_: int
 ) -> np.ndarray:
-    """Training indices of ``client_id`` for ``task`` (and, for stateless populations, ``round_``).
+    """Training indices of ``client_id`` for ``task`` (and, for stateless populations, ``round_``):
+    those recorded in the run's ``splits`` file if it names one, else drawn (:func:`drawn_indices`).
 
     A pure function of its arguments: the same inputs give the same indices in any process.
     """
     if not 0 <= client_id < max(cfg.num_clients, 1):
         raise ValueError(f"client id {client_id} outside the population of {cfg.num_clients}")
+    if cfg.splits:
+        splits = read_splits(cfg.splits)
+        check_matches(splits, labels)
+        share = splits.share(client_id, task, round_)
+        stray = np.setdiff1d(labels[share], training_classes(cfg, task, num_classes))
+        if len(stray):
+            raise ConfigError(f"splits file {cfg.splits}: client {client_id}'s share of task {task} holds classes "
+                              f"{stray[:5].tolist()} outside the task; it was written for another task stream "
+                              "(num-tasks, task-generator or seed)")
+        return share
+    return drawn_indices(labels, cfg, num_classes, client_id, task, round_)
+
+
+def drawn_indices(
+    labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, client_id: int, task: int, round_: int
+) -> np.ndarray:
+    """The share the configuration draws (seed, partition, task stream)."""
     if cfg.task_generator == "random":  # the task's client holds all of its data
         from promptfcl.common.schedule import task_schedule
 
@@ -45,6 +64,28 @@ def client_indices(
                               cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
                               cfg.dirichlet_balance)
     return pool[parts[client_id]]
+
+
+def drawn_shares(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> dict[tuple[int, int, int], np.ndarray]:
+    """Every share the configuration draws, keyed (client, task, round within the task or -1 =
+    every round): what splits.npz records (common/splits.py)."""
+    shares: dict[tuple[int, int, int], np.ndarray] = {}
+    for task in range(cfg.num_tasks):
+        if cfg.task_generator == "random":
+            from promptfcl.common.schedule import task_schedule
+
+            owner = task_schedule(cfg).owner(task)
+            shares[(owner, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, owner, task, 0)
+        elif cfg.centralised:
+            shares[(0, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, 0, task, 0)
+        elif cfg.partition == "stateless":  # HePCo's population draws afresh every round
+            for client in range(cfg.num_clients):
+                for round_ in range(cfg.rounds_per_task):
+                    shares[(client, task, round_)] = drawn_indices(labels, cfg, num_classes, client, task, round_)
+        else:
+            for client in range(cfg.num_clients):
+                shares[(client, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, client, task, 0)
+    return shares
 
 
 def partition_summary(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> str:

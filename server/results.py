@@ -13,6 +13,7 @@ from promptfcl.common import metrics
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.privacy import privacy_options, privacy_report
 from promptfcl.common.runtime import Runtime
+from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
 from promptfcl.server.rounds import RoundRecord
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
@@ -55,6 +56,8 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "train_size": len(runtime.data.train),
             "test_size": len(runtime.data.test),
             "fingerprint": runtime.data.fingerprint,
+            "split": runtime.data.split,
+            "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/splits.py)
         }
     else:  # federated evaluation: what the server knows of the nodes' data
         from promptfcl.common.tasks import class_order
@@ -68,6 +71,8 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "train_size": None,
             "test_size": getattr(evaluate, "last_total", None),  # held-out samples in the last evaluation
             "fingerprint": None,
+            "split": "each node's own train/test (see the nodes' logs)",
+            "splits_file": None,
         }
     random_tasks = cfg.task_generator == "random"  # no task ends for everyone: no accuracy matrix
     return {

@@ -21,9 +21,12 @@ from flwr.serverapp import Grid
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.model import initial_trainable_state
-from promptfcl.common.partitions import client_indices, partition_summary
+from promptfcl.common.partitions import client_indices, drawn_shares, partition_summary
 from promptfcl.common.records import from_array_record, to_array_record
 from promptfcl.common.runtime import Runtime, get_runtime
+from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
+from promptfcl.common.splits import read_splits, write_splits
+from promptfcl.common.tasks import class_order
 from promptfcl.server import checkpoint
 from promptfcl.server.evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
 from promptfcl.server.progress import RunTrackers
@@ -95,6 +98,7 @@ class ExperimentRun:
         self.last = min(len(self.steps), cfg.max_rounds) if cfg.max_rounds else len(self.steps)
         self.plan = EvaluationPlan.of(cfg, self.last - 1)
         self._resume()
+        self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
         self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round)
 
@@ -154,6 +158,20 @@ class ExperimentRun:
             self.carried = CarriedEvaluation(len(self.rounds) - 1, self.rounds[-1].task, self.arrays)
         log.info("resuming after task %d round %d (server round %d)", saved.task + 1, saved.round + 1,
                  self.server_round)
+
+    def _write_splits(self) -> None:
+        """splits.npz beside results.json: the class order and every client's share per task
+        (common/splits.py), written before the first round so a crashed run has it too."""
+        if self.runtime is None:  # the nodes hold the data: each node draws from its own
+            return
+        data, cfg = self.runtime.data, self.cfg
+        if cfg.splits:  # exactly what this run reuses
+            reused = read_splits(cfg.splits)
+            data_seed, order, shares = reused.data_seed, reused.class_order, reused.shares
+        else:
+            data_seed, order = cfg.seed, class_order(data.num_classes, cfg.seed)
+            shares = drawn_shares(data.train.labels, cfg, data.num_classes)
+        write_splits(Path(cfg.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:

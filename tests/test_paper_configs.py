@@ -148,3 +148,11 @@ def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
             hist = np.bincount(labels[share], minlength=100)[classes] / len(share)
             assert 0.5 * np.abs(hist - task_hist).sum() < 0.15  # labels IID: the task's mixture
         assert len(np.unique(labels[share])) > 5 or len(share) < 30  # not a few classes per client
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_paper_config_names_the_source_of_its_class_order(name):
+    """Readers most often ask which class order a number used: each config says, and says how
+    to reuse a recorded one (splits.npz)."""
+    text = (CONFIGS / name).read_text()
+    assert "# Class order" in text and "splits.npz" in text and "seed below" in text
