@@ -39,9 +39,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,11 +54,12 @@ from promptfcl.common.data import (
     ArraySplit,
     DataError,
     Dataset,
+    image_listing,
     load_dataset,
-    load_dataset_cached,
     ordered_dataset,
     read_class_folders,
 )
+from promptfcl.common.data_cache import code_identity, load_dataset_cached, mapped_dataset
 from promptfcl.common.tasks import class_order
 
 log = logging.getLogger("promptfcl")
@@ -274,19 +273,9 @@ def check_classes(cfg: ExperimentConfig, num_classes: int, names: list[str], wha
 
 
 # ---------------------------------------------------------------------------- folder data
-def _listing(root: Path) -> list[tuple[str, int, int]]:
-    out = []
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            if p.suffix.lower() in IMAGE_EXTENSIONS:
-                st = p.stat()
-                out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
-    return sorted(out)
-
-
 def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
-    """A node's image folder as a Dataset in the run's class order (decoded once, then cached).
+    """A node's image folder as a Dataset in the run's class order (decoded once per machine,
+    then mapped from the data cache: common/data_cache.py).
 
     Layout ``root/<class>/*`` or ``root/{train,test}/<class>/*``; classes are matched by
     folder name to ``class-names`` when the run sets it, else taken as the sorted folders.
@@ -296,20 +285,17 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     from promptfcl.common.weights import cache_dir
 
     full = cfg.to_dict()
-    listing = _listing(root)
+    listing = image_listing(root)
     if not listing:
         raise NodeDataError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}; {HOW_TO}")
-    key = hashlib.sha1(json.dumps([str(root.resolve()), {k: full[k] for k in FOLDER_KEYS}, listing]).encode())
-    cache = cache_dir() / "node-data" / f"{key.hexdigest()[:20]}.npz"
-    if cache.is_file():
-        try:
-            with np.load(cache, allow_pickle=False) as doc:
-                names = [str(n) for n in doc["names"]]
-                return _as_dataset(cfg, root, names, ArraySplit(doc["train_x"], doc["train_y"]),
-                                   ArraySplit(doc["test_x"], doc["test_y"]))
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("node data cache %s unreadable (%s); decoding the images again", cache, exc)
+    key = ["node folder", code_identity(sys.modules[__name__]), str(root.resolve()),
+           {k: full[k] for k in FOLDER_KEYS}, cfg.class_name_list, listing]
+    if not cfg.data_cache:
+        return _decode_folder(cfg, root)
+    return mapped_dataset(cache_dir() / "data", key, lambda: _decode_folder(cfg, root), f"this node's folder {root}")
 
+
+def _decode_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     has_splits = (root / "train").is_dir() and (root / "test").is_dir()
     base = root / "train" if has_splits else root
     folders = sorted(p.name for p in base.iterdir() if p.is_dir())
@@ -325,15 +311,6 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
         train, test = _read_split(root / "train", names, cfg), _read_split(root / "test", names, cfg)
     else:
         train, test = _split(_read_split(root, names, cfg), cfg)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, names=np.array(names), train_x=train.images, train_y=train.labels,
-                     test_x=test.images, test_y=test.labels)
-        os.replace(tmp, cache)
-    except OSError as exc:
-        log.warning("cannot cache decoded node data in %s (%s)", cache.parent, exc)
     return _as_dataset(cfg, root, names, train, test)
 
 

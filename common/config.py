@@ -246,6 +246,9 @@ class ExperimentConfig:
     # code: Resize(256) + CenterCrop(224) = 0.875; 1: the whole image)
     eval_crop: float = key(1.0, "evaluation", ("results",))
     query_cache: bool = key(True, "caching", ("results",))
+    # decode a source once per machine into memory-mapped arrays every process maps read-only
+    # (common/data_cache.py); false: each process decodes into its own memory
+    data_cache: bool = key(True, "caching", ())
     # Persist q(x) in the node's cache dir so a fresh ClientApp process reuses it: "auto" (on
     # with population=nodes, where every message may start a new process), "on" or "off".
     query_cache_disk: str = key("auto", "caching", ())

@@ -12,15 +12,17 @@ import dataclasses
 import gzip
 import hashlib
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, keys_of
+from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.errors import DataError  # re-exported: the error of datasets
 from promptfcl.common.files import class_folder
+from promptfcl.common.row_file import RowFile
 from promptfcl.common.tasks import class_order, random_tasks
 
 log = logging.getLogger("promptfcl")
@@ -42,7 +44,7 @@ LABEL_COLUMNS = ("fine_label", "label", "labels", "class", "target")
 class ArraySplit:
     """One split of a dataset held in memory."""
 
-    images: np.ndarray  # uint8 (N, C, H, W)
+    images: np.ndarray | RowFile  # uint8 (N, C, H, W); indexing either gives an ndarray of those rows
     labels: np.ndarray  # int64 (N,)
 
     def __len__(self) -> int:
@@ -265,6 +267,41 @@ def _folder(path: str, cfg: ExperimentConfig) -> Source:
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
+def image_listing(root: Path) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime) of every image under ``root``: a folder's identity for caches."""
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            if p.suffix.lower() in IMAGE_EXTENSIONS:
+                st = p.stat()
+                out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def source_identity(cfg: ExperimentConfig) -> object:
+    """What, besides the run's dataset keys, defines the decoded arrays: the source's files
+    (names, sizes, times), the hub name and revision, the splits file."""
+    name = cfg.dataset
+    if name == "digits":
+        import sklearn
+
+        ident: object = ["scikit-learn digits", sklearn.__version__]
+    elif name == "fashion-mnist":
+        root = Path(cfg.data_dir or FASHION_MNIST_DIR)
+        ident = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.glob("*ubyte*")) \
+            if root.is_dir() else str(root)
+    elif name.startswith("hf:"):
+        ident = [HF_ALIASES.get(name[3:], name[3:]), cfg.hf_revision or "main"]
+    else:
+        root = Path(name[len("folder:"):]).expanduser()
+        ident = [str(root.resolve()), image_listing(root) if root.is_dir() else None]
+    if cfg.splits:
+        st = Path(cfg.splits).expanduser().stat() if Path(cfg.splits).expanduser().is_file() else None
+        ident = [ident, cfg.splits, st and (st.st_size, st.st_mtime_ns)]
+    return ident
+
+
 def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
                        interpolation: str = "bilinear") -> ArraySplit:
     """Images of ``split_root/<class>/*`` labelled by position in ``names``.
@@ -340,20 +377,28 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
     check_distinct_splits(name, train, test)
 
     num_classes = int(max(train.labels.max(), test.labels.max())) + 1
+    data = ordered_dataset(cfg, name, train, test, num_classes, names, source.split)
+    check_task_stream(cfg, data)
+    return data
+
+
+def check_task_stream(cfg: ExperimentConfig, data: Dataset) -> None:
+    """The run's task stream fits the dataset's classes (run on every load, cached or not)."""
+    name, num_classes = data.name, data.num_classes
+    counts = np.bincount(data.train.labels, minlength=num_classes)
     if cfg.task_generator == "random":
         random_tasks(cfg, num_classes)  # raises ConfigError when the tasks cannot be drawn
-        smallest = int(np.bincount(train.labels, minlength=num_classes).min())
-        if int(cfg.task_data_fraction * smallest) == 0:
-            raise ConfigError(f"{name}: a class has {smallest} training images, of which task-data-fraction = "
-                              f"{cfg.task_data_fraction} is none; raise task-data-fraction")
+        if int(cfg.task_data_fraction * int(counts.min())) == 0:
+            raise ConfigError(f"{name}: a class has {int(counts.min())} training images, of which task-data-fraction "
+                              f"= {cfg.task_data_fraction} is none; raise task-data-fraction")
     elif num_classes % cfg.num_tasks != 0:
         raise ConfigError(
             f"{name} has {num_classes} classes, not divisible into num-tasks = {cfg.num_tasks} equal tasks"
         )
-    missing = set(range(num_classes)) - set(np.unique(train.labels).tolist())
-    if missing:
-        raise DataError(f"{name}: classes {sorted(missing)[:10]} have no training images")
-    return ordered_dataset(cfg, name, train, test, num_classes, names, source.split)
+    missing = np.flatnonzero(counts == 0)
+    if len(missing):
+        raise DataError(f"{name}: classes {data.class_names and [data.class_names[c] for c in missing[:10]]} "
+                        "have no training images")
 
 
 def check_distinct_splits(name: str, train: ArraySplit, test: ArraySplit) -> None:
@@ -394,20 +439,3 @@ def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: A
     for arr in (train.images, train.labels, test.images, test.labels):
         digest.update(np.ascontiguousarray(arr).data)
     return Dataset(name, train, test, num_classes, ordered_names, digest.hexdigest()[:16], split)
-
-
-DATA_KEYS = keys_of("dataset")
-_loaded: dict[str, Dataset] = {}
-
-
-def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
-    """Per-process cache keyed by the data-defining keys: a ClientApp in a long-lived
-    Ray actor loads its data once, whatever the other settings of the run."""
-    import json
-
-    full = cfg.to_dict()
-    key = json.dumps({k: full[k] for k in DATA_KEYS}, sort_keys=True)
-    if key not in _loaded:
-        _loaded.clear()  # one dataset per process is enough; keeps memory bounded
-        _loaded[key] = load_dataset(cfg)
-    return _loaded[key]

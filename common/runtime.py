@@ -30,7 +30,8 @@ import torch
 
 from promptfcl.common import startup
 from promptfcl.common.config import ExperimentConfig, keys_of
-from promptfcl.common.data import ArraySplit, Dataset, load_dataset_cached
+from promptfcl.common.data import ArraySplit, Dataset
+from promptfcl.common.data_cache import load_dataset_cached
 from promptfcl.common.files import write_atomic
 from promptfcl.common.model import CodaPrompt, PromptedViT, build_model, resolve_device
 from promptfcl.common.weights import disk_backbone_id
@@ -38,7 +39,11 @@ from promptfcl.common.weights import disk_backbone_id
 log = logging.getLogger("promptfcl")
 
 class QueryCache:
-    """Lazily filled (N, D) table of q(x) for one split, one backbone.
+    """Lazily filled table of q(x) for one split, one backbone, holding only the rows asked for.
+
+    A client asks for its own share, so the table grows with the share, never with the
+    dataset: row ``slot[i]`` of ``rows`` is sample ``i``'s query (``slot`` is one int32 per
+    sample).
 
     Parameters
     ----------
@@ -54,47 +59,60 @@ class QueryCache:
     """
 
     def __init__(self, split: ArraySplit, dim: int, path: Path | None = None, evaluation: bool = False) -> None:
-        self.split, self.evaluation = split, evaluation
-        self.table = torch.zeros(len(split), dim)
-        self.filled = torch.zeros(len(split), dtype=torch.bool)
+        self.split, self.evaluation, self.dim = split, evaluation, dim
+        self.slot = np.full(len(split), -1, dtype=np.int32)
+        self.rows = torch.zeros(0, dim)
+        self.size = 0  # rows in use
         self.computed = 0  # how many queries this cache has had to compute
         self.path = path
         self.loaded = 0  # how many queries were read from disk
         if path is not None:
             self.loaded = self._merge_from_disk()
 
+    @property
+    def filled(self) -> np.ndarray:
+        return self.slot >= 0
+
     def get(self, model: PromptedViT, index: np.ndarray, device: torch.device, batch: int = 256) -> torch.Tensor:
-        idx = torch.as_tensor(index, dtype=torch.long)
-        missing = idx[~self.filled[idx]].unique()
+        index = np.asarray(index, dtype=np.int64)
+        missing = np.unique(index[self.slot[index] < 0])
         for start in range(0, len(missing), batch):
             chunk = missing[start : start + batch]
-            x = model.preprocess(torch.from_numpy(self.split.images[chunk.numpy()]).to(device),
-                                 evaluation=self.evaluation)
-            self.table[chunk] = model.query(x).float().cpu()
-            self.filled[chunk] = True
+            x = model.preprocess(torch.from_numpy(self.split.images[chunk]).to(device), evaluation=self.evaluation)
+            self._add(chunk, model.query(x).float().cpu())
             self.computed += len(chunk)
         if len(missing) and self.path is not None:
             self._save()
-        return self.table[idx]
+        return self.rows[torch.from_numpy(self.slot[index].astype(np.int64))]
+
+    def _add(self, index: np.ndarray, queries: torch.Tensor) -> None:
+        if self.size + len(index) > len(self.rows):  # grow by doubling: amortised O(1) per row
+            grown = torch.zeros(max(2 * len(self.rows), self.size + len(index), 64), self.dim)
+            grown[: self.size] = self.rows[: self.size]
+            self.rows = grown
+        self.rows[self.size : self.size + len(index)] = queries
+        self.slot[index] = np.arange(self.size, self.size + len(index), dtype=np.int32)
+        self.size += len(index)
 
     # ------------------------------------------------------------------ disk copy
     def _merge_from_disk(self) -> int:
-        """Copy entries filled on disk but not here; return how many. Bad files are ignored."""
+        """Copy entries on disk but not here; return how many. Bad files are ignored."""
         if self.path is None or not self.path.is_file():
             return 0
         try:
             with np.load(self.path) as doc:
-                table, filled = doc["table"], doc["filled"].astype(bool)
+                index, rows = doc["index"].astype(np.int64), doc["rows"]
         except (OSError, ValueError, KeyError, EOFError) as exc:
             log.warning("query cache %s unreadable (%s); recomputing", self.path, exc)
             return 0
-        if table.shape != tuple(self.table.shape) or filled.shape != (len(self.split),):
-            log.warning("query cache %s has shape %s, expected %s; ignoring it",
-                        self.path, table.shape, tuple(self.table.shape))
+        in_range = not len(index) or 0 <= index.min() <= index.max() < len(self.split)
+        if rows.shape != (len(index), self.dim) or not in_range:
+            log.warning("query cache %s holds rows %s for indices up to %s; expected width %d over %d samples, "
+                        "ignoring it", self.path, rows.shape, index.max() if len(index) else None, self.dim,
+                        len(self.split))
             return 0
-        new = torch.from_numpy(filled) & ~self.filled
-        self.table[new] = torch.from_numpy(table)[new]
-        self.filled |= new
+        new = self.slot[index] < 0
+        self._add(index[new], torch.from_numpy(rows[new]).float())
         return int(new.sum())
 
     def _save(self) -> None:
@@ -105,7 +123,9 @@ class QueryCache:
             with open(self.path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self._merge_from_disk()
-                write_atomic(self.path, lambda fh: np.savez(fh, table=self.table.numpy(), filled=self.filled.numpy()))
+                index = np.flatnonzero(self.slot >= 0)
+                rows = self.rows[torch.from_numpy(self.slot[index].astype(np.int64))].numpy()
+                write_atomic(self.path, lambda fh: np.savez(fh, index=index, rows=rows))
         except OSError as exc:  # a read-only or full cache dir must not stop training
             log.warning("cannot write query cache %s (%s); keeping it in memory", self.path, exc)
             self.path = None

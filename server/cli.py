@@ -7,6 +7,7 @@ promptfcl resume DIR                   continue a run that was stopped (checkpoi
 promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
 promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
+promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
 promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter,
                                        median, trimmed mean)
 promptfcl show DIR                     print the result table of a finished run
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     dep.add_argument("--out", default="runs/bench-deploy")
     dep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     dep.add_argument("--nodes", type=int, default=3, help="SuperNodes (one client each)")
+    mem = bench_sub.add_parser("data-memory", help="a client's peak memory and first round as the dataset grows "
+                               "(synthetic 224-px images; mapped data cache against in-memory decoding)")
+    mem.add_argument("--out", default="runs/bench-data-memory")
+    mem.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    mem.add_argument("--sizes", default="2000,8000", help="dataset sizes (images), comma-separated")
     rob = bench_sub.add_parser("robustness", help="A_N with a share of hostile clients, under each defence")
     rob.add_argument("--out", default="runs/bench-robustness")
     rob.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from promptfcl.common.data import load_dataset_cached
+            from promptfcl.common.data_cache import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
@@ -278,6 +284,14 @@ def _bench(args: argparse.Namespace) -> int:
             for path in configs:  # every file must load before the first (long) run starts
                 load_config(str(path), [], None, None)
             bench.paper_dims(Path(args.out), configs)
+            return 0
+        if args.bench == "data-memory":
+            sizes = tuple(int(v) for v in args.sizes.split(",") if v)
+            if len(sizes) < 2 or min(sizes) < 200:
+                raise ConfigError(f"--sizes needs at least two sizes of 200 images or more, got {args.sizes!r}")
+            base = load_config(None, args.set, None, None).to_dict()
+            bench.data_memory(Path(args.out), {k: v for k, v in base.items() if k not in ("out-dir", "strategy")},
+                              sizes)
             return 0
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()

@@ -432,7 +432,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
     cfg = nodes_config()
     shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3, "dataset": "digits"}).data.test for i in range(3)]
-    from promptfcl.common.data import load_dataset_cached
+    from promptfcl.common.data_cache import load_dataset_cached
 
     full = load_dataset_cached(cfg).test
     assert sum(len(s) for s in shards) == len(full)
@@ -473,7 +473,7 @@ def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
     assert first["computed"] > 1000 and first["loaded"] == 0
     assert second["computed"] == 0 and second["loaded"] == first["computed"]
     assert second["checksum"] == first["checksum"]  # exactly the same queries
-    assert list((tmp_path / "cache" / "node-data").glob("*.npz")), "decoded images are cached too"
+    assert list((tmp_path / "cache" / "data").glob("*/meta.json")), "decoded images are cached too"
     print(f"\nfresh ClientApp process: cold {first['setup_s']:.2f} s, warm {second['setup_s']:.2f} s "
           f"(imports {first['imports_s']:.2f} / {second['imports_s']:.2f} s)")
 
@@ -498,7 +498,9 @@ def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_p
     b.get(Model(), np.array([7, 8]), torch.device("cpu"))  # b merges a's entries before writing
     c = QueryCache(split, 4, path)
     assert c.loaded == 5 and c.filled.sum() == 5
-    torch.testing.assert_close(c.table[8], torch.full((4,), float(split.images[8].mean())))
+    torch.testing.assert_close(c.get(Model(), np.array([8]), torch.device("cpu"))[0],
+                               torch.full((4,), float(split.images[8].mean())))
+    assert c.computed == 0  # read from disk, not computed again
     path.write_bytes(b"not a cache")
     assert QueryCache(split, 4, path).loaded == 0  # unreadable: recomputed, not a crash
 

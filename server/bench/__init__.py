@@ -9,7 +9,9 @@ These print figures; they are not tests. ``perf`` measures
 * bytes per round per method against the size of a full ViT-B/16.
 ``compare`` runs every method plus FedAvg-Prompt and the centralised references on
 identical task orders and client splits, for several seeds and heterogeneity levels,
-and writes a Markdown and CSV table with plots. ``paper-dims`` runs one round of every
+and writes a Markdown and CSV table with plots. ``data-memory`` measures a client's peak
+memory and first round on synthetic 224-px datasets of two sizes, with the memory-mapped
+data cache and without. ``paper-dims`` runs one round of every
 paper configuration at the papers' model dimensions (ViT-B/16 with random weights) on a
 stand-in dataset with the paper's class count, and reports bytes, memory and time per
 method next to the papers' figures. The compare references are one client holding all
@@ -25,9 +27,10 @@ import subprocess  # noqa: F401 (tests replace subprocess.Popen through this mod
 from promptfcl.server.bench.attacks import DEFENCES, robustness
 from promptfcl.server.bench.common import run_simulation_subprocess
 from promptfcl.server.bench.comparison import compare, finished_run, parse_method, summary_table
+from promptfcl.server.bench.data_memory import data_memory
 from promptfcl.server.bench.deploy import deploy_overhead
 from promptfcl.server.bench.paper_scale import paper_dims
 from promptfcl.server.bench.speed import perf
 
-__all__ = ["DEFENCES", "compare", "deploy_overhead", "finished_run", "paper_dims", "parse_method", "perf", "robustness",
-           "run_simulation_subprocess", "summary_table"]
+__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "finished_run", "paper_dims", "parse_method",
+           "perf", "robustness", "run_simulation_subprocess", "summary_table"]
