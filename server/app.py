@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.data import check_source
+from promptfcl.server.progress import TerminalHandler
 from promptfcl.server.report import table, write_outputs
 from promptfcl.server.run import finish, run_experiment
 from promptfcl.strategies.registry import check_method, check_namespaces
@@ -36,7 +38,8 @@ def main(grid: Grid, context: Context) -> None:
 def setup_logging(level: int = logging.INFO) -> None:
     logger = logging.getLogger("promptfcl")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        # on a terminal the log keeps a status line (round, ETA, accuracy) at its foot
+        handler = TerminalHandler() if sys.stderr.isatty() else logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s promptfcl %(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False

@@ -10,12 +10,18 @@ of the rounds its checkpoint holds and drops any written after it.
 
 Trackers implement :class:`Tracker` (``round``, ``task_end``, ``close``); ``tracker =
 "tensorboard"`` adds :class:`TensorBoardTracker` (needs the ``tensorboard`` package).
+
+On a terminal the log keeps a status line at its foot (:data:`STATUS`, drawn by
+:class:`TerminalHandler`): a bar, round x of y, ETA and the last accuracy. Anywhere else (a
+file, a pipe, a cluster's log collector) only the plain log lines are written, each round's
+with the same figures.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -129,17 +135,70 @@ class RunTrackers:
             t.task_end(task, matrix)
 
     def close(self) -> None:
+        STATUS.clear()
         for t in self.trackers:
             t.close()
 
-    def progress(self, server_round: int) -> str:
-        """``round r/N, ETA ...`` from this process's mean round time."""
+    def progress(self, server_round: int, accuracy: float | None = None) -> str:
+        """``round r/N, ETA ...`` from this process's mean round time (and the terminal's status line)."""
         self.done = server_round
         ran = self.done - self.first
         if ran <= 0 or self.done >= self.total:
-            return f"round {self.done}/{self.total}"
-        left = (time.perf_counter() - self.started) / ran * (self.total - self.done)
-        return f"round {self.done}/{self.total}, ETA {format_seconds(left)}"
+            text = f"round {self.done}/{self.total}"
+        else:
+            left = (time.perf_counter() - self.started) / ran * (self.total - self.done)
+            text = f"round {self.done}/{self.total}, ETA {format_seconds(left)}"
+        if accuracy is not None:
+            self.accuracy = accuracy
+        STATUS.show(status_text(self.done, self.total, text, getattr(self, "accuracy", None)))
+        return text
+
+
+def status_text(done: int, total: int, progress: str, accuracy: float | None, width: int = 20) -> str:
+    """``[#######.............] round 7/20, ETA 3m10s | last acc 54.2%``"""
+    filled = int(width * done / max(total, 1))
+    last = "" if accuracy is None else f" | last acc {accuracy:.1f}%"
+    return f"[{'#' * filled}{'.' * (width - filled)}] {progress}{last}"
+
+
+class StatusLine:
+    """One line kept at the foot of a terminal's log, redrawn below every log line."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.stream: Any = None  # set by TerminalHandler when the log goes to a terminal
+
+    def show(self, text: str) -> None:
+        self.text = text
+        if self.stream is not None:
+            self.stream.write("\r\033[K" + text)
+            self.stream.flush()
+
+    def clear(self) -> None:
+        if self.stream is not None and self.text:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+        self.text = ""
+
+
+STATUS = StatusLine()
+
+
+class TerminalHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A log handler for terminals: each log line is written above the status line, which is
+    drawn again below it."""
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream if stream is not None else sys.stderr)
+        STATUS.stream = self.stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if STATUS.text:
+            self.stream.write("\r\033[K")
+        super().emit(record)
+        if STATUS.text:
+            self.stream.write(STATUS.text)
+            self.stream.flush()
 
 
 def format_seconds(seconds: float) -> str:

@@ -299,7 +299,7 @@ class ExperimentRun:
             f" | {len(record.rejected)} replies excluded" if record.rejected else "",
             "" if not privacy["enabled"] else " | eps so far " + (
                 "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}"),
-            self.trackers.progress(record.server_round),
+            self.trackers.progress(record.server_round, record.accuracy),
         )
 
     # ------------------------------------------------------------------ results

@@ -120,3 +120,42 @@ def test_rounds_jsonl_survives_a_killed_run_and_the_resume_completes_it(tmp_path
         assert line["accuracy"] == record["accuracy"] and line["bytes_c2s"] == record["bytes_c2s"]
     csv = (out / MATRIX_FILE).read_text().splitlines()
     assert len(csv) == 6 and csv[5].split(",")[5] != ""  # task 5's row filled after task 5
+
+
+def test_a_terminal_keeps_a_status_line_below_the_log_and_other_streams_get_plain_lines(tmp_path):
+    import io
+    import logging
+
+    from promptfcl.server.progress import STATUS, TerminalHandler
+
+    logger = logging.getLogger("promptfcl.test-status")
+    logger.propagate = False
+    terminal = io.StringIO()
+    handler = TerminalHandler(terminal)
+    logger.addHandler(handler)
+    try:
+        trackers = RunTrackers(tmp_path, "none", total_rounds=10)
+        logger.warning("round one")
+        trackers.progress(5, accuracy=54.25)
+        logger.warning("round five")
+        trackers.close()
+    finally:
+        logger.removeHandler(handler)
+        STATUS.stream = None
+    out = terminal.getvalue()
+    status = "[##########..........] round 5/10, ETA"
+    assert out.startswith("round one\n")  # no status line yet: nothing to clear
+    # the status line is drawn, cleared before the next log line, drawn again below it, cleared at the end
+    before, after = out.split("round five\n")
+    assert before.count(status) == 1 and "| last acc 54.2%" in before and before.endswith("\r\x1b[K")
+    assert status in after and after.endswith("\r\x1b[K")
+
+    plain = io.StringIO()  # not a terminal: server/app.py installs a plain StreamHandler
+    handler2 = logging.StreamHandler(plain)
+    logger.addHandler(handler2)
+    try:
+        RunTrackers(tmp_path, "none", total_rounds=10).progress(5, accuracy=54.25)
+        logger.warning("round five")
+    finally:
+        logger.removeHandler(handler2)
+    assert plain.getvalue() == "round five\n"
