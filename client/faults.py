@@ -13,7 +13,10 @@ they are sampled (a fixed hostile share of the population). The mod sits between
 * on the reply: ``nan`` (an array of NaN), ``shape`` (an array one element short),
   ``extra-record``, ``missing-record``, ``huge-count`` (10^12 samples), ``huge-values`` (every
   array times 1e30), ``poison`` (the update reversed and made ten times larger: sent - 10 x
-  (trained - sent), a model-poisoning client), ``nan-metrics`` (a NaN training loss).
+  (trained - sent), a model-poisoning client), ``sign-flip`` (the update reversed: sent -
+  (trained - sent)), ``poison-under-filter`` (the update reversed and scaled to 0.9 x
+  ``update-norm-factor``, just under where the norm filter refuses an update of an honest
+  client's length), ``nan-metrics`` (a NaN training loss).
 """
 
 from __future__ import annotations
@@ -75,11 +78,16 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     if reply.has_error():
         return reply
     sent = from_array_record(msg.content[ARRAYS]) if ARRAYS in msg.content.array_records else {}
-    return Message(content=corrupt(cfg.fault, reply.content, sent), reply_to=msg)
+    return Message(content=corrupt(cfg.fault, reply.content, sent, cfg.update_norm_factor), reply_to=msg)
 
 
-def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray]) -> RecordDict:
-    """``reply`` as a client with fault ``kind`` would send it."""
+#: the factor each reversing attack multiplies the client's own update by (None: the norm filter's)
+REVERSALS = {"poison": 10.0, "sign-flip": 1.0, "poison-under-filter": None}
+
+
+def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_factor: float = 10.0) -> RecordDict:
+    """``reply`` as a client with fault ``kind`` would send it (``norm_factor``: the run's
+    ``update-norm-factor``, which ``poison-under-filter`` stays under)."""
     out = RecordDict({name: reply[name] for name in reply.keys()})
     arrays = from_array_record(reply[ARRAYS])
     name = next(iter(arrays))
@@ -89,9 +97,11 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray]) -> Record
         arrays[name] = arrays[name].reshape(-1)[:-1].copy()
     elif kind == "huge-values":
         arrays = {k: v * np.asarray(1e30, dtype=v.dtype) for k, v in arrays.items()}
-    elif kind == "poison":  # the update reversed and scaled; arrays of another shape than sent: negated
+    elif kind in REVERSALS:  # the update reversed and scaled; arrays of another shape than sent: negated
+        scale = REVERSALS[kind] or 0.9 * (norm_factor if norm_factor > 0 else 10.0)
         arrays = {
-            k: (sent[k] - 10.0 * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape else -10.0 * v
+            k: (sent[k] - scale * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape
+            else (-scale * v).astype(v.dtype)
             for k, v in arrays.items()
         }
     elif kind == "extra-record":
@@ -105,7 +115,7 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray]) -> Record
         else:
             metrics["train-loss"] = float("nan")
         out[METRICS] = MetricRecord(metrics)
-    if kind in ("nan", "shape", "huge-values", "poison"):
+    if kind in ("nan", "shape", "huge-values", *REVERSALS):
         out[ARRAYS] = to_array_record(arrays)
     return out
 

@@ -162,6 +162,9 @@ class ExperimentConfig:
     # max-client-weight of a round's weight (3+ replies); aggregation "median" or
     # "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
     update_norm_factor: float = key(10.0, "robustness", ("results",))
+    # Norm bounding: an accepted update longer than update-clip x the round's lower median
+    # update norm is scaled down to that length (0: off)
+    update_clip: float = key(0.0, "robustness", ("results",))
     max_update_norm: float = key(0.0, "robustness", ("results",))
     max_client_weight: float = key(0.5, "robustness", ("results",))
     aggregation: str = key("mean", "robustness", ("results",))

@@ -19,7 +19,7 @@ INPUT_NORMS = ("backbone", "unit")
 INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
-          "poison", "nan-metrics")
+          "poison", "sign-flip", "poison-under-filter", "nan-metrics")
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -134,6 +134,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.round_retries >= 0, "round-retries must be >= 0")
     need(math.isfinite(cfg.update_norm_factor) and (cfg.update_norm_factor == 0 or cfg.update_norm_factor > 1),
          f"update-norm-factor must be 0 (off) or > 1, got {cfg.update_norm_factor}")
+    need(math.isfinite(cfg.update_clip) and (cfg.update_clip == 0 or cfg.update_clip >= 1),
+         f"update-clip must be 0 (off) or >= 1 (a multiple of the round's lower median norm), got {cfg.update_clip}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,
          f"max-update-norm must be >= 0 (0: off), got {cfg.max_update_norm}")
     need(0 < cfg.max_client_weight <= 1, f"max-client-weight must be in (0, 1], got {cfg.max_client_weight}")

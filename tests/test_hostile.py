@@ -337,3 +337,20 @@ def test_data_problems_stop_the_run_before_ray_starts_and_name_the_file(tmp_path
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert all(e in proc.stderr for e in expected), proc.stderr[-2000:]
         assert "Flower simulation" not in proc.stderr + proc.stdout  # Ray was never started
+
+
+@pytest.mark.parametrize("kind, factor, expected", [("poison", 10.0, -10.0), ("sign-flip", 10.0, -1.0),
+                                                     ("poison-under-filter", 10.0, -9.0),
+                                                     ("poison-under-filter", 4.0, -3.6)])
+def test_reversing_attacks_reverse_the_update_at_their_scale(kind, factor, expected):
+    from flwr.app import MetricRecord, RecordDict
+
+    from promptfcl.client.faults import corrupt
+    from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+
+    sent = {"w": np.full(4, 2.0, np.float32)}
+    reply = RecordDict({ARRAYS: to_array_record({"w": np.full(4, 3.0, np.float32)}),  # update +1
+                        METRICS: MetricRecord({"num-examples": 5})})
+    out = from_array_record(corrupt(kind, reply, sent, factor)[ARRAYS])["w"]
+    np.testing.assert_allclose(out, 2.0 + expected)
+    assert out.dtype == np.float32

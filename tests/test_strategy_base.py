@@ -133,3 +133,17 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
         np.testing.assert_allclose(out["prompt.p0"][task_rows(cfg, "prompt.p0", pool, task, 10)], expected, rtol=1e-6)
         np.testing.assert_allclose(out["head.weight"][task_rows(cfg, "head.weight", head, task, 10)], expected,
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip, expected", [(0.0, -1.2), (1.0, 0.6), (2.0, 0.4)])
+def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(clip, expected, flower_identity):
+    """Four honest clients move every weight by +1; one sends its update reversed and ten times
+    longer (exactly at the norm filter's threshold, so the filter lets it through)."""
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_clip=clip), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
+    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    np.testing.assert_allclose(from_array_record(arrays)["head.weight"], expected, rtol=1e-6)
+    assert not s.rejected  # bounded, not refused
+    if clip:  # the hostile update keeps its direction at clip x the honest length
+        assert max(a.update_norm for a in s.accepted) == pytest.approx(clip * np.sqrt(6))

@@ -22,6 +22,7 @@ log = logging.getLogger("promptfcl")
 DEFENCES: dict[str, dict[str, Any]] = {
     "none": {"update-norm-factor": 0.0, "aggregation": "mean"},
     "norm-filter": {"aggregation": "mean"},  # update-norm-factor as configured (default 10)
+    "clip": {"aggregation": "mean", "update-clip": 1.0},  # the norm filter, then norm bounding at the median
     "median": {"update-norm-factor": 0.0, "aggregation": "median"},
     "trimmed-mean": {"update-norm-factor": 0.0, "aggregation": "trimmed-mean"},
 }

@@ -104,6 +104,23 @@ def update_norm(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]
     return math.sqrt(total)
 
 
+def lower_median(values: Sequence[float]) -> float:
+    """The ceil(n/2)-th smallest value (0 for none): a hostile minority cannot move it."""
+    return float(np.sort(np.asarray(values, dtype=np.float64))[(len(values) - 1) // 2]) if len(values) else 0.0
+
+
+def clipped_update(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None,
+                   scale: float) -> dict[str, np.ndarray]:
+    """``start + scale x (reply - start)`` per array (``scale x reply`` when ``start`` is None), in
+    the reply's dtypes: the update shortened, its direction kept."""
+    out = {}
+    for name, value in reply.items():
+        value = np.asarray(value)
+        origin = np.zeros(1) if start is None else np.asarray(start[name], dtype=np.float64)
+        out[name] = (origin + scale * (value.astype(np.float64) - origin)).astype(value.dtype)
+    return out
+
+
 def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list[str | None]:
     """For each norm, why it is an outlier (None: it is not).
 
@@ -111,7 +128,7 @@ def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list
     ceil(n/2)-th smallest: a hostile minority cannot move it, and of two replies it is the
     smaller); ``ceiling`` > 0: above ``ceiling``.
     """
-    reference = float(np.sort(np.asarray(norms, dtype=np.float64))[(len(norms) - 1) // 2]) if len(norms) else 0.0
+    reference = lower_median(norms)
     out: list[str | None] = []
     for n in norms:
         if ceiling > 0 and n > ceiling:

@@ -44,7 +44,14 @@ from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_ar
 from promptfcl.common.schedule import task_schedule
 from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
 from promptfcl.strategies.platform.checks import NO_EXAMPLES, SampleBounds, platform_problem
-from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, norm_outliers, update_norm
+from promptfcl.strategies.platform.replies import (
+    REPLY_METRICS,
+    MetricSpec,
+    clipped_update,
+    lower_median,
+    norm_outliers,
+    update_norm,
+)
 from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
 from promptfcl.strategies.platform.sampling import Sampling
 
@@ -336,7 +343,23 @@ class PromptStrategy(Sampling, FedAvg):
             accepted.append(a)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
+        if self.cfg.update_clip > 0 and len(accepted) >= 2:
+            self._clip_updates(accepted)
         return accepted
+
+    def _clip_updates(self, accepted: list[Accepted]) -> None:
+        """Norm bounding: an update longer than ``update-clip`` x the round's lower median update
+        norm is scaled down to that length, its direction kept, so no reply moves the average
+        further than an honest one would (a hostile minority cannot move the median)."""
+        bound = self.cfg.update_clip * lower_median([a.update_norm for a in accepted])
+        for a in accepted:
+            if bound > 0 and a.update_norm > bound:
+                arrays = clipped_update(from_array_record(a.content[ARRAYS]), self.update_start(a.sent),
+                                        bound / a.update_norm)
+                a.content[ARRAYS] = to_array_record(arrays)
+                log.info("update of node %s clipped from norm %.3g to %.3g (update-clip = %g x the round's "
+                         "lower median)", a.sent.node, a.update_norm, bound, self.cfg.update_clip)
+                a.update_norm = bound
 
     def check_reply(self, reply: Message) -> str | None:
         """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
