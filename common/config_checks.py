@@ -136,6 +136,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
          f"update-norm-factor must be 0 (off) or > 1, got {cfg.update_norm_factor}")
     need(math.isfinite(cfg.update_clip) and (cfg.update_clip == 0 or cfg.update_clip >= 1),
          f"update-clip must be 0 (off) or >= 1 (a multiple of the round's lower median norm), got {cfg.update_clip}")
+    need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),
+         f"stats-bound must be 0 (off) or >= 1 (a multiple of the lower median), got {cfg.stats_bound}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,
          f"max-update-norm must be >= 0 (0: off), got {cfg.max_update_norm}")
     need(0 < cfg.max_client_weight <= 1, f"max-client-weight must be in (0, 1], got {cfg.max_client_weight}")

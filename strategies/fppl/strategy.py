@@ -236,7 +236,7 @@ class FPPLStrategy(PromptStrategy):
         held = held.select((held.classes >= tasks.start * self.classes_per_task)
                            & (held.classes < tasks.stop * self.classes_per_task))
         if len(held):
-            self.global_classes, self.global_means = held.class_means()
+            self.global_classes, self.global_means = held.class_means(self.cfg.stats_bound)
         else:
             self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
 

@@ -306,7 +306,8 @@ class HGPStrategy(PromptStrategy):
                 None
                 if raw is None
                 else _mixture_from_raw(
-                    label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps
+                    label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps,
+                    self.cfg.stats_bound,
                 )
             )
         return self._mixtures[label]

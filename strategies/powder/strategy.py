@@ -70,6 +70,7 @@ from promptfcl.common.tasks import task_classes, task_rows
 from promptfcl.strategies.platform.aggregation import aggregate_per_task
 from promptfcl.strategies.platform.replies import check_metrics
 from promptfcl.strategies.platform.rounds import Accepted, Sent
+from promptfcl.strategies.platform.statistics import bounded_mean
 from promptfcl.strategies.platform.strategy import PromptStrategy
 from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
@@ -423,7 +424,7 @@ class PowderStrategy(PromptStrategy):
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
         the clients that measured them); returns how many tasks were measured."""
-        sums: dict[str, dict[int, list]] = {"task": {}, "class": {}}
+        found: dict[str, dict[int, list[tuple[np.ndarray, float]]]] = {"task": {}, "class": {}}
         for record in records:
             if not list(record.keys()):
                 continue
@@ -431,14 +432,14 @@ class PowderStrategy(PromptStrategy):
                 ids = record[ids_name].numpy()
                 alpha, count = record[f"{kind}-alpha"].numpy(), record[f"{kind}-count"].numpy()
                 for i, a, n in zip(ids.tolist(), alpha, count.tolist()):
-                    acc = sums[kind].setdefault(int(i), [np.zeros(self.width), 0.0])
-                    acc[0] += float(n) * np.asarray(a, dtype=np.float64)
-                    acc[1] += float(n)
-        for i, (s, n) in sums["task"].items():
-            self.task_alpha[i], self.task_measured[i] = s / n, True
-        for i, (s, n) in sums["class"].items():
-            self.class_alpha[i], self.class_measured[i] = s / n, True
-        return len(sums["task"])
+                    found[kind].setdefault(int(i), []).append((np.asarray(a, dtype=np.float64), float(n)))
+        for kind, table, measured in (("task", self.task_alpha, self.task_measured),
+                                      ("class", self.class_alpha, self.class_measured)):
+            for i, rows in found[kind].items():  # stats-bound: no client moves an alpha much further than another
+                table[i] = bounded_mean(np.stack([a for a, _ in rows]), np.array([n for _, n in rows]),
+                                        self.cfg.stats_bound)
+                measured[i] = True
+        return len(found["task"])
 
     # ------------------------------------------------------------------ helpers
     def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
