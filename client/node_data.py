@@ -50,16 +50,15 @@ import numpy as np
 from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
 from promptfcl.common.data import (
-    IMAGE_EXTENSIONS,
     ArraySplit,
     DataError,
     Dataset,
-    image_listing,
     load_dataset,
     ordered_dataset,
     read_class_folders,
 )
 from promptfcl.common.data_cache import code_identity, load_dataset_cached, mapped_dataset
+from promptfcl.common.images import IMAGE_EXTENSIONS, image_listing
 from promptfcl.common.tasks import class_order
 
 log = logging.getLogger("promptfcl")

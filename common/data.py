@@ -12,7 +12,6 @@ import dataclasses
 import gzip
 import hashlib
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,12 @@ import numpy as np
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.errors import DataError  # re-exported: the error of datasets
-from promptfcl.common.files import class_folder
+from promptfcl.common.images import (
+    class_folder_files,
+    decode_files,
+    decode_rows,
+    image_listing,
+)
 from promptfcl.common.row_file import RowFile
 from promptfcl.common.tasks import class_order, random_tasks
 
@@ -74,13 +78,18 @@ class Source:
     split: str
 
 
-def seeded_split(full: ArraySplit, test_fraction: float, seed: int) -> tuple[ArraySplit, ArraySplit]:
-    """A stratified train/test split of one split, the same for the same seed (CODA-P's protocol
-    splits ImageNet-R this way, 80/20)."""
+def seeded_rows(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, test rows) of a stratified split of one split, the same for the same seed
+    (CODA-P's protocol splits ImageNet-R this way, 80/20); chosen on the labels alone."""
     from sklearn.model_selection import train_test_split
 
-    tr, te = train_test_split(np.arange(len(full)), test_size=test_fraction, stratify=full.labels,
-                              random_state=seed)
+    tr, te = train_test_split(np.arange(len(labels)), test_size=test_fraction, stratify=labels, random_state=seed)
+    return tr, te
+
+
+def seeded_split(full: ArraySplit, test_fraction: float, seed: int) -> tuple[ArraySplit, ArraySplit]:
+    """:func:`seeded_rows` applied to a split held in memory."""
+    tr, te = seeded_rows(full.labels, test_fraction, seed)
     return ArraySplit(full.images[tr], full.labels[tr]), ArraySplit(full.images[te], full.labels[te])
 
 
@@ -151,36 +160,6 @@ def _fashion_mnist(cfg: ExperimentConfig) -> Source:
     return Source(splits[0], splits[1], names, f"the source's train (60,000) and t10k (10,000) files in {root}")
 
 
-def _to_uint8_chw(img: object, size: int | None, interpolation: str = "bilinear") -> np.ndarray:
-    from PIL import Image
-
-    if not isinstance(img, Image.Image):
-        img = Image.fromarray(np.asarray(img))
-    if img.mode not in ("L", "RGB"):
-        img = img.convert("RGB")
-    if size is not None and img.size != (size, size):
-        img = img.resize((size, size), Image.Resampling[interpolation.upper()])
-    arr = np.asarray(img, dtype=np.uint8)
-    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-
-
-def _stack_images(images: list[object], image_size: int, interpolation: str = "bilinear") -> np.ndarray:
-    """Keep native size when all images share it (resizing happens per batch); else resize
-    (``resize-interpolation``)."""
-    from PIL import Image
-
-    sizes = {im.size if isinstance(im, Image.Image) else np.asarray(im).shape[:2] for im in images[:256]}
-    size = None if len(sizes) == 1 else image_size
-    arrays = [_to_uint8_chw(im, size, interpolation) for im in images]
-    channels = max(a.shape[0] for a in arrays)
-    if channels == 3:
-        arrays = [np.repeat(a, 3, axis=0) if a.shape[0] == 1 else a for a in arrays]
-    try:
-        return np.stack(arrays)
-    except ValueError:  # sizes differed beyond the first 256
-        return np.stack([_to_uint8_chw(im, image_size, interpolation) for im in images])
-
-
 #: split names read as the test split, in order of preference
 HF_TEST_SPLITS = ("test", "validation", "valid", "val")
 
@@ -222,15 +201,18 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> Source:
     feature = first.features[lab_col]
     names = list(getattr(feature, "names", []) or [])
 
-    def convert(split: object) -> ArraySplit:
-        return ArraySplit(
-            _stack_images(list(split[img_col]), cfg.image_size, cfg.resize_interpolation),  # type: ignore[index]
-            np.asarray(split[lab_col], dtype=np.int64),  # type: ignore[index]
-        )
+    def convert(split: object, rows: np.ndarray | None = None) -> ArraySplit:
+        """The split's ``rows`` (all: None), labels read first, images decoded a chunk at a time."""
+        labels = np.asarray(split[lab_col], dtype=np.int64)  # type: ignore[index]
+        chosen = split if rows is None else split.select(rows)  # type: ignore[attr-defined]
+        images = decode_rows(len(chosen), lambda a, b: chosen[a:b][img_col], cfg.image_size,
+                             cfg.resize_interpolation)
+        return ArraySplit(images, labels if rows is None else labels[rows])
 
     where = f"Hugging Face {hub_name} at revision {revision or 'main (unpinned)'}"
-    if test_name is None:
-        train, test = seeded_split(convert(first), cfg.test_fraction, cfg.seed)
+    if test_name is None:  # the rows of each part chosen on the labels, before any image is decoded
+        tr, te = seeded_rows(np.asarray(first[lab_col], dtype=np.int64), cfg.test_fraction, cfg.seed)
+        train, test = convert(first, tr), convert(first, te)
         split = _split_note(f"{where}, its only split {train_name!r},", cfg.test_fraction, cfg.seed)
     else:
         train, test = convert(first), convert(dd[test_name])
@@ -251,32 +233,30 @@ def _folder(path: str, cfg: ExperimentConfig) -> Source:
     names = sorted(p.name for p in base.iterdir() if p.is_dir())
     if len(names) < 2:
         raise DataError(f"folder dataset {base} needs one sub-folder per class (found {len(names)})")
-    def read(split_root: Path) -> ArraySplit:
-        split = read_class_folders(split_root, names, cfg.image_size, skip_missing=False,
-                                   interpolation=cfg.resize_interpolation)
-        if not len(split):
+    def listed(split_root: Path) -> tuple[list[Path], np.ndarray]:
+        files, labels = class_folder_files(split_root, names, skip_missing=False)
+        if not files:
             raise DataError(f"no images under {split_root}")
-        return split
+        return files, labels
+
+    def decoded(files: list[Path], labels: np.ndarray) -> ArraySplit:
+        return ArraySplit(decode_files(files, cfg.image_size, cfg.resize_interpolation), labels)
 
     if has_splits:
-        return Source(read(root / "train"), read(root / "test"), names, f"the folders {root}/train and {root}/test")
-    train, test = seeded_split(read(root), cfg.test_fraction, cfg.seed)
+        return Source(decoded(*listed(root / "train")), decoded(*listed(root / "test")), names,
+                      f"the folders {root}/train and {root}/test")
+    files, labels = listed(root)  # the rows of each part chosen on the labels, before any image is decoded
+    tr, te = seeded_rows(labels, cfg.test_fraction, cfg.seed)
+    train, test = decoded([files[i] for i in tr], labels[tr]), decoded([files[i] for i in te], labels[te])
     return Source(train, test, names, _split_note(f"the folder {root}", cfg.test_fraction, cfg.seed))
 
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
-
-def image_listing(root: Path) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime) of every image under ``root``: a folder's identity for caches."""
-    out = []
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            if p.suffix.lower() in IMAGE_EXTENSIONS:
-                st = p.stat()
-                out.append((str(p.relative_to(root)), st.st_size, st.st_mtime_ns))
-    return sorted(out)
+def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
+                       interpolation: str = "bilinear") -> ArraySplit:
+    """Images of ``split_root/<class>/*`` labelled by position in ``names`` (a node's own folders:
+    :func:`promptfcl.common.images.class_folder_files`); no images gives an empty split."""
+    files, labels = class_folder_files(split_root, names, skip_missing)
+    return ArraySplit(decode_files(files, image_size, interpolation), labels)
 
 
 def source_identity(cfg: ExperimentConfig) -> object:
@@ -300,38 +280,6 @@ def source_identity(cfg: ExperimentConfig) -> object:
         st = Path(cfg.splits).expanduser().stat() if Path(cfg.splits).expanduser().is_file() else None
         ident = [ident, cfg.splits, st and (st.st_size, st.st_mtime_ns)]
     return ident
-
-
-def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
-                       interpolation: str = "bilinear") -> ArraySplit:
-    """Images of ``split_root/<class>/*`` labelled by position in ``names``.
-
-    A missing class folder is an error unless ``skip_missing`` (a node may hold only some
-    classes); an unreadable image is always an error. No images gives an empty split.
-    ``names`` may come from the server (``class-names``): each must be one folder directly
-    inside ``split_root`` (:func:`class_folder`), or nothing is read.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    images, labels = [], []
-    folders = [class_folder(split_root, cls) for cls in names]  # every name checked before any read
-    for label, cls_dir in enumerate(folders):
-        if not cls_dir.is_dir():
-            if skip_missing:
-                continue
-            raise DataError(f"class folder {cls_dir} missing")
-        for f in sorted(cls_dir.iterdir()):
-            if f.suffix.lower() not in IMAGE_EXTENSIONS:
-                continue
-            try:
-                with Image.open(f) as im:
-                    images.append(im.copy())
-            except (OSError, UnidentifiedImageError) as exc:
-                raise DataError(f"cannot read image {f}: {exc}") from exc
-            labels.append(label)
-    if not images:
-        return ArraySplit(np.zeros((0, 1, image_size, image_size), np.uint8), np.zeros(0, np.int64))
-    return ArraySplit(_stack_images(images, image_size, interpolation), np.asarray(labels, dtype=np.int64))
 
 
 def _cap_per_class(split: ArraySplit, cap: int, seed: int) -> ArraySplit:
