@@ -65,7 +65,8 @@ def bench_config(folder: Path, images: int, data_cache: bool, base: dict[str, An
 
 def _child(step: str, settings: dict[str, Any], cache: Path) -> dict[str, Any]:
     env = {**os.environ, "PROMPTFCL_CACHE": str(cache)}
-    proc = subprocess.run([sys.executable, "-m", "promptfcl.server.bench.data_memory", step, json.dumps(settings)],
+    code = "import sys; from promptfcl.server.bench.data_memory import main; main(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, step, json.dumps(settings)],
                           capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"bench data-memory {step} failed:\n{proc.stderr[-3000:]}")
@@ -135,5 +136,6 @@ def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
             "decode_seconds": decode_seconds}
 
 
-if __name__ == "__main__":  # a step in its own process (see _child)
-    print(json.dumps(_run_step(sys.argv[1], json.loads(sys.argv[2]))))
+def main(argv: list[str]) -> None:
+    """A step in its own process (see _child): ``decode`` or ``client`` with the run settings."""
+    print(json.dumps(_run_step(argv[0], json.loads(argv[1]))))
