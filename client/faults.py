@@ -16,7 +16,8 @@ they are sampled (a fixed hostile share of the population). The mod sits between
   (trained - sent), a model-poisoning client), ``sign-flip`` (the update reversed: sent -
   (trained - sent)), ``poison-under-filter`` (the update reversed and scaled to 0.9 x
   ``update-norm-factor``, just under where the norm filter refuses an update of an honest
-  client's length), ``nan-metrics`` (a NaN training loss).
+  client's length), ``nan-metrics`` (a NaN training loss), and on the statistics a reply
+  carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`).
 """
 
 from __future__ import annotations
@@ -117,7 +118,36 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
         out[METRICS] = MetricRecord(metrics)
     if kind in ("nan", "shape", "huge-values", *REVERSALS):
         out[ARRAYS] = to_array_record(arrays)
+    if kind in STATISTICS_ATTACKS:
+        for record in [n for n in reply.array_records if n != ARRAYS]:
+            out[record] = to_array_record(forge_statistics(kind, from_array_record(reply[record])))
     return out
 
 
-__all__ = ["InjectedFault", "corrupt", "inject_faults", "is_faulty"]
+#: attacks on the statistics a reply carries besides the model (HGP's class statistics, FPPL's
+#: prototypes, Powder's alphas), each well-formed so that record checks pass
+STATISTICS_ATTACKS = ("stats-scale", "stats-shift", "cov-inflate", "hist-forge")
+
+
+def forge_statistics(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One statistics record as a hostile client forges it: ``stats-scale`` (class means,
+    prototypes and alphas x 20), ``stats-shift`` (the same + 5 in every coordinate),
+    ``cov-inflate`` (covariances x 100), ``hist-forge`` (every class count moved to the record's
+    first class: the total, which the server checks against the reply's samples, unchanged)."""
+    out = dict(arrays)
+    for name, value in arrays.items():
+        is_vector = name == "means" or name.endswith("-alpha")
+        if kind == "stats-scale" and is_vector:
+            out[name] = (value * 20).astype(value.dtype)
+        elif kind == "stats-shift" and is_vector:
+            out[name] = (value + 5).astype(value.dtype)
+        elif kind == "cov-inflate" and name.startswith("cov-"):
+            out[name] = (value * 100).astype(value.dtype)
+        elif kind == "hist-forge" and (name == "counts" or name.endswith("-count")) and value.size > 1:
+            forged = np.zeros_like(value)
+            forged.reshape(-1)[0] = value.sum()
+            out[name] = forged
+    return out
+
+
+__all__ = ["STATISTICS_ATTACKS", "InjectedFault", "corrupt", "forge_statistics", "inject_faults", "is_faulty"]

@@ -19,7 +19,8 @@ INPUT_NORMS = ("backbone", "unit")
 INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
-          "poison", "sign-flip", "poison-under-filter", "nan-metrics")
+          "poison", "sign-flip", "poison-under-filter", "nan-metrics", "stats-scale", "stats-shift", "cov-inflate",
+          "hist-forge")
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     rob = bench_sub.add_parser("robustness", help="A_N with a share of hostile clients, under each defence")
     rob.add_argument("--out", default="runs/bench-robustness")
     rob.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    rob.add_argument("--method", default="fedavg")
+    rob.add_argument("--methods", "--method", default="fedavg", help="comma-separated methods")
     rob.add_argument("--attacks", default="huge-values,poison", help="fault kinds (client/faults.py)")
     rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
     rob.add_argument("--seeds", default="0,1")
@@ -297,7 +297,7 @@ def _bench(args: argparse.Namespace) -> int:
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
         chosen = (
-            [args.method]
+            [m for m in args.methods.split(",") if m]
             if args.bench == "robustness"
             else [base["strategy"]]
             if args.bench == "deploy"
@@ -330,7 +330,7 @@ def _bench(args: argparse.Namespace) -> int:
             bench.robustness(
                 Path(args.out),
                 base,
-                args.method,
+                chosen,
                 attacks,
                 defences,
                 [int(v) for v in args.seeds.split(",")],

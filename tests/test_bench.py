@@ -198,3 +198,20 @@ def test_a_chatty_failing_run_with_memory_watched_does_not_hang(tmp_path, monkey
     monkeypatch.setattr(bench.subprocess, "Popen", chatty)
     with pytest.raises(RuntimeError, match="last words"):
         bench.run_simulation_subprocess({"seed": 0}, tmp_path / "run", watch_memory=True, timeout=60)
+
+
+def test_every_robustness_defence_and_attack_is_a_valid_configuration():
+    from promptfcl.client.faults import STATISTICS_ATTACKS
+    from promptfcl.common.config import FAULTS, ExperimentConfig
+    from promptfcl.server.bench.attacks import DEFENCES, robustness_table
+
+    for defence in DEFENCES.values():
+        for attack in ("poison", "sign-flip", "poison-under-filter", *STATISTICS_ATTACKS):
+            assert attack in FAULTS
+            ExperimentConfig.from_dict({**defence, "fault": attack, "fault-clients": "0,1"})  # checked, or raises
+    rows = [{"method": m, "attack": a, "defence": "bounded", "seed": s, "A_N": 40.0 + s, "forgetting": 10.0,
+             "replies_excluded": 1, "replies_aggregated": 9} for m in ("fedavg", "hgp") for a in ("clean", "poison")
+            for s in (0, 1)]
+    table = robustness_table(rows, "2 of 10 clients").splitlines()
+    assert len(table) == 2 + 4 and table[2].startswith("| fedavg | clean | bounded | 2 | 40.5 ± 0.5 |")
+    assert table[-1].startswith("| hgp | poison | bounded | 2 |") and table[-1].endswith("| 2 / 18 |")

@@ -354,3 +354,26 @@ def test_reversing_attacks_reverse_the_update_at_their_scale(kind, factor, expec
     out = from_array_record(corrupt(kind, reply, sent, factor)[ARRAYS])["w"]
     np.testing.assert_allclose(out, 2.0 + expected)
     assert out.dtype == np.float32
+
+
+def test_statistics_attacks_forge_well_formed_records():
+    from flwr.app import MetricRecord, RecordDict
+
+    from promptfcl.client.faults import corrupt
+    from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+
+    stats = {"classes": np.array([2, 3]), "counts": np.array([30, 10]), "means": np.ones((2, 4), np.float32),
+             "cov-diag": np.full((2, 4), 0.5, np.float32)}
+    reply = RecordDict({ARRAYS: to_array_record({"w": np.zeros(3, np.float32)}),
+                        "class-stats": to_array_record(stats), METRICS: MetricRecord({"num-examples": 40})})
+
+    def forged(kind):
+        out = corrupt(kind, reply, {"w": np.zeros(3, np.float32)})
+        assert np.array_equal(from_array_record(out[ARRAYS])["w"], np.zeros(3))  # the model is left alone
+        return from_array_record(out["class-stats"])
+
+    np.testing.assert_allclose(forged("stats-scale")["means"], 20.0)
+    np.testing.assert_allclose(forged("stats-shift")["means"], 6.0)
+    np.testing.assert_allclose(forged("cov-inflate")["cov-diag"], 50.0)
+    hist = forged("hist-forge")
+    assert hist["counts"].tolist() == [40, 0] and hist["classes"].tolist() == [2, 3]  # same total, one class

@@ -23,14 +23,16 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "none": {"update-norm-factor": 0.0, "aggregation": "mean"},
     "norm-filter": {"aggregation": "mean"},  # update-norm-factor as configured (default 10)
     "clip": {"aggregation": "mean", "update-clip": 1.0},  # the norm filter, then norm bounding at the median
+    # norm bounding of updates and bounded influence of statistics (strategies/platform/statistics.py)
+    "bounded": {"aggregation": "mean", "update-clip": 1.0, "stats-bound": 3.0},
     "median": {"update-norm-factor": 0.0, "aggregation": "median"},
     "trimmed-mean": {"update-norm-factor": 0.0, "aggregation": "trimmed-mean"},
 }
 
 
-def robustness(out_dir: Path, base: dict[str, Any], method: str, attacks: Sequence[str], defences: Sequence[str],
-               seeds: Sequence[int], share: float = 0.2) -> list[dict[str, Any]]:
-    """A_N of ``method`` when a fixed ``share`` of the client population is hostile (``fault`` =
+def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], attacks: Sequence[str],
+               defences: Sequence[str], seeds: Sequence[int], share: float = 0.2) -> list[dict[str, Any]]:
+    """A_N of each method when a fixed ``share`` of the client population is hostile (``fault`` =
     each attack, ``fault-clients`` = that many client ids), under each defence, and of the
     clean run under each defence (what a defence costs when nobody attacks); writes
     ``robustness.{json,md}``."""
@@ -39,23 +41,25 @@ def robustness(out_dir: Path, base: dict[str, Any], method: str, attacks: Sequen
     hostile = max(1, round(share * population))
     fault_clients = ",".join(str(c) for c in range(hostile))
     rows: list[dict[str, Any]] = []
-    for attack, defence in [("clean", d) for d in defences] + [(a, d) for a in attacks for d in defences]:
-        for seed in seeds:
-            settings = {**base, **DEFENCES[defence], "seed": seed}
-            if attack != "clean":
-                settings.update({"fault": attack, "fault-clients": fault_clients})
-            run_dir = out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"
-            results = finished_run(run_dir, {**settings, "strategy": method})
-            if results is None:
-                log.info("%s, attack %s, defence %s, seed %d", method, attack, defence, seed)
-                results = run_simulation_subprocess(settings, run_dir, strategy=method)
-            rounds = results["rounds"]
-            rows.append({"attack": attack, "defence": defence, "seed": seed,
-                         "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
-                         "replies_excluded": sum(1 for r in rounds for x in r["rejected"]
-                                                 if x["reason"] != "no training examples"),
-                         "replies_aggregated": sum(r["clients_aggregated"] for r in rounds)})
-            (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
+    cases = [("clean", d) for d in defences] + [(a, d) for a in attacks for d in defences]
+    for method in methods:
+        for attack, defence in cases:
+            for seed in seeds:
+                settings = {**base, **DEFENCES[defence], "seed": seed}
+                if attack != "clean":
+                    settings.update({"fault": attack, "fault-clients": fault_clients})
+                run_dir = out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"
+                results = finished_run(run_dir, {**settings, "strategy": method})
+                if results is None:
+                    log.info("%s, attack %s, defence %s, seed %d", method, attack, defence, seed)
+                    results = run_simulation_subprocess(settings, run_dir, strategy=method)
+                rounds = results["rounds"]
+                rows.append({"method": method, "attack": attack, "defence": defence, "seed": seed,
+                             "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
+                             "replies_excluded": sum(1 for r in rounds for x in r["rejected"]
+                                                     if x["reason"] != "no training examples"),
+                             "replies_aggregated": sum(r["clients_aggregated"] for r in rounds)})
+                (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
     table = robustness_table(rows, f"{hostile} of {population} clients")
     (out_dir / "robustness.md").write_text(table + "\n")
     print(table)
@@ -63,15 +67,15 @@ def robustness(out_dir: Path, base: dict[str, Any], method: str, attacks: Sequen
 
 
 def robustness_table(rows: list[dict[str, Any]], hostile: str) -> str:
-    lines = [f"| attack ({hostile} hostile) | defence | seeds | A_N | forgetting | replies excluded / aggregated |",
-             "|---|---|---|---|---|---|"]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    lines = [f"| method | attack ({hostile} hostile) | defence | seeds | A_N | forgetting | replies excluded / "
+             "aggregated |", "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["attack"], r["defence"]), []).append(r)
-    for (attack, defence), rs in groups.items():
+        groups.setdefault((r.get("method", ""), r["attack"], r["defence"]), []).append(r)
+    for (method, attack, defence), rs in groups.items():
         a_n = np.array([np.nan if r["A_N"] is None else r["A_N"] for r in rs], dtype=float)
         fg = np.array([np.nan if r["forgetting"] is None else r["forgetting"] for r in rs], dtype=float)
-        lines.append(f"| {attack} | {defence} | {len(rs)} | {np.mean(a_n):.1f} ± {np.std(a_n):.1f} | "
+        lines.append(f"| {method} | {attack} | {defence} | {len(rs)} | {np.mean(a_n):.1f} ± {np.std(a_n):.1f} | "
                      f"{np.mean(fg):.1f} ± {np.std(fg):.1f} | "
                      f"{sum(r['replies_excluded'] for r in rs)} / {sum(r['replies_aggregated'] for r in rs)} |")
     return "\n".join(lines)
