@@ -61,6 +61,33 @@ INTERNALS: dict[str, Internal] = {
         "flwr.supercore.task_identity", "TaskIdentity",
         "tests: a process identity, without which Message objects cannot be built outside a run",
         "Message construction that does not need a running task"),
+    "superexec_main": Internal(
+        "flwr.supercore.cli.flower_superexec", "flower_superexec",
+        "promptfcl-superexec: Flower's own SuperExec command line, with the forking executor",
+        "an executor option of flower-superexec"),
+    "superexec_get_executor": Internal(
+        "flwr.supercore.superexec.run_superexec", "get_executor",
+        "promptfcl-superexec: replaced (replace_internal) so the SuperExec builds the forking executor",
+        "an executor plug-in point of flower-superexec"),
+    "subprocess_executor": Internal(
+        "flwr.supercore.superexec.executor", "SubprocessExecutor",
+        "the forking executor: Flower's stock path for other tasks and as the fallback", "none"),
+    "launch_result": Internal(
+        "flwr.supercore.superexec.executor", "LaunchResult", "the forking executor's answer to the SuperExec",
+        "none"),
+    "execution_spec": Internal(
+        "flwr.supercore.superexec.executor", "ExecutionSpec", "tests: the task a SuperExec hands its executor",
+        "none"),
+    "task_type": Internal("flwr.supercore.constant", "TaskType", "the forking executor: which tasks fork", "none"),
+    "executor_type": Internal("flwr.supercore.constant", "ExecutorType",
+                              "promptfcl-superexec: which executor it replaces", "none"),
+    "run_clientapp": Internal(
+        "flwr.supernode.runtime.run_clientapp", "run_clientapp",
+        "a forked ClientApp task runs Flower's own runner (what flwr-clientapp calls)",
+        "a long-lived or forking ClientApp runner in Flower"),
+    "resolve_root_certificates": Internal(
+        "flwr.supercore.tls", "validate_and_resolve_root_certificates",
+        "a forked ClientApp task reads the Runtime API's CA as flwr-clientapp does", "none"),
     "superlink_main": Internal(
         "flwr.superlink.cli", "flower_superlink",
         "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",
@@ -86,6 +113,14 @@ def internal(name: str) -> Any:
             f"Flower {getattr(flwr, '__version__', '?')} has no {entry.module}.{entry.attribute} "
             f"(promptfcl uses it for {entry.used_for}; public replacement: {entry.public_replacement}); "
             "see common/flower_internals.py") from exc
+
+
+def replace_internal(name: str, value: Any) -> None:
+    """Rebind the Flower name registered as ``name`` in its module (promptfcl-superexec's executor
+    factory); raises like :func:`internal` when the installed Flower lacks it."""
+    internal(name)
+    entry = INTERNALS[name]
+    setattr(importlib.import_module(entry.module), entry.attribute, value)
 
 
 def missing_internals() -> list[str]:

@@ -19,6 +19,10 @@
 #   --port          local port between the SuperNode and its ClientApp processes (one per node
 #                   on a machine; default 9094)
 #   --threads N     torch threads per ClientApp process (default: all cores)
+#   --no-warm       Flower's stock SuperExec: a fresh interpreter per message. The default
+#                   (Linux) is promptfcl-superexec beside a SuperNode in process isolation: every
+#                   message still runs in a process of its own, forked from a warm zygote that has
+#                   imported torch, Flower and promptfcl once (client/warm_executor.py)
 #   --node KEY=VAL  more node-config (TOML values), this node's own rules (client/node_policy.py):
 #                   max-image-size=512 (and max-batch-size, max-pool-size, max-prompt-length,
 #                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
@@ -33,7 +37,7 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
-config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=()
+config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=(); warm=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
@@ -52,7 +56,8 @@ while [ $# -gt 0 ]; do
     --port) port=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --node) extra+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    --no-warm) warm=0; shift ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -109,4 +114,28 @@ export FLWR_HOME="$(cd "$state" && pwd)/flwr-home"
 export FLWR_SUPEREXEC_TASK_POLL_INTERVAL=${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.2}
 command -v flower-supernode >/dev/null || die "flower-supernode not found: install promptfcl (make install) first"
 echo "SuperNode -> $superlink, node-config: $node_config" >&2
-exec flower-supernode "${args[@]}"
+if [ "$warm" = 1 ] && [ "$(uname -s)" != Linux ]; then
+  echo "note: the warm executor forks and runs on Linux only; Flower's stock executor on $(uname -s)" >&2
+  warm=0
+fi
+[ "$warm" = 1 ] || exec flower-supernode "${args[@]}"
+
+# Warm: the SuperNode leaves its ClientApp tasks to a SuperExec we start (process isolation);
+# a secret shared by the two (0600, in this node's state) keeps other local processes from
+# taking those tasks from the SuperNode's Runtime API.
+command -v promptfcl-superexec >/dev/null || die "promptfcl-superexec not found: install promptfcl (make install) first"
+secret="$FLWR_HOME/superexec.secret"
+mkdir -p "$FLWR_HOME"
+[ -s "$secret" ] || (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$secret")
+flower-supernode "${args[@]}" --isolation process --superexec-auth-secret-file "$secret" &
+supernode=$!
+promptfcl-superexec --insecure --runtime-api-address "127.0.0.1:$port" --parent-pid "$supernode" \
+  --superexec-auth-secret-file "$secret" &
+superexec=$!
+trap 'kill "$supernode" "$superexec" 2>/dev/null || true' EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+echo "warm executor: promptfcl-superexec (pid $superexec) beside the SuperNode (pid $supernode)" >&2
+status=0
+wait "$supernode" || status=$?
+exit "$status"

@@ -276,10 +276,11 @@ def submit(
 
 
 def run_deployed(
-    root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500
+    root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500, warm: bool = True
 ) -> dict[str, Any]:
     """A whole loopback deployment of ``run`` (run-config keys) on ``nodes`` SuperNodes, each with a
-    disjoint share of the digits as image folders; returns the run's results.json."""
+    disjoint share of the digits as image folders; returns the run's results.json. ``warm``: the
+    nodes' default executor (forking from a warm zygote); False: Flower's stock one (``--no-warm``)."""
     from promptfcl.client.node_data import export_digits
 
     root = root.resolve()  # the scripts run inside it
@@ -305,7 +306,7 @@ def run_deployed(
                 name,
                 f"data/node{i}",
                 run_toml,
-                ["--threads", str(threads)],
+                ["--threads", str(threads)] + ([] if warm else ["--no-warm"]),
             )
         done = submit(root, env, ports.control, run_toml, timeout=timeout)
         procs.remember_descendants()

@@ -37,38 +37,15 @@ def _median_round(results: dict[str, Any], key: str) -> float:
     return float(statistics.median(r[key] for r in results["rounds"]))
 
 
-def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict[str, Any]:
-    """A loopback deployment (deploy/ scripts: TLS SuperLink, ``nodes`` SuperNodes with their own
-    image folders, federated evaluation) and the same configuration simulated; per-round time of
-    each, and where a deployed message's fresh process spends its time before training.
-
-    Writes ``deploy.json`` into ``out_dir`` and prints a table.
-    """
+def _path_figures(deployed: dict[str, Any]) -> dict[str, Any]:
+    """One deployed run's per-round figures and its messages' start-up breakdown."""
     from promptfcl.common.startup import PHASES
-    from promptfcl.server.loopback import run_deployed
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    same = {**base, "num-clients": nodes, "clients-per-round": nodes, "threads": 1}
-    work = out_dir / "deployment"
-    if work.exists():
-        shutil.rmtree(work)
-    deployed = run_deployed(work, {**same, "population": "nodes", "evaluation": "federated", "num-classes": 10,
-                                   "class-names": ",".join(str(d) for d in range(10)),
-                                   "out-dir": "runs/bench-deploy"}, nodes)
-    simulated = run_simulation_subprocess({**same, "out-dir": str(out_dir / "simulation")}, out_dir / "simulation")
-
-    def round_seconds(results: dict[str, Any]) -> float:  # training and evaluation, median over rounds
-        return float(statistics.median(r["round_seconds"] + r["eval_seconds"] for r in results["rounds"]))
 
     overhead = _median_round(deployed, "client_overhead_seconds")
     phases = {p: float(statistics.median(r["client_startup"].get(p, 0.0) for r in deployed["rounds"])) for p in PHASES}
-    report = {
-        "nodes": nodes,
-        "rounds": len(deployed["rounds"]),
-        "deployed_round_seconds": round_seconds(deployed),
-        "simulated_round_seconds": round_seconds(simulated),
-        "deployed_eval_seconds": _median_round(deployed, "eval_seconds"),
-        "simulated_eval_seconds": _median_round(simulated, "eval_seconds"),
+    return {
+        "round_seconds": _round_seconds(deployed),
+        "eval_seconds": _median_round(deployed, "eval_seconds"),
         "per_message_overhead_seconds": overhead,
         # evaluate messages (to nodes not carrying the counts with training): process start to reply
         "eval_message_seconds": float(statistics.median(
@@ -76,39 +53,91 @@ def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict
         # rounds whose evaluation came with the next round's train replies (evaluate-with-train)
         "rounds_evaluated_with_training": sum(1 for r in deployed["rounds"] if r.get("eval_carried")),
         "overhead_breakdown": {**phases, "other": max(0.0, overhead - sum(phases.values()))},
+        "client_train_seconds": _median_round(deployed, "client_seconds"),
+        "accuracy_matrix": deployed["accuracy_matrix"],
+    }
+
+
+def _round_seconds(results: dict[str, Any]) -> float:
+    """Training and evaluation, median over rounds."""
+    return float(statistics.median(r["round_seconds"] + r["eval_seconds"] for r in results["rounds"]))
+
+
+def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict[str, Any]:
+    """A loopback deployment (deploy/ scripts: TLS SuperLink, ``nodes`` SuperNodes with their own
+    image folders, federated evaluation) run twice, with the warm forking executor (the default)
+    and with Flower's stock one (``--no-warm``), and the same configuration simulated; per-round
+    time of each, and where a deployed message's process spends its time before training.
+
+    Writes ``deploy.json`` into ``out_dir`` (top-level figures: the warm path; ``stock``: the
+    stock path's) and prints a table.
+    """
+    from promptfcl.server.loopback import run_deployed
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    same = {**base, "num-clients": nodes, "clients-per-round": nodes, "threads": 1}
+    run = {**same, "population": "nodes", "evaluation": "federated", "num-classes": 10,
+           "class-names": ",".join(str(d) for d in range(10)), "out-dir": "runs/bench-deploy"}
+    paths = {}
+    for path, use_warm in (("warm", True), ("stock", False)):
+        work = out_dir / f"deployment-{path}"
+        if work.exists():
+            shutil.rmtree(work)
+        log.info("bench deploy: the %s path (%d nodes)", path, nodes)
+        paths[path] = _path_figures(run_deployed(work, run, nodes, warm=use_warm))
+    simulated = run_simulation_subprocess({**same, "out-dir": str(out_dir / "simulation")}, out_dir / "simulation")
+    warm, stock = paths["warm"], paths["stock"]
+    report = {
+        "nodes": nodes,
+        "rounds": len(simulated["rounds"]),
+        **{k: v for k, v in warm.items() if k not in ("round_seconds", "eval_seconds")},
+        "deployed_round_seconds": warm["round_seconds"],
+        "deployed_eval_seconds": warm["eval_seconds"],
+        "simulated_round_seconds": _round_seconds(simulated),
+        "simulated_eval_seconds": _median_round(simulated, "eval_seconds"),
+        "stock": stock,
+        "same_accuracy_matrix": warm["accuracy_matrix"] == stock["accuracy_matrix"],
         "empty_clientapp_process_seconds": empty_process_seconds(),
         "torch_clientapp_process_seconds": empty_process_seconds(imports="torch"),
-        "client_train_seconds": _median_round(deployed, "client_seconds"),
-        "config": deployed["config"],
+        "config": run,
     }
     report["ratio"] = report["deployed_round_seconds"] / max(report["simulated_round_seconds"], 1e-9)
+    stock["ratio"] = stock["round_seconds"] / max(report["simulated_round_seconds"], 1e-9)
     (out_dir / "deploy.json").write_text(json.dumps(report, indent=1))
     print(deploy_table(report))
     return report
 
 
 def deploy_table(report: dict[str, Any]) -> str:
-    """Markdown: deployed against simulated rounds, and the start-up breakdown of one message."""
+    """Markdown: deployed (warm and stock) against simulated rounds, and each path's start-up breakdown."""
+    stock = report["stock"]
     lines = [
-        "| per round (median) | deployed | simulated |",
-        "|---|---|---|",
-        f"| round, training + evaluation (s) | {report['deployed_round_seconds']:.2f} | "
+        "| per round (median) | deployed, warm executor | deployed, Flower's stock executor | simulated |",
+        "|---|---|---|---|",
+        f"| round, training + evaluation (s) | {report['deployed_round_seconds']:.2f} | {stock['round_seconds']:.2f} | "
         f"{report['simulated_round_seconds']:.2f} |",
-        f"| of which evaluation (s) | {report['deployed_eval_seconds']:.2f} | {report['simulated_eval_seconds']:.2f} |",
+        f"| of which evaluation (s) | {report['deployed_eval_seconds']:.2f} | {stock['eval_seconds']:.2f} | "
+        f"{report['simulated_eval_seconds']:.2f} |",
         f"| rounds evaluated with the next round's training | {report['rounds_evaluated_with_training']} of "
-        f"{report['rounds']} | |",
-        f"| ratio deployed / simulated | {report['ratio']:.2f} | |",
+        f"{report['rounds']} | {stock['rounds_evaluated_with_training']} of {report['rounds']} | |",
+        f"| ratio deployed / simulated | {report['ratio']:.2f} | {stock['ratio']:.2f} | |",
+        f"| accuracy matrix equal to the other path's | {report['same_accuracy_matrix']} | | |",
         "",
-        "| a deployed message's fresh process, before training | seconds |",
-        "|---|---|",
-        f"| total (per_message_overhead_seconds, median) | {report['per_message_overhead_seconds']:.2f} |",
+        "| a deployed message's process, before training (median s) | warm | stock |",
+        "|---|---|---|",
+        f"| total (per_message_overhead_seconds) | {report['per_message_overhead_seconds']:.2f} | "
+        f"{stock['per_message_overhead_seconds']:.2f} |",
     ]
-    lines += [f"| {name} | {value:.2f} |" for name, value in report["overhead_breakdown"].items()]
+    lines += [f"| {name} | {value:.2f} | {stock['overhead_breakdown'][name]:.2f} |"
+              for name, value in report["overhead_breakdown"].items()]
     lines += [
-        f"| an evaluate message's whole process (median) | {report['eval_message_seconds']:.2f} |",
-        f"| floor: a fresh interpreter importing Flower's ClientApp runner | "
-        f"{report['empty_clientapp_process_seconds']:.2f} |",
-        f"| floor with torch: the same + `import torch` | {report['torch_clientapp_process_seconds']:.2f} |",
-        f"| (training itself, for scale) | {report['client_train_seconds']:.2f} |",
+        f"| an evaluate message's whole process | {report['eval_message_seconds']:.2f} | "
+        f"{stock['eval_message_seconds']:.2f} |",
+        f"| (training itself, for scale) | {report['client_train_seconds']:.2f} | "
+        f"{stock['client_train_seconds']:.2f} |",
+        "",
+        f"Floor of a fresh process (stock path): an interpreter importing Flower's ClientApp runner "
+        f"{report['empty_clientapp_process_seconds']:.2f} s, with `import torch` "
+        f"{report['torch_clientapp_process_seconds']:.2f} s.",
     ]
     return "\n".join(lines)
