@@ -142,6 +142,11 @@ def _child(runner: Callable[[dict[str, Any]], None], spec: dict[str, Any], chann
 
         np.random.seed()
         restore_blas_threads()
+        from promptfcl.common import startup
+
+        # this message's process imported nothing (the zygote did, once): its start-up is
+        # Flower's task pull, the model build and the data, which the reply reports as usual
+        startup.record("imports", 0.0)
         runner(spec)
         code = 0
     except SystemExit as exc:  # Flower's runner ends with flwr_exit (sys.exit)

@@ -805,3 +805,28 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     assert [r["task_accuracies"] for r in results["rounds"]] == \
         [r["task_accuracies"] for r in deployment.results["rounds"]]
     assert not (out / checkpoint.FILENAME).exists()
+
+
+@pytest.mark.deploy
+def test_warm_executor_trains_exactly_what_the_stock_executor_trains(tmp_path):
+    """The same run deployed twice: nodes with the warm forking executor (deploy/start-client.sh's
+    default) and with Flower's stock one (--no-warm) reach the same accuracy matrix; only the
+    stock path's messages pay the imports (a fresh interpreter each), the warm one's never do."""
+    from promptfcl.server.loopback import run_deployed
+
+    run = {**RUN, "num-clients": 2, "clients-per-round": 2, "out-dir": "runs/warm-vs-stock"}
+    warm = run_deployed(tmp_path / "warm", run, 2)
+    stock = run_deployed(tmp_path / "stock", run, 2, warm=False)
+    assert warm["accuracy_matrix"] == stock["accuracy_matrix"]
+    assert warm["config_digest"] == stock["config_digest"]
+    warm_imports = [r["client_startup"].get("imports", 0.0) for r in warm["rounds"]]
+    stock_imports = [r["client_startup"].get("imports", 0.0) for r in stock["rounds"]]
+    assert all(s > 0.5 for s in stock_imports), stock_imports
+    assert all(w == 0.0 for w in warm_imports), warm_imports
+    # ... yet each warm message is still a process of its own, whose start-up is measured
+    assert all(r["client_overhead_seconds"] > 0.0 for r in warm["rounds"])
+    node_log = (tmp_path / "warm" / "node1.log").read_text(errors="replace")
+    assert "warm zygote" in node_log and "Start `flwr-clientapp` process" not in node_log
+    print(f"\nper-message overhead (median over rounds): warm "
+          f"{np.median([r['client_overhead_seconds'] for r in warm['rounds']]):.2f} s, stock "
+          f"{np.median([r['client_overhead_seconds'] for r in stock['rounds']]):.2f} s")
