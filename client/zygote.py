@@ -37,6 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: a forked task's first wait for message objects its SuperNode does not hold yet (Flower: 1 s)
+PULL_FIRST_RETRY_SECONDS = 0.05
+
 #: what a child runs: Flower's ClientApp runner, given the task's spec (see ``run_flower_task``)
 DEFAULT_RUNNER = "promptfcl.client.zygote:run_flower_task"
 
@@ -76,15 +79,32 @@ def installed_fingerprint() -> str:
 
 def preload() -> None:
     """Import what every ClientApp task imports; no tensor is created (see the module docstring)."""
+    import httpcore  # noqa: F401  (Flower's Runtime API client imports it on its first request)
+    import numpy.ma  # noqa: F401
     import threadpoolctl  # noqa: F401
-    import torch  # noqa: F401
+    import torch
+    import torch._dynamo  # noqa: F401  (torch.optim imports it on a process's first optimiser: 2 s)
 
     from promptfcl.client import app  # noqa: F401  (the ClientApp and, through it, the project)
     from promptfcl.common import startup
-    from promptfcl.common.flower_internals import internal
+    from promptfcl.common.flower_internals import internal, set_internal_default
+    from promptfcl.strategies.registry import methods
+
+    for name, method in methods().items():  # every installed method's code, ours and others'
+        try:
+            method.load("learner")
+            method.load("strategy")
+        except Exception as exc:  # noqa: BLE001 - a broken method fails in its own task, as it would cold
+            print(f"promptfcl zygote: method {name!r} not preloaded ({type(exc).__name__}: {exc})", file=sys.stderr)
 
     internal("run_clientapp")
     internal("resolve_root_certificates")
+    # A forked task asks its SuperNode for the message's objects within milliseconds of being
+    # launched, often before the SuperNode holds them all; Flower's runner then waits 1 s
+    # before asking again (made for processes that took seconds to start). Ask again sooner,
+    # backing off as Flower does (doubling, capped at its 10 s).
+    set_internal_default("pull_message_objects", "initial_backoff", PULL_FIRST_RETRY_SECONDS)
+    del torch
     # the zygote's own import time is not any child's start-up cost: a child reports what it times
     startup.take()
 
@@ -128,6 +148,20 @@ def load_runner(ref: str) -> Callable[[dict[str, Any]], None]:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
+#: a folder: each forked task writes its cProfile there (where a message's time goes)
+PROFILE_ENV = "PROMPTFCL_PROFILE_TASKS"
+
+
+def _profiler() -> Any:
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
 def _child(runner: Callable[[dict[str, Any]], None], spec: dict[str, Any], channel: socket.socket) -> None:
     """The forked child: a process of its own for one task; never returns."""
     code = 1
@@ -147,7 +181,13 @@ def _child(runner: Callable[[dict[str, Any]], None], spec: dict[str, Any], chann
         # this message's process imported nothing (the zygote did, once): its start-up is
         # Flower's task pull, the model build and the data, which the reply reports as usual
         startup.record("imports", 0.0)
-        runner(spec)
+        profiler = _profiler()
+        try:
+            runner(spec)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(os.environ[PROFILE_ENV], f"task-{os.getpid()}.prof"))
         code = 0
     except SystemExit as exc:  # Flower's runner ends with flwr_exit (sys.exit)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -88,6 +88,10 @@ INTERNALS: dict[str, Internal] = {
     "resolve_root_certificates": Internal(
         "flwr.supercore.tls", "validate_and_resolve_root_certificates",
         "a forked ClientApp task reads the Runtime API's CA as flwr-clientapp does", "none"),
+    "pull_message_objects": Internal(
+        "flwr.supercore.inflatable.inflatable_utils", "pull_and_inflate_object_from_tree",
+        "a forked ClientApp task asks for its message's objects sooner than Flower's 1 s first retry "
+        "(client/zygote.py)", "a retry-interval setting of the ClientApp runner"),
     "superlink_main": Internal(
         "flwr.superlink.cli", "flower_superlink",
         "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",
@@ -121,6 +125,25 @@ def replace_internal(name: str, value: Any) -> None:
     internal(name)
     entry = INTERNALS[name]
     setattr(importlib.import_module(entry.module), entry.attribute, value)
+
+
+def set_internal_default(name: str, parameter: str, value: Any) -> None:
+    """Change the default of ``parameter`` of the Flower function registered as ``name``, in
+    this process (the zygote: for its forked tasks); raises ``ImportError`` as :func:`internal`
+    does, and ``KeyError`` when the installed Flower's function has no such default."""
+    fn = internal(name)
+    if fn.__kwdefaults__ and parameter in fn.__kwdefaults__:
+        fn.__kwdefaults__[parameter] = value
+        return
+    import inspect
+
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.default is not inspect.Parameter.empty and p.kind != inspect.Parameter.KEYWORD_ONLY]
+    if parameter not in names or fn.__defaults__ is None:
+        raise KeyError(f"{INTERNALS[name].module}.{INTERNALS[name].attribute} has no default for {parameter!r}")
+    defaults = list(fn.__defaults__)
+    defaults[len(defaults) - len(names) + names.index(parameter)] = value
+    fn.__defaults__ = tuple(defaults)
 
 
 def missing_internals() -> list[str]:
