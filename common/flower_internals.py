@@ -92,6 +92,13 @@ INTERNALS: dict[str, Internal] = {
         "flwr.supercore.inflatable.inflatable_utils", "pull_and_inflate_object_from_tree",
         "a forked ClientApp task asks for its message's objects sooner than Flower's 1 s first retry "
         "(client/zygote.py)", "a retry-interval setting of the ClientApp runner"),
+    "supernode_main": Internal(
+        "flwr.supernode.cli", "flower_supernode",
+        "deploy/supernode.py: start the SuperNode with shorter waits", "a poll-interval option of flower-supernode"),
+    "supernode_loop_time": Internal(
+        "flwr.supernode.start_client_internal", "time",
+        "deploy/supernode.py: the SuperNode loop's fixed 3 s idle wait and 0.5 s local waits, shortened",
+        "a poll-interval option of flower-supernode"),
     "superlink_main": Internal(
         "flwr.superlink.cli", "flower_superlink",
         "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",

@@ -19,6 +19,8 @@
 #   --port          local port between the SuperNode and its ClientApp processes (one per node
 #                   on a machine; default 9094)
 #   --threads N     torch threads per ClientApp process (default: all cores)
+#   --poll SECONDS  how often an idle node asks the SuperLink for work (default 1; Flower's
+#                   SuperNode waits a fixed 3 s, which a round pays at its start; deploy/supernode.py)
 #   --no-warm       Flower's stock SuperExec: a fresh interpreter per message. The default
 #                   (Linux) is promptfcl-superexec beside a SuperNode in process isolation: every
 #                   message still runs in a process of its own, forked from a warm zygote that has
@@ -37,7 +39,7 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
-config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=(); warm=1
+config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=(); warm=1; poll=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
@@ -57,13 +59,15 @@ while [ $# -gt 0 ]; do
     --threads) threads=$2; shift 2 ;;
     --node) extra+=("$2"); shift 2 ;;
     --no-warm) warm=0; shift ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    --poll) poll=$2; shift 2 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
 [ -n "$superlink" ] || die "--superlink HOST:PORT is required"
 case "$device" in auto|cpu|cuda|mps) ;; *) die "--device must be auto, cpu, cuda or mps" ;; esac
 [[ "$threads" =~ ^[0-9]+$ ]] || die "--threads must be a number"
+[[ "$poll" =~ ^[0-9]*\.?[0-9]+$ ]] || die "--poll must be a number of seconds"
 
 # this node's data, as node-config (TOML values; strings quoted)
 node_config="device=\"$device\""
@@ -118,7 +122,8 @@ if [ "$warm" = 1 ] && [ "$(uname -s)" != Linux ]; then
   echo "note: the warm executor forks and runs on Linux only; Flower's stock executor on $(uname -s)" >&2
   warm=0
 fi
-[ "$warm" = 1 ] || exec flower-supernode "${args[@]}"
+supernode_cmd=("$PYTHON" "$DEPLOY_DIR/supernode.py" --idle-poll "$poll")
+[ "$warm" = 1 ] || exec "${supernode_cmd[@]}" "${args[@]}"
 
 # Warm: the SuperNode leaves its ClientApp tasks to a SuperExec we start (process isolation);
 # a secret shared by the two (0600, in this node's state) keeps other local processes from
@@ -127,7 +132,7 @@ command -v promptfcl-superexec >/dev/null || die "promptfcl-superexec not found:
 secret="$FLWR_HOME/superexec.secret"
 mkdir -p "$FLWR_HOME"
 [ -s "$secret" ] || (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$secret")
-flower-supernode "${args[@]}" --isolation process --superexec-auth-secret-file "$secret" &
+"${supernode_cmd[@]}" "${args[@]}" --isolation process --superexec-auth-secret-file "$secret" &
 supernode=$!
 promptfcl-superexec --insecure --runtime-api-address "127.0.0.1:$port" --parent-pid "$supernode" \
   --superexec-auth-secret-file "$secret" &

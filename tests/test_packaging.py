@@ -42,7 +42,7 @@ def test_the_wheel_holds_one_top_level_package_with_its_configs_and_scripts(tmp_
     assert {n.split("/")[0] for n in names} == {"promptfcl", wheel.name.split("-py3")[0] + ".dist-info"}
     for config in (ROOT / "configs").glob("*.toml"):
         assert f"promptfcl/configs/{config.name}" in names
-    for script in ("start-server.sh", "start-client.sh", "submit-run.sh", "register-node.sh", "superlink.py",
+    for script in ("start-server.sh", "start-client.sh", "submit-run.sh", "register-node.sh", "superlink.py", "supernode.py",
                    "run.toml", "Dockerfile", "compose.yaml"):
         assert f"promptfcl/deploy/{script}" in names
     for method in ("fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"):

@@ -173,3 +173,23 @@ def test_a_changed_installation_rebuilds_the_zygote(executor, tmp_path):
         os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
     done = reports(tmp_path, 2)
     assert ex.zygote.pid != first and done[2]["ppid"] == ex.zygote.pid and ex.counts["restarts"] == 2
+
+
+def test_supernode_waits_are_shortened_only_where_flower_waits_idle(monkeypatch):
+    """deploy/supernode.py: Flower's fixed 3 s idle wait becomes --idle-poll, its local waits at
+    most --local-poll, and the module it patches is the SuperNode loop's own ``time``."""
+    sys.path.insert(0, str(ROOT / "deploy"))
+    try:
+        import supernode
+    finally:
+        sys.path.remove(str(ROOT / "deploy"))
+    slept = []
+    monkeypatch.setattr(supernode.time, "sleep", slept.append)
+    waits = supernode.ShorterWaits(idle=0.7, local=0.05)
+    waits.sleep(3)
+    waits.sleep(0.5)
+    waits.sleep(0.01)
+    assert slept == [0.7, 0.05, 0.01]
+    assert waits.monotonic is supernode.time.monotonic  # everything else is the time module's
+    loop_time = internal("supernode_loop_time")
+    assert loop_time is supernode.time  # the name deploy/supernode.py rebinds exists in this Flower
