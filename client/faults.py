@@ -86,6 +86,21 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
 REVERSALS = {"poison": 10.0, "sign-flip": 1.0, "poison-under-filter": None}
 
 
+def reverse_update(trained: np.ndarray, sent: np.ndarray | None, scale: float) -> np.ndarray:
+    """``sent - scale x (trained - sent)``, the client's own update reversed and scaled. A reply
+    array that is a block of rows of what was sent (FPPL returns only its task's prompt row) is
+    reversed against the block of the sent array nearest to it (the rows it was trained from);
+    an array with nothing to compare to is negated."""
+    if sent is not None and sent.shape != trained.shape and sent.ndim == trained.ndim \
+            and sent.shape[1:] == trained.shape[1:] and trained.shape[0] <= sent.shape[0]:
+        rows = trained.shape[0]
+        start = min(range(sent.shape[0] - rows + 1), key=lambda i: float(np.sum((sent[i:i + rows] - trained) ** 2)))
+        sent = sent[start:start + rows]
+    if sent is None or sent.shape != trained.shape:
+        return (-scale * trained).astype(trained.dtype)
+    return (sent - scale * (trained - sent)).astype(trained.dtype)
+
+
 def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_factor: float = 10.0) -> RecordDict:
     """``reply`` as a client with fault ``kind`` would send it (``norm_factor``: the run's
     ``update-norm-factor``, which ``poison-under-filter`` stays under)."""
@@ -98,13 +113,9 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
         arrays[name] = arrays[name].reshape(-1)[:-1].copy()
     elif kind == "huge-values":
         arrays = {k: v * np.asarray(1e30, dtype=v.dtype) for k, v in arrays.items()}
-    elif kind in REVERSALS:  # the update reversed and scaled; arrays of another shape than sent: negated
+    elif kind in REVERSALS:  # the update reversed and scaled
         scale = REVERSALS[kind] or 0.9 * (norm_factor if norm_factor > 0 else 10.0)
-        arrays = {
-            k: (sent[k] - scale * (v - sent[k])).astype(v.dtype) if k in sent and sent[k].shape == v.shape
-            else (-scale * v).astype(v.dtype)
-            for k, v in arrays.items()
-        }
+        arrays = {k: reverse_update(v, sent.get(k), scale) for k, v in arrays.items()}
     elif kind == "extra-record":
         out["unexpected"] = ConfigRecord({"note": "not part of the protocol"})
     elif kind == "missing-record":

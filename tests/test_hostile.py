@@ -356,6 +356,23 @@ def test_reversing_attacks_reverse_the_update_at_their_scale(kind, factor, expec
     assert out.dtype == np.float32
 
 
+def test_reversing_attacks_reverse_a_returned_row_against_the_row_it_was_sent():
+    """FPPL returns only its task's prompt row: the attack reverses that row's own update (the
+    same norm as an honest update for sign-flip), not the whole value."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from promptfcl.client.faults import corrupt
+    from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+
+    sent = {"prompt.p0": np.stack([np.full((2, 3), 10.0 * t, np.float32) for t in range(4)])}  # (4, 2, 3)
+    trained_row = np.full((1, 2, 3), 20.5, np.float32)  # task 2's row, moved by +0.5
+    reply = RecordDict({ARRAYS: to_array_record({"prompt.p0": trained_row}), METRICS: MetricRecord({"num-examples": 5})})
+    out = from_array_record(corrupt("sign-flip", reply, sent)[ARRAYS])["prompt.p0"]
+    np.testing.assert_allclose(out, 19.5)  # 20 - 0.5: the update reversed, not the value negated
+    out = from_array_record(corrupt("poison", reply, sent)[ARRAYS])["prompt.p0"]
+    np.testing.assert_allclose(out, 15.0)
+
+
 def test_statistics_attacks_forge_well_formed_records():
     from flwr.app import MetricRecord, RecordDict
 
