@@ -584,3 +584,24 @@ def test_end_to_end_asynchronous_simulation(tmp_path):
     acc = results["accuracy_matrix"]
     assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
     assert (tmp_path / "run" / "results.json").exists()
+
+
+def test_update_norms_measure_the_clients_change_not_its_values(flower_identity):
+    """The norm filter and update-clip read a Powder reply's update against what the client
+    trained from (its task's P_hat slice, its head rows): a client that returns what it got has
+    norm 0, and a reversed x10 change reads ten times an honest one (it read about 3.5 times when
+    norms were of the values, and poisoned replies passed the filter)."""
+    _, s, state = strategy_with_pool(k=2)
+    send_tasks(s, {0: 0, 1: 1, 2: 2, 3: 3})
+    msgs = configure(s, 1, to_array_record(state), 0, 2, 4)
+    s.aggregate_train(1, [echo(m) for m in msgs])
+    assert s.update_norms == pytest.approx([0.0] * 4, abs=1e-6)
+    msgs = configure(s, 2, to_array_record(state), 0, 2, 4)
+    shifts = [{t: 0.01 for t in range(4)} for _ in msgs]
+    shifts[0] = {t: -0.05 for t in range(4)}  # reversed and 5 times larger: under the filter's 10
+    shifts[3] = {t: -0.3 for t in range(4)}  # reversed and 30 times larger: refused
+    s.aggregate_train(2, [echo(m, shift) for m, shift in zip(msgs, shifts)])
+    norms = s.update_norms
+    assert len(norms) == 3 and norms[0] == pytest.approx(5 * norms[1], rel=1e-4)
+    assert norms[1] == pytest.approx(norms[2], rel=1e-4) and norms[1] > 0
+    assert "update norm" in s.rejected[-1][1]

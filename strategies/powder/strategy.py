@@ -218,17 +218,17 @@ class PowderStrategy(PromptStrategy):
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
         classes = task_classes(self.cfg, task, self.num_classes)
-        out, expected, start = {}, {}, {}
+        out, expected, start, origin = {}, {}, {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
             if rows is None:  # not task-structured: travels whole
-                out[name], expected[name] = value, np.zeros_like(value)
+                out[name], expected[name], origin[name] = value, np.zeros_like(value), value
             elif name.startswith("prompt."):  # the local pool's slices
                 out[name] = np.concatenate([value[self._rows(name, value, t)] for t in local])
                 expected[name] = np.zeros_like(value[rows])
-                start[name] = value[rows].copy()
+                start[name] = origin[name] = value[rows].copy()
             else:  # the head rows of the client's task
-                out[name], expected[name] = value[rows], np.zeros_like(value[rows])
+                out[name], expected[name], origin[name] = value[rows], np.zeros_like(value[rows]), value[rows]
         g_class = self.class_correlation()
         sent.config[LOCAL_TASKS] = [int(t) for t in local]
         # the weight of the client's raw slice in each local slice of P_hat (eq. 3): its change
@@ -236,9 +236,13 @@ class PowderStrategy(PromptStrategy):
         sent.config[OWN_WEIGHTS] = [float(self.mixing[s, task]) for s in local]
         sent.config[MEASURE] = measure
         sent.config[CLASS_CORR] = [float(v) for v in g_class[classes].sum(axis=1)]
-        # what the reply holds: the task's slice and head rows; being zeros, its update norm is
-        # the norm of the reply's own values
+        # what the reply holds: the task's slice and head rows (shapes only) ...
         sent.expected = to_array_record(expected)
+        # ... and what its update is measured from, for the norm filter and update-clip: the raw
+        # slice its change is added to (raw_slices) and the head rows and whole arrays it was sent
+        # (measured from zeros, as before, the norm was of the values: a reversed x10 update
+        # read only 3.5 times an honest one and passed the filter)
+        sent.start = origin
         sent.data = PowderSent(local, measured if measure else (), start)
         return RecordDict({ARRAYS: to_array_record(out), CONFIG: sent.config})
 
