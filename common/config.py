@@ -165,6 +165,9 @@ class ExperimentConfig:
     # Norm bounding: an accepted update longer than update-clip x the round's lower median
     # update norm is scaled down to that length (0: off)
     update_clip: float = key(0.0, "robustness", ("results",))
+    # Direction check: an accepted update whose cosine with the round's coordinate-wise median
+    # update is below update-min-cosine is excluded (-1: off; 3+ replies)
+    update_min_cosine: float = key(-1.0, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): per statistic, each client's vector, covariance
     # scale and count cut to stats-bound x the lower median over its reporters (0: off)

@@ -135,6 +135,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.round_retries >= 0, "round-retries must be >= 0")
     need(math.isfinite(cfg.update_norm_factor) and (cfg.update_norm_factor == 0 or cfg.update_norm_factor > 1),
          f"update-norm-factor must be 0 (off) or > 1, got {cfg.update_norm_factor}")
+    need(math.isfinite(cfg.update_min_cosine) and -1 <= cfg.update_min_cosine < 1,
+         f"update-min-cosine must be in [-1, 1) (-1: off), got {cfg.update_min_cosine}")
     need(math.isfinite(cfg.update_clip) and (cfg.update_clip == 0 or cfg.update_clip >= 1),
          f"update-clip must be 0 (off) or >= 1 (a multiple of the round's lower median norm), got {cfg.update_clip}")
     need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),

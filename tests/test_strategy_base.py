@@ -147,3 +147,87 @@ def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(cl
     assert not s.rejected  # bounded, not refused
     if clip:  # the hostile update keeps its direction at clip x the honest length
         assert max(a.update_norm for a in s.accepted) == pytest.approx(clip * np.sqrt(6))
+
+
+def _non_iid_update(client: int, sign: float = 1.0) -> RecordDict:
+    """A (3, 2) head update: every client moves row 0 (the shared part) by +1 and its own
+    class's row by +2 (each on another row or column); ``sign`` -1 is that update reversed."""
+    w = np.zeros((3, 2), np.float32)
+    w[0] = 1.0
+    w[1 + client % 2, client // 2 % 2] = 2.0
+    return RecordDict({ARRAYS: to_array_record({"head.weight": sign * w}),
+                       METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
+
+
+@pytest.mark.parametrize("min_cosine", [-1.0, 0.0])
+def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_cosine, flower_identity):
+    """Four honest clients, each with its own non-IID update (they share only row 0), and one
+    that returns its update reversed, as long as an honest one: the norm filter and update-clip
+    cannot see it; the direction check (cosine with the round's median update below 0) excludes
+    it and only it, and what is averaged is then exactly the honest clients' mean."""
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=min_cosine,
+                                   update_clip=1.0), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
+    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    honest = [from_array_record(c[ARRAYS])["head.weight"] for c in contents[:4]]
+    flipped = from_array_record(contents[4][ARRAYS])["head.weight"]
+    expected = np.mean(honest, axis=0) if min_cosine > -1 else np.mean(honest + [flipped], axis=0)
+    np.testing.assert_allclose(from_array_record(arrays)["head.weight"], expected, rtol=1e-6)
+    assert len(s.accepted) == (4 if min_cosine > -1 else 5)
+    if min_cosine > -1:
+        assert [node for node, _ in s.rejected] == [msgs[4].metadata.dst_node_id]
+        assert "points against the round" in s.rejected[0][1]
+
+
+def test_direction_outliers_judges_only_comparable_updates_of_three_or_more():
+    from promptfcl.strategies.platform.replies import direction_outliers
+
+    up = {"a": np.ones(4)}
+    assert direction_outliers([up, {"a": -np.ones(4)}], 0.0) == [None, None]  # two: never judged
+    # an array one update holds in another shape (another task slice) is left out of the comparison
+    three = [{"a": np.ones(4), "b": np.ones(2)}, {"a": np.ones(4), "b": np.ones(3)}, {"a": -np.ones(4), "b": np.ones(2)}]
+    flags = direction_outliers(three, 0.0)
+    assert flags[:2] == [None, None] and "cosine -1.000" in flags[2]
+    # a client that did not move (norm 0) is not pointing anywhere
+    assert direction_outliers([up, up, {"a": np.zeros(4)}], 0.0) == [None, None, None]
+    # the threshold is the user's: 0.99 also excludes an honest update at 45 degrees to the rest
+    tilted = {"a": np.array([1.0, 1.0, 1.0, -1.0])}
+    assert direction_outliers([up, up, tilted], 0.99)[2] is not None
+    assert direction_outliers([up, up, tilted], 0.0)[2] is None
+
+
+def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(flower_identity):
+    """Asynchronous arrival: four clients on task 0 (one of them reversed) and one a task ahead,
+    whose update (its own task's rows up, task 0's head rows down, as a client learning new
+    classes does) points against task 0's median. The reversed client is excluded; the one
+    ahead is alone on its task, so nothing judges it and it is kept."""
+    from promptfcl.common.tasks import task_rows
+
+    cfg = tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=0.0,
+                      **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
+    strategy = FedAvgStrategy(cfg, 10)
+    head = np.zeros((10, 3), np.float32)
+    sent = to_array_record({"head.weight": head})
+    for server_round in range(1, 5):
+        msgs = list(strategy.configure_train(server_round, sent, ConfigRecord({"task": 0, "round": server_round - 1}),
+                                             NodeList(5)))
+        tasks = [int(m.content["config"]["task"]) for m in msgs]
+        if len(set(tasks)) > 1:
+            break
+    assert sorted(tasks) == [0, 0, 0, 0, 1]
+    rows = {t: task_rows(cfg, "head.weight", head, t, 10) for t in (0, 1)}
+    replies, on_task_0 = [], 0
+    for msg, task in zip(msgs, tasks):
+        h = head.copy()
+        if task == 1:
+            h[rows[1]], h[rows[0]] = 1.0, -0.5
+        else:
+            h[rows[0]] = -1.0 if on_task_0 == 3 else 1.0  # the fourth client on task 0 is reversed
+            on_task_0 += 1
+        replies.append(Message(RecordDict({ARRAYS: to_array_record({"head.weight": h}),
+                                           METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
+                                                                  "train-seconds": 0.1})}), reply_to=msg))
+    strategy.aggregate_train(server_round, replies)
+    assert sorted(a.task for a in strategy.accepted) == [0, 0, 0, 1]
+    assert len(strategy.rejected) == 1 and "points against the round" in strategy.rejected[0][1]

@@ -25,6 +25,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "clip": {"aggregation": "mean", "update-clip": 1.0},  # the norm filter, then norm bounding at the median
     # norm bounding of updates and bounded influence of statistics (strategies/platform/statistics.py)
     "bounded": {"aggregation": "mean", "update-clip": 1.0, "stats-bound": 3.0},
+    # bounded, and updates pointing against the round's median update excluded
+    "directed": {"aggregation": "mean", "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
     "median": {"update-norm-factor": 0.0, "aggregation": "median"},
     "trimmed-mean": {"update-norm-factor": 0.0, "aggregation": "trimmed-mean"},
 }

@@ -11,6 +11,8 @@ reply can do to the model:
   ``update-norm-factor`` times the round's lower median update norm, or above
   ``max-update-norm``, is excluded (the lower median is an honest reply's norm while fewer
   than half of the replies are hostile, and with two replies the smaller one);
+* directions: with ``update-min-cosine`` above -1, an update whose cosine with the round's
+  coordinate-wise median update is below it is excluded (:func:`direction_outliers`);
 * weights: with ``population = "nodes"`` (counts that the server cannot verify) no reply
   gets more than ``max-client-weight`` of a round's weight once 3 or more replies arrive;
 * combination: sample-weighted mean (FedAvg), or coordinate-wise median or trimmed mean
@@ -104,6 +106,12 @@ def update_norm(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]
     return math.sqrt(total)
 
 
+def update_of(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """``reply - start`` per array, in float64 (``reply`` itself when ``start`` is None)."""
+    return {name: np.asarray(value, dtype=np.float64) - (0.0 if start is None else np.asarray(start[name], np.float64))
+            for name, value in reply.items()}
+
+
 def lower_median(values: Sequence[float]) -> float:
     """The ceil(n/2)-th smallest value (0 for none): a hostile minority cannot move it."""
     return float(np.sort(np.asarray(values, dtype=np.float64))[(len(values) - 1) // 2]) if len(values) else 0.0
@@ -138,6 +146,33 @@ def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list
                        f"{reference:.3g}")
         else:
             out.append(None)
+    return out
+
+
+def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: float) -> list[str | None]:
+    """For each update, why it points against the round (None: it does not): its cosine with the
+    coordinate-wise median of all the round's updates is below ``min_cosine``.
+
+    The median update is an honest one's direction while fewer than half of the replies are
+    hostile, so a reversed update (a sign flip, whatever its length) reads a negative cosine
+    while honest ones, even non-IID, agree at least in sign on the shared prompt. Only arrays
+    that every update holds with one shape are compared (clients on other task slices), and
+    fewer than 3 updates are never judged (the median of two is their mean).
+    """
+    names = [n for n in updates[0] if all(n in u and np.shape(u[n]) == np.shape(updates[0][n]) for u in updates)] \
+        if updates else []
+    if len(updates) < 3 or not names:
+        return [None] * len(updates)
+    flat = np.stack([np.concatenate([np.ravel(np.asarray(u[n], dtype=np.float64)) for n in names]) for u in updates])
+    reference = np.median(flat, axis=0)
+    ref_norm = float(np.linalg.norm(reference))
+    out: list[str | None] = []
+    for row in flat:
+        norm = float(np.linalg.norm(row))
+        cosine = float(row @ reference) / (norm * ref_norm) if norm > 0 and ref_norm > 0 else 1.0
+        out.append(None if cosine >= min_cosine else
+                   f"update points against the round: cosine {cosine:.3f} with the median update, below "
+                   f"update-min-cosine = {min_cosine:g}")
     return out
 
 

@@ -48,9 +48,11 @@ from promptfcl.strategies.platform.replies import (
     REPLY_METRICS,
     MetricSpec,
     clipped_update,
+    direction_outliers,
     lower_median,
     norm_outliers,
     update_norm,
+    update_of,
 )
 from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
 from promptfcl.strategies.platform.sampling import Sampling
@@ -343,9 +345,26 @@ class PromptStrategy(Sampling, FedAvg):
             accepted.append(a)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
+        if self.cfg.update_min_cosine > -1 and len(accepted) >= 3:
+            accepted = self._drop_reversed(accepted)
         if self.cfg.update_clip > 0 and len(accepted) >= 2:
             self._clip_updates(accepted)
         return accepted
+
+    def _drop_reversed(self, accepted: list[Accepted]) -> list[Accepted]:
+        """Direction check: replies whose update points against the median update of the replies
+        on the same task are excluded (a client alone ahead on its task trains rows nobody else
+        does: there is no majority to judge it by)."""
+        reasons: dict[int, str | None] = {}
+        for task in {a.task for a in accepted}:
+            group = [i for i, a in enumerate(accepted) if a.task == task]
+            updates = [update_of(from_array_record(accepted[i].content[ARRAYS]), self.update_start(accepted[i].sent))
+                       for i in group]
+            reasons.update(zip(group, direction_outliers(updates, self.cfg.update_min_cosine)))
+        for i, a in enumerate(accepted):
+            if reasons[i] is not None:
+                self._reject(a.reply, reasons[i])  # type: ignore[arg-type]
+        return [a for i, a in enumerate(accepted) if reasons[i] is None]
 
     def _clip_updates(self, accepted: list[Accepted]) -> None:
         """Norm bounding: an update longer than ``update-clip`` x the round's lower median update
