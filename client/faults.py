@@ -17,7 +17,8 @@ they are sampled (a fixed hostile share of the population). The mod sits between
   (trained - sent)), ``poison-under-filter`` (the update reversed and scaled to 0.9 x
   ``update-norm-factor``, just under where the norm filter refuses an update of an honest
   client's length), ``nan-metrics`` (a NaN training loss), and on the statistics a reply
-  carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`).
+  carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`), in training replies and in
+  the answers to an exchange before training (query messages: Powder's measured alphas).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> 
 def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """The mod: pass every message through, and make the chosen train messages misbehave (on a node
     that enabled fault injection)."""
-    if msg.metadata.message_type != MessageType.TRAIN or not context.run_config.get("fault"):
+    kind = msg.metadata.message_type
+    if kind not in (MessageType.TRAIN, MessageType.QUERY) or not context.run_config.get("fault"):
+        return call_next(msg, context)
+    # an exchange before training (Powder's measured alphas) carries statistics, not a model
+    if kind == MessageType.QUERY and context.run_config.get("fault") not in STATISTICS_ATTACKS:
         return call_next(msg, context)
     if not NodePolicy.from_node_config(context.node_config).fault_injection:
         log.warning(
@@ -105,8 +110,8 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
     """``reply`` as a client with fault ``kind`` would send it (``norm_factor``: the run's
     ``update-norm-factor``, which ``poison-under-filter`` stays under)."""
     out = RecordDict({name: reply[name] for name in reply.keys()})
-    arrays = from_array_record(reply[ARRAYS])
-    name = next(iter(arrays))
+    arrays = from_array_record(reply[ARRAYS]) if ARRAYS in reply.array_records else {}
+    name = next(iter(arrays), "")
     if kind == "nan":
         arrays[name] = np.full_like(arrays[name], np.nan)
     elif kind == "shape":

@@ -394,3 +394,30 @@ def test_statistics_attacks_forge_well_formed_records():
     np.testing.assert_allclose(forged("cov-inflate")["cov-diag"], 50.0)
     hist = forged("hist-forge")
     assert hist["counts"].tolist() == [40, 0] and hist["classes"].tolist() == [2, 3]  # same total, one class
+
+
+def test_statistics_attacks_reach_an_exchange_answer_that_carries_no_model(flower_identity):
+    """Powder measures its alphas in an exchange before training (a query message, no model in
+    the answer): the statistics attacks forge those too; model attacks leave a query alone."""
+    from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
+    from flwr.app import ConfigRecord as Config
+
+    from promptfcl.client.faults import inject_faults
+    from promptfcl.common.records import CONFIG, METRICS, from_array_record, to_array_record
+
+    alphas = {"tasks": np.array([1]), "task-alpha": np.full((1, 6), 0.25, np.float32), "task-count": np.array([40])}
+
+    def answer(msg, context):
+        return Message(RecordDict({"powder-alpha": to_array_record(alphas),
+                                   METRICS: MetricRecord({"num-examples": 40})}), reply_to=msg)
+
+    def sent(fault):
+        query = Message(RecordDict({CONFIG: Config({"client-id": 0, "task": 1, "round": 0})}), dst_node_id=1,
+                        message_type=MessageType.QUERY)
+        context = Context(run_id=1, node_id=1, node_config={"fault-injection": True}, state=RecordDict(),
+                          run_config={"fault": fault, "fault-clients": "0"})
+        return from_array_record(inject_faults(query, context, answer).content["powder-alpha"])
+
+    np.testing.assert_allclose(sent("stats-scale")["task-alpha"], 5.0)
+    np.testing.assert_allclose(sent("stats-shift")["task-alpha"], 5.25)
+    np.testing.assert_allclose(sent("sign-flip")["task-alpha"], 0.25)  # a model attack: nothing to reverse here
