@@ -399,8 +399,8 @@ def test_statistics_attacks_forge_well_formed_records():
 def test_statistics_attacks_reach_an_exchange_answer_that_carries_no_model(flower_identity):
     """Powder measures its alphas in an exchange before training (a query message, no model in
     the answer): the statistics attacks forge those too; model attacks leave a query alone."""
-    from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
     from flwr.app import ConfigRecord as Config
+    from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
 
     from promptfcl.client.faults import inject_faults
     from promptfcl.common.records import CONFIG, METRICS, from_array_record, to_array_record
