@@ -231,3 +231,12 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     strategy.aggregate_train(server_round, replies)
     assert sorted(a.task for a in strategy.accepted) == [0, 0, 0, 1]
     assert len(strategy.rejected) == 1 and "points against the round" in strategy.rejected[0][1]
+
+
+def test_direction_check_is_not_applied_under_client_side_dp_noise():
+    """With dp.noise-multiplier > 0 every honest update carries Gaussian noise much longer than its
+    signal, so its cosine with the median is near 0 either way: the check would exclude honest
+    clients at random, and it is not applied (clipping alone, without noise, keeps it)."""
+    noisy = FedAvgStrategy(tiny_config(update_min_cosine=0.0, **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
+    clipped = FedAvgStrategy(tiny_config(update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
+    assert (noisy.direction_check, clipped.direction_check) == (False, True)

@@ -39,7 +39,7 @@ from flwr.serverapp.strategy import FedAvg
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.model import CodaPrompt
 from promptfcl.common.options import MethodOptions, NoOptions
-from promptfcl.common.privacy import PrivateRecord, check_privacy
+from promptfcl.common.privacy import PrivateRecord, check_privacy, privacy_options
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from promptfcl.common.schedule import task_schedule
 from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
@@ -127,6 +127,11 @@ class PromptStrategy(Sampling, FedAvg):
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
         self.schedule = self.check_schedule(cfg)
         self.check_privacy(cfg)
+        # client-side DP noise hides an update's direction (an honest one reads a cosine near 0)
+        self.direction_check = cfg.update_min_cosine > -1 and privacy_options(cfg).noise_multiplier == 0
+        if cfg.update_min_cosine > -1 and not self.direction_check:
+            log.info("update-min-cosine is not applied: with dp.noise-multiplier > 0 the clients' noise hides "
+                     "their updates' directions")
         self.sent_round = SentRound()  # this round's train messages
         self.exchange_round = SentRound()  # this round's exchange before training
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
@@ -345,7 +350,7 @@ class PromptStrategy(Sampling, FedAvg):
             accepted.append(a)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
-        if self.cfg.update_min_cosine > -1 and len(accepted) >= 3:
+        if self.direction_check and len(accepted) >= 3:
             accepted = self._drop_reversed(accepted)
         if self.cfg.update_clip > 0 and len(accepted) >= 2:
             self._clip_updates(accepted)
