@@ -18,17 +18,21 @@ log = logging.getLogger("promptfcl")
 
 
 # ----------------------------------------------------------------------------- robustness
-#: the defences ``bench robustness`` compares, as run-config changes
+#: the defences ``bench robustness`` compares, as run-config changes; each names all of its keys,
+#: so that a defence means the same whatever the defaults are
+_OFF = {"update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
+        "aggregation": "mean"}
+_NORM_FILTER = {**_OFF, "update-norm-factor": 10.0}
 DEFENCES: dict[str, dict[str, Any]] = {
-    "none": {"update-norm-factor": 0.0, "aggregation": "mean"},
-    "norm-filter": {"aggregation": "mean"},  # update-norm-factor as configured (default 10)
-    "clip": {"aggregation": "mean", "update-clip": 1.0},  # the norm filter, then norm bounding at the median
+    "none": _OFF,
+    "norm-filter": _NORM_FILTER,  # the default before #31: exclude updates above 10 x the lower median norm
+    "clip": {**_NORM_FILTER, "update-clip": 1.0},  # the norm filter, then norm bounding at the median
     # norm bounding of updates and bounded influence of statistics (strategies/platform/statistics.py)
-    "bounded": {"aggregation": "mean", "update-clip": 1.0, "stats-bound": 3.0},
-    # bounded, and updates pointing against the round's median update excluded
-    "directed": {"aggregation": "mean", "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
-    "median": {"update-norm-factor": 0.0, "aggregation": "median"},
-    "trimmed-mean": {"update-norm-factor": 0.0, "aggregation": "trimmed-mean"},
+    "bounded": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0},
+    # bounded, and updates pointing against their task's median update excluded
+    "directed": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
+    "median": {**_OFF, "aggregation": "median"},
+    "trimmed-mean": {**_OFF, "aggregation": "trimmed-mean"},
 }
 
 
