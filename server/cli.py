@@ -8,7 +8,7 @@ promptfcl bench perf [--out DIR]       speed against the compute bound, scale, m
 promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
 promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
-promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (none, norm filter,
+promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (the defaults, norm filter,
                                        median, trimmed mean)
 promptfcl show DIR                     print the result table of a finished run
 promptfcl strategies                   list the available methods
@@ -95,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     rob = bench_sub.add_parser("robustness", help="A_N with a share of hostile clients, under each defence")
     rob.add_argument("--out", default="runs/bench-robustness")
     rob.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    rob.add_argument("--methods", "--method", default="fedavg", help="comma-separated methods")
-    rob.add_argument("--attacks", default="huge-values,poison", help="fault kinds (client/faults.py)")
-    rob.add_argument("--defences", default="none,norm-filter,median,trimmed-mean")
+    rob.add_argument("--methods", "--method", default="", help="comma-separated methods (default: every method)")
+    rob.add_argument("--attacks", default="poison,sign-flip,poison-under-filter,stats-scale,stats-shift,cov-inflate,"
+                     "hist-forge", help="fault kinds (client/faults.py); statistics attacks only on methods that "
+                     "upload statistics")
+    rob.add_argument("--defences", default="default,norm-filter",
+                     help="of: default (the configuration as given), none, norm-filter, clip, bounded, directed, "
+                     "median, trimmed-mean (server/bench/attacks.py)")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
     cmp_ = bench_sub.add_parser(
@@ -297,9 +301,7 @@ def _bench(args: argparse.Namespace) -> int:
         base = load_config(None, short + args.set, None, None).to_dict()
         check_weights(ExperimentConfig.from_dict(base))
         chosen = (
-            [m for m in args.methods.split(",") if m]
-            if args.bench == "robustness"
-            else [base["strategy"]]
+            [base["strategy"]]
             if args.bench == "deploy"
             else [m for m in args.methods.split(",") if m] or sorted(methods())
         )

@@ -215,3 +215,10 @@ def test_every_robustness_defence_and_attack_is_a_valid_configuration():
     table = robustness_table(rows, "2 of 10 clients").splitlines()
     assert len(table) == 2 + 4 and table[2].startswith("| fedavg | clean | bounded | 2 | 40.5 ± 0.5 |")
     assert table[-1].startswith("| hgp | poison | bounded | 2 |") and table[-1].endswith("| 2 / 18 |")
+
+
+def test_statistics_attacks_run_only_against_methods_that_upload_statistics():
+    from promptfcl.server.bench.attacks import uploads_statistics
+    from promptfcl.strategies.registry import methods
+
+    assert {m for m in methods() if uploads_statistics(m)} == {"hgp", "fppl", "powder"}

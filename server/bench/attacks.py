@@ -10,9 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from promptfcl.client.faults import STATISTICS_ATTACKS
 from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.records import ARRAYS, METRICS
 from promptfcl.server.bench.common import run_simulation_subprocess
-from promptfcl.server.bench.comparison import finished_run
+from promptfcl.server.bench.comparison import finished_run, parse_method
+from promptfcl.strategies.registry import strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -24,6 +27,7 @@ _OFF = {"update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "upda
         "aggregation": "mean"}
 _NORM_FILTER = {**_OFF, "update-norm-factor": 10.0}
 DEFENCES: dict[str, dict[str, Any]] = {
+    "default": {},  # the configuration as given: the code's defaults unless --set changes them
     "none": _OFF,
     "norm-filter": _NORM_FILTER,  # the default before #31: exclude updates above 10 x the lower median norm
     "clip": {**_NORM_FILTER, "update-clip": 1.0},  # the norm filter, then norm bounding at the median
@@ -50,6 +54,8 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
     cases = [("clean", d) for d in defences] + [(a, d) for a in attacks for d in defences]
     for method in methods:
         for attack, defence in cases:
+            if attack in STATISTICS_ATTACKS and not uploads_statistics(method):
+                continue  # nothing for the attack to forge
             for seed in seeds:
                 settings = {**base, **DEFENCES[defence], "seed": seed}
                 if attack != "clean":
@@ -70,6 +76,13 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
     (out_dir / "robustness.md").write_text(table + "\n")
     print(table)
     return rows
+
+
+def uploads_statistics(method: str) -> bool:
+    """Whether ``method``'s replies carry statistics besides the model (records the statistics
+    attacks forge: HGP's Gaussians, FPPL's prototypes, Powder's alphas)."""
+    records = strategy_class(parse_method(method)[0]).reply_records
+    return records is None or bool(set(records) - {ARRAYS, METRICS})
 
 
 def robustness_table(rows: list[dict[str, Any]], hostile: str) -> str:
