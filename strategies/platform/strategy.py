@@ -350,10 +350,13 @@ class PromptStrategy(Sampling, FedAvg):
             accepted.append(a)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
+        # the clip bound is read before the direction check: what that check leaves may be a
+        # hostile majority (honest label-skewed updates can disagree more than two attackers do)
+        reference_norm = lower_median([a.update_norm for a in accepted])
         if self.direction_check and len(accepted) >= 3:
             accepted = self._drop_reversed(accepted)
         if self.cfg.update_clip > 0 and len(accepted) >= 2:
-            self._clip_updates(accepted)
+            self._clip_updates(accepted, self.cfg.update_clip * reference_norm)
         return accepted
 
     def _drop_reversed(self, accepted: list[Accepted]) -> list[Accepted]:
@@ -371,11 +374,11 @@ class PromptStrategy(Sampling, FedAvg):
                 self._reject(a.reply, reasons[i])  # type: ignore[arg-type]
         return [a for i, a in enumerate(accepted) if reasons[i] is None]
 
-    def _clip_updates(self, accepted: list[Accepted]) -> None:
-        """Norm bounding: an update longer than ``update-clip`` x the round's lower median update
-        norm is scaled down to that length, its direction kept, so no reply moves the average
-        further than an honest one would (a hostile minority cannot move the median)."""
-        bound = self.cfg.update_clip * lower_median([a.update_norm for a in accepted])
+    def _clip_updates(self, accepted: list[Accepted], bound: float) -> None:
+        """Norm bounding: an update longer than ``bound`` (``update-clip`` x the lower median
+        update norm of the replies the norm filter kept) is scaled down to that length, its
+        direction kept, so no reply moves the average further than an honest one would (a hostile
+        minority cannot move the median)."""
         for a in accepted:
             if bound > 0 and a.update_norm > bound:
                 arrays = clipped_update(from_array_record(a.content[ARRAYS]), self.update_start(a.sent),
