@@ -36,6 +36,10 @@ def test_a_hostile_minority_cannot_move_the_bounded_statistics_far():
     assert np.array_equal(bound_vectors(vectors[:2], 3.0), vectors[:2])  # two reporters: nothing to compare
     np.testing.assert_allclose(bound_scales(np.array([1.0, 1.2, 0.9, 100.0]), 2.0), [1, 1, 1, 0.02])
     np.testing.assert_allclose(bound_counts(np.array([100, 120, 90, 10**6]), 2.0), [100, 120, 90, 200])
+    # noisy covariances (client-side DP) can have negative traces: a negative one is left alone,
+    # and a bound is read only from a positive lower median (never flipping or erasing the rest)
+    np.testing.assert_allclose(bound_scales(np.array([-1.0, 2.0, 3.0, 100.0]), 3.0), [1, 1, 1, 0.06])
+    np.testing.assert_array_equal(bound_scales(np.array([-5.0, -3.0, 1.0, 2.0]), 3.0), [1, 1, 1, 1])
     weighted = bounded_mean(np.vstack([honest, honest[0] + 50]), np.array([100, 100, 100, 100, 5000]), 2.0)
     assert np.linalg.norm(weighted - honest.mean(axis=0)) < 2.5  # forged count and mean both bounded
 

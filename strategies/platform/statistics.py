@@ -42,12 +42,14 @@ def bound_vectors(vectors: np.ndarray, bound: float) -> np.ndarray:
 
 
 def bound_scales(scales: np.ndarray, bound: float) -> np.ndarray:
-    """Multipliers (<= 1) that cut each non-negative scale to ``bound`` x the lower median scale
-    (all 1 with ``bound`` 0 or fewer than 3 scales)."""
+    """Multipliers in (0, 1] that cut each scale to ``bound`` x the lower median scale (all 1
+    with ``bound`` 0, fewer than 3 scales, or a lower median that is not positive: noisy
+    covariances under client-side DP can have a negative trace, and a bound read from noise
+    would flip or erase the honest ones)."""
     scales = np.asarray(scales, dtype=np.float64)
-    if bound <= 0 or len(scales) < MIN_CONTRIBUTIONS:
+    limit = bound * lower_median(scales) if len(scales) >= MIN_CONTRIBUTIONS else 0.0
+    if bound <= 0 or not limit > 0:
         return np.ones(len(scales))
-    limit = bound * lower_median(scales)
     return np.minimum(1.0, limit / np.maximum(scales, np.finfo(np.float64).tiny))
 
 
