@@ -164,14 +164,14 @@ class ExperimentConfig:
     update_norm_factor: float = key(10.0, "robustness", ("results",))
     # Norm bounding: an accepted update longer than update-clip x the round's lower median
     # update norm is scaled down to that length (0: off)
-    update_clip: float = key(0.0, "robustness", ("results",))
+    update_clip: float = key(1.0, "robustness", ("results",))
     # Direction check: an accepted update whose cosine with the round's coordinate-wise median
     # update is below update-min-cosine is excluded (-1: off; 3+ replies)
-    update_min_cosine: float = key(-1.0, "robustness", ("results",))
+    update_min_cosine: float = key(0.0, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): per statistic, each client's vector, covariance
     # scale and count cut to stats-bound x the lower median over its reporters (0: off)
-    stats_bound: float = key(0.0, "robustness", ("results",))
+    stats_bound: float = key(3.0, "robustness", ("results",))
     max_update_norm: float = key(0.0, "robustness", ("results",))
     max_client_weight: float = key(0.5, "robustness", ("results",))
     aggregation: str = key("mean", "robustness", ("results",))

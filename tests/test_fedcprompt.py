@@ -20,7 +20,7 @@ from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
 from promptfcl.strategies.fedcprompt.strategy import FedCPromptStrategy
 from promptfcl.strategies.platform.aggregation import aggregate_per_task, weighted_average
 from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
-from tests.conftest import reply_from, tiny_config
+from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -308,7 +308,7 @@ class ScheduledStrategy(FedCPromptStrategy):
 
 
 def async_setup(num_tasks=3, known=2):
-    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks)
+    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
     s = ScheduledStrategy(cfg, num_classes)
     shapes = {"prompt.p0": (cfg.pool_size, 4, 3), "prompt.k0": (cfg.pool_size, 3),

@@ -19,7 +19,7 @@ from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 from promptfcl.strategies.fppl.strategy import FPPLStrategy
 from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
-from tests.conftest import tiny_config
+from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 
 NUM_CLASSES = 10  # digits: 2 tasks x 5 classes in the tiny configuration
@@ -88,7 +88,7 @@ def test_replies_carry_only_the_trained_prompt_and_aggregate_as_complete_ones(fl
     """C2S leaves out the other tasks' frozen prompts; the server completes each reply with the
     prompts it sent, so the average is that of the complete replies. A reply that sends every
     prompt no longer has the expected shapes and is refused."""
-    s, arrays = strategy_at_task(1, num_clients=3, clients_per_round=3)
+    s, arrays = strategy_at_task(1, num_clients=3, clients_per_round=3, **PLAIN_MEAN)
     state = from_array_record(arrays)
     rng = np.random.default_rng(0)
     trained = [rng.normal(size=state["prompt.p0"].shape[1:]).astype(np.float32) for _ in range(3)]
@@ -472,7 +472,7 @@ def test_registered():
 def test_fppl_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01)
+    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01, **PLAIN_MEAN)  # no reply judged
     acc = results["accuracy_matrix"]
     assert acc[0][0] is not None and acc[1][1] is not None and acc[1][0] is None
     assert results["config"]["strategy"] == "fppl"
@@ -561,7 +561,7 @@ def test_fppl_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01, **{"switch-every": 1, "switch-fraction": 0.5})
+    results = simulate(tmp_path / "fppl", strategy="fppl", lr=0.01, **PLAIN_MEAN, **{"switch-every": 1, "switch-fraction": 0.5})
     rounds = results["rounds"]
     assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]
     assert all(r["clients_aggregated"] == 3 and not r["rejected"] for r in rounds)

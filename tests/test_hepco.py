@@ -19,7 +19,7 @@ from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
 from promptfcl.strategies.hepco.strategy import HePCoStrategy
 from promptfcl.strategies.registry import methods, strategy_class
-from tests.conftest import tiny_config
+from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 
 D, NUM_CLASSES = 48, 10  # tiny_config: embed-dim 48, digits, 2 tasks of 5 classes, pool 4, layers 0,1
@@ -636,7 +636,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
 def test_simulation_end_to_end(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
+    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **PLAIN_MEAN, **{
         "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "hepco.diagnostics": True,
         "hepco.diagnostics-per-class": 4})
     assert results["config"]["strategy"] == "hepco"
@@ -755,7 +755,7 @@ def test_hepco_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **{
+    results = simulate(tmp_path / "hepco", strategy="hepco", lr=0.01, **PLAIN_MEAN, **{
         "hepco.generator-epochs": 5, "hepco.distill-epochs": 5, "switch-every": 1, "switch-fraction": 0.5})
     rounds = results["rounds"]
     assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]

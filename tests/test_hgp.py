@@ -20,7 +20,7 @@ from promptfcl.strategies.hgp.options import HGPOptions
 from promptfcl.strategies.hgp.prompt import HGPPrompt
 from promptfcl.strategies.hgp.records import STATS
 from promptfcl.strategies.hgp.strategy import HGPStrategy
-from tests.conftest import tiny_config
+from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 
 
@@ -406,7 +406,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
 def test_hgp_end_to_end_simulation(tmp_path):
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01, **{"hgp.samples-per-class": 64})
+    results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01, **PLAIN_MEAN, **{"hgp.samples-per-class": 64})
     assert results["config"]["strategy"] == "hgp"
     acc = results["accuracy_matrix"]
     assert acc[1][0] is None and all(0 <= v <= 100 for row in acc for v in row if v is not None)
@@ -516,7 +516,7 @@ def test_hgp_asynchronous_end_to_end(tmp_path):
     """Every round 2 of 3 clients move on (3 clients, 2 rounds per task): round 2 has both tasks in flight."""
     from tests.helpers import simulate_in_process as simulate
 
-    results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01,
+    results = simulate(tmp_path / "hgp", strategy="hgp", lr=0.01, **PLAIN_MEAN,
                        **{"hgp.samples-per-class": 64, "switch-every": 1, "switch-fraction": 0.5})
     rounds = results["rounds"]
     assert [sorted(r["client_tasks"]) for r in rounds] == [[0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1]]

@@ -25,7 +25,7 @@ from promptfcl.strategies.powder.prompt import PowderPrompt
 from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE
 from promptfcl.strategies.powder.strategy import PowderStrategy
 from promptfcl.strategies.registry import learner_class, prompt_class, strategy_class
-from tests.conftest import reply_from, tiny_config
+from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
 
 
 class NodeList:
@@ -124,7 +124,7 @@ def test_top_k_selection_returns_the_most_correlated_tasks():
 # ---------------------------------------------------------------------------- server: payloads and replies
 def strategy_with_pool(num_tasks=4, known=4, **options):
     """A strategy with ``known`` task slices initialised and task alphas giving a known G_task."""
-    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks)
+    cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
     s = PowderStrategy(cfg, num_classes, options)
     rng = np.random.default_rng(0)

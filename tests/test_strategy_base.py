@@ -10,7 +10,7 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.aggregation import weighted_average
-from tests.conftest import reply_from, tiny_config
+from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
 from tests.helpers import NodeList
 
 
@@ -53,7 +53,7 @@ def test_configure_train_assigns_clients_to_nodes(flower_identity):
 
 
 def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
-    s = FedAvgStrategy(tiny_config(num_clients=7, clients_per_round=7), 10)
+    s = FedAvgStrategy(tiny_config(num_clients=7, clients_per_round=7, **PLAIN_MEAN), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(7)))
     nan = content(1.0, 5)
     nan[ARRAYS] = to_array_record({"head.weight": np.full((3, 2), np.nan, np.float32)})
@@ -102,7 +102,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
     from promptfcl.common.tasks import task_rows
 
-    cfg = tiny_config(num_clients=4, clients_per_round=4, **{"rounds-per-task": 4, "switch-every": 2,
+    cfg = tiny_config(num_clients=4, clients_per_round=4, **PLAIN_MEAN, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
     strategy = FedAvgStrategy(cfg, 10)
     strategy.per_task = "in-flight" if per_task else "never"
@@ -139,7 +139,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
 def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(clip, expected, flower_identity):
     """Four honest clients move every weight by +1; one sends its update reversed and ten times
     longer (exactly at the norm filter's threshold, so the filter lets it through)."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_clip=clip), 10)
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_clip=clip, update_min_cosine=-1.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -178,6 +178,32 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
     if min_cosine > -1:
         assert [node for node, _ in s.rejected] == [msgs[4].metadata.dst_node_id]
         assert "points against the round" in s.rejected[0][1]
+
+
+def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity):
+    """Label-skewed honest updates can disagree more than two attackers do: here the direction
+    check keeps both attackers (reversed x4, agreeing with each other) and only one of three
+    honest clients. The clip bound is the lower median of all five norms (an honest length),
+    not of what the check left, where the attackers are the majority and would set their own."""
+    honest = [np.array([1.0, 0.0, -1.0]), np.array([-2.0, 0.0, 2.0]), np.array([-2.0, 0.0, 0.0])]
+    hostile = -4.0 * np.array([-2.0, 0.0, 1.0])
+
+    def reply(v: np.ndarray) -> RecordDict:
+        w = np.zeros((3, 2), np.float32)
+        w[:, 0] = v
+        return RecordDict({ARRAYS: to_array_record({"head.weight": w}),
+                           METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
+
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=0.0, update_clip=1.0), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    contents = [reply(v) for v in honest + [hostile, hostile]]
+    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    assert len(s.rejected) == 2 and all("points against the round" in why for _, why in s.rejected)
+    bound = np.linalg.norm(honest[1])  # the 3rd smallest of the five norms
+    assert sorted(a.update_norm for a in s.accepted) == pytest.approx([np.linalg.norm(honest[0]), bound, bound])
+    clipped = hostile * bound / np.linalg.norm(hostile)
+    np.testing.assert_allclose(from_array_record(arrays)["head.weight"][:, 0], (honest[0] + 2 * clipped) / 3,
+                               rtol=1e-5)
 
 
 def test_direction_outliers_judges_only_comparable_updates_of_three_or_more():

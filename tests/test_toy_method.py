@@ -144,12 +144,13 @@ def toy_method(tmp_path, monkeypatch):
 @pytest.mark.e2e
 def test_a_seventh_method_from_hooks_alone_runs_end_to_end(toy_method, tmp_path):
     from promptfcl.strategies.registry import learner_class, methods, strategy_class
+    from tests.conftest import PLAIN_MEAN
     from tests.helpers import simulate_in_process
 
     assert "toy" in methods() and methods()["toy"].package == "toymethod"
     assert strategy_class("toy").__module__ == "toymethod.strategy"
     assert learner_class("toy").__module__ == "toymethod.learner"
-    results = simulate_in_process(tmp_path / "run", "toy", **{"toy.mu": 0.25, "toy.shrink": 0.5,
+    results = simulate_in_process(tmp_path / "run", "toy", **PLAIN_MEAN, **{"toy.mu": 0.25, "toy.shrink": 0.5,
                                                                "rounds-per-task": 2})
     rounds = results["rounds"]
     assert len(rounds) == 4 and all(r["clients_aggregated"] == 3 for r in rounds)
