@@ -159,8 +159,8 @@ class ExperimentConfig:
     # Defences against broken or hostile clients (strategies/platform/checks.py): a reply whose update
     # norm is above update-norm-factor x the other replies' median (0: off) or above
     # max-update-norm (0: off) is excluded; with population = nodes no reply carries more than
-    # max-client-weight of a round's weight (3+ replies); aggregation "median" or
-    # "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
+    # max-client-weight of a round's weight (from 1 / max-client-weight replies on); aggregation
+    # "median" or "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
     update_norm_factor: float = key(10.0, "robustness", ("results",))
     # Norm bounding: an accepted update longer than update-clip x the round's lower median
     # update norm is scaled down to that length (0: off)
