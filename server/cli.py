@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                      "upload statistics")
     rob.add_argument("--defences", default="default,norm-filter",
                      help="of: default (the configuration as given), none, norm-filter, clip, bounded, directed, "
-                     "median, trimmed-mean (server/bench/attacks.py)")
+                     "directed-clip2, median, trimmed-mean (server/bench/attacks.py)")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
     cmp_ = bench_sub.add_parser(

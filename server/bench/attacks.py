@@ -35,6 +35,8 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "bounded": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0},
     # bounded, and updates pointing against their task's median update excluded
     "directed": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
+    # directed with a looser clip (2 x the lower median): most honest updates left untouched
+    "directed-clip2": {**_NORM_FILTER, "update-clip": 2.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
     "median": {**_OFF, "aggregation": "median"},
     "trimmed-mean": {**_OFF, "aggregation": "trimmed-mean"},
 }
