@@ -26,6 +26,7 @@ log = logging.getLogger("promptfcl")
 _OFF = {"update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
         "aggregation": "mean"}
 _NORM_FILTER = {**_OFF, "update-norm-factor": 10.0}
+_DIRECTED = {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0}
 DEFENCES: dict[str, dict[str, Any]] = {
     "default": {},  # the configuration as given: the code's defaults unless --set changes them
     "none": _OFF,
@@ -34,9 +35,9 @@ DEFENCES: dict[str, dict[str, Any]] = {
     # norm bounding of updates and bounded influence of statistics (strategies/platform/statistics.py)
     "bounded": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0},
     # bounded, and updates pointing against their task's median update excluded
-    "directed": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
+    "directed": _DIRECTED,
     # directed with a looser clip (2 x the lower median): most honest updates left untouched
-    "directed-clip2": {**_NORM_FILTER, "update-clip": 2.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
+    "directed-clip2": {**_DIRECTED, "update-clip": 2.0},
     "median": {**_OFF, "aggregation": "median"},
     "trimmed-mean": {**_OFF, "aggregation": "trimmed-mean"},
 }

@@ -47,8 +47,10 @@ def bound_scales(scales: np.ndarray, bound: float) -> np.ndarray:
     covariances under client-side DP can have a negative trace, and a bound read from noise
     would flip or erase the honest ones)."""
     scales = np.asarray(scales, dtype=np.float64)
-    limit = bound * lower_median(scales) if len(scales) >= MIN_CONTRIBUTIONS else 0.0
-    if bound <= 0 or not limit > 0:
+    if bound <= 0 or len(scales) < MIN_CONTRIBUTIONS:
+        return np.ones(len(scales))
+    limit = bound * lower_median(scales)
+    if not limit > 0:
         return np.ones(len(scales))
     return np.minimum(1.0, limit / np.maximum(scales, np.finfo(np.float64).tiny))
 

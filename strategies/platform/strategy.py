@@ -339,36 +339,37 @@ class PromptStrategy(Sampling, FedAvg):
                 kept.append(Accepted(sent, reply))  # type: ignore[arg-type]
             else:
                 self._reject(reply, reason)
-        norms = [update_norm(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
-        accepted = []
-        for a, norm, reason in zip(kept, norms, norm_outliers(norms, self.cfg.update_norm_factor,
-                                                               self.cfg.max_update_norm)):
+        # each reply's change from what it was sent, computed once for the norm and direction checks
+        kept_updates = [update_of(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
+        norms = [update_norm(u, None) for u in kept_updates]
+        accepted, updates = [], []
+        for a, update, norm, reason in zip(kept, kept_updates, norms,
+                                           norm_outliers(norms, self.cfg.update_norm_factor, self.cfg.max_update_norm)):
             if reason is not None:
                 self._reject(a.reply, reason)
                 continue
             a.update_norm = norm
             accepted.append(a)
+            updates.append(update)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
         # the clip bound is read before the direction check: what that check leaves may be a
         # hostile majority (honest label-skewed updates can disagree more than two attackers do)
         reference_norm = lower_median([a.update_norm for a in accepted])
         if self.direction_check and len(accepted) >= 3:
-            accepted = self._drop_reversed(accepted)
+            accepted = self._drop_reversed(accepted, updates)
         if self.cfg.update_clip > 0 and len(accepted) >= 2:
             self._clip_updates(accepted, self.cfg.update_clip * reference_norm)
         return accepted
 
-    def _drop_reversed(self, accepted: list[Accepted]) -> list[Accepted]:
-        """Direction check: replies whose update points against the median update of the replies
-        on the same task are excluded (a client alone ahead on its task trains rows nobody else
-        does: there is no majority to judge it by)."""
+    def _drop_reversed(self, accepted: list[Accepted], updates: list[dict[str, np.ndarray]]) -> list[Accepted]:
+        """Direction check: replies whose update (``updates``, in the order of ``accepted``) points
+        against the median update of the replies on the same task are excluded (a client alone
+        ahead on its task trains rows nobody else does: there is no majority to judge it by)."""
         reasons: dict[int, str | None] = {}
         for task in {a.task for a in accepted}:
             group = [i for i, a in enumerate(accepted) if a.task == task]
-            updates = [update_of(from_array_record(accepted[i].content[ARRAYS]), self.update_start(accepted[i].sent))
-                       for i in group]
-            reasons.update(zip(group, direction_outliers(updates, self.cfg.update_min_cosine)))
+            reasons.update(zip(group, direction_outliers([updates[i] for i in group], self.cfg.update_min_cosine)))
         for i, a in enumerate(accepted):
             if reasons[i] is not None:
                 self._reject(a.reply, reasons[i])  # type: ignore[arg-type]
