@@ -18,6 +18,7 @@ from promptfcl.common.config_checks import (  # noqa: F401
     AGGREGATIONS,
     AUGMENTATIONS,
     CENTRALISED_MODES,
+    DEFENCES,
     DEVICES,
     EVALUATIONS,
     FAULTS,
@@ -156,6 +157,13 @@ class ExperimentConfig:
     # retries (with freshly sampled clients) before the run stops with an error
     round_retries: int = key(2, "robustness", ("results",))
     max_reply_bytes: int = key(256_000_000, "robustness", ("results",))  # replies above this size are rejected
+    # Trust is a property of the run (common/trust.py): "auto" turns the hostile-client defences
+    # below (update-norm-factor, max-update-norm, update-clip, update-min-cosine, stats-bound) off
+    # in a simulation of this project's own clients with no fault injection, where every client is
+    # honest and each method is computed as its paper defines it, and on for deployed nodes
+    # (population = nodes) and whenever faults are injected; "on" / "off" force it. The record
+    # checks and the max-client-weight cap are always on: they never change an honest reply.
+    defences: str = key("auto", "robustness", ("results",))
     # Defences against broken or hostile clients (strategies/platform/checks.py): a reply whose update
     # norm is above update-norm-factor x the other replies' median (0: off) or above
     # max-update-norm (0: off) is excluded; with population = nodes no reply carries more than

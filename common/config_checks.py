@@ -28,6 +28,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
+DEFENCES = ("auto", "on", "off")  # trust as a run setting: common/trust.py
 HEADS = ("auto", "per-class", "per-task")
 
 
@@ -133,6 +134,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.min_replies <= max(1, cfg.clients_per_round or cfg.num_clients),
          f"min-replies ({cfg.min_replies}) exceeds the clients sampled per round")
     need(cfg.round_retries >= 0, "round-retries must be >= 0")
+    need(cfg.defences in DEFENCES, f"defences must be one of {DEFENCES}, got {cfg.defences!r}")
     need(math.isfinite(cfg.update_norm_factor) and (cfg.update_norm_factor == 0 or cfg.update_norm_factor > 1),
          f"update-norm-factor must be 0 (off) or > 1, got {cfg.update_norm_factor}")
     need(math.isfinite(cfg.update_min_cosine) and -1 <= cfg.update_min_cosine < 1,
