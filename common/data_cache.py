@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from promptfcl.common import data as decoding
+from promptfcl.common import images as image_decoding
 from promptfcl.common.config import ExperimentConfig, keys_of
 from promptfcl.common.data import ArraySplit, Dataset, check_task_stream, load_dataset, source_identity
 from promptfcl.common.row_file import RowFile
@@ -54,7 +55,10 @@ def code_identity(*modules: object) -> str:
 
 def entry_dir(root: Path, key: Any) -> Path:
     """Where the arrays keyed by ``key`` (any JSON value) live under ``root``."""
-    digest = hashlib.sha1(json.dumps([key, code_identity(decoding)], sort_keys=True, default=str).encode())
+    # both modules that turn sources into arrays: a change in how images are resized or cropped
+    # (common/images.py) never maps arrays decoded the old way
+    digest = hashlib.sha1(json.dumps([key, code_identity(decoding, image_decoding)], sort_keys=True,
+                                     default=str).encode())
     return root / digest.hexdigest()[:20]
 
 

@@ -5,10 +5,15 @@ The papers feed their ViTs differently, and the choice changes results (``input-
 follows):
 
 * CODA-P's code (which HePCo, Fed-CPrompt and Powder build on) and FPPL's code feed [0, 1]
-  inputs (``ToTensor`` without ``Normalize``: ``input-norm = "unit"``), train on
-  ``RandomResizedCrop(224)`` + horizontal flip (``augment = "resized-crop-flip"``) and test on
-  ``Resize(256)`` + ``CenterCrop(224)`` (``eval-crop = 0.875``); FPPL's code resizes for testing
-  bicubically and crops from 5% of the area (``augment-crop-scale = 0.05``, torchvision: 8%);
+  inputs (``ToTensor`` without ``Normalize``: ``input-norm = "unit"``) and train on
+  ``RandomResizedCrop(224)`` + horizontal flip (``augment = "resized-crop-flip"``; FPPL's code
+  from 5% of the area, ``augment-crop-scale = 0.05``, torchvision: 8%). CODA-P's code tests
+  ImageNet-type data (ImageNet-R, DomainNet) on ``Resize(256)`` + ``CenterCrop(224)``
+  (``eval-crop = 0.875``, on images stored with that margin, aspect kept: common/images.py) but
+  CIFAR-100 on the whole image resized to 224 (``eval-crop = 1.0``): its
+  ``dataloaders/utils.py`` ``get_transform`` crops only datasets named ``ImageNet*`` or
+  ``DomainNet``, and HePCo's and Fed-CPrompt's code resize CIFAR-100 whole alike. FPPL's code
+  tests every dataset on ``Resize(256)`` (bicubic) + ``CenterCrop(224)``;
 * HGP's text resizes bicubically (``resize-interpolation = "bicubic"``) and trains on random
   crops and flips (``augment = "crop-flip"``);
 * ``input-norm = "backbone"`` normalises with the mean and std the backbone was pretrained with
@@ -68,7 +73,8 @@ def random_resized_crops(n: int, height: int, width: int, rng: np.random.Generat
 
 def centre_crops(n: int, height: int, width: int, fraction: float) -> np.ndarray:
     """``n`` copies of the central crop keeping ``fraction`` of each side (no flip): the
-    ``Resize(256)`` + ``CenterCrop(224)`` of a test transform is ``fraction = 224 / 256``."""
+    ``Resize(256)`` + ``CenterCrop(224)`` of a test transform is ``fraction = 224 / 256`` of an
+    image stored as the central square of its 256 px shorter side (common/images.py)."""
     ch, cw = height * fraction, width * fraction
     return np.tile(np.array([(height - ch) / 2, (width - cw) / 2, ch, cw, 0.0], np.float32), (n, 1))
 

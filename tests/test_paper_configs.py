@@ -11,6 +11,7 @@ import pytest
 from promptfcl.common.data import load_dataset
 from promptfcl.common.partitions import client_indices
 from promptfcl.common.tasks import task_classes
+from promptfcl.common.trust import resolve_trust
 from promptfcl.server.cli import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -38,19 +39,32 @@ EXPECTED = {
                                "prompt-length": 8},
 }
 # Inputs and partitions: the paper's where it says, else its authors' code (CODA-P's for the
-# methods built on it); every config says which in its comments.
+# methods built on it); every config says which in its comments. CODA-P's get_transform
+# (dataloaders/utils.py) centre-crops ImageNet-type data only: CIFAR-100 is tested whole.
 CODA_INPUTS = {"input-norm": "unit", "augment": "resized-crop-flip", "augment-crop-scale": 0.08,
-               "resize-interpolation": "bilinear", "eval-crop": 0.875}
+               "resize-interpolation": "bilinear"}
+IMAGENET_EVAL = {"eval-crop": 0.875}  # Resize(256) + CenterCrop(224)
+CIFAR_EVAL = {"eval-crop": 1.0}  # Resize(224): the whole image
 NIID_BENCH_DIRICHLET = {"partition": "dirichlet", "min-partition-size": 10, "dirichlet-balance": True,
                         "partition-scope": "dataset"}
 PIPELINE = {
-    "hepco-cifar100.toml": {**CODA_INPUTS, "prompt-layers": "0,1,2,3,4"},  # "normalize to [0, 1]": the paper
-    "fppl-imagenet-r.toml": {**CODA_INPUTS, "augment-crop-scale": 0.05, **NIID_BENCH_DIRICHLET,
+    "hepco-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, "prompt-layers": "0,1,2,3,4"},  # "normalize to [0, 1]"
+    "fppl-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "augment-crop-scale": 0.05, **NIID_BENCH_DIRICHLET,
                              "prompt-layers": "0,1,2,3,4"},  # the authors' code
-    "fedcprompt-cifar100.toml": {**CODA_INPUTS, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
-    "powder-imagenet-r.toml": {**CODA_INPUTS, "batch-size": 64, "prompt-layers": "4,5,6"},  # the authors' script
+    "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
+    "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
+                               "prompt-layers": "4,5,6"},  # the authors' script
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
+}
+# The exact timm weights each paper (or its authors' code) used; timm's bare vit_base_patch16_224
+# is augreg2_in21k_ft_in1k since timm 0.9, weights none of them used.
+BACKBONES = {
+    "hepco-cifar100.toml": "vit_base_patch16_224.augreg_in21k_ft_in1k",  # "ImageNet-1K"; code: timm 0.6.11's bare name
+    "fppl-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k_ft_in1k",  # code: timm 0.6.7's bare name
+    "fedcprompt-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # code: vit_base_patch16_224_in21k
+    "powder-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (Appendix B)
+    "hgp-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (sec. 4.1)
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
@@ -86,7 +100,10 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     cfg = load_config(str(CONFIGS / name), [], None, None)
     for key, value in EXPECTED.get(name, {}).items():
         assert cfg.to_dict()[key] == value, f"{name}: {key}"
-    assert cfg.weights == "timm" and cfg.backbone.startswith("vit_base_patch16_224")
+    assert cfg.weights == "timm" and cfg.backbone == BACKBONES[name]
+    assert cfg.precision == "fp32", f"{name}: every paper trains in fp32"
+    assert not resolve_trust(cfg.defences, cfg.population, cfg.fault).defended, \
+        f"{name}: a paper configuration computes the paper's method, every client honest"
     for key, value in PIPELINE[name].items():
         assert cfg.to_dict()[key] == value, f"{name}: {key}"
     assert cfg.method_options(cfg.strategy), "method options should be spelled out"
@@ -156,3 +173,25 @@ def test_paper_config_names_the_source_of_its_class_order(name):
     to reuse a recorded one (splits.npz)."""
     text = (CONFIGS / name).read_text()
     assert "# Class order" in text and "splits.npz" in text and "seed below" in text
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_paper_config_names_timm_weights_that_exist(name):
+    """The tag is one the installed timm knows (no download: its pretrained configuration only)."""
+    from timm.models import get_pretrained_cfg
+
+    tag = BACKBONES[name]
+    assert "." in tag, "a tag, not timm's bare name (whose weights changed with timm 0.9)"
+    assert get_pretrained_cfg(tag) is not None
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_paper_config_states_the_papers_figures_and_benchmarks_has_its_row(name):
+    """Each header carries the paper's figures for its setting with their table, and
+    docs/benchmarks.md's "Reproduced vs paper" table has the run that reproduces them."""
+    text = (CONFIGS / name).read_text()
+    header = text[: text.index("\nstrategy =")]
+    assert "Paper's figures" in header and "Table" in header
+    docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("## Reproduced vs paper"):]
+    assert f"configs/{name}" in section
