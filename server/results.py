@@ -14,6 +14,7 @@ from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.privacy import privacy_options, privacy_report
 from promptfcl.common.runtime import Runtime
 from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
+from promptfcl.common.trust import resolve_trust
 from promptfcl.server.rounds import RoundRecord
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
@@ -78,6 +79,8 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
     return {
         "config": cfg.to_dict(),
         "config_digest": cfg.digest(),  # what every node's reply echoes (placement): the same run config
+        # whether the hostile-client defences applied, and why (common/trust.py)
+        "defences": resolve_trust(cfg.defences, cfg.population, cfg.fault).to_dict(),
         "backbone": backbone,
         "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],

@@ -65,6 +65,14 @@ class RoundRecord:
     eval_pending: bool = False  # evaluated with the next round's training (evaluate-with-train)
     epsilon: float | None = None  # differential privacy: the guarantee after this round
     private: bool = False  # whether ``epsilon`` applies (dp.* on)
+    # each accepted reply's cosine with its task's median update (None: fewer than 3 on its task),
+    # defended or not: how far honest clients disagree, and so how tight update-min-cosine can be
+    update_cosines: list[float | None] = field(default_factory=list)
+    # defended runs: replies each defence excluded ("norm-filter", "direction") or clipped ("clip")
+    defences: dict[str, int] = field(default_factory=dict)
+    # per uploaded statistics array: its largest row scale over the round's lower median (what
+    # stats-bound compares), defended or not
+    stats_ratios: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -198,6 +206,9 @@ def round_record(strategy: PromptStrategy, task: int, round_: int, server_round:
         clients_aggregated=int(agg["clients"]),
         update_norms=[float(v) for v in strategy.update_norms],
         reply_shares=list(strategy.reply_shares),
+        update_cosines=[None if c is None else round(float(c), 4) for c in strategy.update_cosines],
+        defences=dict(strategy.defence_counts) if strategy.screen.active or strategy.stats_bound.active else {},
+        stats_ratios=dict(strategy.stats_ratios),
         examples=int(agg["num-examples"]),
         rejected=spent.rejected,
         train_loss=float(agg["train-loss"]),

@@ -12,9 +12,9 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from promptfcl.common.config import ExperimentConfig  # noqa: E402
 
-#: the robustness defaults switched off (update-clip, the direction check, stats-bound): for tests of
-#: averaging itself, whose expected values are plain weighted means
-PLAIN_MEAN: dict[str, Any] = {"update-clip": 0.0, "update-min-cosine": -1.0, "stats-bound": 0.0}
+#: the hostile-client defences off, as in any simulation without fault injection (common/trust.py),
+#: said explicitly by tests of averaging itself, whose expected values are plain weighted means
+PLAIN_MEAN: dict[str, Any] = {"defences": "off"}
 
 TINY: dict[str, Any] = {
     "dataset": "digits",

@@ -1,114 +1,93 @@
-"""Bounded influence of uploaded statistics (strategies/platform/statistics.py, ``stats-bound``):
-one forged contribution among five moves each method's server statistic by a bounded amount."""
+"""Bounded influence of uploaded statistics, the platform's (strategies/platform/statistics.py,
+``stats-bound``): honest rows are left exactly as they are, forged ones are cut to the bound,
+and every method's statistics go through it without the method doing anything."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from promptfcl.strategies.platform.statistics import bound_counts, bound_scales, bound_vectors, bounded_mean
-from tests.conftest import tiny_config
+from promptfcl.common.records import ARRAYS, METRICS
+from promptfcl.strategies.platform.statistics import (
+    DIAGONAL,
+    FACTOR,
+    PACKED_TRIU,
+    Statistics,
+    StatisticsBound,
+)
 
-D = 16
-rng = np.random.default_rng(0)
-TRUE_MEAN = rng.normal(size=D)
-
-
-def honest_vectors(k: int = 4, spread: float = 0.1) -> np.ndarray:
-    return TRUE_MEAN + spread * np.random.default_rng(1).normal(size=(k, D))
-
-
-FORGERIES = {"scaled x20": lambda v: 20 * v, "shifted by 50": lambda v: v + 50.0}
+D = 8
+SPEC = Statistics(vectors=("means",), counts=("counts",),
+                  second_moments={"cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})
 
 
-def test_a_hostile_minority_cannot_move_the_bounded_statistics_far():
-    honest = honest_vectors()
-    spread = np.linalg.norm(honest - np.median(honest, axis=0), axis=1).max()
-    for forge in FORGERIES.values():
-        vectors = np.vstack([honest, forge(honest[0])])
-        free = vectors.mean(axis=0)
-        bounded = bound_vectors(vectors, 3.0).mean(axis=0)
-        assert np.linalg.norm(free - honest.mean(axis=0)) > 5  # without the bound: far off
-        # with it the forged row is at most 3 x the honest distances from the median
-        assert np.linalg.norm(bounded - honest.mean(axis=0)) < 3 * spread
-    assert np.array_equal(bound_vectors(vectors, 0.0), vectors)  # off: untouched
-    assert np.array_equal(bound_vectors(vectors[:2], 3.0), vectors[:2])  # two reporters: nothing to compare
-    np.testing.assert_allclose(bound_scales(np.array([1.0, 1.2, 0.9, 100.0]), 2.0), [1, 1, 1, 0.02])
-    np.testing.assert_allclose(bound_counts(np.array([100, 120, 90, 10**6]), 2.0), [100, 120, 90, 200])
-    # noisy covariances (client-side DP) can have negative traces: a negative one is left alone,
-    # and a bound is read only from a positive lower median (never flipping or erasing the rest)
-    np.testing.assert_allclose(bound_scales(np.array([-1.0, 2.0, 3.0, 100.0]), 3.0), [1, 1, 1, 0.06])
-    np.testing.assert_array_equal(bound_scales(np.array([-5.0, -3.0, 1.0, 2.0]), 3.0), [1, 1, 1, 1])
-    weighted = bounded_mean(np.vstack([honest, honest[0] + 50]), np.array([100, 100, 100, 100, 5000]), 2.0)
-    assert np.linalg.norm(weighted - honest.mean(axis=0)) < 2.5  # forged count and mean both bounded
+def honest_record(seed: int, classes: int = 2, count: int = 30) -> dict[str, np.ndarray]:
+    """One client's statistics of ``classes`` classes: means of norm about 3, unit-ish covariances."""
+    rng = np.random.default_rng(seed)
+    means = 3 * rng.normal(size=(classes, D)) / np.sqrt(D) + 1.0
+    cov = np.stack([np.eye(D) * rng.uniform(0.8, 1.2) for _ in range(classes)])
+    row, col = np.triu_indices(D)
+    return {"classes": np.arange(classes, dtype=np.int64), "counts": np.full(classes, count, np.int64),
+            "means": means.astype(np.float32), "cov-triu": cov[:, row, col].astype(np.float16),
+            "cov-diag": np.diagonal(cov, axis1=1, axis2=2).astype(np.float32),
+            "cov-factor": np.sqrt(cov[:, :, :2]).astype(np.float32)}
 
 
-@pytest.mark.parametrize("kind", ["full", "diag"])
-def test_hgp_class_mixture_bounds_a_forged_mean_covariance_and_count(kind):
-    from promptfcl.strategies.hgp.gaussians import _mixture_from_raw, class_statistics
-    from promptfcl.strategies.hgp.options import HGPOptions
-
-    opts = HGPOptions(cov_type=kind)
-    gen = torch.Generator().manual_seed(0)
-    raws = []
-    for client in range(5):
-        feats = torch.from_numpy(TRUE_MEAN).float() + 0.3 * torch.randn(60, D, generator=gen)
-        stats = {k: v.numpy() for k, v in class_statistics(feats, torch.zeros(60, dtype=torch.long), opts).items()}
-        if client == 4:  # the forger: mean x20, covariance x100, count x50
-            stats["means"] = stats["means"] * 20
-            for key in [k for k in stats if k.startswith("cov-")]:
-                stats[key] = stats[key] * 100
-            stats["counts"] = stats["counts"] * 50
-        raws.append(stats)
-    raw = {k: np.concatenate([r[k] for r in raws]) for k in raws[0] if k != "classes"}
-    free, bounded = _mixture_from_raw(0, raw, 1e-4, 0.0), _mixture_from_raw(0, raw, 1e-4, 3.0)
-    assert free is not None and bounded is not None
-
-    def mixture_mean(m):
-        return (m.weights[:, None] * m.means.double()).sum(0).numpy()
-
-    assert np.linalg.norm(mixture_mean(free) - TRUE_MEAN) > 50  # the forger dominates an unbounded mixture
-    assert np.linalg.norm(mixture_mean(bounded) - TRUE_MEAN) < 1.0
-    assert float(bounded.weights[4]) < 0.45  # its count is cut to 3 x the median
-    traces = torch.diagonal(bounded.covariances(), dim1=1, dim2=2).sum(1)
-    free_traces = torch.diagonal(free.covariances(), dim1=1, dim2=2).sum(1)
-    assert float(free_traces[4]) > 50 * float(free_traces[:4].max())
-    assert float(traces[4]) <= 3.05 * float(traces[:4].max())  # its covariance too (3 x the lower median)
+def test_honest_rows_are_left_exactly_as_they_are():
+    records = [honest_record(s, classes=1 + s % 3, count=[1, 5, 400, 2, 60][s]) for s in range(5)]
+    out, changed = StatisticsBound(3.0)(records, [400] * 5, SPEC)
+    assert changed == 0
+    for before, after in zip(records, out):
+        assert all(after[k] is before[k] for k in before)  # the very arrays: bit for bit
 
 
-def test_fppl_class_prototype_bounds_a_forged_prototype():
-    from promptfcl.strategies.fppl.prototypes import PrototypeSet
+@pytest.mark.parametrize("forge, name, factor", [
+    ("mean x20", "means", 20.0), ("mean shifted", "means", None), ("covariance x100", "cov-triu", 100.0),
+    ("diagonal x100", "cov-diag", 100.0), ("factor x10", "cov-factor", 10.0)])
+def test_a_forged_row_is_cut_to_the_bound_and_only_it(forge, name, factor):
+    records = [honest_record(s) for s in range(5)]
+    forged = dict(records[4])
+    forged[name] = (forged[name].astype(np.float64) * factor if factor else forged[name] + 5.0).astype(forged[name].dtype)
+    records[4] = forged
+    out, changed = StatisticsBound(3.0)(records, [60] * 5, SPEC)
+    assert changed == 2  # both of its rows
+    for before, after in zip(records[:4], out[:4]):
+        assert all(after[k] is before[k] for k in before)
+    honest_scale = {"means": lambda r: np.linalg.norm(r, axis=1), "cov-diag": lambda r: r.sum(1),
+                    "cov-factor": lambda r: np.square(r).sum((1, 2)),
+                    "cov-triu": lambda r: r[:, np.triu_indices(D)[0] == np.triu_indices(D)[1]].sum(1)}[name]
+    pool = np.concatenate([honest_scale(np.asarray(r[name], np.float64)) for r in out])
+    lower_median = np.sort(pool)[(len(pool) - 1) // 2]
+    assert honest_scale(np.asarray(out[4][name], np.float64)).max() <= 3.0 * lower_median * 1.01
+    assert honest_scale(np.asarray(records[4][name], np.float64)).max() > 4 * lower_median  # beyond it before
 
-    honest = honest_vectors()
-    for forge in FORGERIES.values():
-        protos = PrototypeSet(np.zeros(5, np.int64), np.vstack([honest, forge(honest[0])]), np.arange(5))
-        _, free = protos.class_means()
-        _, bounded = protos.class_means(bound=3.0)
-        assert np.linalg.norm(free[0] - honest.mean(axis=0)) > 5
-        assert np.linalg.norm(bounded[0] - honest.mean(axis=0)) < 0.5
+
+def test_counts_are_cut_to_the_replys_own_examples_never_against_other_clients():
+    """Label skew: one client holds 480 of a class, two hold 10 each; nothing is rewritten (the old
+    bound against the class's other reporters gave them 0.60 / 0.20 / 0.20). A count above the
+    reply's own num-examples is cut to it."""
+    records = [{"counts": np.array([480])}, {"counts": np.array([10])}, {"counts": np.array([10])}]
+    out, changed = StatisticsBound(3.0)(records, [480, 10, 10], Statistics(counts=("counts",)))
+    assert changed == 0 and [int(r["counts"][0]) for r in out] == [480, 10, 10]
+    out, changed = StatisticsBound(3.0)(records, [480, 10, 5], Statistics(counts=("counts",)))
+    assert changed == 1 and int(out[2]["counts"][0]) == 5
 
 
-def test_powder_alphas_bound_a_forged_vector_and_count():
-    from promptfcl.common.records import to_array_record
-    from promptfcl.strategies.powder.strategy import PowderStrategy
+def test_off_one_holder_and_noisy_covariances_leave_everything():
+    records = [honest_record(s) for s in range(3)]
+    records[2]["means"] = records[2]["means"] * 50
+    assert StatisticsBound(0.0)(records, [60] * 3, SPEC)[1] == 0  # off
+    assert StatisticsBound(3.0)(records[2:], [60], SPEC)[1] == 0  # one holder is its own reference
+    noisy = [{"cov-diag": np.full((1, D), v)} for v in (-5.0, -3.0, 1.0, 50.0)]  # client-side DP: negative traces
+    assert StatisticsBound(3.0)(noisy, [60] * 4, Statistics(second_moments={"cov-diag": DIAGONAL}))[1] == 0
 
-    def strategy(bound):
-        cfg = tiny_config(num_tasks=2, num_clients=5, clients_per_round=5, pool_size=4, stats_bound=bound)
-        return PowderStrategy(cfg, 10)
 
-    width = strategy(0.0).width
-    honest = np.abs(np.random.default_rng(2).normal(1.0, 0.05, size=(4, width)))
+def test_every_method_declares_the_statistics_it_uploads():
+    """Every record a method's replies carry besides the model is declared, so the platform bounds it."""
+    from promptfcl.strategies.registry import methods, strategy_class
 
-    def record(alpha, count):
-        return to_array_record({"tasks": np.array([0]), "task-alpha": alpha[None], "task-count": np.array([count]),
-                                "classes": np.zeros(0, np.int64), "class-alpha": np.zeros((0, width)),
-                                "class-count": np.zeros(0, np.int64)})
-
-    records = [record(a, 50) for a in honest] + [record(-30 * honest[0], 5000)]  # reversed, x30, 100x the count
-    free, bounded = strategy(0.0), strategy(3.0)
-    free.update_correlation(records)
-    bounded.update_correlation(records)
-    assert np.linalg.norm(free.task_alpha[0] - honest.mean(axis=0)) > 10
-    assert np.linalg.norm(bounded.task_alpha[0] - honest.mean(axis=0)) < 0.5
-    assert np.all(bounded.task_alpha[0] > 0)  # the forged sign does not survive
+    for name in methods():
+        cls = strategy_class(name)
+        extra = set(cls.reply_records or ()) - {ARRAYS, METRICS}
+        assert extra <= set(cls.statistics), f"{name} uploads {sorted(extra)} but declares {sorted(cls.statistics)}"
+        assert cls.reply_records is not None, f"{name}: an open record set cannot be bounded"

@@ -139,7 +139,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
 def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(clip, expected, flower_identity):
     """Four honest clients move every weight by +1; one sends its update reversed and ten times
     longer (exactly at the norm filter's threshold, so the filter lets it through)."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_clip=clip, update_min_cosine=-1.0), 10)
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=clip,
+                                   update_min_cosine=-1.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -165,7 +166,7 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
     that returns its update reversed, as long as an honest one: the norm filter and update-clip
     cannot see it; the direction check (cosine with the round's median update below 0) excludes
     it and only it, and what is averaged is then exactly the honest clients' mean."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=min_cosine,
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=min_cosine,
                                    update_clip=1.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
@@ -194,7 +195,8 @@ def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity)
         return RecordDict({ARRAYS: to_array_record({"head.weight": w}),
                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
 
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=0.0, update_clip=1.0), 10)
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
+                                   update_clip=1.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [reply(v) for v in honest + [hostile, hostile]]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -230,7 +232,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     ahead is alone on its task, so nothing judges it and it is kept."""
     from promptfcl.common.tasks import task_rows
 
-    cfg = tiny_config(num_clients=5, clients_per_round=5, update_min_cosine=0.0,
+    cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
     strategy = FedAvgStrategy(cfg, 10)
     head = np.zeros((10, 3), np.float32)
@@ -263,6 +265,7 @@ def test_direction_check_is_not_applied_under_client_side_dp_noise():
     """With dp.noise-multiplier > 0 every honest update carries Gaussian noise much longer than its
     signal, so its cosine with the median is near 0 either way: the check would exclude honest
     clients at random, and it is not applied (clipping alone, without noise, keeps it)."""
-    noisy = FedAvgStrategy(tiny_config(update_min_cosine=0.0, **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
-    clipped = FedAvgStrategy(tiny_config(update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
-    assert (noisy.direction_check, clipped.direction_check) == (False, True)
+    noisy = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0,
+                                       **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
+    clipped = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
+    assert (noisy.screen.direction.active, clipped.screen.direction.active) == (False, True)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 FILES = {
@@ -76,6 +77,7 @@ FILES = {
         import numpy as np
 
         from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+        from promptfcl.strategies.platform.statistics import Statistics
         from promptfcl.strategies.platform.strategy import PromptStrategy
 
         from .options import ToyOptions
@@ -87,6 +89,7 @@ FILES = {
             prompt_class = ToyPrompt
             options_class = ToyOptions
             reply_records = frozenset({ARRAYS, METRICS, "toy-stats"})
+            statistics = {"toy-stats": Statistics(vectors=("mu",))}  # bounded by the platform
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
@@ -160,6 +163,8 @@ def test_a_seventh_method_from_hooks_alone_runs_end_to_end(toy_method, tmp_path)
     assert results["config"]["toy.mu"] == 0.25
     # the platform weighed the replies (sample counts) and kept the round's shares
     assert all(abs(sum(r["reply_shares"]) - 1.0) < 1e-9 for r in rounds)
+    assert results["defences"] == {"resolved": "off", "why": results["defences"]["why"]}
+    assert "simulation" in results["defences"]["why"]
     matrix = results["accuracy_matrix"]
     assert matrix[0][0] is not None and matrix[1][1] is not None
 
@@ -198,3 +203,29 @@ def test_a_method_found_by_entry_point_is_listed_in_a_fresh_process(toy_method):
                           text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder", "toy"]
+
+
+def test_a_new_methods_statistics_are_bounded_by_the_platform(toy_method, flower_identity):
+    """The toy method declares its record and does nothing else: in a defended run a forged value
+    (x20) reaches its server step cut to stats-bound x the round's lower median; undefended, as sent."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from promptfcl.common.records import ARRAYS, METRICS, to_array_record
+    from promptfcl.strategies.registry import strategy_class
+    from tests.conftest import tiny_config
+    from tests.helpers import NodeList
+
+    seen = {}
+    for defences in ("on", "off"):
+        cfg = tiny_config(num_clients=4, clients_per_round=4, defences=defences, strategy="toy")
+        strategy = strategy_class("toy")(cfg, 10)
+        head = to_array_record({"head.weight": np.zeros((10, 48), np.float32)})
+        msgs = list(strategy.configure_train(1, head, ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
+        replies = [Message(RecordDict({ARRAYS: head, "toy-stats": to_array_record(
+            {"mu": np.array([mu], np.float32), "classes": np.zeros(0, np.int64)}),
+            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})}), reply_to=m)
+            for mu, m in zip([0.25, 0.25, 0.3, 5.0], msgs)]
+        strategy.aggregate_train(1, replies)
+        seen[defences] = strategy.mus
+    assert seen["off"] == pytest.approx([0.25, 0.25, 0.3, 5.0])
+    assert seen["on"] == pytest.approx([0.25, 0.25, 0.3, 0.75])  # 3 x the lower median 0.25

@@ -21,25 +21,24 @@ log = logging.getLogger("promptfcl")
 
 
 # ----------------------------------------------------------------------------- robustness
-#: the defences ``bench robustness`` compares, as run-config changes; each names all of its keys,
-#: so that a defence means the same whatever the defaults are
-_OFF = {"update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
-        "aggregation": "mean"}
-_NORM_FILTER = {**_OFF, "update-norm-factor": 10.0}
-_DIRECTED = {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0}
+#: the defences ``bench robustness`` compares, as run-config changes. "off" is the undefended run
+#: (each paper's aggregation), "on" the defended one with the configured parameters (the
+#: defaults unless --set changes them); the others force ``defences = "on"`` and name every
+#: parameter, so that each means the same whatever the defaults are.
+_ON = {"defences": "on", "aggregation": "mean"}
+_NONE = {**_ON, "update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0}
+_NORM_FILTER = {**_NONE, "update-norm-factor": 10.0}
 DEFENCES: dict[str, dict[str, Any]] = {
-    "default": {},  # the configuration as given: the code's defaults unless --set changes them
-    "none": _OFF,
-    "norm-filter": _NORM_FILTER,  # the default before #31: exclude updates above 10 x the lower median norm
-    "clip": {**_NORM_FILTER, "update-clip": 1.0},  # the norm filter, then norm bounding at the median
-    # norm bounding of updates and bounded influence of statistics (strategies/platform/statistics.py)
-    "bounded": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0},
-    # bounded, and updates pointing against their task's median update excluded
-    "directed": _DIRECTED,
-    # directed with a looser clip (2 x the lower median): most honest updates left untouched
-    "directed-clip2": {**_DIRECTED, "update-clip": 2.0},
-    "median": {**_OFF, "aggregation": "median"},
-    "trimmed-mean": {**_OFF, "aggregation": "trimmed-mean"},
+    "off": {"defences": "off"},
+    "on": {"defences": "on"},
+    "none": _NONE,  # defended, every parameter off: the always-on record checks only
+    "norm-filter": _NORM_FILTER,  # exclude updates above 10 x the lower median norm
+    # the defaults of #31: clip at 1 x the lower median, direction check at cosine 0, statistics at
+    # 3 x the lower median over a class's reporters (that bound no longer exists: stats-bound now
+    # bounds against the round's pooled rows)
+    "directed-clip1": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
+    "median": {**_NONE, "aggregation": "median"},
+    "trimmed-mean": {**_NONE, "aggregation": "trimmed-mean"},
 }
 
 
@@ -47,14 +46,15 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
                defences: Sequence[str], seeds: Sequence[int], share: float = 0.2) -> list[dict[str, Any]]:
     """A_N of each method when a fixed ``share`` of the client population is hostile (``fault`` =
     each attack, ``fault-clients`` = that many client ids), under each defence, and of the
-    clean run under each defence (what a defence costs when nobody attacks); writes
-    ``robustness.{json,md}``."""
+    clean run undefended (each paper's aggregation) and under each defence (what a defence costs
+    when nobody attacks); writes ``robustness.{json,md}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     population = int(ExperimentConfig.from_dict(base).num_clients)
     hostile = max(1, round(share * population))
     fault_clients = ",".join(str(c) for c in range(hostile))
     rows: list[dict[str, Any]] = []
-    cases = [("clean", d) for d in defences] + [(a, d) for a in attacks for d in defences]
+    cases = list(dict.fromkeys([("clean", "off")] + [("clean", d) for d in defences]
+                               + [(a, d) for a in attacks for d in defences]))
     for method in methods:
         for attack, defence in cases:
             if attack in STATISTICS_ATTACKS and not uploads_statistics(method):
@@ -73,9 +73,15 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
                              "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
                              "replies_excluded": sum(1 for r in rounds for x in r["rejected"]
                                                      if x["reason"] != "no training examples"),
-                             "replies_aggregated": sum(r["clients_aggregated"] for r in rounds)})
+                             "replies_aggregated": sum(r["clients_aggregated"] for r in rounds),
+                             # what each defence did over the run (defended runs): replies excluded by
+                             # the norm filter and the direction check, replies clipped, statistics rows bounded
+                             "defences": {k: sum(r.get("defences", {}).get(k, 0) for r in rounds)
+                                          for k in ("norm-filter", "direction", "clip", "stats")}})
                 (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
     table = robustness_table(rows, f"{hostile} of {population} clients")
+    for defence in defences:
+        table += "\n\n" + robustness_summary(rows, defence)
     (out_dir / "robustness.md").write_text(table + "\n")
     print(table)
     return rows
@@ -100,4 +106,39 @@ def robustness_table(rows: list[dict[str, Any]], hostile: str) -> str:
         lines.append(f"| {method} | {attack} | {defence} | {len(rs)} | {np.mean(a_n):.1f} ± {np.std(a_n):.1f} | "
                      f"{np.mean(fg):.1f} ± {np.std(fg):.1f} | "
                      f"{sum(r['replies_excluded'] for r in rs)} / {sum(r['replies_aggregated'] for r in rs)} |")
+    return "\n".join(lines)
+
+
+def robustness_summary(rows: list[dict[str, Any]], defence: str) -> str:
+    """One line per method: A_N of the clean run undefended and under ``defence`` (its cost), and
+    under each attack with ``defence`` (its change against the defended clean run), means over
+    the seeds both share; what the defence touched in the clean runs (replies excluded, clipped,
+    statistics rows bounded)."""
+    by: dict[tuple[str, str, str], dict[int, float]] = {}
+    touched: dict[str, dict[str, int]] = {}
+    for r in rows:
+        if r["A_N"] is not None:
+            by.setdefault((r["method"], r["attack"], r["defence"]), {})[r["seed"]] = float(r["A_N"])
+        if r["attack"] == "clean" and r["defence"] == defence:
+            acc = touched.setdefault(r["method"], {})
+            for k, v in r.get("defences", {}).items():
+                acc[k] = acc.get(k, 0) + v
+    attacks = list(dict.fromkeys(r["attack"] for r in rows if r["attack"] != "clean"))
+    lines = [f"| method | clean, off | clean, {defence} (cost) | clean: touched | "
+             + " | ".join(attacks) + " |", "|---" * (4 + len(attacks)) + "|"]
+
+    def change(a: dict[int, float], b: dict[int, float]) -> str:
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            return "-"
+        return f"{np.mean([a[s] for s in seeds]):.1f} ({np.mean([a[s] - b[s] for s in seeds]):+.1f})"
+
+    for method in dict.fromkeys(r["method"] for r in rows):
+        off = by.get((method, "clean", "off"), {})
+        on = by.get((method, "clean", defence), {})
+        t = touched.get(method, {})
+        cells = [change(by.get((method, a, defence), {}), on) for a in attacks]
+        lines.append(f"| {method} | {np.mean(list(off.values())) if off else float('nan'):.1f} | {change(on, off)} | "
+                     f"{t.get('norm-filter', 0) + t.get('direction', 0)} excluded, {t.get('clip', 0)} clipped, "
+                     f"{t.get('stats', 0)} rows | " + " | ".join(cells) + " |")
     return "\n".join(lines)

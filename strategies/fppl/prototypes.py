@@ -9,8 +9,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.strategies.platform.statistics import bound_vectors
-
 
 @dataclass
 class PrototypeSet:
@@ -71,13 +69,11 @@ class PrototypeSet:
         """The prototypes where ``mask`` is true, in order."""
         return PrototypeSet(self.classes[mask], self.means[mask], self.clients[mask])
 
-    def class_means(self, bound: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """Eq. 5: per class, the plain (unweighted) mean over the clients holding it; ``bound`` > 0
-        (``stats-bound``) first cuts each prototype's distance from the others' coordinate-wise
-        median (strategies/platform/statistics.py)."""
+    def class_means(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 5: per class, the plain (unweighted) mean over the clients holding it."""
         classes = np.unique(self.classes)
         rows = [self.means[self.classes == c] for c in classes]
-        means = np.stack([bound_vectors(r, bound).astype(np.float64).mean(axis=0) for r in rows]) \
+        means = np.stack([r.astype(np.float64).mean(axis=0) for r in rows]) \
             if len(classes) else np.zeros((0, self.means.shape[1]))
         return classes.astype(np.int64), means.astype(np.float32)
 

@@ -35,6 +35,7 @@ from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
 from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 from promptfcl.strategies.platform.rounds import Accepted, Sent
+from promptfcl.strategies.platform.statistics import Statistics
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
 log = logging.getLogger("promptfcl")
@@ -63,6 +64,8 @@ class FPPLStrategy(PromptStrategy):
     # (a client with no examples of its task replies without prototypes: the platform leaves
     # it out as "no training examples" before it checks the records)
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
+    # what the platform bounds where the run is defended (stats-bound)
+    statistics = {LOCAL_PROTOTYPES: Statistics(vectors=("means",), counts=("counts",))}
     # dp.clip = C: each class prototype (a mean feature) is clipped to norm C on its own;
     # classes, counts and the client id are the label histogram and bookkeeping, in the clear
     private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
@@ -236,7 +239,7 @@ class FPPLStrategy(PromptStrategy):
         held = held.select((held.classes >= tasks.start * self.classes_per_task)
                            & (held.classes < tasks.stop * self.classes_per_task))
         if len(held):
-            self.global_classes, self.global_means = held.class_means(self.cfg.stats_bound)
+            self.global_classes, self.global_means = held.class_means()
         else:
             self.global_classes, self.global_means = np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
 

@@ -15,7 +15,6 @@ from flwr.app import ArrayRecord
 
 from promptfcl.common.records import to_array_record
 from promptfcl.strategies.hgp.options import HGPOptions
-from promptfcl.strategies.platform.statistics import bound_counts, bound_scales, bound_vectors
 
 log = logging.getLogger("promptfcl")
 
@@ -381,28 +380,10 @@ def rebalance_head(weight: torch.Tensor, bias: torch.Tensor, draw: Callable[[int
     return w.detach(), b.detach()
 
 
-def _mixture_from_raw(label: int, raw: Mapping[str, np.ndarray], eps: float, bound: float = 0.0) -> ClassMixture | None:
-    """One class's mixture from its stored components; ``bound`` > 0 bounds each component's
-    influence (``stats-bound``: its mean's distance from the others', its covariance's trace
-    and its count, each to ``bound`` x their lower median; strategies/platform/statistics.py)."""
+def _mixture_from_raw(label: int, raw: Mapping[str, np.ndarray], eps: float) -> ClassMixture | None:
+    """One class's mixture from its stored components (as received: the platform has bounded them
+    where the run is defended)."""
     arrays = {"classes": np.arange(len(raw["counts"]), dtype=np.int64), **raw}
     stats = decode_class_stats(arrays, int(raw["means"].shape[1]))
     counts, means, cov, factor, diag = stats.counts, stats.means, stats.cov, stats.factor, stats.diag
-    if bound > 0:
-        counts = torch.from_numpy(bound_counts(counts.numpy(), bound))
-        means = torch.from_numpy(bound_vectors(means.numpy(), bound))
-        if stats.kind == "full":
-            assert cov is not None
-            trace = torch.diagonal(cov, dim1=1, dim2=2).sum(1)
-        elif stats.kind == "lowrank":
-            assert factor is not None and diag is not None
-            trace = factor.square().sum((1, 2)) + diag.sum(1)
-        else:
-            assert cov is not None
-            trace = cov.sum(1)
-        scale = torch.from_numpy(bound_scales(trace.numpy(), bound))
-        if cov is not None:
-            cov = cov * scale.reshape((-1,) + (1,) * (cov.ndim - 1))
-        if factor is not None and diag is not None:
-            factor, diag = factor * scale.sqrt()[:, None, None], diag * scale[:, None]
     return build_mixture(label, counts, means, stats.kind, cov, factor, diag, eps)

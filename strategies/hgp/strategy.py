@@ -69,6 +69,7 @@ from promptfcl.strategies.hgp.options import HGPOptions
 from promptfcl.strategies.hgp.prompt import HGPPrompt
 from promptfcl.strategies.hgp.records import STATS
 from promptfcl.strategies.platform.rounds import Accepted, Sent
+from promptfcl.strategies.platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
 log = logging.getLogger("promptfcl")
@@ -93,6 +94,9 @@ class HGPStrategy(PromptStrategy):
     random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
+    # what the platform bounds where the run is defended (stats-bound)
+    statistics = {STATS: Statistics(vectors=("means",), counts=("counts",), second_moments={
+        "cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})}
     options_class = HGPOptions
     opts: HGPOptions
     # With dp.clip = C the client clips every feature to norm C before its statistics
@@ -307,7 +311,6 @@ class HGPStrategy(PromptStrategy):
                 if raw is None
                 else _mixture_from_raw(
                     label, {k: v for k, v in raw.items() if k not in ("clients", "rounds")}, self.opts.cov_eps,
-                    self.cfg.stats_bound,
                 )
             )
         return self._mixtures[label]

@@ -149,15 +149,12 @@ def norm_outliers(norms: Sequence[float], factor: float, ceiling: float) -> list
     return out
 
 
-def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: float) -> list[str | None]:
-    """For each update, why it points against the round (None: it does not): its cosine with the
-    coordinate-wise median of all the round's updates is below ``min_cosine``.
+def median_cosines(updates: Sequence[Mapping[str, np.ndarray]]) -> list[float | None]:
+    """Each update's cosine with the coordinate-wise median of ``updates`` (None for all: fewer
+    than 3, or no array that every update holds with one shape; a zero update reads 1).
 
-    The median update is an honest one's direction while fewer than half of the replies are
-    hostile, so a reversed update (a sign flip, whatever its length) reads a negative cosine
-    while honest ones, even non-IID, agree at least in sign on the shared prompt. Only arrays
-    that every update holds with one shape are compared (clients on other task slices), and
-    fewer than 3 updates are never judged (the median of two is their mean).
+    Only arrays that every update holds with one shape are compared (clients on other task
+    slices); the median of two is their mean, so fewer than 3 updates are never judged.
     """
     names = [n for n in updates[0] if all(n in u and np.shape(u[n]) == np.shape(updates[0][n]) for u in updates)] \
         if updates else []
@@ -166,14 +163,23 @@ def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: 
     flat = np.stack([np.concatenate([np.ravel(np.asarray(u[n], dtype=np.float64)) for n in names]) for u in updates])
     reference = np.median(flat, axis=0)
     ref_norm = float(np.linalg.norm(reference))
-    out: list[str | None] = []
+    out: list[float | None] = []
     for row in flat:
         norm = float(np.linalg.norm(row))
-        cosine = float(row @ reference) / (norm * ref_norm) if norm > 0 and ref_norm > 0 else 1.0
-        out.append(None if cosine >= min_cosine else
-                   f"update points against the round: cosine {cosine:.3f} with the median update, below "
-                   f"update-min-cosine = {min_cosine:g}")
+        out.append(float(row @ reference) / (norm * ref_norm) if norm > 0 and ref_norm > 0 else 1.0)
     return out
+
+
+def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: float) -> list[str | None]:
+    """For each update, why it points against the round (None: it does not): its cosine with the
+    coordinate-wise median of all the round's updates is below ``min_cosine`` (:func:`median_cosines`).
+
+    The median update is an honest one's direction while fewer than half of the replies are
+    hostile, so a reversed update (a sign flip, whatever its length) reads a negative cosine.
+    """
+    return [None if c is None or c >= min_cosine else
+            f"update points against the round: cosine {c:.3f} with the median update, below "
+            f"update-min-cosine = {min_cosine:g}" for c in median_cosines(updates)]
 
 
 def capped_weights(counts: Sequence[float], cap: float) -> np.ndarray:

@@ -63,6 +63,7 @@ class Accepted:
     sent: Sent
     reply: Message
     update_norm: float = 0.0
+    cosine: float | None = None  # its update's cosine with its task's median update (None: fewer than 3)
     weight: float = 0.0  # what aggregation multiplies (sample count, or its capped share)
 
     @property

@@ -42,20 +42,14 @@ from promptfcl.common.options import MethodOptions, NoOptions
 from promptfcl.common.privacy import PrivateRecord, check_privacy, privacy_options
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from promptfcl.common.schedule import task_schedule
+from promptfcl.common.trust import resolve_trust
 from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
 from promptfcl.strategies.platform.checks import NO_EXAMPLES, SampleBounds, platform_problem
-from promptfcl.strategies.platform.replies import (
-    REPLY_METRICS,
-    MetricSpec,
-    clipped_update,
-    direction_outliers,
-    lower_median,
-    norm_outliers,
-    update_norm,
-    update_of,
-)
+from promptfcl.strategies.platform.defences import update_screen
+from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, clipped_update, update_norm, update_of
 from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
 from promptfcl.strategies.platform.sampling import Sampling
+from promptfcl.strategies.platform.statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
@@ -94,6 +88,11 @@ class PromptStrategy(Sampling, FedAvg):
     #: differential privacy (common/privacy.py): how each extra upload record is bounded (the
     #: ``arrays`` update always is); a record the client uploads and this does not name is refused
     private_records: dict[str, PrivateRecord] = {}
+    #: what each uploaded record of statistics holds (record name -> its arrays' kinds): the
+    #: platform bounds them before the method sees them (``stats-bound``, where the run is
+    #: defended; strategies/platform/statistics.py). Every record a reply or an exchange answer
+    #: carries besides "arrays" and "metrics" is declared here.
+    statistics: dict[str, Statistics] = {}
     #: the fields a train reply's metrics record may hold (strategies/platform/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
     #: whether the method works with clients on different tasks in one round (``switch-fraction``
@@ -127,16 +126,18 @@ class PromptStrategy(Sampling, FedAvg):
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
         self.schedule = self.check_schedule(cfg)
         self.check_privacy(cfg)
-        # client-side DP noise hides an update's direction (an honest one reads a cosine near 0)
-        self.direction_check = cfg.update_min_cosine > -1 and privacy_options(cfg).noise_multiplier == 0
-        if cfg.update_min_cosine > -1 and not self.direction_check:
-            log.info("update-min-cosine is not applied: with dp.noise-multiplier > 0 the clients' noise hides "
-                     "their updates' directions")
+        self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
+        self.screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm,
+                                    cfg.update_clip, cfg.update_min_cosine, privacy_options(cfg).noise_multiplier)
+        self.stats_bound = StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0)
+        self.defence_counts: dict[str, int] = {}  # the last aggregation's replies excluded or clipped per defence
         self.sent_round = SentRound()  # this round's train messages
         self.exchange_round = SentRound()  # this round's exchange before training
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
         self.exchange_rejected: list[tuple[int, str]] = []
+        self.exchange_bounded = 0  # statistics rows of this round's exchange answers bounded
+        self.stats_ratios: dict[str, float] = {}  # per statistics array: largest row scale / the round's reference
         self.accepted: list[Accepted] = []  # the last aggregation's accepted replies
         self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
         self.schedule_slots: dict[int, int] = {}  # client id -> its turn in the task schedule
@@ -258,6 +259,7 @@ class PromptStrategy(Sampling, FedAvg):
         log.info("strategy %s: %s clients per round out of %d, options %s",
                  self.name, self.clients_per_round, self.cfg.num_clients, self.opts.to_dict() or "{}")
         log.info("task arrival: %s", self.schedule.describe())
+        log.info("%s", self.trust.describe())
 
     # ------------------------------------------------------------------ Flower's contract (sealed)
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -280,6 +282,12 @@ class PromptStrategy(Sampling, FedAvg):
         weights = self.weighting([a.examples for a in self.accepted])
         for a, w in zip(self.accepted, weights):
             a.weight = float(w)
+        if not self.uses_exchange():
+            self.stats_ratios = {}
+        self.defence_counts["stats"] = self.exchange_bounded + self._bound_statistics(self.accepted)
+        if any(self.defence_counts.values()):  # one line a round, not one per node
+            log.info("round %d defences: %s (of %d replies; statistics: rows)", server_round,
+                     ", ".join(f"{k} {v}" for k, v in self.defence_counts.items() if v), len(self.accepted))
         arrays = self.consolidate(server_round, self.aggregate(self.accepted), self.accepted)
         losses = [float(a.content[METRICS]["train-loss"]) for a in self.accepted]
         metrics = MetricRecord({"num-examples": sum(a.examples for a in self.accepted),
@@ -292,7 +300,7 @@ class PromptStrategy(Sampling, FedAvg):
     def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> list[Message]:
         """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
-        self.exchange_round, self.exchange_rejected = SentRound(), []
+        self.exchange_round, self.exchange_rejected, self.exchange_bounded = SentRound(), [], 0
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
@@ -317,6 +325,8 @@ class PromptStrategy(Sampling, FedAvg):
             node = self.exchange_round.sender(reply)
             self.exchange_rejected.append((node, "exchange: " + reason))
             log.warning("exchange reply from node %s excluded: %s", node, reason)
+        self.stats_ratios = {}
+        self.exchange_bounded = self._bound_statistics(answers)
         self.use_exchange(server_round, answers)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -326,9 +336,11 @@ class PromptStrategy(Sampling, FedAvg):
 
     # ------------------------------------------------------------------ replies
     def accept(self, replies: list[Message]) -> list[Accepted]:
-        """The replies that pass every check (platform's, then the method's), update-norm outliers dropped.
+        """The replies that pass every check (platform's, then the method's), then the run's update
+        defences (:mod:`~promptfcl.strategies.platform.defences`; none where the run is not defended).
 
-        Rejected replies are logged and listed in ``rejected`` with the node the message was sent to.
+        Rejected replies are logged and listed in ``rejected`` with the node the message was sent to;
+        ``defence_counts`` says how many each defence excluded or clipped.
         """
         self.rejected, self.placements = [], {}
         kept: list[Accepted] = []
@@ -339,55 +351,42 @@ class PromptStrategy(Sampling, FedAvg):
                 kept.append(Accepted(sent, reply))  # type: ignore[arg-type]
             else:
                 self._reject(reply, reason)
-        # each reply's change from what it was sent, computed once for the norm and direction checks
-        kept_updates = [update_of(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
-        norms = [update_norm(u, None) for u in kept_updates]
-        accepted, updates = [], []
-        for a, update, norm, reason in zip(kept, kept_updates, norms,
-                                           norm_outliers(norms, self.cfg.update_norm_factor, self.cfg.max_update_norm)):
-            if reason is not None:
-                self._reject(a.reply, reason)
+        # each reply's change from what it was sent, computed once for every screen
+        updates = [update_of(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
+        norms = [update_norm(u, None) for u in updates]
+        screening = self.screen(updates, norms, [a.task for a in kept])
+        accepted = []
+        for i, a in enumerate(kept):
+            a.update_norm, a.cosine = norms[i], screening.cosines[i]
+            if i in screening.excluded:
+                self._reject(a.reply, screening.excluded[i][1], level=logging.DEBUG)
                 continue
-            a.update_norm = norm
+            if i in screening.scales:  # norm bounding: shortened, its direction kept
+                a.content[ARRAYS] = to_array_record(clipped_update(
+                    from_array_record(a.content[ARRAYS]), self.update_start(a.sent), screening.scales[i]))
+                a.update_norm = norms[i] * screening.scales[i]
             accepted.append(a)
-            updates.append(update)
             if PLACEMENT in a.content:
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
-        # the clip bound is read before the direction check: what that check leaves may be a
-        # hostile majority (honest label-skewed updates can disagree more than two attackers do)
-        reference_norm = lower_median([a.update_norm for a in accepted])
-        if self.direction_check and len(accepted) >= 3:
-            accepted = self._drop_reversed(accepted, updates)
-        if self.cfg.update_clip > 0 and len(accepted) >= 2:
-            self._clip_updates(accepted, self.cfg.update_clip * reference_norm)
+        self.defence_counts = screening.counts()
         return accepted
 
-    def _drop_reversed(self, accepted: list[Accepted], updates: list[dict[str, np.ndarray]]) -> list[Accepted]:
-        """Direction check: replies whose update (``updates``, in the order of ``accepted``) points
-        against the median update of the replies on the same task are excluded (a client alone
-        ahead on its task trains rows nobody else does: there is no majority to judge it by)."""
-        reasons: dict[int, str | None] = {}
-        for task in {a.task for a in accepted}:
-            group = [i for i, a in enumerate(accepted) if a.task == task]
-            reasons.update(zip(group, direction_outliers([updates[i] for i in group], self.cfg.update_min_cosine)))
-        for i, a in enumerate(accepted):
-            if reasons[i] is not None:
-                self._reject(a.reply, reasons[i])  # type: ignore[arg-type]
-        return [a for i, a in enumerate(accepted) if reasons[i] is None]
-
-    def _clip_updates(self, accepted: list[Accepted], bound: float) -> None:
-        """Norm bounding: an update longer than ``bound`` (``update-clip`` x the lower median
-        update norm of the replies the norm filter kept) is scaled down to that length, its
-        direction kept, so no reply moves the average further than an honest one would (a hostile
-        minority cannot move the median)."""
-        for a in accepted:
-            if bound > 0 and a.update_norm > bound:
-                arrays = clipped_update(from_array_record(a.content[ARRAYS]), self.update_start(a.sent),
-                                        bound / a.update_norm)
-                a.content[ARRAYS] = to_array_record(arrays)
-                log.info("update of node %s clipped from norm %.3g to %.3g (update-clip = %g x the round's "
-                         "lower median)", a.sent.node, a.update_norm, bound, self.cfg.update_clip)
-                a.update_norm = bound
+    def _bound_statistics(self, accepted: list[Accepted]) -> int:
+        """The declared statistics of ``accepted`` bounded in place (``stats-bound``); rows changed.
+        Each array's largest row scale over the round's reference goes to ``stats_ratios``."""
+        changed = 0
+        for name, spec in self.statistics.items():
+            holders = [a for a in accepted if name in a.content.array_records]
+            before = [from_array_record(a.content[name]) for a in holders]
+            self.stats_ratios.update(self.stats_bound.ratios(before, spec))
+            if not self.stats_bound.active:
+                continue
+            records, n = self.stats_bound(before, [a.examples for a in holders], spec)
+            for a, old, new in zip(holders, before, records):
+                if any(new[k] is not old[k] for k in new):  # rewritten only where a row was bounded
+                    a.content[name] = to_array_record(new)
+            changed += n
+        return changed
 
     def check_reply(self, reply: Message) -> str | None:
         """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
@@ -406,11 +405,10 @@ class PromptStrategy(Sampling, FedAvg):
         except Exception as exc:  # a check must never take the server down, whatever a reply holds
             return f"reply could not be checked ({type(exc).__name__}: {exc})"
 
-    def _reject(self, reply: Message, reason: str) -> None:
+    def _reject(self, reply: Message, reason: str, level: int = logging.WARNING) -> None:
         node = self.sent_round.sender(reply)
         self.rejected.append((node, reason))
-        log.log(logging.DEBUG if reason == NO_EXAMPLES else logging.WARNING,
-                "reply from node %s excluded: %s", node, reason)
+        log.log(logging.DEBUG if reason == NO_EXAMPLES else level, "reply from node %s excluded: %s", node, reason)
 
     def update_start(self, sent: Sent) -> dict[str, np.ndarray] | None:
         """What a reply's update is measured from: ``sent.start``, else the arrays it must match
@@ -433,6 +431,11 @@ class PromptStrategy(Sampling, FedAvg):
     @property
     def update_norms(self) -> list[float]:
         return [a.update_norm for a in self.accepted]
+
+    @property
+    def update_cosines(self) -> list[float | None]:
+        """Each accepted reply's cosine with its task's median update (None: fewer than 3 on its task)."""
+        return [a.cosine for a in self.accepted]
 
     # ------------------------------------------------------------------ averaging (the default aggregate)
     def average(self, accepted: Sequence[Accepted], weights: np.ndarray,

@@ -70,7 +70,7 @@ from promptfcl.common.tasks import task_classes, task_rows
 from promptfcl.strategies.platform.aggregation import aggregate_per_task
 from promptfcl.strategies.platform.replies import check_metrics
 from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import bounded_mean
+from promptfcl.strategies.platform.statistics import Statistics
 from promptfcl.strategies.platform.strategy import PromptStrategy
 from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
@@ -120,6 +120,9 @@ class PowderStrategy(PromptStrategy):
     options_class = PowderOptions
     opts: PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
+    # what the platform bounds where the run is defended (stats-bound), in replies and in the
+    # answers to the measuring exchange
+    statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"), counts=("task-count", "class-count"))}
 
     @classmethod
     def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
@@ -439,9 +442,8 @@ class PowderStrategy(PromptStrategy):
                     found[kind].setdefault(int(i), []).append((np.asarray(a, dtype=np.float64), float(n)))
         for kind, table, measured in (("task", self.task_alpha, self.task_measured),
                                       ("class", self.class_alpha, self.class_measured)):
-            for i, rows in found[kind].items():  # stats-bound: no client moves an alpha much further than another
-                table[i] = bounded_mean(np.stack([a for a, _ in rows]), np.array([n for _, n in rows]),
-                                        self.cfg.stats_bound)
+            for i, rows in found[kind].items():
+                table[i] = count_weighted_mean([a for a, _ in rows], [n for _, n in rows])
                 measured[i] = True
         return len(found["task"])
 
@@ -465,3 +467,12 @@ __all__ = [
     "select_tasks",
     "sparsify_rows",
 ]
+
+
+def count_weighted_mean(vectors: list[np.ndarray], counts: list[float]) -> np.ndarray:
+    """Sum_i n_i a_i / Sum_i n_i, accumulated in order in float64 (the mean of the vectors without counts)."""
+    total, n = np.zeros(np.shape(vectors[0])), 0.0
+    for value, weight in zip(vectors, counts):
+        total += weight * np.asarray(value, dtype=np.float64)
+        n += weight
+    return total / n if n > 0 else np.mean(np.asarray(vectors, dtype=np.float64), axis=0)

@@ -1,0 +1,165 @@
+"""Hostile-client defences on model updates: policies the platform applies to a round's replies.
+
+They apply only where the run is defended (``defences``, common/trust.py): a simulation of this
+project's own clients computes each paper's aggregation untouched. Each screen is one class, in
+the order the platform applies them to the replies that passed the record checks:
+
+* :class:`NormFilter` excludes an update whose norm is above ``factor`` x the round's lower
+  median update norm (``update-norm-factor``) or above ``ceiling`` (``max-update-norm``);
+* :class:`DirectionCheck` excludes an update whose cosine with the coordinate-wise median update
+  of the replies on its task is below ``min_cosine`` (``update-min-cosine``): a reversed update
+  reads a negative cosine whatever its length;
+* :class:`UpdateClip` scales an update longer than ``factor`` x the lower median norm of the
+  replies the norm filter kept (``update-clip``) down to that length, its direction kept.
+
+The lower median (the ceil(n/2)-th smallest) and the coordinate-wise median are honest values
+while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the three and
+returns a :class:`Screening`: what each reply became, why, and each reply's cosine (recorded in
+every round, defended or not, so a reader sees how far honest clients disagree).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from promptfcl.strategies.platform.replies import direction_outliers, lower_median, median_cosines, norm_outliers
+
+log = logging.getLogger("promptfcl")
+
+NORM_FILTER, DIRECTION, CLIP = "norm-filter", "direction", "clip"
+
+
+@dataclass(frozen=True)
+class NormFilter:
+    """Exclude updates above ``factor`` x the lower median norm (0: off) or above ``ceiling`` (0: off)."""
+
+    factor: float = 0.0
+    ceiling: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.factor > 0 or self.ceiling > 0
+
+    def __call__(self, norms: Sequence[float]) -> list[str | None]:
+        return norm_outliers(norms, self.factor, self.ceiling) if self.active else [None] * len(norms)
+
+
+@dataclass(frozen=True)
+class DirectionCheck:
+    """Exclude updates whose cosine with their task's median update is below ``min_cosine`` (-1: off)."""
+
+    min_cosine: float = -1.0
+
+    @property
+    def active(self) -> bool:
+        return self.min_cosine > -1
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) -> list[str | None]:
+        """Each update judged against the replies on its own task (a client alone ahead on its task
+        trains rows nobody else does: there is no majority to judge it by)."""
+        reasons: list[str | None] = [None] * len(updates)
+        if not self.active:
+            return reasons
+        for group in _task_groups(tasks):
+            for i, reason in zip(group, direction_outliers([updates[i] for i in group], self.min_cosine)):
+                reasons[i] = reason
+        return reasons
+
+
+@dataclass(frozen=True)
+class UpdateClip:
+    """Scale an update longer than ``factor`` x ``reference`` down to that length (0: off)."""
+
+    factor: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.factor > 0
+
+    def scales(self, norms: Sequence[float], reference: float) -> list[float]:
+        """The multiplier of each update (1: untouched)."""
+        bound = self.factor * reference
+        if not self.active or len(norms) < 2 or not bound > 0:
+            return [1.0] * len(norms)
+        return [bound / n if n > bound else 1.0 for n in norms]
+
+
+@dataclass
+class Screening:
+    """What the defences made of a round's updates (indices into the screened list)."""
+
+    excluded: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (defence, reason)
+    scales: dict[int, float] = field(default_factory=dict)  # index of a kept update -> its multiplier (< 1)
+    cosines: list[float | None] = field(default_factory=list)  # each update's cosine with its task's median
+
+    def counts(self) -> dict[str, int]:
+        """Replies excluded by each defence and clipped, for the round's record."""
+        out = {NORM_FILTER: 0, DIRECTION: 0, CLIP: len(self.scales)}
+        for defence, _ in self.excluded.values():
+            out[defence] += 1
+        return out
+
+
+@dataclass(frozen=True)
+class UpdateScreen:
+    """The run's update defences, applied in order (all inactive where the run is not defended)."""
+
+    norm_filter: NormFilter = NormFilter()
+    direction: DirectionCheck = DirectionCheck()
+    clip: UpdateClip = UpdateClip()
+
+    @property
+    def active(self) -> bool:
+        return self.norm_filter.active or self.direction.active or self.clip.active
+
+    def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], norms: Sequence[float],
+                 tasks: Sequence[int]) -> Screening:
+        out = Screening(cosines=_cosines(updates, tasks))
+        for i, reason in enumerate(self.norm_filter(norms)):
+            if reason is not None:
+                out.excluded[i] = (NORM_FILTER, reason)
+        kept = [i for i in range(len(updates)) if i not in out.excluded]
+        # the clip bound is read before the direction check: what that check leaves may be a
+        # hostile majority (honest label-skewed updates can disagree more than two attackers do)
+        reference = lower_median([norms[i] for i in kept])
+        if len(kept) >= 3:
+            for i, reason in zip(kept, self.direction([updates[i] for i in kept], [tasks[i] for i in kept])):
+                if reason is not None:
+                    out.excluded[i] = (DIRECTION, reason)
+        kept = [i for i in kept if i not in out.excluded]
+        for i, scale in zip(kept, self.clip.scales([norms[i] for i in kept], reference)):
+            if scale < 1.0:
+                out.scales[i] = scale
+        return out
+
+
+def _task_groups(tasks: Sequence[int]) -> list[list[int]]:
+    return [[i for i, t in enumerate(tasks) if t == task] for task in sorted(set(tasks))]
+
+
+def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) -> list[float | None]:
+    """Each update's cosine with the coordinate-wise median update of its task (None: fewer than 3 on it)."""
+    out: list[float | None] = [None] * len(updates)
+    for group in _task_groups(tasks):
+        for i, cosine in zip(group, median_cosines([updates[i] for i in group])):
+            out[i] = None if cosine is None or not math.isfinite(cosine) else cosine
+    return out
+
+
+def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: float, min_cosine: float,
+                  dp_noise: float) -> UpdateScreen:
+    """The run's screen: every defence off where the run is not ``defended``; the direction check
+    off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
+    cosine near 0), with a log line."""
+    if not defended:
+        return UpdateScreen()
+    if min_cosine > -1 and dp_noise > 0:
+        log.info("update-min-cosine is not applied: with dp.noise-multiplier > 0 the clients' noise hides "
+                 "their updates' directions")
+        min_cosine = -1.0
+    return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine), UpdateClip(clip))
