@@ -13,14 +13,18 @@ Two populations (run-config ``population``):
   node holds the run's whole dataset (simulation; a deployed node only with ``data-from-run``).
 * ``nodes``: this node *is* a client with its own data, given by its node config
   (``data-dir``, ``dataset``, or ``partition-id``/``num-partitions``); see client/node_data.py.
+
+An exception on the node reaches the server as an error reply; :func:`report_errors` makes its
+text say what failed without the node's local paths (the whole exception stays in the node's log).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -28,7 +32,7 @@ from flwr.clientapp import ClientApp
 
 from promptfcl.client.faults import inject_faults
 from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
-from promptfcl.client.node_policy import NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
+from promptfcl.client.node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 from promptfcl.common import startup
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.evaluation import correct_counts, pooled_counts
@@ -45,13 +49,51 @@ from promptfcl.common.records import (
     to_torch,
 )
 from promptfcl.common.runtime import Runtime, get_runtime
+from promptfcl.common.text import escape_log_args, printable, without_paths
+from promptfcl.common.weights import cache_dir
 from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
 
-log = logging.getLogger("promptfcl")
+# what the node logs of the run config and the server's messages cannot forge log lines
+log = escape_log_args()
 
-# simulated nodes (Ray actors) are their operator's (client/node_policy.py); seeded fault injection
-# (run-config `fault`) runs only on nodes that enable it
-app = ClientApp(mods=[simulated_nodes_mod, inject_faults])
+#: the longest error text a node sends the server
+REASON_LIMIT = 1000
+
+
+class NodeError(RuntimeError):
+    """What the server is told of an exception on this node: its type and message, without the
+    node's local paths (raised from the original, which the node's own log shows in full)."""
+
+
+def report_errors(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """Flower mod: an exception in the ClientApp leaves it as a :class:`NodeError` whose text
+    names the error without local paths; Flower turns that into the error reply the server sees."""
+    try:
+        return call_next(msg, context)
+    except Exception as exc:
+        raise NodeError(public_reason(exc, context.node_config)) from exc
+
+
+def public_reason(exc: BaseException, node_config: Mapping[str, Any]) -> str:
+    """``"<type>: <message>"`` with the node's folders named (``<data-dir>``, ``<weights>``,
+    ``<cache>``), any other absolute path replaced by ``<path>``, control characters escaped."""
+    known: dict[str, str] = {}
+    dataset = node_config.get("dataset")
+    named = [(node_config.get("data-dir"), "<data-dir>"), (node_config.get(WEIGHTS), "<weights>"),
+             (dataset[len("folder:"):] if isinstance(dataset, str) and dataset.startswith("folder:") else None,
+              "<data-dir>"), (str(cache_dir()), "<cache>")]
+    for value, name in named:
+        if isinstance(value, str) and value and value not in ("timm", "random") and not value.startswith("pretrained:"):
+            full = os.path.expanduser(value)
+            for form in (value, full, os.path.abspath(full), os.path.realpath(full)):
+                known[form] = name
+    return printable(f"{type(exc).__name__}: {without_paths(str(exc), known)}", REASON_LIMIT)
+
+
+# the outermost mod, so nothing the others raise reaches Flower unfiltered; simulated nodes (Ray
+# actors) are their operator's (client/node_policy.py); seeded fault injection (run-config `fault`)
+# runs only on nodes that enable it
+app = ClientApp(mods=[report_errors, simulated_nodes_mod, inject_faults])
 
 
 @app.train()
@@ -181,8 +223,9 @@ def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, 
 def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord) -> tuple[Runtime, int]:
     """This process's runtime and the client id it trains as (``-1``: the server assigns it).
 
-    First the node's own limits (:class:`NodePolicy`): a run beyond them is refused before
-    anything is built. ``population = "nodes"``: the node's own data from its node config,
+    First the node's own limits and its backbone (:class:`NodePolicy`): a run beyond them, or
+    naming a weights file or hub source the node did not choose, is refused before anything is
+    built or opened. ``population = "nodes"``: the node's own data from its node config,
     checked against the run's classes (``num-classes`` sent by the server, ``class-names`` of
     the run). ``population = "virtual"`` loads the run's dataset, which a deployed node does
     only with ``data-from-run = true``. A simulated client (a Ray actor) given no GPU share
@@ -190,6 +233,7 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     """
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
+    cfg = policy.backbone(cfg)  # the node's own weights or its cache, never a file the run names
     method_prompt = prompt_class(cfg.strategy)
     if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
@@ -289,7 +333,7 @@ def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
 
 
 __all__ = ["app", "check_same_config", "client_runtime", "evaluate", "evaluate_received", "evaluation_counts",
-           "private_upload", "query", "train", "NodeDataError"]
+           "private_upload", "public_reason", "query", "report_errors", "train", "NodeDataError", "NodeError"]
 
 
 # Process start to here: the interpreter, Flower's ClientApp runner and this module's imports

@@ -411,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
             raise NodeDataError(f"--node-config {args.node_config!r} is not key=value pairs with TOML values "
                                 f"(quote strings: data-dir=\"/path\"): {exc}") from None
         cfg = load_config(args.config, args.set, None, None)
-        NodePolicy.from_node_config(node_config).check_run(cfg)
+        policy = NodePolicy.from_node_config(node_config)
+        policy.check_run(cfg)
+        cfg = policy.backbone(cfg)  # as the ClientApp will: the node's own weights or its cache
         loaded = node_data(cfg, node_config)
         check_weights(cfg)  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:

@@ -13,6 +13,14 @@ take, or switch on behaviour meant for experiments. Three rules, all read from t
   ``fault-injection=true`` (or ``PROMPTFCL_FAULT_INJECTION=1`` in its environment).
 * **Data location.** A node reads only the data its node config names; ``data-from-run=true``
   lets a partition node read the run's ``dataset`` / ``data-dir`` instead.
+* **Backbone.** A node takes its backbone only from its own node config (``weights=...``: a
+  checkpoint on the node, ``"timm"``, ``"pretrained:<source>"`` or ``"random"``) or its cache:
+  a run's ``weights = "pretrained:<source>"`` (the node's cache of that pretraining) and
+  ``"random"`` are taken, a run naming a checkpoint path or a hub source (``weights = "timm"``,
+  a ``backbone`` with a source prefix such as ``hf-hub:`` or ``local-dir:``) is refused before
+  anything is opened (:meth:`NodePolicy.backbone`): otherwise the server could make every node
+  open a file of its choosing and learn from the error whether it exists, or fetch from the
+  network. ``weights-from-run=true`` lets a node take the run's choice.
 
 Flower's Ray simulation (``promptfcl simulate``, ``flwr run`` with a local federation) runs
 every node in a Ray actor for the one operator who started it and chose the run config, so
@@ -22,7 +30,9 @@ ClientApp runs in a process of its SuperNode, never in a Ray actor.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +40,9 @@ from typing import Any
 from flwr.app import Context, Message
 
 from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.text import printable
+
+log = logging.getLogger("promptfcl")
 
 #: run-config key -> the node's default ceiling (node-config ``max-<key>`` overrides it). Generous
 #: for paper-scale runs on a GPU node (ViT-B/16 at 224 px, batch 128, pools of 100 x 20 tokens).
@@ -47,13 +60,20 @@ LIMITS: dict[str, int] = {
 }
 FAULT_INJECTION = "fault-injection"
 DATA_FROM_RUN = "data-from-run"
+WEIGHTS_FROM_RUN = "weights-from-run"
+#: node-config key: this node's own backbone weights (what the run's ``weights`` would say)
+WEIGHTS = "weights"
 #: node-config keys of this module (client/node_data.py accepts them beside its own)
-POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, *(f"max-{k}" for k in LIMITS))
+POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, WEIGHTS_FROM_RUN, WEIGHTS, *(f"max-{k}" for k in LIMITS))
+#: run ``weights`` a node takes from its cache: nothing the server names is opened or fetched
+CACHED_WEIGHTS = re.compile(r"random|pretrained:.+")
+#: a timm model name (with an optional pretrained tag): no source prefix, no path
+PLAIN_BACKBONE = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?")
 FAULT_INJECTION_ENV = "PROMPTFCL_FAULT_INJECTION"
 
 
 class NodeRefusal(ValueError):
-    """A node declines a message of a run outside the limits its operator set."""
+    """A node declines a message of a run outside the limits or rules its operator set."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,8 @@ class NodePolicy:
     limits: Mapping[str, int]
     fault_injection: bool = False
     data_from_run: bool = False
+    weights_from_run: bool = False
+    weights: str | None = None  # the node's own backbone weights (node-config ``weights``)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
@@ -74,8 +96,49 @@ class NodePolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise NodeRefusal(f"node-config max-{key} must be a positive integer, got {value!r}")
             limits[key] = value
+        weights = node_config.get(WEIGHTS)
+        if weights is not None and (not isinstance(weights, str) or not weights):
+            raise NodeRefusal(f"node-config {WEIGHTS} must be a checkpoint path, \"timm\", \"pretrained:<source>\" "
+                              f"or \"random\", got {printable(repr(weights), 80)}")
         return cls(limits, flag(node_config, FAULT_INJECTION) or os.environ.get(FAULT_INJECTION_ENV) == "1",
-                   flag(node_config, DATA_FROM_RUN))
+                   flag(node_config, DATA_FROM_RUN), flag(node_config, WEIGHTS_FROM_RUN), weights)
+
+    def backbone(self, cfg: ExperimentConfig) -> ExperimentConfig:
+        """``cfg`` with the backbone weights this node uses, checked before anything is opened.
+
+        The node's own ``weights`` (node config) wins over the run's; without it, the run's
+        ``weights`` must be one the node takes from its cache (:data:`CACHED_WEIGHTS`), unless
+        the node trusts the run (``weights-from-run``). The refusal names the key and is logged
+        here; it never quotes the value back (the server chose it).
+
+        Raises
+        ------
+        NodeRefusal
+            The run names a checkpoint path or a hub source for the backbone.
+        """
+        if self.weights_from_run:
+            return cfg
+        if not PLAIN_BACKBONE.fullmatch(cfg.backbone):
+            # timm reads a "hf-hub:" model's config from the network and a "local-dir:" one from disk
+            raise self._refusal("backbone", cfg.backbone, "is not a plain timm model name (a source prefix such "
+                                "as hf-hub: or local-dir:, or a path, would make the node fetch or open what the "
+                                "run names)")
+        if self.weights is not None:
+            if self.weights != cfg.weights:
+                log.info("backbone weights from this node's config (weights = %r), not the run's (%r)",
+                         self.weights, cfg.weights)
+            return cfg.replace(weights=self.weights)
+        if CACHED_WEIGHTS.fullmatch(cfg.weights):
+            return cfg
+        what = "a hub source" if cfg.weights == "timm" else "a checkpoint file"
+        raise self._refusal("weights", cfg.weights, f"names {what}; this node takes its backbone only from its own "
+                            "node-config (weights=...) or its cache (weights = \"pretrained:<source>\" or \"random\")")
+
+    @staticmethod
+    def _refusal(key: str, value: str, why: str) -> NodeRefusal:
+        """The refusal of the run's ``key``, logged here with its value (escaped: the server chose it)."""
+        log.warning("node refuses the run: %s = %r %s", key, value, why)
+        return NodeRefusal(f"node refuses the run: its {key} {why}")
 
     def check_run(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
         """Refuse (:class:`NodeRefusal`) a run whose sizes exceed this node's limits; ``sent_num_classes``
@@ -113,6 +176,7 @@ def trust_run(context: Context) -> None:
     """Switch on what an operator who chose the run config may (simulated or test nodes)."""
     context.node_config.setdefault(FAULT_INJECTION, True)
     context.node_config.setdefault(DATA_FROM_RUN, True)
+    context.node_config.setdefault(WEIGHTS_FROM_RUN, True)
 
 
 def in_ray_actor() -> bool:

@@ -3,21 +3,27 @@ read only where they should be (class folders named by the server)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from promptfcl.common.errors import DataError
 
+#: the most a results file gives beyond its owner: the group may read it, others nothing
+RESULTS_MODE = 0o640
+#: the bits a process writing results always masks (group write, everything for others)
+RESULTS_UMASK = 0o027
+
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object], shared: bool = False) -> None:
     """Write to a temporary file beside ``path``, sync, then rename over ``path``.
 
-    The file is the owner's alone (0600, as the temporary file is made), or with ``shared`` as
-    readable as the user's umask lets a new file be (0644 under the usual 022): results are
-    for the group, checkpoints and caches are not.
+    The file is the owner's alone (0600, as the temporary file is made), or with ``shared``
+    readable by the group at most (:data:`RESULTS_MODE`, less where the umask says so: 0640
+    under the usual 022): results are for the group, checkpoints and caches are not.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -25,7 +31,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], shared: bool =
         if shared:
             umask = os.umask(0)
             os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
+            os.fchmod(fd, RESULTS_MODE & ~umask)
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -35,6 +41,20 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], shared: bool =
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def results_umask() -> Iterator[None]:
+    """Within: this process's umask masks at least :data:`RESULTS_UMASK`, so every file it
+    creates (results, plots, logs of the run, folders) is at most group-readable, whatever
+    writes it; the umask before is restored after. The umask is the whole process's: use it
+    around a run, not around one file of a busy multi-threaded process."""
+    previous = os.umask(RESULTS_UMASK)
+    os.umask(previous | RESULTS_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def class_folder(root: Path, name: str) -> Path:

@@ -30,7 +30,9 @@
 #                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
 #                   max-local-epochs): refuse runs beyond these sizes; fault-injection=true: obey
 #                   the run's fault switch (robustness experiments); data-from-run=true: read the
-#                   run's dataset location instead of this node's
+#                   run's dataset location instead of this node's; weights="/srv/vit.pt" (or
+#                   "timm", "pretrained:<source>"): this node's own backbone, whatever the run
+#                   says (without it a run naming a weights file or "timm" is refused)
 #
 # The node refuses to start if its data is missing or does not match the run's classes.
 # Caches (backbone weights, decoded images, backbone queries) live in $PROMPTFCL_CACHE

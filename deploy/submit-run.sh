@@ -9,7 +9,8 @@
 #                   own data, federated evaluation)
 #   --set KEY=VAL   further overrides (TOML values: quote strings, e.g. --set out-dir='"runs/x"')
 #   --app DIR       the Flower app to submit (default: this repository)
-#   --no-stream     submit and return at once (follow later with `flwr log RUN_ID promptfcl`)
+#   --no-stream     submit and return at once (follow later with `.venv/bin/flwr log RUN_ID promptfcl`;
+#                   `flwr` is on PATH only with the venv active)
 #
 # The merged configuration is validated here first (unknown keys and bad values stop before
 # anything is sent). Results are written on the SuperLink machine, in its --state directory
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --set) sets+=("$2"); shift 2 ;;
     --app) app=$2; shift 2 ;;
     --no-stream) stream=0; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -76,7 +77,8 @@ flwr run "${args[@]}" 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || die "flwr run failed (see above)"
 run_id=$(sed -n 's/.*Successfully started run \([0-9]*\).*/\1/p' "$log" | head -1)
 [ -n "$run_id" ] || die "the SuperLink did not start the run (see above)"
-[ "$stream" = 1 ] || { echo "run $run_id submitted; follow it with: flwr log $run_id promptfcl"; exit 0; }
+# the flwr this script ran (the venv's, which a plain shell does not have on PATH)
+[ "$stream" = 1 ] || { echo "run $run_id submitted; follow it with: $(command -v flwr) log $run_id promptfcl"; exit 0; }
 # `flwr run --stream` ends when the run does, with status 0 either way: ask the SuperLink how it ended.
 status=$(flwr list promptfcl --run-id "$run_id" --format json | "$PYTHON" -c '
 import json, sys

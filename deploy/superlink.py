@@ -35,6 +35,8 @@ import re
 import sys
 from typing import Any
 
+from promptfcl.common.text import printable
+
 #: longer than httpx's default keep-alive expiry (5 s), the only HTTP client Flower uses
 KEEP_ALIVE_SECONDS = 75
 #: what a SuperNode calls (flwr/supernode/fleet_http_client.py) and the health probe
@@ -59,8 +61,10 @@ class FleetOnly:
             await self.app(scope, receive, send)
             return
         client = scope.get("client") or ("?", 0)
+        # the path is the caller's (%0a decodes to a newline): escaped, so it cannot forge log lines
         log.warning("node-facing address: refused %s %s from %s:%s (only the Fleet API is served here)",
-                    scope.get("method", scope["type"]), path[:200], client[0], client[1])
+                    printable(str(scope.get("method", scope["type"])), 20), printable(path, 200),
+                    printable(str(client[0]), 64), client[1])
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return

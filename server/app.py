@@ -10,6 +10,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.data import check_source
+from promptfcl.common.files import results_umask
+from promptfcl.common.text import escape_log_args
 from promptfcl.server.progress import TerminalHandler
 from promptfcl.server.report import table, write_outputs
 from promptfcl.server.run import finish, run_experiment
@@ -28,15 +30,18 @@ def main(grid: Grid, context: Context) -> None:
     check_method(cfg.strategy)
     check_namespaces(cfg.method)
     check_source(cfg)
-    results = run_experiment(grid, cfg)
-    path = write_outputs(results, cfg.out_dir)
-    finish(cfg, results)
+    with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
+        results = run_experiment(grid, cfg)
+        path = write_outputs(results, cfg.out_dir)
+        finish(cfg, results)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    logger = logging.getLogger("promptfcl")
+    """The ``promptfcl`` logger's handler and level, its arguments escaped (a node's error
+    reason or a run-config value cannot forge log lines: common/text.py)."""
+    logger = escape_log_args()
     if not logger.handlers:
         # on a terminal the log keeps a status line (round, ETA, accuracy) at its foot
         handler = TerminalHandler() if sys.stderr.isatty() else logging.StreamHandler()

@@ -157,6 +157,7 @@ def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, 
 
 
 def test_fault_injection_obeys_the_node_not_the_run(tmp_path, flower_identity):
+    from promptfcl.client.app import NodeError
     from promptfcl.client.faults import InjectedFault
 
     cfg = tiny_config(fault="raise", **{"fault-clients": "0", "num-classes": 10})
@@ -168,8 +169,9 @@ def test_fault_injection_obeys_the_node_not_the_run(tmp_path, flower_identity):
     assert not reply.has_error() and reply.content["metrics"]["num-examples"] > 0  # trained normally
     ctx = Context(run_id=1, node_id=1, node_config={"data-from-run": True, "fault-injection": True},
                   state=RecordDict(), run_config=cfg.to_dict())
-    with pytest.raises(InjectedFault):
+    with pytest.raises(NodeError, match="InjectedFault: injected failure of client 0") as failed:
         deployed(message(cfg), ctx)
+    assert isinstance(failed.value.__cause__, InjectedFault)
 
 
 # ----------------------------------------------------------------------------- resume
@@ -252,3 +254,178 @@ def test_simulated_app_dir_declares_every_key_it_sets(tmp_path):
     app = write_app_dir(cfg, tmp_path / "app")
     assert get_fused_config_from_dir(app, {}) == cfg.to_dict()
     assert cfg.to_dict()["hgp.cov-type"] == "diag"
+
+
+# ----------------------------------------------------------------------------- the backbone: the node's own
+class OpenedFiles:
+    """Records every path this process opens or stats (builtins.open, io.open, os.stat), and lets it happen."""
+
+    def __init__(self, monkeypatch) -> None:
+        import builtins
+        import io
+        import os
+
+        self.paths: list[str] = []
+        for module, name in ((builtins, "open"), (io, "open"), (os, "stat")):
+            real = getattr(module, name)
+
+            def observed(file, *args, _real=real, **kwargs):
+                self.paths.append(str(file))
+                return _real(file, *args, **kwargs)
+
+            monkeypatch.setattr(module, name, observed)
+
+    def touched(self, path) -> bool:
+        return any(str(path) in p for p in self.paths)
+
+
+def secret_checkpoint(path):
+    """A weights file beside the node's data, with key names and shapes no reply may carry."""
+    import torch
+
+    torch.save({"model": {"SECRET_KEY_OF_THE_NODE": torch.zeros(7, 13)}}, path)
+    return path
+
+
+def test_a_deployed_node_never_opens_the_weights_file_or_hub_source_a_run_names(tmp_path, monkeypatch, caplog,
+                                                                               flower_identity):
+    from promptfcl.client.app import NodeError
+
+    (node,) = export_digits(tmp_path / "data", 1)
+    secret = secret_checkpoint(tmp_path / "data" / "secret.pt")
+    deployed = client_app(operated=False)  # a node started by its operator: nothing trusted from the run
+    for key, overrides in [("weights", {"weights": str(secret)}), ("weights", {"weights": "timm"}),
+                           ("backbone", {"backbone": "local-dir:" + str(tmp_path / "data")}),
+                           ("backbone", {"backbone": "hf-hub:someone/vit"})]:
+        cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, **overrides})
+        ctx = Context(run_id=1, node_id=1, node_config={"data-dir": str(node)}, state=RecordDict(),
+                      run_config=cfg.to_dict())
+        sent = message(tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3}))
+        sent.content["config"]["config-digest"] = cfg.digest()  # the server built its arrays without a backbone
+        opened = OpenedFiles(monkeypatch)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="promptfcl"), pytest.raises(NodeError) as refused:
+            deployed(sent, ctx)
+        monkeypatch.undo()
+        reason = str(refused.value)  # what Flower sends the server
+        assert f"NodeRefusal: node refuses the run: its {key} " in reason, reason
+        assert "/" not in reason.split("(")[0] and str(tmp_path) not in reason and "secret" not in reason
+        assert "SECRET_KEY" not in reason and "13" not in reason
+        assert not opened.touched(secret) and not opened.touched(tmp_path / "data" / "config.json"), opened.paths
+        assert not opened.touched(node), "refused before the node's data was even read"
+        assert any(f"node refuses the run: {key} = " in m for m in caplog.messages), caplog.messages  # logged, key named
+    # the node's own weights win, and the run's file is still never opened
+    cfg = tiny_config(population="nodes", weights=str(secret), **{"num-clients": 3, "clients-per-round": 3,
+                                                                   "num-classes": 10})
+    ctx = Context(run_id=1, node_id=1, node_config={"data-dir": str(node), "weights": "random"}, state=RecordDict(),
+                  run_config=cfg.to_dict())
+    sent = message(cfg)
+    opened = OpenedFiles(monkeypatch)
+    reply = deployed(sent, ctx)
+    monkeypatch.undo()
+    assert not reply.has_error() and reply.content["metrics"]["num-examples"] > 0
+    assert not opened.touched(secret)
+
+
+def test_the_backbone_comes_from_the_nodes_config_or_cache_unless_it_trusts_the_run():
+    from promptfcl.client.node_policy import NodePolicy
+
+    own = NodePolicy.from_node_config({})
+    for weights in ("random", "pretrained:fashion-mnist"):  # the node's cache: nothing the server names is opened
+        assert own.backbone(tiny_config(weights=weights)).weights == weights
+    for weights in ("timm", "/etc/shadow", "~/.ssh/id_rsa.pt", "ckpt.pt"):
+        with pytest.raises(NodeRefusal, match="its weights names a"):
+            own.backbone(tiny_config(weights=weights))
+    chosen = NodePolicy.from_node_config({"weights": "/srv/vit.pt"})
+    assert chosen.backbone(tiny_config(weights="timm")).weights == "/srv/vit.pt"
+    trusting = NodePolicy.from_node_config({"weights-from-run": True})  # simulated nodes: the run is the operator's
+    assert trusting.backbone(tiny_config(weights="/x/vit.pt")).weights == "/x/vit.pt"
+    with pytest.raises(NodeRefusal, match="must be a checkpoint path"):
+        NodePolicy.from_node_config({"weights": 3})
+    parse_node_config({"dataset": "digits", "weights": "timm", "weights-from-run": False})  # known node-config keys
+
+
+# ----------------------------------------------------------------------------- what errors tell the server
+def test_error_replies_name_the_error_without_the_nodes_paths(tmp_path, flower_identity):
+    from promptfcl.client.app import NodeError, public_reason
+
+    (node,) = export_digits(tmp_path / "private-site-name", 1)
+    (node / "train" / "cat").mkdir()  # a class folder that is not the run's: the error names the folder
+    cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, "num-classes": 10,
+                                             "class-names": ",".join(map(str, range(10)))})
+    ctx = Context(run_id=1, node_id=1, node_config={"data-dir": str(node)}, state=RecordDict(), run_config=cfg.to_dict())
+    with pytest.raises(NodeError) as failed:
+        client_app(operated=False)(message(cfg), ctx)
+    reason = str(failed.value)
+    assert reason.startswith("NodeDataError: this node's data <data-dir>/train has class folders ['cat']"), reason
+    assert str(tmp_path) not in reason and "private-site-name" not in reason
+    assert "private-site-name" in str(failed.value.__cause__)  # the node's own log keeps the whole error
+    # any other absolute or home path goes too, and a newline cannot forge the server's log
+    reason = public_reason(OSError("cannot read /etc/ssl/private/k.pem\nINFO round 9 finished; ~/x.pt"), {})
+    assert reason == "OSError: cannot read <path>\\nINFO round 9 finished; <path>", reason
+    assert public_reason(ValueError("see https://flower.ai/docs and <class>/*.png"), {}).endswith(
+        "see https://flower.ai/docs and <class>/*.png")
+
+
+def test_log_lines_quote_untrusted_text_with_control_characters_escaped(caplog):
+    import logging
+
+    from deploy.superlink import FleetOnly
+    from promptfcl.common.text import escape_log_args, printable
+
+    log = escape_log_args(logging.getLogger("promptfcl"))
+    with caplog.at_level("INFO"):
+        log.warning("reply from node %s excluded: %s (%r)", 7, "bad\nINFO forged line\r\x1b[2K", "a\u2028b")
+        log.info("%d of %.1f", 3, 2.5)  # numbers stay numbers
+        asgi_call(FleetOnly, "/v1/control/x\nWARNING forged")  # %0a in a refused URL path arrives as a newline
+    assert caplog.messages[0] == "reply from node 7 excluded: bad\\nINFO forged line\\r\\x1b[2K ('a\\u2028b')"
+    assert caplog.messages[1] == "3 of 2.5"
+    assert "\n" not in caplog.messages[2] and "x\\nWARNING forged" in caplog.messages[2]
+    assert printable("x" * 50, 10) == "xxxxxxxxxx... (40 more characters)"
+
+
+# ----------------------------------------------------------------------------- the operator's side
+def test_start_server_keeps_the_unauthenticated_control_api_on_loopback(tmp_path):
+    from promptfcl.server.loopback import run_script, script_env
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    for name in ("ca.crt", "server.pem", "server.key"):
+        (certs / name).write_text("x")  # a dry run reads none of them
+    env = script_env()
+
+    def start(*args: str):
+        return run_script("start-server.sh", "--certs", str(certs), "--state", str(tmp_path / "state"), "--dry-run",
+                          *args, env=env, cwd=tmp_path, timeout=60)
+
+    for host in ("127.0.0.1", "localhost", "::1"):
+        done = start("--control-host", host)
+        assert done.returncode == 0 and "dry run: would start" in done.stdout, done.stderr
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700  # state.db and results: the operator's alone
+    for host in ("0.0.0.0", "203.0.113.5", "127.example.org"):
+        done = start("--control-host", host)
+        assert done.returncode == 2 and "no authentication" in done.stderr and "ssh -L" in done.stderr, done.stderr
+    done = start("--control-host", "0.0.0.0", "--i-know-control-api-is-unauthenticated")
+    assert done.returncode == 0 and "UNAUTHENTICATED" in done.stderr, done.stderr
+    done = run_script("start-server.sh", "--insecure", "--control-host", "0.0.0.0",
+                      "--i-know-control-api-is-unauthenticated", "--dry-run", env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and "without TLS" in done.stderr
+
+
+def test_results_are_readable_by_the_group_at_most(tmp_path):
+    import os
+
+    from promptfcl.common.files import results_umask, write_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "results.json", lambda fh: fh.write(b"{}"), shared=True)
+        with results_umask():  # what the ServerApp runs under: plots and tables written by any library
+            (tmp_path / "out").mkdir()
+            (tmp_path / "out" / "table.md").write_text("x")
+        assert os.umask(0o022) == 0o022  # restored
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "out" / "table.md").stat().st_mode & 0o777 == 0o640

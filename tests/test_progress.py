@@ -54,8 +54,8 @@ def test_accuracy_matrix_csv_and_shared_permissions(tmp_path):
         os.umask(old)
     assert (tmp_path / MATRIX_FILE).read_text().splitlines() == [
         "task,after_task_1,after_task_2,after_task_3", "1,90.0000,80.5000,", "2,,70.2500,", "3,,,"]
-    assert (tmp_path / MATRIX_FILE).stat().st_mode & 0o777 == 0o644
-    assert (tmp_path / ROUNDS_FILE).stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / MATRIX_FILE).stat().st_mode & 0o777 == 0o640  # the group may read results, others not
+    assert (tmp_path / ROUNDS_FILE).stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "private.bin").stat().st_mode & 0o777 == 0o600  # checkpoints and caches stay private
 
 
