@@ -91,3 +91,31 @@ def test_every_method_declares_the_statistics_it_uploads():
         extra = set(cls.reply_records or ()) - {ARRAYS, METRICS}
         assert extra <= set(cls.statistics), f"{name} uploads {sorted(extra)} but declares {sorted(cls.statistics)}"
         assert cls.reply_records is not None, f"{name}: an open record set cannot be bounded"
+
+
+STATS_ONLY = {"defences": "on", "update-norm-factor": 0.0, "update-clip": 0.0, "update-min-cosine": -1.0}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method", ["hgp", "fppl", "powder"])
+def test_on_an_honest_label_skewed_run_the_bound_changes_no_statistic(method, tmp_path):
+    """Dirichlet 0.05 (most classes held almost whole by one client): HGP's mixtures (its counts
+    are its weights), FPPL's prototypes and Powder's alphas, as the server holds them after every
+    round, are the undefended ones exactly with stats-bound on (the old bound against a class's
+    other reporters gave HGP weights 0.60 / 0.20 / 0.20 for counts 480 / 10 / 10)."""
+    from promptfcl.server import checkpoint
+    from tests.helpers import simulate_in_process
+
+    settings = {"num-clients": 5, "clients-per-round": 5, "dirichlet-beta": 0.05, "keep-checkpoint": True,
+                "rounds-per-task": 2}
+    states, rounds = {}, {}
+    for name, extra in (("off", {"defences": "off"}), ("on", STATS_ONLY)):
+        results = simulate_in_process(tmp_path / name, method, **settings, **extra)
+        states[name] = checkpoint.load(str(tmp_path / name)).strategy_state
+        rounds[name] = results["rounds"]
+    assert all(r["defences"]["stats"] == 0 for r in rounds["on"])
+    assert all(r["stats_ratios"] for r in rounds["on"][1:])  # statistics were there to judge
+    assert states["on"].keys() == states["off"].keys()
+    for key, value in states["off"].items():
+        if isinstance(value, np.ndarray):
+            np.testing.assert_array_equal(states["on"][key], value, err_msg=key)

@@ -26,7 +26,9 @@ UPPER_BOUNDS = {"upper-bound-incremental": "incremental", "upper-bound-joint": "
 
 def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list[int],
             settings: list[dict[str, Any]], upper_bound: bool = True) -> list[dict[str, Any]]:
-    """Every method (+ the two centralised references, ``UPPER_BOUNDS``) x heterogeneity setting x seed."""
+    """Every method (+ the two centralised references, ``UPPER_BOUNDS``) x heterogeneity setting x seed,
+    each computed as its paper defines it: ``defences = "off"`` unless ``base`` says otherwise."""
+    base = {"defences": "off", **base}
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     failed: list[str] = []

@@ -10,7 +10,10 @@ the order the platform applies them to the replies that passed the record checks
   of the replies on its task is below ``min_cosine`` (``update-min-cosine``): a reversed update
   reads a negative cosine whatever its length;
 * :class:`UpdateClip` scales an update longer than ``factor`` x the lower median norm of the
-  replies the norm filter kept (``update-clip``) down to that length, its direction kept.
+  replies on its task that the norm filter kept (``update-clip``) down to that length, its
+  direction kept. Like the direction check it compares replies that trained the same rows: a
+  client alone on its task (random tasks, asynchronous arrival) is not clipped, as the
+  single-task reference of Powder's transfer metrics (server/transfer.py) is not.
 
 The lower median (the ceil(n/2)-th smallest) and the coordinate-wise median are honest values
 while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the three and
@@ -126,15 +129,17 @@ class UpdateScreen:
         kept = [i for i in range(len(updates)) if i not in out.excluded]
         # the clip bound is read before the direction check: what that check leaves may be a
         # hostile majority (honest label-skewed updates can disagree more than two attackers do)
-        reference = lower_median([norms[i] for i in kept])
+        references = {task: lower_median([norms[i] for i in kept if tasks[i] == task]) for task in set(tasks)}
         if len(kept) >= 3:
             for i, reason in zip(kept, self.direction([updates[i] for i in kept], [tasks[i] for i in kept])):
                 if reason is not None:
                     out.excluded[i] = (DIRECTION, reason)
         kept = [i for i in kept if i not in out.excluded]
-        for i, scale in zip(kept, self.clip.scales([norms[i] for i in kept], reference)):
-            if scale < 1.0:
-                out.scales[i] = scale
+        for group in _task_groups([tasks[i] for i in kept]):  # norms compared among replies on one task
+            members = [kept[j] for j in group]
+            for i, scale in zip(members, self.clip.scales([norms[i] for i in members], references[tasks[members[0]]])):
+                if scale < 1.0:
+                    out.scales[i] = scale
         return out
 
 

@@ -48,8 +48,8 @@ class Statistics:
         Arrays of one covariance per row, and how it is held: ``"packed-triu"`` (its upper
         triangle, row-major), ``"diagonal"`` (its diagonal) or ``"factor"`` (F with cov = F F^T).
     counts : tuple of str
-        Arrays of one sample count per row; the first also tells which rows estimate a second
-        moment (count >= 2).
+        Arrays of one count per row of the reply's own training examples (so none above its
+        ``num-examples``); the first also tells which rows estimate a second moment (count >= 2).
     """
 
     vectors: tuple[str, ...] = ()

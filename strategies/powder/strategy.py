@@ -121,8 +121,9 @@ class PowderStrategy(PromptStrategy):
     opts: PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
     # what the platform bounds where the run is defended (stats-bound), in replies and in the
-    # answers to the measuring exchange
-    statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"), counts=("task-count", "class-count"))}
+    # answers to the measuring exchange; the counts are of the samples measured on every task in
+    # the client's pool, not of the reply's training examples, so no count bound applies to them
+    statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"))}
 
     @classmethod
     def privacy_refusal(cls, cfg: ExperimentConfig) -> str:

@@ -1,0 +1,60 @@
+"""Trust as a run setting (common/trust.py): the hostile-client defences apply to deployed nodes
+and to runs with fault injection, never to a simulation of this project's own clients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from promptfcl.common.config import ConfigError
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.trust import resolve_trust
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from tests.conftest import tiny_config
+from tests.helpers import NodeList
+
+
+@pytest.mark.parametrize("setting, population, fault, defended, reason", [
+    ("auto", "virtual", "", False, "simulation"),
+    ("auto", "nodes", "", True, "deployed nodes"),
+    ("auto", "virtual", "poison", True, "fault injection"),
+    ("on", "virtual", "", True, "'on'"),
+    ("off", "nodes", "poison", False, "'off'"),
+])
+def test_defences_resolve_from_the_run(setting, population, fault, defended, reason):
+    trust = resolve_trust(setting, population, fault)
+    assert trust.defended is defended and reason in trust.why
+    assert trust.to_dict() == {"resolved": "on" if defended else "off", "why": trust.why}
+
+
+def test_a_bad_defences_value_stops_the_run_before_anything_loads():
+    with pytest.raises(ConfigError, match="defences must be one of"):
+        tiny_config(defences="maybe")
+
+
+def _round(defences: str, **extra) -> FedAvgStrategy:
+    """Four honest replies moving every weight by +1 and one reversed x10: aggregated once."""
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences=defences, **extra), 10)
+    sent = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
+    msgs = list(s.configure_train(1, sent, ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    replies = [Message(RecordDict({ARRAYS: to_array_record({"head.weight": np.full((3, 2), v, np.float32)}),
+                                   METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
+                                                          "train-seconds": 0.1})}), reply_to=m)
+               for v, m in zip([1.0, 1.0, 1.0, 1.0, -10.0], msgs)]
+    s.result = s.aggregate_train(1, replies)[0]
+    return s
+
+
+def test_an_undefended_run_averages_every_reply_as_the_paper_does(flower_identity):
+    s = _round("auto")  # a simulation without fault injection: off
+    assert not s.trust.defended and not s.screen.active and not s.stats_bound.active
+    np.testing.assert_allclose(from_array_record(s.result)["head.weight"], (4 - 10) / 5, rtol=1e-6)
+    assert not s.rejected
+
+
+def test_a_defended_run_screens_the_same_replies(flower_identity):
+    s = _round("auto", fault="poison", fault_clients="4")  # fault injection: on
+    assert s.trust.defended and s.screen.active
+    np.testing.assert_allclose(from_array_record(s.result)["head.weight"], 1.0, rtol=1e-6)
+    assert s.defence_counts["direction"] == 1 and len(s.rejected) == 1
