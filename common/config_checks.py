@@ -141,6 +141,9 @@ def validate_config(cfg: ExperimentConfig) -> None:
          f"update-min-cosine must be in [-1, 1) (-1: off), got {cfg.update_min_cosine}")
     need(math.isfinite(cfg.update_clip) and (cfg.update_clip == 0 or cfg.update_clip >= 1),
          f"update-clip must be 0 (off) or >= 1 (a multiple of the round's lower median norm), got {cfg.update_clip}")
+    need(math.isfinite(cfg.update_reversed_norm) and cfg.update_reversed_norm >= 0,
+         f"update-reversed-norm must be 0 (off) or > 0 (a multiple of the lower median norm), "
+         f"got {cfg.update_reversed_norm}")
     need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),
          f"stats-bound must be 0 (off) or >= 1 (a multiple of the lower median), got {cfg.stats_bound}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,

@@ -44,8 +44,9 @@ def reply_mod(change: Callable[[RecordDict, Message], RecordDict]) -> Callable:
 
 
 def one_round(method: str):
-    """A strategy after task start, the round's messages and the real clients' replies."""
-    cfg = method_config(method)
+    """A strategy after task start, the round's messages and the real clients' replies; defended,
+    as a run facing hostile replies is (a finite but huge update is left to the norm filter)."""
+    cfg = method_config(method, defences="on")
     cls = strategy_class(method)
     rt = get_runtime(cfg, cls.prompt_class)
     strategy = cls(cfg, rt.data.num_classes, cfg.method_options(method))

@@ -591,7 +591,10 @@ def test_update_norms_measure_the_clients_change_not_its_values(flower_identity)
     trained from (its task's P_hat slice, its head rows): a client that returns what it got has
     norm 0, and a reversed x10 change reads ten times an honest one (it read about 3.5 times when
     norms were of the values, and poisoned replies passed the filter)."""
+    from promptfcl.strategies.platform.defences import NormFilter, UpdateScreen
+
     _, s, state = strategy_with_pool(k=2)
+    s.screen = UpdateScreen(norm_filter=NormFilter(factor=10.0))  # a defended run's norm filter alone
     send_tasks(s, {0: 0, 1: 1, 2: 2, 3: 3})
     msgs = configure(s, 1, to_array_record(state), 0, 2, 4)
     s.aggregate_train(1, [echo(m) for m in msgs])

@@ -140,7 +140,7 @@ def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(cl
     """Four honest clients move every weight by +1; one sends its update reversed and ten times
     longer (exactly at the norm filter's threshold, so the filter lets it through)."""
     s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=clip,
-                                   update_min_cosine=-1.0), 10)
+                                   update_min_cosine=-1.0, update_reversed_norm=0.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -167,7 +167,7 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
     cannot see it; the direction check (cosine with the round's median update below 0) excludes
     it and only it, and what is averaged is then exactly the honest clients' mean."""
     s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=min_cosine,
-                                   update_clip=1.0), 10)
+                                   update_clip=1.0, update_reversed_norm=0.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -196,7 +196,7 @@ def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity)
                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
 
     s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
-                                   update_clip=1.0), 10)
+                                   update_clip=1.0, update_reversed_norm=0.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [reply(v) for v in honest + [hostile, hostile]]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -269,3 +269,27 @@ def test_direction_check_is_not_applied_under_client_side_dp_noise():
                                        **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
     clipped = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
     assert (noisy.screen.direction.active, clipped.screen.direction.active) == (False, True)
+
+
+def test_a_long_reversed_update_is_excluded_a_short_skewed_one_kept(flower_identity):
+    """update-reversed-norm: honest label-skewed updates can point slightly against the median
+    (here cosine about -0.2 at an honest length), which the defaults keep; the same direction
+    sent 5x longer than the lower median (what poisoning sends) is excluded."""
+    base = np.array([1.0, 1.0, 0.0, 0.0])
+    honest = [base + np.array([0, 0, 0.2 * i, 0]) for i in range(3)]
+    skewed = np.array([-0.3, -0.3, 0.0, 1.2])  # cosine about -0.4 with the median, honest length
+    for extra, excluded in ((skewed, False), (skewed * 5 / np.linalg.norm(skewed) * np.linalg.norm(base), True)):
+        s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on"), 10)
+        msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+        replies = []
+        for v, m in zip(honest + [base, extra], msgs):
+            w = np.zeros((3, 2), np.float32)
+            w.flat[:4] = v
+            replies.append(Message(RecordDict({ARRAYS: to_array_record({"head.weight": w}), METRICS: MetricRecord(
+                {"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})}), reply_to=m))
+        s.aggregate_train(1, replies)
+        assert (s.defence_counts["direction"] == 1) is excluded, s.rejected
+        if excluded:
+            assert "update-reversed-norm" in s.rejected[0][1]
+        else:  # kept although it points against the round, by less than update-min-cosine
+            assert len(s.accepted) == 5 and -0.6 < s.accepted[-1].cosine < 0

@@ -128,7 +128,8 @@ class PromptStrategy(Sampling, FedAvg):
         self.check_privacy(cfg)
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
         self.screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm,
-                                    cfg.update_clip, cfg.update_min_cosine, privacy_options(cfg).noise_multiplier)
+                                    cfg.update_clip, cfg.update_min_cosine, cfg.update_reversed_norm,
+                                    privacy_options(cfg).noise_multiplier)
         self.stats_bound = StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0)
         self.defence_counts: dict[str, int] = {}  # the last aggregation's replies excluded or clipped per defence
         self.sent_round = SentRound()  # this round's train messages
