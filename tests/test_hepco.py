@@ -763,3 +763,33 @@ def test_hepco_asynchronous_end_to_end(tmp_path):
     assert "past-gen-cls" not in rounds[1]["strategy_metrics"] and "past-gen-cls" in rounds[2]["strategy_metrics"]
     acc = results["accuracy_matrix"]
     assert acc[1][0] is None and all(v is not None and 0 <= v <= 100 for v in (acc[0][0], acc[0][1], acc[1][1]))
+
+
+def test_a_defended_round_gives_hepcos_server_step_the_screened_replies(flower_identity):
+    """HePCo's provisional model and its teachers are built from the replies the platform's
+    defences left: a reply 7x longer than the others reaches consolidate clipped to update-clip x
+    the lower median, the same replies the average is taken over (like with like)."""
+    from flwr.app import ConfigRecord, Message
+
+    from tests.helpers import NodeList
+
+    cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, defences="on")
+    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    state = {"head.weight": np.zeros((NUM_CLASSES, D), np.float32), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
+    msgs = list(s.configure_train(1, to_array_record(state), ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
+    seen = {}
+
+    def spy(server_round, arrays, accepted):
+        seen["teachers"] = [from_array_record(a.content["arrays"])["head.weight"] for a in accepted]
+        seen["provisional"] = from_array_record(arrays)["head.weight"]
+        return arrays
+
+    s.consolidate = spy  # the method's server step, as the platform calls it
+    scales = [1.0, 1.1, 0.9, 7.0]  # 7x: under the norm filter (10x), over the clip (5x)
+    s.aggregate_train(1, [Message(reply({"head.weight": np.full((NUM_CLASSES, D), v, np.float32),
+                                         "head.bias": np.zeros(NUM_CLASSES, np.float32)}), reply_to=m)
+                          for v, m in zip(scales, msgs)])
+    assert s.defence_counts["clip"] == 1
+    longest = np.abs(seen["teachers"][3]).max()
+    assert longest == pytest.approx(cfg.update_clip * 1.0, rel=1e-5)  # 5 x the lower median (1.0)
+    np.testing.assert_allclose(seen["provisional"], np.mean(seen["teachers"], axis=0), rtol=1e-5)
