@@ -273,7 +273,8 @@ class ExperimentConfig:
     # every resize to the backbone's size: "bilinear" or "bicubic" (HGP's text)
     resize_interpolation: str = key("bilinear", "model", ("results", "dataset", "node-folder"))
     # evaluation keeps this central fraction of each side before resizing (CODA-P's and FPPL's
-    # code: Resize(256) + CenterCrop(224) = 0.875; 1: the whole image)
+    # code on ImageNet-type data: Resize(256) + CenterCrop(224) = 0.875; on CIFAR they resize the
+    # whole image, 1)
     eval_crop: float = key(1.0, "evaluation", ("results",))
     query_cache: bool = key(True, "caching", ("results",))
     # decode a source once per machine into memory-mapped arrays every process maps read-only

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--attacks", default="poison,sign-flip,poison-under-filter,stats-scale,stats-shift,cov-inflate,"
                      "hist-forge", help="fault kinds (client/faults.py); statistics attacks only on methods that "
                      "upload statistics")
-    rob.add_argument("--defences", default="on",
-                     help="of: on (defended, the configured parameters), off, none, norm-filter, directed-clip1, "
-                     "median, trimmed-mean (server/bench/attacks.py); the clean run undefended is always run too")
+    rob.add_argument("--defences", default="off,on",
+                     help="of: on (defended, the configured parameters), off (clean runs only: the undefended "
+                     "reference), none, norm-filter, directed-clip1, median, trimmed-mean (server/bench/attacks.py)")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
     cmp_ = bench_sub.add_parser(

@@ -58,3 +58,32 @@ def test_a_defended_run_screens_the_same_replies(flower_identity):
     assert s.trust.defended and s.screen.active
     np.testing.assert_allclose(from_array_record(s.result)["head.weight"], 1.0, rtol=1e-6)
     assert s.defence_counts["direction"] == 1 and len(s.rejected) == 1
+
+
+def test_a_client_alone_on_its_task_is_not_clipped_as_its_single_task_reference_is_not(flower_identity):
+    """Norms are compared among the replies on one task: with tasks in flight, a long update alone
+    on its task (random tasks: every task has one owner, and Powder's transfer reference trains it
+    alone, unclipped) keeps its length, while the same length among three replies on another task
+    is clipped to update-clip x their lower median."""
+    from promptfcl.strategies.platform.defences import UpdateClip, UpdateScreen
+
+    screen = UpdateScreen(clip=UpdateClip(5.0))
+    updates = [{"w": np.full(4, v)} for v in (1.0, 1.1, 9.0, 9.0)]
+    out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], tasks=[0, 0, 0, 1])
+    assert set(out.scales) == {2}  # the long one among task 0's replies, not the lone task-1 reply
+    assert out.scales[2] == pytest.approx(5.0 * 1.1 / 9.0)
+
+
+@pytest.mark.e2e
+def test_a_defended_runs_records_count_what_each_defence_did(tmp_path):
+    """Fault injection turns the defences on by itself; every round's record says what each one
+    did, and results.json says why the run was defended."""
+    from tests.helpers import simulate_in_process
+
+    results = simulate_in_process(tmp_path, "fedavg", **{"num-clients": 4, "clients-per-round": 4,
+                                                          "fault": "poison", "fault-clients": "0"})
+    assert results["defences"]["resolved"] == "on" and "fault injection" in results["defences"]["why"]
+    rounds = results["rounds"]
+    assert all(set(r["defences"]) == {"norm-filter", "direction", "clip", "stats"} for r in rounds)
+    assert sum(r["defences"]["norm-filter"] + r["defences"]["direction"] for r in rounds) >= 1
+    assert all(len(r["update_cosines"]) == r["clients_aggregated"] for r in rounds)
