@@ -87,3 +87,17 @@ def test_a_defended_runs_records_count_what_each_defence_did(tmp_path):
     assert all(set(r["defences"]) == {"norm-filter", "direction", "clip", "stats"} for r in rounds)
     assert sum(r["defences"]["norm-filter"] + r["defences"]["direction"] for r in rounds) >= 1
     assert all(len(r["update_cosines"]) == r["clients_aggregated"] for r in rounds)
+
+
+@pytest.mark.e2e
+def test_a_defended_honest_run_is_the_undefended_run_bit_for_bit(tmp_path):
+    """Where no screen triggers (honest clients within the defaults' bounds), a defended run
+    computes exactly what the paper's aggregation computes: same accuracy matrix, same rounds."""
+    from tests.helpers import simulate_in_process
+
+    runs = {d: simulate_in_process(tmp_path / d, "fedavg", **{"num-clients": 4, "clients-per-round": 4,
+                                                               "defences": d}) for d in ("off", "on")}
+    assert runs["on"]["defences"]["resolved"] == "on" and runs["off"]["defences"]["resolved"] == "off"
+    assert all(not any(r["defences"].values()) for r in runs["on"]["rounds"])  # nothing excluded or clipped
+    assert runs["on"]["accuracy_matrix"] == runs["off"]["accuracy_matrix"]
+    assert [r["update_norms"] for r in runs["on"]["rounds"]] == [r["update_norms"] for r in runs["off"]["rounds"]]
