@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                      "reference), none, norm-filter, directed-clip1, median, trimmed-mean (server/bench/attacks.py)")
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
+    rob.add_argument("--no-clean", action="store_true", help="attacks only (the clean runs measured in another --out)")
     cmp_ = bench_sub.add_parser(
         "compare",
         help="every method + FedAvg-Prompt + the centralised references (incremental and joint) on identical splits",
@@ -337,6 +338,7 @@ def _bench(args: argparse.Namespace) -> int:
                 defences,
                 [int(v) for v in args.seeds.split(",")],
                 args.share,
+                clean=not args.no_clean,
             )
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))

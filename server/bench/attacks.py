@@ -43,18 +43,20 @@ DEFENCES: dict[str, dict[str, Any]] = {
 
 
 def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], attacks: Sequence[str],
-               defences: Sequence[str], seeds: Sequence[int], share: float = 0.2) -> list[dict[str, Any]]:
+               defences: Sequence[str], seeds: Sequence[int], share: float = 0.2,
+               clean: bool = True) -> list[dict[str, Any]]:
     """A_N of each method when a fixed ``share`` of the client population is hostile (``fault`` =
     each attack, ``fault-clients`` = that many client ids), under each defence, and of the
     clean run under each defence ("off": each paper's aggregation; what a defence costs when
-    nobody attacks); writes ``robustness.{json,md}``."""
+    nobody attacks; ``clean`` False: attacks only, against clean runs measured elsewhere); writes
+    ``robustness.{json,md}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     population = int(ExperimentConfig.from_dict(base).num_clients)
     hostile = max(1, round(share * population))
     fault_clients = ",".join(str(c) for c in range(hostile))
     rows: list[dict[str, Any]] = []
     # attacks meet every defence but "off" (undefended, a reply reversed x10 is taken as it is)
-    cases = [("clean", d) for d in defences] + [(a, d) for a in attacks for d in defences if d != "off"]
+    cases = [("clean", d) for d in defences if clean] + [(a, d) for a in attacks for d in defences if d != "off"]
     for method in methods:
         for attack, defence in cases:
             if attack in STATISTICS_ATTACKS and not uploads_statistics(method):
