@@ -8,7 +8,7 @@ whose evaluation rides on the next round is written when its accuracies arrive);
 task the accuracy matrix is rewritten as ``accuracy_matrix.csv``. A resumed run keeps the lines
 of the rounds its checkpoint holds and drops any written after it.
 
-Trackers implement :class:`Tracker` (``round``, ``task_end``, ``close``); ``tracker =
+Trackers implement :class:`Tracker` (``round``, ``task_end``, ``finish``, ``close``); ``tracker =
 "tensorboard"`` adds :class:`TensorBoardTracker` (needs the ``tensorboard`` package).
 
 On a terminal the log keeps a status line at its foot (:data:`STATUS`, drawn by
@@ -47,8 +47,28 @@ class Tracker(Protocol):
     def task_end(self, task: int, matrix: np.ndarray) -> None:
         """Task ``task`` ended; ``matrix`` is the accuracy matrix so far (NaN: not yet)."""
 
+    def finish(self, results: dict[str, Any]) -> None:
+        """The run ended (finished or stopped early by ``max-rounds``) with these results
+        (results.json's contents); not called when it failed."""
+
     def close(self) -> None:
         """The run stops (finished, stopped early or failed)."""
+
+
+def final_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """The summary figures of results.json a tracker shows, by name; those a run does not have
+    (None: before the first task ended, backward transfer after one task) are left out.
+
+    A_N, average incremental accuracy, forgetting and backward transfer for every run; forward
+    and combined transfer only where a reference exists (Powder's random tasks, against the
+    single-task runs: common/metrics.py).
+    """
+    from promptfcl.server.results import SUMMARY_KEYS
+
+    values = {key: results.get(key) for key in SUMMARY_KEYS}
+    for key in ("forward_transfer", "combined_transfer"):
+        values[key] = (results.get("asynchronous") or {}).get(key)
+    return {key: float(v) for key, v in values.items() if isinstance(v, (int, float)) and np.isfinite(v)}
 
 
 class RoundsFile:
@@ -82,12 +102,16 @@ class RoundsFile:
         text = ("\n".join(rows) + "\n").encode()
         write_atomic(self.dir / MATRIX_FILE, lambda fh: fh.write(text), shared=True)
 
+    def finish(self, results: dict[str, Any]) -> None:
+        """Nothing: results.json holds the final figures."""
+
     def close(self) -> None:
         self.fh.close()
 
 
 class TensorBoardTracker:
-    """Accuracy, bytes and seconds per round, A_t per task, under ``<out-dir>/tensorboard``."""
+    """Accuracy, bytes and seconds per round, A_t and backward transfer per task, and the final
+    metrics (:func:`final_metrics`, under ``final/``), under ``<out-dir>/tensorboard``."""
 
     def __init__(self, out_dir: str | Path) -> None:
         try:
@@ -107,7 +131,19 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def task_end(self, task: int, matrix: np.ndarray) -> None:
+        from promptfcl.common.metrics import backward_transfer
+
         self.writer.add_scalar("A_t", float(np.nanmean(matrix[: task + 1, task])), task + 1)
+        bwt = backward_transfer(matrix, upto=task)
+        if bwt is not None:  # undefined after the first task
+            self.writer.add_scalar("BWT", bwt, task + 1)
+        self.writer.flush()
+
+    def finish(self, results: dict[str, Any]) -> None:
+        # one point each, at the last round, so they sit beside the curves they summarise
+        step = max((int(r["server_round"]) for r in results.get("rounds", [])), default=0)
+        for key, value in final_metrics(results).items():
+            self.writer.add_scalar(f"final/{key}", value, step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -133,6 +169,10 @@ class RunTrackers:
     def task_end(self, task: int, matrix: np.ndarray) -> None:
         for t in self.trackers:
             t.task_end(task, matrix)
+
+    def finish(self, results: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.finish(results)
 
     def close(self) -> None:
         STATUS.clear()

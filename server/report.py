@@ -85,6 +85,8 @@ def table(results: dict[str, Any]) -> str:
         f"| final average accuracy A_N | {_number(results['final_average_accuracy'])} |",
         f"| average incremental accuracy | {_number(results['average_incremental_accuracy'])} |",
         f"| average forgetting | {_number(results['average_forgetting'])} |",
+        # results.json written before backward transfer was reported has no such key
+        f"| backward transfer (BWT) | {_number(results.get('backward_transfer'))} |",
         f"| bytes S2C / C2S per round | {comm['bytes_s2c_per_round']:,.0f} / {comm['bytes_c2s_per_round']:,.0f} |",
         f"| trainable parameters | {comm['trainable_parameters']:,} |",
         f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / "
