@@ -100,7 +100,7 @@ class ExperimentRun:
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
-        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round)
+        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round, config=cfg.to_dict())
 
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
