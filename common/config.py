@@ -204,8 +204,10 @@ class ExperimentConfig:
     # Keep the checkpoint of a finished run (it is deleted by default): `promptfcl audit` reads
     # what the server received from it.
     keep_checkpoint: bool = key(False, "output", ())
-    # while the run goes, besides rounds.jsonl and accuracy_matrix.csv: "none" or "tensorboard"
-    # (scalars under <out-dir>/tensorboard; needs the tensorboard package)
+    # while the run goes, besides rounds.jsonl and accuracy_matrix.csv: "none", "tensorboard"
+    # (scalars under <out-dir>/tensorboard), "mlflow" (SQLite under <out-dir>/mlflow, or
+    # $MLFLOW_TRACKING_URI) or "wandb" (offline under <out-dir>/wandb unless WANDB_MODE or
+    # WANDB_API_KEY says otherwise); each needs its package (the extras of the same names)
     tracker: str = key("none", "output", ())
     # Fault injection for robustness experiments: a seeded share of client replies misbehave.
     fault: str = key("", "robustness", ("results",))  # one of FAULTS (client/faults.py)

@@ -28,6 +28,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
+# where a run reports while it goes, besides rounds.jsonl (server/progress.py, server/trackers.py)
+TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 DEFENCES = ("auto", "on", "off")  # trust as a run setting: common/trust.py
 HEADS = ("auto", "per-class", "per-task")
 
@@ -88,7 +90,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.dirichlet_beta > 0, f"dirichlet-beta must be > 0, got {cfg.dirichlet_beta}")
     need(cfg.classes_per_client >= 1, "classes-per-client must be >= 1")
     need(cfg.min_partition_size >= 0, "min-partition-size must be >= 0")
-    need(cfg.tracker in ("none", "tensorboard"), f"tracker must be 'none' or 'tensorboard', got {cfg.tracker!r}")
+    need(cfg.tracker in TRACKERS, f"tracker must be one of {TRACKERS}, got {cfg.tracker!r}")
     need(cfg.partition_scope in PARTITION_SCOPES,
          f"partition-scope must be one of {PARTITION_SCOPES}, got {cfg.partition_scope!r}")
     need(cfg.partition_scope == "task" or cfg.partition != "stateless",

@@ -7,6 +7,14 @@
 * final average accuracy A_N = A_{T-1}
 * average incremental accuracy AIA = mean_t A_t
 * average forgetting F = mean_{i<T-1} max_{t<T-1} (acc[i][t] - acc[i][T-1])
+* backward transfer BWT = mean_{i<T-1} (acc[i][T-1] - acc[i][i]), the BWT of Lopez-Paz and Ranzato,
+  "Gradient Episodic Memory for Continual Learning" (NeurIPS 2017), its evaluation metrics:
+  1/(T-1) sum_{i<T} (R_{T,i} - R_{i,i}), its 1-indexed R_{j,i} (task i after task j) our acc[i-1][j-1]
+
+Forward transfer (the same paper's FWT) needs each task's accuracy before it is learnt and a
+reference model's accuracy on it; a run scores only the tasks seen so far and trains no reference,
+so forward transfer is reported only where a reference exists: Powder's random tasks
+(:func:`asynchronous_summary`, against the single-task runs of server/transfer.py).
 """
 
 from __future__ import annotations
@@ -54,11 +62,40 @@ def task_forgetting(acc: np.ndarray, upto: int | None = None) -> np.ndarray:
     return np.array([np.nanmax(acc[i, i:last]) - acc[i, last] for i in range(last)])
 
 
-def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float]:
+def backward_transfer(acc: np.ndarray, upto: int | None = None) -> float | None:
+    """GEM's backward transfer after task ``upto`` (default: the last column).
+
+    The mean over old tasks i < ``upto`` of acc[i][upto] - acc[i][i]: how learning the later
+    tasks changed task i's accuracy from just after it was learnt (negative: forgetting). Unlike
+    :func:`average_forgetting` it compares with the accuracy right after task i, not the best one.
+
+    Parameters
+    ----------
+    acc : np.ndarray
+        The accuracy matrix, ``acc[i][t]`` on task i after task t; NaN where not evaluated.
+    upto : int, optional
+        The last learnt task (0-based).
+
+    Returns
+    -------
+    float or None
+        None when it is undefined: only one task learnt (1/(T-1) with T = 1), or no old task
+        has both its cells. An old task missing either cell is left out of the mean rather
+        than guessed.
+    """
+    last = acc.shape[1] - 1 if upto is None else upto
+    changes = acc[:last, last] - np.diagonal(acc)[:last]
+    changes = changes[~np.isnan(changes)]
+    return float(np.mean(changes)) if len(changes) else None
+
+
+def summary(acc: np.ndarray, upto: int | None = None) -> dict[str, float | None]:
+    """A_N, AIA, forgetting and backward transfer after task ``upto`` (default: the last)."""
     return {
         "final_average_accuracy": final_average_accuracy(acc, upto),
         "average_incremental_accuracy": average_incremental_accuracy(acc, upto),
         "average_forgetting": average_forgetting(acc, upto),
+        "backward_transfer": backward_transfer(acc, upto),
     }
 
 

@@ -8,8 +8,9 @@ whose evaluation rides on the next round is written when its accuracies arrive);
 task the accuracy matrix is rewritten as ``accuracy_matrix.csv``. A resumed run keeps the lines
 of the rounds its checkpoint holds and drops any written after it.
 
-Trackers implement :class:`Tracker` (``round``, ``task_end``, ``close``); ``tracker =
-"tensorboard"`` adds :class:`TensorBoardTracker` (needs the ``tensorboard`` package).
+Trackers implement :class:`Tracker` (``round``, ``task_end``, ``finish``, ``close``); ``tracker =
+"tensorboard"`` adds :class:`TensorBoardTracker` (needs the ``tensorboard`` package), ``"mlflow"``
+and ``"wandb"`` the trackers of server/trackers.py (their packages: the extras of the same names).
 
 On a terminal the log keeps a status line at its foot (:data:`STATUS`, drawn by
 :class:`TerminalHandler`): a bar, round x of y, ETA and the last accuracy. Anywhere else (a
@@ -29,13 +30,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from promptfcl.common.config import ConfigError
+from promptfcl.common.config_checks import TRACKERS
 from promptfcl.common.files import write_atomic
+from promptfcl.server.trackers import final_metrics, round_metrics, task_metrics
 
 log = logging.getLogger("promptfcl")
 
 ROUNDS_FILE = "rounds.jsonl"
 MATRIX_FILE = "accuracy_matrix.csv"
-TRACKERS = ("none", "tensorboard")
 
 
 class Tracker(Protocol):
@@ -46,6 +48,10 @@ class Tracker(Protocol):
 
     def task_end(self, task: int, matrix: np.ndarray) -> None:
         """Task ``task`` ended; ``matrix`` is the accuracy matrix so far (NaN: not yet)."""
+
+    def finish(self, results: dict[str, Any]) -> None:
+        """The run ended (finished or stopped early by ``max-rounds``) with these results
+        (results.json's contents); not called when it failed."""
 
     def close(self) -> None:
         """The run stops (finished, stopped early or failed)."""
@@ -82,12 +88,17 @@ class RoundsFile:
         text = ("\n".join(rows) + "\n").encode()
         write_atomic(self.dir / MATRIX_FILE, lambda fh: fh.write(text), shared=True)
 
+    def finish(self, results: dict[str, Any]) -> None:
+        """Nothing: results.json holds the final figures."""
+
     def close(self) -> None:
         self.fh.close()
 
 
 class TensorBoardTracker:
-    """Accuracy, bytes and seconds per round, A_t per task, under ``<out-dir>/tensorboard``."""
+    """Accuracy, bytes and seconds per round, A_t, backward transfer and the accuracy matrix's
+    column per task, and the final metrics (under ``final/``), under ``<out-dir>/tensorboard``:
+    server/trackers.py's figures."""
 
     def __init__(self, out_dir: str | Path) -> None:
         try:
@@ -99,15 +110,21 @@ class TensorBoardTracker:
 
     def round(self, record: dict[str, Any]) -> None:
         step = int(record["server_round"])
-        if record.get("accuracy") is not None:
-            self.writer.add_scalar("accuracy", record["accuracy"], step)
-        for key in ("bytes_s2c", "bytes_c2s", "client_seconds", "server_seconds", "train_loss"):
-            if isinstance(record.get(key), (int, float)):
-                self.writer.add_scalar(key, record[key], step)
+        for key, value in round_metrics(record).items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def task_end(self, task: int, matrix: np.ndarray) -> None:
-        self.writer.add_scalar("A_t", float(np.nanmean(matrix[: task + 1, task])), task + 1)
+        # A_t, BWT from the second task on (undefined before), the matrix's column as accuracy_matrix/T<i>
+        for key, value in task_metrics(task, matrix).items():
+            self.writer.add_scalar(key, value, task + 1)
+        self.writer.flush()
+
+    def finish(self, results: dict[str, Any]) -> None:
+        # one point each, at the last round, so they sit beside the curves they summarise
+        step = max((int(r["server_round"]) for r in results.get("rounds", [])), default=0)
+        for key, value in final_metrics(results).items():
+            self.writer.add_scalar(f"final/{key}", value, step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -115,14 +132,38 @@ class TensorBoardTracker:
 
 
 class RunTrackers:
-    """The run's trackers together (rounds.jsonl always, ``tracker`` if set) and its ETA."""
+    """The run's trackers together (rounds.jsonl always, ``tracker`` if set) and its ETA.
 
-    def __init__(self, out_dir: str | Path, tracker: str, total_rounds: int, done: int = 0) -> None:
+    Parameters
+    ----------
+    out_dir : str or Path
+        The run's output directory.
+    tracker : str
+        One of :data:`TRACKERS`.
+    total_rounds : int
+        Rounds this run will have done when it stops.
+    done : int
+        Rounds an earlier process did (a resumed run: its trackers continue).
+    config : dict, optional
+        The run configuration, which MLflow and W&B record with the run.
+    """
+
+    def __init__(self, out_dir: str | Path, tracker: str, total_rounds: int, done: int = 0,
+                 config: dict[str, Any] | None = None) -> None:
         if tracker not in TRACKERS:
             raise ConfigError(f"tracker must be one of {TRACKERS}, got {tracker!r}")
         self.trackers: list[Tracker] = [RoundsFile(out_dir, keep=done)]
         if tracker == "tensorboard":
             self.trackers.append(TensorBoardTracker(out_dir))
+        elif tracker in ("mlflow", "wandb"):
+            from promptfcl.server.trackers import MLflowTracker, WandbTracker
+
+            kind = MLflowTracker if tracker == "mlflow" else WandbTracker
+            try:
+                self.trackers.append(kind(out_dir, dict(config or {}), resume=done > 0))
+            except BaseException:  # its package is missing or its store refused: rounds.jsonl is closed too
+                self.trackers[0].close()
+                raise
         self.total, self.done, self.started = total_rounds, done, time.perf_counter()
         self.first = done  # rounds done before this process: not in its timing
 
@@ -133,6 +174,10 @@ class RunTrackers:
     def task_end(self, task: int, matrix: np.ndarray) -> None:
         for t in self.trackers:
             t.task_end(task, matrix)
+
+    def finish(self, results: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.finish(results)
 
     def close(self) -> None:
         STATUS.clear()

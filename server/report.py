@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from promptfcl.common.files import write_atomic
+from promptfcl.strategies.registry import cite
 
 
 def write_json_atomic(path: Path, obj: Any) -> int:
@@ -74,7 +75,7 @@ def table(results: dict[str, Any]) -> str:
         "",
         "| metric | value |",
         "|---|---|",
-        f"| strategy | {cfg['strategy']} |",
+        f"| strategy | {cite(cfg['strategy'])} |",
         (
             f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
             if cfg.get("population", "virtual") != "nodes"
@@ -85,6 +86,8 @@ def table(results: dict[str, Any]) -> str:
         f"| final average accuracy A_N | {_number(results['final_average_accuracy'])} |",
         f"| average incremental accuracy | {_number(results['average_incremental_accuracy'])} |",
         f"| average forgetting | {_number(results['average_forgetting'])} |",
+        # results.json written before backward transfer was reported has no such key
+        f"| backward transfer (BWT) | {_number(results.get('backward_transfer'))} |",
         f"| bytes S2C / C2S per round | {comm['bytes_s2c_per_round']:,.0f} / {comm['bytes_c2s_per_round']:,.0f} |",
         f"| trainable parameters | {comm['trainable_parameters']:,} |",
         f"| client / server seconds per round | {timing['client_seconds_per_round']:.2f} / "
@@ -145,7 +148,7 @@ def asynchronous_table(results: dict[str, Any]) -> str:
         "",
         "| metric (Powder, section 5.1) | value |",
         "|---|---|",
-        f"| strategy | {cfg['strategy']} |",
+        f"| strategy | {cite(cfg['strategy'])} |",
         f"| tasks | {len(a['tasks'])} random tasks of {cfg['classes-per-task']} {cfg['dataset']} classes over "
         f"{cfg['num-clients']} clients, {len(by_round)} rounds |",
         f"| AIA | {value('average_incremental_accuracy')} |",

@@ -126,11 +126,16 @@ def finished_tasks(acc: np.ndarray) -> int:
     return int(sum(not np.isnan(acc[t, t]) for t in range(acc.shape[0])))
 
 
+#: results.json's top-level summary keys (random tasks: Powder's AIA, FM, final accuracy and BT)
+SUMMARY_KEYS = ("final_average_accuracy", "average_incremental_accuracy", "average_forgetting", "backward_transfer")
+
+
 def summary_so_far(acc: np.ndarray) -> dict[str, float | None]:
-    """A_N, AIA and forgetting over the finished tasks (None before the first task ends)."""
+    """A_N, AIA, forgetting and backward transfer over the finished tasks (None before the first
+    task ends; backward transfer also None after one task, where it is undefined)."""
     done = finished_tasks(acc)
     if done == 0:
-        return {"final_average_accuracy": None, "average_incremental_accuracy": None, "average_forgetting": None}
+        return dict.fromkeys(SUMMARY_KEYS)
     return dict(metrics.summary(acc, upto=done - 1))
 
 

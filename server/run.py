@@ -30,7 +30,7 @@ from promptfcl.common.tasks import class_order
 from promptfcl.server import checkpoint
 from promptfcl.server.evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
 from promptfcl.server.progress import RunTrackers
-from promptfcl.server.results import build_results, human_bytes, log_placement, privacy_so_far
+from promptfcl.server.results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
 from promptfcl.server.rounds import RoundRecord, round_record, train_round
 from promptfcl.strategies.platform.strategy import PromptStrategy
 from promptfcl.strategies.registry import build_strategy, strategy_class
@@ -100,7 +100,7 @@ class ExperimentRun:
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
-        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round)
+        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round, config=cfg.to_dict())
 
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
@@ -177,7 +177,9 @@ class ExperimentRun:
     def run(self) -> dict[str, Any]:
         """Every remaining round; the results dictionary (see server/report.py)."""
         try:
-            return self._run()
+            results = self._run()
+            self.trackers.finish(results)
+            return results
         finally:
             self.trackers.close()
 
@@ -270,8 +272,10 @@ class ExperimentRun:
         self.trackers.task_end(task, self.matrix)
         self.save(task, self.cfg.rounds_per_task - 1, finished=True)
         summary = metrics.summary(self.matrix, upto=task)
-        log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f", task + 1, summary["final_average_accuracy"],
-                 summary["average_incremental_accuracy"], summary["average_forgetting"])
+        bwt = summary["backward_transfer"]
+        log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f, BWT %s", task + 1,
+                 summary["final_average_accuracy"], summary["average_incremental_accuracy"],
+                 summary["average_forgetting"], "-" if bwt is None else f"{bwt:.2f}")
 
     def save(self, task: int, round_: int, finished: bool) -> None:
         checkpoint.save(checkpoint.Checkpoint(
@@ -319,8 +323,7 @@ class ExperimentRun:
             results["stopped_after_round"] = self.last
             if cfg.task_generator == "random":  # section 5.1's metrics need the whole run
                 results.update({"accuracy_matrix": None, "average_accuracy_per_task": None,
-                                "final_average_accuracy": None, "average_incremental_accuracy": None,
-                                "average_forgetting": None})
+                                **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
             from promptfcl.server.transfer import client_accuracy_by_round
@@ -335,6 +338,9 @@ class ExperimentRun:
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],
                             "average_incremental_accuracy": results["asynchronous"]["average_incremental_accuracy"],
                             "average_forgetting": results["asynchronous"]["forgetting_measure"],
+                            # Powder's BT: GEM's BWT with each task's own last round as its a_{i,i},
+                            # averaged over every task (one that ends with the run adds 0)
+                            "backward_transfer": results["asynchronous"]["backward_transfer"],
                             "accuracy_matrix": None, "average_accuracy_per_task": None})
         return results
 

@@ -9,6 +9,9 @@ every package another distribution registers under the entry-point group
 ``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository.
 Both halves are imported on first use: a client process loads only its own method.
 
+Each method names the paper to cite for it (``Method.citation``, one BibTeX entry: the one place
+the project keeps it; docs/methods.md repeats it and a test keeps the two equal).
+
 Configurations are loaded here too: checking one needs the methods' options.
 """
 
@@ -18,6 +21,7 @@ import functools
 import importlib
 import importlib.metadata
 import pkgutil
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,6 +43,21 @@ class Method:
     #: named settings of the method's options a paper compares against (``bench compare``
     #: runs ``<name>/<variant>``), e.g. HePCo's FedAvg-Prompt baseline
     variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    #: the paper to cite for the method, one BibTeX entry (venue, year and authors as the paper's
+    #: text prints them); "" for a method without one
+    citation: str = ""
+
+    @property
+    def citation_key(self) -> str | None:
+        """The BibTeX key of :attr:`citation` (None without one)."""
+        found = re.match(r"\s*@\w+\s*\{\s*([^,\s]+)\s*,", self.citation)
+        return found.group(1) if found else None
+
+    @property
+    def citation_title(self) -> str | None:
+        """The title of :attr:`citation`, without BibTeX's case-protecting braces (None without one)."""
+        found = re.search(r"^\s*title\s*=\s*\{(.*)\},?\s*$", self.citation, re.MULTILINE | re.IGNORECASE)
+        return found.group(1).replace("{", "").replace("}", "") if found else None
 
     def variant(self, name: str) -> dict[str, Any]:
         """The options (kebab-case keys, no namespace) of variant ``name``."""
@@ -69,6 +88,19 @@ def methods() -> dict[str, Method]:
             raise ConfigError(f"two methods are named {spec.name!r}: {found[spec.name].package} and {package}")
         found[spec.name] = replace(spec, package=package)
     return found
+
+
+def cite(name: str) -> str:
+    """``name`` with its paper, for a report's method line: ``hgp (cite hgp: "Reducing ...")``;
+    the bare name for a method without a citation, or one not installed here (``promptfcl show``
+    of a run made elsewhere)."""
+    try:
+        method = methods().get(name)
+    except (ConfigError, ImportError):  # a broken plug-in must not cost a finished run its table
+        method = None
+    if method is None or method.citation_key is None:
+        return name
+    return f'{name} (cite {method.citation_key}: "{method.citation_title}")'
 
 
 def check_method(name: str) -> None:

@@ -67,7 +67,7 @@ def test_eta_and_tracker_choice(tmp_path):
     trackers.close()
     assert [format_seconds(s) for s in (5, 185, 7620)] == ["5s", "3m05s", "2h07m"]
     with pytest.raises(ConfigError, match="tracker must be one of"):
-        RunTrackers(tmp_path, "wandb", 10)
+        RunTrackers(tmp_path, "neptune", 10)
 
 
 def test_tensorboard_tracker_writes_scalars(tmp_path):

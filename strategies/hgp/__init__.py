@@ -4,4 +4,12 @@ rebalancing on the server."""
 
 from promptfcl.strategies.registry import Method
 
-METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner")
+# The text this project holds prints the title and the paper, but no authors, venue or year; the
+# entry says so rather than fill them from memory
+CITATION = """\
+@misc{hgp,
+  title = {Reducing Bias in Federated Class-Incremental Learning with Hierarchical Generative Prototypes},
+  note = {The paper's text names no authors, no venue and no year},
+}"""
+
+METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", citation=CITATION)
