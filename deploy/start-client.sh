@@ -28,7 +28,8 @@
 #   --node KEY=VAL  more node-config (TOML values), this node's own rules (client/node_policy.py):
 #                   max-image-size=512 (and max-batch-size, max-pool-size, max-prompt-length,
 #                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
-#                   max-local-epochs): refuse runs beyond these sizes; fault-injection=true: obey
+#                   max-local-epochs, max-tokens, max-memory-gb: tokens per image and the
+#                   backbone's estimated memory): refuse runs beyond these sizes; fault-injection=true: obey
 #                   the run's fault switch (robustness experiments); data-from-run=true: read the
 #                   run's dataset location instead of this node's; weights="/srv/vit.pt" (or
 #                   "timm", "pretrained:<source>"): this node's own backbone, whatever the run
@@ -62,7 +63,7 @@ while [ $# -gt 0 ]; do
     --node) extra+=("$2"); shift 2 ;;
     --no-warm) warm=0; shift ;;
     --poll) poll=$2; shift 2 ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.footprint import check_server_footprint
 from promptfcl.common.model import initial_trainable_state
 from promptfcl.common.partitions import client_indices, drawn_shares, partition_summary
 from promptfcl.common.records import from_array_record, to_array_record
@@ -105,6 +106,8 @@ class ExperimentRun:
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
+        # before any model is built: a run's sizes may multiply into more memory than the machine has
+        check_server_footprint(cfg)
         method = strategy_class(cfg.strategy)
         if cfg.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).

@@ -141,6 +141,71 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
         client_runtime(virtual, ctx, ConfigRecord({}))
 
 
+def test_a_node_bounds_the_tokens_and_estimated_memory_a_run_asks_for(flower_identity):
+    from promptfcl.client.app import client_runtime
+
+    policy = NodePolicy.from_node_config({})
+    # a paper-scale run, its sizes left to the model's name (ViT-B/16), fits the defaults
+    paper = tiny_config(backbone="vit_base_patch16_224.augreg_in21k", **{
+        "image-size": 224, "patch-size": 0, "embed-dim": 0, "depth": 0, "num-heads": 0, "batch-size": 128,
+        "prompt-length": 20})
+    policy.check_run(paper)
+    # each size within its own limit, together a million tokens per image: refused by the token limit
+    with pytest.raises(NodeRefusal, match="gives 1048576 tokens per image, above this node's limit max-tokens = 4096"):
+        policy.check_run(tiny_config(**{"image-size": 1024, "patch-size": 1, "batch-size": 2048}))
+    # within the token limit, but batch x tokens x width x depth beyond the memory ceiling
+    wide = {"image-size": 1024, "patch-size": 16, "batch-size": 2048, "embed-dim": 768, "depth": 12, "num-heads": 12}
+    with pytest.raises(NodeRefusal, match=r"needs an estimated .* GB, above this node's limit max-memory-gb = 64"):
+        policy.check_run(tiny_config(**wide))
+    # the node's operator sets both ceilings
+    with pytest.raises(NodeRefusal, match="max-memory-gb = 1"):
+        NodePolicy.from_node_config({"max-memory-gb": 1}).check_run(tiny_config(**{"image-size": 224,
+                                                                                   "batch-size": 128}))
+    NodePolicy.from_node_config({"max-memory-gb": 10**6}).check_run(tiny_config(**wide))
+    # a size left to a model whose name does not say it cannot be estimated: refused
+    with pytest.raises(NodeRefusal, match="embed-dim = 0 .* does not say it"):
+        policy.check_run(tiny_config(backbone="my_vit_patch16", **{"embed-dim": 0}))
+    # the ClientApp's own path refuses before anything is built
+    cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3})
+    ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "max-tokens": 8}, state=RecordDict(),
+                  run_config=cfg.to_dict())
+    with pytest.raises(NodeRefusal, match="16 tokens per image, above this node's limit max-tokens = 8"):
+        client_runtime(cfg, ctx, ConfigRecord({}))
+
+
+def test_the_server_checks_a_runs_footprint_before_building_anything(tmp_path, monkeypatch):
+    import promptfcl.server.run as server_run
+    from promptfcl.server.app import main
+    from promptfcl.server.loopback import run_script, script_env
+
+    class Built(Exception):
+        """What building the server's model would raise: it got past the check."""
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(server_run, "initial_trainable_state", build)
+    monkeypatch.setattr(server_run, "get_runtime", build)
+    for population in ({}, {"population": "nodes", "evaluation": "federated", "num-classes": 10}):
+        huge = tiny_config(**{"image-size": 1024, "patch-size": 1, "out-dir": str(tmp_path / "out"), **population})
+        ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=huge.to_dict())
+        with pytest.raises(ConfigError, match="max-tokens = 4096 .*PROMPTFCL_MAX_TOKENS"):
+            main(None, ctx)
+        monkeypatch.setenv("PROMPTFCL_MAX_TOKENS", str(2**20))  # the server's operator raises its ceilings
+        with pytest.raises(ConfigError, match="estimated 258 GB, above the server's limit max-memory-gb = 64"):
+            main(None, ctx)
+        monkeypatch.setenv("PROMPTFCL_MAX_MEMORY_GB", "300")
+        with pytest.raises(Built):
+            main(None, ctx)
+        monkeypatch.delenv("PROMPTFCL_MAX_TOKENS")
+        monkeypatch.delenv("PROMPTFCL_MAX_MEMORY_GB")
+    # submit-run.sh refuses it before anything is sent (no SuperLink listens on port 1)
+    done = run_script("submit-run.sh", "--superlink", "127.0.0.1:1", "--insecure", "--set", "image-size=1024",
+                      "--set", "patch-size=1", env=script_env(FLWR_HOME=str(tmp_path / "flwr")), cwd=tmp_path)
+    assert done.returncode != 0 and "above the server's limit max-tokens = 4096" in done.stderr, done.stderr
+    assert "flwr run" not in done.stdout + done.stderr
+
+
 @pytest.mark.e2e
 def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, caplog):
     cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, "num-tasks": 1,
