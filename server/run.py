@@ -301,7 +301,8 @@ class ExperimentRun:
             human_bytes(record.bytes_c2s), record.client_seconds, record.server_seconds,
             f" | {len(record.rejected)} replies excluded" if record.rejected else "",
             "" if not privacy["enabled"] else " | eps so far " + (
-                "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}"),
+                "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}") + drop_note(
+                record.sample_rates, privacy["sample_rate_nominal"]),
             self.trackers.progress(record.server_round, record.accuracy),
         )
 
@@ -340,6 +341,15 @@ class ExperimentRun:
                             "average_forgetting": results["asynchronous"]["forgetting_measure"],
                             "accuracy_matrix": None, "average_accuracy_per_task": None})
         return results
+
+
+def drop_note(rates: list[float], nominal: float) -> str:
+    """The log's note of a round sampled at another rate than the nominal one: with population =
+    "nodes" the rate is sampled / connected, so it moves when nodes leave (or more join)."""
+    if all(abs(q - nominal) < 1e-12 for q in rates):
+        return ""
+    return (f" (sampling rate q {'/'.join(f'{q:.3g}' for q in rates)} this round, not the nominal "
+            f"{nominal:.3g}: the connected nodes changed; epsilon counts the real one)")
 
 
 def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class Sampling:
     schedule_slots: dict[int, int]
     _nodes_ready: bool
     _warned_few_nodes: bool
+    #: the last sampling's sampled / population: with population = "nodes" the population is the
+    #: nodes connected at sampling time, so a node that dropped out raises it (differential
+    #: privacy's accountant composes each round at its own rate, server/results.py)
+    last_sample_rate: float
 
     @property
     def clients_per_round(self) -> int:
@@ -103,7 +107,8 @@ class Sampling:
 
     @property
     def sample_rate(self) -> float:
-        """The share of the population one round trains: differential privacy's sampling rate q."""
+        """The share of the population one round trains without drop-outs (the nominal sampling
+        rate q; each round's own is :attr:`last_sample_rate`)."""
         return min(1.0, self.clients_per_round / self.population_size)
 
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
@@ -124,9 +129,12 @@ class Sampling:
             minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
             nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
             self._nodes_ready = True
+            sampled = self.sample_nodes(nodes, task, round_, attempt)
+            self.last_sample_rate = len(sampled) / len(nodes)
             # a node's place in the sorted connected ids is its turn in the task schedule
-            return [(node_client_id(n), n, nodes.index(n)) for n in self.sample_nodes(nodes, task, round_, attempt)]
+            return [(node_client_id(n), n, nodes.index(n)) for n in sampled]
         clients = self.sample_clients(task, round_, attempt)
+        self.last_sample_rate = len(clients) / self.population_size
         nodes = sorted(grid.get_node_ids())
         if not nodes:
             raise RuntimeError("no Flower nodes are connected")

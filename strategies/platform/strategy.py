@@ -145,6 +145,7 @@ class PromptStrategy(Sampling, FedAvg):
         self._decoded: tuple[ArrayRecord | None, dict[str, np.ndarray]] = (None, {})
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
+        self.last_sample_rate = self.sample_rate  # the last sampling's sampled / population (Sampling)
 
     # ------------------------------------------------------------------ checks before any loading
     @classmethod
