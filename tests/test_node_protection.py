@@ -12,6 +12,7 @@ tests/test_deploy.py.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -26,39 +27,126 @@ from tests.helpers import client_app, run_in_process
 
 
 # ----------------------------------------------------------------------------- the node-facing listener
-def asgi_call(app, path: str, method: str = "POST") -> tuple[int, bytes, bool]:
-    """(status, body, whether the wrapped app was called) for one HTTP request to ``app``."""
-    called, sent = [], []
+class FlowerStandIn:
+    """Flower's app as the node-facing listener sees it: reads the whole body (as Flower's
+    protobuf translation does, before it authenticates), then answers 200."""
 
-    async def inner(scope, receive, send):
-        called.append(scope["path"])
+    def __init__(self, registered: set[bytes] | None = None) -> None:
+        self.called: list[str] = []
+        self.chunks_read = 0
+        if registered is not None:  # node authentication on, these keys registered
+            lookup = type("LinkState", (), {"get_node_id_by_public_key": lambda _, key: 7 if key in registered
+                                            else None})()
+            factory = type("Factory", (), {"state": lambda _: lookup})()
+            self.state = type("State", (), {"enable_supernode_auth": True, "linkstate_factory": factory})()
+
+    async def __call__(self, scope, receive, send):
+        self.called.append(scope["path"])
+        more = True
+        while more:
+            message = await receive()
+            self.chunks_read += 1
+            more = message.get("more_body", False)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"flower"})
 
+
+def signed_headers(key=None, age: float = 0.0) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A SuperNode's node-authentication headers (its public key, a timestamp ``age`` seconds old
+    and its signature, as flwr's NodeAuthHttpInterceptor makes them) and the public key's bytes."""
+    import base64
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = key or ec.generate_private_key(ec.SECP384R1())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    stamp = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=age)).isoformat()
+    signature = key.sign(stamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
+    return [(b"flwr-public-key", base64.b64encode(public)), (b"flwr-timestamp", stamp.encode()),
+            (b"flwr-signature", base64.b64encode(signature))], public
+
+
+def asgi_call(app, path: str, method: str = "POST", headers=(), chunks=(b"",), inner=None,
+              ) -> tuple[int, bytes, bool]:
+    """(status, body, whether the wrapped app was called) for one HTTP request to ``app``, its
+    body sent as ``chunks``."""
+    inner = inner or FlowerStandIn()
+    sent, pending = [], list(chunks)
+
     async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
+        body = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": body, "more_body": bool(pending)}
 
     async def send(message):
         sent.append(message)
 
     scope = {"type": "http", "method": method, "path": path, "root_path": "", "client": ("10.0.0.7", 5555),
-             "headers": [], "query_string": b""}
+             "headers": list(headers), "query_string": b""}
     asyncio.run(app(inner)(scope, receive, send))
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body, bool(called)
+    return status, body, bool(inner.called)
 
 
 def test_node_facing_listener_passes_fleet_calls_and_refuses_everything_else():
     from deploy.superlink import FleetOnly
 
+    headers, _ = signed_headers()
     for path in ("/v1/fleet/pull-messages", "/v1/fleet/push-object", "/v1/fleet/activate-node", "/health"):
-        assert asgi_call(FleetOnly, path) == (200, b"flower", True), path
+        assert asgi_call(FleetOnly, path, headers=headers) == (200, b"flower", True), path
     for path in ("/v1/control/list-runs", "/v1/control/start-run", "/v1/control/stop-run", "/v1/runtime/get-nodes",
                  "/v1/fleet/../control/list-runs", "/v1/fleet//pull-messages", "/v1/fleet/", "/docs",
                  "/openapi.json", "/", "/v1/fleet/pull-messages/x", "/healthz"):
-        status, body, called = asgi_call(FleetOnly, path)
+        status, body, called = asgi_call(FleetOnly, path, headers=headers)
         assert status == 403 and not called and b"only the Fleet API" in body, path
+
+
+def test_node_facing_listener_knows_the_node_and_bounds_the_body_before_reading_it(caplog):
+    import functools
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from deploy.superlink import OBJECT_FRAMING_BYTES, SMALL_BODY_BYTES, FleetOnly
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    headers, public = signed_headers(key)
+    stale, _ = signed_headers(key, age=3600)
+    forged = [(k, v if k != b"flwr-signature" else signed_headers()[0][2][1]) for k, v in headers]
+    other_key, _ = signed_headers()
+    # no headers, a stale or forged signature: 401, Flower's app never called (nothing read)
+    for bad in ([], stale, forged, [(b"flwr-public-key", b"%%%")] + headers[1:]):
+        status, body, called = asgi_call(FleetOnly, "/v1/fleet/push-object", headers=bad, chunks=[b"x" * 1000])
+        assert (status, called) == (401, False) and b"node authentication required" in body
+    # with node authentication on, a well-signed but unregistered key is refused too
+    registered = functools.partial(FlowerStandIn, {public})
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers, inner=registered())[0] == 200
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=other_key, inner=registered())[:2] == (
+        401, b"node authentication required: a registered node's signed timestamp\n")
+    # a node starting with an unregistered key is told so, in the error format a SuperNode prints
+    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=other_key, inner=registered())
+    assert (status, called) == (412, False)
+    assert json.loads(body) == {"code": 2004, "detail": "Failed to activate SuperNode.", "extra":
+                                "this node's public key is not registered with the SuperLink: its operator "
+                                "registers it (deploy/register-node.sh)"}
+    # a declared length beyond the path's limit: 413 unread; an object push may carry more
+    small = SMALL_BODY_BYTES + 1
+    length = [(b"content-length", str(small).encode())]
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers + length)[::2] == (413, False)
+    assert asgi_call(FleetOnly, "/v1/fleet/push-object", headers=headers + length,
+                     chunks=[b"x" * small]) == (200, b"flower", True)
+    tight = functools.partial(FleetOnly, max_object_bytes=10)
+    too_long = [(b"content-length", str(11 + OBJECT_FRAMING_BYTES).encode())]
+    assert asgi_call(tight, "/v1/fleet/push-object", headers=headers + too_long)[::2] == (413, False)
+    # no declared length (or a false one): the streamed bytes are counted and the read cut at the limit
+    inner = FlowerStandIn()
+    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
+        status, body, _ = asgi_call(FleetOnly, "/v1/fleet/send-node-heartbeat", headers=headers,
+                                    chunks=[b"x" * 65536] * 100, inner=inner)
+    # Flower's app got the chunks up to the limit, never the one past it (nor the 95 after)
+    assert status == 413 and b"limit of 262144 bytes" in body and inner.chunks_read == SMALL_BODY_BYTES // 65536
+    assert any("body streamed past its limit" in m and "10.0.0.7" in m for m in caplog.messages)
 
 
 # ----------------------------------------------------------------------------- class names stay in the folder
@@ -475,6 +563,11 @@ def test_start_server_keeps_the_unauthenticated_control_api_on_loopback(tmp_path
     done = run_script("start-server.sh", "--insecure", "--control-host", "0.0.0.0",
                       "--i-know-control-api-is-unauthenticated", "--dry-run", env=env, cwd=tmp_path, timeout=60)
     assert done.returncode == 2 and "without TLS" in done.stderr
+    # the node-facing listener's bound on an object push (the rest: 256 KiB)
+    done = start("--max-object-bytes", "1000000")
+    assert done.returncode == 0 and "--max-object-bytes 1000000" in done.stdout, done.stderr
+    done = start("--max-object-bytes", "0")
+    assert done.returncode == 2 and "--max-object-bytes must be a positive number" in done.stderr
 
 
 def test_results_are_readable_by_the_group_at_most(tmp_path):
