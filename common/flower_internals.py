@@ -122,6 +122,15 @@ INTERNALS: dict[str, Internal] = {
     "api_error_code": Internal("flwr.supercore.error", "ApiErrorCode",
                                "deploy/superlink.py: a refused activation answered as Flower answers one, so the "
                                "SuperNode prints why", "as node_public_key_header"),
+    "node_status": Internal("flwr.supercore.constant", "NodeStatus",
+                            "deploy/superlink.py: an identity still marked online is told from one that may activate",
+                            "as node_public_key_header"),
+    "sign_message": Internal("flwr.supercore.primitives.asymmetric", "sign_message",
+                             "deploy/supernode.py: its rejoin probe signs as a SuperNode signs",
+                             "as node_public_key_header"),
+    "public_key_to_bytes": Internal("flwr.supercore.primitives.asymmetric", "public_key_to_bytes",
+                                    "deploy/supernode.py: its rejoin probe sends the key as a SuperNode sends it",
+                                    "as node_public_key_header"),
     "superlink_main": Internal(
         "flwr.superlink.cli", "flower_superlink",
         "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",

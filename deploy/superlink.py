@@ -51,9 +51,11 @@ import json
 import logging
 import re
 import sys
+import time
 from base64 import b64decode
 from typing import Any
 
+from promptfcl.common.node_identity import ACTIVATE, REJOIN_PROBE, STILL_ONLINE, node_label
 from promptfcl.common.text import printable
 
 #: longer than httpx's default keep-alive expiry (5 s), the only HTTP client Flower uses
@@ -70,9 +72,9 @@ OBJECT_FRAMING_BYTES = 64 * 1024
 #: every other Fleet call sends ids, a node's public key, a heartbeat or a message's object tree
 #: (about 100 bytes per array chunk): kilobytes in any run
 SMALL_BODY_BYTES = 256 * 1024
-#: the call a SuperNode starts with (a SuperNode prints the detail of Flower's JSON error answer, and exits)
-ACTIVATE = "/v1/fleet/activate-node"
 UNREGISTERED = "a public key that is not registered"
+#: the ASGI scope key where the gate keeps a request's registered node id
+NODE_ID = "promptfcl.node_id"
 
 log = logging.getLogger("promptfcl.superlink")
 
@@ -133,6 +135,8 @@ class FleetOnly:
                                                  "SuperLink: its operator registers it (deploy/register-node.sh)")
                 return
             await _respond(send, 401, "node authentication required: a registered node's signed timestamp")
+            return
+        if scope["path"] == ACTIVATE and await self._activation_refused(scope, send):
             return
         limit = body_limit(scope["path"], self.max_object_bytes)
         declared = _header(scope, "content-length")
@@ -206,9 +210,47 @@ class FleetOnly:
         if not getattr(state, "enable_supernode_auth", False):
             return None
         linkstate = state.linkstate_factory.state()
-        if await run_in_threadpool(linkstate.get_node_id_by_public_key, key) is None:
+        node_id = await run_in_threadpool(linkstate.get_node_id_by_public_key, key)
+        if node_id is None:
             return UNREGISTERED
+        scope[NODE_ID] = node_id  # the registered identity, for the activation check
         return None
+
+    async def _activation_refused(self, scope: dict[str, Any], send: Any) -> bool:
+        """Answer an activation Flower would refuse only as "Failed to activate SuperNode", saying
+        why: the key's identity is still marked online (a node restarted at once after a crash,
+        until its heartbeats time out; or a copy of its key running elsewhere). A probe
+        (:data:`REJOIN_PROBE` header, ``deploy/supernode.py``) is answered here either way and
+        never reaches Flower. Returns whether it answered."""
+        from starlette.concurrency import run_in_threadpool
+
+        node_id = scope.get(NODE_ID)
+        online = None if node_id is None else await run_in_threadpool(self._still_online, node_id)
+        if online is not None:
+            _log_refusal(scope, online)
+            await _respond_activation_failed(send, online)
+            return True
+        if _header(scope, REJOIN_PROBE) is not None:
+            await _respond(send, 200, json.dumps({"ready": True}), b"application/json")
+            return True
+        return False
+
+    def _still_online(self, node_id: int) -> str | None:
+        """Why ``node_id`` cannot be activated now (None: it can): Flower activates a registered
+        or offline node only, and marks a node offline once its heartbeats have stopped for its
+        patience (2 x 30 s)."""
+        from promptfcl.common.flower_internals import internal
+
+        infos = self.app.state.linkstate_factory.state().get_node_info(node_ids=[node_id])
+        if not infos or infos[0].status != internal("node_status").ONLINE:
+            return None
+        info = infos[0]
+        until = datetime.datetime.fromtimestamp(info.online_until, datetime.UTC)
+        left = max(0.0, info.online_until - time.time())
+        return (f"{node_label(node_id, info.name, info.public_key)} {STILL_ONLINE} until {until:%H:%M:%S} UTC "
+                f"({left:.0f} s from now, when its last heartbeat times out): a node restarted at once after a "
+                "crash can rejoin then (deploy/start-client.sh waits and retries); if this node was not "
+                "restarted, another machine is running with a copy of its key")
 
 
 async def _respond_activation_failed(send: Any, why: str) -> None:

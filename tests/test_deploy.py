@@ -333,6 +333,30 @@ def test_unregistered_node_key_is_refused(deployment):
 
 
 @pytest.mark.deploy
+def test_a_crashed_node_restarted_at_once_waits_and_rejoins(deployment):
+    """A node killed hard (no deactivation: its identity stays marked online until its heartbeats
+    time out) and restarted at once is told so, not that its key is unregistered; start-client.sh
+    says why it waits, asks again, and the node rejoins under its own id within about a minute."""
+    import re
+
+    root, procs = deployment.root, deployment.processes
+    log = root / "node2.log"
+    node_id = re.search(r"SuperNode ID: (\d+)", log.read_text(errors="replace")).group(1)
+    node = next(p for p in procs.procs if p.poll() is None and "keys/node2" in p.args)
+    kill_hard(node)
+    started = time.time()
+    start_node(root, procs, script_env(PROMPTFCL_CACHE=str(root / "cache2"), PROMPTFCL_TEST_HOSTILE="0"),
+               f"127.0.0.1:{deployment.tap_port}", "node2", "data/node1", root / "run.toml", ["--threads", "1"])
+    waited = time.time() - started
+    out = log.read_text(errors="replace")
+    assert f"start-client: not rejoining yet: node {node_id} (node2) is still marked online until" in out, out[-3000:]
+    assert "a copy of its key" in out and "not registered" not in out
+    assert re.search(r"SuperNode ID: (\d+)", out).group(1) == node_id  # the same identity, back
+    assert waited < 150, waited  # Flower's patience: 2 heartbeats of 30 s, plus one probe interval
+    assert f"(node {node_id} (node2) is still marked online until" in deployment.superlink_log.read_text()
+
+
+@pytest.mark.deploy
 def test_node_without_the_ca_certificate_cannot_connect(deployment):
     root = deployment.root
     # the script refuses outright ...

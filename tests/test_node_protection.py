@@ -31,14 +31,20 @@ class FlowerStandIn:
     """Flower's app as the node-facing listener sees it: reads the whole body (as Flower's
     protobuf translation does, before it authenticates), then answers 200."""
 
-    def __init__(self, registered: set[bytes] | None = None) -> None:
+    def __init__(self, registered: set[bytes] | None = None, online_until: float | None = None) -> None:
+        """``registered``: node authentication on, these keys registered (as node 7, named "node-a");
+        ``online_until``: node 7 is marked online until then (a time.time())."""
+        import types
+
         self.called: list[str] = []
         self.chunks_read = 0
-        if registered is not None:  # node authentication on, these keys registered
-            lookup = type("LinkState", (), {"get_node_id_by_public_key": lambda _, key: 7 if key in registered
-                                            else None})()
-            factory = type("Factory", (), {"state": lambda _: lookup})()
-            self.state = type("State", (), {"enable_supernode_auth": True, "linkstate_factory": factory})()
+        if registered is not None:
+            info = types.SimpleNamespace(node_id=7, name="node-a", public_key=b"k", online_until=online_until or 0.0,
+                                         status="online" if online_until else "offline")
+            lookup = types.SimpleNamespace(get_node_id_by_public_key=lambda key: 7 if key in registered else None,
+                                           get_node_info=lambda node_ids: [info] if 7 in node_ids else [])
+            factory = types.SimpleNamespace(state=lambda: lookup)
+            self.state = types.SimpleNamespace(enable_supernode_auth=True, linkstate_factory=factory)
 
     async def __call__(self, scope, receive, send):
         self.called.append(scope["path"])
@@ -101,6 +107,50 @@ def test_node_facing_listener_passes_fleet_calls_and_refuses_everything_else():
                  "/openapi.json", "/", "/v1/fleet/pull-messages/x", "/healthz"):
         status, body, called = asgi_call(FleetOnly, path, headers=headers)
         assert status == 403 and not called and b"only the Fleet API" in body, path
+
+
+def test_a_restarted_node_is_told_its_identity_is_still_online_and_may_probe(caplog):
+    import functools
+    import time
+
+    from deploy.superlink import FleetOnly
+
+    headers, public = signed_headers()
+    probe = headers + [(b"promptfcl-rejoin-probe", b"1")]
+    online = functools.partial(FlowerStandIn, {public}, time.time() + 42)
+    # Flower would answer "Failed to activate SuperNode." only; the node hears why, and Flower is not called
+    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
+        status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=online())
+    assert (status, called) == (412, False)
+    answer = json.loads(body)
+    assert answer["code"] == 2004 and answer["detail"] == "Failed to activate SuperNode."
+    assert answer["extra"].startswith("node 7 (node-a) is still marked online until ")
+    assert "crash can rejoin then" in answer["extra"] and "a copy of its key" in answer["extra"]
+    assert any("node 7 (node-a) is still marked online" in m for m in caplog.messages)
+    # the probe gets the same answer while online, and "ready" (from the gate, not Flower) once offline
+    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=online())[::2] == (412, False)
+    offline = functools.partial(FlowerStandIn, {public})
+    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=offline())
+    assert (status, json.loads(body), called) == (200, {"ready": True}, False)
+    # an ordinary activation of an identity offline goes on to Flower
+    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=offline()) == (200, b"flower", True)
+
+
+def test_the_launcher_waits_while_the_superlink_says_the_identity_is_online(monkeypatch, capsys):
+    import deploy.supernode as launcher
+
+    answers = iter(["node 7 (node-a) is still marked online until 12:00:00 UTC (40 s from now, ...)"] * 2 + [None])
+    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: next(answers))
+    monkeypatch.setattr(launcher, "REJOIN_POLL_SECONDS", 0.01)
+    args = ["--superlink", "127.0.0.1:9", "--auth-supernode-private-key", "k", "--root-certificates", "ca.crt"]
+    launcher.wait_to_rejoin(args, timeout=5)
+    err = capsys.readouterr().err
+    assert err.count("start-client: not rejoining yet: node 7 (node-a) is still marked online") == 2
+    # still online at the deadline: a live process holds the identity
+    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: "node 7 (node-a) is still marked online until ...")
+    with pytest.raises(SystemExit, match="still refuses this node after 0 s: .*stop the other copy of this node's key"):
+        launcher.wait_to_rejoin(args, timeout=0.001)
+    launcher.wait_to_rejoin(["--superlink", "127.0.0.1:9"], timeout=5)  # no registered key: nothing to wait for
 
 
 def test_node_facing_listener_knows_the_node_and_bounds_the_body_before_reading_it(caplog):
@@ -392,6 +442,43 @@ def test_every_method_caps_one_nodes_share_of_a_round(tmp_path, flower_identity,
         assert max(shares) == pytest.approx(cfg.max_client_weight)  # the greedy node, capped
         placed = [p["node"] for p in record["placement"]]
         assert shares[placed.index(str(greedy))] == pytest.approx(0.5), (placed, shares)
+
+
+@pytest.mark.e2e
+def test_logs_and_records_name_nodes_as_their_operator_registered_them(tmp_path, flower_identity, caplog):
+    """Where Flower's NodeInfo says (Grid.get_nodes, deployment), the weight cap, rejections and
+    round records name a node by its registered name, or its key's fingerprint."""
+    import hashlib
+    import types
+
+    from promptfcl.server.report import write_outputs
+    from promptfcl.server.run import run_experiment
+    from tests.helpers import InProcessGrid
+
+    class RegisteredGrid(InProcessGrid):
+        def get_nodes(self):
+            return [types.SimpleNamespace(node_id=1001, name="clinic", public_key=b"pk-1"),
+                    types.SimpleNamespace(node_id=1002, name="", public_key=b"pk-2"),
+                    types.SimpleNamespace(node_id=1003, name="greedy-lab", public_key=b"pk-3"),
+                    types.SimpleNamespace(node_id=1004, name="gone", public_key=b"pk-4")]
+
+    cfg = tiny_config(population="nodes", **{"num-clients": 4, "clients-per-round": 4, "num-tasks": 1,
+                                             "pool-size": 2, "out-dir": str(tmp_path / "out"),
+                                             "round-timeout": 1.0})  # the silent node: waited for 1 s
+    configs = {1001 + i: {"partition-id": i, "num-partitions": 4, "dataset": "digits"} for i in range(4)}
+    grid = RegisteredGrid(cfg, 4, {1003: client_app([claims_more(1000)])}, node_configs=configs,
+                          dead={1004: "silent"})
+    with caplog.at_level("INFO", logger="promptfcl"):
+        results = run_experiment(grid, cfg)  # type: ignore[arg-type]
+    write_outputs(results, cfg.out_dir)
+    record = results["rounds"][0]
+    fingerprint = hashlib.sha256(b"pk-2").hexdigest()[:12]
+    assert sorted(record["reply_nodes"]) == sorted(["node 1001 (clinic)", f"node 1002 (key {fingerprint})",
+                                                    "node 1003 (greedy-lab)"])
+    assert record["reply_shares"][record["reply_nodes"].index("node 1003 (greedy-lab)")] == pytest.approx(0.5)
+    assert any(m.startswith("round 1: max-client-weight 0.5: node 1003 (greedy-lab) claimed ") and
+               m.endswith("weighted 50%") for m in caplog.messages), caplog.messages
+    assert [(r["node"], r.get("name")) for r in record["rejected"]] == [(1004, "gone")]
 
 
 # ----------------------------------------------------------------------------- the app's run config

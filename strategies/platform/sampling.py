@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.node_identity import grid_names, node_label
 from promptfcl.strategies.platform.rounds import Sent, SentRound
 
 log = logging.getLogger("promptfcl")
@@ -91,6 +92,9 @@ class Sampling:
     #: nodes connected at sampling time, so a node that dropped out raises it (differential
     #: privacy's accountant composes each round at its own rate, server/results.py)
     last_sample_rate: float
+    #: population = "nodes": each connected node's registered name (or key fingerprint), where
+    #: Flower's NodeInfo says (deployment), for logs and records
+    node_names: dict[int, str]
 
     @property
     def clients_per_round(self) -> int:
@@ -119,7 +123,19 @@ class Sampling:
         return sample_nodes(self.cfg.seed, nodes, self.clients_per_round, task, round_, attempt)
 
     def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
-        return connected_nodes(grid, minimum, timeout)
+        nodes = connected_nodes(grid, minimum, timeout)
+        if self.cfg.population == "nodes":  # a node connected now may be new: learn its registered name
+            self.node_names.update(grid_names(grid))
+        return nodes
+
+    def node_label(self, node_id: int) -> str:
+        """``node <id>`` with its registered name or key fingerprint where known (common/node_identity.py)."""
+        return node_label(int(node_id), self.node_names.get(int(node_id), ""))
+
+    def named(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A record of ``entry["node"]`` (a rejection, a failed evaluation) with its registered ``name``."""
+        name = self.node_names.get(int(entry["node"]))
+        return {**entry, "name": name} if name else entry
 
     def _clients(self, config: ConfigRecord, grid: Grid) -> list[tuple[int, int, int]]:
         """(client id, node id, schedule slot) of each client of this round."""
