@@ -6,9 +6,12 @@ take, or switch on behaviour meant for experiments. Three rules, all read from t
 ``--node-config`` (never from the run):
 
 * **Limits.** Each run-config size that scales what a message allocates or computes on the
-  node has a ceiling (:data:`LIMITS`, node-config ``max-<key>`` to change it). A message of a
-  run beyond a ceiling is refused before anything is built: the ClientApp raises
-  :class:`NodeRefusal`, Flower returns an error reply, and the server logs it with the node id.
+  node has a ceiling (:data:`LIMITS`, node-config ``max-<key>`` to change it), and so do the
+  backbone's tokens per image and its estimated memory (:data:`FOOTPRINT_LIMITS`:
+  ``max-tokens``, ``max-memory-gb``; the estimate is common/footprint.py's, which the server
+  checks too). A message of a run beyond a ceiling is refused before anything is built: the
+  ClientApp raises :class:`NodeRefusal`, Flower returns an error reply, and the server logs it
+  with the node id.
 * **Fault injection** (client/faults.py) runs only on a node started with
   ``fault-injection=true`` (or ``PROMPTFCL_FAULT_INJECTION=1`` in its environment).
 * **Data location.** A node reads only the data its node config names; ``data-from-run=true``
@@ -39,7 +42,8 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint_problem
 from promptfcl.common.text import printable
 
 log = logging.getLogger("promptfcl")
@@ -58,13 +62,17 @@ LIMITS: dict[str, int] = {
     "num-heads": 256,
     "local-epochs": 1000,  # time, not memory: a message may not keep the node busy for ever
 }
+#: ceilings on what the run's sizes add up to (common/footprint.py): tokens per image,
+#: (image-size / patch-size)^2, and the backbone's estimated memory in GB (node-config ``max-<key>``)
+FOOTPRINT_LIMITS: dict[str, int] = {"tokens": DEFAULT_MAX_TOKENS, "memory-gb": DEFAULT_MAX_MEMORY_GB}
 FAULT_INJECTION = "fault-injection"
 DATA_FROM_RUN = "data-from-run"
 WEIGHTS_FROM_RUN = "weights-from-run"
 #: node-config key: this node's own backbone weights (what the run's ``weights`` would say)
 WEIGHTS = "weights"
 #: node-config keys of this module (client/node_data.py accepts them beside its own)
-POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, WEIGHTS_FROM_RUN, WEIGHTS, *(f"max-{k}" for k in LIMITS))
+POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, WEIGHTS_FROM_RUN, WEIGHTS,
+               *(f"max-{k}" for k in (*LIMITS, *FOOTPRINT_LIMITS)))
 #: run ``weights`` a node takes from its cache: nothing the server names is opened or fetched
 CACHED_WEIGHTS = re.compile(r"random|pretrained:.+")
 #: a timm model name (with an optional pretrained tag): no source prefix, no path
@@ -88,8 +96,8 @@ class NodePolicy:
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
-        limits = dict(LIMITS)
-        for key in LIMITS:
+        limits = {**LIMITS, **FOOTPRINT_LIMITS}
+        for key in limits:
             value = node_config.get(f"max-{key}")
             if value is None:
                 continue
@@ -141,8 +149,9 @@ class NodePolicy:
         return NodeRefusal(f"node refuses the run: its {key} {why}")
 
     def check_run(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
-        """Refuse (:class:`NodeRefusal`) a run whose sizes exceed this node's limits; ``sent_num_classes``
-        is the head size a message names (checked the same way)."""
+        """Refuse (:class:`NodeRefusal`) a run whose sizes exceed this node's limits, each alone
+        (:data:`LIMITS`) or together (tokens per image and estimated memory, :data:`FOOTPRINT_LIMITS`);
+        ``sent_num_classes`` is the head size a message names (checked the same way)."""
         run = cfg.to_dict()
         sizes = {key: run[key] for key in LIMITS}
         if sent_num_classes is not None:
@@ -153,6 +162,13 @@ class NodePolicy:
             if int(value) > self.limits[key]:
                 raise NodeRefusal(f"node refuses the run: {key} = {value} exceeds this node's limit "
                                   f"max-{key} = {self.limits[key]} (its operator's node-config)")
+        # each size may pass alone and their product still not fit (a million tokens per image)
+        try:
+            problem = footprint_problem(cfg, self.limits["tokens"], self.limits["memory-gb"], "this node's limit")
+        except ConfigError as exc:  # a size left to the model that its name does not say
+            raise NodeRefusal(f"node refuses the run: {exc}") from None
+        if problem is not None:
+            raise NodeRefusal(f"node refuses the run: {problem} (its operator's node-config)")
 
 
 def flag(node_config: Mapping[str, Any], key: str) -> bool:

@@ -34,7 +34,11 @@ both) the sensitivity doubles: the reported epsilon then holds for noise multipl
 Accounting (:func:`epsilon`): opacus's RDP accountant (Renyi DP of the sampled Gaussian
 mechanism, "Renyi Differential Privacy of the Sampled Gaussian Mechanism", Mironov et al.),
 composed over every training attempt of the run (all tasks; a retried round releases twice),
-with sampling rate q = clients-per-round / num-clients. The server samples clients without
+each at the sampling rate it actually had: q = sampled / population at sampling time. With a
+virtual population that is clients-per-round / num-clients in every round; with ``population =
+"nodes"`` the population is the nodes connected when the round samples, so after a node drops
+out the rate rises (2 of 3 nodes, q = 2/3; 2 of the 2 left, q = 1), and each round records the
+rate it had (``sample_rates``, one per attempt). The server samples clients without
 replacement; that is accounted as Poisson sampling at rate q, the usual approximation. With
 q = 1 there is no amplification. Amplification by sampling assumes the observer does not
 know which clients were sampled: the server does, and the sample is a function of the run's
@@ -53,7 +57,8 @@ precision attacks.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -207,14 +212,42 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return float(accountant.get_epsilon(delta))
 
 
-def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int,
+def composed_epsilon(noise_multiplier: float, sample_rates: Sequence[float], delta: float) -> float | None:
+    """Epsilon of one sampled Gaussian mechanism per entry of ``sample_rates``, each at its own rate
+    (opacus's RDP accountant composes the steps of each rate); 0 before any step, None without noise."""
+    if not sample_rates:
+        return 0.0
+    if noise_multiplier <= 0:
+        return None
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    steps = Counter(float(q) for q in sample_rates)
+    accountant.history = [(float(noise_multiplier), q, n) for q, n in sorted(steps.items())]
+    return float(accountant.get_epsilon(delta))
+
+
+def privacy_report(opts: PrivacyOptions, sample_rates: Sequence[float], nominal_rate: float,
                    most_uploads: int | None = None) -> dict[str, Any]:
-    """results.json's ``privacy``: ``{"enabled": false}`` with DP off, else the guarantee so far."""
+    """results.json's ``privacy``: ``{"enabled": false}`` with DP off, else the guarantee so far.
+
+    Parameters
+    ----------
+    opts : PrivacyOptions
+        The run's ``dp.*`` options.
+    sample_rates : sequence of float
+        The sampling rate of every training attempt so far, as it was at sampling time.
+    nominal_rate : float
+        clients-per-round / num-clients, what the rates are without drop-outs.
+    most_uploads : int, optional
+        Uploads of the most-sampled client (the guarantee against the server).
+    """
     if not opts.enabled:
         return {"enabled": False}
+    steps = len(sample_rates)
     return {
         "enabled": True,
-        "epsilon": epsilon(opts.noise_multiplier, sample_rate, steps, opts.delta),
+        "epsilon": composed_epsilon(opts.noise_multiplier, sample_rates, opts.delta),
         # against an observer who knows which clients were sampled (the server, or anyone holding
         # the run's seed): no amplification, composed over the uploads of the most-sampled client
         "epsilon_against_server": epsilon(
@@ -226,7 +259,9 @@ def privacy_report(opts: PrivacyOptions, sample_rate: float, steps: int,
         "accountant": ACCOUNTANT,
         "clip": opts.clip,
         "noise_multiplier": opts.noise_multiplier,
-        "sample_rate": sample_rate,
+        # the highest rate any attempt had (the nominal one when nodes dropped out nowhere)
+        "sample_rate": max(sample_rates, default=nominal_rate),
+        "sample_rate_nominal": nominal_rate,
         "rounds": steps,
     }
 
@@ -239,6 +274,7 @@ __all__ = [
     "PrivateRecord",
     "check_privacy",
     "clip_rows",
+    "composed_epsilon",
     "epsilon",
     "gaussian_mechanism",
     "privacy_options",

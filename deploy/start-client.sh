@@ -21,6 +21,12 @@
 #   --threads N     torch threads per ClientApp process (default: all cores)
 #   --poll SECONDS  how often an idle node asks the SuperLink for work (default 1; Flower's
 #                   SuperNode waits a fixed 3 s, which a round pays at its start; deploy/supernode.py)
+#   --rejoin-timeout SECONDS
+#                   a node restarted at once after a crash finds its identity still marked online
+#                   at the SuperLink until its last heartbeats time out (up to a minute): the
+#                   script says so and asks again every 5 s, up to this long (default 300; 0:
+#                   start at once and let the SuperNode fail). Still online after that means a
+#                   live process holds it: another machine with a copy of this node's key
 #   --no-warm       Flower's stock SuperExec: a fresh interpreter per message. The default
 #                   (Linux) is promptfcl-superexec beside a SuperNode in process isolation: every
 #                   message still runs in a process of its own, forked from a warm zygote that has
@@ -28,9 +34,11 @@
 #   --node KEY=VAL  more node-config (TOML values), this node's own rules (client/node_policy.py):
 #                   max-image-size=512 (and max-batch-size, max-pool-size, max-prompt-length,
 #                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
-#                   max-local-epochs): refuse runs beyond these sizes; fault-injection=true: obey
-#                   the run's fault switch (robustness experiments); data-from-run=true: read the
-#                   run's dataset location instead of this node's; weights="/srv/vit.pt" (or
+#                   max-local-epochs, max-tokens, max-memory-gb: tokens per image and the
+#                   backbone's estimated memory): refuse runs beyond these sizes;
+#                   fault-injection=true: obey the run's fault switch (robustness experiments);
+#                   data-from-run=true: read the run's dataset location instead of this node's;
+#                   weights="/srv/vit.pt" (or
 #                   "timm", "pretrained:<source>"): this node's own backbone, whatever the run
 #                   says (without it a run naming a weights file or "timm" is refused)
 #
@@ -42,6 +50,7 @@ source "$(dirname "$0")/lib.sh"
 
 superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
 config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=(); warm=1; poll=1
+rejoin=300
 while [ $# -gt 0 ]; do
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
@@ -62,7 +71,8 @@ while [ $# -gt 0 ]; do
     --node) extra+=("$2"); shift 2 ;;
     --no-warm) warm=0; shift ;;
     --poll) poll=$2; shift 2 ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    --rejoin-timeout) rejoin=$2; shift 2 ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -70,6 +80,7 @@ done
 case "$device" in auto|cpu|cuda|mps) ;; *) die "--device must be auto, cpu, cuda or mps" ;; esac
 [[ "$threads" =~ ^[0-9]+$ ]] || die "--threads must be a number"
 [[ "$poll" =~ ^[0-9]*\.?[0-9]+$ ]] || die "--poll must be a number of seconds"
+[[ "$rejoin" =~ ^[0-9]+$ ]] || die "--rejoin-timeout must be a whole number of seconds"
 
 # this node's data, as node-config (TOML values; strings quoted)
 node_config="device=\"$device\""
@@ -124,7 +135,7 @@ if [ "$warm" = 1 ] && [ "$(uname -s)" != Linux ]; then
   echo "note: the warm executor forks and runs on Linux only; Flower's stock executor on $(uname -s)" >&2
   warm=0
 fi
-supernode_cmd=("$PYTHON" "$DEPLOY_DIR/supernode.py" --idle-poll "$poll")
+supernode_cmd=("$PYTHON" "$DEPLOY_DIR/supernode.py" --idle-poll "$poll" --rejoin-timeout "$rejoin")
 [ "$warm" = 1 ] || exec "${supernode_cmd[@]}" "${args[@]}"
 
 # Warm: the SuperNode leaves its ClientApp tasks to a SuperExec we start (process isolation);

@@ -23,6 +23,10 @@
 #                    non-loopback control host is refused unless you also pass
 #                    --i-know-control-api-is-unauthenticated (and never with --insecure).
 #                    deploy/submit-run.sh and deploy/register-node.sh use this address.
+#   --max-object-bytes N
+#                    the largest object a node may push (default 256000000, the run config's
+#                    max-reply-bytes default); every other node call is bounded to 256 KiB, and
+#                    a call without a node's signed headers is refused before its body is read
 #   --no-node-auth   accept any SuperNode (default: only registered keys, deploy/register-node.sh)
 #   --insecure       no TLS at all: only for a closed test network, never across the internet
 #   --dry-run        check the arguments and files, create the state folder, print the
@@ -34,7 +38,7 @@ set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
 certs=""; state=superlink-state; host=0.0.0.0; port=8000; auth=1; insecure=0
-control_host=127.0.0.1; control_port=9093; exposed=0; dry_run=0
+control_host=127.0.0.1; control_port=9093; exposed=0; dry_run=0; max_object=256000000
 while [ $# -gt 0 ]; do
   case "$1" in
     --certs) certs=$2; shift 2 ;;
@@ -43,6 +47,7 @@ while [ $# -gt 0 ]; do
     --port) port=$2; shift 2 ;;
     --control-host) control_host=$2; shift 2 ;;
     --control-port) control_port=$2; shift 2 ;;
+    --max-object-bytes) max_object=$2; shift 2 ;;
     --no-node-auth) auth=0; shift ;;
     --insecure) insecure=1; shift ;;
     --i-know-control-api-is-unauthenticated) exposed=1; shift ;;
@@ -53,13 +58,14 @@ while [ $# -gt 0 ]; do
 done
 
 [[ "$port" =~ ^[0-9]+$ && "$control_port" =~ ^[0-9]+$ ]] || die "--port and --control-port must be numbers"
+[[ "$max_object" =~ ^[1-9][0-9]*$ ]] || die "--max-object-bytes must be a positive number of bytes"
 [ "$port" != "$control_port" ] \
   || die "the node-facing address ($host:$port) and the control address ($control_host:$control_port) must differ"
 check_control_address "$control_host" "$insecure" "$exposed"
 # Flower's --host/--port: the control listener (Flower's own lifespan and SuperExec use it);
 # deploy/superlink.py adds the node-facing listener.
-args=(--fleet-host "$host" --fleet-port "$port" --host "$control_host" --port "$control_port"
-      --disable-runtime-dependency-installation)
+args=(--fleet-host "$host" --fleet-port "$port" --max-object-bytes "$max_object" --host "$control_host"
+      --port "$control_port" --disable-runtime-dependency-installation)
 if [ "$insecure" = 1 ]; then
   [ -z "$certs" ] || die "--insecure and --certs contradict each other"
   echo "WARNING: starting the SuperLink WITHOUT TLS (--insecure): traffic is readable and forgeable" >&2

@@ -12,9 +12,10 @@
 #   --no-stream     submit and return at once (follow later with `.venv/bin/flwr log RUN_ID promptfcl`;
 #                   `flwr` is on PATH only with the venv active)
 #
-# The merged configuration is validated here first (unknown keys and bad values stop before
-# anything is sent). Results are written on the SuperLink machine, in its --state directory
-# (or at out-dir if that is an absolute path).
+# The merged configuration is validated here first (unknown keys, bad values, and a backbone
+# beyond the server's token or memory ceiling, common/footprint.py, stop before anything is
+# sent). Results are written on the SuperLink machine, in its --state directory (or at out-dir
+# if that is an absolute path).
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
     --set) sets+=("$2"); shift 2 ;;
     --app) app=$2; shift 2 ;;
     --no-stream) stream=0; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -49,11 +50,13 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
 import sys
 from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides, toml_value
+from promptfcl.common.footprint import check_server_footprint
 from promptfcl.server.cli import load_config
 
 src, dst, *sets = sys.argv[1:]
 try:
     cfg = load_config(src, sets, None, None)
+    check_server_footprint(cfg)  # what the ServerApp checks before it builds anything, checked before sending
     wanted = load_config(src, [], None, None).to_dict()
     wanted.update(parse_overrides(sets))
 except ConfigError as exc:

@@ -8,6 +8,14 @@ unchanged, with the module's ``time`` seen through :class:`ShorterWaits`: the id
 ``--idle-poll`` seconds (default 1; Flower's 3 with ``--idle-poll 3``), local waits at most
 ``--local-poll`` (default 0.05: a read of the node's own state). Each idle node then asks the
 SuperLink for work once per ``--idle-poll``: 100 nodes at 1 s are 100 small requests a second.
+
+A node restarted at once after a crash finds its identity still marked online at the SuperLink
+until its last heartbeats time out (up to a minute), and Flower's SuperNode, refused, exits.
+Before starting it, this launcher asks the SuperLink (deploy/superlink.py answers a signed
+activation probe without activating anything) and, while the identity is still online, says so
+and asks again every :data:`REJOIN_POLL_SECONDS`, up to ``--rejoin-timeout`` (default 300 s;
+0: do not wait). An identity still online after that is held by a live process: another machine
+with a copy of this node's key.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from typing import Any
 
 #: Flower's idle wait in the SuperNode loop, the one ``--idle-poll`` replaces
 FLOWER_IDLE_WAIT = 3.0
+#: how often a node waiting to rejoin asks the SuperLink again
+REJOIN_POLL_SECONDS = 5.0
 
 
 class ShorterWaits:
@@ -35,13 +45,80 @@ class ShorterWaits:
         return getattr(time, name)
 
 
+def rejoin_refusal(superlink: str, key_file: str, root_certificates: str | None, insecure: bool) -> str | None:
+    """Why the SuperLink would refuse this node's activation now because its identity is still
+    online (None: it would not, or the SuperLink cannot be asked: Flower's SuperNode then reports
+    and retries as it does)."""
+    import datetime
+    import ssl
+    from base64 import b64encode
+    from pathlib import Path
+
+    import httpx
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    from promptfcl.common.flower_internals import internal
+    from promptfcl.common.node_identity import ACTIVATE, REJOIN_PROBE, STILL_ONLINE
+
+    key = load_ssh_private_key(Path(key_file).expanduser().read_bytes(), password=None)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat()
+    headers = {
+        internal("node_public_key_header"): b64encode(internal("public_key_to_bytes")(key.public_key())).decode(),
+        internal("node_timestamp_header"): stamp,
+        internal("node_signature_header"): b64encode(internal("sign_message")(key, stamp.encode("ascii"))).decode(),
+        REJOIN_PROBE: "1",
+    }
+    verify: bool | ssl.SSLContext = True
+    if root_certificates:
+        verify = ssl.create_default_context(cafile=str(Path(root_certificates).expanduser()))
+    url = f"{'http' if insecure else 'https'}://{superlink}{ACTIVATE}"
+    try:  # an empty body: a SuperLink other than ours refuses it without activating anything
+        reply = httpx.post(url, headers=headers, content=b"", timeout=10, verify=verify)
+        detail = reply.json().get("extra", "") if reply.status_code == 412 else ""
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return detail if isinstance(detail, str) and STILL_ONLINE in detail else None
+
+
+def wait_to_rejoin(flower_args: list[str], timeout: float) -> None:
+    """Until the SuperLink would activate this node (its identity not still online), at most
+    ``timeout`` seconds, saying why it waits.
+
+    Raises
+    ------
+    SystemExit
+        The identity is still online after ``timeout``: a live process holds it.
+    """
+    peek = argparse.ArgumentParser(add_help=False)
+    for name in ("--superlink", "--root-certificates", "--auth-supernode-private-key"):
+        peek.add_argument(name)
+    peek.add_argument("--insecure", action="store_true")
+    node, _ = peek.parse_known_args(flower_args)
+    if timeout <= 0 or not node.superlink or not node.auth_supernode_private_key:
+        return  # without a registered key a node gets a new identity each start: nothing to wait for
+    deadline = time.monotonic() + timeout
+    while True:
+        why = rejoin_refusal(node.superlink, node.auth_supernode_private_key, node.root_certificates, node.insecure)
+        if why is None:
+            return
+        if time.monotonic() + REJOIN_POLL_SECONDS > deadline:
+            sys.exit(f"start-client: the SuperLink still refuses this node after {timeout:.0f} s: {why}. An "
+                     "identity this long online is held by a live process: stop the other copy of this node's key, "
+                     "or have the operator register a new key for this node")
+        print(f"start-client: not rejoining yet: {why}. Asking again in {REJOIN_POLL_SECONDS:.0f} s "
+              f"(up to {deadline - time.monotonic():.0f} s more)", file=sys.stderr, flush=True)
+        time.sleep(REJOIN_POLL_SECONDS)
+
+
 def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--idle-poll", type=float, default=1.0)
     parser.add_argument("--local-poll", type=float, default=0.05)
+    parser.add_argument("--rejoin-timeout", type=float, default=300.0)
     ours, flower_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not (0.05 <= ours.idle_poll <= 60 and 0.01 <= ours.local_poll <= 1):
         sys.exit("--idle-poll must be within 0.05-60 s and --local-poll within 0.01-1 s")
+    wait_to_rejoin(flower_args, ours.rejoin_timeout)
 
     from promptfcl.common.flower_internals import internal, replace_internal
 

@@ -167,8 +167,9 @@ class FederatedEvaluator:
                 overheads.append(float(m["process-seconds"]))
         failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
                    for m in unanswered(messages, replies)]
+        failed = [self.strategy.named(f) for f in failed]
         for f in failed:
-            log.warning("evaluation on node %s left out: %s", f["node"], f["reason"])
+            log.warning("evaluation on %s left out: %s", self.strategy.node_label(f["node"]), f["reason"])
         ordered = [counts[n] for n in sorted(counts)]  # by node id, however the counts came
         total = np.sum([t for _, t in ordered], axis=0) if ordered else np.zeros(task + 1, np.int64)
         self.last_total = int(total.sum())

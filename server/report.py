@@ -99,7 +99,7 @@ def table(results: dict[str, Any]) -> str:
         rows.append(
             f"| differential privacy | epsilon {_number(privacy['epsilon'])} at delta {privacy['delta']:g} "
             f"(clip {privacy['clip']:g}, noise multiplier {privacy['noise_multiplier']:g}, "
-            f"q {privacy['sample_rate']:.3g}, {privacy['rounds']} rounds); against the server "
+            f"q {_rate(privacy)}, {privacy['rounds']} rounds); against the server "
             f"{_number(privacy.get('epsilon_against_server'))} |"
         )
     if results.get("stopped_after_round") is not None:
@@ -126,6 +126,12 @@ def rounds_table(results: dict[str, Any]) -> str:
 
 def _number(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
+
+
+def _rate(privacy: dict[str, Any]) -> str:
+    """The sampling rate of the privacy row: the highest a round had, and the nominal one if it differs."""
+    highest, nominal = privacy["sample_rate"], privacy.get("sample_rate_nominal", privacy["sample_rate"])
+    return f"{highest:.3g}" if abs(highest - nominal) < 1e-12 else f"up to {highest:.3g} (nominal {nominal:.3g})"
 
 
 def asynchronous_table(results: dict[str, Any]) -> str:

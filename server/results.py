@@ -23,12 +23,23 @@ log = logging.getLogger("promptfcl")
 
 def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list[RoundRecord]) -> dict[str, Any]:
     """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
-    is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too)."""
+    is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too), at
+    the rate it was sampled with."""
     opts = privacy_options(cfg)
     if not opts.enabled:  # called after every round: nothing to count
-        return privacy_report(opts, strategy.sample_rate, 0)
-    steps = sum(r.attempts for r in rounds)
-    return privacy_report(opts, strategy.sample_rate, steps, most_uploads(rounds))
+        return privacy_report(opts, [], strategy.sample_rate)
+    return privacy_report(opts, sample_rates(rounds, strategy.sample_rate), strategy.sample_rate,
+                          most_uploads(rounds))
+
+
+def sample_rates(rounds: list[RoundRecord], nominal: float) -> list[float]:
+    """Every attempt's sampling rate; a round recorded without them (a checkpoint older than the
+    record) counts its attempts at the nominal rate."""
+    rates: list[float] = []
+    for record in rounds:
+        recorded = record.sample_rates if len(record.sample_rates) == record.attempts else []
+        rates += recorded or [nominal] * record.attempts
+    return rates
 
 
 def most_uploads(rounds: list[RoundRecord]) -> int:

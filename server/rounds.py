@@ -73,6 +73,11 @@ class RoundRecord:
     # per uploaded statistics array: its largest row scale over the round's lower median (what
     # stats-bound compares), defended or not
     stats_ratios: dict[str, float] = field(default_factory=dict)
+    # each accepted reply's node, with its registered name where Flower says (aligned with reply_shares)
+    reply_nodes: list[str] = field(default_factory=list)
+    # each attempt's sampling rate, sampled / population at sampling time (population = nodes: the
+    # nodes connected then): what differential privacy's accountant composes
+    sample_rates: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -107,6 +112,7 @@ class Attempts:
     overheads: list[float] = field(default_factory=list)
     startup_phases: dict[str, list[float]] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    sample_rates: list[float] = field(default_factory=list)  # each attempt's, as it sampled
     count: int = 0  # attempts made
 
     def read_replies(self, used: list[MetricRecord]) -> None:
@@ -156,7 +162,9 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
             strategy.aggregate_exchange(server_round, answers)
             spent.bytes_s2c += message_bytes(exchange)
             spent.bytes_c2s += message_bytes([m for m in answers if not m.has_error()])
+        strategy.last_sample_rate = strategy.sample_rate  # a method that samples otherwise keeps the nominal rate
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
+        spent.sample_rates.append(strategy.last_sample_rate)  # what the sampling of this attempt's clients set
         if before_aggregation is not None:
             before_aggregation.ask(messages)
         t1 = time.perf_counter()
@@ -173,9 +181,11 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         spent.round_seconds += t3 - t0
         used = [a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else []
         spent.read_replies(used)
-        spent.rejected += [{"node": int(n), "reason": r, "attempt": attempt} for n, r in strategy.rejected]
-        spent.rejected += [{"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout",
-                            "attempt": attempt} for m in unanswered(messages, replies)]
+        spent.rejected += [strategy.named({"node": int(n), "reason": r, "attempt": attempt})
+                           for n, r in strategy.rejected]
+        spent.rejected += [strategy.named({"node": int(m.metadata.dst_node_id), "attempt": attempt,
+                                           "reason": "no reply before round-timeout"})
+                           for m in unanswered(messages, replies)]
         if new_arrays is not None:
             return new_arrays, agg, spent, messages  # type: ignore[return-value]
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
@@ -206,9 +216,11 @@ def round_record(strategy: PromptStrategy, task: int, round_: int, server_round:
         clients_aggregated=int(agg["clients"]),
         update_norms=[float(v) for v in strategy.update_norms],
         reply_shares=list(strategy.reply_shares),
+        reply_nodes=strategy.reply_nodes,
         update_cosines=[None if c is None else round(float(c), 4) for c in strategy.update_cosines],
         defences=dict(strategy.defence_counts) if strategy.screen.active or strategy.stats_bound.active else {},
         stats_ratios=dict(strategy.stats_ratios),
+        sample_rates=list(spent.sample_rates),
         examples=int(agg["num-examples"]),
         rejected=spent.rejected,
         train_loss=float(agg["train-loss"]),

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.footprint import check_server_footprint
 from promptfcl.common.model import initial_trainable_state
 from promptfcl.common.partitions import client_indices, drawn_shares, partition_summary
 from promptfcl.common.records import from_array_record, to_array_record
@@ -105,6 +106,8 @@ class ExperimentRun:
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
+        # before any model is built: a run's sizes may multiply into more memory than the machine has
+        check_server_footprint(cfg)
         method = strategy_class(cfg.strategy)
         if cfg.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
@@ -302,7 +305,8 @@ class ExperimentRun:
             human_bytes(record.bytes_c2s), record.client_seconds, record.server_seconds,
             f" | {len(record.rejected)} replies excluded" if record.rejected else "",
             "" if not privacy["enabled"] else " | eps so far " + (
-                "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}"),
+                "inf (no noise)" if privacy["epsilon"] is None else f"{privacy['epsilon']:.3g}") + drop_note(
+                record.sample_rates, privacy["sample_rate_nominal"]),
             self.trackers.progress(record.server_round, record.accuracy),
         )
 
@@ -343,6 +347,15 @@ class ExperimentRun:
                             "backward_transfer": results["asynchronous"]["backward_transfer"],
                             "accuracy_matrix": None, "average_accuracy_per_task": None})
         return results
+
+
+def drop_note(rates: list[float], nominal: float) -> str:
+    """The log's note of a round sampled at another rate than the nominal one: with population =
+    "nodes" the rate is sampled / connected, so it moves when nodes leave (or more join)."""
+    if all(abs(q - nominal) < 1e-12 for q in rates):
+        return ""
+    return (f" (sampling rate q {'/'.join(f'{q:.3g}' for q in rates)} this round, not the nominal "
+            f"{nominal:.3g}: the connected nodes changed; epsilon counts the real one)")
 
 
 def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:

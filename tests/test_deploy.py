@@ -326,8 +326,34 @@ def test_unregistered_node_key_is_refused(deployment):
          "--state", "stranger", "--port", str(free_port())],
         root / "stranger.log", script_env(PROMPTFCL_CACHE=str(root / "cache-stranger")), root, timeout=180)
     assert code != 0
-    assert "Failed to activate SuperNode" in out, out[-3000:]
-    assert "No SuperNode found with the given public key" in deployment.superlink_log.read_text()
+    assert "Failed to activate SuperNode" in out and "public key is not registered with the SuperLink" in out, \
+        out[-3000:]
+    # refused on its headers, before Flower's app read the request
+    assert "refused POST /v1/fleet/activate-node from 127.0.0.1" in deployment.superlink_log.read_text()
+
+
+@pytest.mark.deploy
+def test_a_crashed_node_restarted_at_once_waits_and_rejoins(deployment):
+    """A node killed hard (no deactivation: its identity stays marked online until its heartbeats
+    time out) and restarted at once is told so, not that its key is unregistered; start-client.sh
+    says why it waits, asks again, and the node rejoins under its own id within about a minute."""
+    import re
+
+    root, procs = deployment.root, deployment.processes
+    log = root / "node2.log"
+    node_id = re.search(r"SuperNode ID: (\d+)", log.read_text(errors="replace")).group(1)
+    node = next(p for p in procs.procs if p.poll() is None and "keys/node2" in p.args)
+    kill_hard(node)
+    started = time.time()
+    start_node(root, procs, script_env(PROMPTFCL_CACHE=str(root / "cache2"), PROMPTFCL_TEST_HOSTILE="0"),
+               f"127.0.0.1:{deployment.tap_port}", "node2", "data/node1", root / "run.toml", ["--threads", "1"])
+    waited = time.time() - started
+    out = log.read_text(errors="replace")
+    assert f"start-client: not rejoining yet: node {node_id} (node2) is still marked online until" in out, out[-3000:]
+    assert "a copy of its key" in out and "not registered" not in out
+    assert re.search(r"SuperNode ID: (\d+)", out).group(1) == node_id  # the same identity, back
+    assert waited < 150, waited  # Flower's patience: 2 heartbeats of 30 s, plus one probe interval
+    assert f"(node {node_id} (node2) is still marked online until" in deployment.superlink_log.read_text()
 
 
 @pytest.mark.deploy
@@ -665,6 +691,106 @@ def test_node_facing_address_serves_the_fleet_api_only(deployment):
                       env=script_env(FLWR_HOME=str(deployment.root / "intruder-home")), cwd=deployment.root)
     assert done.returncode != 0 and "registered successfully" not in done.stdout
     # the nodes themselves came in over the node-facing address (through the tap) and trained
+    assert deployment.results["rounds"][-1]["clients_aggregated"] == NUM_HONEST
+
+
+def node_headers(private_key_file: Path) -> dict[str, str]:
+    """The node-authentication headers a SuperNode holding ``private_key_file`` sends (a signed
+    fresh timestamp), made as flwr's NodeAuthHttpInterceptor makes them."""
+    import base64
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = serialization.load_ssh_private_key(private_key_file.read_bytes(), password=None)
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat()
+    return {"flwr-public-key": base64.b64encode(public).decode(), "flwr-timestamp": stamp,
+            "flwr-signature": base64.b64encode(key.sign(stamp.encode(), ec.ECDSA(hashes.SHA256()))).decode()}
+
+
+def upload(port: int, cafile: Path, path: str, size: int, headers: dict[str, str], chunked: bool = False) -> int:
+    """POST ``size`` bytes to ``path`` on 127.0.0.1:``port`` (TLS) in 1 MiB chunks until the server
+    stops reading; the status it answered (0: none readable, the connection was cut)."""
+    import socket
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(cafile))
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw, \
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+        length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+        head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/protobuf", length,
+                *(f"{k}: {v}" for k, v in headers.items())]
+        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        chunk = b"\0" * (1 << 20)
+        try:
+            for _ in range(size >> 20):  # bounded: the whole body at most
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+        except OSError:  # the server answered and closed without reading the rest
+            pass
+        try:
+            reply = conn.recv(4096)
+        except OSError:
+            return 0
+    return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
+
+
+@pytest.mark.deploy
+def test_node_facing_address_reads_no_body_before_it_knows_the_node(deployment):
+    """Anonymous and oversized uploads cost the SuperLink nothing: 8 concurrent anonymous 50 MB
+    bodies (4 declaring their length, 4 chunked), 2 from a well-signed but unregistered key, and 2
+    oversized bodies from a registered node's key to a small call, all at once. Its memory stays
+    within 100 MB of idle, each is refused (401 unread, or 413 at the limit), and it still serves
+    the nodes, which ran the fixture's deployment through the same checks."""
+    import http.client
+    import ssl
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, fleet = deployment.root, deployment.ports.fleet
+    cafile = root / "certs" / "ca.crt"
+    pid = deployment.superlink.pid  # start-server.sh execs the SuperLink
+
+    def rss_mb() -> float:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+    idle, peak, done = rss_mb(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    size = 50 * (1 << 20)
+    calls = [("/v1/fleet/push-object", {}, i % 2 == 1) for i in range(8)]  # anonymous
+    calls += [("/v1/fleet/push-object", node_headers(root / "keys" / "stranger"), False)] * 2  # unregistered
+    calls += [("/v1/fleet/send-node-heartbeat", node_headers(root / "keys" / "node1"), chunked)
+              for chunked in (False, True)]  # registered, but far beyond a heartbeat's size
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            statuses = list(pool.map(lambda c: upload(fleet, cafile, c[0], size, c[1], c[2]), calls))
+    finally:
+        done.set()
+        sampler.join()
+    assert peak[0] - idle < 100, f"SuperLink RSS {idle:.0f} MB idle, {peak[0]:.0f} MB under the uploads"
+    assert all(status in (0, 401) for status in statuses[:10]), statuses
+    assert statuses[10:] == [413, 413], statuses
+    log = deployment.superlink_log.read_text(errors="replace")
+    assert log.count("refused POST /v1/fleet/push-object from 127.0.0.1") >= 10
+    assert log.count("(no node-authentication headers)") >= 8
+    assert "(a public key that is not registered)" in log
+    assert "(declared body of 52428800 bytes, above its limit 262144)" in log
+    assert "(body streamed past its limit of 262144 bytes)" in log
+    # it still serves: the health probe, and (the fixture) a whole run of authenticated nodes
+    conn = http.client.HTTPSConnection("127.0.0.1", fleet, context=ssl.create_default_context(cafile=str(cafile)),
+                                       timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    conn.close()
     assert deployment.results["rounds"][-1]["clients_aggregated"] == NUM_HONEST
 
 

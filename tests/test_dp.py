@@ -51,7 +51,7 @@ def test_epsilon_is_the_libraries_figure(z, q, steps, delta):
 
 
 def test_dp_off_reports_disabled():
-    assert privacy_report(PrivacyOptions(), 0.5, 10) == {"enabled": False}
+    assert privacy_report(PrivacyOptions(), [0.5] * 10, 0.5) == {"enabled": False}
 
 
 def test_epsilon_grows_with_rounds_and_shrinks_with_noise_and_sampling():
@@ -221,6 +221,45 @@ def test_fedavg_with_dp_reports_the_accountants_epsilon(tmp_path):
     assert {k: privacy[k] for k in ("delta", "clip", "noise_multiplier", "mechanism")} == {
         "delta": 1e-5, "clip": clip, "noise_multiplier": z, "mechanism": "gaussian, client-side, client-level"}
     assert "| differential privacy | epsilon" in table(results)
+
+
+@pytest.mark.e2e
+def test_a_node_dropping_out_raises_the_sampling_rate_the_accountant_composes(tmp_path, flower_identity, caplog):
+    """population = nodes samples among the nodes connected now: 2 of 3 (q = 2/3), then, with one
+    gone, 2 of 2 (q = 1). The headline epsilon, each round's and the log's compose those rates."""
+    from flwr.app import MessageType
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    from promptfcl.server.run import run_experiment
+    from tests.helpers import InProcessGrid
+
+    class DropAfterFirstRound(InProcessGrid):
+        def get_node_ids(self) -> list[int]:
+            trained = sum(m.metadata.message_type == MessageType.TRAIN for m in self.sent)
+            return self.node_ids if trained < 2 else self.node_ids[:2]
+
+    z = 1.0
+    cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 2, "dp.clip": 0.5,
+                                             "dp.noise-multiplier": z, "out-dir": str(tmp_path / "out")})
+    grid = DropAfterFirstRound(cfg, 3, node_configs={1001 + i: {"partition-id": i, "num-partitions": 3,
+                                                                "dataset": "digits"} for i in range(3)})
+    with caplog.at_level("INFO", logger="promptfcl"):
+        results = run_experiment(grid, cfg)  # type: ignore[arg-type]
+    assert [r["sample_rates"] for r in results["rounds"]] == [[pytest.approx(2 / 3)], [1.0]]
+    alphas = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=2 / 3, noise_multiplier=z, steps=1, orders=alphas) + compute_rdp(
+        q=1.0, noise_multiplier=z, steps=1, orders=alphas)
+    expected = float(get_privacy_spent(orders=alphas, rdp=rdp, delta=1e-5)[0])
+    privacy = results["privacy"]
+    assert privacy["epsilon"] == pytest.approx(expected, rel=1e-9) == results["rounds"][-1]["epsilon"]
+    assert privacy["epsilon"] > opacus_epsilon(z, 2 / 3, 2, 1e-5)  # what clients-per-round / num-clients said
+    assert results["rounds"][0]["epsilon"] == pytest.approx(opacus_epsilon(z, 2 / 3, 1, 1e-5), rel=1e-9)
+    assert privacy["sample_rate"] == 1.0 and privacy["sample_rate_nominal"] == pytest.approx(2 / 3)
+    logged = [m for m in caplog.messages if "eps so far" in m]
+    assert len(logged) == 2 and "sampling rate q" not in logged[0]
+    assert f"eps so far {expected:.3g} (sampling rate q 1 this round, not the nominal 0.667" in logged[1]
+    assert "q up to 1 (nominal 0.667)" in table(results)
 
 
 @pytest.mark.e2e

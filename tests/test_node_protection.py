@@ -12,6 +12,7 @@ tests/test_deploy.py.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -26,39 +27,176 @@ from tests.helpers import client_app, run_in_process
 
 
 # ----------------------------------------------------------------------------- the node-facing listener
-def asgi_call(app, path: str, method: str = "POST") -> tuple[int, bytes, bool]:
-    """(status, body, whether the wrapped app was called) for one HTTP request to ``app``."""
-    called, sent = [], []
+class FlowerStandIn:
+    """Flower's app as the node-facing listener sees it: reads the whole body (as Flower's
+    protobuf translation does, before it authenticates), then answers 200."""
 
-    async def inner(scope, receive, send):
-        called.append(scope["path"])
+    def __init__(self, registered: set[bytes] | None = None, online_until: float | None = None) -> None:
+        """``registered``: node authentication on, these keys registered (as node 7, named "node-a");
+        ``online_until``: node 7 is marked online until then (a time.time())."""
+        import types
+
+        self.called: list[str] = []
+        self.chunks_read = 0
+        if registered is not None:
+            info = types.SimpleNamespace(node_id=7, name="node-a", public_key=b"k", online_until=online_until or 0.0,
+                                         status="online" if online_until else "offline")
+            lookup = types.SimpleNamespace(get_node_id_by_public_key=lambda key: 7 if key in registered else None,
+                                           get_node_info=lambda node_ids: [info] if 7 in node_ids else [])
+            factory = types.SimpleNamespace(state=lambda: lookup)
+            self.state = types.SimpleNamespace(enable_supernode_auth=True, linkstate_factory=factory)
+
+    async def __call__(self, scope, receive, send):
+        self.called.append(scope["path"])
+        more = True
+        while more:
+            message = await receive()
+            self.chunks_read += 1
+            more = message.get("more_body", False)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"flower"})
 
+
+def signed_headers(key=None, age: float = 0.0) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A SuperNode's node-authentication headers (its public key, a timestamp ``age`` seconds old
+    and its signature, as flwr's NodeAuthHttpInterceptor makes them) and the public key's bytes."""
+    import base64
+    import datetime
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = key or ec.generate_private_key(ec.SECP384R1())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    stamp = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=age)).isoformat()
+    signature = key.sign(stamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
+    return [(b"flwr-public-key", base64.b64encode(public)), (b"flwr-timestamp", stamp.encode()),
+            (b"flwr-signature", base64.b64encode(signature))], public
+
+
+def asgi_call(app, path: str, method: str = "POST", headers=(), chunks=(b"",), inner=None,
+              ) -> tuple[int, bytes, bool]:
+    """(status, body, whether the wrapped app was called) for one HTTP request to ``app``, its
+    body sent as ``chunks``."""
+    inner = inner or FlowerStandIn()
+    sent, pending = [], list(chunks)
+
     async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
+        body = pending.pop(0) if pending else b""
+        return {"type": "http.request", "body": body, "more_body": bool(pending)}
 
     async def send(message):
         sent.append(message)
 
     scope = {"type": "http", "method": method, "path": path, "root_path": "", "client": ("10.0.0.7", 5555),
-             "headers": [], "query_string": b""}
+             "headers": list(headers), "query_string": b""}
     asyncio.run(app(inner)(scope, receive, send))
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body, bool(called)
+    return status, body, bool(inner.called)
 
 
 def test_node_facing_listener_passes_fleet_calls_and_refuses_everything_else():
     from deploy.superlink import FleetOnly
 
+    headers, _ = signed_headers()
     for path in ("/v1/fleet/pull-messages", "/v1/fleet/push-object", "/v1/fleet/activate-node", "/health"):
-        assert asgi_call(FleetOnly, path) == (200, b"flower", True), path
+        assert asgi_call(FleetOnly, path, headers=headers) == (200, b"flower", True), path
     for path in ("/v1/control/list-runs", "/v1/control/start-run", "/v1/control/stop-run", "/v1/runtime/get-nodes",
                  "/v1/fleet/../control/list-runs", "/v1/fleet//pull-messages", "/v1/fleet/", "/docs",
                  "/openapi.json", "/", "/v1/fleet/pull-messages/x", "/healthz"):
-        status, body, called = asgi_call(FleetOnly, path)
+        status, body, called = asgi_call(FleetOnly, path, headers=headers)
         assert status == 403 and not called and b"only the Fleet API" in body, path
+
+
+def test_a_restarted_node_is_told_its_identity_is_still_online_and_may_probe(caplog):
+    import functools
+    import time
+
+    from deploy.superlink import FleetOnly
+
+    headers, public = signed_headers()
+    probe = headers + [(b"promptfcl-rejoin-probe", b"1")]
+    online = functools.partial(FlowerStandIn, {public}, time.time() + 42)
+    # Flower would answer "Failed to activate SuperNode." only; the node hears why, and Flower is not called
+    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
+        status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=online())
+    assert (status, called) == (412, False)
+    answer = json.loads(body)
+    assert answer["code"] == 2004 and answer["detail"] == "Failed to activate SuperNode."
+    assert answer["extra"].startswith("node 7 (node-a) is still marked online until ")
+    assert "crash can rejoin then" in answer["extra"] and "a copy of its key" in answer["extra"]
+    assert any("node 7 (node-a) is still marked online" in m for m in caplog.messages)
+    # the probe gets the same answer while online, and "ready" (from the gate, not Flower) once offline
+    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=online())[::2] == (412, False)
+    offline = functools.partial(FlowerStandIn, {public})
+    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=offline())
+    assert (status, json.loads(body), called) == (200, {"ready": True}, False)
+    # an ordinary activation of an identity offline goes on to Flower
+    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=offline()) == (200, b"flower", True)
+
+
+def test_the_launcher_waits_while_the_superlink_says_the_identity_is_online(monkeypatch, capsys):
+    import deploy.supernode as launcher
+
+    answers = iter(["node 7 (node-a) is still marked online until 12:00:00 UTC (40 s from now, ...)"] * 2 + [None])
+    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: next(answers))
+    monkeypatch.setattr(launcher, "REJOIN_POLL_SECONDS", 0.01)
+    args = ["--superlink", "127.0.0.1:9", "--auth-supernode-private-key", "k", "--root-certificates", "ca.crt"]
+    launcher.wait_to_rejoin(args, timeout=5)
+    err = capsys.readouterr().err
+    assert err.count("start-client: not rejoining yet: node 7 (node-a) is still marked online") == 2
+    # still online at the deadline: a live process holds the identity
+    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: "node 7 (node-a) is still marked online until ...")
+    with pytest.raises(SystemExit, match="still refuses this node after 0 s: .*stop the other copy of this node's key"):
+        launcher.wait_to_rejoin(args, timeout=0.001)
+    launcher.wait_to_rejoin(["--superlink", "127.0.0.1:9"], timeout=5)  # no registered key: nothing to wait for
+
+
+def test_node_facing_listener_knows_the_node_and_bounds_the_body_before_reading_it(caplog):
+    import functools
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from deploy.superlink import OBJECT_FRAMING_BYTES, SMALL_BODY_BYTES, FleetOnly
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    headers, public = signed_headers(key)
+    stale, _ = signed_headers(key, age=3600)
+    forged = [(k, v if k != b"flwr-signature" else signed_headers()[0][2][1]) for k, v in headers]
+    other_key, _ = signed_headers()
+    # no headers, a stale or forged signature: 401, Flower's app never called (nothing read)
+    for bad in ([], stale, forged, [(b"flwr-public-key", b"%%%")] + headers[1:]):
+        status, body, called = asgi_call(FleetOnly, "/v1/fleet/push-object", headers=bad, chunks=[b"x" * 1000])
+        assert (status, called) == (401, False) and b"node authentication required" in body
+    # with node authentication on, a well-signed but unregistered key is refused too
+    registered = functools.partial(FlowerStandIn, {public})
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers, inner=registered())[0] == 200
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=other_key, inner=registered())[:2] == (
+        401, b"node authentication required: a registered node's signed timestamp\n")
+    # a node starting with an unregistered key is told so, in the error format a SuperNode prints
+    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=other_key, inner=registered())
+    assert (status, called) == (412, False)
+    assert json.loads(body) == {"code": 2004, "detail": "Failed to activate SuperNode.", "extra":
+                                "this node's public key is not registered with the SuperLink: its operator "
+                                "registers it (deploy/register-node.sh)"}
+    # a declared length beyond the path's limit: 413 unread; an object push may carry more
+    small = SMALL_BODY_BYTES + 1
+    length = [(b"content-length", str(small).encode())]
+    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers + length)[::2] == (413, False)
+    assert asgi_call(FleetOnly, "/v1/fleet/push-object", headers=headers + length,
+                     chunks=[b"x" * small]) == (200, b"flower", True)
+    tight = functools.partial(FleetOnly, max_object_bytes=10)
+    too_long = [(b"content-length", str(11 + OBJECT_FRAMING_BYTES).encode())]
+    assert asgi_call(tight, "/v1/fleet/push-object", headers=headers + too_long)[::2] == (413, False)
+    # no declared length (or a false one): the streamed bytes are counted and the read cut at the limit
+    inner = FlowerStandIn()
+    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
+        status, body, _ = asgi_call(FleetOnly, "/v1/fleet/send-node-heartbeat", headers=headers,
+                                    chunks=[b"x" * 65536] * 100, inner=inner)
+    # Flower's app got the chunks up to the limit, never the one past it (nor the 95 after)
+    assert status == 413 and b"limit of 262144 bytes" in body and inner.chunks_read == SMALL_BODY_BYTES // 65536
+    assert any("body streamed past its limit" in m and "10.0.0.7" in m for m in caplog.messages)
 
 
 # ----------------------------------------------------------------------------- class names stay in the folder
@@ -139,6 +277,71 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
     ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits"}, state=RecordDict(), run_config=virtual.to_dict())
     with pytest.raises(NodeRefusal, match="population = virtual loads the run's own dataset"):
         client_runtime(virtual, ctx, ConfigRecord({}))
+
+
+def test_a_node_bounds_the_tokens_and_estimated_memory_a_run_asks_for(flower_identity):
+    from promptfcl.client.app import client_runtime
+
+    policy = NodePolicy.from_node_config({})
+    # a paper-scale run, its sizes left to the model's name (ViT-B/16), fits the defaults
+    paper = tiny_config(backbone="vit_base_patch16_224.augreg_in21k", **{
+        "image-size": 224, "patch-size": 0, "embed-dim": 0, "depth": 0, "num-heads": 0, "batch-size": 128,
+        "prompt-length": 20})
+    policy.check_run(paper)
+    # each size within its own limit, together a million tokens per image: refused by the token limit
+    with pytest.raises(NodeRefusal, match="gives 1048576 tokens per image, above this node's limit max-tokens = 4096"):
+        policy.check_run(tiny_config(**{"image-size": 1024, "patch-size": 1, "batch-size": 2048}))
+    # within the token limit, but batch x tokens x width x depth beyond the memory ceiling
+    wide = {"image-size": 1024, "patch-size": 16, "batch-size": 2048, "embed-dim": 768, "depth": 12, "num-heads": 12}
+    with pytest.raises(NodeRefusal, match=r"needs an estimated .* GB, above this node's limit max-memory-gb = 64"):
+        policy.check_run(tiny_config(**wide))
+    # the node's operator sets both ceilings
+    with pytest.raises(NodeRefusal, match="max-memory-gb = 1"):
+        NodePolicy.from_node_config({"max-memory-gb": 1}).check_run(tiny_config(**{"image-size": 224,
+                                                                                   "batch-size": 128}))
+    NodePolicy.from_node_config({"max-memory-gb": 10**6}).check_run(tiny_config(**wide))
+    # a size left to a model whose name does not say it cannot be estimated: refused
+    with pytest.raises(NodeRefusal, match="embed-dim = 0 .* does not say it"):
+        policy.check_run(tiny_config(backbone="my_vit_patch16", **{"embed-dim": 0}))
+    # the ClientApp's own path refuses before anything is built
+    cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3})
+    ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "max-tokens": 8}, state=RecordDict(),
+                  run_config=cfg.to_dict())
+    with pytest.raises(NodeRefusal, match="16 tokens per image, above this node's limit max-tokens = 8"):
+        client_runtime(cfg, ctx, ConfigRecord({}))
+
+
+def test_the_server_checks_a_runs_footprint_before_building_anything(tmp_path, monkeypatch):
+    import promptfcl.server.run as server_run
+    from promptfcl.server.app import main
+    from promptfcl.server.loopback import run_script, script_env
+
+    class Built(Exception):
+        """What building the server's model would raise: it got past the check."""
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(server_run, "initial_trainable_state", build)
+    monkeypatch.setattr(server_run, "get_runtime", build)
+    for population in ({}, {"population": "nodes", "evaluation": "federated", "num-classes": 10}):
+        huge = tiny_config(**{"image-size": 1024, "patch-size": 1, "out-dir": str(tmp_path / "out"), **population})
+        ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=huge.to_dict())
+        with pytest.raises(ConfigError, match="max-tokens = 4096 .*PROMPTFCL_MAX_TOKENS"):
+            main(None, ctx)
+        monkeypatch.setenv("PROMPTFCL_MAX_TOKENS", str(2**20))  # the server's operator raises its ceilings
+        with pytest.raises(ConfigError, match="estimated 258 GB, above the server's limit max-memory-gb = 64"):
+            main(None, ctx)
+        monkeypatch.setenv("PROMPTFCL_MAX_MEMORY_GB", "300")
+        with pytest.raises(Built):
+            main(None, ctx)
+        monkeypatch.delenv("PROMPTFCL_MAX_TOKENS")
+        monkeypatch.delenv("PROMPTFCL_MAX_MEMORY_GB")
+    # submit-run.sh refuses it before anything is sent (no SuperLink listens on port 1)
+    done = run_script("submit-run.sh", "--superlink", "127.0.0.1:1", "--insecure", "--set", "image-size=1024",
+                      "--set", "patch-size=1", env=script_env(FLWR_HOME=str(tmp_path / "flwr")), cwd=tmp_path)
+    assert done.returncode != 0 and "above the server's limit max-tokens = 4096" in done.stderr, done.stderr
+    assert "flwr run" not in done.stdout + done.stderr
 
 
 @pytest.mark.e2e
@@ -239,6 +442,43 @@ def test_every_method_caps_one_nodes_share_of_a_round(tmp_path, flower_identity,
         assert max(shares) == pytest.approx(cfg.max_client_weight)  # the greedy node, capped
         placed = [p["node"] for p in record["placement"]]
         assert shares[placed.index(str(greedy))] == pytest.approx(0.5), (placed, shares)
+
+
+@pytest.mark.e2e
+def test_logs_and_records_name_nodes_as_their_operator_registered_them(tmp_path, flower_identity, caplog):
+    """Where Flower's NodeInfo says (Grid.get_nodes, deployment), the weight cap, rejections and
+    round records name a node by its registered name, or its key's fingerprint."""
+    import hashlib
+    import types
+
+    from promptfcl.server.report import write_outputs
+    from promptfcl.server.run import run_experiment
+    from tests.helpers import InProcessGrid
+
+    class RegisteredGrid(InProcessGrid):
+        def get_nodes(self):
+            return [types.SimpleNamespace(node_id=1001, name="clinic", public_key=b"pk-1"),
+                    types.SimpleNamespace(node_id=1002, name="", public_key=b"pk-2"),
+                    types.SimpleNamespace(node_id=1003, name="greedy-lab", public_key=b"pk-3"),
+                    types.SimpleNamespace(node_id=1004, name="gone", public_key=b"pk-4")]
+
+    cfg = tiny_config(population="nodes", **{"num-clients": 4, "clients-per-round": 4, "num-tasks": 1,
+                                             "pool-size": 2, "out-dir": str(tmp_path / "out"),
+                                             "round-timeout": 1.0})  # the silent node: waited for 1 s
+    configs = {1001 + i: {"partition-id": i, "num-partitions": 4, "dataset": "digits"} for i in range(4)}
+    grid = RegisteredGrid(cfg, 4, {1003: client_app([claims_more(1000)])}, node_configs=configs,
+                          dead={1004: "silent"})
+    with caplog.at_level("INFO", logger="promptfcl"):
+        results = run_experiment(grid, cfg)  # type: ignore[arg-type]
+    write_outputs(results, cfg.out_dir)
+    record = results["rounds"][0]
+    fingerprint = hashlib.sha256(b"pk-2").hexdigest()[:12]
+    assert sorted(record["reply_nodes"]) == sorted(["node 1001 (clinic)", f"node 1002 (key {fingerprint})",
+                                                    "node 1003 (greedy-lab)"])
+    assert record["reply_shares"][record["reply_nodes"].index("node 1003 (greedy-lab)")] == pytest.approx(0.5)
+    assert any(m.startswith("round 1: max-client-weight 0.5: node 1003 (greedy-lab) claimed ") and
+               m.endswith("weighted 50%") for m in caplog.messages), caplog.messages
+    assert [(r["node"], r.get("name")) for r in record["rejected"]] == [(1004, "gone")]
 
 
 # ----------------------------------------------------------------------------- the app's run config
@@ -410,6 +650,11 @@ def test_start_server_keeps_the_unauthenticated_control_api_on_loopback(tmp_path
     done = run_script("start-server.sh", "--insecure", "--control-host", "0.0.0.0",
                       "--i-know-control-api-is-unauthenticated", "--dry-run", env=env, cwd=tmp_path, timeout=60)
     assert done.returncode == 2 and "without TLS" in done.stderr
+    # the node-facing listener's bound on an object push (the rest: 256 KiB)
+    done = start("--max-object-bytes", "1000000")
+    assert done.returncode == 0 and "--max-object-bytes 1000000" in done.stdout, done.stderr
+    done = start("--max-object-bytes", "0")
+    assert done.returncode == 2 and "--max-object-bytes must be a positive number" in done.stderr
 
 
 def test_results_are_readable_by_the_group_at_most(tmp_path):

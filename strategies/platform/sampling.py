@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.node_identity import grid_names, node_label
 from promptfcl.strategies.platform.rounds import Sent, SentRound
 
 log = logging.getLogger("promptfcl")
@@ -87,6 +88,13 @@ class Sampling:
     schedule_slots: dict[int, int]
     _nodes_ready: bool
     _warned_few_nodes: bool
+    #: the last sampling's sampled / population: with population = "nodes" the population is the
+    #: nodes connected at sampling time, so a node that dropped out raises it (differential
+    #: privacy's accountant composes each round at its own rate, server/results.py)
+    last_sample_rate: float
+    #: population = "nodes": each connected node's registered name (or key fingerprint), where
+    #: Flower's NodeInfo says (deployment), for logs and records
+    node_names: dict[int, str]
 
     @property
     def clients_per_round(self) -> int:
@@ -103,7 +111,8 @@ class Sampling:
 
     @property
     def sample_rate(self) -> float:
-        """The share of the population one round trains: differential privacy's sampling rate q."""
+        """The share of the population one round trains without drop-outs (the nominal sampling
+        rate q; each round's own is :attr:`last_sample_rate`)."""
         return min(1.0, self.clients_per_round / self.population_size)
 
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
@@ -114,7 +123,19 @@ class Sampling:
         return sample_nodes(self.cfg.seed, nodes, self.clients_per_round, task, round_, attempt)
 
     def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
-        return connected_nodes(grid, minimum, timeout)
+        nodes = connected_nodes(grid, minimum, timeout)
+        if self.cfg.population == "nodes":  # a node connected now may be new: learn its registered name
+            self.node_names.update(grid_names(grid))
+        return nodes
+
+    def node_label(self, node_id: int) -> str:
+        """``node <id>`` with its registered name or key fingerprint where known (common/node_identity.py)."""
+        return node_label(int(node_id), self.node_names.get(int(node_id), ""))
+
+    def named(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A record of ``entry["node"]`` (a rejection, a failed evaluation) with its registered ``name``."""
+        name = self.node_names.get(int(entry["node"]))
+        return {**entry, "name": name} if name else entry
 
     def _clients(self, config: ConfigRecord, grid: Grid) -> list[tuple[int, int, int]]:
         """(client id, node id, schedule slot) of each client of this round."""
@@ -124,9 +145,12 @@ class Sampling:
             minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
             nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
             self._nodes_ready = True
+            sampled = self.sample_nodes(nodes, task, round_, attempt)
+            self.last_sample_rate = len(sampled) / len(nodes)
             # a node's place in the sorted connected ids is its turn in the task schedule
-            return [(node_client_id(n), n, nodes.index(n)) for n in self.sample_nodes(nodes, task, round_, attempt)]
+            return [(node_client_id(n), n, nodes.index(n)) for n in sampled]
         clients = self.sample_clients(task, round_, attempt)
+        self.last_sample_rate = len(clients) / self.population_size
         nodes = sorted(grid.get_node_ids())
         if not nodes:
             raise RuntimeError("no Flower nodes are connected")

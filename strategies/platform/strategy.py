@@ -145,6 +145,8 @@ class PromptStrategy(Sampling, FedAvg):
         self._decoded: tuple[ArrayRecord | None, dict[str, np.ndarray]] = (None, {})
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
+        self.last_sample_rate = self.sample_rate  # the last sampling's sampled / population (Sampling)
+        self.node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
 
     # ------------------------------------------------------------------ checks before any loading
     @classmethod
@@ -283,6 +285,7 @@ class PromptStrategy(Sampling, FedAvg):
         weights = self.weighting([a.examples for a in self.accepted])
         for a, w in zip(self.accepted, weights):
             a.weight = float(w)
+        self._log_capped(server_round, weights)
         if not self.uses_exchange():
             self.stats_ratios = {}
         self.defence_counts["stats"] = self.exchange_bounded + self._bound_statistics(self.accepted)
@@ -325,7 +328,7 @@ class PromptStrategy(Sampling, FedAvg):
                 continue
             node = self.exchange_round.sender(reply)
             self.exchange_rejected.append((node, "exchange: " + reason))
-            log.warning("exchange reply from node %s excluded: %s", node, reason)
+            log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
         self.stats_ratios = {}
         self.exchange_bounded = self._bound_statistics(answers)
         self.use_exchange(server_round, answers)
@@ -409,7 +412,8 @@ class PromptStrategy(Sampling, FedAvg):
     def _reject(self, reply: Message, reason: str, level: int = logging.WARNING) -> None:
         node = self.sent_round.sender(reply)
         self.rejected.append((node, reason))
-        log.log(logging.DEBUG if reason == NO_EXAMPLES else level, "reply from node %s excluded: %s", node, reason)
+        log.log(logging.DEBUG if reason == NO_EXAMPLES else level, "reply from %s excluded: %s", self.node_label(node),
+                reason)
 
     def update_start(self, sent: Sent) -> dict[str, np.ndarray] | None:
         """What a reply's update is measured from: ``sent.start``, else the arrays it must match
@@ -428,6 +432,21 @@ class PromptStrategy(Sampling, FedAvg):
         """Each accepted reply's share of the round's weight (the round's record)."""
         total = sum(a.weight for a in self.accepted)
         return [a.weight / total for a in self.accepted] if total > 0 else []
+
+    @property
+    def reply_nodes(self) -> list[str]:
+        """Each accepted reply's node, named (aligned with :attr:`reply_shares`)."""
+        return [self.node_label(a.sent.node) for a in self.accepted]
+
+    def _log_capped(self, server_round: int, weights: np.ndarray) -> None:
+        """One line per node whose share max-client-weight cut: who claimed how much of the round."""
+        counts = np.array([a.examples for a in self.accepted], dtype=np.float64)
+        if self.weighting.cap <= 0 or counts.sum() <= 0 or weights.sum() <= 0:
+            return
+        for a, claimed, given in zip(self.accepted, counts / counts.sum(), weights / weights.sum()):
+            if claimed > given + 1e-9:
+                log.info("round %d: max-client-weight %g: %s claimed %.0f%% of the round's examples, weighted %.0f%%",
+                         server_round, self.weighting.cap, self.node_label(a.sent.node), 100 * claimed, 100 * given)
 
     @property
     def update_norms(self) -> list[float]:

@@ -1,0 +1,154 @@
+"""What a run's backbone costs in memory, estimated from its configuration before anything is built.
+
+A run config sets the backbone's image size, patch size, width and depth, and the batch size;
+a node (client/node_policy.py), the ServerApp (server/run.py) and ``deploy/submit-run.sh`` all
+check the same estimate here before building a model, so a run that would ask for hundreds
+of gigabytes is refused with a sentence instead of an allocation. Two ceilings:
+
+* **tokens** per image, ``(image-size / patch-size)^2``: activations and the position
+  embedding grow with it (and attention, without a fused kernel, with its square);
+* **estimated memory**, in GB: the backbone's float32 parameters, ``12 D^2`` per block plus the
+  patch and position embeddings, and the activations one training step keeps for the
+  backward pass, about ``20 D`` floats per token per block (LayerNorms, qkv, attention
+  output, the 4D-wide MLP and the residuals) for ``batch x (tokens + 1 + prompt-length)``
+  tokens. An upper estimate (bfloat16 autocast halves the activations), meant to tell a
+  paper-scale run (ViT-B/16, 224 px, batch 128, prompts of 20: about 21 GB) from a mistake or
+  an attack (1024 px, patch 1, batch 2048: a million tokens per image, some 66,000 GB at the
+  default width), not to plan a GPU's memory.
+
+A size the run leaves at 0 ("the model's own") is read from the timm name
+(``vit_base_patch16_224``: patch 16, width 768, depth 12); a name that does not say it is
+refused, since nothing could be estimated before building.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from promptfcl.common.config import ConfigError, ExperimentConfig
+
+#: default ceilings: a node's unless its node config says otherwise, the server's unless its
+#: environment does (:func:`server_ceilings`). 4096 tokens: a 1024 px image in 16 px patches.
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_MAX_MEMORY_GB = 64
+#: the server's ceilings from its own environment (the operator's, never the run's)
+MAX_TOKENS_ENV = "PROMPTFCL_MAX_TOKENS"
+MAX_MEMORY_ENV = "PROMPTFCL_MAX_MEMORY_GB"
+
+#: timm's ViT sizes by name: (width, depth)
+SIZES: dict[str, tuple[int, int]] = {
+    "tiny": (192, 12), "small": (384, 12), "medium": (512, 12), "base": (768, 12), "large": (1024, 24),
+    "huge": (1280, 32), "giant": (1408, 40), "gigantic": (1664, 48),
+}
+#: floats a training step keeps per token and block (see the module docstring)
+FLOATS_PER_TOKEN_AND_BLOCK = 20
+BYTES_PER_FLOAT = 4
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The sizes a run's backbone is built with, resolved, and what they cost."""
+
+    tokens: int  # patches per image
+    width: int
+    depth: int
+    patch: int
+    batch: int
+    prompt_length: int
+
+    @property
+    def parameters(self) -> int:
+        """The backbone's parameters: its blocks, patch embedding and position embedding."""
+        return self.depth * 12 * self.width**2 + 3 * self.patch**2 * self.width + (self.tokens + 1) * self.width
+
+    @property
+    def activations(self) -> int:
+        """Floats one training step keeps for the backward pass."""
+        sequence = self.tokens + 1 + self.prompt_length
+        return self.batch * sequence * self.depth * FLOATS_PER_TOKEN_AND_BLOCK * self.width
+
+    @property
+    def memory_gb(self) -> float:
+        return BYTES_PER_FLOAT * (self.parameters + self.activations) / 1e9
+
+
+def footprint(cfg: ExperimentConfig) -> Footprint:
+    """``cfg``'s backbone sizes, a 0 ("the model's own") read from the timm name.
+
+    Raises
+    ------
+    ConfigError
+        A size is 0 and the backbone's name does not say it.
+    """
+    name = cfg.backbone.split(".", 1)[0]  # the pretrained tag does not change the architecture
+    patch = cfg.patch_size or _from_name(re.search(r"patch(\d+)", name), "patch-size", cfg.backbone)
+    named = next((SIZES[part] for part in name.split("_") if part in SIZES), None)
+    width = cfg.embed_dim or _from_name(named and named[0], "embed-dim", cfg.backbone)
+    depth = cfg.depth or _from_name(named and named[1], "depth", cfg.backbone)
+    tokens = (cfg.image_size // patch) ** 2  # timm refuses a size its patches do not divide
+    return Footprint(tokens, width, depth, patch, cfg.batch_size, cfg.prompt_length)
+
+
+def _from_name(found: object, key: str, backbone: str) -> int:
+    if isinstance(found, re.Match):
+        return int(found.group(1))
+    if isinstance(found, int) and found > 0:
+        return found
+    raise ConfigError(f"{key} = 0 (the model's own) but the backbone name {backbone!r} does not say it: set {key} "
+                      "so the run's memory can be estimated before anything is built")
+
+
+def footprint_problem(cfg: ExperimentConfig, max_tokens: int, max_memory_gb: float, whose: str) -> str | None:
+    """Why ``cfg`` exceeds the ceilings (``whose``: "this node's limit", ...), or None when it fits."""
+    size = footprint(cfg)
+    if size.tokens > max_tokens:
+        return (f"image-size {cfg.image_size} / patch-size {size.patch} gives {size.tokens} tokens per image, "
+                f"above {whose} max-tokens = {max_tokens}")
+    if size.memory_gb > max_memory_gb:
+        return (f"the backbone (width {size.width}, depth {size.depth}, {size.tokens} tokens) at batch-size "
+                f"{size.batch} needs an estimated {size.memory_gb:.3g} GB, above {whose} "
+                f"max-memory-gb = {max_memory_gb:g}")
+    return None
+
+
+def server_ceilings(environ: Mapping[str, str] | None = None) -> tuple[int, float]:
+    """(max tokens, max memory GB) of the server side: the defaults, or the operator's environment.
+
+    Raises
+    ------
+    ConfigError
+        A ceiling in the environment is not a positive number.
+    """
+    environ = os.environ if environ is None else environ
+    out: list[float] = []
+    for name, default in ((MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS), (MAX_MEMORY_ENV, DEFAULT_MAX_MEMORY_GB)):
+        raw = environ.get(name, "")
+        try:
+            value = float(raw) if raw else float(default)
+        except ValueError:
+            value = 0.0
+        if not value > 0:
+            raise ConfigError(f"{name} must be a positive number, got {raw!r}")
+        out.append(value)
+    return int(out[0]), out[1]
+
+
+def check_server_footprint(cfg: ExperimentConfig) -> None:
+    """Refuse, before the server builds anything, a run beyond the server's ceilings.
+
+    Raises
+    ------
+    ConfigError
+        The run's tokens or estimated memory exceed :func:`server_ceilings`.
+    """
+    max_tokens, max_memory_gb = server_ceilings()
+    problem = footprint_problem(cfg, max_tokens, max_memory_gb, "the server's limit")
+    if problem is not None:
+        raise ConfigError(f"{problem} ({MAX_TOKENS_ENV} / {MAX_MEMORY_ENV} in the server's environment raise it)")
+
+
+__all__ = ["DEFAULT_MAX_MEMORY_GB", "DEFAULT_MAX_TOKENS", "Footprint", "check_server_footprint", "footprint",
+           "footprint_problem", "server_ceilings"]
