@@ -148,6 +148,11 @@ class ExperimentConfig:
     # "dataset": the whole training set once, each task taking its classes' part of every
     # client's share (NIID-Bench's partition of a dataset, FPPL's code)
     partition_scope: str = key("task", "federation", ("results",))
+    # dirichlet with dirichlet-balance: the order the classes are cut in. "original": the dataset's
+    # own label order (NIID-Bench's and FPPL's code: they partition before shuffling classes into
+    # tasks, so the balancing cap lands on classes of every task); "task": the task order (the
+    # cap lands on the last tasks). Without balancing the two give the same partition.
+    partition_class_order: str = key("original", "federation", ("results",))
     # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
     category_ratio: float = key(0.6, "federation", ("results",))
     split_ratio: float = key(0.1, "federation", ("results",))

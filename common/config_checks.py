@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
 PARTITION_SCOPES = ("task", "dataset")
+PARTITION_CLASS_ORDERS = ("original", "task")
 AUGMENTATIONS = ("none", "crop-flip", "resized-crop-flip")
 INPUT_NORMS = ("backbone", "unit")
 INTERPOLATIONS = ("bilinear", "bicubic")
@@ -91,6 +92,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.tracker in ("none", "tensorboard"), f"tracker must be 'none' or 'tensorboard', got {cfg.tracker!r}")
     need(cfg.partition_scope in PARTITION_SCOPES,
          f"partition-scope must be one of {PARTITION_SCOPES}, got {cfg.partition_scope!r}")
+    need(cfg.partition_class_order in PARTITION_CLASS_ORDERS,
+         f"partition-class-order must be one of {PARTITION_CLASS_ORDERS}, got {cfg.partition_class_order!r}")
     need(cfg.partition_scope == "task" or cfg.partition != "stateless",
          "partition-scope = dataset does not apply to the stateless population (it draws per round)")
     need(cfg.centralised_mode in CENTRALISED_MODES,
