@@ -264,6 +264,10 @@ class CodaPrompt(nn.Module):
             for kind in self.kinds:
                 nn.init.uniform_(getattr(self, f"{kind}{layer}"))
 
+    def configure(self, cfg: ExperimentConfig) -> None:
+        """Read the method options that shape the forward pass (hook; called by ``build_model``, so
+        clients, evaluators and the server build the same module). Default: nothing to read."""
+
     def slice_of(self, task: int) -> slice:
         return slice(task * self.per_task, (task + 1) * self.per_task)
 
@@ -444,6 +448,7 @@ def build_model(
     prompt = (prompt_class or CodaPrompt)(
         int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks
     )
+    prompt.configure(cfg)
     model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
                         cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop)
     torch.random.set_rng_state(state)
