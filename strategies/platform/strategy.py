@@ -241,10 +241,11 @@ class PromptStrategy(Sampling, FedAvg):
         metrics (random tasks, server/transfer.py); default: one task's slice."""
         return self.cfg.pool_size // self.cfg.num_tasks
 
-    def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
+    def stateful_parameters(self, arrays: ArrayRecord) -> int | dict[str, int] | None:
         """Parameters one client exchange would carry each way if clients kept what they already
-        hold between rounds (for comparing with a paper that counts it so); None: the same as
-        what is sent."""
+        hold between rounds (for comparing with a paper that counts it so): one count for both
+        directions, or a dict (``s2c``, ``c2s`` and any other named part, e.g. HGP's
+        ``c2s-statistics``) where they differ; None: the same as what is sent."""
         return None
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]] | None:
