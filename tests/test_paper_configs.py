@@ -185,6 +185,24 @@ def test_paper_config_names_timm_weights_that_exist(name):
     assert get_pretrained_cfg(tag) is not None
 
 
+def test_hgp_config_feeds_the_authors_code_range_of_minus_one_to_one():
+    """HGP's range is blank in our copy of the paper; the authors' code normalises CIFAR-100 with
+    mean = std = 0.5, which input-norm = "backbone" gives with the configured AugReg weights."""
+    import torch
+    from timm.models import get_pretrained_cfg
+
+    from promptfcl.common.preprocess import InputPipeline
+
+    cfg = load_config(str(CONFIGS / "hgp-cifar100.toml"), [], None, None)
+    weights = get_pretrained_cfg(cfg.backbone.split(":")[-1])
+    assert cfg.input_norm == "backbone" and tuple(weights.mean) == tuple(weights.std) == (0.5, 0.5, 0.5)
+    pipeline = InputPipeline(224, 3, tuple(weights.mean), tuple(weights.std), cfg.input_norm, "bicubic", 1.0)
+    images = torch.zeros(2, 3, 224, 224, dtype=torch.uint8)
+    images[1] = 255
+    x = pipeline(images, None, True)
+    assert float(x[0].min()) == float(x[0].max()) == -1.0 and float(x[1].min()) == float(x[1].max()) == 1.0
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_paper_config_states_the_papers_figures_and_benchmarks_has_its_row(name):
     """Each header carries the paper's figures for its setting with their table, and

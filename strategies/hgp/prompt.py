@@ -13,15 +13,16 @@ class HGPPrompt(CodaPrompt):
     """A pool of prompts with keys, weighted by normalised cosine scores (HGP, section 3.2.1).
 
     Weight of prompt m: ``s_m = cos(q, K_m)`` (no attention vectors), then "these scores are
-    then normalized". The paper's formula is the only statement of how, and neither the text
-    nor the authors' public code (one shared prompt, no keys) says more, so the normalisation
-    is the project's reading, option ``hgp.score-norm``:
+    then normalized". The paper's formula is the only statement of how, the text says no more,
+    and the authors' public code runs one shared prompt with no keys (its key matching, commented
+    out, uses the plain cosine), so the normalisation is the project's reading, option
+    ``hgp.score-norm``:
 
     * ``"l1"`` (default): ``alpha_m = s_m / sum_j |s_j|``, signs kept, so that the prompt's
       scale does not grow with the number of active prompts;
     * ``"softmax"``: ``alpha = softmax(s)`` over the active prompts (positive weights summing
       to 1, as attention over keys normalises);
-    * ``"none"``: ``alpha_m = s_m``, CODA-P's unnormalised cosine.
+    * ``"none"``: ``alpha_m = s_m``, CODA-P's unnormalised cosine (the authors' commented-out code).
 
     Task slices, freezing of earlier slices and orthogonal initialisation are CODA-P's, as
     in the shared base.
