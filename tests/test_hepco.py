@@ -127,6 +127,7 @@ def test_registered_with_paper_defaults_and_own_prompt():
     # eq. 6's zeta over the composite batch; BatchNorm as the authors' code samples; no real-data probe
     assert (o.old_prompt_mean, o.distill_generator_mode, o.head_loss, o.diagnostics) == (
         "composite", "eval", "ce", False)
+    assert o.client_weights == "samples"  # sec. 5.2's "weighted sum" over clients
 
 
 @pytest.mark.parametrize("options, message", [
@@ -139,6 +140,7 @@ def test_registered_with_paper_defaults_and_own_prompt():
     ({"distill-generator-mode": "frozen"}, "distill-generator-mode"),
     ({"diagnostics-per-class": 0}, "diagnostics-per-class"),
     ({"head-loss": "focal"}, "head-loss"),
+    ({"client-weights": "counts"}, "client-weights"),
     ({"distill-epoch": 3}, "unknown option hepco.distill-epoch"),
 ])
 def test_bad_options_are_refused(options, message):
@@ -214,6 +216,50 @@ def test_gram_distillation_matches_the_direct_one(teachers):
     assert gram_report["prompt-loss"] == pytest.approx(direct_report["prompt-loss"], rel=1e-3)
     for a, b in zip(gram_params, direct_params):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- client weights
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_sums_over_clients_are_weighted_by_their_sample_counts(weighting):
+    """client-weights = samples (sec. 5.2's "weighted sum"): client c weighs C n_c / sum n in L_cls,
+    L_KL, L_MSE (eqs. 2-4) and eq. 6's client term; uniform: 1 each (eq. 2 as printed)."""
+    from promptfcl.strategies.hepco.distill import generator_losses
+
+    s = make_strategy(**{"client-weights": weighting})
+    sc = Scenario(s, clients=3)
+    counts = [10, 30, 60]
+    accepted = accepted_of([reply(c, n) for c, n in zip(sc.clients, counts)], tasks=1)
+    (group,) = s.task_teachers(accepted)
+    expected = np.array([3 * n / 100 for n in counts]) if weighting == "samples" else np.ones(3)
+    got = np.ones(3) if group.teachers.weights is None else group.teachers.weights.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert group.share == pytest.approx(3.0)
+    cpu, layers = torch.device("cpu"), s.cfg.layers
+    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+    z, y = sc.latents(range(5, 10), 6)
+    classes = torch.arange(5, 10)
+    both = generator_losses(z, y, classes, group.teachers, student)
+    alone = [generator_losses(z, y, classes, Teachers.stack([c], layers, 4, cpu), student) for c in sc.clients]
+    grams = generator_losses(z, y, classes, group.teachers, student, grams=PromptGrams(student, group.teachers))
+    for name in ("cls", "kl", "mse"):
+        weighted = sum(float(w) * float(part[name]) for w, part in zip(expected, alone))
+        assert float(both[name]) == pytest.approx(weighted, rel=1e-5)
+    assert float(grams["mse"]) == pytest.approx(float(both["mse"]), rel=1e-4)
+    assert not np.allclose(expected, 1.0) or weighting == "uniform"
+
+
+def test_with_sample_weights_a_task_s_share_of_the_latents_is_its_clients_samples():
+    """Clients on two tasks: the tasks' latents in proportion to their clients' samples (samples)
+    or their replies (uniform)."""
+    from promptfcl.strategies.hepco.latents import draw_labels
+
+    sc = Scenario(make_strategy(), clients=4)
+    contents = [reply(c, n) for c, n in zip(sc.clients, [90, 10, 10, 10])]
+    for weighting, behind_share in (("samples", 0.75), ("uniform", 0.25)):
+        s = make_strategy(**{"client-weights": weighting})
+        groups = s.task_teachers(accepted_of(contents, tasks=[0, 1, 1, 1]))
+        labels = draw_labels(groups, 20_000, torch.Generator().manual_seed(0))
+        assert abs(float((labels < 5).double().mean()) - behind_share) < 0.02
 
 
 # ---------------------------------------------------------------------------- generator
@@ -726,7 +772,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     arrays, m2, tasks2 = round_(2, arrays)
     assert tasks2 == [0, 0, 1, 1]
     groups = s.task_teachers(s.accepted)
-    assert [(g.replies, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
+    assert [(g.share, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
         [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
     # the distilled model moved both tasks' slices away from the replies' uniform average
     average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted], axis=0)

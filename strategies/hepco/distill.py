@@ -26,7 +26,8 @@ def _local_labels(labels: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
 def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor, teachers: Teachers,
                      student: LatentStudent, use_kl: bool = True, use_mse: bool = True,
                      grams: PromptGrams | None = None) -> dict[str, torch.Tensor]:
-    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers).
+    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers, each times its
+    weight: :meth:`Teachers.weigh`, the "weighted sum" of sec. 5.2).
 
     L_cls: CE of each teacher's head over ``classes``; L_KL: KL(softmax student head ||
     softmax teacher head) over ``classes``; L_MSE: MSE of final prompts, summed over
@@ -40,19 +41,20 @@ def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tenso
     y = _local_labels(labels, classes)
     t_logits = teachers.logits(z, classes)  # (C, B, K)
     C = t_logits.shape[0]
-    l_cls = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="mean") * C
+    per_teacher = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="none")
+    l_cls = teachers.weigh(per_teacher.reshape(C, -1).mean(-1))
     zero = z.new_zeros(())
     l_kl, l_mse = zero, zero
     if use_kl:
         s_logp = F.log_softmax(student.logits(z, classes), dim=-1)  # (B, K)
         t_logp = F.log_softmax(t_logits, dim=-1)
-        l_kl = (s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1).sum()
+        l_kl = teachers.weigh((s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1))
     if use_mse and grams is not None:
         l_mse = grams.mse(z)
     elif use_mse:
         for layer in student.layers:
             diff = student.final_prompts(z, layer)[None] - teachers.final_prompts(z, layer)
-            l_mse = l_mse + diff.pow(2).mean(dim=(1, 2, 3)).sum()
+            l_mse = l_mse + teachers.weigh(diff.pow(2).mean(dim=(1, 2, 3)))
     return {"cls": l_cls, "kl": l_kl, "mse": l_mse}
 
 
@@ -191,8 +193,8 @@ def distill(student: LatentStudent, opts: HePCoOptions,
             loss_p = z.new_zeros(())
             for l in student.layers:
                 mine = student.final_prompts(z, l)
-                for target in targets[l]:
-                    loss_p = loss_p + (mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)).sum()
+                for g, target in zip(groups, targets[l]):
+                    loss_p = loss_p + g.teachers.weigh((mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)))
                 if n_old:  # zeta: the previous server teaches on old-class latents only
                     loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)

@@ -60,6 +60,17 @@ class HePCoOptions(MethodOptions):
         ``"task-slices"`` (default: CODA-P's slices, which the paper builds on): each task
         trains its own slice of the pool, earlier slices frozen, on clients and in
         distillation. ``"whole"`` (the authors' code): the whole pool is trained on every task.
+    client_weights : str
+        The sums over clients of the generator's L_cls, L_KL and L_MSE (eqs. 2-4) and of the
+        clients' prompt MSE in distillation (eq. 6). ``"samples"`` (default: sec. 5.2, "a
+        weighted sum of classification losses for each individual client, similar to Zhang
+        et al. (2022b)"): client c weighs C n_c / sum n by its sample count (the weights average
+        1, so the terms keep their scale), and with clients on several tasks a task's share of
+        the latents is its clients' samples. ``"uniform"`` (eq. 2 as printed, the default before
+        issue 40): every client 1, a task's share its replies. The authors' code weighs each
+        client's loss on a latent of class y by its count of y over the round's samples, which
+        needs per-class counts the clients here do not upload. Latent labels stay uniform over
+        the task's classes (Algorithm 1, "sample class labels y randomly").
     head_loss : str
         Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
         sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
@@ -101,6 +112,7 @@ class HePCoOptions(MethodOptions):
     old_latent_teachers: str = "clients-and-previous"
     pool_training: str = "task-slices"
     head_loss: str = "ce"
+    client_weights: str = "samples"
     diagnostics: bool = False
     diagnostics_per_class: int = 50
 
@@ -171,4 +183,6 @@ class HePCoOptions(MethodOptions):
         need(self.pool_training in ("task-slices", "whole"),
              f"pool-training must be 'task-slices' or 'whole', got {self.pool_training!r}")
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
+        need(self.client_weights in ("samples", "uniform"),
+             f"client-weights must be 'samples' or 'uniform', got {self.client_weights!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
