@@ -446,12 +446,44 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode, 
                          for l in layers)  # (C, B)
         per_old = sum((fresh.final_prompts(z_old, l) - prev.final_prompts(z_old, l)[0]).pow(2).mean(dim=(1, 2))
                       for l in layers)  # (B_old,)
-    zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
+    if teachers == "previous":  # the authors' code: per latent, K = 5 classes x the 3 clients together
+        zeta_term = 5 * 3 * len(z_old) / len(z_new) * per_old.mean()
+    else:
+        zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
     clients_term = per_client.mean(1).sum() if teachers == "clients-and-previous" else \
         per_client[:, : len(z_new)].mean(1).sum()
     expected = float(clients_term + zeta_term)
     assert report["prompt-loss"] == pytest.approx(expected, rel=1e-4)
     assert float(per_old.mean()) > 0.1 * expected  # the old term matters in this check
+
+
+def test_previous_teachers_weight_relative_to_the_clients_is_the_authors_codes():
+    """old-latent-teachers = previous (the authors' code, knowledge_distillation: squared errors
+    summed over the batch, weight 1 per old latent for the previous server, n_{j,y} / N per current
+    latent for client j): per latent, the previous server weighs K (the current classes) times the
+    clients together. At CIFAR-100's setting (10 classes per task, 5 clients, replay ratio 0.5)
+    the composite weight of eq. 6 is 75 times lighter relative to the clients."""
+    from promptfcl.strategies.hepco.distill import old_teacher_weight
+
+    n_new, n_old, k, clients = 64, 32, 10, 5
+    # the authors' weights, per latent: previous server 1; clients together sum_j n_{j,y} / N = 1 / K
+    # (5 clients holding equal shares of 10 equally represented classes)
+    counts = np.full((clients, k), 7)
+    authors = 1.0 / float((counts / counts.sum()).sum(0).mean())
+    assert authors == pytest.approx(k)
+
+    def per_latent_ratio(**options):  # previous server per old latent / clients together per new latent
+        w = old_teacher_weight(HePCoOptions(**options), n_new, n_old, k, float(clients))
+        return (w / n_old) / (clients / n_new)
+
+    assert per_latent_ratio(old_latent_teachers="previous") == pytest.approx(authors)
+    composite = per_latent_ratio()
+    assert composite == pytest.approx(n_new / (n_new + n_old) / clients)
+    assert authors / composite == pytest.approx(75.0)
+    assert per_latent_ratio(old_prompt_mean="old") == pytest.approx(3 * composite)
+    assert old_teacher_weight(HePCoOptions(old_latent_teachers="previous"), n_new, 0, k, clients) == 0.0
+    with pytest.raises(ConfigError, match="old-prompt-mean applies"):
+        make_strategy(**{"old-latent-teachers": "previous", "old-prompt-mean": "old"})
 
 
 @pytest.mark.parametrize("head_loss", ["ce", "balanced"])

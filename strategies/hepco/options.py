@@ -55,7 +55,11 @@ class HePCoOptions(MethodOptions):
         (default, the paper): every client on every latent of the composite batch, and the
         previous task's server (the ``zeta`` term) on the old-class latents too.
         ``"previous"`` (the authors' code): the clients on the current-task latents only, the
-        previous server alone on the old-class latents.
+        previous server alone on the old-class latents, weighted as their code weighs it: per
+        latent, the previous server as much as the clients together times the current task's
+        classes (10 on CIFAR-100; ``distill.old_teacher_weight``); ``old-prompt-mean`` does not
+        apply. Before issue 40 it kept the composite weight, 75 times lighter than their code
+        at CIFAR-100's setting.
     pool_training : str
         ``"task-slices"`` (default: CODA-P's slices, which the paper builds on): each task
         trains its own slice of the pool, earlier slices frozen, on clients and in
@@ -180,6 +184,9 @@ class HePCoOptions(MethodOptions):
         )
         need(self.old_latent_teachers in ("clients-and-previous", "previous"),
              f"old-latent-teachers must be 'clients-and-previous' or 'previous', got {self.old_latent_teachers!r}")
+        need(self.old_latent_teachers == "clients-and-previous" or self.old_prompt_mean == "composite",
+             "old-prompt-mean applies to old-latent-teachers = 'clients-and-previous' (with 'previous' the "
+             "previous-task teacher's weight is the authors' code's)")
         need(self.pool_training in ("task-slices", "whole"),
              f"pool-training must be 'task-slices' or 'whole', got {self.pool_training!r}")
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
