@@ -306,6 +306,12 @@ class ExperimentConfig:
 
     # --- prompts (CODA-P) ---
     prompt_mode: str = key("prefix", "model", ("results",))
+    # prompt-mode = "prompt": what happens to a block's prompt tokens after it. "truncate": they are
+    # removed (the sequence keeps its length; FPPL's code); "accumulate": they stay in the sequence
+    # through every later block, and the next prompted block adds its own (Powder's code); "auto":
+    # the method's own choice (its prompt module's ``prompt_tokens``: Powder accumulates, the others
+    # truncate).
+    prompt_tokens: str = key("auto", "model", ("results",))
     prompt_layers: str = key("0,1,2", "model", ("results",))  # comma-separated block indices
     pool_size: int = key(20, "model", ("results",))  # M, split evenly over the tasks
     prompt_length: int = key(8, "model", ("results",))  # L (prefix: half keys, half values)

@@ -17,6 +17,7 @@ PARTITION_SCOPES = ("task", "dataset")
 PARTITION_CLASS_ORDERS = ("original", "task")
 AUGMENTATIONS = ("none", "crop-flip", "resized-crop-flip")
 INPUT_NORMS = ("backbone", "unit")
+PROMPT_TOKENS = ("auto", "truncate", "accumulate")
 INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
@@ -113,6 +114,9 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.augment in AUGMENTATIONS, f"augment must be one of {AUGMENTATIONS}, got {cfg.augment!r}")
     need(0.0 < cfg.augment_crop_scale <= 1.0, f"augment-crop-scale must be in (0, 1], got {cfg.augment_crop_scale}")
     need(cfg.input_norm in INPUT_NORMS, f"input-norm must be one of {INPUT_NORMS}, got {cfg.input_norm!r}")
+    need(cfg.prompt_tokens in PROMPT_TOKENS, f"prompt-tokens must be one of {PROMPT_TOKENS}, got {cfg.prompt_tokens!r}")
+    need(cfg.prompt_tokens != "accumulate" or cfg.prompt_mode == "prompt",
+         "prompt-tokens = accumulate applies to prompt-mode = prompt (prefix-tuning adds no tokens)")
     need(cfg.resize_interpolation in INTERPOLATIONS,
          f"resize-interpolation must be one of {INTERPOLATIONS}, got {cfg.resize_interpolation!r}")
     need(0.0 < cfg.eval_crop <= 1.0, f"eval-crop must be in (0, 1], got {cfg.eval_crop}")

@@ -329,7 +329,8 @@ class ExperimentRun:
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
             from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
 
-            single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components())
+            single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
+                                             self.strategy.prompt_class.prompt_tokens)
                       if self.runtime is not None else None)
             results["asynchronous"] = asynchronous_results(cfg, schedule, rounds, single)
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],

@@ -53,7 +53,7 @@ PIPELINE = {
                              "prompt-layers": "0,1,2,3,4"},  # the authors' code
     "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
     "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
-                               "prompt-layers": "4,5,6"},  # the authors' script
+                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
 }
