@@ -125,8 +125,8 @@ class ExperimentRun:
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
             log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
-            strategy.bounds.examples_of = lambda client, task, round_: len(
-                client_indices(labels, cfg, data.num_classes, client, task, round_))
+            strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
+                client_indices(labels, cfg, data.num_classes, client, task, round_)))
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 
