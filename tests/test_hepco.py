@@ -35,6 +35,9 @@ def one_thread():
 
 
 # ---------------------------------------------------------------------------- helpers
+SLICES = {"pool-training": "task-slices"}  # CODA-P's task slices (the Scenario below moves slices)
+
+
 def make_strategy(**options) -> HePCoStrategy:
     cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
     return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
@@ -242,9 +245,9 @@ def test_sums_over_clients_are_weighted_by_their_sample_counts(weighting):
     alone = [generator_losses(z, y, classes, Teachers.stack([c], layers, 4, cpu), student) for c in sc.clients]
     grams = generator_losses(z, y, classes, group.teachers, student, grams=PromptGrams(student, group.teachers))
     for name in ("cls", "kl", "mse"):
-        weighted = sum(float(w) * float(part[name]) for w, part in zip(expected, alone))
-        assert float(both[name]) == pytest.approx(weighted, rel=1e-5)
-    assert float(grams["mse"]) == pytest.approx(float(both["mse"]), rel=1e-4)
+        weighted = sum(float(w) * float(part[name].detach()) for w, part in zip(expected, alone))
+        assert float(both[name].detach()) == pytest.approx(weighted, rel=1e-5)
+    assert float(grams["mse"].detach()) == pytest.approx(float(both["mse"].detach()), rel=1e-4)
     assert not np.allclose(expected, 1.0) or weighting == "uniform"
 
 
@@ -364,7 +367,7 @@ FAST = {"generator-epochs": 60, "distill-epochs": 150, "distill-lr": 1e-2, "aver
 @pytest.fixture(scope="module")
 def distilled():
     torch.set_num_threads(1)
-    s = make_strategy(**FAST)
+    s = make_strategy(**FAST, **SLICES)  # the Scenario moves task slices
     sc = Scenario(s)
     return sc, sc.consolidate()
 
@@ -600,9 +603,11 @@ SMALL = {"generator-epochs": 3, "distill-epochs": 4, "distill-lr": 1e-2, "averag
 
 
 def test_whole_pool_training_trains_every_component_on_every_task():
-    """``pool-training = whole`` (the authors' code): the pool is one slice on every task, nothing
-    frozen, initialised once; the choice travels in the prompt's buffer to clients and evaluators."""
-    s = make_strategy(**{"pool-training": "whole"})
+    """``pool-training = whole`` (default: the paper's one shared pool, the authors' code): the pool
+    is one slice on every task, nothing frozen, initialised once; the choice travels in the
+    prompt's buffer to clients and evaluators. ``task-slices``: CODA-P's slices."""
+    s = make_strategy()
+    assert s.opts.pool_training == "whole"
     from promptfcl.common.model import initial_trainable_state
 
     initial = initial_trainable_state(s.cfg.replace(num_classes=NUM_CLASSES), HePCoPrompt)
@@ -620,12 +625,29 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     grad = getattr(prompt, f"p{s.cfg.layers[0]}").grad
     assert (grad.abs().sum(dim=(1, 2)) > 0).all()  # every component, task 0's included
     assert s.components(0) == s.components(3) == s.cfg.pool_size
-    sliced = make_strategy()
+    sliced = make_strategy(**SLICES)
     assert sliced.components(0) == sliced.cfg.pool_size // sliced.cfg.num_tasks
+    sliced_state = from_array_record(sliced.on_task_start(0, to_array_record(
+        {k: v.numpy() for k, v in initial.items()})))
+    assert sliced_state["prompt.whole_pool"].tolist() == [0.0]
+
+
+def test_whole_pool_with_clients_on_two_tasks_averages_the_pool_over_everyone(flower_identity):
+    """Asynchronous arrival with the whole pool: every client trained every component, so the
+    prompt arrays average over all replies; a task's head rows over the replies that trained it."""
     cfg = tiny_config(strategy="hepco", switch_fraction=0.5, switch_every=1, rounds_per_task=2,
-                      **{"hepco.pool-training": "whole"})
-    with pytest.raises(ConfigError, match="pool-training = whole"):
-        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+                      **{"hepco.averaging": "samples"})
+    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    shapes = {"prompt.p0": (cfg.pool_size, 2, D), "prompt.k0": (cfg.pool_size, D), "prompt.whole_pool": (1,),
+              "head.weight": (NUM_CLASSES, D), "head.bias": (NUM_CLASSES,)}
+    s.round_arrays = to_array_record({k: np.zeros(v, np.float32) for k, v in shapes.items()})
+    contents = [reply({k: np.full(v, float(i + 1), np.float32) for k, v in shapes.items()}, n)
+                for i, n in enumerate([10, 30])]
+    accepted = accepted_of(contents, tasks=[0, 1])
+    out = from_array_record(s.average(accepted, np.array([10.0, 30.0])))
+    np.testing.assert_allclose(out["prompt.p0"], (10 * 1 + 30 * 2) / 40)  # over everyone
+    np.testing.assert_allclose(out["head.weight"][:5], 1.0)  # task 0's rows: its client alone
+    np.testing.assert_allclose(out["head.weight"][5:], 2.0)
 
 
 def test_paper_baseline_is_a_named_variant():
@@ -691,7 +713,7 @@ def test_previous_model_switch():
 
 # ---------------------------------------------------------------------------- server state
 def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
-    s = make_strategy(**SMALL)
+    s = make_strategy(**SMALL, **SLICES)
     sc = Scenario(s)
     state = s.state_dict()
     kept = {k for k in state if k.startswith("previous.")}
@@ -701,7 +723,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
     assert state["previous-task"] == 0
     first = sc.consolidate()
     # A fresh server restored from the checkpoint consolidates identically.
-    fresh = make_strategy(**SMALL)
+    fresh = make_strategy(**SMALL, **SLICES)
     fresh.load_state_dict(copy.deepcopy(state))
     fresh.task, fresh.round = 1, 0
     again = from_array_record(fresh.consolidate(2, to_array_record(sc.provisional), accepted_of(sc.replies, tasks=1)))
@@ -769,7 +791,8 @@ def test_async_server_step_over_several_rounds(flower_identity):
     from tests.helpers import NodeList
 
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1,
-                      switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3})
+                      switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3,
+                                              "hepco.pool-training": "task-slices"})
     s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     per = cfg.pool_size // cfg.num_tasks
     g = torch.Generator().manual_seed(0)

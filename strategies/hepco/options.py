@@ -61,9 +61,12 @@ class HePCoOptions(MethodOptions):
         apply. Before issue 40 it kept the composite weight, 75 times lighter than their code
         at CIFAR-100's setting.
     pool_training : str
-        ``"task-slices"`` (default: CODA-P's slices, which the paper builds on): each task
-        trains its own slice of the pool, earlier slices frozen, on clients and in
-        distillation. ``"whole"`` (the authors' code): the whole pool is trained on every task.
+        ``"whole"`` (default since issue 40: the paper's one shared pool, sec. 5.1, "the sum of
+        the P_i weighted by their cosine scores" over the pool of M = 100, and the authors' code,
+        which trains all of it): the whole pool is trained on every task, on clients and in
+        distillation, initialised once. ``"task-slices"`` (CODA-P's slices, which the paper
+        adapts L2P after; the default before): each task trains its own slice of the pool,
+        earlier slices frozen.
     client_weights : str
         The sums over clients of the generator's L_cls, L_KL and L_MSE (eqs. 2-4) and of the
         clients' prompt MSE in distillation (eq. 6). ``"samples"`` (default: sec. 5.2, "a
@@ -114,7 +117,7 @@ class HePCoOptions(MethodOptions):
     old_prompt_mean: str = "composite"
     distill_generator_mode: str = "eval"
     old_latent_teachers: str = "clients-and-previous"
-    pool_training: str = "task-slices"
+    pool_training: str = "whole"
     head_loss: str = "ce"
     client_weights: str = "samples"
     diagnostics: bool = False

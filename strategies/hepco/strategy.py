@@ -13,8 +13,9 @@ components weighted by the cosine of the query with their keys). The server, eve
    their sample counts (sec. 5.2's "weighted sum"; option ``client-weights``);
 3. trains a second generator for the past tasks' classes against the previous task's
    final server model (the only state the server keeps);
-4. latent distillation (sec. 5.3): the provisional model's current prompt slice (keys and
-   components) is fitted by MSE of its final prompts to each teacher's (clients on every
+4. latent distillation (sec. 5.3): the provisional model's prompts (keys and components:
+   the whole shared pool by default, ``pool-training``; the task's slice with CODA-P's
+   ``"task-slices"``) are fitted by MSE of its final prompts to each teacher's (clients on every
    latent, previous-task server on old-class latents only, eq. 6), and its head by
    cross-entropy on the same composite batch (current + ``replay_ratio`` old latents).
 
@@ -59,6 +60,7 @@ from promptfcl.strategies.hepco.distill import distill, train_generator
 from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
 from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
+from promptfcl.strategies.platform.aggregation import combine_records
 from promptfcl.strategies.platform.rounds import Accepted
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
@@ -93,9 +95,20 @@ class HePCoStrategy(PromptStrategy):
             raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
                               "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
-        if self.opts.pool_training == "whole" and cfg.switch_fraction < 1.0:
-            raise ConfigError("hepco.pool-training = whole trains one pool for every task: it needs synchronous "
-                              "arrival (switch-fraction = 1), where no two tasks train in one round")
+
+    def average(self, accepted: list[Accepted], weights: np.ndarray,
+                arrays: list[ArrayRecord] | None = None) -> ArrayRecord:
+        """The platform's average; with ``pool-training = "whole"`` and clients on several tasks,
+        the prompt arrays over every reply (each trained the whole pool), the head rows of a task
+        over the replies that trained it."""
+        out = super().average(accepted, weights, arrays)
+        if self.opts.pool_training != "whole" or len({a.task for a in accepted}) < 2:
+            return out
+        records = list(arrays) if arrays is not None else [a.content[ARRAYS] for a in accepted]
+        everyone = from_array_record(combine_records(records, weights, self.combiner))
+        state = from_array_record(out)
+        state.update({name: value for name, value in everyone.items() if name.startswith("prompt.")})
+        return to_array_record(state)
 
     def components(self, task: int) -> int:
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
