@@ -148,6 +148,11 @@ class ExperimentConfig:
     # "dataset": the whole training set once, each task taking its classes' part of every
     # client's share (NIID-Bench's partition of a dataset, FPPL's code)
     partition_scope: str = key("task", "federation", ("results",))
+    # dirichlet with dirichlet-balance: the order the classes are cut in. "original": the dataset's
+    # own label order (NIID-Bench's and FPPL's code: they partition before shuffling classes into
+    # tasks, so the balancing cap lands on classes of every task); "task": the task order (the
+    # cap lands on the last tasks). Without balancing the two give the same partition.
+    partition_class_order: str = key("original", "federation", ("results",))
     # HePCo's stateless population: category ratio, split ratio, long-tail imbalance ratio
     category_ratio: float = key(0.6, "federation", ("results",))
     split_ratio: float = key(0.1, "federation", ("results",))
@@ -303,6 +308,12 @@ class ExperimentConfig:
 
     # --- prompts (CODA-P) ---
     prompt_mode: str = key("prefix", "model", ("results",))
+    # prompt-mode = "prompt": what happens to a block's prompt tokens after it. "truncate": they are
+    # removed (the sequence keeps its length; FPPL's code); "accumulate": they stay in the sequence
+    # through every later block, and the next prompted block adds its own (Powder's code); "auto":
+    # the method's own choice (its prompt module's ``prompt_tokens``: Powder accumulates, the others
+    # truncate).
+    prompt_tokens: str = key("auto", "model", ("results",))
     prompt_layers: str = key("0,1,2", "model", ("results",))  # comma-separated block indices
     pool_size: int = key(20, "model", ("results",))  # M, split evenly over the tasks
     prompt_length: int = key(8, "model", ("results",))  # L (prefix: half keys, half values)

@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
 PARTITION_SCOPES = ("task", "dataset")
+PARTITION_CLASS_ORDERS = ("original", "task")
 AUGMENTATIONS = ("none", "crop-flip", "resized-crop-flip")
 INPUT_NORMS = ("backbone", "unit")
+PROMPT_TOKENS = ("auto", "truncate", "accumulate")
 INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
@@ -93,6 +95,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.tracker in TRACKERS, f"tracker must be one of {TRACKERS}, got {cfg.tracker!r}")
     need(cfg.partition_scope in PARTITION_SCOPES,
          f"partition-scope must be one of {PARTITION_SCOPES}, got {cfg.partition_scope!r}")
+    need(cfg.partition_class_order in PARTITION_CLASS_ORDERS,
+         f"partition-class-order must be one of {PARTITION_CLASS_ORDERS}, got {cfg.partition_class_order!r}")
     need(cfg.partition_scope == "task" or cfg.partition != "stateless",
          "partition-scope = dataset does not apply to the stateless population (it draws per round)")
     need(cfg.centralised_mode in CENTRALISED_MODES,
@@ -112,6 +116,9 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.augment in AUGMENTATIONS, f"augment must be one of {AUGMENTATIONS}, got {cfg.augment!r}")
     need(0.0 < cfg.augment_crop_scale <= 1.0, f"augment-crop-scale must be in (0, 1], got {cfg.augment_crop_scale}")
     need(cfg.input_norm in INPUT_NORMS, f"input-norm must be one of {INPUT_NORMS}, got {cfg.input_norm!r}")
+    need(cfg.prompt_tokens in PROMPT_TOKENS, f"prompt-tokens must be one of {PROMPT_TOKENS}, got {cfg.prompt_tokens!r}")
+    need(cfg.prompt_tokens != "accumulate" or cfg.prompt_mode == "prompt",
+         "prompt-tokens = accumulate applies to prompt-mode = prompt (prefix-tuning adds no tokens)")
     need(cfg.resize_interpolation in INTERPOLATIONS,
          f"resize-interpolation must be one of {INTERPOLATIONS}, got {cfg.resize_interpolation!r}")
     need(0.0 < cfg.eval_crop <= 1.0, f"eval-crop must be in (0, 1], got {cfg.eval_crop}")

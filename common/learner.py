@@ -86,8 +86,14 @@ class LocalLearner:
         return {}
 
     def held_out(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(trained on, held out for validation) of this fit's samples (hook; default: none held out)."""
+        """(trained on, held out for validation) of this fit's samples (hook; default: none held out).
+        Only the samples trained on count in the reply's ``num-examples`` (its FedAvg weight)."""
         return index, index[:0]
+
+    def reply_metrics(self) -> dict[str, int | float]:
+        """The method's own fields of the reply's metrics (hook; its strategy declares them in
+        ``reply_metrics``). Default: none."""
+        return {}
 
     def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
         """After local epoch ``epoch`` (hook; ``validation``: the held-out samples): True stops the
@@ -173,28 +179,37 @@ class LocalLearner:
                 break
             model.train()
         model.eval()
-        return self._reply(index, task, started, losses)
+        return self._reply(index, task, started, losses, examples=len(trained))
 
     @torch.no_grad()
     def accuracy(self, index: np.ndarray, task: int, batch_size: int = 256) -> float:
         """Accuracy of the model as it stands on training samples ``index``, among ``task``'s head
-        rows (what local training optimises; validation for early stopping). Leaves the model in
-        eval mode."""
+        rows (what local training optimises; validation for early stopping), on the evaluation's
+        inputs (``eval-crop``). Leaves the model in eval mode."""
+        return self.correct(index, task, batch_size) / max(len(index), 1)
+
+    @torch.no_grad()
+    def correct(self, index: np.ndarray, task: int, batch_size: int = 256) -> int:
+        """How many of training samples ``index`` the model classifies right among ``task``'s head
+        rows, each image taken as evaluation takes a test image (``eval-crop``: validation scores
+        what evaluation scores). Leaves the model in eval mode."""
         rt, cfg, model = self.rt, self.cfg, self.rt.model
         model.eval()
         allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
         allowed[head_rows(cfg, task, rt.data.num_classes)] = True
         targets = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
-        queries = rt.queries("train", index)
+        # the training split's query cache holds the uncropped images' q(x): valid while the
+        # evaluation takes the whole image
+        queries = rt.queries("train", index) if cfg.eval_crop >= 1.0 else None
         correct = 0
         for start in range(0, len(index), batch_size):
             images = rt.data.train.images[index[start : start + batch_size]]
-            x = model.preprocess(torch.from_numpy(images).to(rt.device))
+            x = model.preprocess(torch.from_numpy(images).to(rt.device), evaluation=True)
             with rt.autocast():
                 q = queries[start : start + batch_size] if queries is not None else model.query(x)
                 logits = masked_logits(model(x, q).float(), allowed)
             correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
-        return correct / max(len(index), 1)
+        return correct
 
     def augmentation(self, stream: int = 0xA06) -> np.random.Generator | None:
         """A random source of augmented views for this fit (None: ``augment = "none"``).
@@ -217,13 +232,16 @@ class LocalLearner:
             images = augment_images(images, self.cfg.augment, augment)
         return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device), crops)
 
-    def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float]) -> RecordDict:
+    def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float],
+               examples: int | None = None) -> RecordDict:
         extras = self.round_end(index, task) if len(index) else {}
         metrics = MetricRecord({
-            "num-examples": int(len(index)),
+            "num-examples": int(len(index) if examples is None else examples),
             "train-loss": float(np.mean(losses)) if losses else 0.0,
             "train-seconds": time.perf_counter() - started,
         })
+        for key, value in self.reply_metrics().items():
+            metrics[key] = value
         if self.rt.device.type == "cuda":  # what the round needed on the GPU (benchmarks, sizing actors per GPU)
             metrics["device-peak-mb"] = torch.cuda.max_memory_allocated(self.rt.device) / 1e6
         reply = RecordDict({ARRAYS: to_array_record(self.uploaded(self.rt.model.trainable_state(), task)),

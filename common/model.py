@@ -249,6 +249,9 @@ class CodaPrompt(nn.Module):
     #: parameter kinds per prompted block: components P, keys K, attention vectors A.
     #: Variants without attention vectors (HePCo, HGP) set ``kinds = "pk"``.
     kinds = "pka"
+    #: with prompt-tuning and ``prompt-tokens = "auto"``: what the method does with a block's
+    #: prompt tokens after the block, "truncate" or "accumulate" (see ``PromptedViT.features``)
+    prompt_tokens = "truncate"
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__()
@@ -263,6 +266,10 @@ class CodaPrompt(nn.Module):
                 self.register_parameter(f"a{layer}", nn.Parameter(torch.empty(pool_size, embed_dim)))
             for kind in self.kinds:
                 nn.init.uniform_(getattr(self, f"{kind}{layer}"))
+
+    def configure(self, cfg: ExperimentConfig) -> None:
+        """Read the method options that shape the forward pass (hook; called by ``build_model``, so
+        clients, evaluators and the server build the same module). Default: nothing to read."""
 
     def slice_of(self, task: int) -> slice:
         return slice(task * self.per_task, (task + 1) * self.per_task)
@@ -350,9 +357,13 @@ class PromptedViT(nn.Module):
     """
 
     def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
-                 input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0) -> None:
+                 input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0,
+                 tokens: str = "truncate") -> None:
         super().__init__()
         self.backbone, self.prompt, self.mode = backbone, prompt, mode
+        if tokens not in ("truncate", "accumulate"):
+            raise ValueError(f"prompt tokens {tokens!r}")
+        self.tokens = tokens
         self.embed_dim = int(backbone.embed_dim)
         depth = len(backbone.blocks)
         bad = [layer for layer in prompt.layers if layer >= depth]
@@ -402,10 +413,19 @@ class PromptedViT(nn.Module):
         return b.forward_head(b.forward_features(x), pre_logits=True)
 
     def features(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """Prompted pre-logit feature (B, D)."""
+        """Prompted pre-logit feature (B, D).
+
+        Prefix-tuning prepends a block's prompt to its keys and values. Prompt-tuning inserts
+        the prompt's L tokens after CLS; with ``tokens = "truncate"`` they are removed after the
+        block (FPPL's code), with ``"accumulate"`` they stay in the sequence through every later
+        block, each prompted block adding its own (Powder's code, whose ViT prepends them and
+        reads CLS behind them: the same attention), and are removed only before the final norm,
+        so the head reads CLS (or the patch mean) as without prompts.
+        """
         b = self.backbone
         tokens = b.norm_pre(b.patch_drop(b._pos_embed(b.patch_embed(x))))
         prompted = set(self.prompt.layers)
+        carried = 0  # accumulated prompt tokens, right after CLS
         for i, block in enumerate(b.blocks):
             if i not in prompted:
                 tokens = block(tokens)
@@ -417,7 +437,12 @@ class PromptedViT(nn.Module):
                 n = prompt.shape[1]
                 extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
                 out = block_forward(block, extended)
-                tokens = torch.cat([out[:, :1], out[:, 1 + n :]], dim=1)
+                if self.tokens == "accumulate":
+                    tokens, carried = out, carried + n
+                else:
+                    tokens = torch.cat([out[:, :1], out[:, 1 + n :]], dim=1)
+        if carried:
+            tokens = torch.cat([tokens[:, :1], tokens[:, 1 + carried :]], dim=1)
         return b.forward_head(b.norm(tokens), pre_logits=True)
 
     def forward(self, x: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor:
@@ -444,8 +469,10 @@ def build_model(
     prompt = (prompt_class or CodaPrompt)(
         int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks
     )
+    prompt.configure(cfg)
+    tokens = prompt.prompt_tokens if cfg.prompt_tokens == "auto" else cfg.prompt_tokens
     model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
-                        cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop)
+                        cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop, tokens)
     torch.random.set_rng_state(state)
     return model, source
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.splits import ANY_ROUND, check_matches, read_splits
-from promptfcl.common.tasks import random_task_indices, task_classes, training_classes
+from promptfcl.common.tasks import class_order, random_task_indices, task_classes, training_classes
 
 
 def client_indices(
@@ -55,15 +55,28 @@ def drawn_indices(
     pool = np.flatnonzero(np.isin(labels, classes))
     if cfg.partition == "stateless":
         return _stateless_indices(labels, pool, classes, cfg, client_id, task, round_)
+    cut_order = _cut_order(cfg, num_classes)
     if cfg.partition_scope == "dataset":  # one partition of the whole training set; each task takes its classes
         parts = _static_partition(labels.tobytes(), cfg.partition, cfg.num_clients, cfg.seed, -1, cfg.dirichlet_beta,
-                                  cfg.classes_per_client, cfg.min_partition_size, cfg.dirichlet_balance)
+                                  cfg.classes_per_client, cfg.min_partition_size, cfg.dirichlet_balance, cut_order)
         mine = parts[client_id]
         return mine[np.isin(labels[mine], classes)]
     parts = _static_partition(labels[pool].tobytes(), cfg.partition, cfg.num_clients, cfg.seed, task,
                               cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
-                              cfg.dirichlet_balance)
+                              cfg.dirichlet_balance, cut_order)
     return pool[parts[client_id]]
+
+
+def _cut_order(cfg: ExperimentConfig, num_classes: int) -> bytes:
+    """The rank at which each (remapped) class is cut by a balanced Dirichlet partition, as bytes
+    (hashable for the partition cache): ``partition-class-order = "original"`` cuts the classes in
+    the dataset's own label order, as NIID-Bench and FPPL's code do (they partition before the
+    class order is shuffled into tasks), so the balancing cap falls on classes spread over every
+    task; ``"task"`` cuts them in task order, which leaves the clients that filled up on the early
+    tasks with nothing of the last ones."""
+    if cfg.partition_class_order == "task":
+        return np.arange(num_classes, dtype=np.int64).tobytes()
+    return class_order(num_classes, cfg.seed).astype(np.int64).tobytes()  # remapped r is original order[r]
 
 
 def drawn_shares(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> dict[tuple[int, int, int], np.ndarray]:
@@ -111,13 +124,14 @@ MAX_SIZE_DRAWS = 10_000
 @functools.lru_cache(maxsize=16)
 def _static_partition(
     labels_bytes: bytes, scheme: str, num_clients: int, seed: int, task: int,
-    beta: float, classes_per_client: int, min_size: int, balance: bool,
+    beta: float, classes_per_client: int, min_size: int, balance: bool, cut_order: bytes = b"",
 ) -> list[np.ndarray]:
     """Split a task's samples (``task`` = -1: the whole training set) across the population, once
     per (seed, task); positions into the samples given. O(samples + clients) once per process,
     never per round. The skewed partitions are NIID-Bench's ("Federated Learning on Non-IID
     Data Silos: An Experimental Study", Li et al. 2022, section 4), which FPPL's and
-    Fed-CPrompt's settings follow.
+    Fed-CPrompt's settings follow. ``cut_order`` (int64 bytes, indexed by remapped label; empty:
+    ascending labels): the order in which a balanced Dirichlet partition cuts the classes.
     """
     labels = np.frombuffer(labels_bytes, dtype=np.int64)
     what = "the training set" if task < 0 else f"task {task}"
@@ -125,7 +139,8 @@ def _static_partition(
     if scheme == "iid":
         return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), num_clients)]
     if scheme == "dirichlet":
-        return _label_dirichlet(labels, num_clients, beta, min_size, balance, rng, what)
+        rank = np.frombuffer(cut_order, dtype=np.int64) if cut_order else None
+        return _label_dirichlet(labels, num_clients, beta, min_size, balance, rng, what, rank)
     if scheme == "quantity-skew":
         return _quantity_skew(len(labels), num_clients, beta, min_size, rng, what)
     if scheme == "quantity":
@@ -134,12 +149,15 @@ def _static_partition(
 
 
 def _label_dirichlet(labels: np.ndarray, num_clients: int, beta: float, min_size: int, balance: bool,
-                     rng: np.random.Generator, what: str) -> list[np.ndarray]:
+                     rng: np.random.Generator, what: str, rank: np.ndarray | None = None) -> list[np.ndarray]:
     """Label skew (NIID-Bench's "noniid-labeldir"): each class's samples are cut at proportions
     drawn from Dir(beta) over the clients.
 
     ``balance`` (NIID-Bench's and FPPL's code, not in either paper's text): a client that
-    already holds the average share N / clients gets nothing of the classes that follow.
+    already holds the average share N / clients gets nothing of the classes that follow, in the
+    order ``rank`` gives (``rank[c]``: when class c is cut; None: ascending labels). The
+    proportions are drawn in ascending label order whatever ``rank`` says, so without
+    balancing the partition does not depend on it.
     The whole draw is repeated until every client holds at least ``min_size`` samples
     (NIID-Bench and FPPL's code use 10).
     """
@@ -147,12 +165,15 @@ def _label_dirichlet(labels: np.ndarray, num_clients: int, beta: float, min_size
     if min_size * num_clients > n:
         raise ConfigError(f"cannot partition {what} with dirichlet: {num_clients} clients x "
                           f"min-partition-size {min_size} exceeds its {n} samples")
-    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in np.unique(labels)]
+    present = np.unique(labels)
+    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in present]
+    cut = np.argsort(rank[present], kind="stable") if rank is not None else np.arange(len(present))
     for _ in range(MAX_SIZE_DRAWS):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         sizes = np.zeros(num_clients, np.int64)
-        for idx in by_class:
-            proportions = rng.dirichlet(np.full(num_clients, beta))
+        drawn = [rng.dirichlet(np.full(num_clients, beta)) for _ in by_class]
+        for j in cut:
+            idx, proportions = by_class[j], drawn[j]
             if balance:  # some client is always below the average until the last class is cut
                 proportions = proportions * (sizes < n / num_clients)
                 proportions = proportions / proportions.sum()

@@ -128,8 +128,8 @@ class ExperimentRun:
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
             log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
-            strategy.bounds.examples_of = lambda client, task, round_: len(
-                client_indices(labels, cfg, data.num_classes, client, task, round_))
+            strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
+                client_indices(labels, cfg, data.num_classes, client, task, round_)))
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 
@@ -336,7 +336,8 @@ class ExperimentRun:
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
             from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
 
-            single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components())
+            single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
+                                             self.strategy.prompt_class.prompt_tokens)
                       if self.runtime is not None else None)
             results["asynchronous"] = asynchronous_results(cfg, schedule, rounds, single)
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],

@@ -42,9 +42,11 @@ REFERENCE_VERSION = 1
 
 
 def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
-                           components: int | None = None) -> np.ndarray:
+                           components: int | None = None, tokens: str | None = None) -> np.ndarray:
     """Accuracy (%) of every task trained alone for its duration in the run, with ``components``
-    prompt components (default: one task's slice of the run's pool).
+    prompt components (default: one task's slice of the run's pool) and, with prompt-tuning and
+    ``prompt-tokens = "auto"``, the run's method's token handling ``tokens`` (Powder accumulates:
+    its reference must too, not CODA-P's truncation).
 
     Cached on disk (``<cache>/single-task/``) by everything it depends on (the
     configuration without the method, the data's and the backbone's identity), so the
@@ -54,6 +56,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
+    if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":
+        cfg = dataclasses.replace(cfg, prompt_tokens=tokens)  # the method's own, resolved (and in the cache key)
     if components is not None and components != cfg.pool_size // cfg.num_tasks:
         cfg = dataclasses.replace(cfg, pool_size=components * cfg.num_tasks)  # slices of that size
     rt = get_runtime(cfg, CodaPrompt)

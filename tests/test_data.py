@@ -131,6 +131,35 @@ def test_dirichlet_as_niid_bench_min_size_balance_and_dataset_scope():
         task_sizes(base.replace(min_partition_size=60))  # 100 x 60 > the task's 5000 samples
 
 
+def _empty_clients_per_task(cfg, labels, num_classes=100):
+    return np.array([sum(len(client_indices(labels, cfg, num_classes, c, t, 0)) == 0 for c in range(cfg.num_clients))
+                     for t in range(cfg.num_tasks)])
+
+
+def test_balanced_dirichlet_cuts_classes_in_original_order_so_no_task_is_favoured():
+    """FPPL's configuration (NIID-Bench's Dirichlet 0.5 over the whole training set, balancing,
+    min 10, 10 clients) on an ImageNet-R-like set (200 classes x 120, 20 tasks), 4 seeds: cut in
+    task order, the clients that reach the average share on the early tasks get nothing of the
+    last ones (empty clients only in the last tasks, most in the very last); cut in the dataset's
+    own label order, as NIID-Bench and FPPL's code do, the empty clients show no trend over tasks."""
+    labels = _stream_labels(200, 120)
+    fppl = tiny_config(num_tasks=20, num_clients=10, clients_per_round=10, partition="dirichlet", dirichlet_beta=0.5,
+                       min_partition_size=10, dirichlet_balance=True, partition_scope="dataset")
+    empty = {order: np.mean([_empty_clients_per_task(fppl.replace(seed=seed, partition_class_order=order), labels, 200)
+                             for seed in range(4)], axis=0)
+             for order in ("task", "original")}
+    assert empty["task"][:10].sum() == 0 and empty["task"][-1] >= 1.5  # the old cut: the last tasks starve
+    assert np.all(np.diff(empty["task"][-4:]) >= 0)
+    assert abs(empty["original"][10:].mean() - empty["original"][:10].mean()) <= 0.1  # no trend
+    assert empty["original"][-1] <= 0.5
+    # without balancing the cut order changes nothing (the proportions are drawn in label order)
+    plain = fppl.replace(dirichlet_balance=False)
+    for task in (0, 19):
+        for c in range(10):
+            assert np.array_equal(client_indices(labels, plain, 200, c, task, 0),
+                                  client_indices(labels, plain.replace(partition_class_order="task"), 200, c, task, 0))
+
+
 def test_dirichlet_skew_grows_as_beta_shrinks(digits):
     def mean_max_share(beta):  # a client's largest class share, averaged over clients and 6 seeds
         fractions = []

@@ -254,7 +254,7 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     carries the parameters of the best epoch."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=5)
     rt, _, arrays = start(cfg, tasks=1)
-    learner = ScriptedValidation(rt, {"c2l": False})
+    learner = ScriptedValidation(rt, {"c2l": False, "early-stopping-scope": "local"})
     learner.states, learner.script = [], [0.5, 0.7, 0.6, 0.65, 0.9]
     seen = []
     learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
@@ -271,6 +271,78 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     np.testing.assert_array_equal(FedCPromptLearner.held_out(learner, np.sort(everything))[1], validation)
     off = FedCPromptLearner(rt, {"early-stopping": False})
     assert len(off.held_out(np.sort(everything))[1]) == 0
+    # the held-out samples are not trained on, so they do not weigh in FedAvg
+    assert reply[METRICS]["num-examples"] == len(trained)
+    assert FedCPromptStrategy(cfg, 10).trained_examples(len(everything)) == len(trained)
+    assert FedCPromptStrategy(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
+
+
+def test_task_scope_clients_report_the_received_models_validation_and_train_every_epoch(flower_identity):
+    """early-stopping-scope = task (default): the client scores the global model it received on its
+    held-out share (reply metrics val-correct / val-total), trains every local epoch on the rest,
+    and replies what it trained (no best-epoch selection)."""
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=3)
+    rt, _, arrays = start(cfg, tasks=1)
+    learner = FedCPromptLearner(rt, {"c2l": False})
+    seen = []
+    learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
+    reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
+    trained, validation = seen[0]
+    assert learner.epochs_run == 3 and len(validation) and reply[METRICS]["num-examples"] == len(trained)
+    metrics = reply[METRICS]
+    received = FedCPromptLearner(rt, {"c2l": False})
+    rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
+    rt.model.prompt.set_task(0)
+    rt.model.prompt.known_tasks = 1
+    assert (metrics["val-correct"], metrics["val-total"]) == (received.correct(validation, 0), len(validation))
+    assert FedCPromptStrategy(cfg, 10).check_records(Message(content=reply, dst_node_id=1, message_type="train"),
+                                                     None) is None
+    bad = RecordDict({METRICS: MetricRecord({"num-examples": 5, "val-correct": 3, "val-total": 2})})
+    assert "exceeds" in FedCPromptStrategy(cfg, 10).check_records(
+        Message(content=bad, dst_node_id=1, message_type="train"), None)
+
+
+def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(flower_identity):
+    """The server sums the replies' counts per task (its validation of the model the round started
+    from), keeps the best, and after `patience` rounds without a gain puts the task's slice and
+    head rows back at the best model and sends the task's clients nothing more; a round with no
+    client to train keeps the arrays; the state survives a checkpoint."""
+    from tests.helpers import accepted_of
+
+    cfg, s, shapes, base = async_setup(num_tasks=3, known=3)
+    s.task_of_client = {0: 0, 1: 1, 2: 0, 3: 1}
+    models, correct = [], {0: [5, 8, 7, 6], 1: [4, 5, 6, 7]}  # task 0 peaks in round 2; task 1 keeps gaining
+    out = base
+    for r in range(4):
+        s.round_arrays = out
+        models.append(from_array_record(out))
+        contents = []
+        for client in range(4):
+            task = s.task_of_client[client]
+            state = {k: np.full(v, 10.0 * (r + 1) + task, np.float32) for k, v in shapes.items()}
+            contents.append(RecordDict({ARRAYS: to_array_record(state), METRICS: MetricRecord({
+                "num-examples": 9, "train-loss": 1.0, "train-seconds": 0.1,
+                "val-correct": correct[task][r], "val-total": 10})}))
+        accepted = accepted_of(contents, tasks=[s.task_of_client[c] for c in range(4)])
+        averaged = s.aggregate(accepted)
+        out = s.consolidate(r + 1, averaged, accepted)
+        assert s.validation == {0: correct[0][r] / 10, 1: correct[1][r] / 10} or r == 3
+    assert s.stopped == {0}  # best at round 2 (8/10), no gain in rounds 3 and 4
+    final, best = from_array_record(out), models[1]  # round 2 validated the model round 1 produced
+    for name in shapes:
+        np.testing.assert_array_equal(final[name][0:2], best[name][0:2])  # task 0 back at its best
+        np.testing.assert_array_equal(final[name][2:4], 41.0)  # task 1 keeps this round's average
+    msgs = list(s.configure_train(5, out, ConfigRecord({"task": 0, "round": 4}), NodeList(4)))
+    assert sorted(m.content[CONFIG]["task"] for m in msgs) == [1, 1] and s.sent_round.skipped == 2
+    s.task_of_client = {c: 0 for c in range(4)}  # every sampled client on the stopped task
+    assert list(s.configure_train(6, out, ConfigRecord({"task": 0, "round": 5}), NodeList(4))) == []
+    arrays, metrics = s.aggregate_train(6, [])
+    assert arrays is out and metrics["clients"] == 0
+    again = ScheduledStrategy(cfg, 6)
+    again.load_state_dict(s.state_dict())
+    assert again.stopped == {0} and again.best_accuracy == s.best_accuracy and again.stale == s.stale
+    for name, rows in s.best_rows[1].items():
+        np.testing.assert_array_equal(again.best_rows[1][name], rows)
 
 
 def test_validation_accuracy_is_the_models_on_the_tasks_rows():
@@ -285,6 +357,25 @@ def test_validation_accuracy_is_the_models_on_the_tasks_rows():
         logits = rt.model(x, rt.model.query(x))[:, :5]
     expected = float((logits.argmax(1).numpy() == rt.data.train.labels[index]).mean())
     assert learner.accuracy(index, 0) == pytest.approx(expected)
+
+
+def test_validation_takes_each_image_as_evaluation_does(monkeypatch):
+    """With eval-crop < 1 the held-out share is scored on the evaluation's central crop (q(x) of the
+    crop, not the training split's cached q of the whole image), as a test image is."""
+    cfg = tiny_config(num_tasks=2, centralised=True, eval_crop=0.5)
+    rt, _, arrays = start(cfg, tasks=1)
+    rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
+    rt.model.prompt.set_task(0)
+    index = np.flatnonzero(rt.data.train.labels < 5)[:40]
+    with torch.no_grad():
+        x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[index]), evaluation=True)
+        logits = rt.model(x, rt.model.query(x))[:, :5]
+    expected = int((logits.argmax(1).numpy() == rt.data.train.labels[index]).sum())
+    calls = []
+    real = rt.model.preprocess
+    monkeypatch.setattr(rt.model, "preprocess", lambda *a, **k: calls.append(k.get("evaluation")) or real(*a, **k))
+    assert FedCPromptLearner(rt).correct(index, 0) == expected
+    assert calls and all(calls)
 
 
 # ---------------------------------------------------------------------------- per-slice aggregation

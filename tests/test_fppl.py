@@ -203,6 +203,34 @@ def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     assert protos["counts"].numpy()[2] == len(idx) and protos["client"].numpy()[0] == 0
 
 
+def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code():
+    """augment on: the local prototypes are the per-class means over one seeded augmented view
+    of each image (q(x) on the view; the authors' code averages over its training loader);
+    fppl.prototype-views = "stored" takes the stored images; without augmentation both agree."""
+    from promptfcl.common.augment import augment_images
+
+    protos = {}
+    for augment, views in (("none", "augmented"), ("crop-flip", "stored"), ("crop-flip", "augmented")):
+        cfg = fppl_config(augment=augment, **{"fppl.prototype-views": views})
+        rt = get_runtime(cfg, FPPLPrompt)
+        learner = FPPLLearner(rt, cfg.method_options("fppl"))
+        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        index = np.flatnonzero(rt.data.train.labels < 5)[:40]
+        rt.model.prompt.set_task(0)
+        record = learner.round_end(index, task=0)[LOCAL_PROTOTYPES]
+        protos[augment, views] = record["means"].numpy()
+        np.testing.assert_array_equal(record["counts"].numpy(), np.bincount(rt.data.train.labels[index])[:5])
+    np.testing.assert_allclose(protos["crop-flip", "stored"], protos["none", "augmented"], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(protos["crop-flip", "augmented"], protos["none", "augmented"], atol=1e-4)
+    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([cfg.seed, 3, 0, 1, 0x9207]))
+    with torch.no_grad():
+        x = rt.model.preprocess(torch.from_numpy(views))
+        feats = rt.model.features(x, rt.model.query(x)).numpy()
+    labels = rt.data.train.labels[index]
+    expected = np.stack([feats[labels == c].mean(0) for c in range(5)])
+    np.testing.assert_allclose(protos["crop-flip", "augmented"], expected, rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------- unified-representation loss
 def test_infonce_is_lowest_when_features_sit_on_their_class_prototype():
     gen = torch.Generator().manual_seed(0)
@@ -452,7 +480,7 @@ def test_options_are_validated():
     opts = FPPLOptions.from_options({"fusion": "false", "server-epochs": 3, "temperature": "0.5"})
     assert opts.fusion is False and opts.server_epochs == 3 and opts.temperature == 0.5
     for bad in ({"temprature": 0.2}, {"temperature": 0}, {"server-epochs": 1.5}, {"fusion": "maybe"},
-                {"fusion-scale": "huge"}):
+                {"fusion-scale": "huge"}, {"prototype-views": "both"}):
         with pytest.raises(ConfigError):
             FPPLOptions.from_options(bad)
     with pytest.raises(ConfigError):

@@ -35,6 +35,9 @@ def one_thread():
 
 
 # ---------------------------------------------------------------------------- helpers
+SLICES = {"pool-training": "task-slices"}  # CODA-P's task slices (the Scenario below moves slices)
+
+
 def make_strategy(**options) -> HePCoStrategy:
     cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
     return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
@@ -127,6 +130,7 @@ def test_registered_with_paper_defaults_and_own_prompt():
     # eq. 6's zeta over the composite batch; BatchNorm as the authors' code samples; no real-data probe
     assert (o.old_prompt_mean, o.distill_generator_mode, o.head_loss, o.diagnostics) == (
         "composite", "eval", "ce", False)
+    assert o.client_weights == "samples"  # sec. 5.2's "weighted sum" over clients
 
 
 @pytest.mark.parametrize("options, message", [
@@ -139,6 +143,7 @@ def test_registered_with_paper_defaults_and_own_prompt():
     ({"distill-generator-mode": "frozen"}, "distill-generator-mode"),
     ({"diagnostics-per-class": 0}, "diagnostics-per-class"),
     ({"head-loss": "focal"}, "head-loss"),
+    ({"client-weights": "counts"}, "client-weights"),
     ({"distill-epoch": 3}, "unknown option hepco.distill-epoch"),
 ])
 def test_bad_options_are_refused(options, message):
@@ -214,6 +219,50 @@ def test_gram_distillation_matches_the_direct_one(teachers):
     assert gram_report["prompt-loss"] == pytest.approx(direct_report["prompt-loss"], rel=1e-3)
     for a, b in zip(gram_params, direct_params):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- client weights
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_sums_over_clients_are_weighted_by_their_sample_counts(weighting):
+    """client-weights = samples (sec. 5.2's "weighted sum"): client c weighs C n_c / sum n in L_cls,
+    L_KL, L_MSE (eqs. 2-4) and eq. 6's client term; uniform: 1 each (eq. 2 as printed)."""
+    from promptfcl.strategies.hepco.distill import generator_losses
+
+    s = make_strategy(**{"client-weights": weighting})
+    sc = Scenario(s, clients=3)
+    counts = [10, 30, 60]
+    accepted = accepted_of([reply(c, n) for c, n in zip(sc.clients, counts)], tasks=1)
+    (group,) = s.task_teachers(accepted)
+    expected = np.array([3 * n / 100 for n in counts]) if weighting == "samples" else np.ones(3)
+    got = np.ones(3) if group.teachers.weights is None else group.teachers.weights.numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert group.share == pytest.approx(3.0)
+    cpu, layers = torch.device("cpu"), s.cfg.layers
+    student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
+    z, y = sc.latents(range(5, 10), 6)
+    classes = torch.arange(5, 10)
+    both = generator_losses(z, y, classes, group.teachers, student)
+    alone = [generator_losses(z, y, classes, Teachers.stack([c], layers, 4, cpu), student) for c in sc.clients]
+    grams = generator_losses(z, y, classes, group.teachers, student, grams=PromptGrams(student, group.teachers))
+    for name in ("cls", "kl", "mse"):
+        weighted = sum(float(w) * float(part[name].detach()) for w, part in zip(expected, alone))
+        assert float(both[name].detach()) == pytest.approx(weighted, rel=1e-5)
+    assert float(grams["mse"].detach()) == pytest.approx(float(both["mse"].detach()), rel=1e-4)
+    assert not np.allclose(expected, 1.0) or weighting == "uniform"
+
+
+def test_with_sample_weights_a_task_s_share_of_the_latents_is_its_clients_samples():
+    """Clients on two tasks: the tasks' latents in proportion to their clients' samples (samples)
+    or their replies (uniform)."""
+    from promptfcl.strategies.hepco.latents import draw_labels
+
+    sc = Scenario(make_strategy(), clients=4)
+    contents = [reply(c, n) for c, n in zip(sc.clients, [90, 10, 10, 10])]
+    for weighting, behind_share in (("samples", 0.75), ("uniform", 0.25)):
+        s = make_strategy(**{"client-weights": weighting})
+        groups = s.task_teachers(accepted_of(contents, tasks=[0, 1, 1, 1]))
+        labels = draw_labels(groups, 20_000, torch.Generator().manual_seed(0))
+        assert abs(float((labels < 5).double().mean()) - behind_share) < 0.02
 
 
 # ---------------------------------------------------------------------------- generator
@@ -318,7 +367,7 @@ FAST = {"generator-epochs": 60, "distill-epochs": 150, "distill-lr": 1e-2, "aver
 @pytest.fixture(scope="module")
 def distilled():
     torch.set_num_threads(1)
-    s = make_strategy(**FAST)
+    s = make_strategy(**FAST, **SLICES)  # the Scenario moves task slices
     sc = Scenario(s)
     return sc, sc.consolidate()
 
@@ -400,12 +449,44 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode, 
                          for l in layers)  # (C, B)
         per_old = sum((fresh.final_prompts(z_old, l) - prev.final_prompts(z_old, l)[0]).pow(2).mean(dim=(1, 2))
                       for l in layers)  # (B_old,)
-    zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
+    if teachers == "previous":  # the authors' code: per latent, K = 5 classes x the 3 clients together
+        zeta_term = 5 * 3 * len(z_old) / len(z_new) * per_old.mean()
+    else:
+        zeta_term = per_old.sum() / len(z) if mode == "composite" else per_old.mean()
     clients_term = per_client.mean(1).sum() if teachers == "clients-and-previous" else \
         per_client[:, : len(z_new)].mean(1).sum()
     expected = float(clients_term + zeta_term)
     assert report["prompt-loss"] == pytest.approx(expected, rel=1e-4)
     assert float(per_old.mean()) > 0.1 * expected  # the old term matters in this check
+
+
+def test_previous_teachers_weight_relative_to_the_clients_is_the_authors_codes():
+    """old-latent-teachers = previous (the authors' code, knowledge_distillation: squared errors
+    summed over the batch, weight 1 per old latent for the previous server, n_{j,y} / N per current
+    latent for client j): per latent, the previous server weighs K (the current classes) times the
+    clients together. At CIFAR-100's setting (10 classes per task, 5 clients, replay ratio 0.5)
+    the composite weight of eq. 6 is 75 times lighter relative to the clients."""
+    from promptfcl.strategies.hepco.distill import old_teacher_weight
+
+    n_new, n_old, k, clients = 64, 32, 10, 5
+    # the authors' weights, per latent: previous server 1; clients together sum_j n_{j,y} / N = 1 / K
+    # (5 clients holding equal shares of 10 equally represented classes)
+    counts = np.full((clients, k), 7)
+    authors = 1.0 / float((counts / counts.sum()).sum(0).mean())
+    assert authors == pytest.approx(k)
+
+    def per_latent_ratio(**options):  # previous server per old latent / clients together per new latent
+        w = old_teacher_weight(HePCoOptions(**options), n_new, n_old, k, float(clients))
+        return (w / n_old) / (clients / n_new)
+
+    assert per_latent_ratio(old_latent_teachers="previous") == pytest.approx(authors)
+    composite = per_latent_ratio()
+    assert composite == pytest.approx(n_new / (n_new + n_old) / clients)
+    assert authors / composite == pytest.approx(75.0)
+    assert per_latent_ratio(old_prompt_mean="old") == pytest.approx(3 * composite)
+    assert old_teacher_weight(HePCoOptions(old_latent_teachers="previous"), n_new, 0, k, clients) == 0.0
+    with pytest.raises(ConfigError, match="old-prompt-mean applies"):
+        make_strategy(**{"old-latent-teachers": "previous", "old-prompt-mean": "old"})
 
 
 @pytest.mark.parametrize("head_loss", ["ce", "balanced"])
@@ -522,9 +603,11 @@ SMALL = {"generator-epochs": 3, "distill-epochs": 4, "distill-lr": 1e-2, "averag
 
 
 def test_whole_pool_training_trains_every_component_on_every_task():
-    """``pool-training = whole`` (the authors' code): the pool is one slice on every task, nothing
-    frozen, initialised once; the choice travels in the prompt's buffer to clients and evaluators."""
-    s = make_strategy(**{"pool-training": "whole"})
+    """``pool-training = whole`` (default: the paper's one shared pool, the authors' code): the pool
+    is one slice on every task, nothing frozen, initialised once; the choice travels in the
+    prompt's buffer to clients and evaluators. ``task-slices``: CODA-P's slices."""
+    s = make_strategy()
+    assert s.opts.pool_training == "whole"
     from promptfcl.common.model import initial_trainable_state
 
     initial = initial_trainable_state(s.cfg.replace(num_classes=NUM_CLASSES), HePCoPrompt)
@@ -542,12 +625,29 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     grad = getattr(prompt, f"p{s.cfg.layers[0]}").grad
     assert (grad.abs().sum(dim=(1, 2)) > 0).all()  # every component, task 0's included
     assert s.components(0) == s.components(3) == s.cfg.pool_size
-    sliced = make_strategy()
+    sliced = make_strategy(**SLICES)
     assert sliced.components(0) == sliced.cfg.pool_size // sliced.cfg.num_tasks
+    sliced_state = from_array_record(sliced.on_task_start(0, to_array_record(
+        {k: v.numpy() for k, v in initial.items()})))
+    assert sliced_state["prompt.whole_pool"].tolist() == [0.0]
+
+
+def test_whole_pool_with_clients_on_two_tasks_averages_the_pool_over_everyone(flower_identity):
+    """Asynchronous arrival with the whole pool: every client trained every component, so the
+    prompt arrays average over all replies; a task's head rows over the replies that trained it."""
     cfg = tiny_config(strategy="hepco", switch_fraction=0.5, switch_every=1, rounds_per_task=2,
-                      **{"hepco.pool-training": "whole"})
-    with pytest.raises(ConfigError, match="pool-training = whole"):
-        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+                      **{"hepco.averaging": "samples"})
+    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    shapes = {"prompt.p0": (cfg.pool_size, 2, D), "prompt.k0": (cfg.pool_size, D), "prompt.whole_pool": (1,),
+              "head.weight": (NUM_CLASSES, D), "head.bias": (NUM_CLASSES,)}
+    s.round_arrays = to_array_record({k: np.zeros(v, np.float32) for k, v in shapes.items()})
+    contents = [reply({k: np.full(v, float(i + 1), np.float32) for k, v in shapes.items()}, n)
+                for i, n in enumerate([10, 30])]
+    accepted = accepted_of(contents, tasks=[0, 1])
+    out = from_array_record(s.average(accepted, np.array([10.0, 30.0])))
+    np.testing.assert_allclose(out["prompt.p0"], (10 * 1 + 30 * 2) / 40)  # over everyone
+    np.testing.assert_allclose(out["head.weight"][:5], 1.0)  # task 0's rows: its client alone
+    np.testing.assert_allclose(out["head.weight"][5:], 2.0)
 
 
 def test_paper_baseline_is_a_named_variant():
@@ -613,7 +713,7 @@ def test_previous_model_switch():
 
 # ---------------------------------------------------------------------------- server state
 def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
-    s = make_strategy(**SMALL)
+    s = make_strategy(**SMALL, **SLICES)
     sc = Scenario(s)
     state = s.state_dict()
     kept = {k for k in state if k.startswith("previous.")}
@@ -623,7 +723,7 @@ def test_server_keeps_only_the_previous_task_model_and_checkpoints_it():
     assert state["previous-task"] == 0
     first = sc.consolidate()
     # A fresh server restored from the checkpoint consolidates identically.
-    fresh = make_strategy(**SMALL)
+    fresh = make_strategy(**SMALL, **SLICES)
     fresh.load_state_dict(copy.deepcopy(state))
     fresh.task, fresh.round = 1, 0
     again = from_array_record(fresh.consolidate(2, to_array_record(sc.provisional), accepted_of(sc.replies, tasks=1)))
@@ -691,7 +791,8 @@ def test_async_server_step_over_several_rounds(flower_identity):
     from tests.helpers import NodeList
 
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1,
-                      switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3})
+                      switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3,
+                                              "hepco.pool-training": "task-slices"})
     s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     per = cfg.pool_size // cfg.num_tasks
     g = torch.Generator().manual_seed(0)
@@ -726,7 +827,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     arrays, m2, tasks2 = round_(2, arrays)
     assert tasks2 == [0, 0, 1, 1]
     groups = s.task_teachers(s.accepted)
-    assert [(g.replies, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
+    assert [(g.share, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
         [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
     # the distilled model moved both tasks' slices away from the replies' uniform average
     average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted], axis=0)

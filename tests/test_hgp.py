@@ -86,6 +86,46 @@ def test_prompt_weights_are_normalised_cosines_with_keys_only():
     assert p.k0.grad[4:6].abs().sum() > 0 and p.k0.grad[:4].abs().sum() == 0  # earlier slices frozen
 
 
+@pytest.mark.parametrize("norm", ["l1", "softmax", "none"])
+def test_score_normalisation_is_an_option_every_builder_of_the_model_reads(norm):
+    """hgp.score-norm: l1 (the project's reading, default), softmax, or none (CODA-P's plain
+    cosine); build_model and the server's prompt_from both configure the prompt from the run."""
+    from promptfcl.common.model import build_model
+
+    cfg = tiny_config(strategy="hgp", **{"hgp.score-norm": norm})
+    model, _ = build_model(cfg, 10, HGPPrompt)
+    p = model.prompt
+    assert p.score_norm == norm
+    p.eval()
+    p.set_task(1)
+    q = torch.randn(5, p.embed_dim)
+    cos = torch.nn.functional.cosine_similarity(q[:, None, :], p.k0[: 2 * p.per_task][None], dim=-1)
+    expected = {"l1": cos / cos.abs().sum(1, keepdim=True), "softmax": cos.softmax(1), "none": cos}[norm]
+    torch.testing.assert_close(p.weights(q, p.layers[0]), expected)
+    s = HGPStrategy(cfg, 10)
+    assert s.prompt_from({k: v.numpy() for k, v in model.trainable_state().items()}).score_norm == norm
+    with pytest.raises(ConfigError, match="score-norm"):
+        HGPOptions.from_options({"score-norm": "l2"})
+
+
+@pytest.mark.parametrize("cov_type, statistics", [("full", 10 * (2 + 768 + 768 * 769 // 2)),
+                                                   ("diag", 10 * (2 + 768 + 768))])
+def test_stateful_count_is_the_papers_current_slice_up_and_whole_head_down(cov_type, statistics):
+    """The exchange as the paper counts it at CIFAR-100's dimensions (pool 100 over 10 tasks, 5
+    prefix blocks, L = 8, D = 768): down, the task's slice of components and keys and the whole
+    rebalanced head; up, the slice and the task's 10 head rows; the class statistics apart."""
+    cfg = tiny_config(strategy="hgp", num_tasks=10, pool_size=100, prompt_length=8, prompt_layers="0,1,2,3,4")
+    s = HGPStrategy(cfg, 100, {"cov-type": cov_type})
+    d = 768
+    state = {**{f"prompt.p{layer}": np.zeros((100, 8, d), np.float32) for layer in range(5)},
+             **{f"prompt.k{layer}": np.zeros((100, d), np.float32) for layer in range(5)},
+             "head.weight": np.zeros((100, d), np.float32), "head.bias": np.zeros(100, np.float32)}
+    slice_ = 5 * 10 * (8 * d + d)  # 345,600
+    assert s.stateful_parameters(to_array_record(state)) == {
+        "s2c": slice_ + 100 * (d + 1), "c2s": slice_ + 10 * (d + 1), "c2s-statistics": statistics}
+    assert slice_ + 100 * (d + 1) == 422_500
+
+
 # ---------------------------------------------------------------------------- statistics on the wire
 @pytest.mark.parametrize("cov_type", ["full", "diag", "lowrank"])
 def test_class_statistics_encode_counts_means_and_covariances(cov_type):

@@ -53,7 +53,7 @@ PIPELINE = {
                              "prompt-layers": "0,1,2,3,4"},  # the authors' code
     "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
     "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
-                               "prompt-layers": "4,5,6"},  # the authors' script
+                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
 }
@@ -183,6 +183,24 @@ def test_paper_config_names_timm_weights_that_exist(name):
     tag = BACKBONES[name]
     assert "." in tag, "a tag, not timm's bare name (whose weights changed with timm 0.9)"
     assert get_pretrained_cfg(tag) is not None
+
+
+def test_hgp_config_feeds_the_authors_code_range_of_minus_one_to_one():
+    """HGP's range is blank in our copy of the paper; the authors' code normalises CIFAR-100 with
+    mean = std = 0.5, which input-norm = "backbone" gives with the configured AugReg weights."""
+    import torch
+    from timm.models import get_pretrained_cfg
+
+    from promptfcl.common.preprocess import InputPipeline
+
+    cfg = load_config(str(CONFIGS / "hgp-cifar100.toml"), [], None, None)
+    weights = get_pretrained_cfg(cfg.backbone.split(":")[-1])
+    assert cfg.input_norm == "backbone" and tuple(weights.mean) == tuple(weights.std) == (0.5, 0.5, 0.5)
+    pipeline = InputPipeline(224, 3, tuple(weights.mean), tuple(weights.std), cfg.input_norm, "bicubic", 1.0)
+    images = torch.zeros(2, 3, 224, 224, dtype=torch.uint8)
+    images[1] = 255
+    x = pipeline(images, None, True)
+    assert float(x[0].min()) == float(x[0].max()) == -1.0 and float(x[1].min()) == float(x[1].max()) == 1.0
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -40,11 +40,11 @@ class NodeList:
 def test_options_defaults_validation_and_registry():
     o = PowderOptions.from_options({})
     assert (o.k, o.p, o.lambda_, o.first_step, o.selection, o.dual, o.distillation, o.temperature, o.row_top) == \
-        (3, 30.0, 1.0, True, "top-k", True, "dual", 1.0, 0)
+        (3, 30.0, 1.0, True, "top-k", True, "dual", 3.0, 0)  # temperature: the authors' code (eq. 5 gives none)
     o = PowderOptions.from_options({"k": "2", "lambda": 0.5, "first-step": "false", "selection": "random",
-                                    "distillation": "classic", "row_top": 2, "temperature": 3})
+                                    "distillation": "classic", "row_top": 2, "temperature": 1})
     assert (o.k, o.lambda_, o.first_step, o.selection, o.distillation, o.row_top, o.temperature) == \
-        (2, 0.5, False, "random", "classic", 2, 3.0)
+        (2, 0.5, False, "random", "classic", 2, 1.0)
     for bad in ({"k": 0}, {"p": 0}, {"lambda": -1}, {"selection": "all"}, {"distillation": "x"},
                 {"temperature": 0}, {"row-top": -1}, {"k": 1.5}, {"gamma": 1}):
         with pytest.raises(ConfigError, match="powder"):

@@ -198,3 +198,49 @@ def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
     with pytest.raises(ConfigError, match="block 1 of this backbone"):
         PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0, 1], 4, 4, 2), 10)
     PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0], 4, 4, 2), 10)  # block 1 unprompted: fine
+
+
+@pytest.mark.parametrize("tokens", ["truncate", "accumulate"])
+def test_prompt_tuning_truncates_or_accumulates_the_prompt_tokens(tokens):
+    """prompt-tokens: "truncate" removes a block's prompt tokens after it (FPPL's code);
+    "accumulate" keeps them through every later block, each prompted block adding its own
+    (Powder's code), and drops them only before the final norm."""
+    cfg = tiny_config(prompt_mode="prompt", prompt_layers="0,1", prompt_tokens=tokens)
+    model, _ = build_model(cfg, 10)
+    assert model.tokens == tokens
+    model.prompt.init_task_slice(0, torch.Generator().manual_seed(0))
+    model.eval()
+    b = model.backbone
+    x = model.preprocess(torch.randint(0, 255, (2, 1, 8, 8), dtype=torch.uint8))
+    q = model.query(x)
+    with torch.no_grad():
+        seq = b.norm_pre(b._pos_embed(b.patch_embed(x)))
+        p0, p1 = model.prompt(q, 0), model.prompt(q, 1)
+        seq = _block_forward(b.blocks[0], torch.cat([seq[:, :1], p0, seq[:, 1:]], 1))
+        n = p0.shape[1]
+        if tokens == "truncate":
+            seq = torch.cat([seq[:, :1], seq[:, 1 + n:]], 1)
+            seq = _block_forward(b.blocks[1], torch.cat([seq[:, :1], p1, seq[:, 1:]], 1))
+            seq = torch.cat([seq[:, :1], seq[:, 1 + n:]], 1)
+        else:  # block 1 sees both prompts; both leave before the norm
+            seq = _block_forward(b.blocks[1], torch.cat([seq[:, :1], p1, seq[:, 1:]], 1))
+            seq = torch.cat([seq[:, :1], seq[:, 1 + 2 * n:]], 1)
+        for block in b.blocks[2:]:
+            seq = block(seq)
+        expected = b.forward_head(b.norm(seq), pre_logits=True)
+        torch.testing.assert_close(model.features(x, q), expected)
+
+
+def test_prompt_tokens_default_to_the_methods_own_choice():
+    """auto: the prompt module's ``prompt_tokens`` (Powder's accumulate, CODA-P's truncate); a set
+    value overrides it; accumulate needs prompt-tuning."""
+    from promptfcl.strategies.powder.prompt import PowderPrompt
+
+    cfg = tiny_config(prompt_mode="prompt")
+    assert build_model(cfg, 10)[0].tokens == "truncate"
+    assert build_model(cfg, 10, PowderPrompt)[0].tokens == "accumulate"
+    assert build_model(cfg.replace(prompt_tokens="truncate"), 10, PowderPrompt)[0].tokens == "truncate"
+    with pytest.raises(ConfigError, match="prompt-tokens"):
+        tiny_config(prompt_tokens="accumulate")  # prefix-tuning adds no tokens
+    with pytest.raises(ConfigError, match="prompt-tokens"):
+        tiny_config(prompt_mode="prompt", prompt_tokens="keep")

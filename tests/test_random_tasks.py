@@ -309,6 +309,31 @@ def test_powders_single_task_reference_trains_its_local_pools_components(tmp_pat
     assert len(list((tmp_path / "single-task").glob("*.json"))) == 1  # cached apart from the one-slice reference
 
 
+def test_single_task_reference_uses_the_methods_prompt_token_handling(tmp_path, monkeypatch):
+    """prompt-tokens = auto with prompt-tuning: the reference is built with the run's method's token
+    handling (Powder accumulates), and cached apart from a truncating one."""
+    from promptfcl.server import transfer
+
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def capture(c, p):
+        built.append(c.prompt_tokens)
+        raise Built
+
+    monkeypatch.setattr(transfer, "get_runtime", capture)
+    cfg = random_config(prompt_mode="prompt")
+    for tokens in ("accumulate", None):
+        with pytest.raises(Built):
+            transfer.single_task_accuracies(cfg, task_schedule(cfg), None, tokens)
+    with pytest.raises(Built):
+        transfer.single_task_accuracies(cfg.replace(prompt_tokens="truncate"), task_schedule(cfg), None, "accumulate")
+    assert built == ["accumulate", "auto", "truncate"]
+
+
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.e2e
 @pytest.mark.parametrize("strategy, head", [("powder", "per-class"), ("fedavg", "per-class"),

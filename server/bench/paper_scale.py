@@ -153,8 +153,12 @@ def format_paper_dims(report: dict[str, Any]) -> str:
     ]
     for name, v in report["methods"].items():
         paper = v["paper_communication"]
-        if v.get("stateful_parameters_per_exchange"):
-            stateful = v["stateful_parameters_per_exchange"]
+        stateful = v.get("stateful_parameters_per_exchange")
+        if isinstance(stateful, dict):  # the directions differ (HGP: the whole head goes back)
+            paper += "; stateful-equivalent " + ", ".join(
+                f"{part.upper() if part in ('s2c', 'c2s') else part} {n / 1e6:.3f}M params ({4 * n / 1e6:.2f} MB)"
+                for part, n in stateful.items())
+        elif stateful:
             paper += f"; stateful-equivalent {stateful / 1e6:.3f}M params ({4 * stateful / 1e6:.2f} MB) per direction"
         if name == "powder":
             paper += f"; ours over the paper's run ≈ {v['run_bytes_total_extrapolated'] / 1e6:,.0f} MB (extrapolated)"

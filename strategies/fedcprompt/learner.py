@@ -17,9 +17,12 @@ CE over the current task's classes; this learner
   option ``c2l-first-task`` = "drift" (default) drops the term, leaving the drift penalty
   ||P_c^m - P_s^m(r-1)|| + alpha; "off" reads the empty min as +infinity, so C2L = 0;
 * optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters;
-* stops local training early (``early-stopping``): a fixed validation share of the task's
-  samples is held out, the parameters with the best validation accuracy so far are kept
-  after each local epoch, and training stops after ``patience`` epochs without improvement.
+* holds out a fixed validation share of the task's samples for early stopping
+  (``early-stopping``): with ``early-stopping-scope = "task"`` it scores the global model it
+  received on that share and reports the counts (``val-correct``, ``val-total``), from which
+  the server stops the task; with ``"local"`` it keeps the parameters with the best
+  validation accuracy after each local epoch and stops after ``patience`` epochs without
+  improvement.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import torch
 from flwr.app import RecordDict
 
 from promptfcl.common.learner import Batch, LocalLearner
+from promptfcl.common.privacy import privacy_options
 from promptfcl.common.records import CONFIG
 from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
+from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, split_held_out
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
 from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
 
@@ -87,6 +91,7 @@ class FedCPromptLearner(LocalLearner):
         self.best: tuple[float, dict[str, torch.Tensor]] | None = None  # early stopping: accuracy, state
         self.stale = 0  # epochs since the best
         self.epochs_run = 0  # local epochs of the last fit (diagnostics, tests)
+        self.validation_counts: tuple[int, int] | None = None  # task scope: (correct, total) of the received model
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -110,6 +115,7 @@ class FedCPromptLearner(LocalLearner):
             self.prompt.known_tasks = None
             self.server_params, self.previous, self.others = {}, None, None
             self.best, self.stale = None, 0
+            self.validation_counts = None
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
@@ -139,19 +145,35 @@ class FedCPromptLearner(LocalLearner):
         current |= {f"head.{n}": p for n, p in model.head.named_parameters()}
         return 0.5 * torch.stack([((p - self.server_params[n]) ** 2).sum() for n, p in current.items()]).sum()
 
+    @property
+    def task_scope(self) -> bool:
+        return self.opts.early_stopping and self.opts.early_stopping_scope == "task"
+
     def held_out(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Early stopping's validation share of the task's samples: the same every round (seeded by
-        client and task), at least one sample and never all of them."""
+        client and task), at least one sample and never all of them (``split_held_out``).
+
+        Task scope: the model holds the global arrays it received (the loop loads them before this
+        hook); its counts on the share are the reply's ``val-correct`` / ``val-total``. Under
+        differential privacy they are not released (they are outside the Gaussian mechanism)."""
         if not self.opts.early_stopping or len(index) < 2:
             return index, index[:0]
-        n = min(len(index) - 1, max(1, round(self.opts.validation_fraction * len(index))))
-        order = np.random.default_rng(list(self.seed[:3]) + [0xE5]).permutation(len(index))
-        return np.sort(index[order[n:]]), np.sort(index[order[:n]])
+        trained, validation = split_held_out(index, self.opts.validation_fraction, self.seed[:3])
+        if self.task_scope and len(validation) and not privacy_options(self.cfg).enabled:
+            self.validation_counts = (self.correct(validation, self.rt.model.prompt.task), len(validation))
+        return trained, validation
+
+    def reply_metrics(self) -> dict[str, int | float]:
+        """Task scope: the received model's counts on the held-out share."""
+        if self.validation_counts is None:
+            return {}
+        return {"val-correct": int(self.validation_counts[0]), "val-total": int(self.validation_counts[1])}
 
     def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
-        """Keep the best parameters on the validation share; stop after ``patience`` epochs without a gain."""
+        """Local scope: keep the best parameters on the validation share; stop after ``patience``
+        epochs without a gain."""
         self.epochs_run = epoch + 1
-        if not len(validation):
+        if not len(validation) or self.task_scope:
             return False
         accuracy = self.accuracy(validation, task)
         if self.best is None or accuracy > self.best[0]:

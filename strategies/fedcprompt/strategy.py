@@ -18,19 +18,39 @@ config (the platform's record of what it sent), never what the client claims.
 Wire additions: every train message's config carries ``known-tasks`` (the number of
 tasks whose slices the server has initialised), so a client knows which future
 slices exist.
+
+Early stopping "in each task using a validation set" (Appendix D), ``early-stopping-scope =
+"task"``: each reply carries its client's counts (``val-correct`` / ``val-total``) of the global
+model it was sent on its held-out share; summed per task they are the server's validation of
+that model. The server keeps each task's best model, and after ``patience`` rounds without a
+gain restores the task's slice and head rows to it and stops the task: its clients get no
+message for the task's remaining rounds (a round with no client to train keeps the arrays).
+Held-out samples are not trained on and do not count in a reply's ``num-examples``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from flwr.app import ArrayRecord, RecordDict
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
+from promptfcl.common.privacy import privacy_options
+from promptfcl.common.records import METRICS, from_array_record, to_array_record
+from promptfcl.common.tasks import task_rows
+from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, held_out_count
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
 from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
+from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec
 from promptfcl.strategies.platform.rounds import Accepted, Sent
 from promptfcl.strategies.platform.strategy import PromptStrategy
+
+log = logging.getLogger("promptfcl")
+
+#: a reply's counts of the received global model on its held-out share (task-level early stopping)
+VALIDATION_METRICS = {"val-correct": MetricSpec(int, required=False, low=0),
+                      "val-total": MetricSpec(int, required=False, low=0)}
 
 
 class FedCPromptStrategy(PromptStrategy):
@@ -51,32 +71,130 @@ class FedCPromptStrategy(PromptStrategy):
     options_class = FedCPromptOptions
     opts: FedCPromptOptions
     per_task = "always"  # slice m and task m's head rows over the clients that trained m, whatever the round
+    reply_metrics = {**REPLY_METRICS, **VALIDATION_METRICS}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.known_tasks = 0  # task slices initialised so far (0..known_tasks-1)
+        # task-level early stopping, per task still running: its best validation accuracy, that
+        # model's rows of the task (every task-structured array), rounds without a gain; and the
+        # tasks stopped
+        self.best_accuracy: dict[int, float] = {}
+        self.best_rows: dict[int, dict[str, np.ndarray]] = {}
+        self.stale: dict[int, int] = {}
+        self.stopped: set[int] = set()
+        self.validation: dict[int, float] = {}  # this round's validation accuracy per task (metrics)
+
+    @property
+    def task_scope(self) -> bool:
+        return self.opts.early_stopping and self.opts.early_stopping_scope == "task"
 
     # ------------------------------------------------------------------ hooks
+    def trained_examples(self, held: int) -> int:
+        """A client trains on its share less the held-out validation samples."""
+        return held - held_out_count(held, self.opts.validation_fraction) if self.opts.early_stopping else held
+
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
         self.known_tasks = max(self.known_tasks, task + 1)
         return super().on_task_start(task, arrays)
 
-    def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict:
-        """The arrays, and how many task slices exist (a client uses the known future ones frozen)."""
+    def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict | None:
+        """The arrays, and how many task slices exist (a client uses the known future ones frozen);
+        None for a client on a task early stopping has stopped."""
         if sent.task >= self.known_tasks:
             raise RuntimeError(f"client {sent.client} assigned task {sent.task}, whose slice was never initialised "
                                f"(known tasks: {self.known_tasks}); call on_task_start first")
+        if sent.task in self.stopped:
+            return None
         sent.config[KNOWN_TASKS] = self.known_tasks
         return super().payload(sent, arrays)
 
+    def check_records(self, reply: Message, sent: Sent) -> str | None:
+        """Validation counts, where sent, come in pairs, with no more correct than scored."""
+        metrics = reply.content[METRICS]
+        has = [k in metrics for k in VALIDATION_METRICS]
+        if any(has) and not all(has):
+            return "val-correct and val-total come together"
+        if all(has) and int(metrics["val-correct"]) > int(metrics["val-total"]):
+            return f"val-correct {int(metrics['val-correct'])} exceeds val-total {int(metrics['val-total'])}"
+        return None
+
+    def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
+        """Task-level early stopping: each task's validation of the model this round started from."""
+        self.validation = {}
+        if not self.task_scope or self.round_arrays is None:
+            return arrays
+        sent = from_array_record(self.round_arrays)
+        state: dict[str, np.ndarray] | None = None
+        for task in sorted({a.task for a in accepted} - self.stopped):
+            mine = [a.content[METRICS] for a in accepted if a.task == task and "val-total" in a.content[METRICS]]
+            total = sum(int(m["val-total"]) for m in mine)
+            if not total:
+                continue  # no counts (differential privacy, or shares too small to hold any out)
+            accuracy = sum(int(m["val-correct"]) for m in mine) / total
+            self.validation[task] = accuracy
+            if task not in self.best_accuracy or accuracy > self.best_accuracy[task]:
+                self.best_accuracy[task], self.stale[task] = accuracy, 0
+                self.best_rows[task] = self._rows(sent, task)
+                continue
+            self.stale[task] = self.stale.get(task, 0) + 1
+            if self.stale[task] >= self.opts.patience:
+                state = from_array_record(arrays) if state is None else state
+                for name, rows in self.best_rows.pop(task).items():  # this round's update is discarded
+                    state[name][task_rows(self.cfg, name, state[name], task, self.num_classes)] = rows
+                self.stopped.add(task)
+                log.info("round %d: task %d stopped early (validation %.1f%%, best %.1f%%, %d rounds without a "
+                         "gain); its slice and head rows are back at its best model", server_round, task + 1,
+                         100 * accuracy, 100 * self.best_accuracy[task], self.stale[task])
+        return arrays if state is None else to_array_record(state)
+
+    def _rows(self, state: dict[str, np.ndarray], task: int) -> dict[str, np.ndarray]:
+        """``task``'s rows of every task-structured array (its slice of each prompt array, its head rows)."""
+        out = {}
+        for name, value in state.items():
+            rows = task_rows(self.cfg, name, value, task, self.num_classes)
+            if rows is not None:
+                out[name] = np.array(value[rows], copy=True)
+        return out
+
+    def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The task's early-stopping state is no longer needed (a stopped task stays stopped)."""
+        for table in (self.best_accuracy, self.best_rows, self.stale):
+            table.pop(task, None)
+        return arrays
+
     def round_metrics(self, accepted: list[Accepted]) -> dict[str, float]:
-        return {"tasks-aggregated": len({a.task for a in accepted})}
+        metrics: dict[str, float] = {"tasks-aggregated": len({a.task for a in accepted})}
+        if self.task_scope:
+            metrics["tasks-stopped"] = len(self.stopped)
+            metrics.update({f"val-acc-task{t + 1}": 100 * acc for t, acc in self.validation.items()})
+        return metrics
+
+    def summary(self) -> None:
+        super().summary()
+        if self.task_scope and privacy_options(self.cfg).enabled:
+            log.info("fedcprompt: task-level early stopping needs the clients' validation counts, which "
+                     "differential privacy does not release: every task runs all its rounds")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"known-tasks": int(self.known_tasks)}
+        state: dict[str, Any] = {"known-tasks": int(self.known_tasks), "stopped": sorted(self.stopped),
+                                 "best-accuracy": {str(t): v for t, v in self.best_accuracy.items()},
+                                 "stale": {str(t): v for t, v in self.stale.items()}}
+        for task, rows in self.best_rows.items():
+            for name, value in rows.items():
+                state[f"best.{task}.{name}"] = value
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.known_tasks = int(state.get("known-tasks", 0))
+        self.stopped = {int(t) for t in state.get("stopped", [])}
+        self.best_accuracy = {int(t): float(v) for t, v in dict(state.get("best-accuracy", {})).items()}
+        self.stale = {int(t): int(v) for t, v in dict(state.get("stale", {})).items()}
+        self.best_rows = {}
+        for key, value in state.items():
+            if key.startswith("best."):
+                _, task, name = key.split(".", 2)
+                self.best_rows.setdefault(int(task), {})[name] = np.asarray(value)
 
 
 __all__ = ["FedCPromptOptions", "FedCPromptPrompt", "FedCPromptStrategy", "KNOWN_TASKS"]

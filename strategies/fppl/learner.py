@@ -10,7 +10,9 @@ FPPL ("Federated Prototype-Augmented Prompt Learning", section IV-A/B):
   the global prototypes of the current task's classes, cosine similarity over a
   temperature tau = 0.2 (eq. 6-8);
 * after local training, the per-class mean features (local prototypes, eq. 3) are
-  uploaded next to the prompts, the fusion layer and the head.
+  uploaded next to the prompts, the fusion layer and the head; with augmentation on they
+  are taken over one augmented view of each image, as the authors' code does (option
+  ``prototype-views``).
 
 The pieces both sides share (the prompt module, the options, the record names) are this
 folder's ``prompt.py``, ``options.py`` and ``records.py``, as every method's are.
@@ -18,6 +20,7 @@ folder's ``prompt.py``, ``options.py`` and ``records.py``, as every method's are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,11 +69,14 @@ def unified_representation_loss(
 
 @torch.no_grad()
 def local_prototypes(
-    rt: Runtime, index: np.ndarray, batch_size: int = 256
+    rt: Runtime, index: np.ndarray, batch_size: int = 256,
+    inputs: Callable[[np.ndarray], torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class mean prompted feature over the training samples ``index`` (eq. 3).
 
-    Uses the model as it is (call after training, with the task set); eval mode.
+    Uses the model as it is (call after training, with the task set); eval mode. ``inputs``
+    maps a uint8 batch to model inputs (an augmented view: q(x) is then computed on the view);
+    None: the stored images, preprocessed (query cache allowed).
 
     Returns
     -------
@@ -83,10 +89,11 @@ def local_prototypes(
     labels = rt.data.train.labels[index]
     classes, position = np.unique(labels, return_inverse=True)
     sums = torch.zeros(len(classes), model.embed_dim, dtype=torch.float64)
-    queries = rt.queries("train", index)
+    queries = rt.queries("train", index) if inputs is None else None
     for start in range(0, len(index), batch_size):
         sel = slice(start, start + batch_size)
-        x = model.preprocess(torch.from_numpy(rt.data.train.images[index[sel]]).to(rt.device))
+        images = rt.data.train.images[index[sel]]
+        x = model.preprocess(torch.from_numpy(images).to(rt.device)) if inputs is None else inputs(images)
         q = queries[sel] if queries is not None else model.query(x)
         feats = model.features(x, q).double().cpu()
         sums.index_add_(0, torch.as_tensor(position[sel], dtype=torch.long), feats)
@@ -150,8 +157,14 @@ class FPPLLearner(LocalLearner):
         """Upload C_k^t: the per-class mean features of this client's data, with their counts.
 
         The client id goes along so the server can keep the latest prototypes per client.
+        With ``augment`` on and ``fppl.prototype-views = "augmented"`` (default; the authors'
+        code averages over one pass of its training loader, the paper is silent), each image
+        is seen through one augmented view of its own seeded stream; ``"stored"``: the stored
+        images, the evaluation's inputs.
         """
-        classes, means, counts = local_prototypes(self.rt, index)
+        augment = self.augmentation(0x9207) if self.opts.prototype_views == "augmented" else None
+        inputs = None if augment is None else (lambda images: self.inputs(images, augment))
+        classes, means, counts = local_prototypes(self.rt, index, inputs=inputs)
         return {
             LOCAL_PROTOTYPES: to_array_record(
                 {"classes": classes, "means": means, "counts": counts, "client": np.array([self.client_id], np.int64)}

@@ -8,6 +8,7 @@ from promptfcl.common.config import ConfigError
 from promptfcl.common.options import MethodOptions
 
 FUSION_SCALES = ("fixed", "learnable")
+PROTOTYPE_VIEWS = ("augmented", "stored")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,12 @@ class FPPLOptions(MethodOptions):
         False builds the pool from the task's last round alone, which can leave a class out
         of it for good (on the offline benchmark, 5 of 10 clients per round, Dirichlet 0.05:
         A_N 53.9 with True against 49.4; at 0.5 they tie, 58.9 and 59.8; README, FPPL).
+    prototype_views : str
+        The images the local prototypes (eq. 3) average over when ``augment`` is on:
+        "augmented" (default; the paper is silent, the authors' code averages over one pass of
+        its augmenting training loader) takes one seeded augmented view of each image;
+        "stored" the stored images (the evaluation's inputs; the default before issue 40).
+        Without augmentation the two are the same.
     """
 
     prefix = "fppl"
@@ -67,6 +74,7 @@ class FPPLOptions(MethodOptions):
     server_batch_size: int = 128
     fusion_scale: str = "fixed"
     latest_per_client: bool = True
+    prototype_views: str = "augmented"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -80,3 +88,5 @@ class FPPLOptions(MethodOptions):
         need(self.server_batch_size >= 1, f"fppl.server-batch-size must be >= 1, got {self.server_batch_size}")
         need(self.fusion_scale in FUSION_SCALES,
              f"fppl.fusion-scale must be one of {FUSION_SCALES}, got {self.fusion_scale!r}")
+        need(self.prototype_views in PROTOTYPE_VIEWS,
+             f"fppl.prototype-views must be one of {PROTOTYPE_VIEWS}, got {self.prototype_views!r}")

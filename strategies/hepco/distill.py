@@ -26,7 +26,8 @@ def _local_labels(labels: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
 def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor, teachers: Teachers,
                      student: LatentStudent, use_kl: bool = True, use_mse: bool = True,
                      grams: PromptGrams | None = None) -> dict[str, torch.Tensor]:
-    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers).
+    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers, each times its
+    weight: :meth:`Teachers.weigh`, the "weighted sum" of sec. 5.2).
 
     L_cls: CE of each teacher's head over ``classes``; L_KL: KL(softmax student head ||
     softmax teacher head) over ``classes``; L_MSE: MSE of final prompts, summed over
@@ -40,19 +41,20 @@ def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tenso
     y = _local_labels(labels, classes)
     t_logits = teachers.logits(z, classes)  # (C, B, K)
     C = t_logits.shape[0]
-    l_cls = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="mean") * C
+    per_teacher = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="none")
+    l_cls = teachers.weigh(per_teacher.reshape(C, -1).mean(-1))
     zero = z.new_zeros(())
     l_kl, l_mse = zero, zero
     if use_kl:
         s_logp = F.log_softmax(student.logits(z, classes), dim=-1)  # (B, K)
         t_logp = F.log_softmax(t_logits, dim=-1)
-        l_kl = (s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1).sum()
+        l_kl = teachers.weigh((s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1))
     if use_mse and grams is not None:
         l_mse = grams.mse(z)
     elif use_mse:
         for layer in student.layers:
             diff = student.final_prompts(z, layer)[None] - teachers.final_prompts(z, layer)
-            l_mse = l_mse + diff.pow(2).mean(dim=(1, 2, 3)).sum()
+            l_mse = l_mse + teachers.weigh(diff.pow(2).mean(dim=(1, 2, 3)))
     return {"cls": l_cls, "kl": l_kl, "mse": l_mse}
 
 
@@ -108,6 +110,29 @@ def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teach
     return last
 
 
+def old_teacher_weight(opts: HePCoOptions, n_new: int, n_old: int, num_classes: int, client_weight: float) -> float:
+    """The weight of the previous-task teacher's prompt MSE (eq. 6's zeta term, a mean over the
+    ``n_old`` old-class latents) next to the clients' term (a sum over clients, of total weight
+    ``client_weight``, of means over the ``n_new`` current-task latents of ``num_classes`` classes).
+
+    ``old-latent-teachers = "clients-and-previous"`` (eq. 6): ``old-prompt-mean = "composite"``
+    averages the zeta term over the composite batch, n_old / (n_new + n_old); ``"old"`` over
+    the old latents alone, 1. ``"previous"`` (the authors' code, ``knowledge_distillation`` in
+    their trainer): every squared error is summed over the batch, an old-class latent weighing 1
+    for the previous server and a current-task latent of class y weighing n_y / N summed over
+    the clients (client j's count of y over the round's samples): with the round's classes
+    equally represented, 1 / num_classes. Per latent, the previous server then weighs
+    ``num_classes`` times the clients together, which this weight reproduces:
+    num_classes * client_weight * n_old / n_new (75 times the composite weight at CIFAR-100's
+    10 classes per task, 5 clients and replay ratio 0.5).
+    """
+    if not n_old:
+        return 0.0
+    if opts.old_latent_teachers == "previous":
+        return num_classes * client_weight * n_old / n_new
+    return n_old / (n_new + n_old) if opts.old_prompt_mean == "composite" else 1.0
+
+
 def set_sampling_mode(generators: list[LatentGenerator], mode: str) -> None:
     """BatchNorm mode of ``generators`` while they only produce latents (``"eval"`` | ``"train"``)."""
     for gen in generators:
@@ -147,9 +172,10 @@ def distill(student: LatentStudent, opts: HePCoOptions,
     n_old = int(round(opts.replay_ratio * opts.distill_batch_size)) if past is not None else 0
     # Eq. 6's zeta term as a per-sample loss over the composite batch: the old-latent mean
     # times the old share of the batch ("composite", the paper), or the old-latent mean
-    # alone ("old": the previous-task teacher 1/share times heavier).
-    old_weight = (n_old / (opts.distill_batch_size + n_old)
-                  if opts.old_prompt_mean == "composite" and n_old else 1.0)
+    # alone ("old": the previous-task teacher 1/share times heavier); the authors' code's
+    # weight with old-latent-teachers = "previous" (old_teacher_weight)
+    old_weight = old_teacher_weight(opts, opts.distill_batch_size, n_old, len(classes),
+                                    sum(g.teachers.total_weight for g in groups))
     device = seen.device
     set_sampling_mode([gen] + ([past[0]] if past is not None else []), opts.distill_generator_mode)
     last: dict[str, float] = {}
@@ -191,8 +217,8 @@ def distill(student: LatentStudent, opts: HePCoOptions,
             loss_p = z.new_zeros(())
             for l in student.layers:
                 mine = student.final_prompts(z, l)
-                for target in targets[l]:
-                    loss_p = loss_p + (mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)).sum()
+                for g, target in zip(groups, targets[l]):
+                    loss_p = loss_p + g.teachers.weigh((mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)))
                 if n_old:  # zeta: the previous server teaches on old-class latents only
                     loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)

@@ -45,16 +45,19 @@ class Teachers:
 
     ``keys[l]`` (C, M, D) L2-normalised; ``prompts[l]`` (C, M, L, D); ``head_w`` (C, N, D);
     ``head_b`` (C, N). M is the teachers' active components (slices up to their task).
+    ``weights`` (C,): each teacher's weight in the sums over teachers of eqs. 2-4 and 6
+    (:meth:`weigh`); None: 1 each, the plain sum.
     """
 
     keys: dict[int, torch.Tensor]
     prompts: dict[int, torch.Tensor]
     head_w: torch.Tensor
     head_b: torch.Tensor
+    weights: torch.Tensor | None = None
 
     @classmethod
     def stack(cls, states: list[dict[str, np.ndarray]], layers: list[int], stop: int,
-              device: torch.device) -> Teachers:
+              device: torch.device, weights: list[float] | np.ndarray | None = None) -> Teachers:
         def cat(name: str, upto: int | None = None) -> torch.Tensor:
             return torch.stack([torch.from_numpy(np.array(s[name][:upto], dtype=np.float32)) for s in states]).to(
                 device
@@ -65,7 +68,19 @@ class Teachers:
             prompts={l: cat(f"prompt.p{l}", stop) for l in layers},
             head_w=cat("head.weight"),
             head_b=cat("head.bias"),
+            weights=None if weights is None else torch.as_tensor(np.asarray(weights, np.float32), device=device),
         )
+
+    @property
+    def total_weight(self) -> float:
+        """The teachers' weights summed (their number when unweighted)."""
+        return float(self.head_w.shape[0]) if self.weights is None else float(self.weights.sum())
+
+    def weigh(self, per_teacher: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over teachers of a (C,) loss (the plain sum when unweighted)."""
+        if self.weights is None:
+            return per_teacher.sum()
+        return (per_teacher * self.weights.to(per_teacher.dtype)).sum()
 
     def final_prompts(self, z: torch.Tensor, layer: int) -> torch.Tensor:
         """Each teacher's final prompt for latents ``z`` used as queries: (C, B, L, D)."""
@@ -88,7 +103,7 @@ class TaskTeachers:
 
     classes: torch.Tensor  # the task's classes (a contiguous range)
     teachers: Teachers  # its clients, stacked up to their task's slices
-    replies: int  # how many replies trained the task: its share of the latents
+    share: float  # its share of the latents: its replies, or their total weight (hepco.client-weights)
 
     def holds(self, labels: torch.Tensor) -> torch.Tensor:
         """Which of ``labels`` are this task's classes."""
@@ -102,13 +117,14 @@ def task_groups(classes: torch.Tensor, teachers: Teachers | list[TaskTeachers]) 
 
 def draw_labels(groups: list[TaskTeachers], n: int, rng: torch.Generator) -> torch.Tensor:
     """``n`` latent labels: uniform over one task's classes; over several tasks, a task's classes
-    drawn in proportion to the replies that trained it (uniform within the task)."""
+    drawn in proportion to its ``share`` (the replies that trained it, or their weight; uniform
+    within the task)."""
     if len(groups) == 1:
         classes = groups[0].classes
         return classes[torch.randint(len(classes), (n,), generator=rng, device=classes.device)]
     classes = torch.cat([g.classes for g in groups])
     weights = torch.cat(
-        [torch.full((len(g.classes),), g.replies / len(g.classes), dtype=torch.float64) for g in groups]
+        [torch.full((len(g.classes),), g.share / len(g.classes), dtype=torch.float64) for g in groups]
     ).to(classes.device)
     return classes[torch.multinomial(weights, n, replacement=True, generator=rng)]
 
@@ -215,7 +231,8 @@ class PromptGrams:
         return g_ss, g_sc
 
     def mse(self, z: torch.Tensor) -> torch.Tensor:
-        """Sum over layers and teachers of MSE(student prompt, teacher prompt), mean over B, L, D."""
+        """Sum over layers and teachers (weighted, :meth:`Teachers.weigh`) of MSE(student prompt,
+        teacher prompt), mean over B, L, D."""
         zn = F.normalize(z, dim=-1)
         total = z.new_zeros((), dtype=torch.float64)
         for l in self.layers:
@@ -227,5 +244,5 @@ class PromptGrams:
             ss = torch.einsum("bm,mn,bn->b", a_s, g_ss, a_s)
             sc = torch.einsum("bm,cmn,cbn->cb", a_s, g_sc, a_c)
             cc = torch.einsum("cbm,cmn,cbn->cb", a_c, c["g_cc"], a_c)
-            total = total + ((ss[None] - 2 * sc + cc).mean(-1) / c["p_c"].shape[-1]).sum()
+            total = total + self.teachers.weigh((ss[None] - 2 * sc + cc).mean(-1) / c["p_c"].shape[-1])
         return total.to(z.dtype)

@@ -55,11 +55,29 @@ class HePCoOptions(MethodOptions):
         (default, the paper): every client on every latent of the composite batch, and the
         previous task's server (the ``zeta`` term) on the old-class latents too.
         ``"previous"`` (the authors' code): the clients on the current-task latents only, the
-        previous server alone on the old-class latents.
+        previous server alone on the old-class latents, weighted as their code weighs it: per
+        latent, the previous server as much as the clients together times the current task's
+        classes (10 on CIFAR-100; ``distill.old_teacher_weight``); ``old-prompt-mean`` does not
+        apply. Before issue 40 it kept the composite weight, 75 times lighter than their code
+        at CIFAR-100's setting.
     pool_training : str
-        ``"task-slices"`` (default: CODA-P's slices, which the paper builds on): each task
-        trains its own slice of the pool, earlier slices frozen, on clients and in
-        distillation. ``"whole"`` (the authors' code): the whole pool is trained on every task.
+        ``"whole"`` (default since issue 40: the paper's one shared pool, sec. 5.1, "the sum of
+        the P_i weighted by their cosine scores" over the pool of M = 100, and the authors' code,
+        which trains all of it): the whole pool is trained on every task, on clients and in
+        distillation, initialised once. ``"task-slices"`` (CODA-P's slices, which the paper
+        adapts L2P after; the default before): each task trains its own slice of the pool,
+        earlier slices frozen.
+    client_weights : str
+        The sums over clients of the generator's L_cls, L_KL and L_MSE (eqs. 2-4) and of the
+        clients' prompt MSE in distillation (eq. 6). ``"samples"`` (default: sec. 5.2, "a
+        weighted sum of classification losses for each individual client, similar to Zhang
+        et al. (2022b)"): client c weighs C n_c / sum n by its sample count (the weights average
+        1, so the terms keep their scale), and with clients on several tasks a task's share of
+        the latents is its clients' samples. ``"uniform"`` (eq. 2 as printed, the default before
+        issue 40): every client 1, a task's share its replies. The authors' code weighs each
+        client's loss on a latent of class y by its count of y over the round's samples, which
+        needs per-class counts the clients here do not upload. Latent labels stay uniform over
+        the task's classes (Algorithm 1, "sample class labels y randomly").
     head_loss : str
         Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
         sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
@@ -99,8 +117,9 @@ class HePCoOptions(MethodOptions):
     old_prompt_mean: str = "composite"
     distill_generator_mode: str = "eval"
     old_latent_teachers: str = "clients-and-previous"
-    pool_training: str = "task-slices"
+    pool_training: str = "whole"
     head_loss: str = "ce"
+    client_weights: str = "samples"
     diagnostics: bool = False
     diagnostics_per_class: int = 50
 
@@ -168,7 +187,12 @@ class HePCoOptions(MethodOptions):
         )
         need(self.old_latent_teachers in ("clients-and-previous", "previous"),
              f"old-latent-teachers must be 'clients-and-previous' or 'previous', got {self.old_latent_teachers!r}")
+        need(self.old_latent_teachers == "clients-and-previous" or self.old_prompt_mean == "composite",
+             "old-prompt-mean applies to old-latent-teachers = 'clients-and-previous' (with 'previous' the "
+             "previous-task teacher's weight is the authors' code's)")
         need(self.pool_training in ("task-slices", "whole"),
              f"pool-training must be 'task-slices' or 'whole', got {self.pool_training!r}")
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
+        need(self.client_weights in ("samples", "uniform"),
+             f"client-weights must be 'samples' or 'uniform', got {self.client_weights!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")

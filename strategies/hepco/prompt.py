@@ -12,12 +12,12 @@ class HePCoPrompt(CodaPrompt):
     """The paper's decomposed prompting (sec. 5.1): ``p = sum_m cos(q, K_m) P_m``.
 
     CODA-P without attention vectors (the paper's client weights are ``{P, K}``, so
-    none are created and none travel). Task slices, freezing of earlier slices and
-    orthogonal initialisation are CODA-P's, which the paper builds on (it adapts L2P "as
-    noted by Smith et al. (2022)") without mentioning slices; the authors' code trains the
-    whole pool on every task instead, with no slices and nothing frozen. Buffer
-    ``whole_pool`` (1: the authors' way, ``hepco.pool-training = "whole"``) travels with the
-    parameters, so clients and evaluators follow the server's choice.
+    none are created and none travel). The paper describes one shared pool of M = 100 and no
+    task slices, and the authors' code trains the whole pool on every task, nothing frozen:
+    ``hepco.pool-training = "whole"`` (the default). ``"task-slices"`` keeps CODA-P's task
+    slices, freezing of earlier slices and orthogonal initialisation of each new slice. Buffer
+    ``whole_pool`` (1: the whole pool) travels with the parameters, so clients and evaluators
+    follow the server's choice (0, a model that never received it: slices).
     """
 
     kinds = "pk"  # no attention vectors

@@ -9,20 +9,23 @@ components weighted by the cosine of the query with their keys). The server, eve
 1. provisional model ``w`` = average of the clients' prompts, keys and heads (sec. 5.2);
 2. trains a conditional generator ``z = G(eps, y)`` in the D-dimensional *query* space
    for the current task's classes against the clients (eq. 5):
-   ``min L_cls - lambda_KL L_KL - lambda_MSE L_MSE``;
+   ``min L_cls - lambda_KL L_KL - lambda_MSE L_MSE``, each a sum over clients weighted by
+   their sample counts (sec. 5.2's "weighted sum"; option ``client-weights``);
 3. trains a second generator for the past tasks' classes against the previous task's
    final server model (the only state the server keeps);
-4. latent distillation (sec. 5.3): the provisional model's current prompt slice (keys and
-   components) is fitted by MSE of its final prompts to each teacher's (clients on every
+4. latent distillation (sec. 5.3): the provisional model's prompts (keys and components:
+   the whole shared pool by default, ``pool-training``; the task's slice with CODA-P's
+   ``"task-slices"``) are fitted by MSE of its final prompts to each teacher's (clients on every
    latent, previous-task server on old-class latents only, eq. 6), and its head by
    cross-entropy on the same composite batch (current + ``replay_ratio`` old latents).
 
 With asynchronous arrival (clients on two tasks in one round) the round's replies form one
 teacher group per task (:class:`TaskTeachers`): the current-task generator and the
 distillation cover the classes of every task trained in the round, a task's share of the
-latents is its share of the replies, each client teaches the generator on its own task's
-latents through its own slices, and the student trains the slices of all those tasks. The
-past-task teacher is the server model at the previous task's nominal end.
+latents is its share of the replies (or of their samples, ``client-weights``), each client
+teaches the generator on its own task's latents through its own slices, and the student
+trains the slices of all those tasks. The past-task teacher is the server model at the
+previous task's nominal end.
 
 Everything runs on ``(B, D)`` latents: the backbone is never needed at the server. The
 method's parts: ``options.py``, ``prompt.py``, ``latents.py`` (generator, teachers, student),
@@ -57,6 +60,7 @@ from promptfcl.strategies.hepco.distill import distill, train_generator
 from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
 from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
+from promptfcl.strategies.platform.aggregation import combine_records
 from promptfcl.strategies.platform.rounds import Accepted
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
@@ -91,9 +95,20 @@ class HePCoStrategy(PromptStrategy):
             raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
                               "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
-        if self.opts.pool_training == "whole" and cfg.switch_fraction < 1.0:
-            raise ConfigError("hepco.pool-training = whole trains one pool for every task: it needs synchronous "
-                              "arrival (switch-fraction = 1), where no two tasks train in one round")
+
+    def average(self, accepted: list[Accepted], weights: np.ndarray,
+                arrays: list[ArrayRecord] | None = None) -> ArrayRecord:
+        """The platform's average; with ``pool-training = "whole"`` and clients on several tasks,
+        the prompt arrays over every reply (each trained the whole pool), the head rows of a task
+        over the replies that trained it."""
+        out = super().average(accepted, weights, arrays)
+        if self.opts.pool_training != "whole" or len({a.task for a in accepted}) < 2:
+            return out
+        records = list(arrays) if arrays is not None else [a.content[ARRAYS] for a in accepted]
+        everyone = from_array_record(combine_records(records, weights, self.combiner))
+        state = from_array_record(out)
+        state.update({name: value for name, value in everyone.items() if name.startswith("prompt.")})
+        return to_array_record(state)
 
     def components(self, task: int) -> int:
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
@@ -183,13 +198,29 @@ class HePCoStrategy(PromptStrategy):
     def task_teachers(self, accepted: list[Accepted]) -> list[TaskTeachers]:
         """The round's client teachers, one group per task they trained (ascending), each stacked
         up to its task's slices; the task of a reply is the one the server sent it."""
+        weights = self.client_weights(accepted)
         groups = []
         for t in sorted({a.task for a in accepted}):
-            states = [from_array_record(a.content[ARRAYS]) for a in accepted if a.task == t]
+            mine = [i for i, a in enumerate(accepted) if a.task == t]
+            states = [from_array_record(accepted[i].content[ARRAYS]) for i in mine]
+            w = None if weights is None else weights[mine]
             groups.append(TaskTeachers(torch.as_tensor(task_classes(self.cfg, t, self.num_classes), device=self.device),
-                                       Teachers.stack(states, self.cfg.layers, self.components(t), self.device),
-                                       len(states)))
+                                       Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),
+                                       float(len(mine) if w is None else w.sum())))
         return groups
+
+    def client_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
+        """Each reply's weight in the sums over clients (eqs. 2-4 and 6): ``client-weights =
+        "samples"`` (sec. 5.2's "weighted sum", as FedAvg weighs by the data each client trained
+        on) gives reply c the weight C n_c / sum n (``Accepted.weight``, its sample count or the
+        platform's capped share), so the weights average 1 and the sums keep their scale;
+        ``"uniform"`` (eq. 2 as printed): None, 1 each."""
+        if self.opts.client_weights == "uniform":
+            return None
+        n = np.array([a.weight for a in accepted], np.float64)
+        if not n.sum() > 0:
+            return None
+        return (len(n) * n / n.sum()).astype(np.float32)
 
     def _diagnose(self, gen: LatentGenerator, classes: torch.Tensor, clients: Teachers | list[TaskTeachers],
                   past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,

@@ -14,6 +14,7 @@ LOSSES = ("ce", "logit-norm")
 CLASS_WEIGHTS = ("counts", "uniform")
 SCHEDULES = ("cosine", "constant")
 LOGIT_SETS = ("seen", "sampled")
+SCORE_NORMS = ("l1", "softmax", "none")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class HGPOptions(MethodOptions):
     # pipeline's views, wider covariances and shifted means). The paper does not say; on the
     # offline benchmark true costs 26 points of A_N (README, HGP). No effect with augment = none.
     stats_augment: bool = False
+    # How the prompt keys' cosine scores are "then normalized" (sec. 3.2.1; the paper does not say
+    # how, the authors' public code has no keys): "l1" (the project's reading: s / sum |s|),
+    # "softmax", or "none" (CODA-P's plain cosine). See prompt.py.
+    score_norm: str = "l1"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -80,3 +85,4 @@ class HGPOptions(MethodOptions):
         need(self.rebalance_logits in LOGIT_SETS, f"rebalance-logits must be one of {LOGIT_SETS}")
         need(self.loss in LOSSES, f"loss must be one of {LOSSES}, got {self.loss!r}")
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
+        need(self.score_norm in SCORE_NORMS, f"score-norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")

@@ -150,6 +150,26 @@ class HGPStrategy(PromptStrategy):
         self.task = task
         return super().on_task_start(task, arrays)
 
+    def stateful_parameters(self, arrays: ArrayRecord) -> dict[str, int]:
+        """The exchange as the paper counts it (section 3.2.1, "each client sends its prompts and
+        classification head of the current task"; Appendix A, Figure 5: the rebalanced, whole
+        classifier goes back): to a client, the current task's prompt slice (components and keys
+        of every prompted layer) and the whole head; from a client, the same slice and the head
+        rows of the task's classes. Earlier slices are frozen (CODA-P), so a client that kept them
+        would not need them again. Platform runs send and receive the whole pool (clients are
+        stateless). ``c2s-statistics``: the class statistics a client holding every class of the
+        task uploads on top (classes, counts, means and the ``cov-type`` encoding), which the
+        paper's figure does not break out."""
+        state = from_array_record(arrays)
+        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        prompts = sum(per_task * int(np.prod(v.shape[1:])) for k, v in state.items() if k.startswith("prompt."))
+        head = sum(int(np.prod(v.shape)) for k, v in state.items() if k.startswith("head."))
+        dim = int(state["head.weight"].shape[1])
+        classes = self.num_classes // self.cfg.num_tasks
+        covariance = {"full": dim * (dim + 1) // 2, "diag": dim, "lowrank": dim * self.opts.cov_rank + dim}
+        return {"s2c": prompts + head, "c2s": prompts + classes * (dim + 1),
+                "c2s-statistics": classes * (2 + dim + covariance[self.opts.cov_type])}
+
     def check_records(self, reply: Message, sent: Sent) -> str | None:
         """The class statistics: well-formed (:func:`check_class_stats`), in the configured encoding,
         for classes of the task the client was sent, counting exactly the reply's samples, with

@@ -88,6 +88,7 @@ class SentRound:
     """The messages of one exchange (a round's training, or the exchange before it), matched to replies."""
 
     sent: list[Sent] = field(default_factory=list)
+    skipped: int = 0  # sampled clients the method sent nothing (its payload was None)
     _by_id: dict[str, Sent] = field(default_factory=dict)
     _taken: set[int] = field(default_factory=set)
 

@@ -170,6 +170,7 @@ class Sampling:
                         slot % self.schedule.num_clients, client_config)
             content = make(sent, arrays)
             if content is None:
+                out.skipped += 1
                 continue
             sent.message = Message(content=content, message_type=kind, dst_node_id=node)
             out.sent.append(sent)

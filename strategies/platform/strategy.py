@@ -177,9 +177,11 @@ class PromptStrategy(Sampling, FedAvg):
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
         """Before the round's messages are made (``task``, ``round_``: the nominal ones)."""
 
-    def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict:
+    def payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict | None:
         """One client's message content. Methods add records or send a subset of the arrays
-        (then set ``sent.expected``: what the reply must hold)."""
+        (then set ``sent.expected``: what the reply must hold). None: the client does not train
+        this round (a method that has stopped its task, Fed-CPrompt's task-level early stopping);
+        a round whose every sampled client is left out keeps the global arrays unchanged."""
         return RecordDict({ARRAYS: arrays, CONFIG: sent.config})
 
     def check_records(self, reply: Message, sent: Sent) -> str | None:
@@ -238,15 +240,22 @@ class PromptStrategy(Sampling, FedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
 
+    def trained_examples(self, held: int) -> int:
+        """How many of the ``held`` samples a client's share holds it trains on, and so reports as
+        ``num-examples`` (its FedAvg weight). Default: all; a method whose clients hold some out
+        for validation (Fed-CPrompt) says fewer."""
+        return held
+
     def reference_components(self) -> int:
         """Prompt components per prompted block of the single-task reference of the transfer
         metrics (random tasks, server/transfer.py); default: one task's slice."""
         return self.cfg.pool_size // self.cfg.num_tasks
 
-    def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
+    def stateful_parameters(self, arrays: ArrayRecord) -> int | dict[str, int] | None:
         """Parameters one client exchange would carry each way if clients kept what they already
-        hold between rounds (for comparing with a paper that counts it so); None: the same as
-        what is sent."""
+        hold between rounds (for comparing with a paper that counts it so): one count for both
+        directions, or a dict (``s2c``, ``c2s`` and any other named part, e.g. HGP's
+        ``c2s-statistics``) where they differ; None: the same as what is sent."""
         return None
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]] | None:
@@ -278,6 +287,11 @@ class PromptStrategy(Sampling, FedAvg):
         """Check every reply, weigh and average the accepted ones, then the method's server step."""
         self.accepted = self.accept(list(replies))
         self.rejected = self.exchange_rejected + self.rejected
+        if not self.sent_round.sent and self.sent_round.skipped and self.round_arrays is not None:
+            # the method left every sampled client out (its tasks are stopped): nothing to aggregate
+            log.info("round %d: no client trains (the method left all %d sampled clients out); the global "
+                     "model is unchanged", server_round, self.sent_round.skipped)
+            return self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0})
         if len(self.accepted) < self.cfg.min_replies:
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
                         server_round, len(self.accepted), self.cfg.min_replies)
@@ -487,6 +501,7 @@ class PromptStrategy(Sampling, FedAvg):
         dim = int(state["head.weight"].shape[1])
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
                                    self.cfg.num_tasks)
+        prompt.configure(self.cfg)
         prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
                                 for k, v in state.items() if k.startswith("prompt.")})
         return prompt

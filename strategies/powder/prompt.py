@@ -32,6 +32,10 @@ class PowderPrompt(CodaPrompt):
     detached; only the current task's slice learns.
     """
 
+    # prompt-tuning's tokens stay in the sequence after their block (the authors' code; the paper's
+    # Appendix A gives MHA([p; h_Q], [p; h_K], [p; h_V]) and does not say they are dropped)
+    prompt_tokens = "accumulate"
+
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__(embed_dim, layers, pool_size, length, num_tasks)
         self.local_tasks: list[int] | None = None
