@@ -128,10 +128,12 @@ class FedCPromptStrategy(PromptStrategy):
         state: dict[str, np.ndarray] | None = None
         for task in sorted({a.task for a in accepted} - self.stopped):
             mine = [a.content[METRICS] for a in accepted if a.task == task and "val-total" in a.content[METRICS]]
-            total = sum(int(m["val-total"]) for m in mine)
+            total = correct = 0
+            for m in mine:
+                total, correct = total + int(m["val-total"]), correct + int(m["val-correct"])
             if not total:
                 continue  # no counts (differential privacy, or shares too small to hold any out)
-            accuracy = sum(int(m["val-correct"]) for m in mine) / total
+            accuracy = correct / total
             self.validation[task] = accuracy
             if task not in self.best_accuracy or accuracy > self.best_accuracy[task]:
                 self.best_accuracy[task], self.stale[task] = accuracy, 0

@@ -139,6 +139,7 @@ class FPPLStrategy(PromptStrategy):
         array only the row of the task the client was sent (``sent.expected``).
         """
         content = super().payload(sent, arrays)
+        assert content is not None  # the platform's payload always trains
         if self._global_record is not None:
             content[GLOBAL_PROTOTYPES] = self._global_record
         state = from_array_record(content[ARRAYS])

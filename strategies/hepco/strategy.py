@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -96,8 +97,8 @@ class HePCoStrategy(PromptStrategy):
                               "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
 
-    def average(self, accepted: list[Accepted], weights: np.ndarray,
-                arrays: list[ArrayRecord] | None = None) -> ArrayRecord:
+    def average(self, accepted: Sequence[Accepted], weights: np.ndarray,
+                arrays: Sequence[ArrayRecord] | None = None) -> ArrayRecord:
         """The platform's average; with ``pool-training = "whole"`` and clients on several tasks,
         the prompt arrays over every reply (each trained the whole pool), the head rows of a task
         over the replies that trained it."""
