@@ -25,7 +25,10 @@ from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app, run_in_process
 
 METHODS = ("fedavg", "hepco", "fppl", "hgp", "fedcprompt", "powder")
-FAST_OPTIONS = {"hepco.generator-epochs": 1, "hepco.distill-epochs": 1, "hgp.samples-per-class": 8}
+FAST_OPTIONS = {"hepco.generator-epochs": 1, "hepco.distill-epochs": 1, "hgp.samples-per-class": 8,
+                # task-level early stopping keeps each task's best model across aggregations, and
+                # these tests aggregate one round many times over: the local reading keeps none
+                "fedcprompt.early-stopping-scope": "local"}
 
 
 def method_config(method: str, **overrides) -> ExperimentConfig:
@@ -65,7 +68,7 @@ def replace_content(reply: Message, content: RecordDict) -> Message:
     return out
 
 
-def mutations(content: RecordDict) -> list[tuple[str, RecordDict]]:
+def mutations(content: RecordDict, specs: dict) -> list[tuple[str, RecordDict]]:
     """Every kind of wrong value Flower's records allow, one at a time."""
     out: list[tuple[str, RecordDict]] = []
     kinds = {"array": lambda: ArrayRecord(), "metric": lambda: MetricRecord({"x": 1}),
@@ -87,10 +90,8 @@ def mutations(content: RecordDict) -> list[tuple[str, RecordDict]]:
         out.append((f"an extra {kind} record", variant(lambda c, m=make: c.__setitem__("extra", m()))))
     wrong_values = [("a list of ints", [1, 2]), ("a list of floats", [1.0]), ("NaN", math.nan), ("inf", math.inf),
                     ("-inf", -math.inf), ("negative", -1), ("a huge int", 10**18)]
-    from promptfcl.strategies.platform.replies import REPLY_METRICS
-
     for field in list(content[METRICS].keys()):
-        if REPLY_METRICS[field].required:
+        if specs[field].required:  # the method's declared metrics (Fed-CPrompt adds its validation counts)
             out.append((f"metric {field} missing", variant(lambda c, f=field: c[METRICS].__delitem__(f))))
         for label, value in wrong_values:
             if field == "train-loss" and label in ("negative", "a huge int"):
@@ -129,7 +130,7 @@ def test_every_wrong_field_is_rejected_with_the_node_and_never_raises(method, fl
     good = copy.deepcopy(replies)
     arrays, _ = strategy.aggregate_train(1, good)
     clean = from_array_record(arrays)
-    for label, content in mutations(victim.content):
+    for label, content in mutations(victim.content, strategy.reply_metrics):
         bad = [replace_content(victim, content)] + copy.deepcopy(replies[1:])
         try:
             result, _ = strategy.aggregate_train(1, bad)
