@@ -119,3 +119,21 @@ def test_on_an_honest_label_skewed_run_the_bound_changes_no_statistic(method, tm
     for key, value in states["off"].items():
         if isinstance(value, np.ndarray):
             np.testing.assert_array_equal(states["on"][key], value, err_msg=key)
+
+
+def test_a_covariance_is_judged_against_its_own_class():
+    """Classes differ in spread (here 10x); clients of one class do not. Keyed by class, no honest
+    covariance is touched, and an inflated one is cut to 3 x its own class's lower median."""
+    spec = Statistics(second_moments={"cov-diag": DIAGONAL}, counts=("counts",), keys="classes")
+
+    def record(scale_of_class_1: float) -> dict[str, np.ndarray]:
+        return {"classes": np.array([0, 1]), "counts": np.array([20, 20]),
+                "cov-diag": np.stack([np.full(D, 1.0), np.full(D, scale_of_class_1)])}
+
+    honest = [record(10.0), record(9.0), record(11.0), record(10.5)]
+    out, changed = StatisticsBound(3.0)(honest, [40] * 4, spec)
+    assert changed == 0 and all(o["cov-diag"] is h["cov-diag"] for o, h in zip(out, honest))
+    assert StatisticsBound(3.0)(honest, [40] * 4, Statistics(second_moments={"cov-diag": DIAGONAL}))[1] > 0
+    forged = honest[:3] + [record(1000.0)]
+    out, changed = StatisticsBound(3.0)(forged, [40] * 4, spec)
+    assert changed == 1 and out[3]["cov-diag"][1].sum() == pytest.approx(3 * 10.0 * D)

@@ -95,7 +95,7 @@ class HGPStrategy(PromptStrategy):
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     # what the platform bounds where the run is defended (stats-bound)
-    statistics = {STATS: Statistics(vectors=("means",), counts=("counts",), second_moments={
+    statistics = {STATS: Statistics(vectors=("means",), counts=("counts",), keys="classes", second_moments={
         "cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})}
     options_class = HGPOptions
     opts: HGPOptions

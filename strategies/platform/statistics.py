@@ -10,13 +10,15 @@ new method's statistics are bounded without it doing anything:
 * a **vector** row (a class mean, a prototype, an alpha) whose norm is above b x the lower median
   row norm of that array over the round's replies is scaled down to it;
 * a **second moment** row (a covariance) whose scale (trace) is above b x the lower median scale
-  over the rows that estimate one (count >= 2) is scaled down to it;
+  of the same class's rows that estimate one (count >= 2; from two replies or more: a class one
+  client reports is its own reference) is scaled down to it: classes differ in their spread (up
+  to 10x among the offline benchmark's digits), the clients of one class do not;
 * a **count** is cut to the reply's own ``num-examples`` (what the platform checked or capped).
 
-Every reference is pooled over the round's rows, not over the reporters of one class: label skew
-makes honest clients' counts of a class differ by 100x, but it changes neither the scale of a
-class mean of one backbone's features nor a within-class variance, so honest rows stay inside
-the bound (a row is never rewritten unless it lies b times beyond the typical one). Counts are
+A vector's reference is pooled over the round's rows: label skew makes honest clients' counts
+of a class differ by 100x, but it changes neither the scale of a class mean of one backbone's
+features nor a within-class variance, so honest rows stay inside the bound (a row is never
+rewritten unless it lies b times beyond the typical one). Counts are
 never compared across clients, so a method's weighting of honest clients is its own. A hostile
 minority of replies cannot move a lower median, so a forged row carries at most b times the
 weight of a typical honest one. At least two replies must carry the array (one is its own
@@ -50,11 +52,15 @@ class Statistics:
     counts : tuple of str
         Arrays of one count per row of the reply's own training examples (so none above its
         ``num-examples``); the first also tells which rows estimate a second moment (count >= 2).
+    keys : str, optional
+        The array of each row's id (its class): a second moment is judged among the rows of its
+        id only.
     """
 
     vectors: tuple[str, ...] = ()
     second_moments: Mapping[str, str] = field(default_factory=dict)
     counts: tuple[str, ...] = ()
+    keys: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,16 +74,14 @@ class StatisticsBound:
         return self.bound > 0
 
     def ratios(self, records: Sequence[dict[str, np.ndarray]], spec: Statistics) -> dict[str, float]:
-        """Per declared vector and second-moment array, the largest row scale over the lower median
-        of the round's rows (recorded defended or not: how tight ``stats-bound`` could be)."""
+        """Per declared vector and second-moment array, the largest row scale over its reference
+        (recorded defended or not: how tight ``stats-bound`` could be)."""
         out = {}
-        counts = spec.counts[0] if spec.counts else None
-        for name, scale_of in [(n, _norms) for n in spec.vectors] + \
-                [(n, lambda rows, layout=layout: _traces(rows, layout)) for n, layout in spec.second_moments.items()]:
-            scales, pool = self._scales(list(records), name, scale_of, counts if name not in spec.vectors else None)
-            reference = lower_median(pool.tolist()) if len(scales) >= 2 else 0.0
-            if reference > 0:
-                out[name] = round(float(max(s.max() for s in scales)) / reference, 3)
+        for name, scale_of, keys in self._arrays(spec):
+            _, scales, references = self._references(list(records), name, scale_of, spec, keys)
+            ratios = [s / r for ss, rr in zip(scales, references) for s, r in zip(ss, rr) if np.isfinite(r) and r > 0]
+            if ratios:
+                out[name] = round(float(max(ratios)), 3)
         return out
 
     def __call__(self, records: Sequence[dict[str, np.ndarray]], examples: Sequence[int],
@@ -95,50 +99,57 @@ class StatisticsBound:
                 if name in record and (np.asarray(record[name]) > n).any():
                     changed += int((np.asarray(record[name]) > n).sum())
                     record[name] = np.minimum(record[name], n).astype(np.asarray(record[name]).dtype)
-        for name in spec.vectors:
-            changed += self._bound_rows(out, name, _norms, 1.0)
-        counts = spec.counts[0] if spec.counts else None
-        for name, layout in spec.second_moments.items():
-            power = 0.5 if layout == FACTOR else 1.0
-            changed += self._bound_rows(out, name, lambda rows, layout=layout: _traces(rows, layout), power,
-                                        counts)
+        for name, scale_of, keys in self._arrays(spec):
+            power = 0.5 if spec.second_moments.get(name) == FACTOR else 1.0
+            holders, scales, references = self._references(out, name, scale_of, spec, keys)
+            for record, scale, reference in zip(holders, scales, references):
+                limit = self.bound * reference
+                over = scale > limit  # never where there is no reference (limit inf)
+                if over.any():
+                    values = np.asarray(record[name])
+                    factor = np.where(over, (limit / np.maximum(scale, np.finfo(np.float64).tiny)) ** power, 1.0)
+                    shape = (-1,) + (1,) * (values.ndim - 1)
+                    bounded = values.astype(np.float64) * factor.reshape(shape)
+                    record[name] = np.where(over.reshape(shape), bounded, values).astype(values.dtype)
+                    changed += int(over.sum())
         return out, changed
 
-    def _bound_rows(self, records: list[dict[str, np.ndarray]], name: str, scale_of, power: float,
-                    counts: str | None = None) -> int:
-        """Rows of ``name`` whose scale is above bound x the lower median scale multiplied by
-        (limit / scale) ** ``power``; returns how many."""
-        scales, pool = self._scales(records, name, scale_of, counts)
-        if len(scales) < 2:
-            return 0
-        holders = [r for r in records if name in r and np.asarray(r[name]).size]
-        limit = self.bound * lower_median(pool.tolist())
-        if not limit > 0:  # no reference (or noisy DP covariances with a non-positive median): nothing to judge
-            return 0
-        changed = 0
-        for record, scale in zip(holders, scales):
-            over = scale > limit
-            if over.any():
-                values = np.asarray(record[name])
-                factor = np.where(over, (limit / np.maximum(scale, np.finfo(np.float64).tiny)) ** power, 1.0)
-                bounded = values.astype(np.float64) * factor.reshape((-1,) + (1,) * (values.ndim - 1))
-                record[name] = np.where(over.reshape((-1,) + (1,) * (values.ndim - 1)), bounded, values) \
-                    .astype(values.dtype)
-                changed += int(over.sum())
-        return changed
-
+    @staticmethod
+    def _arrays(spec: Statistics) -> list[tuple[str, Callable[[np.ndarray], np.ndarray], str | None]]:
+        """(array, its row scale, the ids its reference is grouped by): vectors pooled over the
+        round, second moments per id (a class's within-class variance is its own)."""
+        return [(n, _norms, None) for n in spec.vectors] + \
+            [(n, lambda rows, layout=layout: _traces(rows, layout), spec.keys)
+             for n, layout in spec.second_moments.items()]
 
     @staticmethod
-    def _scales(records: Sequence[dict[str, np.ndarray]], name: str, scale_of: Callable[[np.ndarray], np.ndarray],
-                counts: str | None) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each holder's row scales of ``name``, and the pool the reference is read from (rows
-        with ``counts`` >= 2 where a count array is given: a single sample estimates no covariance)."""
+    def _references(records: Sequence[dict[str, np.ndarray]], name: str, scale_of: Callable[[np.ndarray], np.ndarray],
+                    spec: Statistics, keys: str | None) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray],
+                                                                 list[np.ndarray]]:
+        """The holders of ``name``, each one's row scales, and each row's reference: the lower
+        median scale of the rows it is judged among (every row of the round, or the rows of its
+        id with ``keys``), over rows from at least two replies and, with counts, of at least 2
+        samples (one sample estimates no covariance); inf where there is no such reference or it
+        is not positive (noisy DP covariances can have negative traces)."""
         holders = [r for r in records if name in r and np.asarray(r[name]).size]
         scales = [scale_of(np.asarray(r[name], dtype=np.float64).reshape(len(r[name]), -1)) for r in holders]
-        pool = np.concatenate([s if counts is None or counts not in r or len(r[counts]) != len(s)
-                               else s[np.asarray(r[counts]) >= 2] for r, s in zip(holders, scales)]) \
-            if scales else np.zeros(0)
-        return scales, pool
+        counts = spec.counts[0] if spec.counts and spec.second_moments.get(name) else None
+        groups: dict[object, list[tuple[int, float]]] = {}
+        ids = []
+        for h, (record, scale) in enumerate(zip(holders, scales)):
+            row_ids = np.asarray(record[keys]).tolist() if keys and keys in record and \
+                len(record[keys]) == len(scale) else [None] * len(scale)
+            usable = np.asarray(record[counts]) >= 2 if counts and counts in record and \
+                len(record[counts]) == len(scale) else np.ones(len(scale), dtype=bool)
+            ids.append(row_ids)
+            for key, value, ok in zip(row_ids, scale.tolist(), usable.tolist()):
+                if ok:
+                    groups.setdefault(key, []).append((h, value))
+        reference = {key: lower_median([v for _, v in rows]) for key, rows in groups.items()
+                     if len({h for h, _ in rows}) >= 2}
+        references = [np.array([reference.get(k, np.inf) if reference.get(k, 0) > 0 else np.inf for k in row_ids])
+                      for row_ids in ids]
+        return holders, scales, references
 
 
 def _norms(rows: np.ndarray) -> np.ndarray:
