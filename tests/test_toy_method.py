@@ -163,8 +163,7 @@ def test_a_seventh_method_from_hooks_alone_runs_end_to_end(toy_method, tmp_path)
     assert results["config"]["toy.mu"] == 0.25
     # the platform weighed the replies (sample counts) and kept the round's shares
     assert all(abs(sum(r["reply_shares"]) - 1.0) < 1e-9 for r in rounds)
-    assert results["defences"] == {"resolved": "off", "why": results["defences"]["why"]}
-    assert "simulation" in results["defences"]["why"]
+    assert results["defences"] == {"resolved": "off", "why": results["defences"]["why"]}  # as set: trusted
     matrix = results["accuracy_matrix"]
     assert matrix[0][0] is not None and matrix[1][1] is not None
 
