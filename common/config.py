@@ -59,7 +59,7 @@ def key(default: Any, section: str, identities: tuple[str, ...]) -> Any:
 KEY_UPDATE_CLIP = key(5.0, "robustness", ("results",))
 KEY_UPDATE_MIN_COSINE = key(-0.6, "robustness", ("results",))
 KEY_UPDATE_REVERSED_NORM = key(3.5, "robustness", ("results",))
-KEY_STATS_BOUND = key(3.0, "robustness", ("results",))
+KEY_STATS_BOUND = key(4.0, "robustness", ("results",))
 
 
 @dataclass
