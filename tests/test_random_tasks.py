@@ -342,7 +342,10 @@ def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
     from tests.helpers import simulate_in_process as simulate
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
-    results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, head=head, **RANDOM)
+    # the schedule is what is checked: every client trains every round (Fed-CPrompt's task-level
+    # early stopping would leave a stopped task's client out)
+    stopping = {"fedcprompt.early-stopping-scope": "local"} if strategy == "fedcprompt" else {}
+    results = simulate(tmp_path / "run", strategy=strategy, lr=0.05, head=head, **RANDOM, **stopping)
     prompt_params = 2 * (8 * 4 * 48 + 2 * 8 * 48)  # two prompted blocks: P, K, A of 8 components
     head_rows = 4 * 3 if head == "per-task" else 10  # a block per task, or a row per class
     assert results["communication"]["trainable_parameters"] == prompt_params + head_rows * (48 + 1)
