@@ -219,7 +219,7 @@ def baseline_without_node(tmp_path_factory):
     from tests.conftest import flower_task_identity
 
     with flower_task_identity():
-        cfg = method_config("fedavg", **{"out-dir": str(tmp_path_factory.mktemp("failing"))})
+        cfg = method_config("fedavg", defences="on", **{"out-dir": str(tmp_path_factory.mktemp("failing"))})
         from flwr.clientapp import ClientApp
 
         dead = ClientApp(mods=[failing])
@@ -229,7 +229,8 @@ def baseline_without_node(tmp_path_factory):
 @pytest.mark.e2e
 @pytest.mark.parametrize("label", sorted(HOSTILE))
 def test_a_hostile_node_is_excluded_and_the_run_completes(label, baseline_without_node, tmp_path, flower_identity):
-    cfg = method_config("fedavg", **{"out-dir": str(tmp_path)})
+    # defended, as a run facing a hostile node is: a finite but huge update is the norm filter's
+    cfg = method_config("fedavg", defences="on", **{"out-dir": str(tmp_path)})
     results = run_in_process(cfg, nodes=3, apps={1003: hostile_app(HOSTILE[label])})
     rejected = [r for rnd in results["rounds"] for r in rnd["rejected"]]
     assert rejected and {r["node"] for r in rejected} == {1003}, rejected
