@@ -220,8 +220,9 @@ def error_chain(exc: BaseException) -> str:
 
 
 #: run-config keys that say where a run computes, not what: `promptfcl resume` never reads them
-#: from the checkpoint
-PLACEMENT_KEYS = ("ray-address", "device", "threads", "client-cpus", "client-gpus")
+#: from the checkpoint (``threads`` it keeps: a torch thread count can change a float reduction's
+#: order, and so what the rest of the run computes)
+PLACEMENT_KEYS = ("ray-address", "device", "client-cpus", "client-gpus")
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
@@ -246,6 +247,11 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
                 saved_value,
             )
     raw.update(given)
+    if "max-rounds" not in given and raw.get("max-rounds", 0) and saved.server_round >= int(raw["max-rounds"]):
+        # the run stopped at its max-rounds: resuming it means going on (to the end, unless told)
+        log.info("resume: max-rounds = %s was reached; going on to the end (--set max-rounds=N to stop earlier)",
+                 raw["max-rounds"])
+        raw["max-rounds"] = 0
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
     checkpoint.check_compatible(saved, cfg)

@@ -80,7 +80,7 @@ def table(results: dict[str, Any]) -> str:
             f"| dataset | {cfg['dataset']} ({n} tasks, {cfg['partition']} partition, {cfg['num-clients']} clients) |"
             if cfg.get("population", "virtual") != "nodes"
             # deployment: each node brings its data
-            else f"| dataset | each node's own ({n} tasks, {cfg['num-clients']} nodes, "
+            else f"| dataset | each node's own ({n} tasks, {_nodes_taking_part(results)}, "
                  f"{cfg.get('evaluation')} evaluation) |"
         ),
         f"| final average accuracy A_N | {_number(results['final_average_accuracy'])} |",
@@ -224,3 +224,16 @@ def plot(results: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "accuracy_matrix.png", dpi=120)
     plt.close(fig)
+
+
+def _nodes_taking_part(results: dict[str, Any]) -> str:
+    """How many nodes the run waited for, and how many were connected at its last round's sampling
+    where that differs (a node dropped or joined): the table must not say 3 nodes after one left."""
+    waited = int(results["config"]["num-clients"])
+    rounds = results.get("rounds") or []
+    rates = rounds[-1].get("sample_rates") if rounds else None
+    sampled = len(rounds[-1].get("placement") or []) if rounds else 0
+    if not rates or not rates[-1] or not sampled:
+        return f"{waited} nodes"
+    connected = round(sampled / rates[-1])
+    return f"{waited} nodes" if connected == waited else f"{waited} nodes at the start, {connected} at the end"

@@ -389,10 +389,25 @@ def test_resume_takes_where_to_run_from_the_command_line_not_the_checkpoint(tmp_
     checkpoint.save(ckpt, tmp_path)
     with caplog.at_level("INFO", logger="promptfcl"):
         cfg = _resume_config(str(tmp_path), [])
-    assert (cfg.ray_address, cfg.device, cfg.threads, cfg.client_cpus, cfg.client_gpus) == ("", "auto", 0, "auto", "auto")
+    assert (cfg.ray_address, cfg.device, cfg.client_cpus, cfg.client_gpus) == ("", "auto", "auto", "auto")
+    assert cfg.threads == 7  # kept: a thread count can change what the rest of the run computes
     assert any("ray-address = ''" in m and "203.0.113.9:6379" in m for m in caplog.messages)
     cfg = _resume_config(str(tmp_path), ["ray-address=auto", "threads=2"])
     assert cfg.ray_address == "auto" and cfg.threads == 2
+
+
+def test_resuming_a_run_stopped_at_max_rounds_goes_on(tmp_path):
+    """A checkpoint kept by max-rounds = 1 resumes to the end (it stopped at once before), unless
+    the command line sets max-rounds again."""
+    from promptfcl.server import checkpoint
+    from promptfcl.server.cli import _resume_config
+    from tests.helpers import make_ckpt
+
+    ckpt = make_ckpt(1)
+    ckpt.config.update({"max-rounds": 1})
+    checkpoint.save(ckpt, tmp_path)
+    assert _resume_config(str(tmp_path), []).max_rounds == 0
+    assert _resume_config(str(tmp_path), ["max-rounds=3"]).max_rounds == 3
 
 
 # ----------------------------------------------------------------------------- one weighting path

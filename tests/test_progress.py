@@ -159,3 +159,14 @@ def test_a_terminal_keeps_a_status_line_below_the_log_and_other_streams_get_plai
     finally:
         logger.removeHandler(handler2)
     assert plain.getvalue() == "round five\n"
+
+
+def test_the_table_says_how_many_nodes_were_left_after_a_drop():
+    from promptfcl.server.report import _nodes_taking_part
+
+    def results(rate):
+        return {"config": {"num-clients": 3}, "rounds": [{"placement": [{}, {}], "sample_rates": [rate]}]}
+
+    assert _nodes_taking_part(results(2 / 3)) == "3 nodes"
+    assert _nodes_taking_part(results(1.0)) == "3 nodes at the start, 2 at the end"
+    assert _nodes_taking_part({"config": {"num-clients": 3}, "rounds": []}) == "3 nodes"

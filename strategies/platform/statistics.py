@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -118,9 +119,11 @@ class StatisticsBound:
     def _arrays(spec: Statistics) -> list[tuple[str, Callable[[np.ndarray], np.ndarray], str | None]]:
         """(array, its row scale, the ids its reference is grouped by): vectors pooled over the
         round, second moments per id (a class's within-class variance is its own)."""
-        return [(n, _norms, None) for n in spec.vectors] + \
-            [(n, lambda rows, layout=layout: _traces(rows, layout), spec.keys)
-             for n, layout in spec.second_moments.items()]
+        out: list[tuple[str, Callable[[np.ndarray], np.ndarray], str | None]] = \
+            [(n, _norms, None) for n in spec.vectors]
+        for name, layout in spec.second_moments.items():
+            out.append((name, partial(_traces, layout=layout), spec.keys))
+        return out
 
     @staticmethod
     def _references(records: Sequence[dict[str, np.ndarray]], name: str, scale_of: Callable[[np.ndarray], np.ndarray],
