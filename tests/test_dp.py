@@ -271,3 +271,16 @@ def test_noisy_statistics_pass_the_servers_checks_end_to_end(tmp_path, strategy)
     assert all(not r["rejected"] and r["clients_aggregated"] == 3 for r in results["rounds"])
     assert results["privacy"]["epsilon"] == pytest.approx(opacus_epsilon(0.5, 1.0, 2, 1e-5), rel=1e-9)
     assert all(np.isfinite(v) for v in results["average_accuracy_per_task"])
+
+
+@pytest.mark.e2e
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_hgp_with_dp_and_float16_covariances_warns_of_nothing(tmp_path):
+    """A float16 covariance's check was compared with a float64 bound cast to float16 (an overflow
+    warning every DP round, and a failed check where warnings are errors)."""
+    from tests.helpers import simulate_in_process
+
+    results = simulate_in_process(tmp_path, "hgp", **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0,
+                                                       "hgp.samples-per-class": 16, "hgp.cov-type": "diag",
+                                                       "hgp.cov-dtype": "float16"})
+    assert not [r for rnd in results["rounds"] for r in rnd["rejected"] if r["reason"] != "no training examples"]

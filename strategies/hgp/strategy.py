@@ -196,7 +196,9 @@ class HGPStrategy(PromptStrategy):
         if outside:
             return f"class statistics for classes {sorted(outside)[:5]} outside the task it was sent"
         for name, bound in (("means", FEATURE_BOUND), *((k, FEATURE_BOUND**2) for k in WIRE_ARRAYS[kind])):
-            if np.abs(arrays[name]).max(initial=0.0) > bound:
+            # in float64: a float16 covariance compared with 1e8 would cast the bound to float16 (inf,
+            # with an overflow warning in every DP round)
+            if np.abs(np.asarray(arrays[name], dtype=np.float64)).max(initial=0.0) > bound:
                 return f"class statistics {name} beyond {bound:g}, impossible for layer-normed features"
         return None
 
