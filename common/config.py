@@ -55,13 +55,6 @@ def key(default: Any, section: str, identities: tuple[str, ...]) -> Any:
     return field(default=default, metadata={"section": section, "identities": frozenset(identities)})
 
 
-#: the defended run's defaults (chosen from honest runs' spread: docs/reliability.md)
-KEY_UPDATE_CLIP = key(5.0, "robustness", ("results",))
-KEY_UPDATE_MIN_COSINE = key(-0.6, "robustness", ("results",))
-KEY_UPDATE_REVERSED_NORM = key(3.5, "robustness", ("results",))
-KEY_STATS_BOUND = key(4.0, "robustness", ("results",))
-
-
 @dataclass
 class ExperimentConfig:
     """Everything that defines one run. Defaults are the offline default experiment.
@@ -186,17 +179,17 @@ class ExperimentConfig:
     # the replies on its task is scaled down to that length (0: off). Defaults: above what honest
     # label-skewed clients reach on the offline benchmark (docs/reliability.md), so honest runs are
     # left alone
-    update_clip: float = KEY_UPDATE_CLIP
+    update_clip: float = key(5.0, "robustness", ("results",))
     # Direction check (3+ replies on a task): an update whose cosine with its task's coordinate-wise
     # median update is below update-min-cosine (-1: off), or below 0 while it is longer than
     # update-reversed-norm x the task's lower median norm (0: off), is excluded
-    update_min_cosine: float = KEY_UPDATE_MIN_COSINE
-    update_reversed_norm: float = KEY_UPDATE_REVERSED_NORM
+    update_min_cosine: float = key(-0.6, "robustness", ("results",))
+    update_reversed_norm: float = key(3.5, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): a row (class mean, covariance scale) beyond
     # stats-bound x the lower median of the round's rows of that array is cut to it, a count to the
     # reply's own num-examples (0: off)
-    stats_bound: float = KEY_STATS_BOUND
+    stats_bound: float = key(4.0, "robustness", ("results",))
     max_update_norm: float = key(0.0, "robustness", ("results",))
     max_client_weight: float = key(0.5, "robustness", ("results",))
     aggregation: str = key("mean", "robustness", ("results",))
@@ -438,69 +431,3 @@ def keys_in(section: str) -> tuple[str, ...]:
 
 #: keys that do not change what a run computes (excluded from the digest clients check)
 RESULT_NEUTRAL_KEYS = frozenset(k for s in SECTIONS for k in keys_in(s)) - frozenset(keys_of("results"))
-
-
-def toml_value(value: object) -> str:
-    """``value`` (bool, int, float or str) as a TOML literal."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def read_config(
-    config_file: str | None, overrides: list[str], strategy: str | None = None, out: str | None = None
-) -> ExperimentConfig:
-    """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- ``--set`` pairs <- flags.
-
-    Only the configuration's own checks run here; ``client.methods.load_config`` adds the method's.
-    """
-    import tomllib
-    from pathlib import Path
-
-    raw: dict[str, Any] = {}
-    if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            doc = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        doc = doc.get("tool", {}).get("flwr", {}).get("app", {}).get("config", doc)
-        raw.update(_flatten(doc))
-    raw.update(parse_overrides(overrides))
-    if strategy:
-        raw["strategy"] = strategy
-    if out:
-        raw["out-dir"] = out
-    return ExperimentConfig.from_dict(raw)
-
-
-def _flatten(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``["num-tasks=5", "lr=1e-3"]`` -> dict; values parsed as TOML scalars where possible."""
-    import tomllib
-
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"override {pair!r} is not of the form key=value")
-        key, raw = pair.split("=", 1)
-        key, raw = key.strip(), raw.strip()
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw  # bare strings such as dataset=digits
-    return out

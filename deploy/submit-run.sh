@@ -49,7 +49,8 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 # and validate it with promptfcl's own configuration checks.
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
 import sys
-from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides, toml_value
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config_files import parse_overrides, toml_value
 from promptfcl.common.footprint import check_server_footprint
 from promptfcl.server.cli import load_config
 

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config_files import parse_overrides
 from promptfcl.common.data import DataError
 from promptfcl.common.weights import check_weights
 from promptfcl.strategies.registry import check_method, load_config, methods, strategy_class

@@ -29,7 +29,7 @@ VENV_BIN = Path(sys.executable).parent
 
 def toml_file(path: Path, values: dict[str, Any]) -> Path:
     """A flat run-config TOML file (``deploy/run.toml``'s format) holding ``values``."""
-    from promptfcl.common.config import toml_value
+    from promptfcl.common.config_files import toml_value
 
     path.write_text("".join(f'"{k}" = {toml_value(v)}\n' for k, v in values.items()))
     return path

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, toml_value
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config_files import toml_value
 
 log = logging.getLogger("promptfcl")
 

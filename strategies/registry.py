@@ -25,7 +25,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, read_config
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config_files import read_config
 from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
 from promptfcl.common.privacy import PrivacyOptions
 
@@ -179,7 +180,7 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
 
 def app_config_tables() -> str:
     """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
-    from promptfcl.common.config import toml_value
+    from promptfcl.common.config_files import toml_value
 
     blocks = []
     for namespace, options in namespaced_defaults().items():

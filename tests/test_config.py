@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, parse_overrides
+from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config_files import parse_overrides
 from promptfcl.server.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -100,7 +100,7 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
     with some of its options changed (an ablation), compared as a method of its own; a part
     without ``=`` names one of the method's variants (``"hepco/baseline"``)."""
-    from promptfcl.common.config import parse_overrides
+    from promptfcl.common.config_files import parse_overrides
     from promptfcl.strategies.registry import check_method, methods
 
     name, *parts = spec.split("/")

@@ -33,7 +33,9 @@ from functools import partial
 
 import numpy as np
 
+from promptfcl.common.records import from_array_record, to_array_record
 from promptfcl.strategies.platform.replies import lower_median
+from promptfcl.strategies.platform.rounds import Accepted
 
 #: how a second-moment array holds one covariance per row
 PACKED_TRIU, DIAGONAL, FACTOR = "packed-triu", "diagonal", "factor"
@@ -73,6 +75,24 @@ class StatisticsBound:
     @property
     def active(self) -> bool:
         return self.bound > 0
+
+    def apply(self, replies: Sequence[Accepted], specs: Mapping[str, Statistics], ratios: dict[str, float]) -> int:
+        """The declared statistics (``specs``: record name -> what it holds) of ``replies`` bounded
+        in place; returns the rows changed. Each array's largest row scale over its reference goes
+        to ``ratios``, bounded or not."""
+        changed = 0
+        for name, spec in specs.items():
+            holders = [a for a in replies if name in a.content.array_records]
+            before = [from_array_record(a.content[name]) for a in holders]
+            ratios.update(self.ratios(before, spec))
+            if not self.active:
+                continue
+            records, n = self(before, [a.examples for a in holders], spec)
+            for a, old, new in zip(holders, before, records):
+                if any(new[k] is not old[k] for k in new):  # rewritten only where a row was bounded
+                    a.content[name] = to_array_record(new)
+            changed += n
+        return changed
 
     def ratios(self, records: Sequence[dict[str, np.ndarray]], spec: Statistics) -> dict[str, float]:
         """Per declared vector and second-moment array, the largest row scale over its reference

@@ -300,9 +300,8 @@ class PromptStrategy(Sampling, FedAvg):
         for a, w in zip(self.accepted, weights):
             a.weight = float(w)
         self._log_capped(server_round, weights)
-        if not self.uses_exchange():
-            self.stats_ratios = {}
-        self.defence_counts["stats"] = self.exchange_bounded + self._bound_statistics(self.accepted)
+        bounded = self.stats_bound.apply(self.accepted, self.statistics, self.stats_ratios)
+        self.defence_counts["stats"] = self.exchange_bounded + bounded
         if any(self.defence_counts.values()):  # one line a round, not one per node
             log.info("round %d defences: %s (of %d replies; statistics: rows)", server_round,
                      ", ".join(f"{k} {v}" for k, v in self.defence_counts.items() if v), len(self.accepted))
@@ -319,6 +318,7 @@ class PromptStrategy(Sampling, FedAvg):
                            grid: Grid) -> list[Message]:
         """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
         self.exchange_round, self.exchange_rejected, self.exchange_bounded = SentRound(), [], 0
+        self.stats_ratios = {}  # a round's, from its exchange (if any) and its replies
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
@@ -343,8 +343,7 @@ class PromptStrategy(Sampling, FedAvg):
             node = self.exchange_round.sender(reply)
             self.exchange_rejected.append((node, "exchange: " + reason))
             log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
-        self.stats_ratios = {}
-        self.exchange_bounded = self._bound_statistics(answers)
+        self.exchange_bounded = self.stats_bound.apply(answers, self.statistics, self.stats_ratios)
         self.use_exchange(server_round, answers)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -388,23 +387,6 @@ class PromptStrategy(Sampling, FedAvg):
                 self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
         self.defence_counts = screening.counts()
         return accepted
-
-    def _bound_statistics(self, accepted: list[Accepted]) -> int:
-        """The declared statistics of ``accepted`` bounded in place (``stats-bound``); rows changed.
-        Each array's largest row scale over the round's reference goes to ``stats_ratios``."""
-        changed = 0
-        for name, spec in self.statistics.items():
-            holders = [a for a in accepted if name in a.content.array_records]
-            before = [from_array_record(a.content[name]) for a in holders]
-            self.stats_ratios.update(self.stats_bound.ratios(before, spec))
-            if not self.stats_bound.active:
-                continue
-            records, n = self.stats_bound(before, [a.examples for a in holders], spec)
-            for a, old, new in zip(holders, before, records):
-                if any(new[k] is not old[k] for k in new):  # rewritten only where a row was bounded
-                    a.content[name] = to_array_record(new)
-            changed += n
-        return changed
 
     def check_reply(self, reply: Message) -> str | None:
         """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
