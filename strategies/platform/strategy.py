@@ -300,8 +300,9 @@ class PromptStrategy(Sampling, FedAvg):
         for a, w in zip(self.accepted, weights):
             a.weight = float(w)
         self._log_capped(server_round, weights)
-        bounded = self.stats_bound.apply(self.accepted, self.statistics, self.stats_ratios)
-        self.defence_counts["stats"] = self.exchange_bounded + bounded
+        self.stats_ratios = self.stats_ratios if self.uses_exchange() else {}
+        self.defence_counts["stats"] = self.exchange_bounded + self.stats_bound.apply(
+            self.accepted, self.statistics, self.stats_ratios)
         if any(self.defence_counts.values()):  # one line a round, not one per node
             log.info("round %d defences: %s (of %d replies; statistics: rows)", server_round,
                      ", ".join(f"{k} {v}" for k, v in self.defence_counts.items() if v), len(self.accepted))
@@ -318,7 +319,6 @@ class PromptStrategy(Sampling, FedAvg):
                            grid: Grid) -> list[Message]:
         """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
         self.exchange_round, self.exchange_rejected, self.exchange_bounded = SentRound(), [], 0
-        self.stats_ratios = {}  # a round's, from its exchange (if any) and its replies
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
@@ -343,6 +343,7 @@ class PromptStrategy(Sampling, FedAvg):
             node = self.exchange_round.sender(reply)
             self.exchange_rejected.append((node, "exchange: " + reason))
             log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
+        self.stats_ratios = {}
         self.exchange_bounded = self.stats_bound.apply(answers, self.statistics, self.stats_ratios)
         self.use_exchange(server_round, answers)
 
