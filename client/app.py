@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from promptfcl.client.faults import inject_faults
+from promptfcl.client.memory import apply_plan, plan_metrics
 from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
 from promptfcl.client.node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 from promptfcl.common import startup
@@ -105,11 +106,13 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
+    policy = NodePolicy.from_node_config(context.node_config)
+    learner = build_learner(cfg, runtime)
+    plan = apply_plan(runtime, policy, learner)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
     evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    learner = build_learner(cfg, runtime)
     task, round_, client_id = assignment(cfg, config, client_id)
     reply = learner.fit(msg.content, task, round_, client_id)
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
@@ -120,6 +123,9 @@ def train(msg: Message, context: Context) -> Message:
             reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
         report_process_cost(reply[METRICS])
         declare_sizes(cfg, runtime, reply[METRICS])
+        if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
+            for key, value in plan_metrics(plan, runtime).items():
+                reply[METRICS][key] = value
     reply[PLACEMENT] = placement(runtime, context, cfg.digest())
     if evaluation is not None:
         reply[EVALUATION] = evaluation
@@ -164,6 +170,7 @@ def query(msg: Message, context: Context) -> Message:
     check_same_config(cfg, config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
+    apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
     task, round_, client_id = assignment(cfg, config, client_id)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
@@ -179,6 +186,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     check_same_config(cfg, config)
     runtime, _ = client_runtime(cfg, context, config)
+    apply_plan(runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
     try:
         task = int(config["task"])
     except KeyError:
@@ -244,14 +252,14 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
             raise NodeRefusal("node refuses the run: population = virtual loads the run's own dataset "
                               f"({cfg.dataset!r}), and this node reads only the data its node-config names; "
                               "use population = nodes (or start the node with data-from-run=true)")
-        return get_runtime(cfg, method_prompt), -1
+        return get_runtime(cfg, method_prompt, precision=policy.precision), -1
     with startup.phase("data"):
         node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
         check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
                       f"this node's data ({node.data.name})", run_num_classes=int(sent))
-    return get_runtime(node.cfg, method_prompt, data=node.data), node.client_id
+    return get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision), node.client_id
 
 
 def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:

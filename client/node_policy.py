@@ -16,6 +16,10 @@ take, or switch on behaviour meant for experiments. Three rules, all read from t
   ``fault-injection=true`` (or ``PROMPTFCL_FAULT_INJECTION=1`` in its environment).
 * **Data location.** A node reads only the data its node config names; ``data-from-run=true``
   lets a partition node read the run's ``dataset`` / ``data-dir`` instead.
+* **Memory and precision.** ``memory-budget-mb`` is how much memory a message may take on this
+  node: the node plans its training within it (micro-batches, checkpointing; client/memory.py);
+  ``backbone-precision`` (``fp32``, ``bf16``, ``int8``) is the frozen backbone's, float32 unless
+  the operator chooses otherwise. Neither comes from the run.
 * **Backbone.** A node takes its backbone only from its own node config (``weights=...``: a
   checkpoint on the node, ``"timm"``, ``"pretrained:<source>"`` or ``"random"``) or its cache:
   a run's ``weights = "pretrained:<source>"`` (the node's cache of that pretraining) and
@@ -34,6 +38,7 @@ ClientApp runs in a process of its SuperNode, never in a Ray actor.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -44,6 +49,8 @@ from flwr.app import Context, Message
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint_problem
+from promptfcl.common.low_precision import PRECISIONS
+from promptfcl.common.memory_plan import BUDGET_KEY
 from promptfcl.common.text import printable
 
 log = logging.getLogger("promptfcl")
@@ -70,8 +77,12 @@ DATA_FROM_RUN = "data-from-run"
 WEIGHTS_FROM_RUN = "weights-from-run"
 #: node-config key: this node's own backbone weights (what the run's ``weights`` would say)
 WEIGHTS = "weights"
+#: node-config keys: the memory a message may take on this node, in MB (absent: no budget), and the
+#: frozen backbone's precision (absent: fp32)
+MEMORY_BUDGET = BUDGET_KEY
+BACKBONE_PRECISION = "backbone-precision"
 #: node-config keys of this module (client/node_data.py accepts them beside its own)
-POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, WEIGHTS_FROM_RUN, WEIGHTS,
+POLICY_KEYS = (FAULT_INJECTION, DATA_FROM_RUN, WEIGHTS_FROM_RUN, WEIGHTS, MEMORY_BUDGET, BACKBONE_PRECISION,
                *(f"max-{k}" for k in (*LIMITS, *FOOTPRINT_LIMITS)))
 #: run ``weights`` a node takes from its cache: nothing the server names is opened or fetched
 CACHED_WEIGHTS = re.compile(r"random|pretrained:.+")
@@ -93,6 +104,8 @@ class NodePolicy:
     data_from_run: bool = False
     weights_from_run: bool = False
     weights: str | None = None  # the node's own backbone weights (node-config ``weights``)
+    memory_budget_mb: float = 0.0  # node-config ``memory-budget-mb`` (0: none)
+    precision: str = "fp32"  # node-config ``backbone-precision``
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
@@ -108,8 +121,16 @@ class NodePolicy:
         if weights is not None and (not isinstance(weights, str) or not weights):
             raise NodeRefusal(f"node-config {WEIGHTS} must be a checkpoint path, \"timm\", \"pretrained:<source>\" "
                               f"or \"random\", got {printable(repr(weights), 80)}")
+        budget = node_config.get(MEMORY_BUDGET, 0)
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0 or budget == math.inf:
+            raise NodeRefusal(f"node-config {MEMORY_BUDGET} must be a number of MB (0: no budget), got {budget!r}")
+        precision = node_config.get(BACKBONE_PRECISION, "fp32")
+        if precision not in PRECISIONS:
+            raise NodeRefusal(f"node-config {BACKBONE_PRECISION} must be one of {', '.join(PRECISIONS)}, "
+                              f"got {printable(repr(precision), 40)}")
         return cls(limits, flag(node_config, FAULT_INJECTION) or os.environ.get(FAULT_INJECTION_ENV) == "1",
-                   flag(node_config, DATA_FROM_RUN), flag(node_config, WEIGHTS_FROM_RUN), weights)
+                   flag(node_config, DATA_FROM_RUN), flag(node_config, WEIGHTS_FROM_RUN), weights,
+                   float(budget), str(precision))
 
     def backbone(self, cfg: ExperimentConfig) -> ExperimentConfig:
         """``cfg`` with the backbone weights this node uses, checked before anything is opened.

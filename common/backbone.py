@@ -1,5 +1,7 @@
 """The frozen ViT backbone: built once (timm, or this project's ViT from a checkpoint), frozen,
-and cached on disk per machine (``backbone-cache-disk``); common/model.py prompts it."""
+and cached on disk per machine (``backbone-cache-disk``); common/model.py prompts it. A process
+maps the cache file into memory rather than reading it: its weights are the page cache's,
+shared read-only by every process of the node."""
 
 from __future__ import annotations
 
@@ -61,7 +63,9 @@ def _read_built(path: Path, cfg: ExperimentConfig) -> tuple[nn.Module, str] | No
     """The backbone in a built-backbone cache file, or None (with a warning) if it is unusable."""
     try:
         with startup.phase("weights"):
-            doc = torch.load(path, map_location="cpu", weights_only=True)
+            # memory-mapped, private: the frozen weights are the file's pages, read on demand and
+            # shared with every process of this node that maps the cache (never written: no copy)
+            doc = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(doc, dict) or doc.get("format") != BUILT_FORMAT:
             found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise ValueError(f"format {found!r}, expected {BUILT_FORMAT}")

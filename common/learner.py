@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.augment import augment_images
+from promptfcl.common.memory_plan import TrainingPlan
 from promptfcl.common.model import masked_logits
 from promptfcl.common.options import MethodOptions, NoOptions
 from promptfcl.common.partitions import client_indices
@@ -49,6 +50,13 @@ class Batch:
     query: torch.Tensor  # (B, D)
     features: torch.Tensor  # prompted pre-logit features (B, D)
     logits: torch.Tensor  # masked to the current task's head rows (B, head outputs)
+    # a micro-batch of the optimiser's step (a node's memory plan): its share of the step's images;
+    # the labels of the whole step and this micro-batch's rows among them. The loop weights the
+    # micro-batch's loss by ``share``, so a loss that averages over samples needs nothing more; one
+    # whose terms couple the step's samples reads ``step_labels`` (Powder's weights, FPPL's count).
+    share: float = 1.0
+    step_labels: torch.Tensor | None = None
+    rows: slice | None = None
 
 
 class LocalLearner:
@@ -72,6 +80,7 @@ class LocalLearner:
         self.opts: Any = options if isinstance(options, MethodOptions) else \
             self.options_class.from_options(options or {})
         self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
+        self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
 
     # ------------------------------------------------------------------ hooks
     def round_start(self, content: RecordDict, task: int) -> None:
@@ -161,25 +170,46 @@ class LocalLearner:
                 pos = order[start : start + cfg.batch_size]
                 x = self.inputs(images[trained[pos]], augment)
                 y = labels[pos].to(rt.device)
-                with rt.autocast():
-                    q = queries[pos] if queries is not None else model.query(x)
-                    feats = model.features(x, q)
-                    logits = masked_logits(model.head(feats), allowed)
-                    loss = F.cross_entropy(logits, y)
-                    extra = self.extra_loss(Batch(x, y, q, feats, logits), task)
-                    if extra is not None:
-                        loss = loss + extra
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss = self.step(x, y, queries[pos] if queries is not None else None, allowed, task)
                 optimizer.step()
                 if scheduler is not None:
                     scheduler.step()
-                losses.append(float(loss.detach()))
+                losses.append(loss)
             if self.epoch_end(epoch, validation, task):
                 break
             model.train()
         model.eval()
         return self._reply(index, task, started, losses, examples=len(trained))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, queries: torch.Tensor | None, allowed: torch.Tensor,
+             task: int) -> float:
+        """One optimiser step's gradient (accumulated in the parameters' ``grad``) and its loss.
+
+        In micro-batches of the plan's size where a node's memory budget asks for them: each
+        micro-batch's loss weighted by its share of the step, so the accumulated gradient is the
+        whole batch's (cross-entropy and every per-sample mean; float rounding aside).
+        """
+        rt, model = self.rt, self.rt.model
+        micro = self.plan.micro_batch or len(y)
+        total = 0.0
+        for start in range(0, len(y), micro):
+            rows = slice(start, start + micro)
+            share = 1.0 if micro >= len(y) else len(y[rows]) / len(y)
+            xs, ys = (x, y) if share == 1.0 else (x[rows], y[rows])
+            with rt.autocast():
+                q = queries[rows] if queries is not None else model.query(xs)
+                feats = model.features(xs, q)
+                logits = masked_logits(model.head(feats), allowed)
+                loss = F.cross_entropy(logits, ys)
+                extra = self.extra_loss(Batch(xs, ys, q, feats, logits, share, y, rows), task)
+                if extra is not None:
+                    loss = loss + extra
+                if share != 1.0:
+                    loss = loss * share
+            loss.backward()
+            total += float(loss.detach())
+        return total
 
     @torch.no_grad()
     def accuracy(self, index: np.ndarray, task: int, batch_size: int = 256) -> float:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from promptfcl.common.backbone import backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
 from promptfcl.common.config import ConfigError, ExperimentConfig
@@ -193,6 +196,11 @@ class PromptedViT(nn.Module):
         if tokens not in ("truncate", "accumulate"):
             raise ValueError(f"prompt tokens {tokens!r}")
         self.tokens = tokens
+        # a node's memory plan (common/memory_plan.py): recompute the blocks prompts back-propagate
+        # through instead of keeping their activations, and run no-grad passes in chunks of at most
+        # ``max_batch`` images (0: whole batches); neither changes what is computed
+        self.checkpointing = False
+        self.max_batch = 0
         self.embed_dim = int(backbone.embed_dim)
         depth = len(backbone.blocks)
         bad = [layer for layer in prompt.layers if layer >= depth]
@@ -239,7 +247,17 @@ class PromptedViT(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """q(x): final-layer CLS feature of the frozen backbone without prompts."""
         b = self.backbone
-        return b.forward_head(b.forward_features(x), pre_logits=True)
+        return self._chunked(lambda xs: b.forward_head(b.forward_features(xs[0]), pre_logits=True), x)
+
+    def _chunked(self, fn: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+                 *inputs: torch.Tensor) -> torch.Tensor:
+        """``fn(inputs)``, in chunks of ``max_batch`` rows when no gradient is recorded (each image is
+        computed alone, so only the activations' peak changes)."""
+        rows = len(inputs[0])
+        if not self.max_batch or rows <= self.max_batch or torch.is_grad_enabled():
+            return fn(inputs)
+        return torch.cat([fn(tuple(t[s : s + self.max_batch] for t in inputs))
+                          for s in range(0, rows, self.max_batch)])
 
     def features(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """Prompted pre-logit feature (B, D).
@@ -250,22 +268,30 @@ class PromptedViT(nn.Module):
         block, each prompted block adding its own (Powder's code, whose ViT prepends them and
         reads CLS behind them: the same attention), and are removed only before the final norm,
         so the head reads CLS (or the patch mean) as without prompts.
+
+        With ``checkpointing`` on, a block that gradients pass through keeps only its input for the
+        backward pass and runs again there (``torch.utils.checkpoint``, non-reentrant): the same
+        gradients, one block's activations at a time instead of every block's.
         """
+        return self._chunked(lambda xs: self._features(xs[0], xs[1]), x, query)
+
+    def _features(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         b = self.backbone
         tokens = b.norm_pre(b.patch_drop(b._pos_embed(b.patch_embed(x))))
         prompted = set(self.prompt.layers)
         carried = 0  # accumulated prompt tokens, right after CLS
+        run = self._run_block
         for i, block in enumerate(b.blocks):
             if i not in prompted:
-                tokens = block(tokens)
+                tokens = run(block, tokens)
                 continue
             prompt = self.prompt(query, i)
             if self.mode == "prefix":
-                tokens = block_forward(block, tokens, prompt)
+                tokens = run(partial(block_forward, block), tokens, prompt)
             else:
                 n = prompt.shape[1]
                 extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
-                out = block_forward(block, extended)
+                out = run(partial(block_forward, block), extended)
                 if self.tokens == "accumulate":
                     tokens, carried = out, carried + n
                 else:
@@ -273,6 +299,14 @@ class PromptedViT(nn.Module):
         if carried:
             tokens = torch.cat([tokens[:, :1], tokens[:, 1 + carried :]], dim=1)
         return b.forward_head(b.norm(tokens), pre_logits=True)
+
+    def _run_block(self, block: Callable[..., torch.Tensor], tokens: torch.Tensor,
+                   *prefix: torch.Tensor) -> torch.Tensor:
+        """``block(tokens, *prefix)``, checkpointed where the plan says so and a gradient passes through it."""
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (tokens, *prefix))
+        if not (self.checkpointing and grad):
+            return block(tokens, *prefix)
+        return checkpoint(block, tokens, *prefix, use_reentrant=False)
 
     def forward(self, x: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor:
         if query is None:
@@ -286,13 +320,20 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(
-    cfg: ExperimentConfig, num_classes: int, prompt_class: type[CodaPrompt] | None = None
+    cfg: ExperimentConfig, num_classes: int, prompt_class: type[CodaPrompt] | None = None,
+    precision: str = "fp32",
 ) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
-    one per class, or a block per task); seeded init."""
+    one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
+    node's own choice (common/low_precision.py)."""
+    from promptfcl.common.low_precision import lower_precision
     from promptfcl.common.tasks import head_size
 
     backbone, source = build_backbone(cfg)
+    if precision != "fp32":
+        cached = backbone_cache_path(cfg)
+        lower_precision(backbone, precision, str(cached) if cached is not None else None)
+        source += f" (frozen linear layers in {precision}, this node's choice)"
     state = torch.random.get_rng_state()
     torch.manual_seed(cfg.seed)
     prompt = (prompt_class or CodaPrompt)(

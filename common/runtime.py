@@ -140,11 +140,14 @@ class Runtime:
     weights_source: str
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
+    precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/low_precision.py)
 
     @functools.cached_property
     def mixed_precision(self) -> bool:
         """Whether forward passes run under bfloat16 autocast (config ``precision``; decided once,
         not per batch)."""
+        if self.precision == "bf16":  # bfloat16 weights compute under autocast only
+            return True
         if self.cfg.precision == "auto":
             return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return self.cfg.precision == "bf16"
@@ -160,7 +163,9 @@ class Runtime:
             path = None
             if self.disk_dir is not None:
                 inputs = self.model.inputs.identity(evaluation=split == "test")
-                path = self.disk_dir / f"{disk_backbone_id(self.cfg)}-{self.data.fingerprint}-{inputs}-{split}.npz"
+                # a lower-precision backbone's queries differ: a file of their own
+                backbone = disk_backbone_id(self.cfg) + ("" if self.precision == "fp32" else f"-{self.precision}")
+                path = self.disk_dir / f"{backbone}-{self.data.fingerprint}-{inputs}-{split}.npz"
             with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
                 self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path,
                                                 evaluation=split == "test")
@@ -193,30 +198,35 @@ def configure_threads(cfg: ExperimentConfig) -> None:
         torch.set_num_threads(n)
 
 
-def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> Runtime:
+def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt],
+                   precision: str = "fp32") -> Runtime:
     configure_threads(cfg)
     device = resolve_device(cfg.device)
-    model, source = build_model(cfg, data.num_classes, prompt_class)
+    if precision != "fp32" and device.type != "cpu":
+        from promptfcl.common.config import ConfigError
+
+        raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
+    model, source = build_model(cfg, data.num_classes, prompt_class, precision)
     model.to(device)
     log.info("model: %s on %s", source, device)
-    return Runtime(cfg, data, model, device, source, disk_dir=query_disk_dir(cfg))
+    return Runtime(cfg, data, model, device, source, disk_dir=query_disk_dir(cfg), precision=precision)
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(fingerprint: str, prompt_class: type[CodaPrompt]) -> Runtime:
+def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = "fp32") -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
     configure_threads(cfg)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _build_runtime(cfg, data, prompt_class)
+    return _build_runtime(cfg, data, prompt_class, precision)
 
 
-# Runtimes over data a caller loaded itself (a node's own data), keyed by config and data.
-_with_data: dict[tuple[str, type[CodaPrompt], str], Runtime] = {}
+# Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
+_with_data: dict[tuple[str, type[CodaPrompt], str, str], Runtime] = {}
 
 
 def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt,
-                data: Dataset | None = None) -> Runtime:
+                data: Dataset | None = None, precision: str = "fp32") -> Runtime:
     """The process-wide runtime for this configuration (the backbone is built once).
 
     Parameters
@@ -228,19 +238,22 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
     data : Dataset, optional
         Data loaded by the caller (a deployed node's own data); by default the
         run's dataset is loaded from ``cfg``.
+    precision : str
+        The frozen backbone's precision, the node's choice (``fp32``, ``bf16``, ``int8``).
     """
     if data is None:
-        return _runtime(cfg.fingerprint(), prompt_class)
-    key = (cfg.fingerprint(), prompt_class, data.fingerprint)
+        return _runtime(cfg.fingerprint(), prompt_class, precision)
+    key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision)
     if key not in _with_data:
         previous = next(iter(_with_data.values()), None)
         _with_data.clear()  # one node dataset per process
-        if previous is not None and _same_model(previous, cfg, data, prompt_class):
+        if previous is not None and previous.precision == precision and \
+                _same_model(previous, cfg, data, prompt_class):
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
-                                      disk_dir=query_disk_dir(cfg))
+                                      disk_dir=query_disk_dir(cfg), precision=precision)
         else:
-            _with_data[key] = _build_runtime(cfg, data, prompt_class)
+            _with_data[key] = _build_runtime(cfg, data, prompt_class, precision)
     return _with_data[key]
 
 

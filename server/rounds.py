@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from promptfcl.common.records import CONFIG, METRICS
 from promptfcl.common.startup import PHASES, metric_name
 from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
+from promptfcl.strategies.platform.replies import PLAN_METRICS
 from promptfcl.strategies.platform.strategy import PromptStrategy
 
 log = logging.getLogger("promptfcl")
@@ -78,6 +79,9 @@ class RoundRecord:
     # each attempt's sampling rate, sampled / population at sampling time (population = nodes: the
     # nodes connected then): what differential privacy's accountant composes
     sample_rates: list[float] = field(default_factory=list)
+    # nodes with a memory budget or their own backbone precision: each accepted reply's node and what
+    # it chose (micro-batch, checkpointing, backbone bits) and used (peak resident MB); client/memory.py
+    memory_plans: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
@@ -113,6 +117,7 @@ class Attempts:
     startup_phases: dict[str, list[float]] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     sample_rates: list[float] = field(default_factory=list)  # each attempt's, as it sampled
+    plans: list[dict[str, Any]] = field(default_factory=list)  # budgeted nodes' memory plans (accepted replies)
     count: int = 0  # attempts made
 
     def read_replies(self, used: list[MetricRecord]) -> None:
@@ -181,6 +186,8 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         spent.round_seconds += t3 - t0
         used = [a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else []
         spent.read_replies(used)
+        if new_arrays is not None:
+            spent.plans = memory_plans(strategy.accepted)
         spent.rejected += [strategy.named({"node": int(n), "reason": r, "attempt": attempt})
                            for n, r in strategy.rejected]
         spent.rejected += [strategy.named({"node": int(m.metadata.dst_node_id), "attempt": attempt,
@@ -195,6 +202,17 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
         f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
         f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
+
+
+def memory_plans(accepted: list) -> list[dict[str, Any]]:
+    """Each accepted reply's memory plan, with its node, where the node reports one (client/memory.py)."""
+    plans = []
+    for reply in accepted:
+        metrics = reply.content.metric_records[METRICS]
+        chosen = {key: metrics[key] for key in PLAN_METRICS if key in metrics}
+        if chosen:
+            plans.append({"node": int(reply.metadata.src_node_id), **chosen})
+    return plans
 
 
 def round_record(strategy: PromptStrategy, task: int, round_: int, server_round: int, agg: MetricRecord,
@@ -221,6 +239,7 @@ def round_record(strategy: PromptStrategy, task: int, round_: int, server_round:
         defences=dict(strategy.defence_counts) if strategy.screen.active or strategy.stats_bound.active else {},
         stats_ratios=dict(strategy.stats_ratios),
         sample_rates=list(spent.sample_rates),
+        memory_plans=spent.plans,
         examples=int(agg["num-examples"]),
         rejected=spent.rejected,
         train_loss=float(agg["train-loss"]),

@@ -40,7 +40,7 @@ from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPE
 # ---------------------------------------------------------------------------- losses
 def unified_representation_loss(
     features: torch.Tensor, labels: torch.Tensor, proto_classes: torch.Tensor,
-    proto_means: torch.Tensor, temperature: float,
+    proto_means: torch.Tensor, temperature: float, counted: int | None = None,
 ) -> torch.Tensor | None:
     """L_ur (eq. 6): InfoNCE of each feature against the global prototypes, cosine / tau.
 
@@ -56,6 +56,8 @@ def unified_representation_loss(
     proto_classes : (C,) classes of the prototypes.
     proto_means : (C, D) global prototypes G^y.
     temperature : tau.
+    counted : the number of samples to average over (a micro-batch's step: the step's samples
+        with a prototype); None: those of ``labels``.
     """
     # Position of each label among the prototypes' classes (-1: no prototype).
     match = labels[:, None] == proto_classes[None, :].to(labels.device)
@@ -64,6 +66,8 @@ def unified_representation_loss(
         return None
     target = match[has].float().argmax(dim=1)
     sims = F.normalize(features[has], dim=-1) @ F.normalize(proto_means.to(features), dim=-1).T
+    if counted is not None:
+        return F.cross_entropy(sims / temperature, target, reduction="sum") / max(counted, 1)
     return F.cross_entropy(sims / temperature, target)
 
 
@@ -141,9 +145,16 @@ class FPPLLearner(LocalLearner):
         """ur-weight * L_ur (eq. 6), or None without global prototypes or with the loss switched off."""
         if not self.opts.unified_loss or self.proto_means is None:
             return None
+        counted = None
+        if batch.share != 1.0 and batch.step_labels is not None:
+            # a micro-batch: averaged over the step's samples that have a prototype, not its own
+            counted = int((batch.step_labels[:, None] == self.proto_classes[None, :].to(batch.labels.device))
+                          .any(dim=1).sum())
         loss = unified_representation_loss(
-            batch.features, batch.labels, self.proto_classes, self.proto_means, self.opts.temperature
+            batch.features, batch.labels, self.proto_classes, self.proto_means, self.opts.temperature, counted
         )
+        if loss is not None and counted is not None:
+            loss = loss / batch.share  # the loop weights it by the share again: the step's mean
         return None if loss is None else self.opts.ur_weight * loss
 
     def uploaded(self, state: dict[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:

@@ -65,6 +65,16 @@ DECLARED_SIZES: dict[str, MetricSpec] = {
     "test-size": MetricSpec(int, required=False, low=0),
 }
 
+#: a node with a memory budget or its own backbone precision: what it chose (client/memory.py)
+PLAN_METRICS: dict[str, MetricSpec] = {
+    "memory-budget-mb": MetricSpec(float, required=False, low=0),
+    "micro-batch": MetricSpec(int, required=False, low=0),
+    "checkpointing": MetricSpec(int, required=False, low=0, high=1),
+    "backbone-bits": MetricSpec(int, required=False, low=8, high=32),
+    "peak-rss-mb": MetricSpec(float, required=False, low=0),
+    "backbone-mapped-mb": MetricSpec(float, required=False, low=0),
+}
+
 #: the metrics record of a train reply (common/learner.py, client/app.py)
 REPLY_METRICS: dict[str, MetricSpec] = {
     "num-examples": MetricSpec(int, low=0),
@@ -76,6 +86,7 @@ REPLY_METRICS: dict[str, MetricSpec] = {
     "device-peak-mb": MetricSpec(float, required=False, low=0),  # clients on CUDA
     **PROCESS_METRICS,
     **DECLARED_SIZES,
+    **PLAN_METRICS,
 }
 
 

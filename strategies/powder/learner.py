@@ -300,7 +300,12 @@ class PowderLearner(LocalLearner):
         if self.opts.distillation == "classic":
             loss = classic_distillation(batch.logits, teacher, self.opts.temperature)
         else:
-            beta = sample_weights(self.class_total, batch.labels)
+            if batch.share != 1.0 and batch.step_labels is not None and batch.rows is not None:
+                # a micro-batch: beta is a softmax over the whole step's samples; the loop weights
+                # this micro-batch's part by its share, which the division undoes
+                beta = sample_weights(self.class_total, batch.step_labels)[batch.rows] / batch.share
+            else:
+                beta = sample_weights(self.class_total, batch.labels)
             loss = dual_distillation(batch.logits, teacher, batch.labels, beta, self.opts.temperature)
         self.last_distillation = float(loss.detach())
         return self.opts.lambda_ * loss

@@ -1,0 +1,67 @@
+"""A node's memory budget applied to a message: the plan, set on the model and learner, and reported.
+
+The node's operator sets ``memory-budget-mb`` (and ``backbone-precision``) in its node config
+(client/node_policy.py); before a message trains or evaluates, the node measures what its process
+holds and plans the rest (common/memory_plan.py). The reply's metrics say what it chose and what it
+used: the budget, the micro-batch, checkpointing, the backbone's bits, the process's peak resident
+memory and how much of the frozen backbone it reads from the shared mapping of the node's cache.
+"""
+
+from __future__ import annotations
+
+from promptfcl.client.node_policy import NodePolicy, NodeRefusal
+from promptfcl.common.backbone import backbone_cache_path
+from promptfcl.common.learner import LocalLearner
+from promptfcl.common.memory_plan import BudgetError, StepSizes, TrainingPlan, mapped_mb, peak_resident_mb, \
+    plan_training, resident_mb
+from promptfcl.common.model import PromptedViT
+from promptfcl.common.runtime import Runtime
+
+
+def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
+    """What a training step of ``batch_size`` images costs grows with, read from the built model."""
+    backbone = model.backbone
+    layers = model.prompt.layers
+    carried = 0
+    if model.mode == "prompt":  # prompt tokens in the sequence: one prompt's, or every prompted block's
+        carried = model.prompt.length * (len(layers) if model.tokens == "accumulate" else 1)
+    size = backbone.patch_embed.img_size
+    return StepSizes(batch=batch_size, tokens=int(backbone.patch_embed.num_patches) + 1 + carried,
+                     width=model.embed_dim, graded_blocks=len(backbone.blocks) - min(layers, default=0),
+                     blocks=len(backbone.blocks),
+                     input_floats=int(backbone.patch_embed.proj.in_channels) * int(size[0]) * int(size[1]))
+
+
+def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | None = None) -> TrainingPlan:
+    """Plan this message within the node's budget and set the plan on the model (and ``learner``).
+
+    Without a budget the plan is the default (whole batches, nothing recomputed), set all the same:
+    a process that serves several nodes (a simulation's actor) must not keep another node's plan.
+
+    Raises
+    ------
+    NodeRefusal
+        The budget is too small for one image at a time (the text names ``memory-budget-mb``).
+    """
+    try:
+        plan = plan_training(policy.memory_budget_mb, step_sizes(runtime.model, runtime.cfg.batch_size),
+                             resident_mb(), runtime.precision)
+    except BudgetError as exc:
+        raise NodeRefusal(str(exc)) from None
+    runtime.model.checkpointing = plan.checkpointing
+    runtime.model.max_batch = plan.no_grad_batch
+    if learner is not None:
+        learner.plan = plan
+    return plan
+
+
+def plan_metrics(plan: TrainingPlan, runtime: Runtime) -> dict[str, int | float]:
+    """The reply's account of the plan: what the node chose, its peak memory, the shared backbone."""
+    metrics = plan.metrics()
+    metrics["peak-rss-mb"] = peak_resident_mb()
+    cached = backbone_cache_path(runtime.cfg)
+    metrics["backbone-mapped-mb"] = mapped_mb(cached) if cached is not None else 0.0
+    return metrics
+
+
+__all__ = ["apply_plan", "plan_metrics", "step_sizes"]

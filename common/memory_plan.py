@@ -1,0 +1,188 @@
+"""A node's memory budget: how a training round fits in it, planned before the first step.
+
+A node may say how much memory a message may take (node-config ``memory-budget-mb``,
+client/node_policy.py). The plan keeps the run's updates: the optimiser still steps once per
+``batch-size`` images, each step's gradient accumulated over micro-batches whose losses are
+weighted by their share of the batch (common/learner.py), and where even a micro-batch of a few
+images does not fit, the frozen blocks that prompts back-propagate through are recomputed in the
+backward pass instead of kept (activation checkpointing, common/model.py). No-grad passes (the
+query, evaluation, statistics) run in chunks that fit as well. What stays: the process as it
+stands when the plan is made (interpreter, torch, the backbone, the node's data), measured, not
+estimated.
+
+Where the memory of a step goes (D the width, S tokens per image, N blocks a gradient passes
+through; measured at ViT-B/16, 224 px, on this project's CPU machine):
+
+* kept for the backward pass: about 15 floats per token and block (LayerNorm inputs, q, k, v,
+  the attention output, the 4D-wide MLP's input and hidden activations): 107 MB per image at
+  ViT-B/16 (:data:`KEPT_FLOATS`, rounded up);
+* with checkpointing: each block's input (one float per token and block) plus one block's
+  activations and their gradients while it runs again (:data:`RECOMPUTE_FLOATS`);
+* a no-grad pass: one block's activations at a time (:data:`NO_GRAD_FLOATS`);
+* the batch's preprocessed inputs, kept for the whole step (3 H W floats per image).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: floats per token and block a step keeps for the backward pass without checkpointing
+KEPT_FLOATS = 16
+#: floats per token one recomputed block holds, with its gradients, during the backward pass
+RECOMPUTE_FLOATS = 24
+#: floats per token a no-grad forward holds at a time (one block's activations)
+NO_GRAD_FLOATS = 12
+#: the plan leaves this much of the budget free (allocator slack, the optimiser, small tensors)
+MARGIN_MB = 96.0
+#: the smallest micro-batch worth keeping every activation for; below it, checkpointing wins
+MIN_PLAIN_MICRO_BATCH = 8
+#: the largest chunk of a no-grad pass (what evaluation and the query cache used before a plan)
+MAX_NO_GRAD_BATCH = 256
+#: the node-config key this module plans for
+BUDGET_KEY = "memory-budget-mb"
+MB = 1e6
+
+
+class BudgetError(ValueError):
+    """A memory budget too small for even one image at a time; the text names the setting."""
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """The sizes a training step's memory grows with.
+
+    Parameters
+    ----------
+    batch : int
+        Images per optimiser step (the run's ``batch-size``).
+    tokens : int
+        Tokens per image in the blocks (patches, CLS and any prompt tokens carried).
+    width : int
+        Token width D.
+    graded_blocks : int
+        Blocks a gradient passes through (from the first prompted block to the last block).
+    blocks : int
+        All blocks (a no-grad pass runs them all).
+    input_floats : int
+        Floats of one preprocessed input image (C x H x W).
+    """
+
+    batch: int
+    tokens: int
+    width: int
+    graded_blocks: int
+    blocks: int
+    input_floats: int
+
+    def per_image_mb(self, checkpointing: bool) -> float:
+        """MB one image of a micro-batch adds to the step's peak."""
+        floats = self.graded_blocks + RECOMPUTE_FLOATS if checkpointing else self.graded_blocks * KEPT_FLOATS
+        return 4 * floats * self.tokens * self.width / MB
+
+    def no_grad_per_image_mb(self) -> float:
+        return 4 * NO_GRAD_FLOATS * self.tokens * self.width / MB
+
+    def inputs_mb(self) -> float:
+        """The whole batch's preprocessed inputs (kept through the step)."""
+        return 4 * self.batch * self.input_floats / MB
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """How this node trains a round: micro-batches, checkpointing, the frozen backbone's precision.
+
+    The default (no budget) is the run's batch in one piece, nothing recomputed, float32.
+    """
+
+    budget_mb: float = 0.0  # 0: no budget
+    micro_batch: int = 0  # 0: the whole batch at once
+    checkpointing: bool = False
+    no_grad_batch: int = 0  # chunk of a no-grad pass (0: whole batches)
+    precision: str = "fp32"  # the frozen backbone's: "fp32", "bf16" or "int8"
+
+    @property
+    def backbone_bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "int8": 8}[self.precision]
+
+    def metrics(self) -> dict[str, int | float]:
+        """What the node chose, for its reply's metrics (every field a number)."""
+        return {"memory-budget-mb": float(self.budget_mb), "micro-batch": int(self.micro_batch),
+                "checkpointing": int(self.checkpointing), "backbone-bits": self.backbone_bits}
+
+
+def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision: str = "fp32") -> TrainingPlan:
+    """The plan that trains a step of ``sizes`` within ``budget_mb``, the process holding ``held_mb``.
+
+    The whole batch without checkpointing where it fits; else the largest micro-batch that fits
+    without checkpointing, if it has at least :data:`MIN_PLAIN_MICRO_BATCH` images (recomputing
+    costs about one more forward pass per image); else the largest micro-batch with checkpointing.
+
+    Raises
+    ------
+    BudgetError
+        Not even one image at a time fits; the message names ``memory-budget-mb`` and what is needed.
+    """
+    if budget_mb <= 0:
+        return TrainingPlan(precision=precision)
+    free = budget_mb - held_mb - MARGIN_MB - sizes.inputs_mb()
+    no_grad = max(0, min(MAX_NO_GRAD_BATCH, int(free // sizes.no_grad_per_image_mb())))
+    plain = int(free // sizes.per_image_mb(False)) if free > 0 else 0
+    if plain >= sizes.batch:
+        return TrainingPlan(budget_mb, sizes.batch, False, no_grad, precision)
+    if plain >= min(MIN_PLAIN_MICRO_BATCH, sizes.batch):
+        return TrainingPlan(budget_mb, plain, False, no_grad, precision)
+    recomputed = int(free // sizes.per_image_mb(True)) if free > 0 else 0
+    if recomputed >= 1:
+        return TrainingPlan(budget_mb, min(recomputed, sizes.batch), True, no_grad, precision)
+    needed = held_mb + MARGIN_MB + sizes.inputs_mb() + sizes.per_image_mb(True)
+    raise BudgetError(f"node-config {BUDGET_KEY} = {budget_mb:g} is too small to train even one image at a time: "
+                      f"this process holds {held_mb:.0f} MB (interpreter, torch, the backbone, the data) and a step "
+                      f"of batch-size {sizes.batch} needs at least {needed:.0f} MB; raise {BUDGET_KEY}, or choose "
+                      "a smaller backbone precision (backbone-precision)")
+
+
+# ---------------------------------------------------------------------------- measuring
+def _status_kb(field: str) -> float:
+    """A ``/proc/self/status`` field in kB (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, MB (Linux; 0.0 elsewhere)."""
+    return _status_kb("VmRSS") * 1024 / MB
+
+
+def peak_resident_mb() -> float:
+    """This process's peak resident memory (VmHWM), MB (Linux; 0.0 elsewhere)."""
+    return _status_kb("VmHWM") * 1024 / MB
+
+
+def mapped_mb(path: Path | str) -> float:
+    """MB of ``path``'s pages resident in this process through a file mapping (shared with every
+    process that maps the same file; 0.0 when it is not mapped, or without /proc)."""
+    target = os.path.realpath(path)
+    total, inside = 0.0, False
+    try:
+        with open("/proc/self/smaps") as fh:
+            for line in fh:
+                head = line.split()
+                if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header (the kernel's resolved path)
+                    inside = " ".join(head[5:]) == target
+                elif inside and head and head[0] == "Rss:":
+                    total += float(head[1]) * 1024 / MB
+    except OSError:
+        return 0.0
+    return total
+
+
+__all__ = ["BUDGET_KEY", "BudgetError", "StepSizes", "TrainingPlan", "mapped_mb", "peak_resident_mb",
+           "plan_training", "resident_mb"]

@@ -1,0 +1,211 @@
+"""Edge nodes: a memory budget keeps the updates, its plan, lower-precision backbones, the shared backbone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from torch import nn
+
+from promptfcl.client.memory import apply_plan, step_sizes
+from promptfcl.client.node_policy import NodePolicy, NodeRefusal
+from promptfcl.common import model as model_module
+from promptfcl.common.backbone import backbone_cache_path, build_backbone
+from promptfcl.common.learner import LocalLearner
+from promptfcl.common.low_precision import Int8Linear, lower_precision
+from promptfcl.common.memory_plan import BudgetError, StepSizes, TrainingPlan, mapped_mb, plan_training, resident_mb
+from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from promptfcl.strategies.fppl.learner import FPPLLearner
+from promptfcl.strategies.fppl.prompt import FPPLPrompt
+from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES
+from promptfcl.strategies.fppl.strategy import FPPLStrategy
+from tests.conftest import tiny_config
+
+#: a budgeted step differs from the whole batch's only by float rounding (micro-batch sums)
+ATOL = 2e-5
+
+
+def budgeted(learner: LocalLearner, micro: int, checkpointing: bool) -> LocalLearner:
+    learner.plan = TrainingPlan(1000.0, micro, checkpointing)
+    learner.rt.model.checkpointing = checkpointing
+    return learner
+
+
+def assert_same_upload(a: RecordDict, b: RecordDict) -> None:
+    first, second = from_array_record(a[ARRAYS]), from_array_record(b[ARRAYS])
+    assert first.keys() == second.keys()
+    for name in first:
+        np.testing.assert_allclose(first[name], second[name], rtol=0, atol=ATOL, err_msg=name)
+
+
+@pytest.fixture
+def count_checkpoints(monkeypatch):
+    calls = []
+    real = model_module.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "checkpoint", counting)
+    return calls
+
+
+def test_a_budgeted_round_uploads_the_arrays_of_the_unbudgeted_one(count_checkpoints):
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=2, batch_size=32)
+    rt = get_runtime(cfg)
+    s = FedAvgStrategy(cfg, rt.data.num_classes)
+    arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
+    content = RecordDict({ARRAYS: arrays})
+    whole = LocalLearner(rt).fit(content, 0, 0, 0)
+    assert not count_checkpoints
+    try:
+        micro = budgeted(LocalLearner(rt), 5, True).fit(content, 0, 0, 0)
+        plain_micro = budgeted(LocalLearner(rt), 7, False).fit(content, 0, 0, 0)
+    finally:
+        rt.model.checkpointing = False
+    assert count_checkpoints  # the blocks were recomputed, not kept
+    assert_same_upload(whole, micro)
+    assert_same_upload(whole, plain_micro)
+    assert micro["metrics"]["train-loss"] == pytest.approx(whole["metrics"]["train-loss"], rel=1e-5)
+    # and training moved the arrays far more than the tolerance: the comparison means something
+    sent, trained = from_array_record(arrays), from_array_record(whole[ARRAYS])
+    assert max(np.abs(trained[n] - sent[n]).max() for n in sent) > 100 * ATOL
+
+
+def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
+    cfg = tiny_config(strategy="fppl", num_tasks=2, centralised=True, lr=0.01, batch_size=32,
+                      prompt_mode="prompt", pool_size=2)
+    rt = get_runtime(cfg, FPPLPrompt)
+    s = FPPLStrategy(cfg, rt.data.num_classes)
+    arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
+    # prototypes of 3 of task 1's 5 classes: the samples of the other two have none
+    rng = np.random.default_rng(0)
+    protos = ArrayRecord({"classes": Array(np.array([5, 6, 7])),
+                          "means": Array(rng.normal(size=(3, cfg.embed_dim)).astype(np.float32))})
+    content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
+    whole = FPPLLearner(rt).fit(content, 1, 0, 0)
+    try:
+        micro = budgeted(FPPLLearner(rt), 3, True).fit(content, 1, 0, 0)
+    finally:
+        rt.model.checkpointing = False
+    assert_same_upload(whole, micro)
+
+
+def test_powder_dual_distillation_weights_the_steps_samples_not_the_micro_batchs(flower_identity):
+    from tests.test_powder import client_setup, message_for
+
+    cfg, rt, s, arrays = client_setup()
+    s.task_measured[:] = True
+    msg = message_for(s, arrays, 1, 1)  # a round with a teacher: dual distillation on
+    from promptfcl.strategies.powder.learner import PowderLearner
+
+    whole = PowderLearner(rt, {}).fit(msg.content, 1, 1, 0)
+    try:
+        learner = budgeted(PowderLearner(rt, {}), 4, True)
+        micro = learner.fit(msg.content, 1, 1, 0)
+    finally:
+        rt.model.checkpointing = False
+    assert learner.last_distillation is not None
+    assert_same_upload(whole, micro)
+
+
+# ---------------------------------------------------------------------------- the plan
+VIT_B = StepSizes(batch=64, tokens=197, width=768, graded_blocks=12, blocks=12, input_floats=3 * 224 * 224)
+
+
+def test_the_plan_keeps_whole_batches_where_they_fit_and_recomputes_only_where_it_must():
+    roomy = plan_training(64_000, VIT_B, held_mb=900)
+    assert (roomy.micro_batch, roomy.checkpointing) == (64, False)
+    middle = plan_training(3000, VIT_B, held_mb=900)
+    assert not middle.checkpointing and 8 <= middle.micro_batch < 64
+    tight = plan_training(1500, VIT_B, held_mb=900)
+    assert tight.checkpointing and 1 <= tight.micro_batch < 64
+    # what it plans fits: held + margin + inputs + micro-batch x per image <= budget
+    for plan, budget in ((middle, 3000), (tight, 1500)):
+        used = 900 + 96 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointing)
+        assert used <= budget
+    assert plan_training(0, VIT_B, held_mb=900) == TrainingPlan()  # no budget: the defaults
+
+
+def test_a_budget_too_small_for_one_image_names_the_setting():
+    with pytest.raises(BudgetError, match="memory-budget-mb = 1000 .*needs at least"):
+        plan_training(1000, VIT_B, held_mb=900)
+
+
+def test_node_config_keys_are_checked_and_a_refusal_names_them():
+    policy = NodePolicy.from_node_config({"memory-budget-mb": 1500, "backbone-precision": "int8"})
+    assert (policy.memory_budget_mb, policy.precision) == (1500.0, "int8")
+    with pytest.raises(NodeRefusal, match="memory-budget-mb"):
+        NodePolicy.from_node_config({"memory-budget-mb": "lots"})
+    with pytest.raises(NodeRefusal, match="backbone-precision"):
+        NodePolicy.from_node_config({"backbone-precision": "fp8"})
+    rt = get_runtime(tiny_config())
+    with pytest.raises(NodeRefusal, match="memory-budget-mb"):
+        apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
+    plan = apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
+    assert plan.micro_batch == rt.cfg.batch_size and not rt.model.checkpointing
+    apply_plan(rt, NodePolicy.from_node_config({}))
+    assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
+
+
+def test_step_sizes_read_the_model():
+    rt = get_runtime(tiny_config(prompt_layers="1"))
+    sizes = step_sizes(rt.model, 32)
+    assert (sizes.tokens, sizes.width, sizes.graded_blocks, sizes.blocks) == (17, 48, 1, 2)
+
+
+# ---------------------------------------------------------------------------- precision and sharing
+def test_int8_linear_is_close_to_the_float_layer_and_differentiable_in_its_input():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    q = Int8Linear(linear)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    y = q(x)
+    assert y.shape == (3, 5, 32)
+    reference = linear(x)
+    assert (y - reference).abs().max() < 0.05 * reference.abs().max()
+    y.sum().backward()
+    expected = linear.weight.sum(0).expand(3, 5, 64)
+    assert (x.grad - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01)
+    fp32 = get_runtime(cfg)
+    low = get_runtime(cfg, precision=precision)
+    assert low.model is not fp32.model and low.precision == precision
+    assert low.mixed_precision == (precision == "bf16")
+    kinds = {type(m).__name__ for m in low.model.backbone.modules()}
+    assert ("Int8Linear" in kinds) == (precision == "int8")
+    s = FedAvgStrategy(cfg, fp32.data.num_classes)
+    arrays = s.on_task_start(0, to_array_record(fp32.model.trainable_state()))
+    a = from_array_record(LocalLearner(fp32).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
+    b = from_array_record(LocalLearner(low).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
+    sent = from_array_record(arrays)
+    # not the same update, but the same direction: the head's change agrees in cosine
+    da, db = (a["head.weight"] - sent["head.weight"]).ravel(), (b["head.weight"] - sent["head.weight"]).ravel()
+    assert np.dot(da, db) / (np.linalg.norm(da) * np.linalg.norm(db)) > 0.8
+
+
+def test_the_backbone_is_read_through_a_shared_mapping_of_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
+    cfg = tiny_config(backbone_cache_disk="on", embed_dim=96, depth=2, image_size=32)
+    build_backbone(cfg)  # a miss: built and written
+    path = backbone_cache_path(cfg)
+    assert path is not None and path.is_file()
+    backbone, _ = build_backbone(cfg)  # read from the cache: mapped, not copied
+    with torch.no_grad():
+        backbone(torch.zeros(1, 3, 32, 32))  # touch every weight
+    before = mapped_mb(path)
+    assert before > 0.5 * path.stat().st_size / 1e6
+    weight = backbone.blocks[0].mlp.fc1.weight
+    assert weight.untyped_storage().nbytes() < path.stat().st_size  # a view into the file, not the file read
+    lower_precision(backbone, "int8", str(path))
+    assert mapped_mb(path) < 0.5 * before  # the float weights' pages handed back as they were replaced
+    with torch.no_grad():
+        assert torch.isfinite(backbone(torch.zeros(1, 3, 32, 32))).all()
