@@ -12,8 +12,8 @@ from __future__ import annotations
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common.backbone import backbone_cache_path
 from promptfcl.common.learner import LocalLearner
-from promptfcl.common.memory_plan import BudgetError, StepSizes, TrainingPlan, mapped_mb, peak_resident_mb, \
-    plan_training, resident_mb
+from promptfcl.common.memory_plan import MIN_MICRO_BATCH, BudgetError, StepSizes, TrainingPlan, mapped_mb, \
+    mapped_tensor_mb, peak_resident_mb, plan_training, resident_mb
 from promptfcl.common.model import PromptedViT
 from promptfcl.common.runtime import Runtime
 
@@ -35,21 +35,31 @@ def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
 def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | None = None) -> TrainingPlan:
     """Plan this message within the node's budget and set the plan on the model (and ``learner``).
 
-    Without a budget the plan is the default (whole batches, nothing recomputed), set all the same:
-    a process that serves several nodes (a simulation's actor) must not keep another node's plan.
+    What the process holds is measured now, with the frozen weights still to be read from the
+    node's mapped cache counted as if read. Without a budget the plan is the default (whole
+    batches, nothing recomputed), set all the same: a process that serves several nodes (a
+    simulation's actor) must not keep another node's plan.
 
     Raises
     ------
     NodeRefusal
         The budget is too small for one image at a time (the text names ``memory-budget-mb``).
     """
+    model = runtime.model
+    held = resident_mb()
+    cached = backbone_cache_path(runtime.cfg)
+    if policy.memory_budget_mb and cached is not None:
+        weights = [*model.backbone.parameters(), *model.backbone.buffers()]
+        held += mapped_tensor_mb(weights, cached) - mapped_mb(cached)
+    device = "cpu" if runtime.device.type == "cpu" else "other"
     try:
-        plan = plan_training(policy.memory_budget_mb, step_sizes(runtime.model, runtime.cfg.batch_size),
-                             resident_mb(), runtime.precision)
+        plan = plan_training(policy.memory_budget_mb, step_sizes(model, runtime.cfg.batch_size), held,
+                             runtime.precision, MIN_MICRO_BATCH[device])
     except BudgetError as exc:
         raise NodeRefusal(str(exc)) from None
-    runtime.model.checkpointing = plan.checkpointing
-    runtime.model.max_batch = plan.no_grad_batch
+    first = min(model.prompt.layers, default=0)
+    model.checkpointed = frozenset(range(first, first + plan.checkpointed))
+    model.max_batch = plan.no_grad_batch
     if learner is not None:
         learner.plan = plan
     return plan

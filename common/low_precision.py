@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
 import sys
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
+
+from promptfcl.common.memory_plan import file_mappings
 
 PRECISIONS = ("fp32", "bf16", "int8")
 
@@ -126,29 +127,13 @@ def release_pages(mapped_file: str | None, *tensors: torch.Tensor | None) -> Non
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     page = mmap.PAGESIZE
-    for low, high in _file_mappings(os.path.realpath(mapped_file)):
+    for low, high in file_mappings(mapped_file):
         for start, end in spans:
             a, b = max(start, low), min(end, high)
             a = (a + page - 1) // page * page  # whole pages inside the tensor only
             b = b // page * page
             if b > a:
                 libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
-
-
-def _file_mappings(path: str) -> list[tuple[int, int]]:
-    """Address ranges of this process's private mappings of ``path`` (``/proc/self/maps``)."""
-    out = []
-    try:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                parts = line.split()
-                # address perms offset dev inode path: a private ("p") mapping of a real file
-                if len(parts) >= 6 and parts[1].endswith("p") and " ".join(parts[5:]) == path:
-                    low, high = (int(v, 16) for v in parts[0].split("-"))
-                    out.append((low, high))
-    except OSError:
-        return []
-    return out
 
 
 __all__ = ["Int8Linear", "PRECISIONS", "lower_precision", "release_pages"]

@@ -25,19 +25,25 @@ through; measured at ViT-B/16, 224 px, on this project's CPU machine):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 #: floats per token and block a step keeps for the backward pass without checkpointing
-KEPT_FLOATS = 16
-#: floats per token one recomputed block holds, with its gradients, during the backward pass
-RECOMPUTE_FLOATS = 24
+KEPT_FLOATS = 20
+#: floats per token the backward pass of a block holds at once (its activations, run again where
+#: it is checkpointed, and their gradients)
+RECOMPUTE_FLOATS = 48
 #: floats per token a no-grad forward holds at a time (one block's activations)
 NO_GRAD_FLOATS = 12
-#: the plan leaves this much of the budget free (allocator slack, the optimiser, small tensors)
-MARGIN_MB = 96.0
-#: the smallest micro-batch worth keeping every activation for; below it, checkpointing wins
-MIN_PLAIN_MICRO_BATCH = 8
+#: the plan leaves this much of the budget free (allocator slack, the optimiser, library pages the
+#: backward pass touches first)
+MARGIN_MB = 128.0
+#: the smallest micro-batch worth keeping activations for rather than recomputing them: on a CPU
+#: one image at a time costs about what a whole batch does per image, on a GPU small batches idle it
+MIN_MICRO_BATCH = {"cpu": 1, "other": 8}
 #: the largest chunk of a no-grad pass (what evaluation and the query cache used before a plan)
 MAX_NO_GRAD_BATCH = 256
 #: the node-config key this module plans for
@@ -76,10 +82,11 @@ class StepSizes:
     blocks: int
     input_floats: int
 
-    def per_image_mb(self, checkpointing: bool) -> float:
-        """MB one image of a micro-batch adds to the step's peak."""
-        floats = self.graded_blocks + RECOMPUTE_FLOATS if checkpointing else self.graded_blocks * KEPT_FLOATS
-        return 4 * floats * self.tokens * self.width / MB
+    def per_image_mb(self, checkpointed: int = 0) -> float:
+        """MB one image of a micro-batch adds to the step's peak with ``checkpointed`` of the graded
+        blocks recomputed (each keeps only its input) and the others' activations kept."""
+        kept = (self.graded_blocks - checkpointed) * KEPT_FLOATS + checkpointed
+        return 4 * (kept + (RECOMPUTE_FLOATS if checkpointed else 0)) * self.tokens * self.width / MB
 
     def no_grad_per_image_mb(self) -> float:
         return 4 * NO_GRAD_FLOATS * self.tokens * self.width / MB
@@ -98,7 +105,7 @@ class TrainingPlan:
 
     budget_mb: float = 0.0  # 0: no budget
     micro_batch: int = 0  # 0: the whole batch at once
-    checkpointing: bool = False
+    checkpointed: int = 0  # graded blocks recomputed in the backward pass (from the first graded one)
     no_grad_batch: int = 0  # chunk of a no-grad pass (0: whole batches)
     precision: str = "fp32"  # the frozen backbone's: "fp32", "bf16" or "int8"
 
@@ -109,15 +116,16 @@ class TrainingPlan:
     def metrics(self) -> dict[str, int | float]:
         """What the node chose, for its reply's metrics (every field a number)."""
         return {"memory-budget-mb": float(self.budget_mb), "micro-batch": int(self.micro_batch),
-                "checkpointing": int(self.checkpointing), "backbone-bits": self.backbone_bits}
+                "checkpointed-blocks": int(self.checkpointed), "backbone-bits": self.backbone_bits}
 
 
-def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision: str = "fp32") -> TrainingPlan:
+def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision: str = "fp32",
+                  min_micro: int = 1) -> TrainingPlan:
     """The plan that trains a step of ``sizes`` within ``budget_mb``, the process holding ``held_mb``.
 
-    The whole batch without checkpointing where it fits; else the largest micro-batch that fits
-    without checkpointing, if it has at least :data:`MIN_PLAIN_MICRO_BATCH` images (recomputing
-    costs about one more forward pass per image); else the largest micro-batch with checkpointing.
+    The fewest checkpointed blocks (recomputing a block costs about one more forward pass of it)
+    with which a micro-batch of ``min_micro`` images fits (:data:`MIN_MICRO_BATCH`), then the
+    largest micro-batch that fits with them: the whole batch, nothing recomputed, where it fits.
 
     Raises
     ------
@@ -127,16 +135,14 @@ def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision:
     if budget_mb <= 0:
         return TrainingPlan(precision=precision)
     free = budget_mb - held_mb - MARGIN_MB - sizes.inputs_mb()
-    no_grad = max(0, min(MAX_NO_GRAD_BATCH, int(free // sizes.no_grad_per_image_mb())))
-    plain = int(free // sizes.per_image_mb(False)) if free > 0 else 0
-    if plain >= sizes.batch:
-        return TrainingPlan(budget_mb, sizes.batch, False, no_grad, precision)
-    if plain >= min(MIN_PLAIN_MICRO_BATCH, sizes.batch):
-        return TrainingPlan(budget_mb, plain, False, no_grad, precision)
-    recomputed = int(free // sizes.per_image_mb(True)) if free > 0 else 0
-    if recomputed >= 1:
-        return TrainingPlan(budget_mb, min(recomputed, sizes.batch), True, no_grad, precision)
-    needed = held_mb + MARGIN_MB + sizes.inputs_mb() + sizes.per_image_mb(True)
+    no_grad = max(1, min(MAX_NO_GRAD_BATCH, int(free // sizes.no_grad_per_image_mb())))
+    least = min(min_micro, sizes.batch)
+    for wanted in (least, 1):
+        for checkpointed in range(sizes.graded_blocks + 1):
+            fits = int(free // sizes.per_image_mb(checkpointed)) if free > 0 else 0
+            if fits >= wanted:
+                return TrainingPlan(budget_mb, min(fits, sizes.batch), checkpointed, no_grad, precision)
+    needed = held_mb + MARGIN_MB + sizes.inputs_mb() + sizes.per_image_mb(sizes.graded_blocks)
     raise BudgetError(f"node-config {BUDGET_KEY} = {budget_mb:g} is too small to train even one image at a time: "
                       f"this process holds {held_mb:.0f} MB (interpreter, torch, the backbone, the data) and a step "
                       f"of batch-size {sizes.batch} needs at least {needed:.0f} MB; raise {BUDGET_KEY}, or choose "
@@ -166,6 +172,23 @@ def peak_resident_mb() -> float:
     return _status_kb("VmHWM") * 1024 / MB
 
 
+def file_mappings(path: Path | str) -> list[tuple[int, int]]:
+    """Address ranges of this process's private mappings of ``path`` (Linux ``/proc/self/maps``; [] elsewhere)."""
+    target = os.path.realpath(path)
+    out = []
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split()
+                # address perms offset dev inode path: a private ("p") mapping of the file
+                if len(parts) >= 6 and parts[1].endswith("p") and " ".join(parts[5:]) == target:
+                    low, high = (int(v, 16) for v in parts[0].split("-"))
+                    out.append((low, high))
+    except OSError:
+        return []
+    return out
+
+
 def mapped_mb(path: Path | str) -> float:
     """MB of ``path``'s pages resident in this process through a file mapping (shared with every
     process that maps the same file; 0.0 when it is not mapped, or without /proc)."""
@@ -184,5 +207,17 @@ def mapped_mb(path: Path | str) -> float:
     return total
 
 
-__all__ = ["BUDGET_KEY", "BudgetError", "StepSizes", "TrainingPlan", "mapped_mb", "peak_resident_mb",
-           "plan_training", "resident_mb"]
+def mapped_tensor_mb(tensors: Iterable[torch.Tensor], path: Path | str) -> float:
+    """MB of ``tensors`` whose data lie in a mapping of ``path``: what reading them all may add to
+    the resident memory (pages not read yet are not resident)."""
+    spans = file_mappings(path)
+    total = 0
+    for t in tensors:
+        start = t.data_ptr()
+        if any(low <= start < high for low, high in spans):
+            total += t.numel() * t.element_size()
+    return total / MB
+
+
+__all__ = ["BUDGET_KEY", "BudgetError", "StepSizes", "TrainingPlan", "file_mappings", "mapped_mb",
+           "mapped_tensor_mb", "peak_resident_mb", "plan_training", "resident_mb"]

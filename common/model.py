@@ -199,7 +199,7 @@ class PromptedViT(nn.Module):
         # a node's memory plan (common/memory_plan.py): recompute the blocks prompts back-propagate
         # through instead of keeping their activations, and run no-grad passes in chunks of at most
         # ``max_batch`` images (0: whole batches); neither changes what is computed
-        self.checkpointing = False
+        self.checkpointed: frozenset[int] = frozenset()  # indices of the blocks recomputed in the backward pass
         self.max_batch = 0
         self.embed_dim = int(backbone.embed_dim)
         depth = len(backbone.blocks)
@@ -269,7 +269,7 @@ class PromptedViT(nn.Module):
         reads CLS behind them: the same attention), and are removed only before the final norm,
         so the head reads CLS (or the patch mean) as without prompts.
 
-        With ``checkpointing`` on, a block that gradients pass through keeps only its input for the
+        A block in ``checkpointed`` that gradients pass through keeps only its input for the
         backward pass and runs again there (``torch.utils.checkpoint``, non-reentrant): the same
         gradients, one block's activations at a time instead of every block's.
         """
@@ -283,15 +283,15 @@ class PromptedViT(nn.Module):
         run = self._run_block
         for i, block in enumerate(b.blocks):
             if i not in prompted:
-                tokens = run(block, tokens)
+                tokens = run(i, block, tokens)
                 continue
             prompt = self.prompt(query, i)
             if self.mode == "prefix":
-                tokens = run(partial(block_forward, block), tokens, prompt)
+                tokens = run(i, partial(block_forward, block), tokens, prompt)
             else:
                 n = prompt.shape[1]
                 extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
-                out = run(partial(block_forward, block), extended)
+                out = run(i, partial(block_forward, block), extended)
                 if self.tokens == "accumulate":
                     tokens, carried = out, carried + n
                 else:
@@ -300,11 +300,11 @@ class PromptedViT(nn.Module):
             tokens = torch.cat([tokens[:, :1], tokens[:, 1 + carried :]], dim=1)
         return b.forward_head(b.norm(tokens), pre_logits=True)
 
-    def _run_block(self, block: Callable[..., torch.Tensor], tokens: torch.Tensor,
+    def _run_block(self, index: int, block: Callable[..., torch.Tensor], tokens: torch.Tensor,
                    *prefix: torch.Tensor) -> torch.Tensor:
         """``block(tokens, *prefix)``, checkpointed where the plan says so and a gradient passes through it."""
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (tokens, *prefix))
-        if not (self.checkpointing and grad):
+        if not (index in self.checkpointed and grad):
             return block(tokens, *prefix)
         return checkpoint(block, tokens, *prefix, use_reentrant=False)
 

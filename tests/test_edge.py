@@ -28,9 +28,10 @@ from tests.conftest import tiny_config
 ATOL = 2e-5
 
 
-def budgeted(learner: LocalLearner, micro: int, checkpointing: bool) -> LocalLearner:
-    learner.plan = TrainingPlan(1000.0, micro, checkpointing)
-    learner.rt.model.checkpointing = checkpointing
+def budgeted(learner: LocalLearner, micro: int, checkpointed: int) -> LocalLearner:
+    """``learner`` with a plan of ``micro``-image micro-batches, the first ``checkpointed`` blocks recomputed."""
+    learner.plan = TrainingPlan(1000.0, micro, checkpointed)
+    learner.rt.model.checkpointed = frozenset(range(checkpointed))
     return learner
 
 
@@ -63,10 +64,10 @@ def test_a_budgeted_round_uploads_the_arrays_of_the_unbudgeted_one(count_checkpo
     whole = LocalLearner(rt).fit(content, 0, 0, 0)
     assert not count_checkpoints
     try:
-        micro = budgeted(LocalLearner(rt), 5, True).fit(content, 0, 0, 0)
-        plain_micro = budgeted(LocalLearner(rt), 7, False).fit(content, 0, 0, 0)
+        micro = budgeted(LocalLearner(rt), 5, 2).fit(content, 0, 0, 0)
+        plain_micro = budgeted(LocalLearner(rt), 7, 0).fit(content, 0, 0, 0)
     finally:
-        rt.model.checkpointing = False
+        rt.model.checkpointed = frozenset()
     assert count_checkpoints  # the blocks were recomputed, not kept
     assert_same_upload(whole, micro)
     assert_same_upload(whole, plain_micro)
@@ -89,9 +90,9 @@ def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
     content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
     whole = FPPLLearner(rt).fit(content, 1, 0, 0)
     try:
-        micro = budgeted(FPPLLearner(rt), 3, True).fit(content, 1, 0, 0)
+        micro = budgeted(FPPLLearner(rt), 3, 1).fit(content, 1, 0, 0)
     finally:
-        rt.model.checkpointing = False
+        rt.model.checkpointed = frozenset()
     assert_same_upload(whole, micro)
 
 
@@ -105,10 +106,10 @@ def test_powder_dual_distillation_weights_the_steps_samples_not_the_micro_batchs
 
     whole = PowderLearner(rt, {}).fit(msg.content, 1, 1, 0)
     try:
-        learner = budgeted(PowderLearner(rt, {}), 4, True)
+        learner = budgeted(PowderLearner(rt, {}), 4, 2)
         micro = learner.fit(msg.content, 1, 1, 0)
     finally:
-        rt.model.checkpointing = False
+        rt.model.checkpointed = frozenset()
     assert learner.last_distillation is not None
     assert_same_upload(whole, micro)
 
@@ -119,15 +120,20 @@ VIT_B = StepSizes(batch=64, tokens=197, width=768, graded_blocks=12, blocks=12, 
 
 def test_the_plan_keeps_whole_batches_where_they_fit_and_recomputes_only_where_it_must():
     roomy = plan_training(64_000, VIT_B, held_mb=900)
-    assert (roomy.micro_batch, roomy.checkpointing) == (64, False)
+    assert (roomy.micro_batch, roomy.checkpointed) == (64, 0)
     middle = plan_training(3000, VIT_B, held_mb=900)
-    assert not middle.checkpointing and 8 <= middle.micro_batch < 64
-    tight = plan_training(1500, VIT_B, held_mb=900)
-    assert tight.checkpointing and 1 <= tight.micro_batch < 64
+    assert middle.checkpointed == 0 and 1 < middle.micro_batch < 64
+    tight = plan_training(1200, VIT_B, held_mb=900)  # not one image with every activation kept
+    assert 0 < tight.checkpointed <= 12 and tight.micro_batch >= 1
+    fewer = plan_training(1200, VIT_B, held_mb=900, min_micro=1)
+    assert plan_training(1230, VIT_B, held_mb=900).checkpointed <= fewer.checkpointed  # more room, less recomputed
+    gpu = plan_training(1700, VIT_B, held_mb=900, min_micro=8)  # a GPU recomputes rather than idle on 1 image
+    assert gpu.micro_batch >= 8 and gpu.checkpointed > 0
     # what it plans fits: held + margin + inputs + micro-batch x per image <= budget
-    for plan, budget in ((middle, 3000), (tight, 1500)):
-        used = 900 + 96 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointing)
+    for plan, budget in ((middle, 3000), (tight, 1200), (gpu, 1700)):
+        used = 900 + 128 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointed)
         assert used <= budget
+        assert (plan.micro_batch + 1) * VIT_B.per_image_mb(plan.checkpointed) + 900 + 128 + VIT_B.inputs_mb() > budget
     assert plan_training(0, VIT_B, held_mb=900) == TrainingPlan()  # no budget: the defaults
 
 
@@ -147,7 +153,7 @@ def test_node_config_keys_are_checked_and_a_refusal_names_them():
     with pytest.raises(NodeRefusal, match="memory-budget-mb"):
         apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
     plan = apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
-    assert plan.micro_batch == rt.cfg.batch_size and not rt.model.checkpointing
+    assert plan.micro_batch == rt.cfg.batch_size and not rt.model.checkpointed
     apply_plan(rt, NodePolicy.from_node_config({}))
     assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
 

@@ -69,7 +69,7 @@ DECLARED_SIZES: dict[str, MetricSpec] = {
 PLAN_METRICS: dict[str, MetricSpec] = {
     "memory-budget-mb": MetricSpec(float, required=False, low=0),
     "micro-batch": MetricSpec(int, required=False, low=0),
-    "checkpointing": MetricSpec(int, required=False, low=0, high=1),
+    "checkpointed-blocks": MetricSpec(int, required=False, low=0),
     "backbone-bits": MetricSpec(int, required=False, low=8, high=32),
     "peak-rss-mb": MetricSpec(float, required=False, low=0),
     "backbone-mapped-mb": MetricSpec(float, required=False, low=0),

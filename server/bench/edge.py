@@ -1,0 +1,173 @@
+"""``promptfcl bench edge``: one client round at ViT-B/16 dimensions within a node's memory budget.
+
+Each configuration (the frozen backbone's precision and the node's ``memory-budget-mb``) trains
+one client round in a fresh process: timm's ``vit_base_patch16_224`` with random weights read
+from the node's backbone cache (memory-mapped, as a deployed node reads it), CODA-P prompts at
+the papers' sizes (blocks 0-4, a pool of 100, length 8, 10 tasks of 100 classes), one step of
+the paper configuration's batch of random 224-px images. The node plans the round as a deployed
+node does (client/memory.py). Per row: the process's peak resident memory (the kernel's
+high-water mark), images per second of the round (queries included), the largest difference of
+its uploaded arrays from the float32 round without a budget, and the plan it chose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from promptfcl.server.bench.common import _machine
+
+log = logging.getLogger("promptfcl")
+
+#: (name, backbone precision, memory budget in MB; 0: none): the configurations of interest
+ROWS: list[tuple[str, str, float]] = [
+    ("fp32", "fp32", 0.0),
+    ("fp32-1500", "fp32", 1500.0),
+    ("bf16-1500", "bf16", 1500.0),
+    ("int8-1500", "int8", 1500.0),
+]
+
+#: the papers' model at CODA-P's prompt sizes (configs/*-cifar100.toml), random weights
+PAPER_MODEL: dict[str, Any] = {
+    "backbone": "vit_base_patch16_224", "image-size": 224, "patch-size": 16, "embed-dim": 768, "depth": 12,
+    "num-heads": 12, "weights": "random", "prompt-mode": "prefix", "prompt-layers": "0,1,2,3,4",
+    "pool-size": 100, "prompt-length": 8, "num-tasks": 10, "num-classes": 100, "num-clients": 1,
+    "clients-per-round": 1, "partition": "iid", "local-epochs": 1, "lr": 0.001, "backbone-cache-disk": "on",
+    "query-cache-disk": "off", "population": "nodes", "device": "cpu",
+}
+
+
+def edge_config(batch_size: int, threads: int) -> Any:
+    from promptfcl.common.config import ExperimentConfig
+
+    return ExperimentConfig.from_dict({**PAPER_MODEL, "batch-size": batch_size, "threads": threads})
+
+
+def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: int = 0) -> Any:
+    """One step's worth of random 224-px images in task 0's classes (and a few test images)."""
+    from promptfcl.common.data import ArraySplit, Dataset
+
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, (batch_size + per_task, 3, 224, 224), dtype=np.uint8)
+    labels = np.arange(batch_size + per_task, dtype=np.int64) % per_task
+    train = ArraySplit(images[:batch_size], labels[:batch_size])
+    test = ArraySplit(images[batch_size:], labels[batch_size:])
+    return Dataset("edge-stand-in", train, test, num_classes, [f"c{i}" for i in range(num_classes)],
+                   f"edge-stand-in-{batch_size}-{seed}")
+
+
+def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: int, arrays_out: Path) -> dict:
+    """The child's work: one client round in this process; its figures (and its arrays to ``arrays_out``)."""
+    from flwr.app import RecordDict
+
+    from promptfcl.client.memory import apply_plan, plan_metrics
+    from promptfcl.client.node_policy import NodePolicy
+    from promptfcl.common.learner import LocalLearner
+    from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+
+    cfg = edge_config(batch_size, threads)
+    runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
+    policy = NodePolicy.from_node_config({"memory-budget-mb": budget_mb, "backbone-precision": precision})
+    learner = LocalLearner(runtime)
+    plan = apply_plan(runtime, policy, learner)
+    strategy = FedAvgStrategy(cfg, runtime.data.num_classes)
+    arrays = strategy.on_task_start(0, to_array_record(runtime.model.trainable_state()))
+    started, cpu = time.perf_counter(), time.process_time()
+    reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    sent, trained = from_array_record(arrays), from_array_record(reply[ARRAYS])
+    np.savez(arrays_out, **{name: trained[name] - sent[name] for name in trained})
+    return {**plan_metrics(plan, runtime), "images_per_second": batch_size / seconds, "seconds": seconds,
+            "cpu_seconds_per_image": cpu / batch_size,
+            "threads": threads}
+
+
+def run_row(name: str, precision: str, budget_mb: float, batch_size: int, threads: int, out_dir: Path) -> dict:
+    """One configuration in a fresh process (its peak memory is its own)."""
+    arrays = out_dir / f"{name}.npz"
+    spec = json.dumps({"precision": precision, "budget_mb": budget_mb, "batch_size": batch_size,
+                       "threads": threads, "arrays": str(arrays)})
+    done = subprocess.run([sys.executable, "-m", "promptfcl.server.bench.edge", spec], capture_output=True,
+                          text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    if done.returncode != 0:
+        raise RuntimeError(f"bench edge {name} failed:\n{done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"name": name, "precision": precision, "budget_mb": budget_mb, **figures, "arrays": arrays}
+
+
+def edge(out_dir: Path, batch_size: int = 64, threads: int = 0,
+         rows: list[tuple[str, str, float]] | None = None) -> dict[str, Any]:
+    """Every row of ``rows`` (default :data:`ROWS`; the first is the reference); writes ``edge.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = threads or os.cpu_count() or 1
+    rows = rows or ROWS
+    prepare_cache(batch_size, threads)
+    results, reference = [], None
+    for name, precision, budget in rows:
+        log.info("bench edge: %s (backbone %s, budget %s MB, batch %d) ...", name, precision, budget or "none",
+                 batch_size)
+        row = run_row(name, precision, budget, batch_size, threads, out_dir)
+        with np.load(row.pop("arrays")) as update:
+            current = {k: update[k] for k in update.files}
+        reference = reference or current
+        row["max_abs_update_diff"] = float(max(np.abs(current[k] - reference[k]).max() for k in reference))
+        row["max_abs_update"] = float(max(np.abs(reference[k]).max() for k in reference))
+        results.append(row)
+        report = {"machine": _machine(), "batch_size": batch_size, "rows": results}
+        (out_dir / "edge.json").write_text(json.dumps(report, indent=2))
+    print(format_edge(report))
+    return report
+
+
+def prepare_cache(batch_size: int, threads: int) -> None:
+    """Build the backbone cache file once (timm, random weights) in a process of its own, so every
+    row maps the same file and none pays timm's build in its peak memory."""
+    spec = json.dumps({"prepare": True, "batch_size": batch_size, "threads": threads})
+    subprocess.run([sys.executable, "-m", "promptfcl.server.bench.edge", spec], check=True, capture_output=True)
+
+
+def format_edge(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    lines = [
+        "## promptfcl bench edge",
+        "",
+        f"One client round at ViT-B/16 dimensions (random weights, 224 px, CODA-P prompts at blocks 0-4), batch "
+        f"{report['batch_size']}, {m['cpus']} CPUs, torch {m['torch']}.",
+        "",
+        "| name | precision | budget MB | peak RSS MB | images/s | CPU s / image | max abs update diff | micro-batch | "
+        "checkpointed blocks | backbone mapped MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['name']} | {r['precision']} | {r['budget_mb'] or 'none'} | {r['peak-rss-mb']:,.0f} | "
+                     f"{r['images_per_second']:.2f} | {r['cpu_seconds_per_image']:.2f} | "
+                     f"{r['max_abs_update_diff']:.2e} | {r['micro-batch']} | {r['checkpointed-blocks']} | "
+                     f"{r['backbone-mapped-mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
+    spec = json.loads(sys.argv[1])
+    if spec.get("prepare"):
+        from promptfcl.common.backbone import build_backbone
+
+        build_backbone(edge_config(int(spec["batch_size"]), int(spec["threads"])))
+        return
+    figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
+                              int(spec["threads"]), Path(spec["arrays"]))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
