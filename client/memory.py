@@ -13,7 +13,7 @@ from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common.backbone import backbone_cache_path
 from promptfcl.common.learner import LocalLearner
 from promptfcl.common.memory_plan import MIN_MICRO_BATCH, BudgetError, StepSizes, TrainingPlan, mapped_mb, \
-    mapped_tensor_mb, peak_resident_mb, plan_training, resident_mb
+    mapped_tensor_mb, peak_resident_mb, plan_training, resident_mb, return_freed_memory
 from promptfcl.common.model import PromptedViT
 from promptfcl.common.runtime import Runtime
 
@@ -46,6 +46,8 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
         The budget is too small for one image at a time (the text names ``memory-budget-mb``).
     """
     model = runtime.model
+    if policy.memory_budget_mb:
+        return_freed_memory()  # before anything large is allocated: freed activations leave the process
     held = resident_mb()
     cached = backbone_cache_path(runtime.cfg)
     if policy.memory_budget_mb and cached is not None:

@@ -96,12 +96,13 @@ def lower_precision(backbone: nn.Module, precision: str, mapped_file: str | None
         raise ValueError("backbone-precision = int8 needs a quantised CPU engine (fbgemm or qnnpack)")
     for parent in list(backbone.modules()):
         for name, child in list(parent.named_children()):
+            # the float tensors themselves (``to`` swaps a parameter's data, not the parameter)
+            old = [t.detach() for t in (getattr(child, "weight", None), getattr(child, "bias", None))
+                   if isinstance(t, torch.Tensor)]
             if precision == "int8" and type(child) is nn.Linear:
-                old = [child.weight, child.bias]
                 setattr(parent, name, Int8Linear(child))
                 release_pages(mapped_file, *old)
             elif precision == "bf16" and type(child) in (nn.Linear, nn.Conv2d):
-                old = [child.weight, child.bias]
                 child.to(torch.bfloat16)
                 release_pages(mapped_file, *old)
     return backbone

@@ -7,6 +7,7 @@ promptfcl resume DIR                   continue a run that was stopped (checkpoi
 promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
 promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
+promptfcl bench edge [--out DIR]       one client round at ViT-B/16 dimensions within a node's memory budget
 promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
 promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (the defaults, norm filter,
                                        median, trimmed mean)
@@ -73,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     perf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     perf.add_argument("--populations", default="10,100,1000")
     perf.add_argument("--methods", default="", help="comma-separated (default: all)")
+    edge = bench_sub.add_parser("edge", help="one client round at ViT-B/16 dimensions within a node's memory "
+                                "budget, per backbone precision (writes edge.json)")
+    edge.add_argument("--out", default="runs/bench-edge")
+    edge.add_argument("--batch-size", type=int, default=64, help="the paper configuration's batch (HGP, HePCo, "
+                      "Powder: 64; CODA-P, Fed-CPrompt, FPPL: 128)")
+    edge.add_argument("--threads", type=int, default=1, help="torch threads of each client process")
+    edge.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     dims = bench_sub.add_parser(
         "paper-dims",
         help="one round of each paper configuration at the papers' model "
@@ -287,6 +295,16 @@ def _bench(args: argparse.Namespace) -> int:
     from promptfcl.server import bench
 
     try:
+        if args.bench == "edge":
+            from promptfcl.server.bench.edge import ROWS
+
+            wanted = [v for v in args.rows.split(",") if v]
+            unknown = sorted(set(wanted) - {r[0] for r in ROWS})
+            if unknown or args.batch_size < 1 or args.threads < 1:
+                raise ConfigError(f"bench edge: unknown rows {unknown} (known: {', '.join(r[0] for r in ROWS)}), "
+                                  "or --batch-size / --threads below 1")
+            bench.edge(Path(args.out), args.batch_size, args.threads, [r for r in ROWS if not wanted or r[0] in wanted])
+            return 0
         if args.bench == "paper-dims":
             import glob
 
