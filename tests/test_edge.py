@@ -131,9 +131,9 @@ def test_the_plan_keeps_whole_batches_where_they_fit_and_recomputes_only_where_i
     assert gpu.micro_batch >= 8 and gpu.checkpointed > 0
     # what it plans fits: held + margin + inputs + micro-batch x per image <= budget
     for plan, budget in ((middle, 3000), (tight, 1200), (gpu, 1700)):
-        used = 900 + 128 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointed)
+        used = 900 + 200 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointed)
         assert used <= budget
-        assert (plan.micro_batch + 1) * VIT_B.per_image_mb(plan.checkpointed) + 900 + 128 + VIT_B.inputs_mb() > budget
+        assert (plan.micro_batch + 1) * VIT_B.per_image_mb(plan.checkpointed) + 900 + 200 + VIT_B.inputs_mb() > budget
     assert plan_training(0, VIT_B, held_mb=900) == TrainingPlan()  # no budget: the defaults
 
 
