@@ -19,7 +19,8 @@ take, or switch on behaviour meant for experiments. Three rules, all read from t
 * **Memory and precision.** ``memory-budget-mb`` is how much memory a message may take on this
   node: the node plans its training within it (micro-batches, checkpointing; client/memory.py);
   ``backbone-precision`` (``fp32``, ``bf16``, ``int8``) is the frozen backbone's, float32 unless
-  the operator chooses otherwise. Neither comes from the run.
+  the operator chooses otherwise. Neither comes from the run; a node's environment may set them
+  (``PROMPTFCL_MEMORY_BUDGET_MB``, ``PROMPTFCL_BACKBONE_PRECISION``: a simulation's nodes).
 * **Backbone.** A node takes its backbone only from its own node config (``weights=...``: a
   checkpoint on the node, ``"timm"``, ``"pretrained:<source>"`` or ``"random"``) or its cache:
   a run's ``weights = "pretrained:<source>"`` (the node's cache of that pretraining) and
@@ -89,6 +90,8 @@ CACHED_WEIGHTS = re.compile(r"random|pretrained:.+")
 #: a timm model name (with an optional pretrained tag): no source prefix, no path
 PLAIN_BACKBONE = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?")
 FAULT_INJECTION_ENV = "PROMPTFCL_FAULT_INJECTION"
+MEMORY_BUDGET_ENV = "PROMPTFCL_MEMORY_BUDGET_MB"
+BACKBONE_PRECISION_ENV = "PROMPTFCL_BACKBONE_PRECISION"
 
 
 class NodeRefusal(ValueError):
@@ -121,10 +124,12 @@ class NodePolicy:
         if weights is not None and (not isinstance(weights, str) or not weights):
             raise NodeRefusal(f"node-config {WEIGHTS} must be a checkpoint path, \"timm\", \"pretrained:<source>\" "
                               f"or \"random\", got {printable(repr(weights), 80)}")
-        budget = node_config.get(MEMORY_BUDGET, 0)
+        # the node's operator may say both in the node's environment instead (a simulation's nodes,
+        # whose node config Flower writes): the node config wins
+        budget = node_config.get(MEMORY_BUDGET, _env_number(MEMORY_BUDGET_ENV))
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0 or budget == math.inf:
             raise NodeRefusal(f"node-config {MEMORY_BUDGET} must be a number of MB (0: no budget), got {budget!r}")
-        precision = node_config.get(BACKBONE_PRECISION, "fp32")
+        precision = node_config.get(BACKBONE_PRECISION, os.environ.get(BACKBONE_PRECISION_ENV) or "fp32")
         if precision not in PRECISIONS:
             raise NodeRefusal(f"node-config {BACKBONE_PRECISION} must be one of {', '.join(PRECISIONS)}, "
                               f"got {printable(repr(precision), 40)}")
@@ -190,6 +195,15 @@ class NodePolicy:
             raise NodeRefusal(f"node refuses the run: {exc}") from None
         if problem is not None:
             raise NodeRefusal(f"node refuses the run: {problem} (its operator's node-config)")
+
+
+def _env_number(name: str) -> Any:
+    """A number from the node's environment (0: unset; the text itself when it is not a number)."""
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else 0
+    except ValueError:
+        return raw
 
 
 def flag(node_config: Mapping[str, Any], key: str) -> bool:

@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     edge.add_argument("--batch-size", type=int, default=64, help="the paper configuration's batch (HGP, HePCo, "
                       "Powder: 64; CODA-P, Fed-CPrompt, FPPL: 128)")
     edge.add_argument("--threads", type=int, default=1, help="torch threads of each client process")
-    edge.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    edge.add_argument("--rows", default="", help="comma-separated row names (default: all; none: no memory rows)")
+    edge.add_argument("--accuracy-seeds", default="0,1", help="seeds of the offline A_N per backbone precision "
+                      "(empty: none)")
+    edge.add_argument("--precisions", default="fp32,int8,bf16", help="backbone precisions of the offline A_N")
     dims = bench_sub.add_parser(
         "paper-dims",
         help="one round of each paper configuration at the papers' model "
@@ -298,12 +301,22 @@ def _bench(args: argparse.Namespace) -> int:
         if args.bench == "edge":
             from promptfcl.server.bench.edge import ROWS
 
+            from promptfcl.common.low_precision import PRECISIONS
+
             wanted = [v for v in args.rows.split(",") if v]
-            unknown = sorted(set(wanted) - {r[0] for r in ROWS})
-            if unknown or args.batch_size < 1 or args.threads < 1:
+            unknown = sorted(set(wanted) - {r[0] for r in ROWS} - {"none"})
+            precisions = [v for v in args.precisions.split(",") if v]
+            if unknown or args.batch_size < 1 or args.threads < 1 or set(precisions) - set(PRECISIONS):
                 raise ConfigError(f"bench edge: unknown rows {unknown} (known: {', '.join(r[0] for r in ROWS)}), "
-                                  "or --batch-size / --threads below 1")
-            bench.edge(Path(args.out), args.batch_size, args.threads, [r for r in ROWS if not wanted or r[0] in wanted])
+                                  f"--batch-size / --threads below 1, or precisions outside {PRECISIONS}")
+            if wanted != ["none"]:
+                bench.edge(Path(args.out), args.batch_size, args.threads,
+                           [r for r in ROWS if not wanted or r[0] in wanted])
+            seeds = [int(v) for v in args.accuracy_seeds.split(",") if v]
+            if seeds:
+                from promptfcl.server.bench.edge import accuracy
+
+                accuracy(Path(args.out), seeds, precisions)
             return 0
         if args.bench == "paper-dims":
             import glob

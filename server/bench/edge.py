@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.server.bench.common import _machine
+from promptfcl.server.bench.common import _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -133,9 +133,48 @@ def edge(out_dir: Path, batch_size: int = 64, threads: int = 1,
                     "max_abs_update_diff": float(max(np.abs(current[k] - reference[k]).max() for k in reference)),
                     "max_abs_update": float(max(np.abs(reference[k]).max() for k in reference))})
         results.append(row)
-        report = {"machine": _machine(), "batch_size": batch_size, "threads": threads, "rows": results}
-        (out_dir / "edge.json").write_text(json.dumps(report, indent=2))
+        report = merge_report(out_dir, {"machine": _machine(), "batch_size": batch_size, "threads": threads,
+                                        "rows": results})
     print(format_edge(report))
+    return report
+
+
+def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: str = "fedavg",
+             base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """A_N of ``strategy`` on the offline benchmark (the default run: digits, Dirichlet 0.5, 10 clients,
+    undefended as ``bench compare`` runs it) per frozen-backbone precision and seed; merged into
+    ``edge.json`` (``accuracy``). Every simulated node takes the precision from its environment
+    (``PROMPTFCL_BACKBONE_PRECISION``), as an operator would set it."""
+    from promptfcl.client.node_policy import BACKBONE_PRECISION_ENV
+
+    rows: list[dict[str, Any]] = []
+    for precision in precisions:
+        for seed in seeds:
+            run_dir = out_dir / "accuracy" / f"{strategy}-{precision}-seed{seed}"
+            log.info("bench edge: A_N of %s with a %s backbone, seed %d ...", strategy, precision, seed)
+            saved = os.environ.get(BACKBONE_PRECISION_ENV)
+            os.environ[BACKBONE_PRECISION_ENV] = precision
+            try:
+                results = run_simulation_subprocess({"defences": "off", **(base or {}), "seed": seed}, run_dir,
+                                                    strategy=strategy)
+            finally:
+                if saved is None:
+                    os.environ.pop(BACKBONE_PRECISION_ENV, None)
+                else:
+                    os.environ[BACKBONE_PRECISION_ENV] = saved
+            rows.append({"strategy": strategy, "precision": precision, "seed": seed,
+                         "a_n": float(results["final_average_accuracy"])})
+            merge_report(out_dir, {"accuracy": rows})
+    return rows
+
+
+def merge_report(out_dir: Path, part: dict[str, Any]) -> dict[str, Any]:
+    """``edge.json`` with ``part``'s keys replaced (the memory rows and the accuracy rows are written apart)."""
+    path = out_dir / "edge.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"machine": _machine()}
+    report.update(part)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
     return report
 
 
