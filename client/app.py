@@ -125,7 +125,7 @@ def train(msg: Message, context: Context) -> Message:
         declare_sizes(cfg, runtime, reply[METRICS])
         if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
             for key, value in plan_metrics(plan, runtime).items():
-                reply[METRICS][key] = value
+                reply.metric_records[METRICS][key] = value
     reply[PLACEMENT] = placement(runtime, context, cfg.digest())
     if evaluation is not None:
         reply[EVALUATION] = evaluation

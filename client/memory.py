@@ -12,8 +12,18 @@ from __future__ import annotations
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common.backbone import backbone_cache_path
 from promptfcl.common.learner import LocalLearner
-from promptfcl.common.memory_plan import MIN_MICRO_BATCH, BudgetError, StepSizes, TrainingPlan, mapped_mb, \
-    mapped_tensor_mb, peak_resident_mb, plan_training, resident_mb, return_freed_memory
+from promptfcl.common.memory_plan import (
+    MIN_MICRO_BATCH,
+    BudgetError,
+    StepSizes,
+    TrainingPlan,
+    mapped_mb,
+    mapped_tensor_mb,
+    peak_resident_mb,
+    plan_training,
+    resident_mb,
+    return_freed_memory,
+)
 from promptfcl.common.model import PromptedViT
 from promptfcl.common.runtime import Runtime
 

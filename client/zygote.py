@@ -9,9 +9,11 @@ messages, exactly as with the stock executor.
 
 What makes the fork safe: the zygote never runs a tensor operation (so neither torch's
 OpenMP pool nor CUDA exists in it) and has one thread when it forks, which it checks before
-every fork. Children initialise CUDA themselves. The zygote holds nothing else: the frozen
-backbone is built from the node's disk cache by each child (about 0.1 s on this machine,
-against 3-5 s of imports), and the node's decoded data are read from the same cache by row.
+every fork. Children initialise CUDA themselves. The zygote holds nothing else: its imported
+modules are shared with every child copy-on-write, the frozen backbone is memory-mapped from the
+node's disk cache by each child (about 0.1 s on this machine, against 3-5 s of imports; the
+weights are the page cache's pages, one copy for all children, never one per child), and the
+node's decoded data are read from the same cache by row.
 
 The executor (client/warm_executor.py) talks to the zygote over a socket pair, one JSON line
 per request: ``{"spec": {...}}`` -> ``{"pid": N}`` or ``{"error": "..."}``. The task's token

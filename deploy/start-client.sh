@@ -36,6 +36,10 @@
 #                   max-num-classes, max-num-tasks, max-embed-dim, max-depth, max-num-heads,
 #                   max-local-epochs, max-tokens, max-memory-gb: tokens per image and the
 #                   backbone's estimated memory): refuse runs beyond these sizes;
+#                   memory-budget-mb=1500: the memory a message may take on this node (MB); it
+#                   plans its training within it (micro-batches, recomputed blocks; the same
+#                   updates) or refuses; backbone-precision="int8" (or "bf16"): a lower-precision
+#                   frozen backbone, this node's choice (docs/edge.md);
 #                   fault-injection=true: obey the run's fault switch (robustness experiments);
 #                   data-from-run=true: read the run's dataset location instead of this node's;
 #                   weights="/srv/vit.pt" (or

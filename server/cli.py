@@ -299,9 +299,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         if args.bench == "edge":
-            from promptfcl.server.bench.edge import ROWS
-
             from promptfcl.common.low_precision import PRECISIONS
+            from promptfcl.server.bench.edge import ROWS
 
             wanted = [v for v in args.rows.split(",") if v]
             unknown = sorted(set(wanted) - {r[0] for r in ROWS} - {"none"})

@@ -276,11 +276,13 @@ def submit(
 
 
 def run_deployed(
-    root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500, warm: bool = True
+    root: Path, run: dict[str, Any], nodes: int, threads: int = 1, timeout: float = 1500, warm: bool = True,
+    node_args: dict[int, list[str]] | None = None,
 ) -> dict[str, Any]:
     """A whole loopback deployment of ``run`` (run-config keys) on ``nodes`` SuperNodes, each with a
     disjoint share of the digits as image folders; returns the run's results.json. ``warm``: the
-    nodes' default executor (forking from a warm zygote); False: Flower's stock one (``--no-warm``)."""
+    nodes' default executor (forking from a warm zygote); False: Flower's stock one (``--no-warm``).
+    ``node_args``: more deploy/start-client.sh arguments of node i (1-based), e.g. ``--node KEY=VAL``."""
     from promptfcl.client.node_data import export_digits
 
     root = root.resolve()  # the scripts run inside it
@@ -306,7 +308,7 @@ def run_deployed(
                 name,
                 f"data/node{i}",
                 run_toml,
-                ["--threads", str(threads)] + ([] if warm else ["--no-warm"]),
+                ["--threads", str(threads)] + ([] if warm else ["--no-warm"]) + (node_args or {}).get(i + 1, []),
             )
         done = submit(root, env, ports.control, run_toml, timeout=timeout)
         procs.remember_descendants()

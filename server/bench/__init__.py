@@ -33,5 +33,5 @@ from promptfcl.server.bench.edge import edge
 from promptfcl.server.bench.paper_scale import paper_dims
 from promptfcl.server.bench.speed import perf
 
-__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge", "finished_run", "paper_dims", "parse_method",
-           "perf", "robustness", "run_simulation_subprocess", "summary_table"]
+__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge", "finished_run", "paper_dims",
+           "parse_method", "perf", "robustness", "run_simulation_subprocess", "summary_table"]

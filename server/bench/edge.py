@@ -193,8 +193,8 @@ def format_edge(report: dict[str, Any]) -> str:
         f"One client round at ViT-B/16 dimensions (random weights, 224 px, CODA-P prompts at blocks 0-4), one "
         f"step of the batch, {report['threads']} thread(s) of {m['cpus']} CPUs, torch {m['torch']}.",
         "",
-        "| name | precision | budget MB | batch | peak RSS MB | images/s | CPU s / image | max abs update diff | micro-batch | "
-        "checkpointed blocks | backbone mapped MB |",
+        "| name | precision | budget MB | batch | peak RSS MB | images/s | CPU s / image | max abs update diff "
+        "| micro-batch | checkpointed blocks | backbone mapped MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
