@@ -211,7 +211,7 @@ def memory_plans(accepted: list) -> list[dict[str, Any]]:
         metrics = reply.content.metric_records[METRICS]
         chosen = {key: metrics[key] for key in PLAN_METRICS if key in metrics}
         if chosen:
-            plans.append({"node": int(reply.metadata.src_node_id), **chosen})
+            plans.append({"node": int(reply.reply.metadata.src_node_id), **chosen})
     return plans
 
 

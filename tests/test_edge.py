@@ -215,3 +215,21 @@ def test_the_backbone_is_read_through_a_shared_mapping_of_the_cache(tmp_path, mo
     assert mapped_mb(path) < 0.5 * before  # the float weights' pages handed back as they were replaced
     with torch.no_grad():
         assert torch.isfinite(backbone(torch.zeros(1, 3, 32, 32))).all()
+
+
+def test_results_record_each_budgeted_nodes_plan_and_refuse_a_starved_node(tmp_path, flower_identity):
+    from tests.helpers import run_in_process
+
+    cfg = tiny_config(out_dir=str(tmp_path), num_tasks=1, rounds_per_task=1, num_clients=3, clients_per_round=3,
+                      min_replies=1)
+    budget = resident_mb() + 4000
+    results = run_in_process(cfg, nodes=3, node_configs={1001: {"memory-budget-mb": budget},
+                                                           1002: {"memory-budget-mb": 10}})
+    (record,) = results["rounds"]
+    (plan,) = record["memory_plans"]  # node 1003 has no budget: nothing to report
+    assert plan["node"] == 1001 and plan["memory-budget-mb"] == pytest.approx(budget)
+    assert plan["micro-batch"] == cfg.batch_size and plan["checkpointed-blocks"] == 0 and plan["backbone-bits"] == 32
+    assert 0 < plan["peak-rss-mb"]
+    assert record["clients_aggregated"] == 2
+    (refused,) = record["rejected"]
+    assert refused["node"] == 1002 and "memory-budget-mb = 10 is too small" in refused["reason"]
