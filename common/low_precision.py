@@ -4,8 +4,10 @@ Never the default: a node that chooses one trains with a backbone that computes 
 from its peers' (docs/edge.md has the measured accuracy change). Prompts, head and optimiser
 stay float32 whatever the choice.
 
-* ``bf16``: the backbone's linear and patch-embedding weights in bfloat16 (half the memory),
-  every forward under bfloat16 autocast (common/runtime.py), so activations are bfloat16 too.
+* ``bf16``: the backbone's linear weights kept in bfloat16 (half the memory), computed in
+  float32 (:class:`Bf16Linear`): the run's own arithmetic on rounded weights, at float32 speed.
+  (bfloat16 autocast, the run's ``precision = "bf16"``, is another matter: it computes in
+  bfloat16, which a CPU without bfloat16 instructions runs many times slower.)
 * ``int8``: dynamic quantisation of the frozen linear layers (per-channel int8 weights,
   activations quantised per call; PyTorch's fbgemm / qnnpack kernels, CPU only). PyTorch's
   quantised linear has no backward; :class:`Int8Linear` adds one (the input's gradient through
@@ -47,6 +49,40 @@ class _Int8Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         weight, _ = torch.ops.quantized.linear_unpack(ctx.packed)  # one layer's weight, for this product only
         return grad @ weight.dequantize().to(grad.dtype), None
+
+
+class _Bf16Linear(torch.autograd.Function):
+    """y = x W^T + b with W stored in bfloat16 and computed in float32; dy/dx through the same W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight = weight  # the bfloat16 tensor: the float copy below lives for this product only
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad @ ctx.weight.to(grad.dtype), None, None
+
+
+class Bf16Linear(nn.Module):
+    """A frozen ``nn.Linear`` whose weights are kept in bfloat16 (half the memory) and computed in
+    float32: exact float32 arithmetic on rounded weights, at float32 speed on any CPU (bfloat16
+    matrix products run 4-40x slower than float32 on a CPU without AVX512-BF16 or AMX, measured here).
+
+    Parameters
+    ----------
+    linear : nn.Linear
+        The float layer; its weights are rounded, not kept.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Bf16Linear.apply(x, self.weight, self.bias)
 
 
 class Int8Linear(nn.Module):
@@ -102,8 +138,8 @@ def lower_precision(backbone: nn.Module, precision: str, mapped_file: str | None
             if precision == "int8" and type(child) is nn.Linear:
                 setattr(parent, name, Int8Linear(child))
                 release_pages(mapped_file, *old)
-            elif precision == "bf16" and type(child) in (nn.Linear, nn.Conv2d):
-                child.to(torch.bfloat16)
+            elif precision == "bf16" and type(child) is nn.Linear:
+                setattr(parent, name, Bf16Linear(child))
                 release_pages(mapped_file, *old)
     return backbone
 
@@ -137,4 +173,4 @@ def release_pages(mapped_file: str | None, *tensors: torch.Tensor | None) -> Non
                 libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
 
 
-__all__ = ["Int8Linear", "PRECISIONS", "lower_precision", "release_pages"]
+__all__ = ["Bf16Linear", "Int8Linear", "PRECISIONS", "lower_precision", "release_pages"]

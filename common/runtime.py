@@ -146,8 +146,6 @@ class Runtime:
     def mixed_precision(self) -> bool:
         """Whether forward passes run under bfloat16 autocast (config ``precision``; decided once,
         not per batch)."""
-        if self.precision == "bf16":  # bfloat16 weights compute under autocast only
-            return True
         if self.cfg.precision == "auto":
             return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return self.cfg.precision == "bf16"
