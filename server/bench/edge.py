@@ -122,6 +122,8 @@ def edge(out_dir: Path, batch_size: int = 64, threads: int = 1,
     earlier = merge_report(out_dir, {})
     results: list[dict[str, Any]] = list(earlier.get("rows", []))
     references: dict[str, str] = dict(earlier.get("references", {}))
+    for r in results:  # an earlier invocation's first row of its batch size
+        references.setdefault(str(r.get("batch_size")), f"{r['name']}.npz")
     report: dict[str, Any] = {}
     for name, precision, budget, batch in rows:
         batch = batch or batch_size
