@@ -150,29 +150,59 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
              base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """A_N of ``strategy`` on the offline benchmark (the default run: digits, Dirichlet 0.5, 10 clients,
     undefended as ``bench compare`` runs it) per frozen-backbone precision and seed; merged into
-    ``edge.json`` (``accuracy``). Every simulated node takes the precision from its environment
-    (``PROMPTFCL_BACKBONE_PRECISION``), as an operator would set it."""
+    ``edge.json`` (``accuracy``).
+
+    Every simulated client trains with the precision, taken from its environment
+    (``PROMPTFCL_BACKBONE_PRECISION``) as an operator would set it; the server's evaluation keeps
+    its float32 backbone (``a_n``: what a float32 evaluator sees of prompts trained on edge nodes),
+    and the final model is evaluated again with the clients' precision (``a_n_node_eval``: what the
+    edge nodes themselves would score).
+    """
     from promptfcl.client.node_policy import BACKBONE_PRECISION_ENV
+    from promptfcl.server.bench.comparison import finished_run
 
     rows: list[dict[str, Any]] = []
     for precision in precisions:
         for seed in seeds:
             run_dir = out_dir / "accuracy" / f"{strategy}-{precision}-seed{seed}"
-            log.info("bench edge: A_N of %s with a %s backbone, seed %d ...", strategy, precision, seed)
-            saved = os.environ.get(BACKBONE_PRECISION_ENV)
-            os.environ[BACKBONE_PRECISION_ENV] = precision
-            try:
-                results = run_simulation_subprocess({"defences": "off", **(base or {}), "seed": seed}, run_dir,
-                                                    strategy=strategy)
-            finally:
-                if saved is None:
-                    os.environ.pop(BACKBONE_PRECISION_ENV, None)
-                else:
-                    os.environ[BACKBONE_PRECISION_ENV] = saved
+            settings = {"defences": "off", **(base or {}), "seed": seed, "keep-checkpoint": True}
+            results = finished_run(run_dir, {**settings, "strategy": strategy})
+            if results is None:
+                log.info("bench edge: A_N of %s with a %s backbone, seed %d ...", strategy, precision, seed)
+                saved = os.environ.get(BACKBONE_PRECISION_ENV)
+                os.environ[BACKBONE_PRECISION_ENV] = precision
+                try:
+                    results = run_simulation_subprocess(settings, run_dir, strategy=strategy)
+                finally:
+                    if saved is None:
+                        os.environ.pop(BACKBONE_PRECISION_ENV, None)
+                    else:
+                        os.environ[BACKBONE_PRECISION_ENV] = saved
             rows.append({"strategy": strategy, "precision": precision, "seed": seed,
-                         "a_n": float(results["final_average_accuracy"])})
+                         "a_n": float(results["final_average_accuracy"]),
+                         "a_n_node_eval": final_accuracy(run_dir, precision)})
             merge_report(out_dir, {"accuracy": rows})
     return rows
+
+
+def final_accuracy(run_dir: Path, precision: str) -> float | None:
+    """A_N of the run's final model (its kept checkpoint) evaluated with a ``precision`` backbone
+    (None: the run kept no checkpoint)."""
+    import torch
+
+    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.evaluation import accuracies, correct_counts
+    from promptfcl.common.runtime import get_runtime
+    from promptfcl.server import checkpoint
+    from promptfcl.strategies.registry import prompt_class
+
+    ckpt = checkpoint.load(run_dir)
+    if ckpt is None:
+        return None
+    cfg = ExperimentConfig.from_dict(ckpt.config)
+    runtime = get_runtime(cfg, prompt_class(cfg.strategy), precision=precision)
+    runtime.model.load_trainable_state({k: torch.from_numpy(np.array(v)) for k, v in ckpt.arrays.items()})
+    return float(np.mean(accuracies(*correct_counts(runtime, cfg.num_tasks - 1))))
 
 
 def merge_report(out_dir: Path, part: dict[str, Any]) -> dict[str, Any]:
