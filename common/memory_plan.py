@@ -42,7 +42,7 @@ RECOMPUTE_FLOATS = 48
 NO_GRAD_FLOATS = 12
 #: the plan leaves this much of the budget free (allocator slack, the optimiser, library pages the
 #: backward pass touches first)
-MARGIN_MB = 200.0
+MARGIN_MB = 256.0
 #: the smallest micro-batch worth keeping activations for rather than recomputing them: on a CPU
 #: one image at a time costs about what a whole batch does per image, on a GPU small batches idle it
 MIN_MICRO_BATCH = {"cpu": 1, "other": 8}

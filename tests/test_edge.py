@@ -123,17 +123,16 @@ def test_the_plan_keeps_whole_batches_where_they_fit_and_recomputes_only_where_i
     assert (roomy.micro_batch, roomy.checkpointed) == (64, 0)
     middle = plan_training(3000, VIT_B, held_mb=900)
     assert middle.checkpointed == 0 and 1 < middle.micro_batch < 64
-    tight = plan_training(1200, VIT_B, held_mb=900)  # not one image with every activation kept
+    tight = plan_training(1300, VIT_B, held_mb=900)  # not one image with every activation kept
     assert 0 < tight.checkpointed <= 12 and tight.micro_batch >= 1
-    fewer = plan_training(1200, VIT_B, held_mb=900, min_micro=1)
-    assert plan_training(1230, VIT_B, held_mb=900).checkpointed <= fewer.checkpointed  # more room, less recomputed
+    assert plan_training(1330, VIT_B, held_mb=900).checkpointed < tight.checkpointed  # more room, less recomputed
     gpu = plan_training(1700, VIT_B, held_mb=900, min_micro=8)  # a GPU recomputes rather than idle on 1 image
     assert gpu.micro_batch >= 8 and gpu.checkpointed > 0
     # what it plans fits: held + margin + inputs + micro-batch x per image <= budget
-    for plan, budget in ((middle, 3000), (tight, 1200), (gpu, 1700)):
-        used = 900 + 200 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointed)
+    for plan, budget in ((middle, 3000), (tight, 1300), (gpu, 1700)):
+        used = 900 + 256 + VIT_B.inputs_mb() + plan.micro_batch * VIT_B.per_image_mb(plan.checkpointed)
         assert used <= budget
-        assert (plan.micro_batch + 1) * VIT_B.per_image_mb(plan.checkpointed) + 900 + 200 + VIT_B.inputs_mb() > budget
+        assert (plan.micro_batch + 1) * VIT_B.per_image_mb(plan.checkpointed) + 900 + 256 + VIT_B.inputs_mb() > budget
     assert plan_training(0, VIT_B, held_mb=900) == TrainingPlan()  # no budget: the defaults
 
 
