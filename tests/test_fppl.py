@@ -370,7 +370,8 @@ def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower
     rt = get_runtime(fppl_config(), FPPLPrompt)
     d = rt.model.embed_dim
     record = to_array_record({"classes": np.arange(5, 10), "means": np.ones((5, d), np.float32)})
-    batch = type("B", (), {"features": torch.randn(4, d), "labels": torch.tensor([5, 6, 7, 8])})()
+    batch = type("B", (), {"features": torch.randn(4, d), "labels": torch.tensor([5, 6, 7, 8]), "share": 1.0,
+                           "step_labels": None, "rows": None})()
     on, off = FPPLLearner(rt), FPPLLearner(rt, {"unified-loss": False})
     for learner in (on, off):
         learner.round_start(RecordDict({GLOBAL_PROTOTYPES: record}), task=1)
