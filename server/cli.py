@@ -309,7 +309,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"bench edge: unknown rows {unknown} (known: {', '.join(r[0] for r in ROWS)}), "
                                   f"--batch-size / --threads below 1, or precisions outside {PRECISIONS}")
             if wanted != ["none"]:
-                bench.edge(Path(args.out), args.batch_size, args.threads,
+                bench.edge_rounds(Path(args.out), args.batch_size, args.threads,
                            [r for r in ROWS if not wanted or r[0] in wanted])
             seeds = [int(v) for v in args.accuracy_seeds.split(",") if v]
             if seeds:

@@ -234,3 +234,28 @@ def test_results_record_each_budgeted_nodes_plan_and_refuse_a_starved_node(tmp_p
     assert record["clients_aggregated"] == 2
     (refused,) = record["rejected"]
     assert refused["node"] == 1002 and "memory-budget-mb = 10 is too small" in refused["reason"]
+
+
+def test_bench_edge_compares_each_row_with_the_float32_round_of_its_batch(tmp_path, monkeypatch):
+    import json
+
+    from promptfcl.server.bench import edge as bench_edge
+
+    offsets = {"fp32": 0.0, "fp32-1500": 1e-6, "int8-1500": 2e-3}
+
+    def fake_row(name, precision, budget_mb, batch_size, threads, out_dir):
+        path = out_dir / f"{name}.npz"
+        np.savez(path, w=np.full(3, 0.5 + offsets[name]))
+        return {"name": name, "precision": precision, "budget_mb": budget_mb, "arrays": path, "peak-rss-mb": 1.0,
+                "images_per_second": 1.0, "cpu_seconds_per_image": 1.0, "micro-batch": 1, "checkpointed-blocks": 0,
+                "backbone-mapped-mb": 0.0}
+
+    monkeypatch.setattr(bench_edge, "prepare_cache", lambda *a: None)
+    monkeypatch.setattr(bench_edge, "run_row", fake_row)
+    bench_edge.edge_rounds(tmp_path, 8, 1, [("fp32", "fp32", 0.0, 0), ("fp32-1500", "fp32", 1500.0, 0)])
+    bench_edge.edge_rounds(tmp_path, 8, 1, [("int8-1500", "int8", 1500.0, 0)])  # a later invocation keeps the rows
+    rows = {r["name"]: r for r in json.loads((tmp_path / "edge.json").read_text())["rows"]}
+    assert set(rows) == set(offsets)
+    for name, offset in offsets.items():
+        assert rows[name]["max_abs_update_diff"] == pytest.approx(offset, abs=1e-12)
+        assert rows[name]["batch_size"] == 8

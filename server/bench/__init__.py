@@ -29,9 +29,9 @@ from promptfcl.server.bench.common import run_simulation_subprocess
 from promptfcl.server.bench.comparison import compare, finished_run, parse_method, summary_table
 from promptfcl.server.bench.data_memory import data_memory
 from promptfcl.server.bench.deploy import deploy_overhead
-from promptfcl.server.bench.edge import edge
+from promptfcl.server.bench.edge import edge_rounds
 from promptfcl.server.bench.paper_scale import paper_dims
 from promptfcl.server.bench.speed import perf
 
-__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge", "finished_run", "paper_dims",
+__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge_rounds", "finished_run", "paper_dims",
            "parse_method", "perf", "robustness", "run_simulation_subprocess", "summary_table"]

@@ -108,7 +108,7 @@ def run_row(name: str, precision: str, budget_mb: float, batch_size: int, thread
     return {"name": name, "precision": precision, "budget_mb": budget_mb, **figures, "arrays": arrays}
 
 
-def edge(out_dir: Path, batch_size: int = 64, threads: int = 1,
+def edge_rounds(out_dir: Path, batch_size: int = 64, threads: int = 1,
          rows: list[tuple[str, str, float, int]] | None = None) -> dict[str, Any]:
     """Every row of ``rows`` (default :data:`ROWS`); writes ``edge.json``.
 
