@@ -1,6 +1,6 @@
 """Flower's SuperLink on two listeners: nodes reach the Fleet API only (start-server.sh).
 
-Flower 1.41 serves every SuperLink API from one HTTP app on one address: the Fleet API
+Flower 1.41-1.42 serves every SuperLink API from one HTTP app on one address: the Fleet API
 (``/v1/fleet/*``, what SuperNodes call), the Control API (``/v1/control/*``: submit and stop
 runs, register node keys, read logs) and the ServerApp runtime (``/v1/runtime/*``). The
 Control API has no authentication in this distribution, so on a shared address any node
