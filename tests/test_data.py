@@ -370,7 +370,7 @@ def test_hf_source_is_read_through_the_datasets_library(tmp_path):
                 Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(
                     tmp_path / "images" / split / name / f"{i}.png")
     code = ("import json, sys\nfrom promptfcl.common.data import load_dataset\nfrom tests.conftest import tiny_config\n"
-            "d = load_dataset(tiny_config(dataset='hf:' + sys.argv[1], num_tasks=1, image_size=8))\n"
+            "d = load_dataset(tiny_config(dataset='hf:' + sys.argv[1], num_tasks=1))\n"
             "print(json.dumps({'names': d.class_names, 'train': list(d.train.images.shape), 'test': len(d.test),\n"
             "  'labels': sorted(set(d.train.labels.tolist())), 'split': d.split}))\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
@@ -379,7 +379,7 @@ def test_hf_source_is_read_through_the_datasets_library(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(got["names"]) == ["ant", "bee", "cow"] and got["labels"] == [0, 1, 2]
-    assert got["train"] == [12, 3, 8, 8] and got["test"] == 6
+    assert got["train"] == [12, 3, 10, 10] and got["test"] == 6  # one square size: kept native
     assert "splits 'train' (train) and 'test' (test)" in got["split"]
 
 
