@@ -241,6 +241,8 @@ def replace_internal(name: str, value: Any) -> None:
     if problems:
         raise ImportError(problems[0])
     setattr(_found(INTERNALS[name])[0], INTERNALS[name].attribute, value)
+
+
 def set_internal_default(name: str, parameter: str, value: Any) -> None:
     """Change the default of ``parameter`` of the Flower function registered as ``name``, in
     this process (the zygote: for its forked tasks); raises ``ImportError`` as :func:`internal`
