@@ -91,3 +91,9 @@ def test_flowers_legacy_aggregation_helpers_compute_what_robust_aggregation_need
     layers = [([v], 1) for v in values]
     assert np.allclose(internal("aggregate_median")(layers)[0], [2.5, 0.5])
     assert np.allclose(internal("aggregate_trimmed_avg")(layers, 0.25)[0], [2.5, 0.5])
+    from promptfcl.strategies.platform.replies import combine
+
+    weights = np.full(4, 0.25)
+    as_float32 = [v.astype(np.float32) for v in values]
+    assert combine(as_float32, weights, "median").tolist() == [2.5, 0.5]
+    assert combine(as_float32, weights, "trimmed-mean", trim=0.25).dtype == np.float32
