@@ -304,8 +304,8 @@ class PromptStrategy(Sampling, FedAvg):
         self.defence_counts["stats"] = self.exchange_bounded + self.stats_bound.apply(
             self.accepted, self.statistics, self.stats_ratios)
         if any(self.defence_counts.values()):  # one line a round, not one per node
-            log.info("round %d defences: %s (of %d replies; statistics: rows)", server_round,
-                     ", ".join(f"{k} {v}" for k, v in self.defence_counts.items() if v), len(self.accepted))
+            log.info("round %d defences: %s; %d replies kept", server_round, ", ".join(f"{k} {v}" if k != "stats" else
+                     f"{v} statistics rows bounded" for k, v in self.defence_counts.items() if v), len(self.accepted))
         arrays = self.consolidate(server_round, self.aggregate(self.accepted), self.accepted)
         losses = [float(a.content[METRICS]["train-loss"]) for a in self.accepted]
         metrics = MetricRecord({"num-examples": sum(a.examples for a in self.accepted),
