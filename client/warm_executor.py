@@ -1,7 +1,7 @@
 """``promptfcl-superexec``: Flower's SuperExec for a node's ClientApp tasks, whose executor forks
 each task from a warm zygote (client/zygote.py) instead of starting a fresh interpreter.
 
-Flower 1.41's SuperExec takes an executor (an object with ``launch(spec)``,
+Flower 1.41-1.42's SuperExec takes an executor (an object with ``launch(spec)``,
 ``get_eligible_capacity``, ``wait_for_capacity``, ``reconcile``, ``close``); its stock
 ``SubprocessExecutor`` runs ``flwr-clientapp --token ...`` as a new process per task. The
 ``ForkingExecutor`` below launches ClientApp tasks through the zygote and everything else

@@ -181,10 +181,16 @@ class ExperimentConfig:
     # left alone
     update_clip: float = key(5.0, "robustness", ("results",))
     # Direction check (3+ replies on a task): an update whose cosine with its task's coordinate-wise
-    # median update is below update-min-cosine (-1: off), or below 0 while it is longer than
-    # update-reversed-norm x the task's lower median norm (0: off), is excluded
+    # median update is below update-min-cosine (-1: off) is flagged (a strike), one below 0 while
+    # it is longer than update-reversed-norm x the task's lower median norm (0: off) is excluded
     update_min_cosine: float = key(-0.6, "robustness", ("results",))
     update_reversed_norm: float = key(3.5, "robustness", ("results",))
+    # Strikes (strategies/platform/defences.py): a client whose updates the norm filter or the
+    # direction check flagged (excluded, or a cosine below update-min-cosine) in this many rounds is
+    # excluded from then on, the reply that reached it included; below it, a cosine flag alone does
+    # not exclude (0: off, it excludes at once). Honest label-skewed clients disagree with the
+    # round once in a run at most on the offline benchmark, hostile ones in most rounds
+    update_strikes: int = key(2, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): a row (class mean, covariance scale) beyond
     # stats-bound x the lower median of the round's rows of that array is cut to it, a count to the

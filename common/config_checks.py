@@ -153,6 +153,7 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(math.isfinite(cfg.update_reversed_norm) and cfg.update_reversed_norm >= 0,
          f"update-reversed-norm must be 0 (off) or > 0 (a multiple of the lower median norm), "
          f"got {cfg.update_reversed_norm}")
+    need(cfg.update_strikes >= 0, f"update-strikes must be >= 0 (0: off), got {cfg.update_strikes}")
     need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),
          f"stats-bound must be 0 (off) or >= 1 (a multiple of the lower median), got {cfg.stats_bound}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,

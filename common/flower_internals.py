@@ -1,24 +1,40 @@
 """Every name promptfcl takes from Flower's internals, behind one door.
 
-Flower's public API (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``, ``flwr.simulation``,
-``flwr.server.strategy``) does not offer these yet. Nothing else in the project imports them:
-each is looked up here by :func:`internal`, with the public API that would replace it, so an
-upgrade of Flower that removes or moves one fails with a message naming it, and
-``tests/test_layers.py`` lists them all at once (one of the reasons ``flwr`` is pinned below
-1.43 in pyproject.toml).
+Flower's public API (``flwr.app``, ``flwr.serverapp``, ``flwr.clientapp``, ``flwr.simulation``)
+does not offer these yet. Nothing else in the project imports them: each is looked up here by
+:func:`internal`, with what promptfcl relies on it to have (:attr:`Internal.uses`,
+:attr:`Internal.read_by`) and the public API that would replace it, so an upgrade of Flower
+that removes, moves or reshapes one fails with a message naming it, never a silent fallback;
+``tests/test_layers.py`` checks them all at once. A name Flower is moving is looked up at its
+new place first (:attr:`Internal.new_module`). Why ``flwr`` is pinned below 1.43, and what 1.43
+changes for these names: docs/flower.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, NamedTuple
 
 
 class Internal(NamedTuple):
+    """One Flower name promptfcl takes, and what it relies on that name to be.
+
+    ``uses``: attributes, constructor or function parameters, or protobuf fields of the object
+    that promptfcl reads or passes. ``read_by``: for a name promptfcl rebinds or whose default it
+    changes, the function of the same module that must read it at call time, then the names
+    that function's code must mention (default: the attribute); otherwise the change would be
+    silently ignored. ``new_module``: where a newer Flower moves the name, tried before
+    ``module`` so the same code runs on both (docs/flower.md).
+    """
+
     module: str
     attribute: str
     used_for: str
     public_replacement: str
+    uses: tuple[str, ...] = ()
+    read_by: tuple[str, ...] = ()
+    new_module: str = ""
 
 
 INTERNALS: dict[str, Internal] = {
@@ -26,11 +42,14 @@ INTERNALS: dict[str, Internal] = {
         "flwr.simulation.run_simulation", "_run_simulation",
         "promptfcl simulate: run ServerApp + ClientApp in Ray with a resolved run config and our Ray instance",
         "flwr.simulation.run_simulation takes no app directory, so nodes would get an empty run config; "
-        "`flwr run` with a local SuperLink (make flwr-run) is the public path"),
+        "`flwr run` with a local SuperLink (make flwr-run) is the public path",
+        uses=("num_supernodes", "client_app", "server_app", "backend_name", "backend_config", "server_app_context",
+              "app_dir", "is_app", "verbose_logging", "exit_event")),
     "simulation_exit_event": Internal(
         "flwr.supercore.telemetry", "EventType",
         "the exit event _run_simulation requires (telemetry is off)",
-        "none needed once the public run_simulation takes an app directory"),
+        "none needed once the public run_simulation takes an app directory",
+        uses=("PYTHON_API_RUN_SIMULATION_LEAVE",)),
     "nested_objects": Internal(
         "flwr.supercore.inflatable.inflatable_object", "get_all_nested_objects",
         "bytes per message measured as Flower serialises them (common/records.py payload_bytes)",
@@ -68,37 +87,44 @@ INTERNALS: dict[str, Internal] = {
     "superexec_get_executor": Internal(
         "flwr.supercore.superexec.run_superexec", "get_executor",
         "promptfcl-superexec: replaced (replace_internal) so the SuperExec builds the forking executor",
-        "an executor plug-in point of flower-superexec"),
+        "an executor plug-in point of flower-superexec", read_by=("run_superexec",)),
     "subprocess_executor": Internal(
         "flwr.supercore.superexec.executor", "SubprocessExecutor",
-        "the forking executor: Flower's stock path for other tasks and as the fallback", "none"),
+        "the forking executor: Flower's stock path for other tasks and as the fallback", "none",
+        uses=("launch", "get_eligible_capacity", "wait_for_capacity", "reconcile", "close")),
     "launch_result": Internal(
         "flwr.supercore.superexec.executor", "LaunchResult", "the forking executor's answer to the SuperExec",
-        "none"),
+        "none", uses=("accepted",)),
     "execution_spec": Internal(
-        "flwr.supercore.superexec.executor", "ExecutionSpec", "tests: the task a SuperExec hands its executor",
-        "none"),
-    "task_type": Internal("flwr.supercore.constant", "TaskType", "the forking executor: which tasks fork", "none"),
+        "flwr.supercore.superexec.executor", "ExecutionSpec", "the task a SuperExec hands its executor",
+        "none", uses=("task_type", "runtime_api_address", "token", "insecure", "root_certificates_path",
+                      "runtime_dependency_install", "parent_pid", "suppress_output", "task_id")),
+    "task_type": Internal("flwr.supercore.constant", "TaskType", "the forking executor: which tasks fork", "none",
+                          uses=("CLIENT_APP", "SERVER_APP")),
     "executor_type": Internal("flwr.supercore.constant", "ExecutorType",
-                              "promptfcl-superexec: which executor it replaces", "none"),
+                              "promptfcl-superexec: which executor it replaces", "none", uses=("SUBPROCESS",)),
     "run_clientapp": Internal(
         "flwr.supernode.runtime.run_clientapp", "run_clientapp",
         "a forked ClientApp task runs Flower's own runner (what flwr-clientapp calls)",
-        "a long-lived or forking ClientApp runner in Flower"),
+        "a long-lived or forking ClientApp runner in Flower",
+        uses=("runtime_api_address", "token", "insecure", "certificates", "parent_pid", "runtime_dependency_install")),
+    "clientapp_main": Internal(
+        "flwr.supernode.cli", "flwr_clientapp",
+        "promptfcl bench deploy: the imports of Flower's own `flwr-clientapp` process, timed", "none"),
     "resolve_root_certificates": Internal(
         "flwr.supercore.tls", "validate_and_resolve_root_certificates",
         "a forked ClientApp task reads the Runtime API's CA as flwr-clientapp does", "none"),
     "pull_message_objects": Internal(
         "flwr.supercore.inflatable.inflatable_utils", "pull_and_inflate_object_from_tree",
         "a forked ClientApp task asks for its message's objects sooner than Flower's 1 s first retry "
-        "(client/zygote.py)", "a retry-interval setting of the ClientApp runner"),
+        "(client/zygote.py)", "a retry-interval setting of the ClientApp runner", uses=("initial_backoff",)),
     "supernode_main": Internal(
         "flwr.supernode.cli", "flower_supernode",
         "deploy/supernode.py: start the SuperNode with shorter waits", "a poll-interval option of flower-supernode"),
     "supernode_loop_time": Internal(
         "flwr.supernode.start_client_internal", "time",
         "deploy/supernode.py: the SuperNode loop's fixed 3 s idle wait and 0.5 s local waits, shortened",
-        "a poll-interval option of flower-supernode"),
+        "a poll-interval option of flower-supernode", read_by=("start_client_internal", "time", "sleep")),
     "node_public_key_header": Internal(
         "flwr.supercore.constant", "FLEET_HTTP_PUBLIC_KEY_HEADER",
         "deploy/superlink.py: a node-facing request without node authentication is refused before its body is read",
@@ -121,10 +147,24 @@ INTERNALS: dict[str, Internal] = {
                                  "as node_public_key_header"),
     "api_error_code": Internal("flwr.supercore.error", "ApiErrorCode",
                                "deploy/superlink.py: a refused activation answered as Flower answers one, so the "
-                               "SuperNode prints why", "as node_public_key_header"),
+                               "SuperNode prints why", "as node_public_key_header",
+                               uses=("FLEET_NODE_ACTIVATION_FAILED",)),
     "node_status": Internal("flwr.supercore.constant", "NodeStatus",
                             "deploy/superlink.py: an identity still marked online is told from one that may activate",
-                            "as node_public_key_header"),
+                            "as node_public_key_header", uses=("ONLINE",)),
+    "superlink_app": Internal("flwr.superlink.main", "create_app",
+                              "deploy/superlink.py: the SuperLink's state, which its app keeps as "
+                              "app.state.linkstate_factory", "as node_public_key_header",
+                              read_by=("create_app", "linkstate_factory")),
+    "linkstate_factory": Internal("flwr.server.superlink.linkstate", "LinkStateFactory",
+                                  "deploy/superlink.py: the SuperLink's state", "as node_public_key_header",
+                                  uses=("state",)),
+    "linkstate": Internal("flwr.server.superlink.linkstate", "LinkState",
+                          "deploy/superlink.py: whether a node is still online", "as node_public_key_header",
+                          uses=("get_node_info",)),
+    "node_info": Internal("flwr.proto.node_pb2", "NodeInfo",
+                          "deploy/superlink.py: a node's status, name, key and heartbeat deadline",
+                          "as node_public_key_header", uses=("status", "online_until", "name", "public_key")),
     "sign_message": Internal("flwr.supercore.primitives.asymmetric", "sign_message",
                              "deploy/supernode.py: its rejoin probe signs as a SuperNode signs",
                              "as node_public_key_header"),
@@ -135,7 +175,48 @@ INTERNALS: dict[str, Internal] = {
         "flwr.superlink.cli", "flower_superlink",
         "deploy/superlink.py: start the SuperLink with a longer HTTP keep-alive",
         "a keep-alive option of flower-superlink"),
+    "superlink_uvicorn": Internal(
+        "flwr.superlink.cli.flower_superlink", "uvicorn",
+        "deploy/superlink.py: the uvicorn.run Flower's SuperLink calls, replaced to serve a second listener",
+        "a keep-alive and listener option of flower-superlink", uses=("run",),
+        read_by=("_run_superlink_http_api", "uvicorn", "run")),
+    # Flower's legacy strategy helpers: robust aggregation (strategies/platform/replies.py). Flower
+    # moves its legacy leftovers into flwr.compat (1.43); the new place is tried first.
+    "aggregate_median": Internal(
+        "flwr.server.strategy.aggregate", "aggregate_median",
+        "aggregation = \"median\": the coordinate-wise median of prompts and head",
+        "a robust aggregation function of the Message API", new_module="flwr.compat.server.strategy.aggregate"),
+    "aggregate_trimmed_avg": Internal(
+        "flwr.server.strategy.aggregate", "aggregate_trimmed_avg",
+        "aggregation = \"trimmed-mean\": the trimmed mean of prompts and head",
+        "a robust aggregation function of the Message API", new_module="flwr.compat.server.strategy.aggregate"),
 }
+
+
+def _found(entry: Internal) -> tuple[Any, Any]:
+    """The module holding ``entry`` (its new place first) and the object; raises ImportError or
+    AttributeError from the old place when neither has it."""
+    if entry.new_module:
+        try:
+            module = importlib.import_module(entry.new_module)
+            return module, getattr(module, entry.attribute)
+        except (ImportError, AttributeError):
+            pass  # not moved in the installed Flower: the old place below
+    module = importlib.import_module(entry.module)
+    return module, getattr(module, entry.attribute)
+
+
+def _missing(name: str, exc: BaseException | None = None, what: str = "") -> ImportError:
+    import flwr
+
+    entry = INTERNALS[name]
+    where = entry.module + (f" (or {entry.new_module})" if entry.new_module else "")
+    error = ImportError(
+        f"Flower {getattr(flwr, '__version__', '?')} has no {where}.{entry.attribute}{what} "
+        f"(promptfcl uses it for {entry.used_for}; public replacement: {entry.public_replacement}); "
+        "see common/flower_internals.py")
+    error.__cause__ = exc
+    return error
 
 
 def internal(name: str) -> Any:
@@ -146,24 +227,20 @@ def internal(name: str) -> Any:
     ImportError
         Naming the missing module or attribute, what promptfcl uses it for, and what would replace it.
     """
-    entry = INTERNALS[name]
     try:
-        return getattr(importlib.import_module(entry.module), entry.attribute)
+        return _found(INTERNALS[name])[1]
     except (ImportError, AttributeError) as exc:
-        import flwr
-
-        raise ImportError(
-            f"Flower {getattr(flwr, '__version__', '?')} has no {entry.module}.{entry.attribute} "
-            f"(promptfcl uses it for {entry.used_for}; public replacement: {entry.public_replacement}); "
-            "see common/flower_internals.py") from exc
+        raise _missing(name, exc) from exc
 
 
 def replace_internal(name: str, value: Any) -> None:
-    """Rebind the Flower name registered as ``name`` in its module (promptfcl-superexec's executor
-    factory); raises like :func:`internal` when the installed Flower lacks it."""
-    internal(name)
-    entry = INTERNALS[name]
-    setattr(importlib.import_module(entry.module), entry.attribute, value)
+    """Rebind the Flower name registered as ``name`` in the module that holds it (promptfcl-superexec's
+    executor factory, the SuperNode loop's ``time``); raises like :func:`internal` when the
+    installed Flower lacks it or no longer reads it where :attr:`Internal.read_by` says."""
+    problems = check(name)
+    if problems:
+        raise ImportError(problems[0])
+    setattr(_found(INTERNALS[name])[0], INTERNALS[name].attribute, value)
 
 
 def set_internal_default(name: str, parameter: str, value: Any) -> None:
@@ -174,8 +251,6 @@ def set_internal_default(name: str, parameter: str, value: Any) -> None:
     if fn.__kwdefaults__ and parameter in fn.__kwdefaults__:
         fn.__kwdefaults__[parameter] = value
         return
-    import inspect
-
     names = [p.name for p in inspect.signature(fn).parameters.values()
              if p.default is not inspect.Parameter.empty and p.kind != inspect.Parameter.KEYWORD_ONLY]
     if parameter not in names or fn.__defaults__ is None:
@@ -185,12 +260,49 @@ def set_internal_default(name: str, parameter: str, value: Any) -> None:
     fn.__defaults__ = tuple(defaults)
 
 
-def missing_internals() -> list[str]:
-    """Every registered name the installed Flower lacks (empty when all are there)."""
-    missing = []
-    for name in INTERNALS:
+def _has(obj: Any, name: str) -> bool:
+    """Whether ``obj`` has ``name`` as an attribute, a parameter, or a protobuf field."""
+    if hasattr(obj, name):
+        return True
+    fields = getattr(getattr(obj, "DESCRIPTOR", None), "fields_by_name", None)
+    if fields is not None and name in fields:
+        return True
+    if callable(obj):
         try:
-            internal(name)
-        except ImportError as exc:
-            missing.append(str(exc))
-    return missing
+            return name in inspect.signature(obj).parameters
+        except (TypeError, ValueError):  # a builtin without a signature
+            return False
+    return False
+
+
+def _mentions(code: Any) -> set[str]:
+    """Every global, attribute and method name a function's code (its nested functions included) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _mentions(const)
+    return names
+
+
+def check(name: str) -> list[str]:
+    """What the installed Flower lacks of what promptfcl relies on for ``name`` (empty: nothing):
+    the name itself, each of :attr:`Internal.uses`, and :attr:`Internal.read_by`."""
+    entry = INTERNALS[name]
+    try:
+        module, obj = _found(entry)
+    except (ImportError, AttributeError) as exc:
+        return [str(_missing(name, exc))]
+    problems = [str(_missing(name, what=f".{use}")) for use in entry.uses if not _has(obj, use)]
+    if entry.read_by:
+        reader = getattr(module, entry.read_by[0], None)
+        wanted = entry.read_by[1:] or (entry.attribute,)
+        code = getattr(reader, "__code__", None)
+        if code is None or not set(wanted) <= _mentions(code):
+            problems.append(str(_missing(name, what=f" read by {entry.module}.{entry.read_by[0]} "
+                                                    f"(through {', '.join(wanted)}), so changing it has no effect")))
+    return problems
+
+
+def missing_internals() -> list[str]:
+    """Every registered name the installed Flower lacks, or lacks part of (empty when all are there)."""
+    return [problem for name in INTERNALS for problem in check(name)]

@@ -1,6 +1,6 @@
 """Flower's SuperLink on two listeners: nodes reach the Fleet API only (start-server.sh).
 
-Flower 1.41 serves every SuperLink API from one HTTP app on one address: the Fleet API
+Flower 1.41-1.42 serves every SuperLink API from one HTTP app on one address: the Fleet API
 (``/v1/fleet/*``, what SuperNodes call), the Control API (``/v1/control/*``: submit and stop
 runs, register node keys, read logs) and the ServerApp runtime (``/v1/runtime/*``). The
 Control API has no authentication in this distribution, so on a shared address any node
@@ -241,6 +241,8 @@ class FleetOnly:
         patience (2 x 30 s)."""
         from promptfcl.common.flower_internals import internal
 
+        # Flower's app state, LinkState and NodeInfo: registered (and checked) in the door as
+        # superlink_app, linkstate_factory, linkstate and node_info
         infos = self.app.state.linkstate_factory.state().get_node_info(node_ids=[node_id])
         if not infos or infos[0].status != internal("node_status").ONLINE:
             return None
@@ -335,8 +337,6 @@ def main(argv: list[str] | None = None) -> int | None:
     parser.add_argument("--max-object-bytes", type=int, default=DEFAULT_MAX_OBJECT_BYTES)
     ours, flower_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    import uvicorn
-
     from promptfcl.common.flower_internals import internal
 
     flower_superlink = internal("superlink_main")
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> int | None:
     log.propagate = False
     if ours.max_object_bytes < 1:
         parser.error("--max-object-bytes must be positive")
-    # flower_superlink calls uvicorn.run
-    uvicorn.run = serve_two_listeners(ours.fleet_host, ours.fleet_port, ours.max_object_bytes)
+    # flower_superlink calls uvicorn.run (checked by the door: superlink_uvicorn)
+    internal("superlink_uvicorn").run = serve_two_listeners(ours.fleet_host, ours.fleet_port, ours.max_object_bytes)
     sys.argv = ["flower-superlink", *flower_args]
     return flower_superlink()
 

@@ -1,6 +1,6 @@
 """Flower's SuperNode with its waits shortened (start-client.sh runs it).
 
-Flower 1.41's SuperNode loop (``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s
+Flower 1.41-1.42's SuperNode loop (``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s
 whenever the SuperLink has no message for it, so a round's message waits 0-3 s before a node
 even pulls it (a round waits for the slowest of its nodes), and it checks its own local state
 for a finished reply every 0.5 s. This launcher runs Flower's own ``flower_supernode``,

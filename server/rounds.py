@@ -69,7 +69,8 @@ class RoundRecord:
     # each accepted reply's cosine with its task's median update (None: fewer than 3 on its task),
     # defended or not: how far honest clients disagree, and so how tight update-min-cosine can be
     update_cosines: list[float | None] = field(default_factory=list)
-    # defended runs: replies each defence excluded ("norm-filter", "direction") or clipped ("clip")
+    # defended runs: replies each defence excluded ("norm-filter", "direction", "struck-out": its
+    # client's strikes reached update-strikes) or clipped ("clip")
     defences: dict[str, int] = field(default_factory=dict)
     # per uploaded statistics array: its largest row scale over the round's lower median (what
     # stats-bound compares), defended or not

@@ -352,6 +352,37 @@ def test_hub_unreachable_is_a_clear_error():
     assert "DataError: cannot load Hugging Face dataset" in proc.stdout, proc.stderr[-2000:]
 
 
+def test_hf_source_is_read_through_the_datasets_library(tmp_path):
+    """``hf:`` sources go through ``datasets.load_dataset`` and its columns, features and
+    ``select`` (the code a CIFAR-100 run takes): here on a local image folder, which the library
+    loads offline, in a fresh process whose Hugging Face caches are under tmp_path."""
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 4), ("test", 2)):
+        for name in ("ant", "bee", "cow"):
+            (tmp_path / "images" / split / name).mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(
+                    tmp_path / "images" / split / name / f"{i}.png")
+    code = ("import json, sys\nfrom promptfcl.common.data import load_dataset\nfrom tests.conftest import tiny_config\n"
+            "d = load_dataset(tiny_config(dataset='hf:' + sys.argv[1], num_tasks=1))\n"
+            "print(json.dumps({'names': d.class_names, 'train': list(d.train.images.shape), 'test': len(d.test),\n"
+            "  'labels': sorted(set(d.train.labels.tolist())), 'split': d.split}))\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "images")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(got["names"]) == ["ant", "bee", "cow"] and got["labels"] == [0, 1, 2]
+    assert got["train"] == [12, 3, 10, 10] and got["test"] == 6  # one square size: kept native
+    assert "splits 'train' (train) and 'test' (test)" in got["split"]
+
+
 def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():
     from promptfcl.common.tasks import task_rows
 

@@ -165,9 +165,10 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
     """Four honest clients, each with its own non-IID update (they share only row 0), and one
     that returns its update reversed, as long as an honest one: the norm filter and update-clip
     cannot see it; the direction check (cosine with the round's median update below 0) excludes
-    it and only it, and what is averaged is then exactly the honest clients' mean."""
+    it and only it, and what is averaged is then exactly the honest clients' mean (update-strikes
+    0: a flag excludes at once, with no history; the strikes have their own tests)."""
     s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=min_cosine,
-                                   update_clip=1.0, update_reversed_norm=0.0), 10)
+                                   update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -196,7 +197,7 @@ def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity)
                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
 
     s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
-                                   update_clip=1.0, update_reversed_norm=0.0), 10)
+                                   update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [reply(v) for v in honest + [hostile, hostile]]
     arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
@@ -232,7 +233,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     ahead is alone on its task, so nothing judges it and it is kept."""
     from promptfcl.common.tasks import task_rows
 
-    cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
+    cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0, update_strikes=0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
     strategy = FedAvgStrategy(cfg, 10)
     head = np.zeros((10, 3), np.float32)

@@ -84,7 +84,7 @@ def test_a_defended_runs_records_count_what_each_defence_did(tmp_path):
                                                           "fault": "poison", "fault-clients": "0"})
     assert results["defences"]["resolved"] == "on" and "fault injection" in results["defences"]["why"]
     rounds = results["rounds"]
-    assert all(set(r["defences"]) == {"norm-filter", "direction", "clip", "stats"} for r in rounds)
+    assert all(set(r["defences"]) == {"norm-filter", "direction", "clip", "struck-out", "stats"} for r in rounds)
     assert sum(r["defences"]["norm-filter"] + r["defences"]["direction"] for r in rounds) >= 1
     assert all(len(r["update_cosines"]) == r["clients_aggregated"] for r in rounds)
 

@@ -26,7 +26,8 @@ log = logging.getLogger("promptfcl")
 #: defaults unless --set changes them); the others force ``defences = "on"`` and name every
 #: parameter, so that each means the same whatever the defaults are.
 _ON = {"defences": "on", "aggregation": "mean"}
-_NONE = {**_ON, "update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0}
+_NONE = {**_ON, "update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
+         "update-reversed-norm": 0.0, "update-strikes": 0}
 _NORM_FILTER = {**_NONE, "update-norm-factor": 10.0}
 DEFENCES: dict[str, dict[str, Any]] = {
     "off": {"defences": "off"},
@@ -79,7 +80,7 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
                              # what each defence did over the run (defended runs): replies excluded by
                              # the norm filter and the direction check, replies clipped, statistics rows bounded
                              "defences": {k: sum(r.get("defences", {}).get(k, 0) for r in rounds)
-                                          for k in ("norm-filter", "direction", "clip", "stats")}})
+                                          for k in ("norm-filter", "direction", "struck-out", "clip", "stats")}})
                 (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
     table = robustness_table(rows, f"{hostile} of {population} clients")
     for defence in (d for d in defences if d != "off"):
@@ -141,6 +142,7 @@ def robustness_summary(rows: list[dict[str, Any]], defence: str) -> str:
         t = touched.get(method, {})
         cells = [change(by.get((method, a, defence), {}), on) for a in attacks]
         lines.append(f"| {method} | {np.mean(list(off.values())) if off else float('nan'):.1f} | {change(on, off)} | "
-                     f"{t.get('norm-filter', 0) + t.get('direction', 0)} excluded, {t.get('clip', 0)} clipped, "
+                     f"{t.get('norm-filter', 0) + t.get('direction', 0) + t.get('struck-out', 0)} excluded, "
+                     f"{t.get('clip', 0)} clipped, "
                      f"{t.get('stats', 0)} rows | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -23,8 +23,12 @@ def empty_process_seconds(repeats: int = 3, imports: str = "") -> float:
     process imports (its runner and ``ClientApp``) and nothing of this project: the floor under
     any deployed message's start-up on this machine. ``imports``: more to import (``"torch"``:
     the floor of any ClientApp that trains with torch)."""
+    from promptfcl.common.flower_internals import INTERNALS, internal
+
+    internal("clientapp_main")  # fails here, naming it, if Flower moved its runner
+    runner = INTERNALS["clientapp_main"]
     times = []
-    code = ("from flwr.supernode.cli import flwr_clientapp; from flwr.clientapp import ClientApp; ClientApp()"
+    code = (f"from {runner.module} import {runner.attribute}; from flwr.clientapp import ClientApp; ClientApp()"
             + (f"; import {imports}" if imports else ""))
     for _ in range(repeats):
         started = time.perf_counter()

@@ -6,18 +6,28 @@ the order the platform applies them to the replies that passed the record checks
 
 * :class:`NormFilter` excludes an update whose norm is above ``factor`` x the round's lower
   median update norm (``update-norm-factor``) or above ``ceiling`` (``max-update-norm``);
-* :class:`DirectionCheck` excludes an update whose cosine with the coordinate-wise median update
-  of the replies on its task is below ``min_cosine`` (``update-min-cosine``), or below 0 while it
-  is longer than ``reversed_norm`` x the lower median norm on its task (``update-reversed-norm``):
-  a reversed update reads a negative cosine whatever its length;
+* :class:`DirectionCheck` flags an update whose cosine with the coordinate-wise median update
+  of the replies on its task is below ``min_cosine`` (``update-min-cosine``), and excludes one
+  whose cosine is below 0 while it is longer than ``reversed_norm`` x the lower median norm on its
+  task (``update-reversed-norm``): a reversed update reads a negative cosine whatever its length;
 * :class:`UpdateClip` scales an update longer than ``factor`` x the lower median norm of the
   replies on its task that the norm filter kept (``update-clip``) down to that length, its
   direction kept. Like the direction check it compares replies that trained the same rows: a
   client alone on its task (random tasks, asynchronous arrival) is not clipped, as the
   single-task reference of Powder's transfer metrics (server/transfer.py) is not.
 
+Every reply the norm filter or the direction check flags (excluded, or pointing against the
+round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``).
+A client whose strikes reach the limit is excluded from then on, the reply that reached it
+included. A clip is not a strike: a tight ``update-clip`` clips honest replies. An honest
+label-skewed client disagrees with the round now and then (once in a run at most, on the
+offline benchmark: cosines down to -0.69, norms up to 4.1 x the lower median); a hostile one
+does in most rounds, and a reversed update only reads a positive cosine in the rounds where its
+client's honest update pointed against the round. So a lone disagreement is recorded, not
+punished, and a hostile client's second strike ends its part in the run.
+
 The lower median (the ceil(n/2)-th smallest) and the coordinate-wise median are honest values
-while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the three and
+while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the screens and
 returns a :class:`Screening`: what each reply became, why, and each reply's cosine (recorded in
 every round, defended or not, so a reader sees how far honest clients disagree).
 """
@@ -35,7 +45,7 @@ from promptfcl.strategies.platform.replies import lower_median, median_cosines, 
 
 log = logging.getLogger("promptfcl")
 
-NORM_FILTER, DIRECTION, CLIP = "norm-filter", "direction", "clip"
+NORM_FILTER, DIRECTION, CLIP, STRUCK_OUT = "norm-filter", "direction", "clip", "struck-out"
 
 
 @dataclass(frozen=True)
@@ -55,11 +65,11 @@ class NormFilter:
 
 @dataclass(frozen=True)
 class DirectionCheck:
-    """Exclude updates pointing against their task's median update: a cosine below ``min_cosine``
-    (-1: off), or a cosine below 0 with a norm above ``reversed_norm`` x the lower median norm of
-    the task's replies (0: off).
+    """Updates pointing against their task's median update: a cosine below ``min_cosine`` (-1: off)
+    is flagged (a strike; excluded at once where strikes are off), a cosine below 0 with a norm
+    above ``reversed_norm`` x the lower median norm of the task's replies (0: off) is excluded.
 
-    Honest label-skewed updates disagree with the median too (cosines down to about -0.46 on the
+    Honest label-skewed updates disagree with the median too (cosines down to -0.69 on the
     offline benchmark at Dirichlet 0.1), but not strongly and long at once (docs/reliability.md):
     a reversed update that is also scaled up is what poisoning sends.
     """
@@ -72,23 +82,56 @@ class DirectionCheck:
         return self.min_cosine > -1 or self.reversed_norm > 0
 
     def __call__(self, cosines: Sequence[float | None], norms: Sequence[float],
-                 references: Sequence[float]) -> list[str | None]:
-        """Why each update is excluded (None: kept), from its cosine with its task's median update
-        (None: fewer than 3 on its task, not judged), its norm and its task's lower median norm."""
-        out: list[str | None] = []
+                 references: Sequence[float]) -> list[tuple[str, bool] | None]:
+        """Why each update is flagged and whether that alone excludes it (None: not flagged), from
+        its cosine with its task's median update (None: fewer than 3 on its task, not judged), its
+        norm and its task's lower median norm."""
+        out: list[tuple[str, bool] | None] = []
         for cosine, norm, reference in zip(cosines, norms, references):
             if not self.active or cosine is None:
                 out.append(None)
-            elif cosine < self.min_cosine:
-                out.append(f"update points against the round: cosine {cosine:.3f} with its task's median update, "
-                           f"below update-min-cosine = {self.min_cosine:g}")
             elif self.reversed_norm > 0 and cosine < 0 and norm > self.reversed_norm * reference:
-                out.append(f"a long update points against the round: cosine {cosine:.3f} with its task's median "
-                           f"update and norm {norm:.3g}, above update-reversed-norm = {self.reversed_norm:g} x the "
-                           f"lower median {reference:.3g}")
+                out.append((f"a long update points against the round: cosine {cosine:.3f} with its task's median "
+                            f"update and norm {norm:.3g}, above update-reversed-norm = {self.reversed_norm:g} x the "
+                            f"lower median {reference:.3g}", True))
+            elif cosine < self.min_cosine:
+                out.append((f"update points against the round: cosine {cosine:.3f} with its task's median update, "
+                            f"below update-min-cosine = {self.min_cosine:g}", False))
             else:
                 out.append(None)
         return out
+
+
+@dataclass
+class Strikes:
+    """Each client's strikes over the run: replies the norm filter or the direction check flagged.
+
+    A client whose strikes reach ``limit`` (``update-strikes``) is excluded from then on; 0: off,
+    nothing is counted and a direction flag excludes its reply at once. Kept in the checkpoint.
+    """
+
+    limit: int = 0
+    counts: dict[int, int] = field(default_factory=dict)  # client id -> strikes so far
+
+    def struck_out(self, client: int) -> bool:
+        return self.limit > 0 and self.counts.get(client, 0) >= self.limit
+
+    def add(self, client: int) -> bool:
+        """Record a strike; whether the client is now struck out (never where strikes are off)."""
+        if self.limit <= 0:
+            return False
+        self.counts[client] = self.counts.get(client, 0) + 1
+        if self.counts[client] == self.limit:
+            log.warning("client %d struck out: %d of its updates were too long or pointed against the round "
+                        "(update-strikes = %d); its replies are excluded from now on",
+                        client, self.limit, self.limit)
+        return self.struck_out(client)
+
+    def to_dict(self) -> dict[str, int]:
+        return {str(k): v for k, v in sorted(self.counts.items())}
+
+    def load(self, counts: Mapping[str, int]) -> None:
+        self.counts = {int(k): int(v) for k, v in counts.items()}
 
 
 @dataclass(frozen=True)
@@ -119,7 +162,7 @@ class Screening:
 
     def counts(self) -> dict[str, int]:
         """Replies excluded by each defence and clipped, for the round's record."""
-        out = {NORM_FILTER: 0, DIRECTION: 0, CLIP: len(self.scales)}
+        out = {NORM_FILTER: 0, DIRECTION: 0, CLIP: len(self.scales), STRUCK_OUT: 0}
         for defence, _ in self.excluded.values():
             out[defence] += 1
         return out
@@ -132,27 +175,46 @@ class UpdateScreen:
     norm_filter: NormFilter = NormFilter()
     direction: DirectionCheck = DirectionCheck()
     clip: UpdateClip = UpdateClip()
+    strikes: Strikes = field(default_factory=Strikes)  # the run's history (mutable: screening updates it)
 
     @property
     def active(self) -> bool:
         return self.norm_filter.active or self.direction.active or self.clip.active
 
     def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], norms: Sequence[float],
-                 tasks: Sequence[int]) -> Screening:
-        out = Screening(cosines=_cosines(updates, tasks))
-        for i, reason in enumerate(self.norm_filter(norms)):
+                 tasks: Sequence[int], clients: Sequence[int] | None = None) -> Screening:
+        """Screen one round's updates (``clients``: each update's client, for the strikes)."""
+        strikes = self.strikes
+        clients = clients if clients is not None else list(range(len(updates)))
+        out = Screening(cosines=[None] * len(updates))
+        for i, client in enumerate(clients):
+            if strikes.struck_out(client):
+                out.excluded[i] = (STRUCK_OUT, f"client {client} struck out earlier in the run "
+                                               f"(update-strikes = {strikes.limit})")
+        live = [i for i in range(len(updates)) if i not in out.excluded]
+        for i, cosine in zip(live, _cosines([updates[i] for i in live], [tasks[i] for i in live])):
+            out.cosines[i] = cosine
+
+        def strike(i: int, defence: str, reason: str, excludes: bool) -> None:
+            if strikes.add(clients[i]) and not excludes:
+                out.excluded[i] = (STRUCK_OUT, f"{reason}; client {clients[i]}'s strike {strikes.limit} "
+                                               f"(update-strikes = {strikes.limit})")
+            elif excludes:
+                out.excluded[i] = (defence, reason)
+
+        for i, reason in zip(live, self.norm_filter([norms[i] for i in live])):
             if reason is not None:
-                out.excluded[i] = (NORM_FILTER, reason)
-        kept = [i for i in range(len(updates)) if i not in out.excluded]
+                strike(i, NORM_FILTER, reason, True)
+        kept = [i for i in live if i not in out.excluded]
         # each task's reference norm is read from what the norm filter kept, before the direction
         # check: what that check leaves may be a hostile majority (honest label-skewed updates can
         # disagree more than two attackers do)
         references = {task: lower_median([norms[i] for i in kept if tasks[i] == task]) for task in set(tasks)}
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
-        for i, reason in zip(kept, self.direction([cosines[i] for i in kept], [norms[i] for i in kept],
-                                                  [references[tasks[i]] for i in kept])):
-            if reason is not None:
-                out.excluded[i] = (DIRECTION, reason)
+        for i, flag in zip(kept, self.direction([cosines[i] for i in kept], [norms[i] for i in kept],
+                                                [references[tasks[i]] for i in kept])):
+            if flag is not None:  # without a strike history a flag excludes at once
+                strike(i, DIRECTION, flag[0], flag[1] or strikes.limit <= 0)
         kept = [i for i in kept if i not in out.excluded]
         for group in _task_groups([tasks[i] for i in kept]):  # norms compared among replies on one task
             members = [kept[j] for j in group]
@@ -176,7 +238,7 @@ def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) 
 
 
 def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: float, min_cosine: float,
-                  reversed_norm: float, dp_noise: float) -> UpdateScreen:
+                  reversed_norm: float, strikes: int, dp_noise: float) -> UpdateScreen:
     """The run's screen: every defence off where the run is not ``defended``; the direction check
     off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
     cosine near 0), with a log line."""
@@ -186,4 +248,5 @@ def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: flo
         log.info("the direction check (update-min-cosine, update-reversed-norm) is not applied: with "
                  "dp.noise-multiplier > 0 the clients' noise hides their updates' directions")
         min_cosine, reversed_norm = -1.0, 0.0
-    return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm), UpdateClip(clip))
+    return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm), UpdateClip(clip),
+                        Strikes(strikes))

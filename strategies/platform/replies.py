@@ -224,8 +224,9 @@ def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean
         for wi, v in zip(w, values):
             acc += wi * np.asarray(v, dtype=np.float64)
         return acc.astype(first.dtype)
-    from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
+    from promptfcl.common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
 
+    aggregate_median, aggregate_trimmed_avg = internal("aggregate_median"), internal("aggregate_trimmed_avg")
     layers = [([np.asarray(v, dtype=np.float64)], 1) for v in values]
     if mode == "median":
         return np.asarray(aggregate_median(layers)[0]).astype(first.dtype)

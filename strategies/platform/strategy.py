@@ -129,7 +129,7 @@ class PromptStrategy(Sampling, FedAvg):
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
         self.screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm,
                                     cfg.update_clip, cfg.update_min_cosine, cfg.update_reversed_norm,
-                                    privacy_options(cfg).noise_multiplier)
+                                    cfg.update_strikes, privacy_options(cfg).noise_multiplier)
         self.stats_bound = StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0)
         self.defence_counts: dict[str, int] = {}  # the last aggregation's replies excluded or clipped per defence
         self.sent_round = SentRound()  # this round's train messages
@@ -304,8 +304,8 @@ class PromptStrategy(Sampling, FedAvg):
         self.defence_counts["stats"] = self.exchange_bounded + self.stats_bound.apply(
             self.accepted, self.statistics, self.stats_ratios)
         if any(self.defence_counts.values()):  # one line a round, not one per node
-            log.info("round %d defences: %s (of %d replies; statistics: rows)", server_round,
-                     ", ".join(f"{k} {v}" for k, v in self.defence_counts.items() if v), len(self.accepted))
+            log.info("round %d defences: %s; %d replies kept", server_round, ", ".join(f"{k} {v}" if k != "stats" else
+                     f"{v} statistics rows bounded" for k, v in self.defence_counts.items() if v), len(self.accepted))
         arrays = self.consolidate(server_round, self.aggregate(self.accepted), self.accepted)
         losses = [float(a.content[METRICS]["train-loss"]) for a in self.accepted]
         metrics = MetricRecord({"num-examples": sum(a.examples for a in self.accepted),
@@ -356,9 +356,7 @@ class PromptStrategy(Sampling, FedAvg):
     def accept(self, replies: list[Message]) -> list[Accepted]:
         """The replies that pass every check (platform's, then the method's), then the run's update
         defences (:mod:`~promptfcl.strategies.platform.defences`; none where the run is not defended).
-
-        Rejected replies are logged and listed in ``rejected`` with the node the message was sent to;
-        ``defence_counts`` says how many each defence excluded or clipped.
+        Rejected replies are logged and listed in ``rejected``; ``defence_counts`` counts per defence.
         """
         self.rejected, self.placements = [], {}
         kept: list[Accepted] = []
@@ -372,7 +370,7 @@ class PromptStrategy(Sampling, FedAvg):
         # each reply's change from what it was sent, computed once for every screen
         updates = [update_of(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
         norms = [update_norm(u, None) for u in updates]
-        screening = self.screen(updates, norms, [a.task for a in kept])
+        screening = self.screen(updates, norms, [a.task for a in kept], [a.sent.client for a in kept])
         accepted = []
         for i, a in enumerate(kept):
             a.update_norm, a.cosine = norms[i], screening.cosines[i]
@@ -493,8 +491,10 @@ class PromptStrategy(Sampling, FedAvg):
     def platform_state(self) -> dict[str, Any]:
         """What the platform keeps across a resume (the nodes' declared sizes, each client's turn)."""
         return {"node-sizes": {str(k): list(v) for k, v in self.bounds.declared.items()},
-                "schedule-slots": {str(k): int(v) for k, v in self.schedule_slots.items()}}
+                "schedule-slots": {str(k): int(v) for k, v in self.schedule_slots.items()},
+                "strikes": self.screen.strikes.to_dict()}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
         self.schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
+        self.screen.strikes.load(state.get("strikes", {}))

@@ -1,0 +1,127 @@
+"""Strikes (``update-strikes``, strategies/platform/defences.py): a lone disagreement of an honest
+label-skewed client is recorded, not punished; a client the screens flag in two rounds is
+excluded from then on, and the history survives a resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from promptfcl.strategies.platform.defences import (
+    CLIP,
+    DIRECTION,
+    STRUCK_OUT,
+    DirectionCheck,
+    Strikes,
+    UpdateClip,
+    UpdateScreen,
+)
+from tests.conftest import tiny_config
+from tests.helpers import NodeList
+
+SHARED = np.array([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def _honest(client: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A label-skewed honest update: the shared direction plus the client's own class's column."""
+    u = SHARED + 0.1 * rng.normal(size=6)
+    u[2 + client % 4] += 1.0
+    return {"w": u}
+
+
+def test_over_many_rounds_a_lone_disagreement_is_kept_and_a_hostile_client_contributes_once():
+    """Eight rounds of five clients: client 2 points against the round once (round 3), client 4
+    sends its honest update reversed in every round but round 6 (where it plays honest). The
+    screen keeps client 2's lone disagreement and every other honest reply; client 4's first
+    reversed reply is kept (one strike), its second strikes it out, and from then on even its
+    honest-looking reply is excluded."""
+    rng = np.random.default_rng(0)
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(5.0), strikes=Strikes(2))
+    kept_of: dict[int, list[int]] = {c: [] for c in range(5)}
+    for r in range(8):
+        updates = [_honest(c, rng) for c in range(5)]
+        if r == 3:
+            updates[2] = {"w": -updates[2]["w"]}
+        if r != 6:
+            updates[4] = {"w": -updates[4]["w"]}
+        out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=list(range(5)))
+        for c in range(5):
+            if c not in out.excluded:
+                kept_of[c].append(r)
+        if r == 1:
+            assert out.excluded[4][0] == STRUCK_OUT and "strike 2" in out.excluded[4][1]
+        if r >= 2:
+            assert out.excluded == {4: out.excluded[4]} and out.excluded[4][0] == STRUCK_OUT
+    assert kept_of[2] == list(range(8)) and all(kept_of[c] == list(range(8)) for c in (0, 1, 3))
+    assert kept_of[4] == [0]  # its first reversed reply only
+    assert screen.strikes.counts == {2: 1, 4: 2}
+
+
+def test_a_clip_is_not_a_strike():
+    """A tight update-clip clips honest replies (half of them at 1 x the lower median): clipping
+    a long reply keeps it and leaves its client's record clean, round after round."""
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0), clip=UpdateClip(1.0), strikes=Strikes(2))
+    updates = [{"w": np.array([1.0 + 0.5 * i, 0.1 * i, 0.0])} for i in range(5)]
+    for _ in range(3):
+        out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=[10, 11, 12, 13, 14])
+        assert not out.excluded and set(out.scales) == {3, 4}
+    assert screen.strikes.counts == {} and out.counts()[CLIP] == 2
+
+
+def test_without_strikes_a_flag_excludes_at_once_and_nothing_is_remembered():
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0))  # update-strikes 0
+    updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-1.0, 0.0])}]
+    for _ in range(3):
+        out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=list(range(5)))
+        assert set(out.excluded) == {4} and out.excluded[4][0] == DIRECTION
+    assert screen.strikes.counts == {}
+
+
+def _replies(s: FedAvgStrategy, server_round: int, reversed_client: int) -> list[Message]:
+    sent = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
+    msgs = list(s.configure_train(server_round, sent, ConfigRecord({"task": 0, "round": server_round - 1}),
+                                  NodeList(5)))
+    out = []
+    for m in msgs:
+        client = s.sent_round.match(Message(RecordDict(), reply_to=m), consume=False).client
+        w = np.full((3, 2), 1.0, np.float32)
+        w[1 + client % 2, client % 2] += 1.0  # label skew
+        if client == reversed_client:
+            w = -w
+        out.append(Message(RecordDict({ARRAYS: to_array_record({"head.weight": w}), METRICS: MetricRecord(
+            {"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})}), reply_to=m))
+    return out
+
+
+def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplog):
+    """A deployed run (defended) whose client 3 sends reversed updates: after two rounds it is
+    struck out (one warning naming it); a strategy restored from the checkpoint's platform state
+    excludes it from its first round on."""
+    cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-0.6)
+    s = FedAvgStrategy(cfg, 10)
+    assert s.screen.strikes.limit == 2
+    with caplog.at_level("WARNING", logger="promptfcl"):
+        for server_round in (1, 2):
+            s.aggregate_train(server_round, _replies(s, server_round, reversed_client=3))
+    assert s.defence_counts[STRUCK_OUT] == 1 and len(s.accepted) == 4
+    assert [r.getMessage() for r in caplog.records if "struck out" in r.getMessage()] == [
+        "client 3 struck out: 2 of its updates were too long or pointed against the round "
+        "(update-strikes = 2); its replies are excluded from now on"]
+    state = s.platform_state()
+    assert state["strikes"] == {"3": 2}
+    restored = FedAvgStrategy(cfg, 10)
+    restored.load_platform_state(state)
+    arrays, _ = restored.aggregate_train(3, _replies(restored, 3, reversed_client=-1))  # it plays honest now
+    assert len(restored.accepted) == 4 and "struck out earlier" in restored.rejected[0][1]
+    assert from_array_record(arrays)["head.weight"].min() >= 1.0  # only the honest four averaged
+
+
+@pytest.mark.parametrize("bad", [-1, -3])
+def test_a_negative_strike_limit_is_refused(bad):
+    from promptfcl.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="update-strikes must be >= 0"):
+        tiny_config(update_strikes=bad)
