@@ -15,10 +15,11 @@ data cache and without. ``paper-dims`` runs one round of every
 paper configuration at the papers' model dimensions (ViT-B/16 with random weights) on a
 stand-in dataset with the paper's class count, and reports bytes, memory and time per
 method next to the papers' figures. ``edge`` trains one client round at ViT-B/16 dimensions
-within a node's memory budget per frozen-backbone precision (docs/edge.md). The compare references are one client holding all
-data with FedAvg-Prompt's local training: ``upper-bound-incremental`` learns the tasks in
-turn (centralised incremental CODA-P) and ``upper-bound-joint`` trains at each task on the
-union of every task seen so far (the ceiling; ``centralised-mode``).
+within a node's memory budget per frozen-backbone precision (docs/edge.md). The compare
+references are one client holding all data with FedAvg-Prompt's local training:
+``upper-bound-incremental`` learns the tasks in turn (centralised incremental CODA-P) and
+``upper-bound-joint`` trains at each task on the union of every task seen so far (the ceiling;
+``centralised-mode``).
 """
 
 from __future__ import annotations
