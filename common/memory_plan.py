@@ -152,10 +152,10 @@ def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision:
 
 
 # ---------------------------------------------------------------------------- measuring
-def _status_kb(field: str) -> float:
-    """A ``/proc/self/status`` field in kB (0 where there is no /proc)."""
+def proc_status_kb(field: str, pid: int | str = "self") -> float:
+    """A ``/proc/<pid>/status`` field in kB (0 where there is no /proc or no such process)."""
     try:
-        with open("/proc/self/status") as fh:
+        with open(f"/proc/{pid}/status") as fh:
             for line in fh:
                 if line.startswith(field + ":"):
                     return float(line.split()[1])
@@ -166,12 +166,12 @@ def _status_kb(field: str) -> float:
 
 def resident_mb() -> float:
     """This process's resident memory now, MB (Linux; 0.0 elsewhere)."""
-    return _status_kb("VmRSS") * 1024 / MB
+    return proc_status_kb("VmRSS") * 1024 / MB
 
 
 def peak_resident_mb() -> float:
     """This process's peak resident memory (VmHWM), MB (Linux; 0.0 elsewhere)."""
-    return _status_kb("VmHWM") * 1024 / MB
+    return proc_status_kb("VmHWM") * 1024 / MB
 
 
 #: glibc's mallopt parameter and the size above which a budgeted process maps its allocations

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from promptfcl.common.memory_plan import proc_status_kb
 from promptfcl.server import checkpoint
 
 log = logging.getLogger("promptfcl")
@@ -42,13 +43,7 @@ PAPER_COMMUNICATION: dict[str, str] = {
 # ----------------------------------------------------------------------------- helpers
 def _peak_rss_mb(pid: int) -> float:
     """Peak resident set size (VmHWM) of a live process, in MB (Linux /proc)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return 0.0
+    return proc_status_kb("VmHWM", pid) / 1024.0
 
 
 def _actor_pids() -> list[int]:
