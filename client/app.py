@@ -30,16 +30,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from promptfcl.client.faults import inject_faults
-from promptfcl.client.memory import apply_plan, plan_metrics
-from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
-from promptfcl.client.node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
-from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.evaluation import correct_counts, pooled_counts
-from promptfcl.common.learner import read_task_round
-from promptfcl.common.privacy import privacy_options, privatise_reply
-from promptfcl.common.records import (
+from ..common import startup
+from ..common.config import ExperimentConfig
+from ..common.evaluation import correct_counts, pooled_counts
+from ..common.learner import read_task_round
+from ..common.privacy import privacy_options, privatise_reply
+from ..common.records import (
     ARRAYS,
     CONFIG,
     EVALUATE_TASK,
@@ -49,10 +45,14 @@ from promptfcl.common.records import (
     POOL_PREFIX,
     to_torch,
 )
-from promptfcl.common.runtime import Runtime, get_runtime
-from promptfcl.common.text import escape_log_args, printable, without_paths
-from promptfcl.common.weights import cache_dir
-from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
+from ..common.runtime import Runtime, get_runtime
+from ..common.text import escape_log_args, printable, without_paths
+from ..common.weights import cache_dir
+from ..strategies.registry import build_learner, prompt_class, strategy_class
+from .faults import inject_faults
+from .memory import apply_plan, plan_metrics
+from .node_data import NodeDataError, check_classes, node_data, original_names
+from .node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 
 # what the node logs of the run config and the server's messages cannot forge log lines
 log = escape_log_args()

@@ -30,9 +30,9 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from promptfcl.client.node_policy import NodePolicy
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from ..common.config import ExperimentConfig
+from ..common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from .node_policy import NodePolicy
 
 log = logging.getLogger("promptfcl")
 

@@ -9,10 +9,9 @@ memory and how much of the frozen backbone it reads from the shared mapping of t
 
 from __future__ import annotations
 
-from promptfcl.client.node_policy import NodePolicy, NodeRefusal
-from promptfcl.common.backbone import backbone_cache_path
-from promptfcl.common.learner import LocalLearner
-from promptfcl.common.memory_plan import (
+from ..common.backbone import backbone_cache_path
+from ..common.learner import LocalLearner
+from ..common.memory_plan import (
     MIN_MICRO_BATCH,
     BudgetError,
     StepSizes,
@@ -24,8 +23,9 @@ from promptfcl.common.memory_plan import (
     resident_mb,
     return_freed_memory,
 )
-from promptfcl.common.model import PromptedViT
-from promptfcl.common.runtime import Runtime
+from ..common.model import PromptedViT
+from ..common.runtime import Runtime
+from .node_policy import NodePolicy, NodeRefusal
 
 
 def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:

@@ -47,9 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
-from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
-from promptfcl.common.data import (
+from ..common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
+from ..common.data import (
     ArraySplit,
     DataError,
     Dataset,
@@ -57,9 +56,10 @@ from promptfcl.common.data import (
     ordered_dataset,
     read_class_folders,
 )
-from promptfcl.common.data_cache import code_identity, load_dataset_cached, mapped_dataset
-from promptfcl.common.images import IMAGE_EXTENSIONS, image_listing
-from promptfcl.common.tasks import class_order
+from ..common.data_cache import code_identity, load_dataset_cached, mapped_dataset
+from ..common.images import IMAGE_EXTENSIONS, image_listing
+from ..common.tasks import class_order
+from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
 log = logging.getLogger("promptfcl")
 
@@ -281,7 +281,7 @@ def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from promptfcl.common.weights import cache_dir
+    from ..common.weights import cache_dir
 
     full = cfg.to_dict()
     listing = image_listing(root)
@@ -398,11 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             print(folder)
         return 0
 
-    from promptfcl.common.flower_internals import internal
+    from ..common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from promptfcl.common.weights import check_weights
-    from promptfcl.strategies.registry import load_config
+    from ..common.weights import check_weights
+    from ..strategies.registry import load_config
 
     try:
         try:

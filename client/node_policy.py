@@ -48,11 +48,11 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint_problem
-from promptfcl.common.low_precision import PRECISIONS
-from promptfcl.common.memory_plan import BUDGET_KEY
-from promptfcl.common.text import printable
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint_problem
+from ..common.low_precision import PRECISIONS
+from ..common.memory_plan import BUDGET_KEY
+from ..common.text import printable
 
 log = logging.getLogger("promptfcl")
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from promptfcl.common import startup
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.files import write_atomic
-from promptfcl.common.vit import architecture, from_state, from_timm
-from promptfcl.common.weights import backbone_identity, cache_dir, disk_backbone_id
+from . import startup
+from .config import ConfigError, ExperimentConfig
+from .files import write_atomic
+from .vit import architecture, from_state, from_timm
+from .weights import backbone_identity, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -138,7 +138,7 @@ def _build_with_timm(cfg: ExperimentConfig) -> tuple[nn.Module, str]:
         _seeded_reinit(model, cfg.seed)
     else:
         if cfg.weights.startswith("pretrained:"):
-            from promptfcl.common.weights import checkpoint_meta, resolve_weights
+            from .weights import checkpoint_meta, resolve_weights
 
             path = resolve_weights(cfg)
             meta = checkpoint_meta(path)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from promptfcl.common.config_checks import (  # noqa: F401
+from .config_checks import (  # noqa: F401
     AGGREGATIONS,
     AUGMENTATIONS,
     CENTRALISED_MODES,
@@ -31,8 +31,8 @@ from promptfcl.common.config_checks import (  # noqa: F401
     valid_ray_address,
     validate_config,
 )
-from promptfcl.common.errors import ConfigError  # re-exported: the error of configurations
-from promptfcl.common.options import coerce_value
+from .errors import ConfigError  # re-exported: the error of configurations
+from .options import coerce_value
 
 DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
 

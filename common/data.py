@@ -18,16 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.errors import DataError  # re-exported: the error of datasets
-from promptfcl.common.images import (
+from .config import ConfigError, ExperimentConfig
+from .errors import DataError  # re-exported: the error of datasets
+from .images import (
     class_folder_files,
     decode_files,
     decode_rows,
     image_listing,
 )
-from promptfcl.common.row_file import RowFile
-from promptfcl.common.tasks import class_order, random_tasks
+from .row_file import RowFile
+from .tasks import class_order, random_tasks
 
 log = logging.getLogger("promptfcl")
 
@@ -309,7 +309,7 @@ def load_dataset(cfg: ExperimentConfig) -> Dataset:
     """Load a source, remap labels to the seeded class order, and check the task split."""
     check_source(cfg)
     if cfg.splits:  # the source split and caps of the run that wrote the splits file
-        from promptfcl.common.splits import read_splits
+        from .splits import read_splits
 
         cfg = dataclasses.replace(cfg, seed=read_splits(cfg.splits).data_seed)
     name = cfg.dataset
@@ -369,7 +369,7 @@ def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: A
     test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
     order = class_order(num_classes, cfg.seed)
     if cfg.splits:  # another run's class order (common/splits.py)
-        from promptfcl.common.splits import check_matches, read_splits
+        from .splits import check_matches, read_splits
 
         recorded = read_splits(cfg.splits)
         if len(recorded.class_order) != num_classes:

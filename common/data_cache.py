@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common import data as decoding
-from promptfcl.common import images as image_decoding
-from promptfcl.common.config import ExperimentConfig, keys_of
-from promptfcl.common.data import ArraySplit, Dataset, check_task_stream, load_dataset, source_identity
-from promptfcl.common.row_file import RowFile
+from . import data as decoding
+from . import images as image_decoding
+from .config import ExperimentConfig, keys_of
+from .data import ArraySplit, Dataset, check_task_stream, load_dataset, source_identity
+from .row_file import RowFile
 
 log = logging.getLogger("promptfcl")
 
@@ -150,7 +150,7 @@ def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
     if text not in _loaded:
         _loaded.clear()  # one dataset per process is enough; keeps memory bounded
         if cfg.data_cache:
-            from promptfcl.common.weights import cache_dir
+            from .weights import cache_dir
 
             _loaded[text] = mapped_dataset(cache_dir() / "data", [keys, source_identity(cfg)],
                                            lambda: load_dataset(cfg), cfg.dataset)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.model import masked_logits
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, seen_classes, task_classes
+from .model import masked_logits
+from .runtime import Runtime
+from .tasks import head_rows, head_size, seen_classes, task_classes
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig
 
 #: default ceilings: a node's unless its node config says otherwise, the server's unless its
 #: environment does (:func:`server_ceilings`). 4096 tokens: a 1024 px image in 16 px patches.

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from promptfcl.common.errors import DataError
-from promptfcl.common.files import class_folder
+from .errors import DataError
+from .files import class_folder
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 #: images decoded at once

@@ -28,15 +28,15 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.augment import augment_images
-from promptfcl.common.memory_plan import TrainingPlan
-from promptfcl.common.model import masked_logits
-from promptfcl.common.options import MethodOptions, NoOptions
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.preprocess import random_resized_crops
-from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, head_targets, training_classes
+from .augment import augment_images
+from .memory_plan import TrainingPlan
+from .model import masked_logits
+from .options import MethodOptions, NoOptions
+from .partitions import client_indices
+from .preprocess import random_resized_crops
+from .records import ARRAYS, METRICS, to_array_record, to_torch
+from .runtime import Runtime
+from .tasks import head_rows, head_size, head_targets, training_classes
 
 log = logging.getLogger("promptfcl")
 

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from promptfcl.common.backbone import backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.preprocess import InputPipeline
-from promptfcl.common.vit import Attention as OurAttention
-from promptfcl.common.vit import Block as OurBlock
-from promptfcl.common.vit import block_forward
+from .backbone import backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
+from .config import ConfigError, ExperimentConfig
+from .preprocess import InputPipeline
+from .vit import Attention as OurAttention
+from .vit import Block as OurBlock
+from .vit import block_forward
 
 log = logging.getLogger("promptfcl")
 
@@ -326,8 +326,8 @@ def build_model(
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
     node's own choice (common/low_precision.py)."""
-    from promptfcl.common.low_precision import lower_precision
-    from promptfcl.common.tasks import head_size
+    from .low_precision import lower_precision
+    from .tasks import head_size
 
     backbone, source = build_backbone(cfg)
     if precision != "fp32":

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from promptfcl.common.errors import ConfigError
+from .errors import ConfigError
 
 
 def coerce_value(key: str, value: Any, type_name: Any) -> Any:

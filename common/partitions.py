@@ -10,9 +10,9 @@ import functools
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.splits import ANY_ROUND, check_matches, read_splits
-from promptfcl.common.tasks import class_order, random_task_indices, task_classes, training_classes
+from .config import ConfigError, ExperimentConfig
+from .splits import ANY_ROUND, check_matches, read_splits
+from .tasks import class_order, random_task_indices, task_classes, training_classes
 
 
 def client_indices(
@@ -43,7 +43,7 @@ def drawn_indices(
 ) -> np.ndarray:
     """The share the configuration draws (seed, partition, task stream)."""
     if cfg.task_generator == "random":  # the task's client holds all of its data
-        from promptfcl.common.schedule import task_schedule
+        from .schedule import task_schedule
 
         owner = task_schedule(cfg).owner(task)
         if client_id != owner:
@@ -85,7 +85,7 @@ def drawn_shares(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) ->
     shares: dict[tuple[int, int, int], np.ndarray] = {}
     for task in range(cfg.num_tasks):
         if cfg.task_generator == "random":
-            from promptfcl.common.schedule import task_schedule
+            from .schedule import task_schedule
 
             owner = task_schedule(cfg).owner(task)
             shares[(owner, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, owner, task, 0)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from promptfcl.common.config_checks import INPUT_NORMS, INTERPOLATIONS
+from .config_checks import INPUT_NORMS, INTERPOLATIONS
 
 
 def random_resized_crops(n: int, height: int, width: int, rng: np.random.Generator,

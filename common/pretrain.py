@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.weights import ARCH_KEYS, checkpoint_path
+from .config import ExperimentConfig
+from .weights import ARCH_KEYS, checkpoint_path
 
 log = logging.getLogger("promptfcl")
 
@@ -32,8 +32,8 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     AdamW with one-cycle schedule and small random shifts; the classification head
     is discarded, only the backbone is kept.
     """
-    from promptfcl.common.data import load_dataset
-    from promptfcl.common.model import CodaPrompt, PromptedViT, build_backbone
+    from .data import load_dataset
+    from .model import CodaPrompt, PromptedViT, build_backbone
 
     # backbone-cache-disk off: the backbone is trained here, so it stays timm's own model
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",

@@ -65,9 +65,9 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig
-from promptfcl.common.options import MethodOptions
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from .config import DP_NAMESPACE, ConfigError, ExperimentConfig
+from .options import MethodOptions
+from .records import ARRAYS, METRICS, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"

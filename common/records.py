@@ -50,6 +50,6 @@ def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of a message's content as Flower transmits it (its deflated object tree)."""
-    from promptfcl.common.flower_internals import internal
+    from .flower_internals import internal
 
     return sum(len(obj.deflate()) for obj in internal("nested_objects")(content).values())

@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig, keys_of
-from promptfcl.common.data import ArraySplit, Dataset
-from promptfcl.common.data_cache import load_dataset_cached
-from promptfcl.common.files import write_atomic
-from promptfcl.common.model import CodaPrompt, PromptedViT, build_model, resolve_device
-from promptfcl.common.weights import disk_backbone_id
+from . import startup
+from .config import ExperimentConfig, keys_of
+from .data import ArraySplit, Dataset
+from .data_cache import load_dataset_cached
+from .files import write_atomic
+from .model import CodaPrompt, PromptedViT, build_model, resolve_device
+from .weights import disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -184,7 +184,7 @@ def query_disk_dir(cfg: ExperimentConfig) -> Path | None:
     on = cfg.query_cache_disk == "on" or (cfg.query_cache_disk == "auto" and cfg.population == "nodes")
     if not on:
         return None
-    from promptfcl.common.weights import cache_dir
+    from .weights import cache_dir
 
     return cache_dir() / "queries"
 
@@ -201,7 +201,7 @@ def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[Coda
     configure_threads(cfg)
     device = resolve_device(cfg.device)
     if precision != "fp32" and device.type != "cpu":
-        from promptfcl.common.config import ConfigError
+        from .config import ConfigError
 
         raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
     model, source = build_model(cfg, data.num_classes, prompt_class, precision)

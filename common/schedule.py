@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from promptfcl.common.errors import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from promptfcl.common.config import ExperimentConfig
+    from .config import ExperimentConfig
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:

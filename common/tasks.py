@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig
 
 
 def class_order(num_classes: int, seed: int) -> np.ndarray:

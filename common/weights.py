@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from promptfcl.common.config import ConfigError, ExperimentConfig, keys_of
+from .config import ConfigError, ExperimentConfig, keys_of
 
 ARCH_KEYS = keys_of("architecture")
 # Keys that decide the backbone's output; a change in any of them invalidates queries.

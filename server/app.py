@@ -8,14 +8,14 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.data import check_source
-from promptfcl.common.files import results_umask
-from promptfcl.common.text import escape_log_args
-from promptfcl.server.progress import TerminalHandler
-from promptfcl.server.report import table, write_outputs
-from promptfcl.server.run import finish, run_experiment
-from promptfcl.strategies.registry import check_method, check_namespaces
+from ..common.config import ExperimentConfig
+from ..common.data import check_source
+from ..common.files import results_umask
+from ..common.text import escape_log_args
+from ..strategies.registry import check_method, check_namespaces
+from .progress import TerminalHandler
+from .report import table, write_outputs
+from .run import finish, run_experiment
 
 log = logging.getLogger("promptfcl")
 

@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.files import write_atomic
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.files import write_atomic
 
 log = logging.getLogger("promptfcl")
 
@@ -324,8 +324,8 @@ def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_
     Every training image of the class where one client's share is not known here: ``client`` -1
     (a head row), deployed nodes (their own data), stateless shares (they change every round)
     and random tasks."""
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.tasks import task_classes
+    from ..common.partitions import client_indices
+    from ..common.tasks import task_classes
 
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
@@ -360,11 +360,11 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.common.tasks import task_classes
-    from promptfcl.common.weights import check_weights
-    from promptfcl.server import checkpoint
-    from promptfcl.strategies.registry import build_strategy, strategy_class
+    from ..common.runtime import get_runtime
+    from ..common.tasks import task_classes
+    from ..common.weights import check_weights
+    from ..strategies.registry import build_strategy, strategy_class
+    from . import checkpoint
 
     settings.validate()
     run = Path(run)

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
-from promptfcl.common.files import write_atomic
+from ..common.config import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
+from ..common.files import write_atomic
 
 FILENAME = "checkpoint.safetensors"
 LEGACY_FILENAME = "checkpoint.pkl"  # written by promptfcl before this format; never read

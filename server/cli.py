@@ -24,11 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import parse_overrides
-from promptfcl.common.data import DataError
-from promptfcl.common.weights import check_weights
-from promptfcl.strategies.registry import check_method, load_config, methods, strategy_class
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import parse_overrides
+from ..common.data import DataError
+from ..common.weights import check_weights
+from ..strategies.registry import check_method, load_config, methods, strategy_class
 
 log = logging.getLogger("promptfcl")
 
@@ -163,14 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-    from promptfcl.server.app import setup_logging
+    from .app import setup_logging
 
     setup_logging()
     if args.command == "strategies":
         print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
-        from promptfcl.server.report import table
+        from .report import table
 
         path = Path(args.dir) / "results.json"
         if not path.is_file():
@@ -196,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from promptfcl.common.data_cache import load_dataset_cached
+            from ..common.data_cache import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from promptfcl.server.simulation import run_simulation
+    from .simulation import run_simulation
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
@@ -238,7 +238,7 @@ PLACEMENT_KEYS = ("ray-address", "device", "client-cpus", "client-gpus")
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-    from promptfcl.server import checkpoint
+    from . import checkpoint
 
     saved = checkpoint.load(out_dir)
     if saved is None:
@@ -275,7 +275,7 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     import shutil
     import time as _time
 
-    from promptfcl.server import checkpoint
+    from . import checkpoint
 
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -295,12 +295,12 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from promptfcl.server import bench
+    from . import bench
 
     try:
         if args.bench == "edge":
-            from promptfcl.common.low_precision import PRECISIONS
-            from promptfcl.server.bench.edge import ROWS
+            from ..common.low_precision import PRECISIONS
+            from .bench.edge import ROWS
 
             wanted = [v for v in args.rows.split(",") if v]
             unknown = sorted(set(wanted) - {r[0] for r in ROWS} - {"none"})
@@ -313,7 +313,7 @@ def _bench(args: argparse.Namespace) -> int:
                            [r for r in ROWS if not wanted or r[0] in wanted])
             seeds = [int(v) for v in args.accuracy_seeds.split(",") if v]
             if seeds:
-                from promptfcl.server.bench.edge import accuracy
+                from .bench.edge import accuracy
 
                 accuracy(Path(args.out), seeds, precisions)
             return 0
@@ -357,7 +357,7 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
             bench.deploy_overhead(Path(args.out), base, args.nodes)
         elif args.bench == "robustness":
-            from promptfcl.common.config import FAULTS
+            from ..common.config import FAULTS
 
             attacks = [a for a in args.attacks.split(",") if a]
             defences = [d for d in args.defences.split(",") if d]
@@ -412,7 +412,7 @@ def _parse_setting(text: str) -> dict[str, Any]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from promptfcl.server.audit import AuditSettings, audit_run
+    from .audit import AuditSettings, audit_run
 
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
@@ -436,8 +436,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from promptfcl.common.pretrain import pretrain
-    from promptfcl.common.weights import checkpoint_path
+    from ..common.pretrain import pretrain
+    from ..common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)

@@ -18,13 +18,13 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from promptfcl.common.evaluation import accuracies, correct_counts, pooled_counts
-from promptfcl.common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.startup import metric_name
-from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
-from promptfcl.strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common.evaluation import accuracies, correct_counts, pooled_counts
+from ..common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, to_torch
+from ..common.runtime import Runtime
+from ..common.startup import metric_name
+from ..strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
+from ..strategies.platform.strategy import PromptStrategy
+from .messaging import message_bytes, send_and_receive, unanswered
 
 log = logging.getLogger("promptfcl")
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.files import write_atomic
-from promptfcl.strategies.registry import cite
+from ..common.files import write_atomic
+from ..strategies.registry import cite
 
 
 def write_json_atomic(path: Path, obj: Any) -> int:

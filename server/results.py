@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from promptfcl.common import metrics
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.privacy import privacy_options, privacy_report
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
-from promptfcl.common.trust import resolve_trust
-from promptfcl.server.rounds import RoundRecord
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common import metrics
+from ..common.config import ExperimentConfig
+from ..common.privacy import privacy_options, privacy_report
+from ..common.runtime import Runtime
+from ..common.splits import FILE_NAME as SPLITS_FILE
+from ..common.trust import resolve_trust
+from ..strategies.platform.strategy import PromptStrategy
+from .rounds import RoundRecord
 
 log = logging.getLogger("promptfcl")
 
@@ -72,7 +72,7 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/splits.py)
         }
     else:  # federated evaluation: what the server knows of the nodes' data
-        from promptfcl.common.tasks import class_order
+        from ..common.tasks import class_order
 
         names = cfg.class_name_list
         backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
-from promptfcl.common.records import CONFIG, METRICS
-from promptfcl.common.startup import PHASES, metric_name
-from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
-from promptfcl.strategies.platform.replies import PLAN_METRICS
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common.records import CONFIG, METRICS
+from ..common.startup import PHASES, metric_name
+from ..strategies.platform.replies import PLAN_METRICS
+from ..strategies.platform.strategy import PromptStrategy
+from .messaging import message_bytes, send_and_receive, unanswered
 
 log = logging.getLogger("promptfcl")
 

@@ -18,23 +18,23 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from promptfcl.common import metrics
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.footprint import check_server_footprint
-from promptfcl.common.model import initial_trainable_state
-from promptfcl.common.partitions import client_indices, drawn_shares, partition_summary
-from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.common.runtime import Runtime, get_runtime
-from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
-from promptfcl.common.splits import read_splits, write_splits
-from promptfcl.common.tasks import class_order
-from promptfcl.server import checkpoint
-from promptfcl.server.evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
-from promptfcl.server.progress import RunTrackers
-from promptfcl.server.results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
-from promptfcl.server.rounds import RoundRecord, round_record, train_round
-from promptfcl.strategies.platform.strategy import PromptStrategy
-from promptfcl.strategies.registry import build_strategy, strategy_class
+from ..common import metrics
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.footprint import check_server_footprint
+from ..common.model import initial_trainable_state
+from ..common.partitions import client_indices, drawn_shares, partition_summary
+from ..common.records import from_array_record, to_array_record
+from ..common.runtime import Runtime, get_runtime
+from ..common.splits import FILE_NAME as SPLITS_FILE
+from ..common.splits import read_splits, write_splits
+from ..common.tasks import class_order
+from ..strategies.platform.strategy import PromptStrategy
+from ..strategies.registry import build_strategy, strategy_class
+from . import checkpoint
+from .evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
+from .progress import RunTrackers
+from .results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
+from .rounds import RoundRecord, round_record, train_round
 
 log = logging.getLogger("promptfcl")
 
@@ -330,11 +330,11 @@ class ExperimentRun:
                                 **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
-            from promptfcl.server.transfer import client_accuracy_by_round
+            from .transfer import client_accuracy_by_round
 
             results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.num_tasks)
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
-            from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
+            from .transfer import asynchronous_results, single_task_accuracies
 
             single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
                                              self.strategy.prompt_class.prompt_tokens)

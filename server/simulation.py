@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import toml_value
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import toml_value
 
 log = logging.getLogger("promptfcl")
 
@@ -216,9 +216,9 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     import ray
     from flwr.app import Context, RecordDict
 
-    from promptfcl.client.app import app as client_app
-    from promptfcl.common.flower_internals import internal
-    from promptfcl.server.app import app as server_app
+    from ..client.app import app as client_app
+    from ..common.flower_internals import internal
+    from .app import app as server_app
 
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)

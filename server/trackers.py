@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.metrics import backward_transfer
+from ..common.config import ConfigError
+from ..common.metrics import backward_transfer
 
 #: a round record's figures that trackers plot, by their results.json names
 ROUND_METRICS = ("accuracy", "bytes_s2c", "bytes_c2s", "client_seconds", "server_seconds", "train_loss")
@@ -73,7 +73,7 @@ def final_metrics(results: dict[str, Any]) -> dict[str, float]:
     and combined transfer only where a reference exists (Powder's random tasks, against the
     single-task runs: common/metrics.py).
     """
-    from promptfcl.server.results import SUMMARY_KEYS
+    from .results import SUMMARY_KEYS
 
     values = {key: results.get(key) for key in SUMMARY_KEYS}
     for key in ("forward_transfer", "combined_transfer"):

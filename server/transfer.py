@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from promptfcl.common import metrics
-from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
-from promptfcl.common.evaluation import accuracies, correct_counts
-from promptfcl.common.files import write_atomic
-from promptfcl.common.model import CodaPrompt, initial_trainable_state
-from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.schedule import RandomTaskSchedule
-from promptfcl.common.weights import cache_dir
+from ..common import metrics
+from ..common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
+from ..common.evaluation import accuracies, correct_counts
+from ..common.files import write_atomic
+from ..common.model import CodaPrompt, initial_trainable_state
+from ..common.records import ARRAYS, from_array_record, to_array_record, to_torch
+from ..common.runtime import get_runtime
+from ..common.schedule import RandomTaskSchedule
+from ..common.weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -52,8 +52,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+    from ..common.learner import LocalLearner
+    from ..strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
     if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":

@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import read_config
-from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
-from promptfcl.common.privacy import PrivacyOptions
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import read_config
+from ..common.privacy import NAMESPACE as DP_NAMESPACE
+from ..common.privacy import PrivacyOptions
 
 ENTRY_POINTS = "promptfcl.methods"
 
@@ -76,7 +76,7 @@ class Method:
 @functools.cache
 def methods() -> dict[str, Method]:
     """Every method: this package's folders, then entry points of other installed distributions."""
-    import promptfcl.strategies as here
+    here = importlib.import_module(__name__.rpartition(".")[0])  # this package: promptfcl.strategies
 
     found: dict[str, Method] = {}
     packages = [f"{here.__name__}.{info.name}" for info in pkgutil.iter_modules(here.__path__) if info.ispkg]
@@ -180,7 +180,7 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
 
 def app_config_tables() -> str:
     """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
-    from promptfcl.common.config_files import toml_value
+    from ..common.config_files import toml_value
 
     blocks = []
     for namespace, options in namespaced_defaults().items():
@@ -194,7 +194,7 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
     as it can be before anything is loaded: every key and value, the method, every method
     option, the task schedule, differential privacy and the dataset's name."""
-    from promptfcl.common.data import check_source
+    from ..common.data import check_source
 
     cfg = read_config(config_file, overrides, strategy, out)
     check_method(cfg.strategy)

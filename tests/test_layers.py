@@ -14,8 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["common", "strategies", "client", "server"]
 
 
+def package_of(path: Path) -> str:
+    """The installed package a file's relative imports start from (``promptfcl.strategies.hgp``)."""
+    parts = path.resolve().relative_to(ROOT).parts[:-1]
+    return ".".join(("promptfcl", *parts))
+
+
 def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import in a file, at any depth (not those only type checkers run)."""
+    """(line, absolute module) of every import in a file, at any depth (not those only type
+    checkers run); a relative import is resolved against the file's package, as Python does."""
     tree = ast.parse(path.read_text(), str(path))
     type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and
                  isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
@@ -28,6 +35,13 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            base = package_of(path).split(".")
+            base = base[: len(base) - node.level + 1]
+            if node.module:
+                out.append((node.lineno, ".".join([*base, node.module])))
+            else:  # ``from . import options``: each name is a module of that package
+                out += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
     return out
 
 
@@ -59,12 +73,24 @@ def test_no_import_goes_against_the_layers():
 
 
 def test_the_layers_are_imported_by_their_installed_name_only():
-    """``promptfcl.common...``, never a bare ``common...``: the repository root on sys.path would make
-    a second copy of every module (and of every class) in tests."""
+    """``promptfcl.common...`` (or relative, inside the package), never a bare ``common...``: the
+    repository root on sys.path would make a second copy of every module (and of every class) in tests."""
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for folder in (*LAYERS, "tests", "deploy", "scripts") for path in sorted((ROOT / folder).rglob("*.py"))
            for line, module in imports_of(path) if module.split(".")[0] in LAYERS]
     assert not bad, "\n  ".join(bad)
+
+
+def test_the_layers_import_each_other_relatively():
+    """Inside the package every project import is relative, so tools that read the checkout (a type
+    checker, an editor) resolve them without the installed name, which the checkout has no folder for."""
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
+           for path in project_modules().values() for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "promptfcl"]
+    bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}"
+            for path in project_modules().values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Import) for alias in node.names if alias.name.split(".")[0] == "promptfcl"]
+    assert not bad, "use a relative import:\n  " + "\n  ".join(bad)
 
 
 def test_no_import_cycles_between_modules():

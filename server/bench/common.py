@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.memory_plan import proc_status_kb
-from promptfcl.server import checkpoint
+from ...common.memory_plan import proc_status_kb
+from .. import checkpoint
 
 log = logging.getLogger("promptfcl")
 

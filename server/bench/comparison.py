@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import run_simulation_subprocess
+from ...common.config import ExperimentConfig
+from .common import run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -100,8 +100,8 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
     with some of its options changed (an ablation), compared as a method of its own; a part
     without ``=`` names one of the method's variants (``"hepco/baseline"``)."""
-    from promptfcl.common.config_files import parse_overrides
-    from promptfcl.strategies.registry import check_method, methods
+    from ...common.config_files import parse_overrides
+    from ...strategies.registry import check_method, methods
 
     name, *parts = spec.split("/")
     options: dict[str, Any] = {}

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.files import write_atomic
-from promptfcl.server.bench.common import _machine
+from ...common.files import write_atomic
+from .common import _machine
 
 log = logging.getLogger("promptfcl")
 
@@ -110,8 +110,8 @@ def _peak_rss_mb() -> float:
 
 def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.data_cache import load_dataset_cached
+    from ...common.config import ExperimentConfig
+    from ...common.data_cache import load_dataset_cached
 
     cfg = ExperimentConfig.from_dict(settings)
     if step == "decode":
@@ -119,11 +119,11 @@ def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
         return {"seconds": round(time.perf_counter() - started, 2), "rss_mb": round(_peak_rss_mb(), 1)}
     from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.records import ARRAYS, to_array_record
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+    from ...common.learner import LocalLearner
+    from ...common.partitions import client_indices
+    from ...common.records import ARRAYS, to_array_record
+    from ...common.runtime import get_runtime
+    from ...strategies.fedavg.strategy import FedAvgStrategy
 
     t = time.perf_counter()
     data = load_dataset_cached(cfg)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.server.bench.common import _machine, run_simulation_subprocess
+from .common import _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -49,14 +49,14 @@ PAPER_MODEL: dict[str, Any] = {
 
 
 def edge_config(batch_size: int, threads: int) -> Any:
-    from promptfcl.common.config import ExperimentConfig
+    from ...common.config import ExperimentConfig
 
     return ExperimentConfig.from_dict({**PAPER_MODEL, "batch-size": batch_size, "threads": threads})
 
 
 def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: int = 0) -> Any:
     """One step's worth of random 224-px images in task 0's classes (and a few test images)."""
-    from promptfcl.common.data import ArraySplit, Dataset
+    from ...common.data import ArraySplit, Dataset
 
     rng = np.random.default_rng(seed)
     images = rng.integers(0, 256, (batch_size + per_task, 3, 224, 224), dtype=np.uint8)
@@ -71,12 +71,12 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     """The child's work: one client round in this process; its figures (and its arrays to ``arrays_out``)."""
     from flwr.app import RecordDict
 
-    from promptfcl.client.memory import apply_plan, plan_metrics
-    from promptfcl.client.node_policy import NodePolicy
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+    from ...client.memory import apply_plan, plan_metrics
+    from ...client.node_policy import NodePolicy
+    from ...common.learner import LocalLearner
+    from ...common.records import ARRAYS, from_array_record, to_array_record
+    from ...common.runtime import get_runtime
+    from ...strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
@@ -158,8 +158,8 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
     and the final model is evaluated again with the clients' precision (``a_n_node_eval``: what the
     edge nodes themselves would score).
     """
-    from promptfcl.client.node_policy import BACKBONE_PRECISION_ENV
-    from promptfcl.server.bench.comparison import finished_run
+    from ...client.node_policy import BACKBONE_PRECISION_ENV
+    from .comparison import finished_run
 
     rows: list[dict[str, Any]] = []
     for precision in precisions:
@@ -190,11 +190,11 @@ def final_accuracy(run_dir: Path, precision: str) -> float | None:
     (None: the run kept no checkpoint)."""
     import torch
 
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.evaluation import accuracies, correct_counts
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.server import checkpoint
-    from promptfcl.strategies.registry import prompt_class
+    from ...common.config import ExperimentConfig
+    from ...common.evaluation import accuracies, correct_counts
+    from ...common.runtime import get_runtime
+    from ...strategies.registry import prompt_class
+    from .. import checkpoint
 
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:
@@ -247,7 +247,7 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-        from promptfcl.common.backbone import build_backbone
+        from ...common.backbone import build_backbone
 
         build_backbone(edge_config(int(spec["batch_size"]), int(spec["threads"])))
         return

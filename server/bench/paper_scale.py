@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import (
+from ...common.config import ExperimentConfig
+from .common import (
     PAPER_COMMUNICATION,
     PAPER_DATASETS,
     VIT_B16_PARAMETERS,
@@ -76,7 +76,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from promptfcl.strategies.registry import load_config
+    from ...strategies.registry import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import VIT_B16_PARAMETERS, _machine, run_simulation_subprocess
+from ...common.config import ExperimentConfig
+from .common import VIT_B16_PARAMETERS, _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -26,13 +26,13 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     import torch.nn.functional as F
     from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.model import masked_logits
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.records import ARRAYS, to_array_record
-    from promptfcl.common.runtime import _runtime, get_runtime
-    from promptfcl.common.tasks import task_classes
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+    from ...common.learner import LocalLearner
+    from ...common.model import masked_logits
+    from ...common.partitions import client_indices
+    from ...common.records import ARRAYS, to_array_record
+    from ...common.runtime import _runtime, get_runtime
+    from ...common.tasks import task_classes
+    from ...strategies.fedavg.strategy import FedAvgStrategy
 
     out: dict[str, float] = {}
     for cached in (True, False):
@@ -100,7 +100,7 @@ def perf(
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
     import torch
 
-    from promptfcl.strategies.registry import methods as registered
+    from ...strategies.registry import methods as registered
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig.from_dict({**base, "centralised": True})  # one client holding a whole task

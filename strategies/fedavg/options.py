@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from promptfcl.common.options import MethodOptions
+from ...common.options import MethodOptions
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.privacy import privacy_options
-from promptfcl.common.records import CONFIG
-from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, split_held_out
-from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
-from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
+from ...common.learner import Batch, LocalLearner
+from ...common.privacy import privacy_options
+from ...common.records import CONFIG
+from ...common.runtime import Runtime
+from .options import FedCPromptOptions, split_held_out
+from .prompt import FedCPromptPrompt
+from .records import KNOWN_TASKS
 
 
 def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,

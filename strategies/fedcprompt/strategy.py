@@ -36,15 +36,15 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.privacy import privacy_options
-from promptfcl.common.records import METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_rows
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, held_out_count
-from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
-from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
-from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.privacy import privacy_options
+from ...common.records import METRICS, from_array_record, to_array_record
+from ...common.tasks import task_rows
+from ..platform.replies import REPLY_METRICS, MetricSpec
+from ..platform.rounds import Accepted, Sent
+from ..platform.strategy import PromptStrategy
+from .options import FedCPromptOptions, held_out_count
+from .prompt import FedCPromptPrompt
+from .records import KNOWN_TASKS
 
 log = logging.getLogger("promptfcl")
 

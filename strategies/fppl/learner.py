@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.records import CONFIG, to_array_record
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
-from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
+from ...common.learner import Batch, LocalLearner
+from ...common.records import CONFIG, to_array_record
+from ...common.runtime import Runtime
+from ...common.tasks import task_classes
+from .options import FPPLOptions
+from .prompt import FPPLPrompt, task_prompt_names
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 
 # ---------------------------------------------------------------------------- losses

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import MethodOptions
 
 FUSION_SCALES = ("fixed", "learnable")
 PROTOTYPE_VIEWS = ("augmented", "stored")

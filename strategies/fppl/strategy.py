@@ -27,16 +27,16 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.privacy import PrivateRecord
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
-from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
-from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.privacy import PrivateRecord
+from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from ...common.tasks import task_classes
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import Statistics
+from ..platform.strategy import PromptStrategy
+from .options import FPPLOptions
+from .prompt import FPPLPrompt, task_prompt_names
+from .prototypes import PrototypeSet, debias_head
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 log = logging.getLogger("promptfcl")
 

@@ -1,7 +1,7 @@
 """HePCo ("Continual Adaptation of Vision Transformers for Federated Learning"): latent generation and
 distillation at the server, plain prompt clients."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # the text prints the authors and "Reviewed on OpenReview" with the forum's address, but no venue
 # name and no year: the entry says so rather than guess them

@@ -7,11 +7,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import to_array_record
-from promptfcl.strategies.hepco.distill import set_sampling_mode
-from promptfcl.strategies.hepco.latents import LatentGenerator, Teachers
-from promptfcl.strategies.hepco.prompt import HePCoPrompt
+from ...common.config import ExperimentConfig
+from ...common.records import to_array_record
+from .distill import set_sampling_mode
+from .latents import LatentGenerator, Teachers
+from .prompt import HePCoPrompt
 
 
 @torch.no_grad()
@@ -59,7 +59,7 @@ class RealDataProbe:
     """
 
     def __init__(self, cfg: ExperimentConfig, per_class: int) -> None:
-        from promptfcl.common.runtime import get_runtime
+        from ...common.runtime import get_runtime
 
         self.rt = get_runtime(cfg, HePCoPrompt)  # the server's central evaluation runtime (cached)
         self.cfg, self.per_class = cfg, per_class
@@ -78,7 +78,7 @@ class RealDataProbe:
     def features(self, state: dict[str, np.ndarray], index: np.ndarray, task: int,
                  batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """(q(x), f(x)) of training images ``index`` under the prompts of ``state`` (float32, CPU)."""
-        from promptfcl.common.records import to_torch
+        from ...common.records import to_torch
 
         rt, model = self.rt, self.rt.model
         model.load_trainable_state(to_torch(to_array_record(state)))

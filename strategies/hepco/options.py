@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import MethodOptions
 
 #: Table 3 rows, as names for ``hepco.ablate`` (comma-separated, composable).
 ABLATIONS = ("previous-model", "kl", "mse", "prompt-distillation", "classifier-distillation")

@@ -52,18 +52,18 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.model import resolve_device
-from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.hepco.diagnostics import RealDataProbe, sample_latents, teacher_accuracy
-from promptfcl.strategies.hepco.distill import distill, train_generator
-from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
-from promptfcl.strategies.hepco.options import HePCoOptions
-from promptfcl.strategies.hepco.prompt import HePCoPrompt
-from promptfcl.strategies.platform.aggregation import combine_records
-from promptfcl.strategies.platform.rounds import Accepted
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.config import ConfigError, ExperimentConfig
+from ...common.model import resolve_device
+from ...common.records import ARRAYS, from_array_record, to_array_record
+from ...common.tasks import task_classes
+from ..platform.aggregation import combine_records
+from ..platform.rounds import Accepted
+from ..platform.strategy import PromptStrategy
+from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
+from .distill import distill, train_generator
+from .latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
+from .options import HePCoOptions
+from .prompt import HePCoPrompt
 
 log = logging.getLogger("promptfcl")
 

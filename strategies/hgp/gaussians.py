@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from promptfcl.common.records import to_array_record
-from promptfcl.strategies.hgp.options import HGPOptions
+from ...common.records import to_array_record
+from .options import HGPOptions
 
 log = logging.getLogger("promptfcl")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import MethodOptions
 
 COV_TYPES = ("full", "diag", "lowrank")
 COV_DTYPES = ("float32", "float16")

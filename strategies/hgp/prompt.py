@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import CodaPrompt
+from ...common.config import ExperimentConfig
+from ...common.model import CodaPrompt
 
 
 class HGPPrompt(CodaPrompt):
@@ -33,7 +33,7 @@ class HGPPrompt(CodaPrompt):
 
     def configure(self, cfg: ExperimentConfig) -> None:
         """The ``hgp.score-norm`` of the run."""
-        from promptfcl.strategies.hgp.options import HGPOptions
+        from .options import HGPOptions
 
         self.score_norm = HGPOptions.from_options(cfg.method_options("hgp")).score_norm
 

@@ -49,11 +49,14 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.privacy import PrivateRecord
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import seen_classes, task_classes
-from promptfcl.strategies.hgp.gaussians import (
+from ...common.config import ExperimentConfig
+from ...common.privacy import PrivateRecord
+from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from ...common.tasks import seen_classes, task_classes
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
+from ..platform.strategy import PromptStrategy
+from .gaussians import (
     FEATURE_BOUND,
     WIRE_ARRAYS,
     ClassMixture,
@@ -65,12 +68,9 @@ from promptfcl.strategies.hgp.gaussians import (
     rebalance_head,
     sample_features,
 )
-from promptfcl.strategies.hgp.options import HGPOptions
-from promptfcl.strategies.hgp.prompt import HGPPrompt
-from promptfcl.strategies.hgp.records import STATS
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from .options import HGPOptions
+from .prompt import HGPPrompt
+from .records import STATS
 
 log = logging.getLogger("promptfcl")
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord
 
-from promptfcl.common.config import AGGREGATIONS, ExperimentConfig
-from promptfcl.common.records import to_array_record
-from promptfcl.common.tasks import task_rows
-from promptfcl.strategies.platform.replies import capped_weights, combine
+from ...common.config import AGGREGATIONS, ExperimentConfig
+from ...common.records import to_array_record
+from ...common.tasks import task_rows
+from .replies import capped_weights, combine
 
 
 @dataclass(frozen=True)

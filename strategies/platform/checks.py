@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.records import (
+from ...common.records import (
     ARRAYS,
     EVALUATE_TASK,
     EVALUATION,
@@ -24,8 +24,8 @@ from promptfcl.common.records import (
     PLACEMENT_FIELDS,
     payload_bytes,
 )
-from promptfcl.strategies.platform.replies import MetricSpec, check_metrics
-from promptfcl.strategies.platform.rounds import Sent
+from .replies import MetricSpec, check_metrics
+from .rounds import Sent
 
 #: records any reply may carry besides the method's own; the platform checks placement, the server
 #: loop the evaluation counts a train reply carries (evaluate-with-train)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from promptfcl.strategies.platform.replies import lower_median, median_cosines, norm_outliers
+from .replies import lower_median, median_cosines, norm_outliers
 
 log = logging.getLogger("promptfcl")
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import AGGREGATIONS
-from promptfcl.common.startup import PHASES, metric_name
+from ...common.config import AGGREGATIONS
+from ...common.startup import PHASES, metric_name
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean
         for wi, v in zip(w, values):
             acc += wi * np.asarray(v, dtype=np.float64)
         return acc.astype(first.dtype)
-    from promptfcl.common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
+    from ...common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
 
     aggregate_median, aggregate_trimmed_avg = internal("aggregate_median"), internal("aggregate_trimmed_avg")
     layers = [([np.asarray(v, dtype=np.float64)], 1) for v in values]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS
+from ...common.records import ARRAYS, CONFIG, METRICS
 
 
 @dataclass

@@ -18,9 +18,9 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.node_identity import grid_names, node_label
-from promptfcl.strategies.platform.rounds import Sent, SentRound
+from ...common.config import ExperimentConfig
+from ...common.node_identity import grid_names, node_label
+from .rounds import Sent, SentRound
 
 log = logging.getLogger("promptfcl")
 

@@ -33,9 +33,9 @@ from functools import partial
 
 import numpy as np
 
-from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.strategies.platform.replies import lower_median
-from promptfcl.strategies.platform.rounds import Accepted
+from ...common.records import from_array_record, to_array_record
+from .replies import lower_median
+from .rounds import Accepted
 
 #: how a second-moment array holds one covariance per row
 PACKED_TRIU, DIAGONAL, FACTOR = "packed-triu", "diagonal", "factor"

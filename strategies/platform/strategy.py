@@ -36,20 +36,20 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import CodaPrompt
-from promptfcl.common.options import MethodOptions, NoOptions
-from promptfcl.common.privacy import PrivateRecord, check_privacy, privacy_options
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
-from promptfcl.common.schedule import task_schedule
-from promptfcl.common.trust import resolve_trust
-from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
-from promptfcl.strategies.platform.checks import NO_EXAMPLES, SampleBounds, platform_problem
-from promptfcl.strategies.platform.defences import update_screen
-from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, clipped_update, update_norm, update_of
-from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
-from promptfcl.strategies.platform.sampling import Sampling
-from promptfcl.strategies.platform.statistics import Statistics, StatisticsBound
+from ...common.config import ExperimentConfig
+from ...common.model import CodaPrompt
+from ...common.options import MethodOptions, NoOptions
+from ...common.privacy import PrivateRecord, check_privacy, privacy_options
+from ...common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
+from ...common.schedule import task_schedule
+from ...common.trust import resolve_trust
+from .aggregation import aggregate_per_task, aggregation_policies, combine_records
+from .checks import NO_EXAMPLES, SampleBounds, platform_problem
+from .defences import update_screen
+from .replies import REPLY_METRICS, MetricSpec, clipped_update, update_norm, update_of
+from .rounds import Accepted, Sent, SentRound
+from .sampling import Sampling
+from .statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
@@ -152,7 +152,7 @@ class PromptStrategy(Sampling, FedAvg):
     @classmethod
     def check_schedule(cls, cfg: ExperimentConfig) -> Any:
         """The run's task schedule, if this method can follow it (else ConfigError, before any loading)."""
-        from promptfcl.common.config import ConfigError
+        from ...common.config import ConfigError
 
         schedule = task_schedule(cfg)
         if cfg.task_generator == "random" and not (cls.random_tasks and cls.asynchronous_tasks):

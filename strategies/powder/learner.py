@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, task_rows
-from promptfcl.strategies.powder.options import PowderOptions
-from promptfcl.strategies.powder.prompt import PowderPrompt
-from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
+from ...common.learner import Batch, LocalLearner
+from ...common.partitions import client_indices
+from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
+from ...common.runtime import Runtime
+from ...common.tasks import head_rows, head_size, task_rows
+from .options import PowderOptions
+from .prompt import PowderPrompt
+from .records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import MethodOptions
 
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")

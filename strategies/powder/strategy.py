@@ -64,23 +64,23 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes, task_rows
-from promptfcl.strategies.platform.aggregation import aggregate_per_task
-from promptfcl.strategies.platform.replies import check_metrics
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
-from promptfcl.strategies.powder.correlation import (
+from ...common.config import ExperimentConfig
+from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from ...common.tasks import task_classes, task_rows
+from ..platform.aggregation import aggregate_per_task
+from ..platform.replies import check_metrics
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import Statistics
+from ..platform.strategy import PromptStrategy
+from .correlation import (
     correlation_matrix,
     first_step_aggregation,
     select_tasks,
     sparsify_rows,
 )
-from promptfcl.strategies.powder.options import PowderOptions
-from promptfcl.strategies.powder.prompt import PowderPrompt
-from promptfcl.strategies.powder.records import (
+from .options import PowderOptions
+from .prompt import PowderPrompt
+from .records import (
     ALPHA,
     CLASS_CORR,
     LOCAL_TASKS,
