@@ -224,6 +224,23 @@ def test_no_learner_overrides_the_platforms_loop():
         type("Rogue", (LocalLearner,), {"fit": lambda self, *a: None})
 
 
+def test_every_learner_hook_is_documented():
+    """Each public method of LocalLearner is sealed, a hook or a helper hooks use; every hook is
+    listed in the learner's module docstring and in docs/extending.md's client-hook table."""
+    import inspect
+
+    from promptfcl.strategies.platform import learner
+    from promptfcl.strategies.platform.learner import HOOKS, SEALED, LocalLearner
+
+    helpers = {"accuracy", "correct"}
+    public = {name for name, value in vars(LocalLearner).items() if inspect.isfunction(value) and name[0] != "_"}
+    assert public <= SEALED | set(HOOKS) | helpers, sorted(public - SEALED - set(HOOKS) - helpers)
+    guide = (ROOT / "docs" / "extending.md").read_text()
+    for hook in HOOKS:
+        assert f"``{hook}(" in (learner.__doc__ or ""), hook
+        assert f"| `{hook}(" in guide, hook
+
+
 #: a train message of each method named in argv (with its run-config settings, JSON) through the
 #: ClientApp's handler, in one fresh interpreter; prints the modules it loaded
 CLIENT_ONLY = """

@@ -54,6 +54,10 @@ log = logging.getLogger("promptfcl")
 #: the loop's pieces: the platform's, never a method's (LocalLearner.__init_subclass__ refuses a
 #: subclass that overrides one; a method fills the hooks instead)
 SEALED = frozenset({"fit", "_train", "step", "inputs", "augmentation", "update_reference", "_reply"})
+#: what a method fills, in the order a fit calls them (``answer``: outside a fit); the module's
+#: docstring and docs/extending.md list each (a test keeps them so)
+HOOKS = ("received", "round_start", "held_out", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
+         "reply_records", "round_cleanup", "answer")
 
 
 @dataclass
@@ -341,4 +345,4 @@ def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
         raise ValueError(f"train message config lacks {exc}") from None
 
 
-__all__ = ["SEALED", "Batch", "LocalLearner", "read_task_round"]
+__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "read_task_round"]
