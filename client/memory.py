@@ -10,7 +10,6 @@ memory and how much of the frozen backbone it reads from the shared mapping of t
 from __future__ import annotations
 
 from ..common.backbone import backbone_cache_path
-from ..common.learner import LocalLearner
 from ..common.memory_plan import (
     MIN_MICRO_BATCH,
     BudgetError,
@@ -25,6 +24,7 @@ from ..common.memory_plan import (
 )
 from ..common.model import PromptedViT
 from ..common.runtime import Runtime
+from ..strategies.platform.learner import LocalLearner
 from .node_policy import NodePolicy, NodeRefusal
 
 

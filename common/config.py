@@ -265,7 +265,7 @@ class ExperimentConfig:
     # offline default's clients hold ~30 samples per task, so a larger step is needed.
     lr: float = key(1e-2, "training", ("results",))
     lr_schedule: str = key("cosine", "training", ("results",))  # "cosine" or "constant", over one round's local steps
-    # Training-time augmentation of every method's local training (common/learner.py), seeded
+    # Training-time augmentation of every method's local training (strategies/platform/learner.py), seeded
     # per client, task and round: "none"; "crop-flip" (random crop with zero padding of 1/8 of
     # the side, then a random horizontal flip); "resized-crop-flip" (torchvision's
     # RandomResizedCrop to the backbone's size + horizontal flip, CODA-P's and FPPL's code; the

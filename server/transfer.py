@@ -52,8 +52,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from ..common.learner import LocalLearner
     from ..strategies.fedavg.strategy import FedAvgStrategy
+    from ..strategies.platform.learner import LocalLearner
 
     started = time.perf_counter()
     if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":

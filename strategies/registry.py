@@ -2,12 +2,13 @@
 
 A method is one folder: a package whose ``__init__.py`` defines ``METHOD``, a :class:`Method`
 naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills the platform's
-hooks) and its learner (the client's side, a ``LocalLearner`` subclass), both relative to the
-package; the folder holds everything else of the method (options, prompt module, records,
-losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a method; so is
-every package another distribution registers under the entry-point group
-``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository.
-Both halves are imported on first use: a client process loads only its own method.
+hooks), its learner (the client's side, a ``LocalLearner`` subclass), its prompt module and the
+privacy bounds of the records its clients upload, each relative to the package; the folder holds
+everything else of the method (options, records, losses). Every folder of ``promptfcl/strategies``
+that defines ``METHOD`` is a method; so is every package another distribution registers under the
+entry-point group ``promptfcl.methods`` (``name = "package"``), so a method can live outside this
+repository. Each part is imported on first use: a client process loads only its own method's
+client side (learner, prompt, options, records), never its strategy module.
 
 Each method names the paper to cite for it (``Method.citation``, one BibTeX entry: the one place
 the project keeps it; docs/methods.md repeats it and a test keeps the two equal).
@@ -28,7 +29,7 @@ from typing import Any
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.config_files import read_config
 from ..common.privacy import NAMESPACE as DP_NAMESPACE
-from ..common.privacy import PrivacyOptions
+from ..common.privacy import PrivacyOptions, PrivateRecord
 
 ENTRY_POINTS = "promptfcl.methods"
 
@@ -40,6 +41,10 @@ class Method:
     name: str
     strategy: str  # a PromptStrategy subclass: the server's side
     learner: str  # a LocalLearner subclass: local learning
+    prompt: str  # a CodaPrompt subclass: the prompt module both sides build (the strategy's ``prompt_class``)
+    #: the privacy bounds of what a client uploads besides its arrays (``record name -> PrivateRecord``,
+    #: the strategy's ``private_records``); "": no extra upload is bounded
+    records: str = ""
     package: str = ""  # the method's package (set by discovery)
     #: named settings of the method's options a paper compares against (``bench compare``
     #: runs ``<name>/<variant>``), e.g. HePCo's FedAvg-Prompt baseline
@@ -68,7 +73,7 @@ class Method:
         return dict(named[name])
 
     def load(self, which: str) -> Any:
-        """The strategy or learner class (``which``), imported on first use."""
+        """The strategy, learner or prompt class or the records' bounds (``which``), imported on first use."""
         module, attr = getattr(self, which).split(":")
         return getattr(importlib.import_module(module, self.package or None), attr)
 
@@ -122,8 +127,18 @@ def learner_class(name: str) -> Any:
 
 
 def prompt_class(name: str) -> Any:
-    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
-    return strategy_class(name).prompt_class
+    """The prompt module a method's clients and server use (its strategy's ``prompt_class``),
+    without importing the strategy."""
+    check_method(name)
+    return methods()[name].load("prompt")
+
+
+def private_records(name: str) -> dict[str, PrivateRecord]:
+    """How differential privacy bounds each record method ``name``'s clients upload besides their
+    arrays (its strategy's ``private_records``), without importing the strategy."""
+    check_method(name)
+    method = methods()[name]
+    return dict(method.load("records")) if method.records else {}
 
 
 def method_options(cfg: ExperimentConfig) -> Any:
@@ -137,8 +152,10 @@ def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
-    """The run's local learner on ``runtime``, with the method's options parsed once."""
-    return learner_class(cfg.strategy)(runtime, method_options(cfg))
+    """The run's local learner on ``runtime``, with the method's options parsed once (by the
+    learner's ``options_class``, the strategy's: a client imports no strategy module)."""
+    learner = learner_class(cfg.strategy)
+    return learner(runtime, learner.options_class.from_options(cfg.method_options(cfg.strategy)))
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:

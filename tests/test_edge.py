@@ -12,7 +12,6 @@ from promptfcl.client.memory import apply_plan, step_sizes
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common import model as model_module
 from promptfcl.common.backbone import backbone_cache_path, build_backbone
-from promptfcl.common.learner import LocalLearner
 from promptfcl.common.low_precision import Bf16Linear, Int8Linear, lower_precision
 from promptfcl.common.memory_plan import BudgetError, StepSizes, TrainingPlan, mapped_mb, plan_training, resident_mb
 from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
@@ -22,6 +21,7 @@ from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES
 from promptfcl.strategies.fppl.strategy import FPPLStrategy
+from promptfcl.strategies.platform.learner import LocalLearner
 from tests.conftest import tiny_config
 
 #: a budgeted step differs from the whole batch's only by float rounding (micro-batch sums)

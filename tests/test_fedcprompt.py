@@ -222,7 +222,7 @@ def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
 
 
 def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
-    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.platform.learner import LocalLearner
 
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt, _, arrays = start(cfg, tasks=2)

@@ -10,9 +10,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.learner import LocalLearner
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from promptfcl.common.records import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    from_array_record,
+    payload_bytes,
+    to_array_record,
+    to_torch,
+)
 from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.platform.learner import LocalLearner
 from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
     first_step_aggregation,
@@ -556,8 +564,8 @@ def test_distillation_switches_change_local_training(flower_identity):
         plain = LocalLearner(rt).fit(RecordDict({ARRAYS: full, CONFIG: msg.content[CONFIG]}), 1, 1, 0)
     finally:
         rt.model.prompt.local_tasks = None
-    for name, value in from_array_record(helper.own_part(plain[ARRAYS], 1)).items():
-        np.testing.assert_array_equal(runs["off"][name], value)
+    for name, value in helper.uploaded(to_torch(plain[ARRAYS]), 1).items():
+        np.testing.assert_array_equal(runs["off"][name], value.numpy())
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -240,10 +240,10 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     import torch
     from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
     from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
     from promptfcl.common.runtime import get_runtime
     from promptfcl.common.tasks import head_rows
+    from promptfcl.strategies.platform.learner import LocalLearner
 
     cfg = random_config(head=head, lr=0.05)
     rt = get_runtime(cfg)

@@ -22,7 +22,7 @@ FILES = {
         """Toy: FedAvg-Prompt plus a proximal pull of the head, and a record of what each client trained on."""
         from promptfcl.strategies.registry import Method
 
-        METHOD = Method("toy", strategy=".strategy:ToyStrategy", learner=".learner:ToyLearner")
+        METHOD = Method("toy", strategy=".strategy:ToyStrategy", learner=".learner:ToyLearner", prompt=".prompt:ToyPrompt")
     ''',
     "options.py": '''
         from dataclasses import dataclass
@@ -53,7 +53,7 @@ FILES = {
         import numpy as np
         import torch
 
-        from promptfcl.common.learner import LocalLearner
+        from promptfcl.strategies.platform.learner import LocalLearner
         from promptfcl.common.records import to_array_record
 
         from .options import ToyOptions

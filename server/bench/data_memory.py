@@ -119,11 +119,11 @@ def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
         return {"seconds": round(time.perf_counter() - started, 2), "rss_mb": round(_peak_rss_mb(), 1)}
     from flwr.app import RecordDict
 
-    from ...common.learner import LocalLearner
     from ...common.partitions import client_indices
     from ...common.records import ARRAYS, to_array_record
     from ...common.runtime import get_runtime
     from ...strategies.fedavg.strategy import FedAvgStrategy
+    from ...strategies.platform.learner import LocalLearner
 
     t = time.perf_counter()
     data = load_dataset_cached(cfg)

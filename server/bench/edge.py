@@ -73,10 +73,10 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
 
     from ...client.memory import apply_plan, plan_metrics
     from ...client.node_policy import NodePolicy
-    from ...common.learner import LocalLearner
     from ...common.records import ARRAYS, from_array_record, to_array_record
     from ...common.runtime import get_runtime
     from ...strategies.fedavg.strategy import FedAvgStrategy
+    from ...strategies.platform.learner import LocalLearner
 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)

@@ -26,13 +26,13 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     import torch.nn.functional as F
     from flwr.app import RecordDict
 
-    from ...common.learner import LocalLearner
     from ...common.model import masked_logits
     from ...common.partitions import client_indices
     from ...common.records import ARRAYS, to_array_record
     from ...common.runtime import _runtime, get_runtime
     from ...common.tasks import task_classes
     from ...strategies.fedavg.strategy import FedAvgStrategy
+    from ...strategies.platform.learner import LocalLearner
 
     out: dict[str, float] = {}
     for cached in (True, False):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...common.learner import LocalLearner
+from ..platform.learner import LocalLearner
 from .options import FedAvgOptions
 
 

@@ -1,6 +1,6 @@
 """Fed-CPrompt's client: CODA-P with frozen past and future slices, CE + lambda * C2L.
 
-The shared loop (common/learner.py) trains the current task's slice and the head with
+The shared loop (strategies/platform/learner.py) trains the current task's slice and the head with
 CE over the current task's classes; this learner
 
 * reads ``known-tasks`` from the server's message, so the prompt module uses every
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from ...common.learner import Batch, LocalLearner
 from ...common.privacy import privacy_options
 from ...common.records import CONFIG
 from ...common.runtime import Runtime
+from ..platform.learner import Batch, LocalLearner
 from .options import FedCPromptOptions, split_held_out
 from .prompt import FedCPromptPrompt
 from .records import KNOWN_TASKS
@@ -108,14 +108,12 @@ class FedCPromptLearner(LocalLearner):
                           for layer in self.prompt.layers for kind in self.opts.c2l_params])
 
     # ------------------------------------------------------------------ hooks
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        try:
-            return super().fit(content, task, round_, client_id)
-        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.known_tasks = None
-            self.server_params, self.previous, self.others = {}, None, None
-            self.best, self.stale = None, 0
-            self.validation_counts = None
+    def round_cleanup(self) -> None:
+        """The shared model back to plain use of its slices; no reference or best state kept."""
+        self.prompt.known_tasks = None
+        self.server_params, self.previous, self.others = {}, None, None
+        self.best, self.stale = None, 0
+        self.validation_counts = None
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from ...common.learner import Batch, LocalLearner
 from ...common.records import CONFIG, to_array_record
 from ...common.runtime import Runtime
 from ...common.tasks import task_classes
+from ..platform.learner import Batch, LocalLearner
 from .options import FPPLOptions
 from .prompt import FPPLPrompt, task_prompt_names
 from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES

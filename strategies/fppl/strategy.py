@@ -27,16 +27,16 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.privacy import PrivateRecord
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from ...common.tasks import task_classes
+from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
 from ..platform.strategy import PromptStrategy
 from .options import FPPLOptions
 from .prompt import FPPLPrompt, task_prompt_names
 from .prototypes import PrototypeSet, debias_head
-from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, PRIVATE_RECORDS
 
 log = logging.getLogger("promptfcl")
 
@@ -66,10 +66,7 @@ class FPPLStrategy(PromptStrategy):
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
     # what the platform bounds where the run is defended (stats-bound)
     statistics = {LOCAL_PROTOTYPES: Statistics(vectors=("means",), counts=("counts",))}
-    # dp.clip = C: each class prototype (a mean feature) is clipped to norm C on its own;
-    # classes, counts and the client id are the label histogram and bookkeeping, in the clear
-    private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
-                                                       public=("classes", "counts", "client"))}
+    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, one client's prototype: the newest (this task's local prototypes before the pool)."""
@@ -151,16 +148,17 @@ class FPPLStrategy(PromptStrategy):
     def _task_prompts(self) -> set[str]:
         return task_prompt_names(self.cfg.layers)
 
+    def _own_prompt(self, task: int) -> Rows:
+        """What a reply holds of each array: of a task prompt array the row of ``task``, others whole."""
+        prompts = self._task_prompts
+        return lambda name, value: slice(task, task + 1) if name in prompts else None
+
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
         """FedAvg over the replies, each completed with the frozen prompts it was sent."""
-        complete = []
-        for a in accepted:
-            state = from_array_record(a.sent.arrays)  # type: ignore[arg-type]
-            reply = from_array_record(a.content[ARRAYS])
-            for name in self._task_prompts:
-                state[name] = state[name].copy()
-                state[name][a.task : a.task + 1] = reply[name]
-            complete.append(to_array_record({**reply, **{n: state[n] for n in self._task_prompts}}))
+        complete = [to_array_record(completed(from_array_record(a.content[ARRAYS]),
+                                              from_array_record(a.sent.arrays),  # type: ignore[arg-type]
+                                              self._own_prompt(a.task)))
+                    for a in accepted]
         return self.average(accepted, np.array([a.weight for a in accepted]), complete)
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | None:

@@ -7,7 +7,7 @@ current task's classes; all consolidation happens on the server.
 
 from __future__ import annotations
 
-from ...common.learner import LocalLearner
+from ..platform.learner import LocalLearner
 from .options import HePCoOptions
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from ...common.learner import LocalLearner
 from ...common.privacy import clip_rows, privacy_options
+from ..platform.learner import LocalLearner
 from .gaussians import class_statistics
 from .options import HGPOptions
 from .records import STATS

@@ -50,7 +50,6 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.config import ExperimentConfig
-from ...common.privacy import PrivateRecord
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from ...common.tasks import seen_classes, task_classes
 from ..platform.rounds import Accepted, Sent
@@ -70,7 +69,7 @@ from .gaussians import (
 )
 from .options import HGPOptions
 from .prompt import HGPPrompt
-from .records import STATS
+from .records import PRIVATE_RECORDS, STATS
 
 log = logging.getLogger("promptfcl")
 
@@ -99,13 +98,7 @@ class HGPStrategy(PromptStrategy):
         "cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})}
     options_class = HGPOptions
     opts: HGPOptions
-    # With dp.clip = C the client clips every feature to norm C before its statistics
-    # (strategies/hgp/learner.py), so a class mean has norm <= C, and the unbiased covariance, positive
-    # semi-definite with trace sum ||x - mu||^2 / (n - 1) = n / (n - 1) (mean ||x||^2 - ||mu||^2)
-    # <= 2 C^2 (n >= 2; zero for n = 1), has Frobenius norm, and so upper-triangle and diagonal
-    # norms, <= 2 C^2. Classes and counts are the label histogram, sent in the clear.
-    private_records = {STATS: PrivateRecord(bounded={"means": (1, 1.0), "cov-triu": (2, 2.0), "cov-diag": (2, 2.0)},
-                                            public=("classes", "counts"))}
+    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     @classmethod
     def privacy_refusal(cls, cfg: ExperimentConfig) -> str:

@@ -75,7 +75,7 @@ PLAN_METRICS: dict[str, MetricSpec] = {
     "backbone-mapped-mb": MetricSpec(float, required=False, low=0),
 }
 
-#: the metrics record of a train reply (common/learner.py, client/app.py)
+#: the metrics record of a train reply (strategies/platform/learner.py, client/app.py)
 REPLY_METRICS: dict[str, MetricSpec] = {
     "num-examples": MetricSpec(int, low=0),
     "train-loss": MetricSpec(float),

@@ -1,6 +1,6 @@
 """Powder's client: local pool from the server, alpha measurement, CE + lambda * dual distillation.
 
-The shared loop (common/learner.py) trains the current task's slice and the head with CE
+The shared loop (strategies/platform/learner.py) trains the current task's slice and the head with CE
 over the current task's classes; this learner
 
 * rebuilds full-size arrays from the server's per-client payload (only the slices of its
@@ -31,11 +31,12 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ...common.learner import Batch, LocalLearner
 from ...common.partitions import client_indices
 from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from ...common.runtime import Runtime
 from ...common.tasks import head_rows, head_size, task_rows
+from ..platform.learner import Batch, LocalLearner
+from ..platform.partial import Rows, completed
 from .options import PowderOptions
 from .prompt import PowderPrompt
 from .records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
@@ -127,29 +128,29 @@ class PowderLearner(LocalLearner):
         names = {k for k in full if k.startswith("prompt.")} if prompts_only else set(full)
         if set(got) != names:
             raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(names)}")
-        out = {}
-        for name, value in full.items():
-            rows = self.rows(name, value, task)
-            if name not in got:  # not sent: not used
-                out[name] = np.zeros_like(value)
-                continue
-            if rows is None:
-                out[name] = got[name]
-                continue
-            value = np.zeros_like(value)
-            if name.startswith("prompt."):  # the local pool: its tasks' slices, in order
-                rows = np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
-            value[rows] = got[name]
-            out[name] = value
-        return to_array_record(out)
+        zeros = {name: np.zeros_like(value) for name, value in full.items()}  # an array not sent is not used
+        placed = completed(got, {name: zeros[name] for name in got}, self.sent_rows(task))
+        return to_array_record({name: placed.get(name, value) for name, value in zeros.items()})
 
-    def own_part(self, arrays: ArrayRecord, task: int) -> ArrayRecord:
+    def sent_rows(self, task: int) -> Rows:
+        """The rows of each array the server sends: the local pool's slices (its tasks' slices, in
+        order) of a prompt array, ``task``'s head rows, the whole of any other array."""
+        def rows(name: str, value: np.ndarray) -> slice | np.ndarray | None:
+            own = self.rows(name, value, task)
+            if own is None or not name.startswith("prompt."):
+                return own
+            return np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
+
+        return rows
+
+    def uploaded(self, state: dict[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
         """The reply: the task's slice of every prompt array and the task's head rows."""
         out = {}
-        for name, value in from_array_record(arrays).items():
-            rows = self.rows(name, value, task)
-            out[name] = value if rows is None else value[rows]
-        return to_array_record(out)
+        for name, value in state.items():
+            array = value.detach().cpu().numpy()
+            rows = self.rows(name, array, task)
+            out[name] = value if rows is None else torch.from_numpy(array[rows])
+        return out
 
     def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
@@ -180,19 +181,21 @@ class PowderLearner(LocalLearner):
             total[rows] = torch.tensor(corr)
         self.class_total = total.to(self.rt.device)
 
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        config = content[CONFIG]
-        self.read_message(config, task, round_, client_id)
+    def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:
+        """This round's local pool and the rest of the server's message read; the payload completed
+        to full-size arrays (zeros outside the local pool and the task's head rows)."""
+        self.read_message(content[CONFIG], task, round_, client_id)
         self.alpha_record = ArrayRecord()
-        inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
-        try:
-            reply = super().fit(inner, task, round_, client_id)
-        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.end_round()
-            self.teacher = None
-        reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
-        reply[ALPHA] = self.alpha_record
-        return reply
+        return self.expand(content[ARRAYS], task)
+
+    def reply_records(self) -> dict[str, Any]:
+        """The alphas measured at the round's start (empty when the server did not ask)."""
+        return {ALPHA: self.alpha_record}
+
+    def round_cleanup(self) -> None:
+        """The shared model's prompt back to plain CODA-P; the teacher dropped."""
+        self.prompt.end_round()
+        self.teacher = None
 
     def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the

@@ -68,6 +68,7 @@ from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from ...common.tasks import task_classes, task_rows
 from ..platform.aggregation import aggregate_per_task
+from ..platform.partial import Rows, completed
 from ..platform.replies import check_metrics
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
@@ -415,18 +416,8 @@ class PowderStrategy(PromptStrategy):
 
         Replies carry only their task's rows: placed into a copy of ``base``, they go through
         the shared per-slice FedAvg (``platform.aggregation.aggregate_per_task``)."""
-        full = []
-        for task, arrays, weight in updates:
-            expanded: dict[str, np.ndarray] = {}
-            for name, value in base.items():
-                value = np.asarray(value)
-                rows = self._rows(name, value, task)
-                if rows is None:
-                    expanded[name] = np.asarray(arrays[name])
-                else:
-                    expanded[name] = value.copy()
-                    expanded[name][rows] = arrays[name]
-            full.append((task, expanded, weight))
+        full = [(task, completed(arrays, base, self._rows_of(task)), weight)
+                for task, arrays, weight in updates]
         return aggregate_per_task(self.cfg, base, full, self.num_classes, self.combiner)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
@@ -452,6 +443,10 @@ class PowderStrategy(PromptStrategy):
     def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
         return task_rows(self.cfg, name, value, task, self.num_classes)
+
+    def _rows_of(self, task: int) -> Rows:
+        """``task``'s rows of each array (:meth:`_rows`), as the partial arrays of its reply hold them."""
+        return lambda name, value: self._rows(name, value, task)
 
 
 __all__ = [

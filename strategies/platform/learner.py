@@ -1,13 +1,24 @@
 """Local learning on a client: the one training loop every method shares.
 
-``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the
-current task's classes). A method changes local learning by subclassing it and
-overriding hooks, never by copying the loop:
+``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the current task's
+classes). The platform owns the loop (:meth:`LocalLearner.fit` and its pieces, ``SEALED``: a
+subclass that overrides one is refused with a TypeError, as ``PromptStrategy`` refuses one that
+overrides Flower's contract); a method changes local learning by filling hooks, in the order
+a fit calls them:
 
-* ``round_start(content)``  read extra records the server sent (prototypes, ...)
-* ``extra_loss(batch)``     add a term to the loss of each batch
-* ``round_end(index)``      return extra records to upload (statistics, ...)
-* ``answer(content)``       reply to a message before training (Powder's measuring step)
+* ``received(content, task, round_, client_id)``  the full-size arrays to start from (Powder
+  completes its partial payload)
+* ``round_start(content, task)``  read extra records the server sent (prototypes, known tasks, ...)
+* ``held_out(index)``  samples held out of training for validation (Fed-CPrompt's early stopping)
+* ``extra_loss(batch, task)``  add a term to the loss of each batch
+* ``epoch_end(epoch, validation, task)``  after each local epoch; True stops training there
+* ``round_end(index, task)``  extra records to upload, from the trained samples (statistics, ...)
+* ``uploaded(state, task)``  the trained parameters the reply carries (FPPL, Powder: their own part)
+* ``reply_metrics()``  the method's own fields of the reply's metrics
+* ``reply_records()``  records every reply of the fit carries, samples or none (Powder's alphas)
+* ``round_cleanup()``  in a ``finally``: no round state left on the process's shared model
+* ``answer(content, task, round_, client_id)``  reply to a message before training (Powder's
+  measuring step; not part of a fit)
 
 Training-time augmentation (``augment``) lives here too, for every method: each batch
 is augmented with views drawn from a generator seeded by (seed, client, task, round),
@@ -28,17 +39,25 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from .augment import augment_images
-from .memory_plan import TrainingPlan
-from .model import masked_logits
-from .options import MethodOptions, NoOptions
-from .partitions import client_indices
-from .preprocess import random_resized_crops
-from .records import ARRAYS, METRICS, to_array_record, to_torch
-from .runtime import Runtime
-from .tasks import head_rows, head_size, head_targets, training_classes
+from ...common.augment import augment_images
+from ...common.memory_plan import TrainingPlan
+from ...common.model import masked_logits
+from ...common.options import MethodOptions, NoOptions
+from ...common.partitions import client_indices
+from ...common.preprocess import random_resized_crops
+from ...common.records import ARRAYS, METRICS, to_array_record, to_torch
+from ...common.runtime import Runtime
+from ...common.tasks import head_rows, head_size, head_targets, training_classes
 
 log = logging.getLogger("promptfcl")
+
+#: the loop's pieces: the platform's, never a method's (LocalLearner.__init_subclass__ refuses a
+#: subclass that overrides one; a method fills the hooks instead)
+SEALED = frozenset({"fit", "_train", "step", "inputs", "augmentation", "update_reference", "_reply"})
+#: what a method fills, in the order a fit calls them (``answer``: outside a fit); the module's
+#: docstring and docs/extending.md list each (a test keeps them so)
+HOOKS = ("received", "round_start", "held_out", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
+         "reply_records", "round_cleanup", "answer")
 
 
 @dataclass
@@ -82,7 +101,20 @@ class LocalLearner:
         self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
         self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = SEALED & set(vars(cls))
+        if overridden:
+            raise TypeError(f"{cls.__name__} overrides {sorted(overridden)}: the platform owns the training loop; "
+                            "fill the hooks instead (strategies/platform/learner.py)")
+
     # ------------------------------------------------------------------ hooks
+    def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:
+        """The full-size trainable arrays this fit starts from (hook; default: the message's
+        ``arrays`` as they are). A method whose server sends part of them completes them here
+        (Powder: its local pool and task rows), reading what else it needs from ``content``."""
+        return content.array_records[ARRAYS]
+
     def round_start(self, content: RecordDict, task: int) -> None:
         """Read method-specific records sent by the server."""
 
@@ -103,6 +135,17 @@ class LocalLearner:
         """The method's own fields of the reply's metrics (hook; its strategy declares them in
         ``reply_metrics``). Default: none."""
         return {}
+
+    def reply_records(self) -> dict[str, Any]:
+        """Records every reply of this fit carries, by record name, whether it trained on samples
+        or had none (hook; :meth:`round_end`'s come from the trained samples and only with some).
+        Powder: the alphas measured at the round's start. Default: none."""
+        return {}
+
+    def round_cleanup(self) -> None:
+        """After every fit, in a ``finally`` (hook): the runtime and its model are shared by every
+        message of the process, so no round state may stay behind (Fed-CPrompt's known tasks,
+        Powder's local pool). Default: nothing to undo."""
 
     def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
         """After local epoch ``epoch`` (hook; ``validation``: the held-out samples): True stops the
@@ -126,13 +169,24 @@ class LocalLearner:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        """Train on this client's share of ``task`` starting from the global parameters."""
+        """Train on this client's share of ``task`` starting from the arrays received; the reply.
+
+        The platform's loop (sealed): it calls the hooks (the module's docstring lists them, in
+        order) and, however the fit ends, :meth:`round_cleanup`.
+        """
+        try:
+            return self._train(content, task, round_, client_id)
+        finally:
+            self.round_cleanup()
+
+    def _train(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The fit but its cleanup (:meth:`fit`)."""
         cfg, rt, model = self.cfg, self.rt, self.rt.model
         started = time.perf_counter()
         index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
 
         self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
-        model.load_trainable_state(to_torch(content[ARRAYS]))
+        model.load_trainable_state(to_torch(self.received(content, task, round_, client_id)))
         model.prompt.set_task(task)
         self.round_start(content, task)
         if len(index) == 0:
@@ -278,6 +332,8 @@ class LocalLearner:
                             METRICS: metrics})
         for name, record in extras.items():
             reply[name] = record
+        for name, record in self.reply_records().items():
+            reply[name] = record
         return reply
 
 
@@ -289,4 +345,4 @@ def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
         raise ValueError(f"train message config lacks {exc}") from None
 
 
-__all__ = ["Batch", "LocalLearner", "read_task_round", "ArrayRecord"]
+__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "read_task_round"]
