@@ -48,6 +48,7 @@ from ..common.records import (
 from ..common.runtime import Runtime, get_runtime
 from ..common.text import escape_log_args, printable, without_paths
 from ..common.weights import cache_dir
+from ..strategies.platform.run_checks import check_client_run
 from ..strategies.registry import build_learner, prompt_class, strategy_class
 from .faults import inject_faults
 from .memory import apply_plan, plan_metrics
@@ -156,9 +157,8 @@ def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayReco
     dp = privacy_options(cfg)
     if not dp.enabled or METRICS not in reply.metric_records or int(reply[METRICS]["num-examples"]) == 0:
         return reply
-    strategy = strategy_class(cfg.strategy)
-    strategy.check_privacy(cfg)  # a method that cannot bound its upload never sends one
-    return privatise_reply(reply, received, strategy.private_records, dp, rng)
+    check_client_run(cfg)  # a method that cannot bound its upload never sends one
+    return privatise_reply(reply, received, strategy_class(cfg.strategy).private_records, dp, rng)
 
 
 @app.query()

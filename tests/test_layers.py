@@ -159,14 +159,14 @@ def test_every_method_has_a_strategy_and_a_learner():
     from promptfcl.common.learner import LocalLearner
     from promptfcl.common.model import CodaPrompt
     from promptfcl.strategies.platform.strategy import PromptStrategy
-    from promptfcl.strategies.registry import learner_class, methods, prompt_class, strategy_class
+    from promptfcl.strategies.registry import learner_class, methods, options_class, prompt_class, strategy_class
 
     assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
     for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), CodaPrompt)
-        # strategy and learner read the same options
-        assert learner_class(name).options_class is strategy_class(name).options_class
+        # strategy and learner read the same options, those the registry names (a run is checked against them)
+        assert learner_class(name).options_class is strategy_class(name).options_class is options_class(name)
 
 
 #: what every method folder holds, by the same names (extras beside them are the method's own)

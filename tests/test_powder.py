@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.learner import LocalLearner
+from promptfcl.common.options import ASYNCHRONOUS_TASKS
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
 from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.powder.correlation import (
@@ -53,7 +54,7 @@ def test_options_defaults_validation_and_registry():
     assert strategy_class("powder") is PowderStrategy
     assert learner_class("powder") is PowderLearner
     assert prompt_class("powder") is PowderPrompt
-    assert PowderStrategy.asynchronous_tasks
+    assert ASYNCHRONOUS_TASKS in PowderOptions.COMPATIBILITY
 
 
 # ---------------------------------------------------------------------------- correlation (eq. 7)

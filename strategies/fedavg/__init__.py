@@ -14,4 +14,5 @@ CITATION = """\
   year = {2023},
 }"""
 
-METHOD = Method("fedavg", strategy=".strategy:FedAvgStrategy", learner=".learner:FedAvgLearner", citation=CITATION)
+METHOD = Method("fedavg", strategy=".strategy:FedAvgStrategy", learner=".learner:FedAvgLearner",
+                options=".options:FedAvgOptions", citation=CITATION)

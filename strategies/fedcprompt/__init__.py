@@ -16,4 +16,4 @@ CITATION = """\
 }"""
 
 METHOD = Method("fedcprompt", strategy=".strategy:FedCPromptStrategy", learner=".learner:FedCPromptLearner",
-                citation=CITATION)
+                options=".options:FedCPromptOptions", citation=CITATION)

@@ -13,4 +13,5 @@ CITATION = """\
   note = {The paper's text names no venue and no year},
 }"""
 
-METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner", citation=CITATION)
+METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner",
+                options=".options:FPPLOptions", citation=CITATION)

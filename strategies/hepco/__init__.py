@@ -15,7 +15,8 @@ CITATION = """\
 }"""
 
 METHOD = Method(
-    "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner", citation=CITATION,
+    "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner", options=".options:HePCoOptions",
+    citation=CITATION,
     # the paper's FedAvg-Prompt baseline (Table 1): HePCo with both distillations ablated, so
     # the same prompts, averaging and clients, without the server's consolidation
     variants=(("baseline", (("ablate", "prompt-distillation,classifier-distillation"),)),),

@@ -12,4 +12,5 @@ CITATION = """\
   note = {The paper's text names no authors, no venue and no year},
 }"""
 
-METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", citation=CITATION)
+METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", options=".options:HGPOptions",
+                citation=CITATION)

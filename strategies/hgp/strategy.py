@@ -49,7 +49,6 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.config import ExperimentConfig
 from ...common.privacy import PrivateRecord
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from ...common.tasks import seen_classes, task_classes
@@ -91,7 +90,6 @@ class HGPStrategy(PromptStrategy):
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
     name = "hgp"
-    random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     # what the platform bounds where the run is defended (stats-bound)
@@ -106,14 +104,6 @@ class HGPStrategy(PromptStrategy):
     # norms, <= 2 C^2. Classes and counts are the label histogram, sent in the clear.
     private_records = {STATS: PrivateRecord(bounded={"means": (1, 1.0), "cov-triu": (2, 2.0), "cov-diag": (2, 2.0)},
                                             public=("classes", "counts"))}
-
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Low-rank covariances are refused: noise on SVD factors is not noise on a bounded covariance."""
-        if HGPOptions.from_options(cfg.method_options(cls.name)).cov_type == "lowrank":
-            return ("hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of the covariance; "
-                    "use cov-type full or diag")
-        return ""
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, the Gaussian of the client with most samples of it: its mean and one draw from

@@ -14,4 +14,5 @@ CITATION = """\
   year = {2024},
 }"""
 
-METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner", citation=CITATION)
+METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner",
+                options=".options:PowderOptions", citation=CITATION)
