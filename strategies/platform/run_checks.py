@@ -1,9 +1,9 @@
 """The one check of a run, before anything is loaded: every entry point calls :func:`check_run`.
 
 The command line (:func:`load_config`: ``promptfcl simulate``, ``bench``, ``pretrain``, a
-node's ``prepare-data``, deploy/submit-run.sh), its resume path and the ServerApp check a run
-here, before any dataset or backbone is loaded; a ClientApp checks what it needs before it
-uploads (:func:`check_client_run`). What a method supports of a run is data on its options
+node's data ``check`` in client/node_data.py, deploy/submit-run.sh), its resume path and the
+ServerApp check a run here, before any dataset or backbone is loaded; a ClientApp checks what
+it needs before it uploads (:func:`check_client_run`). What a method supports of a run is data on its options
 (``COMPATIBILITY``, ``WHY_NOT``: common/options.py) and its own checks of its options against
 the run are its options' ``check_run``, so checking a run needs the method's options and
 neither of its sides (the server's strategy, the client's learner).
