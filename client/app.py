@@ -33,7 +33,7 @@ from flwr.clientapp import ClientApp
 from ..common import startup
 from ..common.config import ExperimentConfig
 from ..common.evaluation import correct_counts, pooled_counts
-from ..common.privacy import check_privacy, privacy_options, privatise_reply
+from ..common.privacy import privacy_options, privatise_reply
 from ..common.records import (
     ARRAYS,
     CONFIG,
@@ -48,6 +48,7 @@ from ..common.runtime import Runtime, get_runtime
 from ..common.text import escape_log_args, printable, without_paths
 from ..common.weights import cache_dir
 from ..strategies.platform.learner import read_task_round
+from ..strategies.platform.run_checks import check_client_run
 from ..strategies.registry import build_learner, private_records, prompt_class
 from .faults import inject_faults
 from .memory import apply_plan, plan_metrics
@@ -156,10 +157,7 @@ def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayReco
     dp = privacy_options(cfg)
     if not dp.enabled or METRICS not in reply.metric_records or int(reply[METRICS]["num-examples"]) == 0:
         return reply
-    # TODO(issue 41, part 4): the method's own refusal (its check_run, which needs no strategy module)
-    # belongs here too; until then the run-wide checks, and privatise_reply refuses any upload record
-    # the method declares no bound for (Powder's alphas, HGP's low-rank factors)
-    check_privacy(cfg, cfg.strategy, "")
+    check_client_run(cfg)  # a method that cannot bound its upload never sends one
     return privatise_reply(reply, received, private_records(cfg.strategy), dp, rng)
 
 

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parse_config_args = internal("parse_config_args")
     from ..common.weights import check_weights
-    from ..strategies.registry import load_config
+    from ..strategies.platform.run_checks import load_config
 
     try:
         try:

@@ -103,13 +103,19 @@ def privacy_options(cfg: ExperimentConfig) -> PrivacyOptions:
     return PrivacyOptions.from_options(cfg.method_options(NAMESPACE))
 
 
+def privacy_refused(method: str, reason: str) -> ConfigError:
+    """The error that refuses ``dp.*`` to a method whose upload cannot be bounded (``reason``: why)."""
+    return ConfigError(f"strategy {method!r} does not support differential privacy (dp.*): {reason}")
+
+
 def check_privacy(cfg: ExperimentConfig, method: str, refusal: str) -> PrivacyOptions:
     """The run's options, refused when DP is on and the method cannot bound its upload (``refusal``
     says why; "" when it can) or ``dp.delta`` is not below 1 / num-clients (client-level: a
-    delta that large allows releasing one client's data outright)."""
+    delta that large allows releasing one client's data outright). Called by
+    strategies/platform/run_checks.py, the one check of a run."""
     opts = privacy_options(cfg)
     if opts.enabled and refusal:
-        raise ConfigError(f"strategy {method!r} does not support differential privacy (dp.*): {refusal}")
+        raise privacy_refused(method, refusal)
     if opts.enabled and opts.delta >= 1 / cfg.num_clients:
         raise ConfigError(f"dp.delta = {opts.delta} must be below 1 / num-clients = {1 / cfg.num_clients:.3g}")
     return opts
@@ -278,6 +284,7 @@ __all__ = [
     "epsilon",
     "gaussian_mechanism",
     "privacy_options",
+    "privacy_refused",
     "privacy_report",
     "privatise_reply",
 ]

@@ -9,10 +9,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from ..common.config import ExperimentConfig
-from ..common.data import check_source
 from ..common.files import results_umask
 from ..common.text import escape_log_args
-from ..strategies.registry import check_method, check_namespaces
+from ..strategies.platform.run_checks import check_run
 from .progress import TerminalHandler
 from .report import table, write_outputs
 from .run import finish, run_experiment
@@ -27,9 +26,7 @@ def main(grid: Grid, context: Context) -> None:
     """Entry point for `flwr run` (simulation or deployment) and `promptfcl simulate`."""
     setup_logging()
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    check_method(cfg.strategy)
-    check_namespaces(cfg.method)
-    check_source(cfg)
+    check_run(cfg)  # before any dataset or backbone is loaded
     with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
         results = run_experiment(grid, cfg)
         path = write_outputs(results, cfg.out_dir)

@@ -28,7 +28,8 @@ from ..common.config import ConfigError, ExperimentConfig
 from ..common.config_files import parse_overrides
 from ..common.data import DataError
 from ..common.weights import check_weights
-from ..strategies.registry import check_method, load_config, methods, strategy_class
+from ..strategies.platform.run_checks import check_run, load_config
+from ..strategies.registry import methods
 
 log = logging.getLogger("promptfcl")
 
@@ -266,6 +267,7 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
         raw["max-rounds"] = 0
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
+    check_run(cfg)
     checkpoint.check_compatible(saved, cfg)
     return cfg
 
@@ -345,12 +347,7 @@ def _bench(args: argparse.Namespace) -> int:
         )
         for m in chosen:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
-            check_method(name)
-            method_cfg = ExperimentConfig.from_dict({**base, **options})
-            strategy_class(name).parse_options(method_cfg.method_options(name))
-            strategy_class(name).check_privacy(method_cfg)
-            if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
-                strategy_class(name).check_schedule(method_cfg)
+            check_run(ExperimentConfig.from_dict({**base, **options, "strategy": name}))
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
         if args.bench == "deploy":
             if args.nodes < 1:

@@ -43,7 +43,7 @@ def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -
     """:func:`simulate`'s run (same configuration, loaded and checked the same way) with the
     ClientApps in this process (:class:`InProcessGrid`, one node per client of a round): the
     same server loop, strategies and ClientApp, without Ray's start-up; results.json."""
-    from promptfcl.strategies.registry import load_config
+    from promptfcl.strategies.platform.run_checks import load_config
     from tests.conftest import TINY, flower_task_identity
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}

@@ -23,7 +23,8 @@ from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record,
 from promptfcl.server.report import table
 from promptfcl.strategies.fppl.strategy import LOCAL_PROTOTYPES
 from promptfcl.strategies.hgp.strategy import STATS, HGPStrategy
-from promptfcl.strategies.registry import learner_class, load_config, prompt_class
+from promptfcl.strategies.platform.run_checks import load_config
+from promptfcl.strategies.registry import learner_class, prompt_class
 from tests.conftest import TINY, tiny_config
 from tests.helpers import simulate_in_process
 

@@ -18,6 +18,7 @@ from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, P
 from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
 from promptfcl.strategies.hepco.strategy import HePCoStrategy
+from promptfcl.strategies.platform.run_checks import check_run
 from promptfcl.strategies.registry import methods, strategy_class
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
@@ -564,10 +565,10 @@ def test_round_reports_what_its_pseudo_latents_are(distilled):
 
 
 def test_diagnostics_need_the_servers_central_data():
+    cfg = tiny_config(strategy="hepco", population="nodes", evaluation="federated", num_classes=10,
+                      **{"hepco.diagnostics": True})
     with pytest.raises(ConfigError, match="diagnostics"):
-        cfg = tiny_config(strategy="hepco", population="nodes", evaluation="federated", num_classes=10,
-                          **{"hepco.diagnostics": True})
-        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+        check_run(cfg)
 
 
 def test_real_data_probe_measures_distance_and_accuracy():

@@ -159,14 +159,22 @@ def test_every_method_has_a_strategy_and_a_learner():
     from promptfcl.common.model import CodaPrompt
     from promptfcl.strategies.platform.learner import LocalLearner
     from promptfcl.strategies.platform.strategy import PromptStrategy
-    from promptfcl.strategies.registry import learner_class, methods, private_records, prompt_class, strategy_class
+    from promptfcl.strategies.registry import (
+        learner_class,
+        methods,
+        options_class,
+        private_records,
+        prompt_class,
+        strategy_class,
+    )
 
     assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
     for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), CodaPrompt)
-        # strategy and learner read the same options, and the client side names what the server uses
-        assert learner_class(name).options_class is strategy_class(name).options_class
+        # strategy and learner read the same options, those the registry names (a run is checked against
+        # them), and the client side names what the server uses
+        assert learner_class(name).options_class is strategy_class(name).options_class is options_class(name)
         assert prompt_class(name) is strategy_class(name).prompt_class
         assert private_records(name) == strategy_class(name).private_records
 

@@ -10,6 +10,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
+from promptfcl.common.options import ASYNCHRONOUS_TASKS
 from promptfcl.common.records import (
     ARRAYS,
     CONFIG,
@@ -61,7 +62,7 @@ def test_options_defaults_validation_and_registry():
     assert strategy_class("powder") is PowderStrategy
     assert learner_class("powder") is PowderLearner
     assert prompt_class("powder") is PowderPrompt
-    assert PowderStrategy.asynchronous_tasks
+    assert ASYNCHRONOUS_TASKS in PowderOptions.COMPATIBILITY
 
 
 # ---------------------------------------------------------------------------- correlation (eq. 7)

@@ -152,10 +152,10 @@ def test_random_generator_needs_its_keys():
         random_config(partition="iid")
     with pytest.raises(ConfigError, match="partition-scope"):
         random_config(partition_scope="dataset")
-    from promptfcl.strategies.registry import strategy_class
+    from promptfcl.strategies.platform.run_checks import check_run
 
     with pytest.raises(ConfigError, match="needs the shared task stream"):
-        strategy_class("hgp").check_schedule(random_config(switch_every=0, num_tasks=3, pool_size=6))
+        check_run(random_config(switch_every=0, num_tasks=3, pool_size=6, strategy="hgp"))
     with pytest.raises(ConfigError, match="raise task-data-fraction"):  # every class's share empty: at load time
         load_dataset(random_config(task_data_fraction=0.001))
 

@@ -15,4 +15,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("fedavg", strategy=".strategy:FedAvgStrategy", learner=".learner:FedAvgLearner",
-                prompt=".prompt:FedAvgPrompt", citation=CITATION)
+                prompt=".prompt:FedAvgPrompt", options=".options:FedAvgOptions",
+                citation=CITATION)

@@ -16,4 +16,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("fedcprompt", strategy=".strategy:FedCPromptStrategy", learner=".learner:FedCPromptLearner",
-                prompt=".prompt:FedCPromptPrompt", citation=CITATION)
+                prompt=".prompt:FedCPromptPrompt", options=".options:FedCPromptOptions",
+                citation=CITATION)

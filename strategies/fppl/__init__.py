@@ -14,4 +14,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner", prompt=".prompt:FPPLPrompt",
-                records=".records:PRIVATE_RECORDS", citation=CITATION)
+                records=".records:PRIVATE_RECORDS",
+                options=".options:FPPLOptions", citation=CITATION)

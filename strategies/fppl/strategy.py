@@ -60,7 +60,6 @@ class FPPLStrategy(PromptStrategy):
     options_class = FPPLOptions
     opts: FPPLOptions
     per_task = "in-flight"  # asynchronous arrival: a task's prompt over the clients on it
-    random_tasks = False  # prototypes pooled per (client, task) of the stream
     # (a client with no examples of its task replies without prototypes: the platform leaves
     # it out as "no training examples" before it checks the records)
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})

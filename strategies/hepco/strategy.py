@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from ...common.config import ConfigError, ExperimentConfig
+from ...common.config import ExperimentConfig
 from ...common.model import resolve_device
 from ...common.records import ARRAYS, from_array_record, to_array_record
 from ...common.tasks import task_classes
@@ -78,23 +78,17 @@ class HePCoStrategy(PromptStrategy):
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
     name = "hepco"
-    random_tasks = False  # tasks of the stream: contiguous classes and slices
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
     opts: HePCoOptions
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
         super().__init__(cfg, num_classes, options)
-        if num_classes % cfg.num_tasks:
-            raise ConfigError(f"{num_classes} classes do not split into {cfg.num_tasks} tasks")
         self.device = resolve_device(cfg.device)
         self.task, self.round = 0, 0
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
         self.previous_task = -1
         self.last_report: dict[str, float] = {}
-        if self.opts.diagnostics and (cfg.evaluation != "central" or cfg.population != "virtual"):
-            raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
-                              "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
 
     def average(self, accepted: Sequence[Accepted], weights: np.ndarray,

@@ -13,4 +13,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", prompt=".prompt:HGPPrompt",
-                records=".records:PRIVATE_RECORDS", citation=CITATION)
+                records=".records:PRIVATE_RECORDS",
+                options=".options:HGPOptions", citation=CITATION)

@@ -49,7 +49,6 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from ...common.tasks import seen_classes, task_classes
 from ..platform.rounds import Accepted, Sent
@@ -90,7 +89,6 @@ class HGPStrategy(PromptStrategy):
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
     name = "hgp"
-    random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     # what the platform bounds where the run is defended (stats-bound)
@@ -99,14 +97,6 @@ class HGPStrategy(PromptStrategy):
     options_class = HGPOptions
     opts: HGPOptions
     private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
-
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Low-rank covariances are refused: noise on SVD factors is not noise on a bounded covariance."""
-        if HGPOptions.from_options(cfg.method_options(cls.name)).cov_type == "lowrank":
-            return ("hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of the covariance; "
-                    "use cov-type full or diag")
-        return ""
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, the Gaussian of the client with most samples of it: its mean and one draw from

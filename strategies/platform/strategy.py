@@ -16,12 +16,13 @@ averages replies its own way:
 * ``round_metrics(accepted)``  the method's figures for the round's record
 * ``on_task_start`` / ``on_task_end``; ``uses_exchange`` / ``exchange_payload`` /
   ``check_exchange`` / ``use_exchange`` (a query before training, Powder's measuring step);
-  ``evaluation_pools``; ``state_dict`` / ``load_state_dict``; ``privacy_refusal``,
-  ``uploaded_features``, ``audit_notes``
+  ``evaluation_pools``; ``state_dict`` / ``load_state_dict``; ``uploaded_features``, ``audit_notes``
 
 Each accepted reply arrives as an :class:`~promptfcl.strategies.platform.rounds.Accepted`:
 its message, the client and task the server sent, its weight. How replies weigh and combine
 is the run's policy (:mod:`~promptfcl.strategies.platform.aggregation`), not the method's.
+What of a run a method supports is declared on its options (``COMPATIBILITY``, ``check_run``)
+and checked before anything loads (:mod:`~promptfcl.strategies.platform.run_checks`), not here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from flwr.serverapp.strategy import FedAvg
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt
 from ...common.options import MethodOptions, NoOptions
-from ...common.privacy import PrivateRecord, check_privacy, privacy_options
+from ...common.privacy import PrivateRecord, privacy_options
 from ...common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from ...common.schedule import task_schedule
 from ...common.trust import resolve_trust
@@ -95,11 +96,6 @@ class PromptStrategy(Sampling, FedAvg):
     statistics: dict[str, Statistics] = {}
     #: the fields a train reply's metrics record may hold (strategies/platform/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
-    #: whether the method works with clients on different tasks in one round (``switch-fraction``
-    #: < 1); methods whose task-end step assumes every client has finished the task set False
-    asynchronous_tasks: bool = True
-    #: whether the method runs on Powder's random tasks (``task-generator = "random"``)
-    random_tasks: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -124,8 +120,7 @@ class PromptStrategy(Sampling, FedAvg):
         self.opts = self.parse_options(options)
         self.weighting, self.combiner = aggregation_policies(cfg)
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
-        self.schedule = self.check_schedule(cfg)
-        self.check_privacy(cfg)
+        self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
         self.screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm,
                                     cfg.update_clip, cfg.update_min_cosine, cfg.update_reversed_norm,
@@ -147,31 +142,6 @@ class PromptStrategy(Sampling, FedAvg):
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self.last_sample_rate = self.sample_rate  # the last sampling's sampled / population (Sampling)
         self.node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
-
-    # ------------------------------------------------------------------ checks before any loading
-    @classmethod
-    def check_schedule(cls, cfg: ExperimentConfig) -> Any:
-        """The run's task schedule, if this method can follow it (else ConfigError, before any loading)."""
-        from ...common.config import ConfigError
-
-        schedule = task_schedule(cfg)
-        if cfg.task_generator == "random" and not (cls.random_tasks and cls.asynchronous_tasks):
-            raise ConfigError(f"strategy {cls.name!r} needs the shared task stream (task-generator = stream): "
-                              "its server step assumes tasks of disjoint classes in stream order")
-        if not schedule.synchronous and not cls.asynchronous_tasks:
-            raise ConfigError(f"strategy {cls.name!r} needs synchronous task arrival (switch-fraction = 1 and "
-                              f"switch-every = 0): {schedule.describe()}")
-        return schedule
-
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Why this method cannot bound its uploads under ``cfg`` ("": it can); options may matter."""
-        return ""
-
-    @classmethod
-    def check_privacy(cls, cfg: ExperimentConfig) -> None:
-        """Refuse ``dp.*`` (ConfigError) for a method whose upload cannot be bounded, before any loading."""
-        check_privacy(cfg, cls.name, cls.privacy_refusal(cfg))
 
     # ------------------------------------------------------------------ hooks (defaults)
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:

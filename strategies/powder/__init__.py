@@ -15,4 +15,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner",
-                prompt=".prompt:PowderPrompt", citation=CITATION)
+                prompt=".prompt:PowderPrompt", options=".options:PowderOptions",
+                citation=CITATION)

@@ -126,13 +126,6 @@ class PowderStrategy(PromptStrategy):
     # the client's pool, not of the reply's training examples, so no count bound applies to them
     statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"))}
 
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Refused whatever the options: the measuring exchange is a release outside the train reply."""
-        return ("its measuring exchange answers, before training, with selection weights computed from the "
-                "client's data (a second release per round, outside the train reply), and those weights choose "
-                "which prompts it uploads; neither release is bounded nor accounted here")
-
     def audit_notes(self) -> dict[str, Any]:
         """What the server's correlation weights show (the privacy audit's report)."""
         return {"powder": {
