@@ -259,7 +259,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     if sent is not None:
         check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
                       f"this node's data ({node.data.name})", run_num_classes=int(sent))
-    return get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision), node.client_id
+    return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
+            node.client_id)
 
 
 def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:

@@ -58,6 +58,7 @@ from ..common.data import (
 )
 from ..common.data_cache import code_identity, load_dataset_cached, mapped_dataset
 from ..common.images import IMAGE_EXTENSIONS, image_listing
+from ..common.partitions import Partition
 from ..common.tasks import class_order
 from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
@@ -157,8 +158,9 @@ class NodeData:
 
     spec: NodeSpec
     data: Dataset
-    cfg: ExperimentConfig  # the run config as this node's learner and runtime must see it
+    cfg: ExperimentConfig  # the run config, with this node's own device and threads where it names them
     client_id: int  # seeds local training; indexes the partition for "partition" nodes
+    partition: Partition  # how the run's clients share ``data`` (data of its own: all of it this node's)
 
 
 _loaded: dict[str, NodeData] = {}
@@ -203,7 +205,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
         test = ArraySplit(full.test.images[shard], full.test.labels[shard])
         fp = hashlib.sha1(f"{full.fingerprint} test {spec.partition_id}/{spec.num_partitions}".encode())
         data = dataclasses.replace(full, test=test, fingerprint=fp.hexdigest()[:16])
-        return NodeData(spec, data, node_cfg, spec.partition_id)
+        return NodeData(spec, data, node_cfg, spec.partition_id, Partition.of(cfg))
 
     if spec.dataset.startswith("folder:"):
         data = load_folder(cfg, Path(spec.dataset[len("folder:"):]).expanduser())
@@ -219,14 +221,9 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     if len(data.train) == 0:
         raise NodeDataError(f"this node's data ({spec.dataset}) has no training images")
     client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
-    # The node's data is all its own: every sample of a task's classes is its share
-    # (`centralised` on a client = "the runtime's data is this client's data").
-    # (centralised-mode stays "incremental": a node learns its tasks in turn, never the joint reference)
-    # (with random tasks the node plays the schedule's client the server names, so the population stays the run's)
-    clients = cfg.num_clients if cfg.task_generator == "random" else max(cfg.num_clients, client_id + 1)
-    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
-                                   centralised_mode="incremental", num_clients=clients)
-    return NodeData(spec, data, node_cfg, client_id)
+    # The node's data is all its own: every sample of a task's classes is its share (with random
+    # tasks the node plays the schedule's client the server names, drawn as the run draws it)
+    return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg).own())
 
 
 def partition_source(cfg: ExperimentConfig, spec: NodeSpec) -> ExperimentConfig:

@@ -27,7 +27,7 @@ from .images import (
     image_listing,
 )
 from .row_file import RowFile
-from .tasks import class_order, random_tasks
+from .tasks import TaskLayout, class_order
 
 log = logging.getLogger("promptfcl")
 
@@ -335,7 +335,7 @@ def check_task_stream(cfg: ExperimentConfig, data: Dataset) -> None:
     name, num_classes = data.name, data.num_classes
     counts = np.bincount(data.train.labels, minlength=num_classes)
     if cfg.task_generator == "random":
-        random_tasks(cfg, num_classes)  # raises ConfigError when the tasks cannot be drawn
+        TaskLayout.of(cfg, num_classes).random_tasks()  # raises ConfigError when the tasks cannot be drawn
         if int(cfg.task_data_fraction * int(counts.min())) == 0:
             raise ConfigError(f"{name}: a class has {int(counts.min())} training images, of which task-data-fraction "
                               f"= {cfg.task_data_fraction} is none; raise task-data-fraction")

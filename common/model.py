@@ -327,7 +327,7 @@ def build_model(
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
     node's own choice (common/low_precision.py)."""
     from .low_precision import lower_precision
-    from .tasks import head_size
+    from .tasks import TaskLayout
 
     backbone, source = build_backbone(cfg)
     if precision != "fp32":
@@ -341,7 +341,7 @@ def build_model(
     )
     prompt.configure(cfg)
     tokens = prompt.prompt_tokens if cfg.prompt_tokens == "auto" else cfg.prompt_tokens
-    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
+    model = PromptedViT(backbone, prompt, TaskLayout.of(cfg, num_classes).head_size, cfg.prompt_mode,
                         cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop, tokens)
     torch.random.set_rng_state(state)
     return model, source

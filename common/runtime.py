@@ -34,6 +34,8 @@ from .data import ArraySplit, Dataset
 from .data_cache import load_dataset_cached
 from .files import write_atomic
 from .model import CodaPrompt, PromptedViT, build_model, resolve_device
+from .partitions import Partition
+from .tasks import TaskLayout
 from .weights import disk_backbone_id
 
 log = logging.getLogger("promptfcl")
@@ -138,9 +140,16 @@ class Runtime:
     model: PromptedViT
     device: torch.device
     weights_source: str
+    # how the clients share this process's data (a node with data of its own: all of it its own)
+    partition: Partition
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
     precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/low_precision.py)
+
+    @functools.cached_property
+    def layout(self) -> TaskLayout:
+        """The run's tasks, classes, prompt pool and head over this runtime's data."""
+        return TaskLayout.of(self.cfg, self.data.num_classes)
 
     @functools.cached_property
     def mixed_precision(self) -> bool:
@@ -197,7 +206,7 @@ def configure_threads(cfg: ExperimentConfig) -> None:
 
 
 def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt],
-                   precision: str = "fp32") -> Runtime:
+                   precision: str = "fp32", partition: Partition | None = None) -> Runtime:
     configure_threads(cfg)
     device = resolve_device(cfg.device)
     if precision != "fp32" and device.type != "cpu":
@@ -207,7 +216,8 @@ def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[Coda
     model, source = build_model(cfg, data.num_classes, prompt_class, precision)
     model.to(device)
     log.info("model: %s on %s", source, device)
-    return Runtime(cfg, data, model, device, source, disk_dir=query_disk_dir(cfg), precision=precision)
+    return Runtime(cfg, data, model, device, source, partition or Partition.of(cfg), disk_dir=query_disk_dir(cfg),
+                   precision=precision)
 
 
 @functools.lru_cache(maxsize=2)
@@ -220,11 +230,11 @@ def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = 
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
-_with_data: dict[tuple[str, type[CodaPrompt], str, str], Runtime] = {}
+_with_data: dict[tuple[str, type[CodaPrompt], str, str, Partition | None], Runtime] = {}
 
 
 def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt,
-                data: Dataset | None = None, precision: str = "fp32") -> Runtime:
+                data: Dataset | None = None, precision: str = "fp32", partition: Partition | None = None) -> Runtime:
     """The process-wide runtime for this configuration (the backbone is built once).
 
     Parameters
@@ -238,10 +248,13 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
         run's dataset is loaded from ``cfg``.
     precision : str
         The frozen backbone's precision, the node's choice (``fp32``, ``bf16``, ``int8``).
+    partition : Partition, optional
+        How ``data`` is shared among the clients (a node's own data: ``Partition.own``); by
+        default the run's partition.
     """
     if data is None:
         return _runtime(cfg.fingerprint(), prompt_class, precision)
-    key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision)
+    key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision, partition)
     if key not in _with_data:
         previous = next(iter(_with_data.values()), None)
         _with_data.clear()  # one node dataset per process
@@ -249,9 +262,9 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
                 _same_model(previous, cfg, data, prompt_class):
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
-                                      disk_dir=query_disk_dir(cfg), precision=precision)
+                                      partition or Partition.of(cfg), disk_dir=query_disk_dir(cfg), precision=precision)
         else:
-            _with_data[key] = _build_runtime(cfg, data, prompt_class, precision)
+            _with_data[key] = _build_runtime(cfg, data, prompt_class, precision, partition)
     return _with_data[key]
 
 

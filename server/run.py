@@ -127,9 +127,9 @@ class ExperimentRun:
         if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
-            log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
+            log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
             strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
-                client_indices(labels, cfg, data.num_classes, client, task, round_)))
+                client_indices(labels, runtime.layout, runtime.partition, client, task, round_)))
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 
@@ -173,7 +173,7 @@ class ExperimentRun:
             data_seed, order, shares = reused.data_seed, reused.class_order, reused.shares
         else:
             data_seed, order = cfg.seed, class_order(data.num_classes, cfg.seed)
-            shares = drawn_shares(data.train.labels, cfg, data.num_classes)
+            shares = drawn_shares(data.train.labels, self.runtime.layout, self.runtime.partition)
         write_splits(Path(cfg.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
 
     # ------------------------------------------------------------------ the run
