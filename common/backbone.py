@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,7 +73,8 @@ def _read_built(path: Path, cfg: ExperimentConfig) -> tuple[nn.Module, str] | No
         if doc.get("identity") != backbone_identity(cfg):  # a digest collision, or a file put there by hand
             raise ValueError("it was built for another backbone configuration")
         arch = doc["arch"]
-        _check_arch(arch, cfg)
+        _check_arch(arch, {"img_size": [cfg.image_size] * 2, "patch_size": [cfg.patch_size] * 2,
+                           "embed_dim": cfg.embed_dim, "depth": cfg.depth, "num_heads": cfg.num_heads})
         with startup.phase("model_build"):
             model = from_state(arch, doc["state"])
         return model, str(doc["source"])
@@ -82,12 +84,10 @@ def _read_built(path: Path, cfg: ExperimentConfig) -> tuple[nn.Module, str] | No
         return None
 
 
-def _check_arch(arch: dict, cfg: ExperimentConfig) -> None:
-    """Raise ValueError unless ``arch`` has the sizes ``cfg`` sets."""
+def _check_arch(arch: dict, wanted: dict[str, Any]) -> None:
+    """Raise ValueError unless ``arch`` has the sizes the configuration sets (``wanted``)."""
     if not isinstance(arch, dict):
         raise ValueError(f"arch is a {type(arch).__name__}, not a dict")
-    wanted = {"img_size": [cfg.image_size] * 2, "patch_size": [cfg.patch_size] * 2, "embed_dim": cfg.embed_dim,
-              "depth": cfg.depth, "num_heads": cfg.num_heads}
     for key, value in wanted.items():
         if value not in (0, [0, 0]) and arch.get(key) != value:  # 0: the model's own size
             raise ValueError(f"arch {key} = {arch.get(key)!r}, the configuration says {value!r}")

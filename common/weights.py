@@ -68,7 +68,8 @@ def backbone_identity(cfg: ExperimentConfig) -> str:
     timm's and torch's versions (``disk_backbone_id`` is its digest; a built-backbone cache file
     stores it to rule out a hash collision)."""
     full = cfg.to_dict()
-    return json.dumps({"keys": {k: full[k] for k in BACKBONE_KEYS}, "seed": _seed_part(cfg),
+    seed = f"seed={cfg.seed}" if cfg.weights == "random" else ""
+    return json.dumps({"keys": {k: full[k] for k in BACKBONE_KEYS}, "seed": seed,
                        "weights-file": _weights_stamp(cfg), "libraries": _library_versions()}, sort_keys=True)
 
 
@@ -90,10 +91,6 @@ def _library_versions() -> str:
         except PackageNotFoundError:
             versions.append(f"{name}=none")
     return ",".join(versions)
-
-
-def _seed_part(cfg: ExperimentConfig) -> str:
-    return f"seed={cfg.seed}" if cfg.weights == "random" else ""
 
 
 def _weights_stamp(cfg: ExperimentConfig) -> str:
