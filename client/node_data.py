@@ -158,7 +158,7 @@ class NodeData:
 
     spec: NodeSpec
     data: Dataset
-    cfg: ExperimentConfig  # the run config, with this node's own device and threads where it names them
+    cfg: ExperimentConfig  # the run config with this node's own device, threads and data location
     client_id: int  # seeds local training; indexes the partition for "partition" nodes
     partition: Partition  # how the run's clients share ``data`` (data of its own: all of it this node's)
 
@@ -223,6 +223,8 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
     # The node's data is all its own: every sample of a task's classes is its share (with random
     # tasks the node plays the schedule's client the server names, drawn as the run draws it)
+    # (the runtime's data location is the node's own, never the run's)
+    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir)
     return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg).own())
 
 
