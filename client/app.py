@@ -257,8 +257,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
-        check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
-                      f"this node's data ({node.data.name})", run_num_classes=int(sent))
+        check_classes(node.data.num_classes, original_names(node.data, cfg.seed),
+                      f"this node's data ({node.data.name})", cfg.num_classes or int(sent), cfg.class_name_list)
     return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
             node.client_id)
 

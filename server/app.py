@@ -29,7 +29,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = ExperimentConfig.from_run_config(context.run_config)
     check_method(cfg.strategy)
     check_namespaces(cfg.method)
-    check_source(cfg)
+    check_source(cfg.dataset)
     with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
         results = run_experiment(grid, cfg)
         path = write_outputs(results, cfg.out_dir)

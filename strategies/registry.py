@@ -202,5 +202,5 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     method = strategy_class(cfg.strategy)
     method.check_schedule(cfg)
     method.check_privacy(cfg)
-    check_source(cfg)
+    check_source(cfg.dataset)
     return cfg

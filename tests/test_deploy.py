@@ -452,7 +452,8 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     sorted_cfg = nodes_config()
     nine = node_data(sorted_cfg, {"data-dir": str(node)})
     with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
-        check_classes(sorted_cfg, nine.data.num_classes, original_names(nine.data, 0), "this node", run_num_classes=10)
+        check_classes(nine.data.num_classes, original_names(nine.data, 0), "this node",
+                      sorted_cfg.num_classes or 10, sorted_cfg.class_name_list)
 
 
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
