@@ -30,6 +30,7 @@ from .preprocess import InputPipeline
 from .vit import Attention as OurAttention
 from .vit import Block as OurBlock
 from .vit import block_forward
+from .weights import BackboneSpec
 
 log = logging.getLogger("promptfcl")
 
@@ -329,9 +330,10 @@ def build_model(
     from .low_precision import lower_precision
     from .tasks import TaskLayout
 
-    backbone, source = build_backbone(cfg)
+    spec = BackboneSpec.of(cfg)
+    backbone, source = build_backbone(spec)
     if precision != "fp32":
-        cached = backbone_cache_path(cfg)
+        cached = backbone_cache_path(spec)
         lower_precision(backbone, precision, str(cached) if cached is not None else None)
         source += f" (frozen linear layers in {precision}, this node's choice)"
     state = torch.random.get_rng_state()

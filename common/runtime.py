@@ -37,7 +37,7 @@ from .files import write_atomic
 from .model import CodaPrompt, PromptedViT, build_model, resolve_device
 from .partitions import Partition
 from .tasks import TaskLayout
-from .weights import disk_backbone_id
+from .weights import BackboneSpec, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -172,7 +172,8 @@ class Runtime:
             if self.disk_dir is not None:
                 inputs = self.model.inputs.identity(evaluation=split == "test")
                 # a lower-precision backbone's queries differ: a file of their own
-                backbone = disk_backbone_id(self.cfg) + ("" if self.precision == "fp32" else f"-{self.precision}")
+                backbone = disk_backbone_id(BackboneSpec.of(self.cfg))
+                backbone += "" if self.precision == "fp32" else f"-{self.precision}"
                 path = self.disk_dir / f"{backbone}-{self.data.fingerprint}-{inputs}-{split}.npz"
             with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
                 self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path,

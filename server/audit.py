@@ -360,7 +360,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from ..common.weights import check_weights
+    from ..common.weights import BackboneSpec, check_weights
     from ..strategies.registry import build_strategy, strategy_class
     from . import checkpoint
 
@@ -377,7 +377,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     if cfg.per_task_head:
         raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
                           "not classes")
-    check_weights(cfg)
+    check_weights(BackboneSpec.of(cfg))
     method = strategy_class(cfg.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
