@@ -241,7 +241,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     """
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
-    cfg = policy.backbone(cfg)  # the node's own weights or its cache, never a file the run names
+    # the node's own weights or its cache, never a file the run names
+    cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
     method_prompt = prompt_class(cfg.strategy)
     if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible

@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from ..common.weights import check_weights
+    from ..common.weights import BackboneSpec, check_weights
     from ..strategies.registry import load_config
 
     try:
@@ -423,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set, None, None)
         policy = NodePolicy.from_node_config(node_config)
         policy.check_run(cfg)
-        cfg = policy.backbone(cfg)  # as the ClientApp will: the node's own weights or its cache
+        # as the ClientApp will: the node's own weights or its cache
+        cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
         loaded = node_data(cfg, node_config)
-        check_weights(cfg)  # the backbone must be on this node (the server has none)
+        check_weights(BackboneSpec.of(cfg))  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
