@@ -433,7 +433,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     cfg = nodes_config(num_classes=10, class_names=names)
     full = node_data(cfg, {"data-dir": str(node)})
     assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
-    assert full.cfg.centralised  # all of a node's own data is its share
+    assert full.partition.whole and full.partition.own_data and not full.cfg.centralised  # its own data: all its share
     # a node that lacks some classes keeps the others' labels (matched by name, not position)
     import shutil
 
