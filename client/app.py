@@ -241,7 +241,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     """
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
-    cfg = policy.backbone(cfg)  # the node's own weights or its cache, never a file the run names
+    # the node's own weights or its cache, never a file the run names
+    cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
     method_prompt = prompt_class(cfg.strategy)
     if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
@@ -257,9 +258,10 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
-        check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
-                      f"this node's data ({node.data.name})", run_num_classes=int(sent))
-    return get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision), node.client_id
+        check_classes(node.data.num_classes, original_names(node.data, cfg.seed),
+                      f"this node's data ({node.data.name})", cfg.num_classes or int(sent), cfg.class_name_list)
+    return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
+            node.client_id)
 
 
 def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:

@@ -41,15 +41,14 @@ class InjectedFault(RuntimeError):
     """Raised by a client chosen to fail."""
 
 
-def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> bool:
-    """``fault-clients`` set: those clients always; else each (client, task, round) with probability ``fault-rate``."""
-    if not cfg.fault:
+def is_faulty(chosen: frozenset[int], rate: float, seed: int, client_id: int, task: int, round_: int) -> bool:
+    """``chosen`` (``fault-clients``) set: those clients always; else each (client, task, round) with
+    probability ``rate`` (``fault-rate``), seeded by the run's ``seed``."""
+    if chosen:
+        return client_id in chosen
+    if rate <= 0:
         return False
-    if cfg.fault_clients:
-        return client_id in cfg.fault_client_ids
-    if cfg.fault_rate <= 0:
-        return False
-    return bool(np.random.default_rng([cfg.seed, client_id, task, round_, 0xFA17]).random() < cfg.fault_rate)
+    return bool(np.random.default_rng([seed, client_id, task, round_, 0xFA17]).random() < rate)
 
 
 def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
@@ -73,7 +72,7 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
         client, task, round_ = int(config["client-id"]), int(config["task"]), int(config["round"])
     except (KeyError, TypeError, ValueError):
         return call_next(msg, context)  # not a message the ClientApp can train on: it reports that itself
-    if not is_faulty(cfg, client, task, round_):
+    if not cfg.fault or not is_faulty(cfg.fault_client_ids, cfg.fault_rate, cfg.seed, client, task, round_):
         return call_next(msg, context)
     if cfg.fault == "raise":
         raise InjectedFault(f"injected failure of client {client} (task {task}, round {round_})")

@@ -327,6 +327,14 @@ class ExperimentConfig:
         return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
 
     @property
+    def sampled_per_round(self) -> int:
+        """Clients that train in one round (the one place it is computed): ``clients-per-round``,
+        else ``client-fraction`` of the population, at least one; centralised: the one client."""
+        if self.centralised:
+            return 1
+        return self.clients_per_round or max(1, int(round(self.client_fraction * self.num_clients)))
+
+    @property
     def per_task_head(self) -> bool:
         """Whether the head has a block of rows per task (``head``; "auto": with random tasks)."""
         return self.head == "per-task" or (self.head == "auto" and self.task_generator == "random")

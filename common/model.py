@@ -30,6 +30,7 @@ from .preprocess import InputPipeline
 from .vit import Attention as OurAttention
 from .vit import Block as OurBlock
 from .vit import block_forward
+from .weights import BackboneSpec
 
 log = logging.getLogger("promptfcl")
 
@@ -327,11 +328,12 @@ def build_model(
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
     node's own choice (common/low_precision.py)."""
     from .low_precision import lower_precision
-    from .tasks import head_size
+    from .tasks import TaskLayout
 
-    backbone, source = build_backbone(cfg)
+    spec = BackboneSpec.of(cfg)
+    backbone, source = build_backbone(spec)
     if precision != "fp32":
-        cached = backbone_cache_path(cfg)
+        cached = backbone_cache_path(spec)
         lower_precision(backbone, precision, str(cached) if cached is not None else None)
         source += f" (frozen linear layers in {precision}, this node's choice)"
     state = torch.random.get_rng_state()
@@ -341,7 +343,7 @@ def build_model(
     )
     prompt.configure(cfg)
     tokens = prompt.prompt_tokens if cfg.prompt_tokens == "auto" else cfg.prompt_tokens
-    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
+    model = PromptedViT(backbone, prompt, TaskLayout.of(cfg, num_classes).head_size, cfg.prompt_mode,
                         cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop, tokens)
     torch.random.set_rng_state(state)
     return model, source

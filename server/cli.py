@@ -27,7 +27,7 @@ from typing import Any
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.config_files import parse_overrides
 from ..common.data import DataError
-from ..common.weights import check_weights
+from ..common.weights import BackboneSpec, check_weights
 from ..strategies.platform.run_checks import check_run, load_config
 from ..strategies.registry import methods
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
             _prepare_out_dir(cfg)
-        check_weights(cfg)
+        check_weights(BackboneSpec.of(cfg))
         if cfg.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
@@ -339,7 +339,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 0
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
-        check_weights(ExperimentConfig.from_dict(base))
+        check_weights(BackboneSpec.of(ExperimentConfig.from_dict(base)))
         chosen = (
             [base["strategy"]]
             if args.bench == "deploy"
@@ -438,7 +438,7 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.set, None, None)
-        path = checkpoint_path(cfg, args.source)
+        path = checkpoint_path(BackboneSpec.of(cfg), args.source)
         if path.is_file() and not args.force:
             log.info("backbone pretrained on %s already cached at %s", args.source, path)
             return 0

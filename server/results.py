@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord
 
 from ..common import metrics
 from ..common.config import ExperimentConfig
-from ..common.privacy import privacy_options, privacy_report
+from ..common.privacy import PrivacyOptions, privacy_report
 from ..common.runtime import Runtime
 from ..common.splits import FILE_NAME as SPLITS_FILE
 from ..common.trust import resolve_trust
@@ -21,11 +21,10 @@ from .rounds import RoundRecord
 log = logging.getLogger("promptfcl")
 
 
-def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list[RoundRecord]) -> dict[str, Any]:
-    """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
-    is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too), at
-    the rate it was sampled with."""
-    opts = privacy_options(cfg)
+def privacy_so_far(opts: PrivacyOptions, strategy: PromptStrategy, rounds: list[RoundRecord]) -> dict[str, Any]:
+    """results.json's ``privacy`` after ``rounds`` under the run's privacy options ``opts``
+    (common/privacy.py): every training attempt is one step of the sampled Gaussian mechanism (a
+    retried round's clients uploaded too), at the rate it was sampled with."""
     if not opts.enabled:  # called after every round: nothing to count
         return privacy_report(opts, [], strategy.sample_rate)
     return privacy_report(opts, sample_rates(rounds, strategy.sample_rate), strategy.sample_rate,

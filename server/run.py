@@ -23,6 +23,7 @@ from ..common.config import ConfigError, ExperimentConfig
 from ..common.footprint import check_server_footprint
 from ..common.model import initial_trainable_state
 from ..common.partitions import client_indices, drawn_shares, partition_summary
+from ..common.privacy import privacy_options
 from ..common.records import from_array_record, to_array_record
 from ..common.runtime import Runtime, get_runtime
 from ..common.splits import FILE_NAME as SPLITS_FILE
@@ -127,9 +128,9 @@ class ExperimentRun:
         if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
-            log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
+            log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
             strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
-                client_indices(labels, cfg, data.num_classes, client, task, round_)))
+                client_indices(labels, runtime.layout, runtime.partition, client, task, round_)))
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 
@@ -173,7 +174,7 @@ class ExperimentRun:
             data_seed, order, shares = reused.data_seed, reused.class_order, reused.shares
         else:
             data_seed, order = cfg.seed, class_order(data.num_classes, cfg.seed)
-            shares = drawn_shares(data.train.labels, cfg, data.num_classes)
+            shares = drawn_shares(data.train.labels, self.runtime.layout, self.runtime.partition)
         write_splits(Path(cfg.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
 
     # ------------------------------------------------------------------ the run
@@ -233,7 +234,7 @@ class ExperimentRun:
         record.eval_pending = how == CARRIED
         self.rounds.append(record)
         self.carried = CarriedEvaluation(len(self.rounds) - 1, task, self.arrays) if how == CARRIED else None
-        privacy = privacy_so_far(cfg, strategy, self.rounds)
+        privacy = privacy_so_far(privacy_options(cfg), strategy, self.rounds)
         if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
             record.private, record.epsilon = True, privacy["epsilon"]
         self.log_round(record, privacy)
@@ -316,7 +317,7 @@ class ExperimentRun:
         rounds = [r.to_dict() for r in self.rounds]
         results = build_results(cfg, self.runtime, self.matrix, rounds, self.arrays,
                                 self.elapsed_before + time.perf_counter() - self.started, self.evaluator)
-        results["privacy"] = privacy_so_far(cfg, self.strategy, self.rounds)
+        results["privacy"] = privacy_so_far(privacy_options(cfg), self.strategy, self.rounds)
         stateful = self.strategy.stateful_parameters(self.arrays)
         if stateful is not None:  # what a paper that counts stateful clients' traffic would count
             results["communication"]["stateful_parameters_per_exchange"] = stateful
@@ -339,7 +340,7 @@ class ExperimentRun:
             single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
                                              self.strategy.prompt_class.prompt_tokens)
                       if self.runtime is not None else None)
-            results["asynchronous"] = asynchronous_results(cfg, schedule, rounds, single)
+            results["asynchronous"] = asynchronous_results(schedule, rounds, single)
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],
                             "average_incremental_accuracy": results["asynchronous"]["average_incremental_accuracy"],
                             "average_forgetting": results["asynchronous"]["forgetting_measure"],

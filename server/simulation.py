@@ -91,13 +91,6 @@ def _fits(available: float, each: float) -> int:
     return int(available / each + 1e-6)
 
 
-def sampled_per_round(cfg: ExperimentConfig) -> int:
-    """Clients that train in one round (the Flower nodes a simulation needs)."""
-    if cfg.centralised:
-        return 1
-    return cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients))
-
-
 def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int | None = None,
                     address: str = "") -> SimulationPlan:
     """Size the client actors for ``nodes`` (the Ray cluster's schedulable resources).
@@ -112,7 +105,7 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
         GPUs asked for where Ray sees none, ``device = "cuda"`` without a GPU share, or a
         client actor that fits on no node.
     """
-    sampled = sampled_per_round(cfg)
+    sampled = cfg.sampled_per_round
     count = supernodes or (cfg.num_clients if cfg.population == "nodes" else sampled)
     total_cpus = sum(n.cpus for n in nodes)
     total_gpus = sum(n.gpus for n in nodes)

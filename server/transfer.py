@@ -97,18 +97,18 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     return out
 
 
-def asynchronous_results(cfg: ExperimentConfig, schedule: RandomTaskSchedule, rounds: list[dict[str, Any]],
+def asynchronous_results(schedule: RandomTaskSchedule, rounds: list[dict[str, Any]],
                          single_task: np.ndarray | None) -> dict[str, Any]:
-    """Section 5.1's metrics and the per-task timeline for results.json."""
-    acc = task_accuracy_by_round(rounds, cfg.num_tasks)
-    finish = np.array([schedule.finish(g) for g in range(cfg.num_tasks)])
+    """Section 5.1's metrics and the per-task timeline of ``schedule``'s run for results.json."""
+    acc = task_accuracy_by_round(rounds, schedule.num_tasks)
+    finish = np.array([schedule.finish(g) for g in range(schedule.num_tasks)])
     evaluation_rounds = sorted({r - 1 for r in schedule.switch_rounds} | {schedule.total_rounds - 1})
     out: dict[str, Any] = metrics.asynchronous_summary(acc, finish, evaluation_rounds, single_task)
     out.update({
         "evaluation_rounds": [r + 1 for r in evaluation_rounds],
         "single_task_accuracy": None if single_task is None else [float(v) for v in single_task],
         "tasks": [{"client": schedule.owner(g), "first_round": schedule.start(g) + 1,
-                   "last_round": int(finish[g]) + 1} for g in range(cfg.num_tasks)],
+                   "last_round": int(finish[g]) + 1} for g in range(schedule.num_tasks)],
     })
     return out
 

@@ -586,15 +586,16 @@ def test_the_backbone_comes_from_the_nodes_config_or_cache_unless_it_trusts_the_
     from promptfcl.client.node_policy import NodePolicy
 
     own = NodePolicy.from_node_config({})
+    backbone = tiny_config().backbone
     for weights in ("random", "pretrained:fashion-mnist"):  # the node's cache: nothing the server names is opened
-        assert own.backbone(tiny_config(weights=weights)).weights == weights
+        assert own.backbone_weights(backbone, weights) == weights
     for weights in ("timm", "/etc/shadow", "~/.ssh/id_rsa.pt", "ckpt.pt"):
         with pytest.raises(NodeRefusal, match="its weights names a"):
-            own.backbone(tiny_config(weights=weights))
+            own.backbone_weights(backbone, weights)
     chosen = NodePolicy.from_node_config({"weights": "/srv/vit.pt"})
-    assert chosen.backbone(tiny_config(weights="timm")).weights == "/srv/vit.pt"
+    assert chosen.backbone_weights(backbone, "timm") == "/srv/vit.pt"
     trusting = NodePolicy.from_node_config({"weights-from-run": True})  # simulated nodes: the run is the operator's
-    assert trusting.backbone(tiny_config(weights="/x/vit.pt")).weights == "/x/vit.pt"
+    assert trusting.backbone_weights(backbone, "/x/vit.pt") == "/x/vit.pt"
     with pytest.raises(NodeRefusal, match="must be a checkpoint path"):
         NodePolicy.from_node_config({"weights": 3})
     parse_node_config({"dataset": "digits", "weights": "timm", "weights-from-run": False})  # known node-config keys

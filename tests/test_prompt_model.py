@@ -6,6 +6,7 @@ import torch
 from promptfcl.common.config import ConfigError
 from promptfcl.common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
 from promptfcl.common.vit import block_forward as _block_forward
+from promptfcl.common.weights import BackboneSpec
 from tests.conftest import tiny_config
 
 
@@ -173,7 +174,7 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
     small = backbone == ExperimentConfig().backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
                                                              "depth": 0, "num-heads": 0}))
-    model, _ = build_backbone(cfg)
+    model, _ = build_backbone(BackboneSpec.of(cfg))
     x = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
@@ -192,7 +193,7 @@ def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
         pass
 
     cfg = tiny_config()
-    backbone, _ = build_backbone(cfg)
+    backbone, _ = build_backbone(BackboneSpec.of(cfg))
     old = backbone.blocks[1]
     backbone.blocks[1] = OtherBlock(old.attn.qkv.in_features, old.attn.num_heads)
     with pytest.raises(ConfigError, match="block 1 of this backbone"):

@@ -100,7 +100,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task = "in-flight", task 1's slice
     and head rows are the mean of the two ahead clients' values (not diluted by the two others'
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
-    from promptfcl.common.tasks import task_rows
+    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **PLAIN_MEAN, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
@@ -120,8 +120,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for i, (msg, task) in enumerate(zip(msgs, tasks)):
         value = float(i + 1)  # each client writes its own value into its own task's rows only
         p, h = pool.copy(), head.copy()
-        p[task_rows(cfg, "prompt.p0", p, task, 10)] = value
-        h[task_rows(cfg, "head.weight", h, task, 10)] = value
+        p[TaskLayout.of(cfg, 10).task_rows("prompt.p0", p, task)] = value
+        h[TaskLayout.of(cfg, 10).task_rows("head.weight", h, task)] = value
         replies.append(Message(RecordDict({ARRAYS: to_array_record({"prompt.p0": p, "head.weight": h}),
                                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
                                                                   "train-seconds": 0.1})}), reply_to=msg))
@@ -130,8 +130,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for task in (0, 1):
         on_it = [i + 1.0 for i, t in enumerate(tasks) if t == task]
         expected = np.mean(on_it) if per_task else sum(on_it) / 4  # diluted by the two untouched copies
-        np.testing.assert_allclose(out["prompt.p0"][task_rows(cfg, "prompt.p0", pool, task, 10)], expected, rtol=1e-6)
-        np.testing.assert_allclose(out["head.weight"][task_rows(cfg, "head.weight", head, task, 10)], expected,
+        np.testing.assert_allclose(out["prompt.p0"][TaskLayout.of(cfg, 10).task_rows("prompt.p0", pool, task)], expected, rtol=1e-6)
+        np.testing.assert_allclose(out["head.weight"][TaskLayout.of(cfg, 10).task_rows("head.weight", head, task)], expected,
                                    rtol=1e-6)
 
 
@@ -231,7 +231,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     whose update (its own task's rows up, task 0's head rows down, as a client learning new
     classes does) points against task 0's median. The reversed client is excluded; the one
     ahead is alone on its task, so nothing judges it and it is kept."""
-    from promptfcl.common.tasks import task_rows
+    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0, update_strikes=0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
@@ -245,7 +245,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
         if len(set(tasks)) > 1:
             break
     assert sorted(tasks) == [0, 0, 0, 0, 1]
-    rows = {t: task_rows(cfg, "head.weight", head, t, 10) for t in (0, 1)}
+    rows = {t: TaskLayout.of(cfg, 10).task_rows("head.weight", head, t) for t in (0, 1)}
     replies, on_task_0 = [], 0
     for msg, task in zip(msgs, tasks):
         h = head.copy()

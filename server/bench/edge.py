@@ -248,8 +248,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
         from ...common.backbone import build_backbone
+        from ...common.weights import BackboneSpec
 
-        build_backbone(edge_config(int(spec["batch_size"]), int(spec["threads"])))
+        build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return
     figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
                               int(spec["threads"]), Path(spec["arrays"]))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...common.config import ExperimentConfig
+from ...common.schedule import task_schedule
 from .common import (
     PAPER_COMMUNICATION,
     PAPER_DATASETS,
@@ -103,7 +103,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             images = cfg.classes_per_task * train_per_class * cfg.task_data_fraction
         else:
             images = classes / cfg.num_tasks * train_per_class / cfg.num_clients
-        sampled = cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients))
+        sampled = cfg.sampled_per_round
         waves = math.ceil(sampled / max(1, min(cpus, sampled)))
         round_seconds = waves * images * cfg.local_epochs * per_image + r["server_seconds"]
         report["methods"][cfg.strategy] = {
@@ -125,16 +125,12 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             "stateful_parameters_per_exchange": results["communication"].get("stateful_parameters_per_exchange"),
             "extrapolated_round_seconds": round_seconds,
             "extrapolated_images_per_client": images,
-            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * _paper_rounds(cfg),
+            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg).total_rounds,
             "device": r["placement"][0]["device"] if r.get("placement") else None,
         }
         (out_dir / "paper_dims.json").write_text(json.dumps(report, indent=2))
     print(format_paper_dims(report))
     return report
-
-
-def _paper_rounds(cfg: ExperimentConfig) -> int:
-    return cfg.num_rounds if cfg.task_generator == "random" else cfg.num_tasks * cfg.rounds_per_task
 
 
 def format_paper_dims(report: dict[str, Any]) -> str:

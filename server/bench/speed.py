@@ -30,7 +30,6 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     from ...common.partitions import client_indices
     from ...common.records import ARRAYS, to_array_record
     from ...common.runtime import _runtime, get_runtime
-    from ...common.tasks import task_classes
     from ...strategies.fedavg.strategy import FedAvgStrategy
     from ...strategies.platform.learner import LocalLearner
 
@@ -42,7 +41,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         arrays = FedAvgStrategy(run_cfg, rt.data.num_classes).on_task_start(
             0, to_array_record(rt.model.trainable_state())
         )
-        index = client_indices(rt.data.train.labels, run_cfg, rt.data.num_classes, 0, 0, 0)
+        index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 0, 0)
         n_images = len(index) * run_cfg.local_epochs
         learner = LocalLearner(rt)
         timings = []
@@ -58,7 +57,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     # The compute bound: the same batches through the bare prompted model (queries given).
     model = rt.model
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
-    allowed[task_classes(cfg, 0, rt.data.num_classes)] = True
+    allowed[rt.layout.classes(0)] = True
     x_all = model.preprocess(torch.from_numpy(rt.data.train.images[index]).to(rt.device))
     with torch.no_grad(), rt.autocast():
         q_all = model.query(x_all).float()

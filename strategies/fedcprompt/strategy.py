@@ -38,7 +38,6 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.privacy import privacy_options
 from ...common.records import METRICS, from_array_record, to_array_record
-from ...common.tasks import task_rows
 from ..platform.replies import REPLY_METRICS, MetricSpec
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
@@ -143,7 +142,7 @@ class FedCPromptStrategy(PromptStrategy):
             if self.stale[task] >= self.opts.patience:
                 state = from_array_record(arrays) if state is None else state
                 for name, rows in self.best_rows.pop(task).items():  # this round's update is discarded
-                    state[name][task_rows(self.cfg, name, state[name], task, self.num_classes)] = rows
+                    state[name][self.layout.task_rows(name, state[name], task)] = rows
                 self.stopped.add(task)
                 log.info("round %d: task %d stopped early (validation %.1f%%, best %.1f%%, %d rounds without a "
                          "gain); its slice and head rows are back at its best model", server_round, task + 1,
@@ -154,7 +153,7 @@ class FedCPromptStrategy(PromptStrategy):
         """``task``'s rows of every task-structured array (its slice of each prompt array, its head rows)."""
         out = {}
         for name, value in state.items():
-            rows = task_rows(self.cfg, name, value, task, self.num_classes)
+            rows = self.layout.task_rows(name, value, task)
             if rows is not None:
                 out[name] = np.array(value[rows], copy=True)
         return out

@@ -30,7 +30,6 @@ from flwr.app import RecordDict
 
 from ...common.records import CONFIG, to_array_record
 from ...common.runtime import Runtime
-from ...common.tasks import task_classes
 from ..platform.learner import Batch, LocalLearner
 from .options import FPPLOptions
 from .prompt import FPPLPrompt, task_prompt_names
@@ -135,7 +134,7 @@ class FPPLLearner(LocalLearner):
         record = content[GLOBAL_PROTOTYPES]
         classes = record["classes"].numpy().astype(np.int64)
         means = record["means"].numpy()
-        keep = np.isin(classes, task_classes(self.cfg, task, self.rt.data.num_classes))
+        keep = np.isin(classes, self.rt.layout.classes(task))
         keep &= np.isfinite(means).all(axis=1)
         if keep.any():
             self.proto_classes = torch.from_numpy(classes[keep]).to(self.rt.device)

@@ -28,7 +28,6 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from ...common.tasks import task_classes
 from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
@@ -191,7 +190,7 @@ class FPPLStrategy(PromptStrategy):
             return "prototypes repeat a class"
         if not np.isfinite(means).all():
             return "prototypes have non-finite values"
-        if not np.isin(classes, task_classes(self.cfg, sent.task, self.num_classes)).all():
+        if not np.isin(classes, self.layout.classes(sent.task)).all():
             return "prototypes of classes outside the task the client was sent"
         if "client" in rec.keys():
             claimed = rec["client"].numpy().reshape(-1)
@@ -202,7 +201,7 @@ class FPPLStrategy(PromptStrategy):
     # ------------------------------------------------------------------ aggregation
     @property
     def classes_per_task(self) -> int:
-        return self.num_classes // self.cfg.num_tasks
+        return self.layout.classes_per_task
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
         """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5) for the

@@ -55,7 +55,6 @@ from flwr.app import ArrayRecord
 from ...common.config import ExperimentConfig
 from ...common.model import resolve_device
 from ...common.records import ARRAYS, from_array_record, to_array_record
-from ...common.tasks import task_classes
 from ..platform.aggregation import combine_records
 from ..platform.rounds import Accepted
 from ..platform.strategy import PromptStrategy
@@ -109,7 +108,7 @@ class HePCoStrategy(PromptStrategy):
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
         if self.opts.pool_training == "whole":
             return self.cfg.pool_size
-        return (task + 1) * (self.cfg.pool_size // self.cfg.num_tasks)
+        return (task + 1) * self.layout.components_per_task
 
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
         """The pool-training choice travels in the prompt's ``whole_pool`` buffer; then CODA-P's new slice."""
@@ -138,8 +137,8 @@ class HePCoStrategy(PromptStrategy):
             self.last_report = {"consolidation-seconds": time.perf_counter() - started}
             return to_array_record(provisional)
 
-        per_task = cfg.pool_size // cfg.num_tasks
-        k = self.num_classes // cfg.num_tasks
+        per_task = self.layout.components_per_task
+        k = self.layout.classes_per_task
         dev = self.device
         # the tasks this round's replies trained (one, the current task, with synchronous arrival):
         # the current-task generator and the distillation cover all their classes
@@ -199,7 +198,7 @@ class HePCoStrategy(PromptStrategy):
             mine = [i for i, a in enumerate(accepted) if a.task == t]
             states = [from_array_record(accepted[i].content[ARRAYS]) for i in mine]
             w = None if weights is None else weights[mine]
-            groups.append(TaskTeachers(torch.as_tensor(task_classes(self.cfg, t, self.num_classes), device=self.device),
+            groups.append(TaskTeachers(torch.as_tensor(self.layout.classes(t), device=self.device),
                                        Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),
                                        float(len(mine) if w is None else w.sum())))
         return groups

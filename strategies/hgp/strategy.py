@@ -50,7 +50,6 @@ import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from ...common.tasks import seen_classes, task_classes
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
 from ..platform.strategy import PromptStrategy
@@ -144,11 +143,11 @@ class HGPStrategy(PromptStrategy):
         task uploads on top (classes, counts, means and the ``cov-type`` encoding), which the
         paper's figure does not break out."""
         state = from_array_record(arrays)
-        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        per_task = self.layout.components_per_task
         prompts = sum(per_task * int(np.prod(v.shape[1:])) for k, v in state.items() if k.startswith("prompt."))
         head = sum(int(np.prod(v.shape)) for k, v in state.items() if k.startswith("head."))
         dim = int(state["head.weight"].shape[1])
-        classes = self.num_classes // self.cfg.num_tasks
+        classes = self.layout.classes_per_task
         covariance = {"full": dim * (dim + 1) // 2, "diag": dim, "lowrank": dim * self.opts.cov_rank + dim}
         return {"s2c": prompts + head, "c2s": prompts + classes * (dim + 1),
                 "c2s-statistics": classes * (2 + dim + covariance[self.opts.cov_type])}
@@ -175,7 +174,7 @@ class HGPStrategy(PromptStrategy):
         if int(arrays["counts"].sum()) != examples:
             # the counts weigh the mixtures: they must be the samples the client trained on
             return f"class counts sum to {int(arrays['counts'].sum())}, num-examples is {examples}"
-        outside = set(arrays["classes"].tolist()) - set(task_classes(self.cfg, sent.task, self.num_classes).tolist())
+        outside = set(arrays["classes"].tolist()) - set(self.layout.classes(sent.task).tolist())
         if outside:
             return f"class statistics for classes {sorted(outside)[:5]} outside the task it was sent"
         for name, bound in (("means", FEATURE_BOUND), *((k, FEATURE_BOUND**2) for k in WIRE_ARRAYS[kind])):
@@ -208,7 +207,7 @@ class HGPStrategy(PromptStrategy):
 
         if self.opts.rebalance_logits == "seen":
             newest = self.task if in_flight is None else in_flight[-1]
-            allowed = torch.as_tensor(seen_classes(self.cfg, newest, self.num_classes))
+            allowed = torch.as_tensor(self.layout.seen(newest))
         else:
             allowed = torch.tensor(sorted(m.label for m in mixtures))
         sampled = time.perf_counter()
@@ -263,7 +262,7 @@ class HGPStrategy(PromptStrategy):
         for (client, task), content in zip(origins, replies):
             if STATS not in content.array_records:
                 continue
-            allowed = set(task_classes(self.cfg, task, self.num_classes).tolist())
+            allowed = set(self.layout.classes(task).tolist())
             arrays = from_array_record(content[STATS])  # stored as received, decoded when a mixture is built
             for row, c in enumerate(arrays["classes"].tolist()):
                 if c in allowed and int(arrays["counts"][row]) > 0:
@@ -295,7 +294,7 @@ class HGPStrategy(PromptStrategy):
         stored = self.class_stats.get(label)
         if stored is None or "clients" not in stored:
             return None
-        task = label // (self.num_classes // self.cfg.num_tasks)  # the stream's tasks own contiguous classes
+        task = self.layout.task_of(label)  # the stream's tasks own contiguous classes
         keep = np.array(
             [
                 c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
@@ -330,9 +329,9 @@ class HGPStrategy(PromptStrategy):
         in_flight = range(self.task, self.task + 1) if in_flight is None else in_flight
         labels: list[int] = []
         if self.opts.rebalance_old:
-            labels += seen_classes(self.cfg, in_flight.start - 1, self.num_classes).tolist() if in_flight.start else []
+            labels += self.layout.seen(in_flight.start - 1).tolist() if in_flight.start else []
         if self.opts.rebalance_cur:
-            labels += [c for t in in_flight for c in task_classes(self.cfg, t, self.num_classes).tolist()]
+            labels += [c for t in in_flight for c in self.layout.classes(t).tolist()]
         return [m for m in (self.mixture(c) for c in labels) if m is not None]
 
     # ------------------------------------------------------------------ checkpoint

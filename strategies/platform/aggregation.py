@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord
 
 from ...common.config import AGGREGATIONS, ExperimentConfig
 from ...common.records import to_array_record
-from ...common.tasks import task_rows
+from ...common.tasks import TaskLayout
 from .replies import capped_weights, combine
 
 
@@ -102,10 +102,11 @@ def aggregate_per_task(
     """
     combiner = combiner or Combiner(cfg.aggregation, cfg.trim_fraction)
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
+    layout = TaskLayout.of(cfg, num_classes)
     out: dict[str, np.ndarray] = {}
     for name, value in base.items():
         value = np.asarray(value)
-        if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
+        if layout.task_rows(name, value, 0) is None:  # not task-structured: every reply
             if combiner.mode != "mean":
                 out[name] = combiner([a[name] for _, a, _ in updates], all_weights)
                 continue
@@ -119,7 +120,7 @@ def aggregate_per_task(
         total = np.zeros(value.shape, dtype=np.float64)
         weight = np.zeros(value.shape[0], dtype=np.float64)
         for task, arrays, w in updates:
-            rows = task_rows(cfg, name, value, int(task), num_classes)
+            rows = layout.task_rows(name, value, int(task))
             total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
             weight[rows] += float(w)
         trained = weight > 0
@@ -141,8 +142,9 @@ def _robust_per_row(
     """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
     the set of replies that trained them); untrained rows keep ``value``."""
     owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
+    layout = TaskLayout.of(cfg, num_classes)
     for i, (task, _, _) in enumerate(updates):
-        owners[task_rows(cfg, name, value, int(task), num_classes), i] = True
+        owners[layout.task_rows(name, value, int(task)), i] = True
     merged = value.copy()
     for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
         rows = np.flatnonzero((owners == pattern).all(axis=1))

@@ -47,7 +47,6 @@ from ...common.partitions import client_indices
 from ...common.preprocess import random_resized_crops
 from ...common.records import ARRAYS, METRICS, to_array_record, to_torch
 from ...common.runtime import Runtime
-from ...common.tasks import head_rows, head_size, head_targets, training_classes
 
 log = logging.getLogger("promptfcl")
 
@@ -183,7 +182,7 @@ class LocalLearner:
         """The fit but its cleanup (:meth:`fit`)."""
         cfg, rt, model = self.cfg, self.rt, self.rt.model
         started = time.perf_counter()
-        index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
+        index = client_indices(rt.data.train.labels, rt.layout, rt.partition, client_id, task, round_)
 
         self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
         model.load_trainable_state(to_torch(self.received(content, task, round_, client_id)))
@@ -195,9 +194,8 @@ class LocalLearner:
 
         # the CE's rows: the task's (its own block with a per-task head); every seen class's
         # for the joint upper bound (stream tasks only, one row per class)
-        rows = (training_classes(cfg, task, rt.data.num_classes) if cfg.centralised_mode == "joint"
-                else head_rows(cfg, task, rt.data.num_classes))
-        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
+        rows = rt.layout.training_classes(task) if cfg.centralised_mode == "joint" else rt.layout.head_rows(task)
+        allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
         allowed[rows] = True
         seed = self.seed
         torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
@@ -214,7 +212,7 @@ class LocalLearner:
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
         images = rt.data.train.images
-        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[trained], rt.data.num_classes))
+        labels = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[trained]))
 
         model.train()
         losses: list[float] = []
@@ -279,9 +277,9 @@ class LocalLearner:
         what evaluation scores). Leaves the model in eval mode."""
         rt, cfg, model = self.rt, self.cfg, self.rt.model
         model.eval()
-        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
-        allowed[head_rows(cfg, task, rt.data.num_classes)] = True
-        targets = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
+        allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
+        allowed[rt.layout.head_rows(task)] = True
+        targets = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[index]))
         # the training split's query cache holds the uncropped images' q(x): valid while the
         # evaluation takes the whole image
         queries = rt.queries("train", index) if cfg.eval_crop >= 1.0 else None

@@ -40,7 +40,7 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     check_method(cfg.strategy)
     check_namespaces(cfg.method)
     cfg.validate()  # run when the configuration was built; again for one built by dataclasses.replace
-    check_source(cfg)
+    check_source(cfg.dataset)
     options = method_options(cfg)
     schedule = _check_schedule(cfg, options)
     privacy = _check_privacy(cfg, options)

@@ -98,11 +98,7 @@ class Sampling:
 
     @property
     def clients_per_round(self) -> int:
-        if self.cfg.centralised:
-            return 1
-        if self.cfg.clients_per_round > 0:
-            return self.cfg.clients_per_round
-        return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
+        return self.cfg.sampled_per_round
 
     @property
     def population_size(self) -> int:

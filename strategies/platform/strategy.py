@@ -43,6 +43,7 @@ from ...common.options import MethodOptions, NoOptions
 from ...common.privacy import PrivateRecord, privacy_options
 from ...common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from ...common.schedule import task_schedule
+from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
 from .aggregation import aggregate_per_task, aggregation_policies, combine_records
 from .checks import NO_EXAMPLES, SampleBounds, platform_problem
@@ -117,6 +118,7 @@ class PromptStrategy(Sampling, FedAvg):
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
         self.cfg = cfg
         self.num_classes = num_classes
+        self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
         self.weighting, self.combiner = aggregation_policies(cfg)
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
@@ -219,7 +221,7 @@ class PromptStrategy(Sampling, FedAvg):
     def reference_components(self) -> int:
         """Prompt components per prompted block of the single-task reference of the transfer
         metrics (random tasks, server/transfer.py); default: one task's slice."""
-        return self.cfg.pool_size // self.cfg.num_tasks
+        return self.layout.components_per_task
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | dict[str, int] | None:
         """Parameters one client exchange would carry each way if clients kept what they already

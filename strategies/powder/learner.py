@@ -34,7 +34,6 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ...common.partitions import client_indices
 from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
 from ...common.runtime import Runtime
-from ...common.tasks import head_rows, head_size, task_rows
 from ..platform.learner import Batch, LocalLearner
 from ..platform.partial import Rows, completed
 from .options import PowderOptions
@@ -154,7 +153,7 @@ class PowderLearner(LocalLearner):
 
     def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
+        return self.rt.layout.task_rows(name, value, task)
 
     # ------------------------------------------------------------------ the round
     def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
@@ -172,9 +171,9 @@ class PowderLearner(LocalLearner):
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
         # indexed like the logits (head rows), as the batches' labels are
-        total = torch.ones(head_size(self.cfg, self.rt.data.num_classes))
+        total = torch.ones(self.rt.layout.head_size)
         corr = [float(v) for v in config.get(CLASS_CORR, [])]
-        rows = head_rows(self.cfg, task, self.rt.data.num_classes)  # in the order of the task's classes
+        rows = self.rt.layout.head_rows(task)  # in the order of the task's classes
         if corr:
             if len(corr) != len(rows):
                 raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(rows)} classes")
@@ -212,7 +211,7 @@ class PowderLearner(LocalLearner):
             record = self.measure_alphas([task] + ([self.previous] if self.previous >= 0 else []))
         finally:
             self.prompt.end_round()
-        n = len(client_indices(self.rt.data.train.labels, self.cfg, self.rt.data.num_classes, client_id, task, round_))
+        n = len(client_indices(self.rt.data.train.labels, self.rt.layout, self.rt.partition, client_id, task, round_))
         return RecordDict({ALPHA: record, METRICS: MetricRecord({"num-examples": int(n)})})
 
     def round_start(self, content: RecordDict, task: int) -> None:
@@ -240,7 +239,7 @@ class PowderLearner(LocalLearner):
         prompt.eval()
         try:
             for t in tasks:
-                index = client_indices(labels_all, self.cfg, rt.data.num_classes, self.client_id, t,
+                index = client_indices(labels_all, rt.layout, rt.partition, self.client_id, t,
                                        self.round_ if t == tasks[0] else 0)
                 if len(index) == 0:
                     continue

@@ -66,7 +66,6 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from ...common.tasks import task_classes, task_rows
 from ..platform.aggregation import aggregate_per_task
 from ..platform.partial import Rows, completed
 from ..platform.replies import check_metrics
@@ -155,7 +154,7 @@ class PowderStrategy(PromptStrategy):
     def reference_components(self) -> int:
         """The single-task reference trains as many components as a client's local pool (k slices),
         or one task's slice (``reference = "task-slice"``)."""
-        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        per_task = self.layout.components_per_task
         return per_task * (min(self.opts.k, self.cfg.num_tasks) if self.opts.reference == "local-pool" else 1)
 
     def summary(self) -> None:
@@ -215,7 +214,7 @@ class PowderStrategy(PromptStrategy):
             rng = np.random.default_rng([self.cfg.seed, int(sent.config.get("server-round", 0)), sent.client, 0x50D])
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
-        classes = task_classes(self.cfg, task, self.num_classes)
+        classes = self.layout.classes(task)
         out, expected, start, origin = {}, {}, {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
@@ -256,7 +255,7 @@ class PowderStrategy(PromptStrategy):
         sent.config[PREVIOUS] = measured[1] if len(measured) == 2 else -1
         if not measured:
             return None
-        rows = slice(0, self.known_tasks * (self.cfg.pool_size // self.cfg.num_tasks))  # slices 0..known-1
+        rows = slice(0, self.known_tasks * self.layout.components_per_task)  # slices 0..known-1
         out = {name: value[rows] for name, value in self.aggregated.items()
                if name.startswith("prompt.") and self._rows(name, value, task) is not None}
         local = list(range(self.known_tasks))
@@ -347,7 +346,7 @@ class PowderStrategy(PromptStrategy):
         allowed_classes = set()
         for t in sent.data.measure:
             if t >= 0:
-                allowed_classes |= set(task_classes(self.cfg, t, self.num_classes).tolist())
+                allowed_classes |= set(self.layout.classes(t).tolist())
         for kind, ids, allowed in (("task", a["tasks"], set(sent.data.measure)),
                                    ("class", a["classes"], allowed_classes)):
             alpha, count = a[f"{kind}-alpha"], a[f"{kind}-count"]
@@ -435,7 +434,7 @@ class PowderStrategy(PromptStrategy):
     # ------------------------------------------------------------------ helpers
     def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(self.cfg, name, value, task, self.num_classes)
+        return self.layout.task_rows(name, value, task)
 
     def _rows_of(self, task: int) -> Rows:
         """``task``'s rows of each array (:meth:`_rows`), as the partial arrays of its reply hold them."""
