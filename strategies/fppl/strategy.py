@@ -161,7 +161,9 @@ class FPPLStrategy(PromptStrategy):
                 state[name] = state[name].copy()
                 state[name][a.task : a.task + 1] = reply[name]
             complete.append(to_array_record({**reply, **{n: state[n] for n in self._task_prompts}}))
-        return self.average(accepted, np.array([a.weight for a in accepted]), complete)
+        for a, record in zip(accepted, complete):
+            a.content[ARRAYS] = record  # what the platform's average reads
+        return super().aggregate(accepted)
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
         """FPPL's count (the paper's 0.25 M per round on ImageNet-R): one task prompt per layer, psi,

@@ -427,7 +427,7 @@ class PowderStrategy(PromptStrategy):
                     expanded[name] = value.copy()
                     expanded[name][rows] = arrays[name]
             full.append((task, expanded, weight))
-        return aggregate_per_task(self.cfg, base, full, self.num_classes, self.combiner)
+        return aggregate_per_task(self.cfg, base, full, self.num_classes, self.policies.combiner)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
