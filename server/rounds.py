@@ -179,11 +179,13 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         t2 = time.perf_counter()
         if before_aggregation is not None:
             before_aggregation.collect(messages, replies)
+        # counted as received: aggregation may rewrite a reply (a clip, a method completing a partial one)
+        received = message_bytes([m for m in replies if not m.has_error()])
         outcome = strategy.aggregate_round(server_round, replies)
         t3 = time.perf_counter()
         spent.sample_rates.append(outcome.sample_rate)  # what the sampling of this attempt's clients set
         spent.bytes_s2c += message_bytes(messages)
-        spent.bytes_c2s += message_bytes([m for m in replies if not m.has_error()])
+        spent.bytes_c2s += received
         spent.sampled += len(messages)
         spent.server_seconds += (t1 - t0 - waited) + (t3 - t2)
         spent.round_seconds += t3 - t0
