@@ -219,9 +219,10 @@ class ExperimentRun:
         ending = self.schedule.task_ending(index)
         carried = self.carried
         ask = CarriedAsk(self.evaluator, carried) if carried is not None else None  # type: ignore[arg-type]
-        new_arrays, agg, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_,
-                                                       self.server_round, ask)
-        record = round_record(strategy, task, round_, self.server_round, agg, spent, messages)
+        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask)
+        record = round_record(task, round_, self.server_round, outcome, spent, messages)
+        new_arrays = outcome.arrays
+        assert new_arrays is not None  # train_round returns an aggregated round or raises RoundFailed
         if carried is not None:
             self.complete(carried)  # rounds are evaluated in order
         self.arrays = new_arrays

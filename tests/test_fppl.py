@@ -108,8 +108,9 @@ def test_replies_carry_only_the_trained_prompt_and_aggregate_as_complete_ones(fl
     msgs = list(s.configure_train(1, arrays, config, NodeList(3)))
     replies = [Message(make(int(m.content["config"]["client-id"]), i), reply_to=m) for i, m in enumerate(msgs)]
     assert [r.content[ARRAYS]["prompt.p0"].numpy().shape[0] for r in replies] == [1, 1, state["prompt.p0"].shape[0]]
-    out, _ = s.aggregate_train(1, replies)
-    assert [node for node, _ in s.rejected] == [102] and "prompt.p0: float32(2" in s.rejected[0][1]
+    outcome = s.aggregate_round(1, replies)
+    out = outcome.arrays
+    assert [node for node, _ in outcome.rejected] == [102] and "prompt.p0: float32(2" in outcome.rejected[0][1]
     merged = from_array_record(out)["prompt.p0"]
     np.testing.assert_array_equal(merged[0], state["prompt.p0"][0])  # task 0's frozen prompt as sent
     np.testing.assert_allclose(merged[1], (10 * trained[0] + 20 * trained[1]) / 30, rtol=1e-5, atol=1e-7)
@@ -308,8 +309,8 @@ def test_malformed_prototypes_are_rejected(flower_identity):
             del content[LOCAL_PROTOTYPES]
         return content
 
-    s.aggregate_train(1, answered(s, arrays, make, nodes=4))
-    reasons = dict(s.rejected)  # nodes 101, 102, 103 sent a NaN, a wrong width, no prototypes
+    outcome = s.aggregate_round(1, answered(s, arrays, make, nodes=4))
+    reasons = dict(outcome.rejected)  # nodes 101, 102, 103 sent a NaN, a wrong width, no prototypes
     assert set(reasons) == {101, 102, 103}
     assert "non-finite" in reasons[101] and "shape" in reasons[102] and "missing" in reasons[103]
 

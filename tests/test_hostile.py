@@ -128,16 +128,18 @@ def test_every_wrong_field_is_rejected_with_the_node_and_never_raises(method, fl
     strategy, messages, replies = one_round(method)
     victim = replies[0]
     good = copy.deepcopy(replies)
-    arrays, _ = strategy.aggregate_train(1, good)
+    outcome = strategy.aggregate_round(1, good)
+    arrays = outcome.arrays
     clean = from_array_record(arrays)
     for label, content in mutations(victim.content, strategy.reply_metrics):
         bad = [replace_content(victim, content)] + copy.deepcopy(replies[1:])
         try:
-            result, _ = strategy.aggregate_train(1, bad)
+            outcome = strategy.aggregate_round(1, bad)
+            result = outcome.arrays
         except Exception as exc:  # noqa: BLE001 - the point of the test
             pytest.fail(f"{method}: a reply with {label} raised {type(exc).__name__}: {exc}")
         node = int(messages[0].metadata.dst_node_id)
-        assert any(n == node for n, _ in strategy.rejected), f"{method}: a reply with {label} was accepted"
+        assert any(n == node for n, _ in outcome.rejected), f"{method}: a reply with {label} was accepted"
         assert result is not None, f"{method}: {label}: the other replies must still be aggregated"
         # the bad reply took no part: the model is what the two good replies alone give
         alone, _ = strategy.aggregate_train(1, copy.deepcopy(replies[1:]))
@@ -261,9 +263,9 @@ def test_bad_hgp_statistics_exclude_the_whole_reply(flower_identity):
         "another covariance encoding": with_stats(**{"cov-diag": np.ones_like(stats["means"])}),
     }
     for label, content in bad.items():
-        strategy.aggregate_train(1, [replace_content(replies[0], content)] + copy.deepcopy(replies[1:]))
+        outcome = strategy.aggregate_round(1, [replace_content(replies[0], content)] + copy.deepcopy(replies[1:]))
         node = int(messages[0].metadata.dst_node_id)
-        assert [n for n, _ in strategy.rejected] == [node], label
+        assert [n for n, _ in outcome.rejected] == [node], label
 
 
 @pytest.mark.e2e

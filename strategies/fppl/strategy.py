@@ -157,7 +157,9 @@ class FPPLStrategy(PromptStrategy):
                                               from_array_record(a.sent.arrays),  # type: ignore[arg-type]
                                               self._own_prompt(a.task)))
                     for a in accepted]
-        return self.average(accepted, np.array([a.weight for a in accepted]), complete)
+        for a, record in zip(accepted, complete):
+            a.content[ARRAYS] = record  # what the platform's average reads
+        return super().aggregate(accepted)
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
         """FPPL's count (the paper's 0.25 M per round on ImageNet-R): one task prompt per layer, psi,

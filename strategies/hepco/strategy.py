@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +54,6 @@ from flwr.app import ArrayRecord
 from ...common.config import ExperimentConfig
 from ...common.model import resolve_device
 from ...common.records import ARRAYS, from_array_record, to_array_record
-from ..platform.aggregation import combine_records
 from ..platform.rounds import Accepted
 from ..platform.strategy import PromptStrategy
 from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
@@ -90,19 +88,15 @@ class HePCoStrategy(PromptStrategy):
         self.last_report: dict[str, float] = {}
         self._probe: RealDataProbe | None = None
 
-    def average(self, accepted: Sequence[Accepted], weights: np.ndarray,
-                arrays: Sequence[ArrayRecord] | None = None) -> ArrayRecord:
-        """The platform's average; with ``pool-training = "whole"`` and clients on several tasks,
-        the prompt arrays over every reply (each trained the whole pool), the head rows of a task
-        over the replies that trained it."""
-        out = super().average(accepted, weights, arrays)
-        if self.opts.pool_training != "whole" or len({a.task for a in accepted}) < 2:
-            return out
-        records = list(arrays) if arrays is not None else [a.content[ARRAYS] for a in accepted]
-        everyone = from_array_record(combine_records(records, weights, self.combiner))
-        state = from_array_record(out)
-        state.update({name: value for name, value in everyone.items() if name.startswith("prompt.")})
-        return to_array_record(state)
+    def averaging_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
+        """``averaging = "uniform"``: the provisional model is the replies' plain average (1 each);
+        ``"samples"``: the platform's weights."""
+        return np.ones(len(accepted)) if self.opts.averaging == "uniform" else None
+
+    def averaged_over_all(self, name: str) -> bool:
+        """With ``pool-training = "whole"`` the prompt arrays average over every reply (each trained
+        the whole pool) when clients are on several tasks; a task's head rows over its replies."""
+        return self.opts.pool_training == "whole" and name.startswith("prompt.")
 
     def components(self, task: int) -> int:
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
@@ -129,10 +123,7 @@ class HePCoStrategy(PromptStrategy):
         """Provisional average -> generators -> latent distillation; returns the new global arrays."""
         started = time.perf_counter()
         opts, cfg, task = self.opts, self.cfg, self.task
-        if opts.averaging == "uniform":
-            provisional = from_array_record(self.average(accepted, np.ones(len(accepted))))
-        else:
-            provisional = from_array_record(arrays)
+        provisional = from_array_record(arrays)  # the platform's average, weighted as ``averaging`` says
         if not (opts.distill_prompts or opts.distill_head):
             self.last_report = {"consolidation-seconds": time.perf_counter() - started}
             return to_array_record(provisional)

@@ -9,19 +9,21 @@ Two policies every method's aggregation goes through, chosen once from the run c
   (``aggregation``) with Flower's own aggregation functions.
 
 :func:`aggregate_per_task` applies them per task slice (clients on different tasks in one
-round, asynchronous arrival and random tasks).
+round, asynchronous arrival and random tasks); :func:`average_replies` is the platform's default
+``aggregate``, a method's arrays reach it through the hooks ``averaging_weights`` and
+``averaged_over_all`` (strategies/platform/strategy.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from ...common.config import AGGREGATIONS, ExperimentConfig
-from ...common.records import to_array_record
+from ...common.records import from_array_record, to_array_record
 from ...common.tasks import TaskLayout
 from .replies import capped_weights, combine
 
@@ -70,6 +72,31 @@ def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: C
 def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRecord:
     """Sum_i w_i x_i / Sum_i w_i per array, accumulated in float64, cast back to the input dtype."""
     return combine_records(records, weights)
+
+
+def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weights: np.ndarray, per_task: str,
+                    base: ArrayRecord | None, cfg: ExperimentConfig, num_classes: int, combiner: Combiner,
+                    over_all: Callable[[str], bool] | None = None) -> ArrayRecord:
+    """The replies' arrays (``records``, trained on ``tasks``) combined with ``weights``.
+
+    Per task slice and head rows over the replies that trained each (``per_task`` "always", or
+    "in-flight" with several tasks in the round; ``base``: the arrays the round started from), so
+    a slice trained only by clients that are ahead is not diluted; else every array over every
+    reply. With several tasks, the arrays ``over_all`` names are combined over every reply anyway
+    (every reply trained all of them: HePCo's whole-pool training).
+    """
+    several = len(set(tasks)) > 1
+    if (per_task == "always" or (per_task == "in-flight" and several)) and base is not None:
+        updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
+        out = to_array_record(aggregate_per_task(cfg, from_array_record(base), updates, num_classes, combiner))
+    else:
+        out = combine_records(list(records), weights, combiner)
+    shared = [name for name in records[0].keys() if over_all(name)] if over_all is not None and several else []
+    if not shared:
+        return out
+    state = from_array_record(out)
+    state.update({name: combiner([r[name].numpy() for r in records], weights) for name in shared})
+    return to_array_record(state)
 
 
 def aggregate_per_task(

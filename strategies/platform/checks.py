@@ -1,6 +1,6 @@
 """Checks of what a client reply carries, before any of it is used.
 
-Any client may be broken or hostile: :meth:`PromptStrategy.accept` runs :func:`platform_problem`
+Any client may be broken or hostile: ``PromptStrategy``'s reply checks run :func:`platform_problem`
 on every reply (then the method's own ``check_records``), and a reply that fails is left out,
 logged with the node it stands for. The schema of the metrics record and the update-norm and
 weighting rules are in :mod:`promptfcl.strategies.platform.replies`.

@@ -89,6 +89,7 @@ class SentRound:
 
     sent: list[Sent] = field(default_factory=list)
     skipped: int = 0  # sampled clients the method sent nothing (its payload was None)
+    sample_rate: float = 0.0  # sampled / population at this sampling (Sampling._clients)
     _by_id: dict[str, Sent] = field(default_factory=dict)
     _taken: set[int] = field(default_factory=set)
 
