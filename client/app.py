@@ -36,12 +36,15 @@ from ..common.evaluation import correct_counts, pooled_counts
 from ..common.privacy import privacy_options, privatise_reply
 from ..common.records import (
     ARRAYS,
-    CONFIG,
     EVALUATE_TASK,
     EVALUATION,
     METRICS,
     PLACEMENT,
     POOL_PREFIX,
+    arrays_of,
+    as_int,
+    config_of,
+    metrics_of,
     to_torch,
 )
 from ..common.runtime import Runtime, get_runtime
@@ -102,7 +105,7 @@ app = ClientApp(mods=[report_errors, simulated_nodes_mod, inject_faults])
 def train(msg: Message, context: Context) -> Message:
     """Load the global prompts and head, train on this client's share, reply the update."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
+    config = config_of(msg.content)
     check_same_config(cfg, config)
     started = time.perf_counter()
     runtime, client_id = client_runtime(cfg, context, config)
@@ -122,8 +125,8 @@ def train(msg: Message, context: Context) -> Message:
         reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
             reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
-        report_process_cost(reply[METRICS])
-        declare_sizes(cfg, runtime, reply[METRICS])
+        report_process_cost(metrics_of(reply))
+        declare_sizes(cfg, runtime, metrics_of(reply))
         if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
             for key, value in plan_metrics(plan, runtime).items():
                 reply.metric_records[METRICS][key] = value
@@ -139,11 +142,11 @@ def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDi
 
     None, logged, when they cannot be computed: the update still goes back, and the server
     sends this node an evaluate message instead."""
-    task = content[CONFIG][EVALUATE_TASK]
+    task = config_of(content)[EVALUATE_TASK]
     try:
         if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
             raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
-        return evaluation_counts(cfg, runtime, content[ARRAYS], task, {})
+        return evaluation_counts(cfg, runtime, arrays_of(content), task, {})
     except Exception as exc:  # the evaluation must never cost the training update
         log.warning("evaluation asked with training not done (%s: %s); training goes on", type(exc).__name__, exc)
         return None
@@ -155,7 +158,7 @@ def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayReco
     mechanism (common/privacy.py), the one place every method's upload is privatised; a reply
     with no examples releases nothing of the data and goes as it is."""
     dp = privacy_options(cfg)
-    if not dp.enabled or METRICS not in reply.metric_records or int(reply[METRICS]["num-examples"]) == 0:
+    if not dp.enabled or METRICS not in reply.metric_records or as_int(metrics_of(reply)["num-examples"]) == 0:
         return reply
     check_client_run(cfg)  # a method that cannot bound its upload never sends one
     return privatise_reply(reply, received, private_records(cfg.strategy), dp, rng)
@@ -166,7 +169,7 @@ def query(msg: Message, context: Context) -> Message:
     """A method's exchange before training (``PromptStrategy.configure_exchange``, e.g. Powder's
     measuring step): the method's learner answers it (``LocalLearner.answer``) without training."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
+    config = config_of(msg.content)
     check_same_config(cfg, config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
@@ -183,16 +186,16 @@ def evaluate(msg: Message, context: Context) -> Message:
     far, ``num-examples``); the server sums them over nodes into accuracies.
     """
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
+    config = config_of(msg.content)
     check_same_config(cfg, config)
     runtime, _ = client_runtime(cfg, context, config)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
     try:
-        task = int(config["task"])
+        task = as_int(config["task"])
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
-    metrics = evaluation_counts(cfg, runtime, msg.content[ARRAYS], task, pools)
+    metrics = evaluation_counts(cfg, runtime, arrays_of(msg.content), task, pools)
     report_process_cost(metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
@@ -259,7 +262,7 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     sent = config.get("num-classes")
     if sent is not None:
         check_classes(node.data.num_classes, original_names(node.data, cfg.seed),
-                      f"this node's data ({node.data.name})", cfg.num_classes or int(sent), cfg.class_name_list)
+                      f"this node's data ({node.data.name})", cfg.num_classes or as_int(sent), cfg.class_name_list)
     return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
             node.client_id)
 
@@ -312,7 +315,7 @@ def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
         import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
-    fields = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
+    fields: dict[str, Any] = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         fields["cuda-visible-devices"] = visible

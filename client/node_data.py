@@ -117,7 +117,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
         policy = NodePolicy.from_node_config(node_config)
     except NodeRefusal as exc:
         raise NodeDataError(str(exc)) from None
-    common = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
+    common: dict[str, Any] = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
               "data_from_run": policy.data_from_run}
 
     if "partition-id" in node_config:

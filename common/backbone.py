@@ -26,7 +26,13 @@ BUILT_FORMAT = 1
 _refusals_logged: set[str] = set()  # backbones whose from_timm refusal this process has logged
 
 
-def build_backbone(spec: BackboneSpec) -> tuple[nn.Module, str]:
+
+#: a frozen ViT, timm's or common/vit.py's: the code reads it by its attributes (``blocks``,
+#: ``patch_embed``, ``embed_dim``...), which torch types as ``Tensor | Module``, hence ``Any``
+Backbone = Any
+
+
+def build_backbone(spec: BackboneSpec) -> tuple[Backbone, str]:
     """The frozen backbone ``spec`` names, with a sentence saying which weights it has.
 
     With ``backbone-cache-disk`` on, a node keeps the built backbone in its cache dir
@@ -59,7 +65,7 @@ def backbone_cache_path(spec: BackboneSpec) -> Path | None:
     return cache_dir() / "backbones" / f"built-{disk_backbone_id(spec)}.pt" if spec.cache_disk else None
 
 
-def _read_built(path: Path, spec: BackboneSpec) -> tuple[nn.Module, str] | None:
+def _read_built(path: Path, spec: BackboneSpec) -> tuple[Backbone, str] | None:
     """The backbone in a built-backbone cache file, or None (with a warning) if it is unusable."""
     try:
         with startup.phase("weights"):
@@ -101,12 +107,12 @@ def _write_built(path: Path, spec: BackboneSpec, model: nn.Module, source: str) 
         log.warning("cannot write built backbone cache %s (%s)", path, exc)
 
 
-def _build_with_timm(spec: BackboneSpec) -> tuple[nn.Module, str]:
+def _build_with_timm(spec: BackboneSpec) -> tuple[Backbone, str]:
     """Create a frozen timm ViT by name; return it with a sentence saying which weights it has."""
     with startup.phase("model_build"):
         import timm  # a large part of a fresh process's start: imported only to build a model
 
-    overrides: dict[str, int] = {"num_classes": 0, "img_size": spec.image_size}
+    overrides: dict[str, Any] = {"num_classes": 0, "img_size": spec.image_size}
     for key in ("patch_size", "embed_dim", "depth", "num_heads"):
         value = getattr(spec, key)
         if value:
@@ -178,8 +184,9 @@ def _seeded_reinit(model: nn.Module, seed: int) -> None:
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     for m in model.modules():
-        if hasattr(m, "reset_parameters") and m is not model:
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset) and m is not model:
+            reset()
     for name in ("cls_token", "pos_embed", "reg_token"):
         t = getattr(model, name, None)
         if isinstance(t, torch.Tensor):

@@ -15,6 +15,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -260,10 +261,10 @@ def _huggingface(name: str, source: DataSource) -> Source:
     feature = first.features[lab_col]
     names = list(getattr(feature, "names", []) or [])
 
-    def convert(split: object, rows: np.ndarray | None = None) -> ArraySplit:
+    def convert(split: Any, rows: np.ndarray | None = None) -> ArraySplit:  # a datasets.Dataset
         """The split's ``rows`` (all: None), labels read first, images decoded a chunk at a time."""
-        labels = np.asarray(split[lab_col], dtype=np.int64)  # type: ignore[index]
-        chosen = split if rows is None else split.select(rows)  # type: ignore[attr-defined]
+        labels = np.asarray(split[lab_col], dtype=np.int64)
+        chosen = split if rows is None else split.select(rows)
         images = decode_rows(len(chosen), lambda a, b: chosen[a:b][img_col], source.image_size,
                              source.resize_interpolation)
         return ArraySplit(images, labels if rows is None else labels[rows])

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .backbone import backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
+from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
 from .config import ConfigError, ExperimentConfig
 from .preprocess import InputPipeline
 from .vit import Attention as OurAttention
@@ -159,7 +159,7 @@ class CodaPrompt(nn.Module):
 
 
 # ---------------------------------------------------------------------------- prompted ViT
-def check_blocks(backbone: nn.Module, layers: list[int]) -> None:
+def check_blocks(backbone: Backbone, layers: list[int]) -> None:
     """Refuse a backbone whose prompted blocks the prefix / prompt path would not reproduce.
 
     ``common.vit.block_forward`` is timm's ``vision_transformer.Block`` and ``Attention``
@@ -189,7 +189,7 @@ class PromptedViT(nn.Module):
     via :func:`masked_logits`.
     """
 
-    def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
+    def __init__(self, backbone: Backbone, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
                  input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0,
                  tokens: str = "truncate") -> None:
         super().__init__()

@@ -95,6 +95,8 @@ def resample(x: torch.Tensor, crops: torch.Tensor, size: int, mode: str) -> torc
 
 
 class InputPipeline(nn.Module):
+    mean: torch.Tensor  # buffers (register_buffer), typed for the checker
+    std: torch.Tensor
     """uint8 (B, C, H, W) -> float inputs at the backbone's size, channels and normalisation.
 
     Parameters

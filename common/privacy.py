@@ -67,7 +67,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from .config import DP_NAMESPACE, ConfigError, ExperimentConfig
 from .options import MethodOptions
-from .records import ARRAYS, METRICS, from_array_record, to_array_record
+from .records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"
@@ -165,7 +165,7 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
     zeroed. ``received`` is the ``arrays`` record the client was sent.
     """
     sent = from_array_record(received)
-    mine = from_array_record(reply[ARRAYS])
+    mine = from_array_record(arrays_of(reply))
     if list(mine) != list(sent) or any(mine[k].shape != sent[k].shape for k in mine):
         raise ValueError("dp: the reply's arrays do not match the arrays received, so there is no update to clip")
     update = np.concatenate([(mine[k].astype(np.float64) - sent[k]).reshape(-1) for k in mine])
@@ -177,7 +177,7 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
         spec = records.get(name)
         if spec is None:
             raise ValueError(f"dp: upload record {name!r} has no declared privacy bound")
-        extras[name] = arrays = {k: np.array(v) for k, v in from_array_record(reply[name]).items()}
+        extras[name] = arrays = {k: np.array(v) for k, v in from_array_record(arrays_of(reply, name)).items()}
         for key, value in arrays.items():
             if key in spec.public:
                 continue

@@ -22,9 +22,10 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -257,7 +258,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
         default the run's partition.
     """
     if data is None:
-        return _runtime(cfg.fingerprint(), prompt_class, precision)
+        return _runtime(cfg.fingerprint(), cast(Hashable, prompt_class), precision)  # a class hashes by identity
     key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision, partition)
     if key not in _with_data:
         previous = next(iter(_with_data.values()), None)

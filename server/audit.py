@@ -213,6 +213,7 @@ def best_similarity(recon: torch.Tensor, real: torch.Tensor) -> tuple[float, flo
     ssim = structural_similarity_index_measure(preds, real, kernel_size=size, sigma=sigma, data_range=1.0,
                                                reduction="none")
     psnr = peak_signal_noise_ratio(preds, real, data_range=1.0, reduction="none", dim=(1, 2, 3))
+    assert isinstance(ssim, torch.Tensor)  # reduction "none" without the full image: one tensor
     best = int(torch.argmax(ssim))
     return float(ssim[best]), float(psnr.max()), best
 
@@ -413,7 +414,8 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         targets = [Target(u["class"], u["kind"], np.asarray(u["vector"]), settings.distance,
                           _real_images(rt, u["class"], u["client"], settings.max_real), u["client"],
                           u["meta"]) for u in uploads]
-    shape = tuple(int(s) for s in rt.data.train.images.shape[1:])
+    channels, height, width = rt.data.train.images.shape[1:]
+    shape = (int(channels), int(height), int(width))
     log.info("audit: %s run %s after task %d round %d: %d targets of %d classes, image %s, %d steps",
              cfg.strategy, run, ckpt.task, ckpt.round, len(targets), len(available), "x".join(map(str, shape)),
              settings.steps)

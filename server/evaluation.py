@@ -19,7 +19,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from ..common.evaluation import accuracies, correct_counts, pooled_counts
-from ..common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, to_torch
+from ..common.records import (
+    ARRAYS,
+    CONFIG,
+    EVALUATE_TASK,
+    EVALUATION,
+    METRICS,
+    POOL_PREFIX,
+    arrays_of,
+    as_float,
+    config_of,
+    metrics_of,
+    to_torch,
+)
 from ..common.runtime import Runtime
 from ..common.startup import metric_name
 from ..strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
@@ -98,9 +110,9 @@ class FederatedEvaluator:
             node = int(m.metadata.dst_node_id)
             # a node playing several clients evaluates once; one counted or refused is not asked again
             if node in done or node in carried.asked.values() or ARRAYS not in m.content.array_records or \
-                    not same_arrays(m.content[ARRAYS], carried.arrays):
+                    not same_arrays(arrays_of(m.content), carried.arrays):
                 continue
-            config = ConfigRecord(dict(m.content[CONFIG]))  # this message's own copy
+            config = ConfigRecord(dict(config_of(m.content)))  # this message's own copy
             config[EVALUATE_TASK] = carried.task
             m.content[CONFIG] = config
             carried.asked[id(m)] = node
@@ -114,7 +126,7 @@ class FederatedEvaluator:
             node = by_id.get(reply.metadata.reply_to_message_id)
             if node is None or reply.has_error() or EVALUATION not in reply.content.metric_records:
                 continue
-            record = reply.content[EVALUATION]
+            record = metrics_of(reply.content, EVALUATION)
             try:
                 result = check_eval_metrics(record, carried.task, self.strategy, node)
             except Exception as exc:  # nothing a reply holds may stop the run
@@ -164,7 +176,7 @@ class FederatedEvaluator:
             counts[node] = result
             m = reply.content[METRICS]
             if metric_name("imports") in m and "process-seconds" in m:  # a fresh process: its start-up
-                overheads.append(float(m["process-seconds"]))
+                overheads.append(as_float(m["process-seconds"]))
         failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
                    for m in unanswered(messages, replies)]
         failed = [self.strategy.named(f) for f in failed]
@@ -233,7 +245,7 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
     content = reply.content
     if set(content.keys()) != {METRICS} or METRICS not in content.metric_records:
         return f"an evaluation reply holds exactly a 'metrics' record, got {sorted(content.keys())}"
-    return check_eval_metrics(content[METRICS], task, strategy, node)
+    return check_eval_metrics(metrics_of(content), task, strategy, node)
 
 
 #: what evaluation counts may hold besides ``correct`` / ``total`` (evaluate replies, and the

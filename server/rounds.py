@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
-from ..common.records import CONFIG, METRICS
+from ..common.records import CONFIG, METRICS, as_float, as_int
 from ..common.startup import PHASES, metric_name
 from ..strategies.platform.outcome import RoundOutcome
 from ..strategies.platform.replies import PLAN_METRICS
@@ -126,20 +126,20 @@ class Attempts:
 
     def read_replies(self, used: list[MetricRecord]) -> None:
         """The accepted replies' metrics (they have passed the checks of every field)."""
-        self.client_secs += [float(m["train-seconds"]) for m in used]
+        self.client_secs += [as_float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
-        self.process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
+        self.process_secs += [as_float(m.get("process-seconds", 0.0)) for m in used]
         # a fresh process (every deployed message; an actor's first in simulation): its time before
         # the first training step, and per phase (common/startup.py)
         fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
-        self.overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
-                           - float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
-                           + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
+        self.overheads += [as_float(m["process-seconds"]) - as_float(m["train-seconds"])
+                           - as_float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
+                           + as_float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
                            for m in fresh]
         for name in PHASES:
-            self.startup_phases.setdefault(name, []).extend(float(m[metric_name(name)]) for m in fresh
+            self.startup_phases.setdefault(name, []).extend(as_float(m[metric_name(name)]) for m in fresh
                                                             if metric_name(name) in m)
-        self.device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
+        self.device_peaks += [as_float(m.get("device-peak-mb", 0.0)) for m in used]
 
 
 def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: int, round_: int, server_round: int,
@@ -238,7 +238,7 @@ def round_record(task: int, round_: int, server_round: int, outcome: RoundOutcom
         attempts=spent.count, clients_sampled=spent.sampled,
         client_tasks=[int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records],
         placement=[outcome.placement_of(m) for m in messages],
-        clients_aggregated=int(agg["clients"]),
+        clients_aggregated=as_int(agg["clients"]),
         update_norms=[float(v) for v in outcome.update_norms],
         reply_shares=list(outcome.shares),
         reply_nodes=list(outcome.nodes),
@@ -247,8 +247,8 @@ def round_record(task: int, round_: int, server_round: int, outcome: RoundOutcom
         stats_ratios=dict(outcome.stats_ratios),
         sample_rates=list(spent.sample_rates),
         memory_plans=spent.plans,
-        examples=int(agg["num-examples"]),
+        examples=as_int(agg["num-examples"]),
         rejected=spent.rejected,
-        train_loss=float(agg["train-loss"]),
+        train_loss=as_float(agg["train-loss"]),
         strategy_metrics={k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
     )

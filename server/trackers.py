@@ -32,7 +32,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def final_metrics(results: dict[str, Any]) -> dict[str, float]:
     values = {key: results.get(key) for key in SUMMARY_KEYS}
     for key in ("forward_transfer", "combined_transfer"):
         values[key] = (results.get("asynchronous") or {}).get(key)
-    return {key: float(v) for key, v in values.items() if _finite(v)}
+    return {key: float(v) for key, v in values.items() if v is not None and _finite(v)}
 
 
 def matrix_rows(matrix: np.ndarray | list[list[float | None]]) -> list[list[float | None]]:
@@ -198,7 +198,8 @@ class WandbTracker:
         out = Path(out_dir)
         (out / "wandb").mkdir(parents=True, exist_ok=True)
         # offline unless the environment asks for more: a run never uploads by surprise
-        mode = None if os.environ.get("WANDB_MODE") else "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode: Literal["online", "offline"] | None = (
+            None if os.environ.get("WANDB_MODE") else "online" if os.environ.get("WANDB_API_KEY") else "offline")
         id_file = out / "wandb" / "promptfcl-run-id"
         run_id = _saved_id(id_file, resume)
         self.run = wandb.init(

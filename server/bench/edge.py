@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ...common.records import arrays_of
 from .common import _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
@@ -88,7 +89,7 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     started, cpu = time.perf_counter(), time.process_time()
     reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    sent, trained = from_array_record(arrays), from_array_record(reply[ARRAYS])
+    sent, trained = from_array_record(arrays), from_array_record(arrays_of(reply))
     np.savez(arrays_out, **{name: trained[name] - sent[name] for name in trained})
     return {**plan_metrics(plan, runtime), "images_per_second": batch_size / seconds, "seconds": seconds,
             "cpu_seconds_per_image": cpu / batch_size,

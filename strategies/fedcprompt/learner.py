@@ -34,7 +34,7 @@ import torch
 from flwr.app import RecordDict
 
 from ...common.privacy import privacy_options
-from ...common.records import CONFIG
+from ...common.records import CONFIG, as_int, config_of
 from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from .options import FedCPromptOptions, split_held_out
@@ -118,7 +118,7 @@ class FedCPromptLearner(LocalLearner):
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
         prompt = self.prompt
-        known = int(content[CONFIG].get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
+        known = as_int(config_of(content).get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
         if not task < known <= self.cfg.num_tasks:
             raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.num_tasks}")
         prompt.known_tasks = known
@@ -133,6 +133,7 @@ class FedCPromptLearner(LocalLearner):
     def c2l(self, task: int) -> torch.Tensor:
         """C2L of the model's current prompt for ``task`` (eq. 3)."""
         current = self.task_vector(dict(self.prompt.named_parameters()), task)
+        assert self.previous is not None and self.others is not None  # set by round_start
         return c2l_loss(current, self.previous, self.others, self.opts.gamma, self.opts.alpha,
                         self.opts.c2l_first_task)
 

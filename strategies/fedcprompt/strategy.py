@@ -37,7 +37,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.privacy import privacy_options
-from ...common.records import METRICS, from_array_record, to_array_record
+from ...common.records import METRICS, as_int, from_array_record, to_array_record
 from ..platform.replies import REPLY_METRICS, MetricSpec
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
@@ -114,8 +114,8 @@ class FedCPromptStrategy(PromptStrategy):
         has = [k in metrics for k in VALIDATION_METRICS]
         if any(has) and not all(has):
             return "val-correct and val-total come together"
-        if all(has) and int(metrics["val-correct"]) > int(metrics["val-total"]):
-            return f"val-correct {int(metrics['val-correct'])} exceeds val-total {int(metrics['val-total'])}"
+        if all(has) and as_int(metrics["val-correct"]) > as_int(metrics["val-total"]):
+            return f"val-correct {as_int(metrics['val-correct'])} exceeds val-total {as_int(metrics['val-total'])}"
         return None
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
@@ -129,7 +129,7 @@ class FedCPromptStrategy(PromptStrategy):
             mine = [a.content[METRICS] for a in accepted if a.task == task and "val-total" in a.content[METRICS]]
             total = correct = 0
             for m in mine:
-                total, correct = total + int(m["val-total"]), correct + int(m["val-correct"])
+                total, correct = total + as_int(m["val-total"]), correct + as_int(m["val-correct"])
             if not total:
                 continue  # no counts (differential privacy, or shares too small to hold any out)
             accuracy = correct / total

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from ...common.records import CONFIG, to_array_record
+from ...common.records import CONFIG, arrays_of, as_int, to_array_record
 from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from .options import FPPLOptions
@@ -128,10 +128,10 @@ class FPPLLearner(LocalLearner):
         self.rt.model.prompt.fusion_scale.requires_grad_(self.opts.fusion_scale == "learnable")
         self.proto_classes = self.proto_means = None
         config = content.config_records.get(CONFIG)
-        self.client_id = int(config["client-id"]) if config is not None and "client-id" in config else -1
+        self.client_id = as_int(config["client-id"]) if config is not None and "client-id" in config else -1
         if not self.opts.unified_loss or GLOBAL_PROTOTYPES not in content.array_records:
             return  # e.g. the first round of a task: no global prototype of its classes yet
-        record = content[GLOBAL_PROTOTYPES]
+        record = arrays_of(content, GLOBAL_PROTOTYPES)
         classes = record["classes"].numpy().astype(np.int64)
         means = record["means"].numpy()
         keep = np.isin(classes, self.rt.layout.classes(task))
@@ -145,6 +145,7 @@ class FPPLLearner(LocalLearner):
         if not self.opts.unified_loss or self.proto_means is None:
             return None
         counted = None
+        assert self.proto_classes is not None  # set with the means by round_start
         if batch.share != 1.0 and batch.step_labels is not None:
             # a micro-batch: averaged over the step's samples that have a prototype, not its own
             counted = int((batch.step_labels[:, None] == self.proto_classes[None, :].to(batch.labels.device))

@@ -34,6 +34,8 @@ class FPPLPrompt(CodaPrompt):
     has exactly one prompt per task.
     """
 
+    hard_selection: torch.Tensor  # a buffer (register_buffer), typed for the checker
+
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         nn.Module.__init__(self)  # not CodaPrompt.__init__: none of its components/keys/attention
         self.embed_dim, self.layers, self.pool_size = embed_dim, list(layers), pool_size

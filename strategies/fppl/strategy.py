@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
 from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
@@ -137,7 +137,7 @@ class FPPLStrategy(PromptStrategy):
         assert content is not None  # the platform's payload always trains
         if self._global_record is not None:
             content[GLOBAL_PROTOTYPES] = self._global_record
-        state = from_array_record(content[ARRAYS])
+        state = from_array_record(arrays_of(content))
         sent.expected = to_array_record({name: value[sent.task : sent.task + 1] if name in self._task_prompts else value
                                          for name, value in state.items()})
         return content
@@ -153,7 +153,7 @@ class FPPLStrategy(PromptStrategy):
 
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
         """FedAvg over the replies, each completed with the frozen prompts it was sent."""
-        complete = [to_array_record(completed(from_array_record(a.content[ARRAYS]),
+        complete = [to_array_record(completed(from_array_record(arrays_of(a.content)),
                                               from_array_record(a.sent.arrays),  # type: ignore[arg-type]
                                               self._own_prompt(a.task)))
                     for a in accepted]
@@ -177,11 +177,11 @@ class FPPLStrategy(PromptStrategy):
         content = reply.content
         if LOCAL_PROTOTYPES not in content.array_records:
             return f"{LOCAL_PROTOTYPES!r} is not an array record"
-        rec = content[LOCAL_PROTOTYPES]
+        rec = arrays_of(content, LOCAL_PROTOTYPES)
         if not {"classes", "means"} <= set(rec.keys()):
             return f"{LOCAL_PROTOTYPES!r} record lacks 'classes' or 'means'"
         classes, means = rec["classes"].numpy(), rec["means"].numpy()
-        dim = int(content[ARRAYS]["prompt.fusion"].shape[1])  # already checked against what was sent
+        dim = int(arrays_of(content)["prompt.fusion"].shape[1])  # already checked against what was sent
         if means.ndim != 2 or means.shape != (classes.shape[0], dim):
             return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
         if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
@@ -246,7 +246,7 @@ class FPPLStrategy(PromptStrategy):
         """This round's local prototypes, each under the client the server sent."""
         out = PrototypeSet.empty()
         for a in accepted:
-            rec = a.content[LOCAL_PROTOTYPES]
+            rec = arrays_of(a.content, LOCAL_PROTOTYPES)
             classes = rec["classes"].numpy().astype(np.int64)
             out = out.concat(PrototypeSet(classes, rec["means"].numpy().astype(np.float32),
                                           np.full(len(classes), a.client, np.int64)))

@@ -53,7 +53,7 @@ from flwr.app import ArrayRecord
 
 from ...common.config import ExperimentConfig
 from ...common.model import resolve_device
-from ...common.records import ARRAYS, from_array_record, to_array_record
+from ...common.records import arrays_of, from_array_record, to_array_record
 from ..platform.rounds import Accepted
 from ..platform.strategy import PromptStrategy
 from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
@@ -187,7 +187,7 @@ class HePCoStrategy(PromptStrategy):
         groups = []
         for t in sorted({a.task for a in accepted}):
             mine = [i for i, a in enumerate(accepted) if a.task == t]
-            states = [from_array_record(accepted[i].content[ARRAYS]) for i in mine]
+            states = [from_array_record(arrays_of(accepted[i].content)) for i in mine]
             w = None if weights is None else weights[mine]
             groups.append(TaskTeachers(torch.as_tensor(self.layout.classes(t), device=self.device),
                                        Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),

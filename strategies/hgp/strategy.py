@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
 from ..platform.strategy import PromptStrategy
@@ -159,8 +159,8 @@ class HGPStrategy(PromptStrategy):
         content = reply.content
         if STATS not in content.array_records:
             return f"{STATS!r} is not an array record"
-        arrays = from_array_record(content[STATS])
-        dim = int(content[ARRAYS]["head.weight"].shape[1])  # already checked against what was sent
+        arrays = from_array_record(arrays_of(content, STATS))
+        dim = int(arrays_of(content)["head.weight"].shape[1])  # already checked against what was sent
         try:
             kind = check_class_stats(arrays, dim)
         except ValueError as exc:
@@ -170,7 +170,7 @@ class HGPStrategy(PromptStrategy):
         expected = {"classes", "counts", "means"} | set(WIRE_ARRAYS[kind])
         if set(arrays) != expected:
             return f"class statistics hold {sorted(arrays)}, expected {sorted(expected)}"
-        examples = int(content[METRICS]["num-examples"])
+        examples = as_int(metrics_of(content)["num-examples"])
         if int(arrays["counts"].sum()) != examples:
             # the counts weigh the mixtures: they must be the samples the client trained on
             return f"class counts sum to {int(arrays['counts'].sum())}, num-examples is {examples}"
@@ -263,7 +263,7 @@ class HGPStrategy(PromptStrategy):
             if STATS not in content.array_records:
                 continue
             allowed = set(self.layout.classes(task).tolist())
-            arrays = from_array_record(content[STATS])  # stored as received, decoded when a mixture is built
+            arrays = from_array_record(arrays_of(content, STATS))  # stored as received, decoded when a mixture is built
             for row, c in enumerate(arrays["classes"].tolist()):
                 if c in allowed and int(arrays["counts"][row]) > 0:
                     fresh.setdefault(c, []).append((arrays, row, client))

@@ -102,7 +102,7 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
 def aggregate_per_task(
     cfg: ExperimentConfig,
     base: Mapping[str, np.ndarray],
-    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
     num_classes: int,
     combiner: Combiner | None = None,
 ) -> dict[str, np.ndarray]:
@@ -162,7 +162,7 @@ def _robust_per_row(
     cfg: ExperimentConfig,
     name: str,
     value: np.ndarray,
-    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
+    updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
     num_classes: int,
     combiner: Combiner,
 ) -> np.ndarray:
@@ -175,7 +175,7 @@ def _robust_per_row(
     merged = value.copy()
     for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
         rows = np.flatnonzero((owners == pattern).all(axis=1))
-        idx = np.flatnonzero(pattern)
+        idx = np.flatnonzero(pattern).tolist()
         merged[rows] = combiner(
             [np.asarray(updates[i][1][name])[rows] for i in idx], np.array([updates[i][2] for i in idx])
         )

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...common.records import ARRAYS, from_array_record, to_array_record
+from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
 from .replies import clipped_update, lower_median, median_cosines, norm_outliers, update_norm, update_of
 from .rounds import Accepted, Sent
 
@@ -235,7 +235,7 @@ class UpdateScreen:
         shortened arrays (its direction kept). Returns the replies kept, those excluded with why,
         and the replies each defence excluded or clipped.
         """
-        updates = [update_of(from_array_record(a.content[ARRAYS]), start_of(a.sent)) for a in replies]
+        updates = [update_of(from_array_record(arrays_of(a.content)), start_of(a.sent)) for a in replies]
         norms = [update_norm(u, None) for u in updates]
         screening = self(updates, norms, [a.task for a in replies], [a.sent.client for a in replies])
         kept, excluded = [], []
@@ -246,7 +246,7 @@ class UpdateScreen:
                 continue
             if i in screening.scales:  # norm bounding: shortened, its direction kept
                 a.content[ARRAYS] = to_array_record(clipped_update(
-                    from_array_record(a.content[ARRAYS]), start_of(a.sent), screening.scales[i]))
+                    from_array_record(arrays_of(a.content)), start_of(a.sent), screening.scales[i]))
                 a.update_norm = norms[i] * screening.scales[i]
             kept.append(a)
         return kept, excluded, screening.counts()

@@ -45,7 +45,7 @@ from ...common.model import masked_logits
 from ...common.options import MethodOptions, NoOptions
 from ...common.partitions import client_indices
 from ...common.preprocess import random_resized_crops
-from ...common.records import ARRAYS, METRICS, to_array_record, to_torch
+from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
 from ...common.runtime import Runtime
 
 log = logging.getLogger("promptfcl")
@@ -338,7 +338,7 @@ class LocalLearner:
 def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
     """(task, round within task, client id) from a train message's config."""
     try:
-        return int(config["task"]), int(config["round"]), int(config["client-id"])
+        return as_int(config["task"]), as_int(config["round"]), as_int(config["client-id"])
     except KeyError as exc:
         raise ValueError(f"train message config lacks {exc}") from None
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from ...common.records import CONFIG
+from ...common.records import CONFIG, as_int
 from .rounds import Accepted
 
 
@@ -71,7 +71,7 @@ class RoundOutcome:
         """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""
         config = message.content.config_records[CONFIG] if CONFIG in message.content.config_records else ConfigRecord()
         where = self.placements.get(message.metadata.message_id, {})
-        return {"client": int(config["client-id"]) if "client-id" in config else None,
+        return {"client": as_int(config["client-id"]) if "client-id" in config else None,
                 "node": where.get("node"), "device": where.get("device"),
                 "cuda_visible_devices": where.get("cuda-visible-devices"),
                 "config_digest": where.get("config-digest")}

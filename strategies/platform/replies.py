@@ -193,7 +193,7 @@ def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: 
             f"update-min-cosine = {min_cosine:g}" for c in median_cosines(updates)]
 
 
-def capped_weights(counts: Sequence[float], cap: float) -> np.ndarray:
+def capped_weights(counts: Sequence[float] | np.ndarray, cap: float) -> np.ndarray:
     """Normalised weights proportional to ``counts`` with none above ``cap`` (excess shared
     among the others in proportion); unchanged when no weight exceeds ``cap`` or a cap
     cannot be met (fewer than 1 / cap replies)."""

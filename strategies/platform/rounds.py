@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from ...common.records import ARRAYS, CONFIG, METRICS
+from ...common.records import ARRAYS, CONFIG, as_int, metrics_of
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Accepted:
 
     @property
     def examples(self) -> int:
-        return int(self.reply.content[METRICS]["num-examples"])
+        return as_int(metrics_of(self.reply.content)["num-examples"])
 
     @property
     def client(self) -> int:

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 
 from ...common.config import ExperimentConfig
 from ...common.node_identity import grid_names, node_label
+from ...common.records import as_int
 from .rounds import Sent, SentRound
 
 log = logging.getLogger("promptfcl")
@@ -134,7 +135,7 @@ class Sampling:
         sampled / population, where with population = "nodes" the population is the nodes connected
         at sampling time, so a node that dropped out raises it (differential privacy's accountant
         composes each round at its own rate, server/results.py)."""
-        task, round_, attempt = int(config["task"]), int(config["round"]), int(config.get("attempt", 0))
+        task, round_, attempt = as_int(config["task"]), as_int(config["round"]), as_int(config.get("attempt", 0))
         if self.cfg.population == "nodes":  # every connected node is one client with its own data
             # before the first round, wait for the whole population; later, for enough to aggregate
             minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
@@ -161,7 +162,7 @@ class Sampling:
         out = SentRound(sample_rate=rate)
         for client, node, slot in clients:
             client_config = self._client_config(config, client, slot, server_round)
-            sent = Sent(client, int(client_config["task"]), int(client_config["round"]),
+            sent = Sent(client, as_int(client_config["task"]), as_int(client_config["round"]),
                         slot % self.schedule.num_clients, client_config)
             content = make(sent, arrays)
             if content is None:

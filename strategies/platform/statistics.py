@@ -33,7 +33,7 @@ from functools import partial
 
 import numpy as np
 
-from ...common.records import from_array_record, to_array_record
+from ...common.records import arrays_of, from_array_record, to_array_record
 from .replies import lower_median
 from .rounds import Accepted
 
@@ -83,7 +83,7 @@ class StatisticsBound:
         changed = 0
         for name, spec in specs.items():
             holders = [a for a in replies if name in a.content.array_records]
-            before = [from_array_record(a.content[name]) for a in holders]
+            before = [from_array_record(arrays_of(a.content, name)) for a in holders]
             ratios.update(self.ratios(before, spec))
             if not self.active:
                 continue

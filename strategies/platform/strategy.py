@@ -45,7 +45,18 @@ from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt
 from ...common.options import MethodOptions, NoOptions
 from ...common.privacy import PrivateRecord
-from ...common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
+from ...common.records import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    PLACEMENT,
+    as_float,
+    as_int,
+    config_of,
+    from_array_record,
+    metrics_of,
+    to_array_record,
+)
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
@@ -262,7 +273,7 @@ class PromptStrategy(Sampling, FedAvg):
                         grid: Grid) -> Iterable[Message]:
         """One message per sampled client; ``config`` carries ``task``, ``round`` (and ``attempt``)."""
         self.round_arrays = arrays
-        self.round_start(server_round, int(config["task"]), int(config["round"]), arrays)
+        self.round_start(server_round, as_int(config["task"]), as_int(config["round"]), arrays)
         self._sent_round = self._send(server_round, arrays, config, grid, self.payload, MessageType.TRAIN)
         return self._sent_round.messages
 
@@ -297,7 +308,7 @@ class PromptStrategy(Sampling, FedAvg):
             log.info("round %d defences: %s; %d replies kept", server_round, ", ".join(f"{k} {v}" if k != "stats" else
                      f"{v} statistics rows bounded" for k, v in counts.items() if v), len(accepted))
         arrays = self.consolidate(server_round, self.aggregate(accepted), accepted)
-        losses = [float(a.content[METRICS]["train-loss"]) for a in accepted]
+        losses = [as_float(metrics_of(a.content)["train-loss"]) for a in accepted]
         metrics = MetricRecord({"num-examples": sum(a.examples for a in accepted), "clients": len(accepted),
                                 "train-loss": float(np.average(losses, weights=weights))})
         for key, value in self.round_metrics(accepted).items():
@@ -311,7 +322,7 @@ class PromptStrategy(Sampling, FedAvg):
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
-        self.round_start(server_round, int(config["task"]), int(config["round"]), arrays)
+        self.round_start(server_round, as_int(config["task"]), as_int(config["round"]), arrays)
         self._exchange_round = self._send(server_round, arrays, config, grid, self.exchange_payload, MessageType.QUERY)
         return self._exchange_round.messages
 
@@ -404,7 +415,7 @@ class PromptStrategy(Sampling, FedAvg):
             shares=tuple(a.weight / total for a in accepted) if total > 0 else (),
             nodes=tuple(self.node_label(a.sent.node) for a in accepted),
             update_norms=tuple(a.update_norm for a in accepted), update_cosines=tuple(a.cosine for a in accepted),
-            placements={a.reply.metadata.reply_to_message_id: dict(a.content[PLACEMENT]) for a in accepted
+            placements={a.reply.metadata.reply_to_message_id: _placement(a.content) for a in accepted
                         if PLACEMENT in a.content},
             defences=dict(counts) if self.policies.defended else {}, stats_ratios=ratios,
             sample_rate=self._sent_round.sample_rate)
@@ -440,3 +451,8 @@ class PromptStrategy(Sampling, FedAvg):
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
         self._schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
         self.policies.screen.strikes.load(state.get("strikes", {}))
+
+
+def _placement(content: RecordDict) -> dict[str, str]:
+    """A reply's placement record (its fields are strings: checks.check_placement)."""
+    return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}

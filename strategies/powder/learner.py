@@ -32,7 +32,17 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ...common.partitions import client_indices
-from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
+from ...common.records import (
+    METRICS,
+    arrays_of,
+    as_float,
+    as_int,
+    as_list,
+    config_of,
+    from_array_record,
+    to_array_record,
+    to_torch,
+)
 from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from ..platform.partial import Rows, completed
@@ -158,21 +168,21 @@ class PowderLearner(LocalLearner):
     # ------------------------------------------------------------------ the round
     def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
         """This round's local pool, mixing weights, measuring request and class correlations."""
-        local = [int(t) for t in config[LOCAL_TASKS]]
+        local = [as_int(t) for t in as_list(config[LOCAL_TASKS])]
         if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
-        weights = config.get(OWN_WEIGHTS)
+        weights = None if config.get(OWN_WEIGHTS) is None else as_list(config[OWN_WEIGHTS])
         if weights is not None and len(weights) != len(local):
             raise ValueError(f"{OWN_WEIGHTS} has {len(weights)} values for the local pool {local}")
-        self.own_weights = None if weights is None else dict(zip(local, (float(w) for w in weights)))
+        self.own_weights = None if weights is None else dict(zip(local, (as_float(w) for w in weights)))
         self.measure = bool(config.get(MEASURE, False))
-        self.previous = int(config.get(PREVIOUS, -1))
+        self.previous = as_int(config.get(PREVIOUS, -1))
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
         # indexed like the logits (head rows), as the batches' labels are
         total = torch.ones(self.rt.layout.head_size)
-        corr = [float(v) for v in config.get(CLASS_CORR, [])]
+        corr = [as_float(v) for v in as_list(config.get(CLASS_CORR, []))]
         rows = self.rt.layout.head_rows(task)  # in the order of the task's classes
         if corr:
             if len(corr) != len(rows):
@@ -183,9 +193,9 @@ class PowderLearner(LocalLearner):
     def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:
         """This round's local pool and the rest of the server's message read; the payload completed
         to full-size arrays (zeros outside the local pool and the task's head rows)."""
-        self.read_message(content[CONFIG], task, round_, client_id)
+        self.read_message(config_of(content), task, round_, client_id)
         self.alpha_record = ArrayRecord()
-        return self.expand(content[ARRAYS], task)
+        return self.expand(arrays_of(content), task)
 
     def reply_records(self) -> dict[str, Any]:
         """The alphas measured at the round's start (empty when the server did not ask)."""
@@ -199,12 +209,12 @@ class PowderLearner(LocalLearner):
     def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the
         task just finished, over the whole P_hat sent; no training."""
-        config = content[CONFIG]
+        config = config_of(content)
         self.read_message(config, task, round_, client_id)
         if not self.measure:
             raise ValueError(f"a message before training must ask for alphas ({MEASURE} = true)")
         model = self.rt.model
-        model.load_trainable_state(to_torch(self.expand(content[ARRAYS], task, prompts_only=True)))
+        model.load_trainable_state(to_torch(self.expand(arrays_of(content), task, prompts_only=True)))
         model.prompt.set_task(task)
         self.prompt.begin_round(self.local_tasks, None)
         try:
@@ -302,12 +312,14 @@ class PowderLearner(LocalLearner):
         if self.opts.distillation == "classic":
             loss = classic_distillation(batch.logits, teacher, self.opts.temperature)
         else:
+            total = self.class_total
+            assert total is not None  # set by read_message, before any batch
             if batch.share != 1.0 and batch.step_labels is not None and batch.rows is not None:
                 # a micro-batch: beta is a softmax over the whole step's samples; the loop weights
                 # this micro-batch's part by its share, which the division undoes
-                beta = sample_weights(self.class_total, batch.step_labels)[batch.rows] / batch.share
+                beta = sample_weights(total, batch.step_labels)[batch.rows] / batch.share
             else:
-                beta = sample_weights(self.class_total, batch.labels)
+                beta = sample_weights(total, batch.labels)
             loss = dual_distillation(batch.logits, teacher, batch.labels, beta, self.opts.temperature)
         self.last_distillation = float(loss.detach())
         return self.opts.lambda_ * loss

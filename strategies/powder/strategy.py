@@ -57,7 +57,7 @@ by default (``head = "auto"``) each task has its own head block, the paper's psi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.config import ExperimentConfig
-from ...common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from ...common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, to_array_record
 from ..platform.aggregation import aggregate_per_task
 from ..platform.partial import Rows, completed
 from ..platform.replies import check_metrics
@@ -211,7 +211,7 @@ class PowderStrategy(PromptStrategy):
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
         else:
-            rng = np.random.default_rng([self.cfg.seed, int(sent.config.get("server-round", 0)), sent.client, 0x50D])
+            rng = np.random.default_rng([self.cfg.seed, as_int(sent.config.get("server-round", 0)), sent.client, 0x50D])
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
         classes = self.layout.classes(task)
@@ -320,11 +320,11 @@ class PowderStrategy(PromptStrategy):
             return reason
         if reply.content[METRICS]["num-examples"] == 0:
             return "nothing measured (num-examples 0)"
-        return self.check_alpha(reply.content[ALPHA], sent)
+        return self.check_alpha(arrays_of(reply.content, ALPHA), sent)
 
     def use_exchange(self, server_round: int, answers: list[Accepted]) -> None:
         """Replace the measured alphas (eq. 6-7); the round's P_hat is then recomputed with them."""
-        records = [a.content[ALPHA] for a in answers]
+        records = [arrays_of(a.content, ALPHA) for a in answers]
         self.measured_before = self.update_correlation(records)
         if records:
             self.new_tasks_pending = False
@@ -332,7 +332,7 @@ class PowderStrategy(PromptStrategy):
     # ------------------------------------------------------------------ replies and aggregation
     def check_records(self, reply: Message, sent: Sent) -> str | None:
         """The alpha record: empty unless the server asked this client to measure."""
-        return self.check_alpha(reply.content[ALPHA], sent)
+        return self.check_alpha(arrays_of(reply.content, ALPHA), sent)
 
     def check_alpha(self, record: ArrayRecord, sent: Sent) -> str | None:
         """Why an alpha record cannot be used (None: it can)."""
@@ -361,12 +361,14 @@ class PowderStrategy(PromptStrategy):
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
         """Merge the returned task slices into P_g per task (as raw slices, ``raw_slices``), then
         update the correlations from the alphas measured in training."""
+        assert self.global_arrays is not None  # kept by configure_train, before any reply
         base = from_array_record(self.global_arrays)
         merged = self.merge(
             base,
-            [(a.task, self.raw_slices(a.sent, from_array_record(a.content[ARRAYS]), base), a.weight) for a in accepted],
+            [(a.task, self.raw_slices(a.sent, from_array_record(arrays_of(a.content)), base), a.weight)
+             for a in accepted],
         )
-        measuring = [a.content[ALPHA] for a in accepted if a.sent.data.measure]
+        measuring = [arrays_of(a.content, ALPHA) for a in accepted if a.sent.data.measure]
         self.measured_in_training = self.update_correlation(measuring)
         if measuring:
             self.new_tasks_pending = False
@@ -401,7 +403,7 @@ class PowderStrategy(PromptStrategy):
         return out
 
     def merge(
-        self, base: Mapping[str, np.ndarray], updates: list[tuple[int, Mapping[str, np.ndarray], float]]
+        self, base: Mapping[str, np.ndarray], updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]]
     ) -> dict[str, np.ndarray]:
         """P_g with every trained task slice (and its head rows) replaced by the sample-weighted
         average of the clients that trained it; other arrays averaged over every reply.
