@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -312,7 +313,6 @@ def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray_actor() else None
     device = runtime.device
     if device.type == "cuda" and device.index is None:
-        import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
     fields: dict[str, Any] = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}

@@ -59,9 +59,12 @@ from ..common.data import (
     read_source,
 )
 from ..common.data_cache import code_identity, load_source_cached, mapped_dataset
+from ..common.flower_internals import internal
 from ..common.images import IMAGE_EXTENSIONS, image_listing
 from ..common.partitions import Partition
 from ..common.tasks import TaskLayout, class_order
+from ..common.weights import BackboneSpec, cache_dir, check_weights
+from ..strategies.platform.run_checks import load_config
 from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
 log = logging.getLogger("promptfcl")
@@ -290,7 +293,6 @@ def load_folder(source: DataSource, class_names: list[str], root: Path) -> Datas
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from ..common.weights import cache_dir
 
     full = {**source.keys(), "class-names": ",".join(class_names)}
     listing = image_listing(root)
@@ -366,6 +368,7 @@ def export_digits(out: Path, nodes: int, seed: int = 0) -> list[Path]:
     For trying a deployment without a dataset of one's own: each node gets a stratified
     share of the digits' train and test images.
     """
+    # only the sources that need them: PIL for image folders, scikit-learn for digits
     from PIL import Image
     from sklearn.datasets import load_digits
 
@@ -408,11 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             print(folder)
         return 0
 
-    from ..common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from ..common.weights import BackboneSpec, check_weights
-    from ..strategies.platform.run_checks import load_config
 
     try:
         try:

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -236,7 +237,6 @@ def trust_run(context: Context) -> None:
 
 def in_ray_actor() -> bool:
     """Whether this process is a Ray worker (a simulated client); Ray is never imported for this."""
-    import sys
 
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()

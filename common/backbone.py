@@ -16,7 +16,7 @@ from . import startup
 from .config import ConfigError
 from .files import write_atomic
 from .vit import architecture, from_state, from_timm
-from .weights import BackboneSpec, backbone_identity, cache_dir, disk_backbone_id
+from .weights import BackboneSpec, backbone_identity, cache_dir, checkpoint_meta, disk_backbone_id, resolve_weights
 
 log = logging.getLogger("promptfcl")
 
@@ -143,7 +143,6 @@ def _build_with_timm(spec: BackboneSpec) -> tuple[Backbone, str]:
         _seeded_reinit(model, spec.seed)
     else:
         if spec.weights.startswith("pretrained:"):
-            from .weights import checkpoint_meta, resolve_weights
 
             path = resolve_weights(spec)
             meta = checkpoint_meta(path)

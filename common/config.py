@@ -9,6 +9,7 @@ strategy name (``hepco.lambda-kl``) and are validated by the strategy itself.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -380,7 +381,6 @@ class ExperimentConfig:
 
     def digest(self) -> str:
         """Short hash of the full configuration; server and clients must agree on it."""
-        import hashlib
 
         relevant = {k: v for k, v in self.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
         return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]

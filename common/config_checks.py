@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .files import class_name_problem
+from .schedule import task_schedule
 
 if TYPE_CHECKING:
     from .config import ExperimentConfig
@@ -85,7 +86,6 @@ def validate_config(cfg: ExperimentConfig) -> None:
          "set clients-per-round > 0 or client-fraction > 0")
     need(cfg.clients_per_round <= cfg.num_clients,
          f"clients-per-round ({cfg.clients_per_round}) exceeds num-clients ({cfg.num_clients})")
-    from .schedule import task_schedule
 
     task_schedule(cfg)  # switch-every / switch-fraction / num-tasks: raises ConfigError
     need(cfg.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {cfg.partition!r}")

@@ -28,6 +28,7 @@ from .images import (
     image_listing,
 )
 from .row_file import RowFile
+from .splits import check_matches, read_splits
 from .tasks import TaskLayout, class_order
 
 log = logging.getLogger("promptfcl")
@@ -141,6 +142,7 @@ class Source:
 def seeded_rows(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, test rows) of a stratified split of one split, the same for the same seed
     (CODA-P's protocol splits ImageNet-R this way, 80/20); chosen on the labels alone."""
+    # scikit-learn is slow to import: only the sources that split or load with it
     from sklearn.model_selection import train_test_split
 
     tr, te = train_test_split(np.arange(len(labels)), test_size=test_fraction, stratify=labels, random_state=seed)
@@ -159,6 +161,7 @@ def _split_note(what: str, test_fraction: float, seed: int) -> str:
 
 # ---------------------------------------------------------------------------- sources
 def _digits(source: DataSource) -> Source:
+    # scikit-learn is slow to import: only the sources that split or load with it
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -240,6 +243,7 @@ def hf_splits(split_names: list[str], hub_name: str) -> tuple[str, str | None]:
 
 def _huggingface(name: str, source: DataSource) -> Source:
     try:
+        # the datasets library is slow to import: only a hub source needs it
         import datasets as hf
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise DataError("the `datasets` package is required for hf: sources") from exc
@@ -324,6 +328,7 @@ def source_identity(source: DataSource) -> object:
     (names, sizes, times), the hub name and revision, the splits file."""
     name = source.dataset
     if name == "digits":
+        # scikit-learn is slow to import: only the digits source needs it
         import sklearn
 
         ident: object = ["scikit-learn digits", sklearn.__version__]
@@ -435,7 +440,6 @@ def ordered_dataset(source: DataSource, name: str, train: ArraySplit, test: Arra
     test = _cap_per_class(test, source.max_test_per_class, source.seed)
     order = class_order(num_classes, source.seed)
     if source.splits:  # another run's class order (common/splits.py)
-        from .splits import check_matches, read_splits
 
         recorded = read_splits(source.splits)
         if len(recorded.class_order) != num_classes:

@@ -40,6 +40,7 @@ from .config import ExperimentConfig, keys_of
 from .data import ArraySplit, Dataset, DataSource, check_task_stream, read_source, source_identity
 from .row_file import RowFile
 from .tasks import TaskLayout
+from .weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -159,7 +160,6 @@ def load_source_cached(source: DataSource, num_tasks: int) -> Dataset:
     if text not in _loaded:
         _loaded.clear()  # one dataset per process is enough; keeps memory bounded
         if source.cache:
-            from .weights import cache_dir
 
             _loaded[text] = mapped_dataset(cache_dir() / "data", [keys, source_identity(source)],
                                            lambda: read_source(source), source.dataset)

@@ -14,6 +14,7 @@ Prompt insertion (the papers' common notation):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -26,7 +27,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
 from .config import ConfigError, ExperimentConfig
+from .low_precision import lower_precision
 from .preprocess import InputPipeline
+from .tasks import TaskLayout
 from .vit import Attention as OurAttention
 from .vit import Block as OurBlock
 from .vit import block_forward
@@ -172,6 +175,7 @@ def check_blocks(backbone: Backbone, layers: list[int]) -> None:
         attn = getattr(block, "attn", None)
         if type(block) is OurBlock and type(attn) is OurAttention:
             continue  # checked first: a backbone read from the disk cache never imports timm
+        # timm only for a timm-built backbone (a cached one never imports it)
         from timm.models.vision_transformer import Attention, Block
 
         if type(block) is not Block or type(attn) is not Attention:
@@ -327,8 +331,6 @@ def build_model(
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
     node's own choice (common/low_precision.py)."""
-    from .low_precision import lower_precision
-    from .tasks import TaskLayout
 
     spec = BackboneSpec.of(cfg)
     backbone, source = build_backbone(spec)
@@ -358,7 +360,6 @@ def initial_trainable_state(
     initialised backbone of the same architecture gives exactly the parameters every node
     builds; a server that holds no weights (deployment) starts from these.
     """
-    import dataclasses
 
     model, _ = build_model(dataclasses.replace(cfg, weights="random"), cfg.num_classes, prompt_class)
     return model.trainable_state()

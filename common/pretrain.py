@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ExperimentConfig
+from .data import load_dataset
+from .model import CodaPrompt, PromptedViT, build_backbone
 from .weights import BackboneSpec, checkpoint_path
 
 log = logging.getLogger("promptfcl")
@@ -32,8 +34,6 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     AdamW with one-cycle schedule and small random shifts; the classification head
     is discarded, only the backbone is kept.
     """
-    from .data import load_dataset
-    from .model import CodaPrompt, PromptedViT, build_backbone
 
     # backbone-cache-disk off: the backbone is trained here, so it stays timm's own model
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",

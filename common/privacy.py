@@ -211,6 +211,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
         return 0.0
     if noise_multiplier <= 0:
         return None
+    # opacus is slow to import: only a run with dp.* builds an accountant
     from opacus.accountants import RDPAccountant  # heavy import: only runs with DP on pay it
 
     accountant = RDPAccountant()
@@ -225,6 +226,7 @@ def composed_epsilon(noise_multiplier: float, sample_rates: Sequence[float], del
         return 0.0
     if noise_multiplier <= 0:
         return None
+    # opacus is slow to import: only a run with dp.* builds an accountant
     from opacus.accountants import RDPAccountant
 
     accountant = RDPAccountant()

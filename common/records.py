@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from .flower_internals import internal
+
 ARRAYS, CONFIG, METRICS, PLACEMENT, EVALUATION = "arrays", "config", "metrics", "placement", "evaluation"
 #: a train message's config key asking the node to evaluate the received arrays on tasks 0..value
 EVALUATE_TASK = "evaluate-task"
@@ -101,6 +103,5 @@ def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of a message's content as Flower transmits it (its deflated object tree)."""
-    from .flower_internals import internal
 
     return sum(len(obj.deflate()) for obj in internal("nested_objects")(content).values())

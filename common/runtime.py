@@ -31,14 +31,14 @@ import numpy as np
 import torch
 
 from . import startup
-from .config import ExperimentConfig, keys_of
+from .config import ConfigError, ExperimentConfig, keys_of
 from .data import ArraySplit, Dataset
 from .data_cache import load_dataset_cached
 from .files import write_atomic
 from .model import CodaPrompt, PromptedViT, build_model, resolve_device
 from .partitions import Partition
 from .tasks import TaskLayout
-from .weights import BackboneSpec, disk_backbone_id
+from .weights import BackboneSpec, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -197,7 +197,6 @@ def query_disk_dir(query_cache: bool, disk: str, population: str) -> Path | None
     on = disk == "on" or (disk == "auto" and population == "nodes")
     if not on:
         return None
-    from .weights import cache_dir
 
     return cache_dir() / "queries"
 
@@ -214,7 +213,6 @@ def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[Coda
     configure_threads(cfg.threads)
     device = resolve_device(cfg.device)
     if precision != "fp32" and device.type != "cpu":
-        from .config import ConfigError
 
         raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
     model, source = build_model(cfg, data.num_classes, prompt_class, precision)

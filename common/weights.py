@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, fields
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .config import ConfigError, ExperimentConfig, keys_of
@@ -132,7 +133,6 @@ def disk_backbone_id(spec: BackboneSpec) -> str:
 def _library_versions() -> str:
     """timm's and torch's versions, read from their metadata (importing timm is what the cache
     avoids): model definitions and seeded random initialisation may change with either."""
-    from importlib.metadata import PackageNotFoundError, version
 
     versions = []
     for name in ("timm", "torch"):

@@ -54,7 +54,11 @@ import torch
 
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.files import write_atomic
+from ..common.partitions import client_indices
 from ..common.runtime import Runtime, get_runtime
+from ..common.weights import BackboneSpec, check_weights
+from ..strategies.registry import build_strategy, strategy_class
+from . import checkpoint
 
 log = logging.getLogger("promptfcl")
 
@@ -206,6 +210,7 @@ def _ssim_kernel(height: int, width: int) -> tuple[int, float]:
 def best_similarity(recon: torch.Tensor, real: torch.Tensor) -> tuple[float, float, int]:
     """Best SSIM and best PSNR (dB) of one reconstruction (C, H, W) over ``real`` (N, C, H, W), both
     in [0, 1]; and the index of the real image of the best SSIM."""
+    # torchmetrics: only `promptfcl audit` scores reconstructions
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     preds = recon.unsqueeze(0).expand_as(real).contiguous()
@@ -278,9 +283,11 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def plot_grid(images: dict[str, np.ndarray], records: list[dict[str, Any]], path: Path) -> None:
     """audit.png: one column per target; rows real (best match), reconstruction, chance."""
+    # matplotlib is slow to import: only the audit's figure needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib is slow to import: only the audit's figure needs it
     import matplotlib.pyplot as plt
 
     k = len(records)
@@ -326,7 +333,6 @@ def _real_images(rt: Runtime, label: int, client: int, max_real: int) -> np.ndar
     Every training image of the class where one client's share is not known here: ``client`` -1
     (a head row), deployed nodes (their own data), stateless shares (they change every round)
     and random tasks."""
-    from ..common.partitions import client_indices
 
     data, layout = rt.data, rt.layout
     labels = data.train.labels
@@ -361,9 +367,6 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from ..common.weights import BackboneSpec, check_weights
-    from ..strategies.registry import build_strategy, strategy_class
-    from . import checkpoint
 
     settings.validate()
     run = Path(run)

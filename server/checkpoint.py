@@ -87,6 +87,7 @@ def _join(value: Any, tensors: dict[str, np.ndarray]) -> Any:
 
 def encode(ckpt: Checkpoint) -> bytes:
     """The checkpoint as the bytes of a safetensors file."""
+    # safetensors: only when a checkpoint is written
     from safetensors.numpy import save
 
     tensors: dict[str, np.ndarray] = {}
@@ -113,6 +114,7 @@ def encode(ckpt: Checkpoint) -> bytes:
 
 def decode(data: bytes) -> Checkpoint:
     """The checkpoint in the bytes of a safetensors file (ValueError if it is not one)."""
+    # safetensors: only when a checkpoint is read
     from safetensors import SafetensorError
     from safetensors.numpy import load
 

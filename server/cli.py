@@ -18,18 +18,29 @@ promptfcl strategies                   list the available methods
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
+import shutil
 import sys
+import time as _time
 from pathlib import Path
 from typing import Any
 
-from ..common.config import ConfigError, ExperimentConfig
+from ..common.config import FAULTS, ConfigError, ExperimentConfig
 from ..common.config_files import parse_overrides
 from ..common.data import DataError
-from ..common.weights import BackboneSpec, check_weights
+from ..common.low_precision import PRECISIONS
+from ..common.pretrain import pretrain
+from ..common.weights import BackboneSpec, check_weights, checkpoint_path
 from ..strategies.platform.run_checks import check_run, load_config
 from ..strategies.registry import methods
+from . import bench, checkpoint
+from .app import setup_logging
+from .audit import AuditSettings, audit_run
+from .bench.edge import ROWS, accuracy
+from .report import table
+from .simulation import run_simulation
 
 log = logging.getLogger("promptfcl")
 
@@ -164,14 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-    from .app import setup_logging
 
     setup_logging()
     if args.command == "strategies":
         print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
-        from .report import table
 
         path = Path(args.dir) / "results.json"
         if not path.is_file():
@@ -203,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from .simulation import run_simulation
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
@@ -239,7 +247,6 @@ PLACEMENT_KEYS = ("ray-address", "device", "client-cpus", "client-gpus")
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-    from . import checkpoint
 
     saved = checkpoint.load(out_dir)
     if saved is None:
@@ -274,10 +281,7 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
 
 def _prepare_out_dir(cfg: ExperimentConfig) -> None:
     """Refuse to clobber an unfinished run; move a finished run's files aside, never delete them."""
-    import shutil
-    import time as _time
 
-    from . import checkpoint
 
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -297,13 +301,9 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench
 
     try:
         if args.bench == "edge":
-            from ..common.low_precision import PRECISIONS
-            from .bench.edge import ROWS
-
             wanted = [v for v in args.rows.split(",") if v]
             unknown = sorted(set(wanted) - {r[0] for r in ROWS} - {"none"})
             precisions = [v for v in args.precisions.split(",") if v]
@@ -315,13 +315,9 @@ def _bench(args: argparse.Namespace) -> int:
                            [r for r in ROWS if not wanted or r[0] in wanted])
             seeds = [int(v) for v in args.accuracy_seeds.split(",") if v]
             if seeds:
-                from .bench.edge import accuracy
-
                 accuracy(Path(args.out), seeds, precisions)
             return 0
         if args.bench == "paper-dims":
-            import glob
-
             configs = sorted(Path(p) for p in glob.glob(args.configs))
             if not configs:
                 raise ConfigError(f"no configuration matches {args.configs!r}")
@@ -354,8 +350,6 @@ def _bench(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
             bench.deploy_overhead(Path(args.out), base, args.nodes)
         elif args.bench == "robustness":
-            from ..common.config import FAULTS
-
             attacks = [a for a in args.attacks.split(",") if a]
             defences = [d for d in args.defences.split(",") if d]
             bad = [a for a in attacks if a not in FAULTS or not a] + [d for d in defences if d not in bench.DEFENCES]
@@ -409,7 +403,6 @@ def _parse_setting(text: str) -> dict[str, Any]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import AuditSettings, audit_run
 
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
@@ -433,8 +426,6 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from ..common.pretrain import pretrain
-    from ..common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from ..common.evaluation import accuracies, correct_counts, pooled_counts
@@ -143,7 +143,6 @@ class FederatedEvaluator:
 
     def _evaluate(self, arrays: ArrayRecord, task: int, carried: dict[int, tuple[np.ndarray, np.ndarray]],
                   carried_failed: list[dict[str, Any]]) -> np.ndarray:
-        from flwr.app import MessageType
 
         cfg = self.strategy.cfg
         done = set(carried) | {f["node"] for f in carried_failed}

@@ -14,6 +14,7 @@ from ..common.config import ExperimentConfig
 from ..common.privacy import PrivacyOptions, privacy_report
 from ..common.runtime import Runtime
 from ..common.splits import FILE_NAME as SPLITS_FILE
+from ..common.tasks import class_order
 from ..common.trust import resolve_trust
 from ..strategies.platform.strategy import PromptStrategy
 from .rounds import RoundRecord
@@ -71,7 +72,6 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/splits.py)
         }
     else:  # federated evaluation: what the server knows of the nodes' data
-        from ..common.tasks import class_order
 
         names = cfg.class_name_list
         backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"

@@ -36,6 +36,7 @@ from .evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
 from .progress import RunTrackers
 from .results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
 from .rounds import RoundRecord, round_record, train_round
+from .transfer import asynchronous_results, client_accuracy_by_round, single_task_accuracies
 
 log = logging.getLogger("promptfcl")
 
@@ -332,11 +333,9 @@ class ExperimentRun:
                                 **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
-            from .transfer import client_accuracy_by_round
 
             results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.num_tasks)
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
-            from .transfer import asynchronous_results, single_task_accuracies
 
             single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
                                              self.strategy.prompt_class.prompt_tokens)

@@ -27,12 +27,18 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flwr.app import Context, RecordDict
+
+from ..client.app import app as client_app
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.config_files import toml_value
+from ..common.flower_internals import internal
+from .app import app as server_app
 
 log = logging.getLogger("promptfcl")
 
@@ -167,8 +173,8 @@ def connect_ray(address: str, cpus: int | None = None) -> list[RayNode]:
     process's ``sys.path`` as PYTHONPATH, as Flower's own initialisation does, so actors
     import the same code (on other machines the same install path must exist).
     """
-    import warnings
 
+    # Ray is heavy and starts only for a simulation
     import ray
 
     # Ray's notice that a future version will stop hiding GPUs from actors that ask for none;
@@ -206,12 +212,9 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     """Run ``cfg`` to the end in Flower's Ray simulation (blocking)."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray is heavy and starts only for a simulation
     import ray
-    from flwr.app import Context, RecordDict
 
-    from ..client.app import app as client_app
-    from ..common.flower_internals import internal
-    from .app import app as server_app
 
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)

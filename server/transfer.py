@@ -34,6 +34,8 @@ from ..common.records import ARRAYS, from_array_record, to_array_record, to_torc
 from ..common.runtime import get_runtime
 from ..common.schedule import RandomTaskSchedule
 from ..common.weights import cache_dir
+from ..strategies.fedavg.strategy import FedAvgStrategy
+from ..strategies.platform.learner import LocalLearner
 
 log = logging.getLogger("promptfcl")
 
@@ -52,8 +54,6 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from ..strategies.fedavg.strategy import FedAvgStrategy
-    from ..strategies.platform.learner import LocalLearner
 
     started = time.perf_counter()
     if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":

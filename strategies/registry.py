@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import toml_value
 from ..common.options import MethodOptions, NoOptions
 from ..common.privacy import NAMESPACE as DP_NAMESPACE
 from ..common.privacy import PrivacyOptions, PrivateRecord
@@ -207,7 +208,6 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
 
 def app_config_tables() -> str:
     """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
-    from ..common.config_files import toml_value
 
     blocks = []
     for namespace, options in namespaced_defaults().items():

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ...common.memory_plan import proc_status_kb
 from .. import checkpoint
@@ -106,9 +109,7 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
 
 
 def _machine() -> dict[str, Any]:
-    import platform
 
-    import torch
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                             "cuda": torch.cuda.is_available()}

@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import RecordDict
 
+from ...common.config import ExperimentConfig
+from ...common.data_cache import load_dataset_cached
 from ...common.files import write_atomic
+from ...common.partitions import client_indices
+from ...common.records import ARRAYS, to_array_record
+from ...common.runtime import get_runtime
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
 from .common import _machine
 
 log = logging.getLogger("promptfcl")
@@ -39,6 +47,7 @@ SHARE = 200  # images per client (train and test together), whatever the dataset
 
 def synthetic_folder(root: Path, images: int, size: int = 224, seed: int = 0) -> Path:
     """``root/class<c>/<i>.jpg``: smooth class-coloured patterns with noise (JPEG keeps them small)."""
+    # PIL: only this benchmark's image folder needs it
     from PIL import Image
 
     done = root / ".complete"
@@ -110,20 +119,12 @@ def _peak_rss_mb() -> float:
 
 def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
-    from ...common.config import ExperimentConfig
-    from ...common.data_cache import load_dataset_cached
 
     cfg = ExperimentConfig.from_dict(settings)
     if step == "decode":
         load_dataset_cached(cfg)
         return {"seconds": round(time.perf_counter() - started, 2), "rss_mb": round(_peak_rss_mb(), 1)}
-    from flwr.app import RecordDict
 
-    from ...common.partitions import client_indices
-    from ...common.records import ARRAYS, to_array_record
-    from ...common.runtime import get_runtime
-    from ...strategies.fedavg.strategy import FedAvgStrategy
-    from ...strategies.platform.learner import LocalLearner
 
     t = time.perf_counter()
     data = load_dataset_cached(cfg)

@@ -22,9 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from flwr.app import RecordDict
 
-from ...common.records import arrays_of
+from ...client.memory import apply_plan, plan_metrics
+from ...client.node_policy import BACKBONE_PRECISION_ENV, NodePolicy
+from ...common.backbone import build_backbone
+from ...common.config import ExperimentConfig
+from ...common.data import ArraySplit, Dataset
+from ...common.evaluation import accuracies, correct_counts
+from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
+from ...common.runtime import get_runtime
+from ...common.weights import BackboneSpec
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
+from ...strategies.registry import prompt_class
+from .. import checkpoint
 from .common import _machine, run_simulation_subprocess
+from .comparison import finished_run
 
 log = logging.getLogger("promptfcl")
 
@@ -50,14 +65,12 @@ PAPER_MODEL: dict[str, Any] = {
 
 
 def edge_config(batch_size: int, threads: int) -> Any:
-    from ...common.config import ExperimentConfig
 
     return ExperimentConfig.from_dict({**PAPER_MODEL, "batch-size": batch_size, "threads": threads})
 
 
 def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: int = 0) -> Any:
     """One step's worth of random 224-px images in task 0's classes (and a few test images)."""
-    from ...common.data import ArraySplit, Dataset
 
     rng = np.random.default_rng(seed)
     images = rng.integers(0, 256, (batch_size + per_task, 3, 224, 224), dtype=np.uint8)
@@ -70,14 +83,7 @@ def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: 
 
 def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: int, arrays_out: Path) -> dict:
     """The child's work: one client round in this process; its figures (and its arrays to ``arrays_out``)."""
-    from flwr.app import RecordDict
 
-    from ...client.memory import apply_plan, plan_metrics
-    from ...client.node_policy import NodePolicy
-    from ...common.records import ARRAYS, from_array_record, to_array_record
-    from ...common.runtime import get_runtime
-    from ...strategies.fedavg.strategy import FedAvgStrategy
-    from ...strategies.platform.learner import LocalLearner
 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
@@ -159,8 +165,6 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
     and the final model is evaluated again with the clients' precision (``a_n_node_eval``: what the
     edge nodes themselves would score).
     """
-    from ...client.node_policy import BACKBONE_PRECISION_ENV
-    from .comparison import finished_run
 
     rows: list[dict[str, Any]] = []
     for precision in precisions:
@@ -189,13 +193,7 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
 def final_accuracy(run_dir: Path, precision: str) -> float | None:
     """A_N of the run's final model (its kept checkpoint) evaluated with a ``precision`` backbone
     (None: the run kept no checkpoint)."""
-    import torch
 
-    from ...common.config import ExperimentConfig
-    from ...common.evaluation import accuracies, correct_counts
-    from ...common.runtime import get_runtime
-    from ...strategies.registry import prompt_class
-    from .. import checkpoint
 
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:
@@ -248,8 +246,6 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-        from ...common.backbone import build_backbone
-        from ...common.weights import BackboneSpec
 
         build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...common.schedule import task_schedule
+from ...strategies.platform.run_checks import load_config
 from .common import (
     PAPER_COMMUNICATION,
     PAPER_DATASETS,
@@ -30,6 +31,7 @@ log = logging.getLogger("promptfcl")
 def write_stand_in(root: Path, num_classes: int, per_class: int, size: int = 32, seed: int = 0) -> Path:
     """A folder dataset (``root/<class>/<i>.png``) of random images: the papers' class count
     without their data (built once; reused when it already holds what is asked)."""
+    # PIL: only this benchmark's image folder needs it
     from PIL import Image
 
     marker = root / ".stand-in.json"
@@ -76,7 +78,6 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from ...strategies.platform.run_checks import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1

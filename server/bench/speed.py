@@ -12,8 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import RecordDict
 
 from ...common.config import ExperimentConfig
+from ...common.model import masked_logits
+from ...common.partitions import client_indices
+from ...common.records import ARRAYS, to_array_record
+from ...common.runtime import _runtime, get_runtime
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
+from ...strategies.registry import methods as registered
 from .common import VIT_B16_PARAMETERS, _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
@@ -22,16 +32,7 @@ log = logging.getLogger("promptfcl")
 # ----------------------------------------------------------------------------- perf
 def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, float]:
     """Images/s of LocalLearner.fit vs the bare prompted forward+backward on the same batches."""
-    import torch
-    import torch.nn.functional as F
-    from flwr.app import RecordDict
 
-    from ...common.model import masked_logits
-    from ...common.partitions import client_indices
-    from ...common.records import ARRAYS, to_array_record
-    from ...common.runtime import _runtime, get_runtime
-    from ...strategies.fedavg.strategy import FedAvgStrategy
-    from ...strategies.platform.learner import LocalLearner
 
     out: dict[str, float] = {}
     for cached in (True, False):
@@ -97,9 +98,7 @@ def perf(
     out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000), methods: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-    import torch
 
-    from ...strategies.registry import methods as registered
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig.from_dict({**base, "centralised": True})  # one client holding a whole task

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ...common.config import ExperimentConfig
-from ...common.records import to_array_record
+from ...common.records import to_array_record, to_torch
+from ...common.runtime import get_runtime
 from .distill import set_sampling_mode
 from .latents import LatentGenerator, Teachers
 from .prompt import HePCoPrompt
@@ -59,7 +60,6 @@ class RealDataProbe:
     """
 
     def __init__(self, cfg: ExperimentConfig, per_class: int) -> None:
-        from ...common.runtime import get_runtime
 
         self.rt = get_runtime(cfg, HePCoPrompt)  # the server's central evaluation runtime (cached)
         self.cfg, self.per_class = cfg, per_class
@@ -78,7 +78,6 @@ class RealDataProbe:
     def features(self, state: dict[str, np.ndarray], index: np.ndarray, task: int,
                  batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """(q(x), f(x)) of training images ``index`` under the prompts of ``state`` (float32, CPU)."""
-        from ...common.records import to_torch
 
         rt, model = self.rt, self.rt.model
         model.load_trainable_state(to_torch(to_array_record(state)))

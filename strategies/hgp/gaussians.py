@@ -108,6 +108,7 @@ def ledoit_wolf(samples: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """``cov`` shrunk toward mu I (mu: its mean variance) by the Ledoit-Wolf intensity of
     ``samples`` (scikit-learn's estimate, "A well-conditioned estimator for large-dimensional
     covariance matrices", Ledoit and Wolf 2004): (1 - s) cov + s mu I."""
+    # scikit-learn is slow to import: only the shrinkage estimate needs it
     from sklearn.covariance import ledoit_wolf_shrinkage
 
     shrinkage = float(ledoit_wolf_shrinkage(samples.numpy()))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt
+from .options import HGPOptions
 
 
 class HGPPrompt(CodaPrompt):
@@ -33,7 +34,6 @@ class HGPPrompt(CodaPrompt):
 
     def configure(self, cfg: ExperimentConfig) -> None:
         """The ``hgp.score-norm`` of the run."""
-        from .options import HGPOptions
 
         self.score_norm = HGPOptions.from_options(cfg.method_options("hgp")).score_norm
 
