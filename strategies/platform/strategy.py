@@ -338,11 +338,11 @@ class PromptStrategy(Sampling, FedAvg):
                 reason = "cannot tell which message this reply answers (no matching message sent this round)"
             else:
                 reason = self._safely(self.check_exchange, reply, sent)
-            if reason is None:
-                answers.append(Accepted(sent, reply))  # type: ignore[arg-type]
+            if reason is None and sent is not None:
+                answers.append(Accepted(sent, reply))
                 continue
             node = self._exchange_round.sender(reply)
-            self._exchange_rejected.append((node, "exchange: " + reason))
+            self._exchange_rejected.append((node, f"exchange: {reason}"))
             log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
         self._exchange_ratios = {}
         self._exchange_bounded = self.policies.stats_bound.apply(answers, self.statistics, self._exchange_ratios)
@@ -363,10 +363,10 @@ class PromptStrategy(Sampling, FedAvg):
         for reply in replies:
             sent = self._sent_round.match(reply)
             reason = self._safely(self._problem, reply, sent)
-            if reason is None:
-                kept.append(Accepted(sent, reply))  # type: ignore[arg-type]
-            else:
-                rejected.append(self._rejection(reply, reason))
+            if reason is None and sent is not None:
+                kept.append(Accepted(sent, reply))
+            else:  # (a reply matching no message sent always has a reason: platform_problem)
+                rejected.append(self._rejection(reply, reason or "no matching message sent this round"))
         accepted, excluded, counts = self.policies.screen.apply(kept, self._update_start)
         rejected += [self._rejection(a.reply, reason, level=logging.DEBUG) for a, reason in excluded]
         return accepted, rejected, counts
@@ -379,7 +379,9 @@ class PromptStrategy(Sampling, FedAvg):
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
                                   self.cfg.max_reply_bytes)
-        return reason if reason is not None else self.check_records(reply, sent)  # type: ignore[arg-type]
+        if reason is not None or sent is None:  # no message matched: platform_problem said so
+            return reason
+        return self.check_records(reply, sent)
 
     @staticmethod
     def _safely(check: Callable[..., str | None], *args: Any) -> str | None:
