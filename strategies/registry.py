@@ -159,7 +159,8 @@ def method_options(strategy: str, options: dict[str, Any]) -> Any:
 
 def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
     """The run's server strategy, with its options parsed once."""
-    return strategy_class(cfg.strategy)(cfg, num_classes, method_options(cfg.strategy, cfg.method_options(cfg.strategy)))
+    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
+    return strategy_class(cfg.strategy)(cfg, num_classes, options)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:

@@ -24,7 +24,7 @@ from promptfcl.strategies.platform.strategy import SEALED, PromptStrategy
 ROOT = Path(__file__).resolve().parents[1]
 #: what only the platform applies: the run's policies and its averaging
 PLATFORM_ONLY = {"StatisticsBound", "stats_bound", "UpdateScreen", "screen", "weighting", "average", "average_replies",
-                 "run_policies", "aggregation_policies", "update_screen"}
+                 "RunPolicies", "aggregation_policies", "update_screen"}
 
 
 def platform_private() -> set[str]:

@@ -44,19 +44,20 @@ from flwr.serverapp.strategy import FedAvg
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt
 from ...common.options import MethodOptions, NoOptions
-from ...common.privacy import PrivateRecord
+from ...common.privacy import PrivateRecord, privacy_options
 from ...common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
-from .aggregation import average_replies
+from .aggregation import aggregation_policies, average_replies
 from .checks import NO_EXAMPLES, SampleBounds, platform_problem
+from .defences import update_screen
 from .outcome import RoundOutcome
-from .policies import run_policies
+from .policies import RunPolicies
 from .replies import REPLY_METRICS, MetricSpec
 from .rounds import Accepted, Sent, SentRound
 from .sampling import Sampling
-from .statistics import Statistics
+from .statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
@@ -128,7 +129,15 @@ class PromptStrategy(Sampling, FedAvg):
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
         self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
-        self.policies = run_policies(cfg, self.trust.defended)  # screen, weighting, statistics bound, combiner
+        # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
+        # only where the run is defended; counts are capped only where the server cannot check them
+        weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
+                                                   cfg.max_client_weight if cfg.population == "nodes" else 0.0)
+        screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
+                               cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
+                               privacy_options(cfg).noise_multiplier)
+        self.policies = RunPolicies(weighting, combiner, screen,
+                                    StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -163,7 +172,7 @@ class PromptStrategy(Sampling, FedAvg):
         weights = self.averaging_weights(accepted)
         return average_replies([a.content.array_records[ARRAYS] for a in accepted], [a.task for a in accepted],
                                np.array([a.weight for a in accepted]) if weights is None else weights, self.per_task,
-                               self.round_arrays, self.cfg, self.num_classes, self.policies.combiner,
+                               self.round_arrays, self.layout, self.policies.combiner,
                                self.averaged_over_all)
 
     def averaging_weights(self, accepted: list[Accepted]) -> np.ndarray | None:

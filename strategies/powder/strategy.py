@@ -410,7 +410,7 @@ class PowderStrategy(PromptStrategy):
         the shared per-slice FedAvg (``platform.aggregation.aggregate_per_task``)."""
         full = [(task, completed(arrays, base, self._rows_of(task)), weight)
                 for task, arrays, weight in updates]
-        return aggregate_per_task(self.cfg, base, full, self.num_classes, self.policies.combiner)
+        return aggregate_per_task(self.layout, base, full, self.policies.combiner)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
