@@ -6,6 +6,7 @@ weights, per-task averaging and the round's records. A method fills hooks only, 
 override the contract (``__init_subclass__`` refuses), so no method checks, weighs or
 averages replies its own way:
 
+* ``setup()``  the method's own state, at the end of the platform's constructor (sealed)
 * ``round_start(server_round, task, round_, arrays)``  before the round's messages are made
 * ``payload(sent, arrays)``  one client's message content (default: the arrays and config);
   it may set ``sent.expected`` / ``sent.start`` / ``sent.data`` when the client gets its own
@@ -61,8 +62,9 @@ from .statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
-#: Flower's contract and the platform's round logic: methods fill hooks instead
-SEALED = frozenset({"configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
+#: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
+#: ``setup``): methods fill hooks instead
+SEALED = frozenset({"__init__", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
                     "aggregate_exchange", "check_reply"})
 
 
@@ -149,8 +151,13 @@ class PromptStrategy(Sampling, FedAvg):
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self._node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
+        self.setup()
 
     # ------------------------------------------------------------------ hooks (defaults)
+    def setup(self) -> None:
+        """The method's own state, made once the platform's is (``cfg``, ``layout``, ``opts``...).
+        A method never overrides ``__init__`` (sealed)."""
+
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
         """Before the round's messages are made (``task``, ``round_``: the nominal ones)."""
 
