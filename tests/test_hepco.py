@@ -610,9 +610,9 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     prompt's buffer to clients and evaluators. ``task-slices``: CODA-P's slices."""
     s = make_strategy()
     assert s.opts.pool_training == "whole"
-    from promptfcl.common.model import initial_trainable_state
+    from promptfcl.common.model import ModelSpec, initial_trainable_state
 
-    initial = initial_trainable_state(s.cfg.replace(num_classes=NUM_CLASSES), HePCoPrompt)
+    initial = initial_trainable_state(ModelSpec.of(s.cfg, NUM_CLASSES), HePCoPrompt)
     arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))
     state = from_array_record(arrays)
     assert state["prompt.whole_pool"].tolist() == [1.0]

@@ -242,11 +242,11 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
 
 def message(cfg, **config) -> Message:
     """A train message of ``cfg``'s first round for client 0, with the initial prompts and head."""
-    from promptfcl.common.model import CodaPrompt, initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, ModelSpec, initial_trainable_state
     from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({
-        "arrays": to_array_record(initial_trainable_state(cfg, CodaPrompt)),
+        "arrays": to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt)),
         "config": ConfigRecord({"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), **config})}),
         dst_node_id=1, message_type=MessageType.TRAIN)
 

@@ -440,7 +440,7 @@ class PromptStrategy(Sampling, FedAvg):
         dim = int(state["head.weight"].shape[1])
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
                                    self.cfg.num_tasks)
-        prompt.configure(self.cfg)
+        prompt.configure(self.cfg.method)
         prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
                                 for k, v in state.items() if k.startswith("prompt.")})
         return prompt
