@@ -367,11 +367,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     return ExperimentRun(grid, cfg).run()
 
 
-def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
-    """After results are written: the checkpoint has served its purpose (unless the run stopped early,
-    or ``keep-checkpoint`` keeps it for ``promptfcl audit``)."""
-    if results.get("stopped_after_round") is not None or cfg.keep_checkpoint:
+def finish(out_dir: str, keep_checkpoint: bool, results: dict[str, Any]) -> None:
+    """After results are written in ``out_dir``: the checkpoint has served its purpose (unless the
+    run stopped early, or ``keep_checkpoint`` keeps it for ``promptfcl audit``)."""
+    if results.get("stopped_after_round") is not None or keep_checkpoint:
         return
-    path = Path(cfg.out_dir) / checkpoint.FILENAME
+    path = Path(out_dir) / checkpoint.FILENAME
     if path.exists():
         path.unlink()

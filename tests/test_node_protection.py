@@ -506,7 +506,7 @@ def test_simulated_app_dir_declares_every_key_it_sets(tmp_path):
     from promptfcl.server.simulation import write_app_dir
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag", "dp.clip": 1.0})
-    app = write_app_dir(cfg, tmp_path / "app")
+    app = write_app_dir(cfg.to_dict(), tmp_path / "app")
     assert get_fused_config_from_dir(app, {}) == cfg.to_dict()
     assert cfg.to_dict()["hgp.cov-type"] == "diag"
 
