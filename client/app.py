@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 from ..common import startup
 from ..common.config import ExperimentConfig
 from ..common.evaluation import correct_counts, pooled_counts
-from ..common.privacy import privacy_options, privatise_reply
+from ..common.privacy import PrivacyOptions, privacy_options, privatise_reply
 from ..common.records import (
     ARRAYS,
     EVALUATE_TASK,
@@ -107,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
     """Load the global prompts and head, train on this client's share, reply the update."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
     config = config_of(msg.content)
-    check_same_config(cfg, config)
+    check_same_config(cfg.digest(), config)
     started = time.perf_counter()
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
@@ -116,18 +116,23 @@ def train(msg: Message, context: Context) -> Message:
     plan = apply_plan(runtime, policy, learner)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
-    evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
+    own_data = cfg.population == "nodes"
+    evaluation = evaluate_received(runtime, msg.content, cfg.num_tasks, own_data) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    task, round_, client_id = assignment(cfg, config, client_id)
+    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
     reply = learner.fit(msg.content, task, round_, client_id)
+    dp = privacy_options(cfg)
+    if dp.enabled:
+        check_client_run(cfg)  # a method that cannot bound its upload never sends one
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
-    reply = private_upload(cfg, reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng())
+    reply = private_upload(reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng(),
+                           dp, cfg.strategy)
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
             reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
         report_process_cost(metrics_of(reply))
-        declare_sizes(cfg, runtime, metrics_of(reply))
+        declare_sizes(own_data, runtime, metrics_of(reply))
         if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
             for key, value in plan_metrics(plan, runtime).items():
                 reply.metric_records[METRICS][key] = value
@@ -137,32 +142,32 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
-def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDict) -> MetricRecord | None:
+def evaluate_received(runtime: Runtime, content: RecordDict, num_tasks: int, own_data: bool) -> MetricRecord | None:
     """The counts an evaluate message would get for the arrays this train message carries, on
-    tasks 0..``evaluate-task`` (the server asks only where those arrays are the global model).
+    tasks 0..``evaluate-task`` of the run's ``num_tasks`` (the server asks only where those arrays
+    are the global model); ``own_data``: the node declares its data's sizes (``declare_sizes``).
 
     None, logged, when they cannot be computed: the update still goes back, and the server
     sends this node an evaluate message instead."""
     task = config_of(content)[EVALUATE_TASK]
     try:
-        if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
-            raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
-        return evaluation_counts(cfg, runtime, arrays_of(content), task, {})
+        if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < num_tasks:
+            raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{num_tasks - 1}")
+        return evaluation_counts(runtime, arrays_of(content), task, {}, own_data)
     except Exception as exc:  # the evaluation must never cost the training update
         log.warning("evaluation asked with training not done (%s: %s); training goes on", type(exc).__name__, exc)
         return None
 
 
-def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayRecord,
-                   rng: np.random.Generator) -> RecordDict:
-    """The train reply as it may leave this client: with ``dp.*`` on, through the Gaussian
-    mechanism (common/privacy.py), the one place every method's upload is privatised; a reply
-    with no examples releases nothing of the data and goes as it is."""
-    dp = privacy_options(cfg)
+def private_upload(reply: RecordDict, received: ArrayRecord, rng: np.random.Generator, dp: PrivacyOptions,
+                   strategy: str) -> RecordDict:
+    """The train reply as it may leave this client: with ``dp.*`` on (``dp``: the run's options,
+    the run checked first, ``check_client_run``), through the Gaussian mechanism
+    (common/privacy.py) with method ``strategy``'s record bounds, the one place every method's
+    upload is privatised; a reply with no examples releases nothing of the data and goes as it is."""
     if not dp.enabled or METRICS not in reply.metric_records or as_int(metrics_of(reply)["num-examples"]) == 0:
         return reply
-    check_client_run(cfg)  # a method that cannot bound its upload never sends one
-    return privatise_reply(reply, received, private_records(cfg.strategy), dp, rng)
+    return privatise_reply(reply, received, private_records(strategy), dp, rng)
 
 
 @app.query()
@@ -171,11 +176,11 @@ def query(msg: Message, context: Context) -> Message:
     measuring step): the method's learner answers it (``LocalLearner.answer``) without training."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
     config = config_of(msg.content)
-    check_same_config(cfg, config)
+    check_same_config(cfg.digest(), config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
-    task, round_, client_id = assignment(cfg, config, client_id)
+    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
 
@@ -188,7 +193,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """
     cfg = ExperimentConfig.from_run_config(context.run_config)
     config = config_of(msg.content)
-    check_same_config(cfg, config)
+    check_same_config(cfg.digest(), config)
     runtime, _ = client_runtime(cfg, context, config)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
     try:
@@ -196,15 +201,15 @@ def evaluate(msg: Message, context: Context) -> Message:
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
-    metrics = evaluation_counts(cfg, runtime, arrays_of(msg.content), task, pools)
+    metrics = evaluation_counts(runtime, arrays_of(msg.content), task, pools, cfg.population == "nodes")
     report_process_cost(metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
 
-def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayRecord, task: int,
-                      pools: dict[int, list[int]]) -> MetricRecord:
+def evaluation_counts(runtime: Runtime, arrays: ArrayRecord, task: int, pools: dict[int, list[int]],
+                      own_data: bool) -> MetricRecord:
     """Per-task ``correct`` / ``total`` of ``arrays`` on this node's held-out data (each task
-    through its own prompt slices where ``pools`` names them), and the node's data sizes."""
+    through its own prompt slices where ``pools`` names them), and (``own_data``) the node's data sizes."""
     runtime.model.load_trainable_state(to_torch(arrays))
     correct, total = pooled_counts(runtime, task, pools) if pools else correct_counts(runtime, task)
     metrics = MetricRecord({
@@ -212,7 +217,7 @@ def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayReco
         "total": [int(v) for v in total],
         "num-examples": int(np.sum(total)),
     })
-    declare_sizes(cfg, runtime, metrics)
+    declare_sizes(own_data, runtime, metrics)
     return metrics
 
 
@@ -268,27 +273,30 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
             node.client_id)
 
 
-def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:
+def assignment(config: ConfigRecord, node_client: int, population: str, task_generator: str,
+               num_clients: int) -> tuple[int, int, int]:
     """(task, round within task, client id) this message asks for.
 
-    A virtual client is the id the server names; a node is itself (``node_client``), except
-    with random tasks, where it plays the schedule's client of its turn (``schedule-slot``).
+    A virtual client (``population``) is the id the server names; a node is itself
+    (``node_client``), except with random tasks (``task_generator``), where it plays the
+    schedule's client of its turn (``schedule-slot``, one of the run's ``num_clients``).
     """
     task, round_, assigned = read_task_round(config)
-    if cfg.population == "virtual":
+    if population == "virtual":
         return task, round_, assigned
-    if cfg.task_generator == "random":
+    if task_generator == "random":
         slot = config.get("schedule-slot")
-        if not isinstance(slot, int) or not 0 <= slot < cfg.num_clients:
+        if not isinstance(slot, int) or not 0 <= slot < num_clients:
             raise ValueError(f"random tasks: the message's schedule-slot {slot!r} is not a client of the "
-                             f"run's {cfg.num_clients}")
+                             f"run's {num_clients}")
         return task, round_, slot
     return task, round_, node_client
 
 
-def declare_sizes(cfg: ExperimentConfig, runtime: Runtime, metrics: MetricRecord) -> None:
-    """A node with its own data states how much it holds; the server bounds its counts by it."""
-    if cfg.population == "nodes":
+def declare_sizes(own_data: bool, runtime: Runtime, metrics: MetricRecord) -> None:
+    """A node with its own data (``own_data``: ``population = "nodes"``) states how much it holds;
+    the server bounds its counts by it."""
+    if own_data:
         metrics["train-size"] = len(runtime.data.train)
         metrics["test-size"] = len(runtime.data.test)
 
@@ -335,12 +343,13 @@ def process_age() -> float:
         return 0.0
 
 
-def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
-    """Refuse to train under a configuration other than the server's."""
+def check_same_config(digest: str, config: ConfigRecord) -> None:
+    """Refuse to train under a configuration (``digest``: this client's ``ExperimentConfig.digest``)
+    other than the server's."""
     theirs = config.get("config-digest")
-    if theirs is not None and theirs != cfg.digest():
+    if theirs is not None and theirs != digest:
         raise ValueError(
-            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs!r}); "
+            f"this client's run config (digest {digest}) differs from the server's ({theirs!r}); "
             "both sides must run the same promptfcl configuration"
         )
 

@@ -35,7 +35,7 @@ from .config import ConfigError, ExperimentConfig, keys_of
 from .data import ArraySplit, Dataset
 from .data_cache import load_dataset_cached
 from .files import write_atomic
-from .model import CodaPrompt, PromptedViT, build_model, resolve_device
+from .model import CodaPrompt, ModelSpec, PromptedViT, build_model, resolve_device
 from .partitions import Partition
 from .tasks import TaskLayout
 from .weights import BackboneSpec, cache_dir, disk_backbone_id
@@ -208,19 +208,19 @@ def configure_threads(threads: int) -> None:
         torch.set_num_threads(n)
 
 
-def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt],
-                   precision: str = "fp32", partition: Partition | None = None) -> Runtime:
-    configure_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+def _build_model(spec: ModelSpec, prompt_class: type[CodaPrompt], device_name: str, threads: int,
+                 precision: str = "fp32") -> tuple[PromptedViT, torch.device, str]:
+    """The runtime's model (``spec``) on its device (``device_name``, ``threads``): the model, the
+    device and where the backbone's weights came from."""
+    configure_threads(threads)
+    device = resolve_device(device_name)
     if precision != "fp32" and device.type != "cpu":
 
         raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
-    model, source = build_model(cfg, data.num_classes, prompt_class, precision)
+    model, source = build_model(spec, prompt_class, precision)
     model.to(device)
     log.info("model: %s on %s", source, device)
-    disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
-    return Runtime(cfg, data, model, device, source, partition or Partition.of(cfg), disk_dir=disk_dir,
-                   precision=precision)
+    return model, device, source
 
 
 @functools.lru_cache(maxsize=2)
@@ -229,7 +229,10 @@ def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = 
     configure_threads(cfg.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _build_runtime(cfg, data, prompt_class, precision)
+    model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device, cfg.threads,
+                                         precision)
+    disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
+    return Runtime(cfg, data, model, device, source, Partition.of(cfg), disk_dir=disk_dir, precision=precision)
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
@@ -268,7 +271,11 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
             _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
                                       partition or Partition.of(cfg), disk_dir=disk_dir, precision=precision)
         else:
-            _with_data[key] = _build_runtime(cfg, data, prompt_class, precision, partition)
+            model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device,
+                                                 cfg.threads, precision)
+            disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
+            _with_data[key] = Runtime(cfg, data, model, device, source, partition or Partition.of(cfg),
+                                      disk_dir=disk_dir, precision=precision)
     return _with_data[key]
 
 

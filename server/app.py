@@ -30,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
     with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
         results = run_experiment(grid, cfg)
         path = write_outputs(results, cfg.out_dir)
-        finish(cfg, results)
+        finish(cfg.out_dir, cfg.keep_checkpoint, results)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _resume_config(args.dir, args.set)
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
-            _prepare_out_dir(cfg)
+            _prepare_out_dir(cfg.out_dir, cfg.resume)
         check_weights(BackboneSpec.of(cfg))
         if cfg.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
@@ -279,12 +279,13 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
     return cfg
 
 
-def _prepare_out_dir(cfg: ExperimentConfig) -> None:
-    """Refuse to clobber an unfinished run; move a finished run's files aside, never delete them."""
+def _prepare_out_dir(out_dir: str, resume: bool) -> None:
+    """Refuse to clobber an unfinished run in ``out_dir``; move a finished run's files aside, never
+    delete them (nothing to do when the run ``resume``s)."""
 
 
-    out = Path(cfg.out_dir)
-    if cfg.resume:
+    out = Path(out_dir)
+    if resume:
         return
     if (out / checkpoint.FILENAME).exists() or (out / checkpoint.LEGACY_FILENAME).exists():
         raise ConfigError(

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from ..common import metrics
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.footprint import check_server_footprint
-from ..common.model import initial_trainable_state
+from ..common.model import ModelSpec, initial_trainable_state
 from ..common.partitions import client_indices, drawn_shares, partition_summary
 from ..common.privacy import privacy_options
 from ..common.records import from_array_record, to_array_record
@@ -117,7 +117,8 @@ class ExperimentRun:
                      cfg.num_classes, cfg.num_tasks)
             strategy: PromptStrategy = build_strategy(cfg, cfg.num_classes)
             self.evaluator = FederatedEvaluator(self.grid, strategy)
-            return strategy, to_array_record(initial_trainable_state(cfg, method.prompt_class))
+            initial = initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), method.prompt_class)
+            return strategy, to_array_record(initial)
         runtime = self.runtime = get_runtime(cfg, method.prompt_class)
         log.info("backbone: %s", runtime.weights_source)
         data = runtime.data
@@ -365,11 +366,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     return ExperimentRun(grid, cfg).run()
 
 
-def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
-    """After results are written: the checkpoint has served its purpose (unless the run stopped early,
-    or ``keep-checkpoint`` keeps it for ``promptfcl audit``)."""
-    if results.get("stopped_after_round") is not None or cfg.keep_checkpoint:
+def finish(out_dir: str, keep_checkpoint: bool, results: dict[str, Any]) -> None:
+    """After results are written in ``out_dir``: the checkpoint has served its purpose (unless the
+    run stopped early, or ``keep_checkpoint`` keeps it for ``promptfcl audit``)."""
+    if results.get("stopped_after_round") is not None or keep_checkpoint:
         return
-    path = Path(cfg.out_dir) / checkpoint.FILENAME
+    path = Path(out_dir) / checkpoint.FILENAME
     if path.exists():
         path.unlink()

@@ -144,8 +144,9 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
     return plan
 
 
-def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
-    """A minimal Flower app directory whose pyproject carries ``cfg`` as its run config."""
+def write_app_dir(run_config: dict[str, Any], root: Path) -> Path:
+    """A minimal Flower app directory whose pyproject carries ``run_config`` (``ExperimentConfig.to_dict``)
+    as its run config."""
     lines = [
         "[project]",
         'name = "promptfcl-run"',
@@ -160,7 +161,7 @@ def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
         "",
         "[tool.flwr.app.config]",
     ]
-    lines += [f'"{key}" = {toml_value(value)}' for key, value in cfg.to_dict().items()]
+    lines += [f'"{key}" = {toml_value(value)}' for key, value in run_config.items()]
     root.mkdir(parents=True, exist_ok=True)
     (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return root
@@ -220,7 +221,7 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)
         log.info("Flower simulation: %s", plan.describe())
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
-            app_dir = write_app_dir(cfg, Path(tmp))
+            app_dir = write_app_dir(cfg.to_dict(), Path(tmp))
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
             internal("run_simulation")(
                 num_supernodes=plan.supernodes,

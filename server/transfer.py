@@ -29,7 +29,7 @@ from ..common import metrics
 from ..common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
 from ..common.evaluation import accuracies, correct_counts
 from ..common.files import write_atomic
-from ..common.model import CodaPrompt, initial_trainable_state
+from ..common.model import CodaPrompt, ModelSpec, initial_trainable_state
 from ..common.records import ARRAYS, from_array_record, to_array_record, to_torch
 from ..common.runtime import get_runtime
 from ..common.schedule import RandomTaskSchedule
@@ -74,8 +74,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
     learner = LocalLearner(rt)
-    initial = to_array_record(initial_trainable_state(dataclasses.replace(cfg, num_classes=rt.data.num_classes),
-                                                      CodaPrompt))
+    initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
     fresh = FedAvgStrategy(cfg, rt.data.num_classes)
     per_task = cfg.pool_size // cfg.num_tasks
     out = np.full(cfg.num_tasks, np.nan)

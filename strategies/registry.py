@@ -152,14 +152,16 @@ def private_records(name: str) -> dict[str, PrivateRecord]:
     return dict(method.load("records")) if method.records else {}
 
 
-def method_options(cfg: ExperimentConfig) -> Any:
-    """The run's method options, parsed once (ConfigError on unknown keys or bad values)."""
-    return options_class(cfg.strategy).from_options(cfg.method_options(cfg.strategy))
+def method_options(strategy: str, options: dict[str, Any]) -> Any:
+    """Method ``strategy``'s options (its ``<strategy>.*`` keys, prefix removed: the run config's
+    ``method_options(strategy)``), parsed once (ConfigError on unknown keys or bad values)."""
+    return options_class(strategy).from_options(options)
 
 
 def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
     """The run's server strategy, with its options parsed once."""
-    return strategy_class(cfg.strategy)(cfg, num_classes, method_options(cfg))
+    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
+    return strategy_class(cfg.strategy)(cfg, num_classes, options)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:

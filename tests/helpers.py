@@ -171,7 +171,7 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
     write_outputs(results, cfg.out_dir)
-    finish(cfg, results)
+    finish(cfg.out_dir, cfg.keep_checkpoint, results)
     return results
 
 

@@ -16,6 +16,7 @@ from promptfcl.common.privacy import (
     clip_rows,
     epsilon,
     gaussian_mechanism,
+    privacy_options,
     privacy_report,
     privatise_reply,
 )
@@ -102,7 +103,7 @@ def fit_and_release(strategy: str, clip: float, **options):
     raw = learner.fit(content, task=0, round_=0, client_id=0)
     raw_copy = RecordDict({name: to_array_record(from_array_record(raw[name])) for name in raw.array_records})
     reference = learner.update_reference(received, 0)  # what the reply's arrays update (FPPL: its task's prompt)
-    released = private_upload(cfg, raw, reference, np.random.default_rng(0))
+    released = private_upload(raw, reference, np.random.default_rng(0), privacy_options(cfg), strategy)
     return raw_copy, released, from_array_record(reference)
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
+from promptfcl.common.model import ModelSpec, build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import get_runtime
 from promptfcl.common.tasks import TaskLayout
@@ -43,7 +43,7 @@ def fppl_config(**overrides):
 def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) -> tuple[FPPLStrategy, object]:
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
-    model, _ = build_model(cfg, NUM_CLASSES, FPPLPrompt)
+    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
     s = FPPLStrategy(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):

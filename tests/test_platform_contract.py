@@ -24,7 +24,7 @@ from promptfcl.strategies.platform.strategy import SEALED, PromptStrategy
 ROOT = Path(__file__).resolve().parents[1]
 #: what only the platform applies: the run's policies and its averaging
 PLATFORM_ONLY = {"StatisticsBound", "stats_bound", "UpdateScreen", "screen", "weighting", "average", "average_replies",
-                 "run_policies", "aggregation_policies", "update_screen"}
+                 "RunPolicies", "aggregation_policies", "update_screen"}
 
 
 def platform_private() -> set[str]:
@@ -85,7 +85,7 @@ def test_the_platforms_helpers_are_private_and_its_contract_sealed():
     public = {n for n in set(dir(PromptStrategy)) - set(dir(FedAvg)) if not n.startswith("_")}
     assert not public & {"average", "accept", "update_start", "accepted", "rejected", "reply_shares", "reply_nodes",
                          "update_norms", "update_cosines", "placement_of", "defence_counts", "stats_ratios"}
-    assert {"aggregate_train", "aggregate_round", "configure_train"} <= SEALED
+    assert {"__init__", "aggregate_train", "aggregate_round", "configure_train"} <= SEALED  # a method's state: setup
     assert len(public) <= 53, sorted(public)  # 59 before issue 41
 
 

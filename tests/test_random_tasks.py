@@ -189,7 +189,7 @@ def test_asynchronous_metrics_by_hand():
 
 
 def test_a_head_row_shared_by_two_tasks_averages_both():
-    from promptfcl.strategies.platform.strategy import aggregate_per_task
+    from promptfcl.strategies.platform.aggregation import aggregate_per_task
 
     cfg = random_config(head="per-class")
     tasks = TaskLayout.of(cfg, 10).random_tasks()
@@ -197,7 +197,7 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
                  and set(tasks[g].tolist()) != set(tasks[h].tolist()))
     base = {"head.weight": np.zeros((10, 2), np.float32)}
     updates = [(h, {"head.weight": np.ones((10, 2))}, 1.0), (g, {"head.weight": np.full((10, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(cfg, base, updates, 10)["head.weight"]
+    out = aggregate_per_task(TaskLayout.of(cfg, 10), base, updates)["head.weight"]
     for y in range(10):  # rows of both tasks: (1 + 3 x 4) / 4; of one: its value; of neither: the base
         in0, in3 = y in tasks[h], y in tasks[g]
         expected = (1.0 * in0 + 12.0 * in3) / (1.0 * in0 + 3.0 * in3) if in0 or in3 else 0.0
@@ -205,7 +205,7 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
 
 
 def test_a_per_task_head_gives_every_task_its_own_block():
-    from promptfcl.strategies.platform.strategy import aggregate_per_task
+    from promptfcl.strategies.platform.aggregation import aggregate_per_task
 
     cfg = random_config(head="per-task")
     per_class = random_config(head="per-class")
@@ -223,7 +223,7 @@ def test_a_per_task_head_gives_every_task_its_own_block():
     # two tasks sharing a class: with a per-task head each keeps its own rows (per-class: averaged, above)
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist()))
     updates = [(h, {"head.weight": np.ones((12, 2))}, 1.0), (g, {"head.weight": np.full((12, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(cfg, {"head.weight": head}, updates, 10)["head.weight"]
+    out = aggregate_per_task(TaskLayout.of(cfg, 10), {"head.weight": head}, updates)["head.weight"]
     np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(h)], 1.0)
     np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(g)], 4.0)
     with pytest.raises(ConfigError, match="head = per-task applies to task-generator = random only"):

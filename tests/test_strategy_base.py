@@ -83,10 +83,10 @@ def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from promptfcl.common.model import build_model
+    from promptfcl.common.model import ModelSpec, build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
-    model, _ = build_model(cfg, 10)
+    model, _ = build_model(ModelSpec.of(cfg, 10))
     s = FedAvgStrategy(cfg, 10)
     a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
     a1 = s.on_task_start(1, a0)

@@ -92,8 +92,7 @@ FILES = {
             reply_records = frozenset({ARRAYS, METRICS, "toy-stats"})
             statistics = {"toy-stats": Statistics(vectors=("mu",))}  # bounded by the platform
 
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
+            def setup(self):
                 self.rounds = 0
                 self.mus = []
 

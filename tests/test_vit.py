@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.model import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
+from promptfcl.common.model import CodaPrompt, ModelSpec, PromptedViT, backbone_cache_path, build_backbone, build_model
 from promptfcl.common.vit import VisionTransformer, from_timm
 from promptfcl.common.weights import BackboneSpec
 from tests.conftest import tiny_config
@@ -97,8 +97,8 @@ _FRESH_PROCESS = """
 import json, sys, torch
 from promptfcl.common import startup
 from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import build_model
-model, source = build_model(ExperimentConfig.from_dict(json.loads(sys.argv[1])), 10)
+from promptfcl.common.model import ModelSpec, build_model
+model, source = build_model(ModelSpec.of(ExperimentConfig.from_dict(json.loads(sys.argv[1])), 10))
 torch.save(model.query(torch.load(sys.argv[2])), sys.argv[3])
 print(json.dumps({"timm": "timm" in sys.modules, "backbone": type(model.backbone).__module__,
                   "phases": sorted(startup.take()), "source": source}))
@@ -107,7 +107,7 @@ print(json.dumps({"timm": "timm" in sys.modules, "backbone": type(model.backbone
 
 def test_a_fresh_process_reads_the_cached_backbone_without_timm(cache, tmp_path):
     cfg = config(population="nodes")  # backbone-cache-disk = auto: on for deployed nodes
-    model, source = build_model(cfg, 10)
+    model, source = build_model(ModelSpec.of(cfg, 10))
     path = backbone_cache_path(BackboneSpec.of(cfg))
     assert path is not None and path.is_file() and path.parent == cache / "backbones"
     x = images()

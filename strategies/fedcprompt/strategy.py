@@ -72,8 +72,7 @@ class FedCPromptStrategy(PromptStrategy):
     per_task = "always"  # slice m and task m's head rows over the clients that trained m, whatever the round
     reply_metrics = {**REPLY_METRICS, **VALIDATION_METRICS}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.known_tasks = 0  # task slices initialised so far (0..known_tasks-1)
         # task-level early stopping, per task still running: its best validation accuracy, that
         # model's rows of the task (every task-structured array), rounds without a gain; and the

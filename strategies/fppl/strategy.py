@@ -78,8 +78,7 @@ class FPPLStrategy(PromptStrategy):
                     break
         return out
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.task = 0
         self.pool = PrototypeSet.empty()  # C_g: prototypes of finished tasks
         self.current = PrototypeSet.empty()  # {C_k^t}: the current task's local prototypes

@@ -51,7 +51,6 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from ...common.config import ExperimentConfig
 from ...common.model import resolve_device
 from ...common.records import arrays_of, from_array_record, to_array_record
 from ..platform.rounds import Accepted
@@ -79,9 +78,8 @@ class HePCoStrategy(PromptStrategy):
     options_class = HePCoOptions
     opts: HePCoOptions
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
-        super().__init__(cfg, num_classes, options)
-        self.device = resolve_device(cfg.device)
+    def setup(self) -> None:
+        self.device = resolve_device(self.cfg.device)
         self.task, self.round = 0, 0
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
         self.previous_task = -1
@@ -241,7 +239,10 @@ class HePCoStrategy(PromptStrategy):
                 out[f"{prefix}-{name}-acc"] = float(teacher_accuracy(head, z, y, seen)[0])
         if opts.diagnostics:
             if self._probe is None:
-                self._probe = RealDataProbe(self.cfg, opts.diagnostics_per_class)
+                from ...common.runtime import get_runtime  # the server's own data and backbone: diagnostics only
+
+                self._probe = RealDataProbe(get_runtime(self.cfg, HePCoPrompt), self.cfg.seed,
+                                            opts.diagnostics_per_class)
             old = np.arange(int(classes[0]))  # the stream's earlier tasks hold the classes below
             out.update(self._probe.measure(provisional, distilled, self.task, seen.cpu().numpy(), old, latents))
         return out

@@ -117,8 +117,7 @@ class HGPStrategy(PromptStrategy):
                             "meta": meta})
         return out
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.task = 0  # the newest task some client has started
         # per class: its clients' statistics as received, one row per client, with the client
         # ("clients") and the server round it arrived in ("rounds") (checkpointed), and the

@@ -1,7 +1,8 @@
 """How accepted replies become one model: their weights, and how their arrays combine.
 
 Two policies every method's aggregation goes through, chosen once from the run config
-(:func:`aggregation_policies`), so no method weighs or combines replies its own way:
+(:func:`aggregation_policies`, by the platform's constructor), so no method weighs or combines
+replies its own way:
 
 * **weighting**: sample counts (FedAvg), each capped at ``max-client-weight`` of the round
   where counts cannot be verified (``population = "nodes"``, from 2 replies on);
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord
 
-from ...common.config import AGGREGATIONS, ExperimentConfig
+from ...common.config import AGGREGATIONS
 from ...common.records import from_array_record, to_array_record
 from ...common.tasks import TaskLayout
 from .replies import capped_weights, combine
@@ -55,12 +56,14 @@ class Combiner:
         return combine(values, weights, self.mode, self.trim)
 
 
-def aggregation_policies(cfg: ExperimentConfig) -> tuple[Weighting, Combiner]:
-    """The run's weighting and combining (counts are capped only where the server cannot check them)."""
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r}; one of {AGGREGATIONS}")
-    cap = cfg.max_client_weight if cfg.population == "nodes" else 0.0
-    return Weighting(cap), Combiner(cfg.aggregation, cfg.trim_fraction)
+def aggregation_policies(aggregation: str, trim_fraction: float,
+                         client_weight_cap: float) -> tuple[Weighting, Combiner]:
+    """The run's weighting and combining (``aggregation``, ``trim-fraction``): counts capped at
+    ``client_weight_cap`` of the round (the run's ``max-client-weight`` where the server cannot
+    check them, ``population = "nodes"``; 0: uncapped)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS}")
+    return Weighting(client_weight_cap), Combiner(aggregation, trim_fraction)
 
 
 def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: Combiner = Combiner()) -> ArrayRecord:
@@ -75,7 +78,7 @@ def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRe
 
 
 def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weights: np.ndarray, per_task: str,
-                    base: ArrayRecord | None, cfg: ExperimentConfig, num_classes: int, combiner: Combiner,
+                    base: ArrayRecord | None, layout: TaskLayout, combiner: Combiner,
                     over_all: Callable[[str], bool] | None = None) -> ArrayRecord:
     """The replies' arrays (``records``, trained on ``tasks``) combined with ``weights``.
 
@@ -88,7 +91,7 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
     several = len(set(tasks)) > 1
     if (per_task == "always" or (per_task == "in-flight" and several)) and base is not None:
         updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
-        out = to_array_record(aggregate_per_task(cfg, from_array_record(base), updates, num_classes, combiner))
+        out = to_array_record(aggregate_per_task(layout, from_array_record(base), updates, combiner))
     else:
         out = combine_records(list(records), weights, combiner)
     shared = [name for name in records[0].keys() if over_all(name)] if over_all is not None and several else []
@@ -100,36 +103,31 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
 
 
 def aggregate_per_task(
-    cfg: ExperimentConfig,
+    layout: TaskLayout,
     base: Mapping[str, np.ndarray],
     updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
-    num_classes: int,
-    combiner: Combiner | None = None,
+    combiner: Combiner = Combiner(),
 ) -> dict[str, np.ndarray]:
     """FedAvg per task slice, all tasks of the round in parallel.
 
     Parameters
     ----------
-    cfg : ExperimentConfig
-        Locates a task's rows (``common.data.task_rows``): its slice of every prompt array,
+    layout : TaskLayout
+        Locates a task's rows (``TaskLayout.task_rows``): its slice of every prompt array,
         its classes' rows of every head array.
     base : dict
         The server's arrays this round started from (values of rows nobody trained).
     updates : list of (task, arrays, weight)
         Each accepted reply: the task its client trained, its arrays, its weight.
-    num_classes : int
-        Classes of the head.
     combiner : Combiner, optional
-        The run's combining rule (default: the run config's ``aggregation``).
+        The run's combining rule (default: the weighted mean).
 
     Each row is the weighted average over the replies whose task owns it, so a head row shared
     by two tasks (random tasks of overlapping classes) averages both. Any array that is not
     task-structured is combined over all replies. With a median or trimmed-mean combiner, each
     row is instead the coordinate-wise median (trimmed mean) over the replies whose task owns it.
     """
-    combiner = combiner or Combiner(cfg.aggregation, cfg.trim_fraction)
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
-    layout = TaskLayout.of(cfg, num_classes)
     out: dict[str, np.ndarray] = {}
     for name, value in base.items():
         value = np.asarray(value)
@@ -142,7 +140,7 @@ def aggregate_per_task(
             out[name] = np.asarray(acc).astype(value.dtype)
             continue
         if combiner.mode != "mean":
-            out[name] = _robust_per_row(cfg, name, value, updates, num_classes, combiner)
+            out[name] = _robust_per_row(layout, name, value, updates, combiner)
             continue
         total = np.zeros(value.shape, dtype=np.float64)
         weight = np.zeros(value.shape[0], dtype=np.float64)
@@ -159,17 +157,15 @@ def aggregate_per_task(
 
 
 def _robust_per_row(
-    cfg: ExperimentConfig,
+    layout: TaskLayout,
     name: str,
     value: np.ndarray,
     updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
-    num_classes: int,
     combiner: Combiner,
 ) -> np.ndarray:
     """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
     the set of replies that trained them); untrained rows keep ``value``."""
     owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
-    layout = TaskLayout.of(cfg, num_classes)
     for i, (task, _, _) in enumerate(updates):
         owners[layout.task_rows(name, value, int(task)), i] = True
     merged = value.copy()

@@ -1,4 +1,5 @@
-"""The run's policies on a round's replies, chosen once from the run config, applied by the platform.
+"""The run's policies on a round's replies, chosen once from the run config (by ``PromptStrategy``'s
+constructor: ``aggregation_policies``, ``update_screen``), applied by the platform.
 
 ``PromptStrategy`` holds one :class:`RunPolicies` and applies its members in this order to the
 replies that passed the record checks, so no method screens, weighs, bounds or combines replies
@@ -18,10 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.config import ExperimentConfig
-from ...common.privacy import privacy_options
-from .aggregation import Combiner, Weighting, aggregation_policies
-from .defences import UpdateScreen, update_screen
+from .aggregation import Combiner, Weighting
+from .defences import UpdateScreen
 from .statistics import StatisticsBound
 
 
@@ -39,11 +38,3 @@ class RunPolicies:
         """Whether any defence applies (the round's record then counts what each did)."""
         return self.screen.active or self.stats_bound.active
 
-
-def run_policies(cfg: ExperimentConfig, defended: bool) -> RunPolicies:
-    """The run's policies; the screen and the statistics bound only where the run is ``defended``."""
-    weighting, combiner = aggregation_policies(cfg)
-    screen = update_screen(defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
-                           cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
-                           privacy_options(cfg).noise_multiplier)
-    return RunPolicies(weighting, combiner, screen, StatisticsBound(cfg.stats_bound if defended else 0.0))

@@ -41,9 +41,9 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     check_namespaces(cfg.method)
     cfg.validate()  # run when the configuration was built; again for one built by dataclasses.replace
     check_source(cfg.dataset)
-    options = method_options(cfg)
-    schedule = _check_schedule(cfg, options)
-    privacy = _check_privacy(cfg, options)
+    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
+    schedule = _check_schedule(task_schedule(cfg), cfg.task_generator == "random", cfg.strategy, options)
+    privacy = check_privacy(cfg, cfg.strategy, _privacy_refusal(options))
     options.check_run(cfg)
     return CheckedRun(options, schedule, privacy)
 
@@ -53,8 +53,8 @@ def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
     what the method supports, and the method's own checks (the schedule and the dataset are
     the server's); the method's strategy is not imported."""
     check_method(cfg.strategy)
-    options = method_options(cfg)
-    privacy = _check_privacy(cfg, options)
+    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
+    privacy = check_privacy(cfg, cfg.strategy, _privacy_refusal(options))
     options.check_run(cfg)
     return privacy
 
@@ -68,22 +68,22 @@ def load_config(config_file: str | None, overrides: list[str], strategy: str | N
     return cfg
 
 
-def _check_schedule(cfg: ExperimentConfig, options: MethodOptions) -> TaskSchedule | RandomTaskSchedule:
-    """The run's task schedule, if the method can follow it."""
-    schedule = task_schedule(cfg)
+def _check_schedule(schedule: TaskSchedule | RandomTaskSchedule, random_tasks: bool, strategy: str,
+                    options: MethodOptions) -> TaskSchedule | RandomTaskSchedule:
+    """The run's task ``schedule`` (``random_tasks``: Powder's random tasks), if method ``strategy``
+    can follow it."""
     supports = options.COMPATIBILITY
-    if cfg.task_generator == "random" and not {RANDOM_TASKS, ASYNCHRONOUS_TASKS} <= supports:
-        raise ConfigError(f"strategy {cfg.strategy!r} needs the shared task stream (task-generator = stream): "
+    if random_tasks and not {RANDOM_TASKS, ASYNCHRONOUS_TASKS} <= supports:
+        raise ConfigError(f"strategy {strategy!r} needs the shared task stream (task-generator = stream): "
                           + options.WHY_NOT.get(RANDOM_TASKS, "its server step assumes tasks of disjoint classes in "
                                                               "stream order"))
     if not schedule.synchronous and ASYNCHRONOUS_TASKS not in supports:
-        raise ConfigError(f"strategy {cfg.strategy!r} needs synchronous task arrival (switch-fraction = 1 and "
+        raise ConfigError(f"strategy {strategy!r} needs synchronous task arrival (switch-fraction = 1 and "
                           f"switch-every = 0): {schedule.describe()}")
     return schedule
 
 
-def _check_privacy(cfg: ExperimentConfig, options: MethodOptions) -> PrivacyOptions:
-    """The run's ``dp.*``, refused where the method cannot bound its upload."""
-    refusal = "" if DIFFERENTIAL_PRIVACY in options.COMPATIBILITY else options.WHY_NOT.get(
+def _privacy_refusal(options: MethodOptions) -> str:
+    """Why the method cannot bound its upload under ``dp.*`` ("" when it can: its ``COMPATIBILITY``)."""
+    return "" if DIFFERENTIAL_PRIVACY in options.COMPATIBILITY else options.WHY_NOT.get(
         DIFFERENTIAL_PRIVACY, "its uploads cannot be bounded")
-    return check_privacy(cfg, cfg.strategy, refusal)

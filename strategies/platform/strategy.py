@@ -6,6 +6,7 @@ weights, per-task averaging and the round's records. A method fills hooks only, 
 override the contract (``__init_subclass__`` refuses), so no method checks, weighs or
 averages replies its own way:
 
+* ``setup()``  the method's own state, at the end of the platform's constructor (sealed)
 * ``round_start(server_round, task, round_, arrays)``  before the round's messages are made
 * ``payload(sent, arrays)``  one client's message content (default: the arrays and config);
   it may set ``sent.expected`` / ``sent.start`` / ``sent.data`` when the client gets its own
@@ -44,7 +45,7 @@ from flwr.serverapp.strategy import FedAvg
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt
 from ...common.options import MethodOptions, NoOptions
-from ...common.privacy import PrivateRecord
+from ...common.privacy import PrivateRecord, privacy_options
 from ...common.records import (
     ARRAYS,
     CONFIG,
@@ -60,19 +61,21 @@ from ...common.records import (
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
-from .aggregation import average_replies
+from .aggregation import aggregation_policies, average_replies
 from .checks import NO_EXAMPLES, SampleBounds, platform_problem
+from .defences import update_screen
 from .outcome import RoundOutcome
-from .policies import run_policies
+from .policies import RunPolicies
 from .replies import REPLY_METRICS, MetricSpec
 from .rounds import Accepted, Sent, SentRound
 from .sampling import Sampling
-from .statistics import Statistics
+from .statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
-#: Flower's contract and the platform's round logic: methods fill hooks instead
-SEALED = frozenset({"configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
+#: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
+#: ``setup``): methods fill hooks instead
+SEALED = frozenset({"__init__", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
                     "aggregate_exchange", "check_reply"})
 
 
@@ -139,7 +142,15 @@ class PromptStrategy(Sampling, FedAvg):
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
         self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
-        self.policies = run_policies(cfg, self.trust.defended)  # screen, weighting, statistics bound, combiner
+        # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
+        # only where the run is defended; counts are capped only where the server cannot check them
+        weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
+                                                   cfg.max_client_weight if cfg.population == "nodes" else 0.0)
+        screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
+                               cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
+                               privacy_options(cfg).noise_multiplier)
+        self.policies = RunPolicies(weighting, combiner, screen,
+                                    StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -151,8 +162,13 @@ class PromptStrategy(Sampling, FedAvg):
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
         self._node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
+        self.setup()
 
     # ------------------------------------------------------------------ hooks (defaults)
+    def setup(self) -> None:
+        """The method's own state, made once the platform's is (``cfg``, ``layout``, ``opts``...).
+        A method never overrides ``__init__`` (sealed)."""
+
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
         """Before the round's messages are made (``task``, ``round_``: the nominal ones)."""
 
@@ -174,7 +190,7 @@ class PromptStrategy(Sampling, FedAvg):
         weights = self.averaging_weights(accepted)
         return average_replies([a.content.array_records[ARRAYS] for a in accepted], [a.task for a in accepted],
                                np.array([a.weight for a in accepted]) if weights is None else weights, self.per_task,
-                               self.round_arrays, self.cfg, self.num_classes, self.policies.combiner,
+                               self.round_arrays, self.layout, self.policies.combiner,
                                self.averaged_over_all)
 
     def averaging_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
@@ -437,7 +453,7 @@ class PromptStrategy(Sampling, FedAvg):
         dim = int(state["head.weight"].shape[1])
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
                                    self.cfg.num_tasks)
-        prompt.configure(self.cfg)
+        prompt.configure(self.cfg.method)
         prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
                                 for k, v in state.items() if k.startswith("prompt.")})
         return prompt

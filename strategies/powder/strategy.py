@@ -64,7 +64,6 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, to_array_record
 from ..platform.aggregation import aggregate_per_task
 from ..platform.partial import Rows, completed
@@ -136,8 +135,8 @@ class PowderStrategy(PromptStrategy):
                      "features; the feature-level audit is the head inversion"),
         }}
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
-        super().__init__(cfg, num_classes, options)
+    def setup(self) -> None:
+        cfg, num_classes = self.cfg, self.num_classes
         self.width = len(cfg.layers) * cfg.pool_size  # alpha: selection weights of every pool row, per layer
         self.known_tasks = 0
         self.task_alpha = np.zeros((cfg.num_tasks, self.width))
@@ -412,7 +411,7 @@ class PowderStrategy(PromptStrategy):
         the shared per-slice FedAvg (``platform.aggregation.aggregate_per_task``)."""
         full = [(task, completed(arrays, base, self._rows_of(task)), weight)
                 for task, arrays, weight in updates]
-        return aggregate_per_task(self.cfg, base, full, self.num_classes, self.policies.combiner)
+        return aggregate_per_task(self.layout, base, full, self.policies.combiner)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
