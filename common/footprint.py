@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config import ConfigError, ExperimentConfig
+from .config import ConfigError
 from .weights import BackboneSpec
 
 #: default ceilings: a node's unless its node config says otherwise, the server's unless its
@@ -139,8 +139,9 @@ def server_ceilings(environ: Mapping[str, str] | None = None) -> tuple[int, floa
     return int(out[0]), out[1]
 
 
-def check_server_footprint(cfg: ExperimentConfig) -> None:
-    """Refuse, before the server builds anything, a run beyond the server's ceilings.
+def check_server_footprint(spec: BackboneSpec, batch_size: int, prompt_length: int, image_size: int) -> None:
+    """Refuse, before the server builds anything, a run beyond the server's ceilings (the run's
+    backbone ``spec``, batch size, prompt length and image size).
 
     Raises
     ------
@@ -148,8 +149,8 @@ def check_server_footprint(cfg: ExperimentConfig) -> None:
         The run's tokens or estimated memory exceed :func:`server_ceilings`.
     """
     max_tokens, max_memory_gb = server_ceilings()
-    size = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
-    problem = footprint_problem(size, cfg.image_size, max_tokens, max_memory_gb, "the server's limit")
+    size = footprint(spec, batch_size, prompt_length)
+    problem = footprint_problem(size, image_size, max_tokens, max_memory_gb, "the server's limit")
     if problem is not None:
         raise ConfigError(f"{problem} ({MAX_TOKENS_ENV} / {MAX_MEMORY_ENV} in the server's environment raise it)")
 

@@ -108,16 +108,15 @@ def privacy_refused(method: str, reason: str) -> ConfigError:
     return ConfigError(f"strategy {method!r} does not support differential privacy (dp.*): {reason}")
 
 
-def check_privacy(cfg: ExperimentConfig, method: str, refusal: str) -> PrivacyOptions:
-    """The run's options, refused when DP is on and the method cannot bound its upload (``refusal``
-    says why; "" when it can) or ``dp.delta`` is not below 1 / num-clients (client-level: a
-    delta that large allows releasing one client's data outright). Called by
+def check_privacy(opts: PrivacyOptions, num_clients: int, method: str, refusal: str) -> PrivacyOptions:
+    """The run's options ``opts``, refused when DP is on and the method cannot bound its upload
+    (``refusal`` says why; "" when it can) or ``dp.delta`` is not below 1 / num-clients
+    (client-level: a delta that large allows releasing one client's data outright). Called by
     strategies/platform/run_checks.py, the one check of a run."""
-    opts = privacy_options(cfg)
     if opts.enabled and refusal:
         raise privacy_refused(method, refusal)
-    if opts.enabled and opts.delta >= 1 / cfg.num_clients:
-        raise ConfigError(f"dp.delta = {opts.delta} must be below 1 / num-clients = {1 / cfg.num_clients:.3g}")
+    if opts.enabled and opts.delta >= 1 / num_clients:
+        raise ConfigError(f"dp.delta = {opts.delta} must be below 1 / num-clients = {1 / num_clients:.3g}")
     return opts
 
 

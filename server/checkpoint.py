@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,14 +174,15 @@ def load(out_dir: str | Path) -> Checkpoint | None:
                           "move it away to start afresh") from exc
 
 
-def check_compatible(ckpt: Checkpoint, cfg: ExperimentConfig) -> None:
-    """Refuse to resume under a configuration that would change the results."""
+def check_compatible(ckpt: Checkpoint, config: Mapping[str, Any]) -> None:
+    """Refuse to resume under a configuration (``config``: the run's, ``ExperimentConfig.to_dict``)
+    that would change the results."""
     try:  # keys added since the checkpoint was written take their defaults, as then
         filled = ExperimentConfig.from_dict(ckpt.config).to_dict()
     except ConfigError:
         filled = ckpt.config
     saved = {k: v for k, v in filled.items() if k not in RESULT_NEUTRAL_KEYS}
-    now = {k: v for k, v in cfg.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
+    now = {k: v for k, v in config.items() if k not in RESULT_NEUTRAL_KEYS}
     if saved != now:
         diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:6])

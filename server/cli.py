@@ -275,7 +275,7 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
     check_run(cfg)
-    checkpoint.check_compatible(saved, cfg)
+    checkpoint.check_compatible(saved, cfg.to_dict())
     return cfg
 
 

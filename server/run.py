@@ -29,6 +29,7 @@ from ..common.runtime import Runtime, get_runtime
 from ..common.splits import FILE_NAME as SPLITS_FILE
 from ..common.splits import read_splits, write_splits
 from ..common.tasks import class_order
+from ..common.weights import BackboneSpec
 from ..strategies.platform.strategy import PromptStrategy
 from ..strategies.registry import build_strategy, strategy_class
 from . import checkpoint
@@ -54,10 +55,6 @@ class EvaluationPlan:
     every: int
     carry: bool  # federated evaluation with evaluate-with-train
     last: int  # index of the run's last round (0-based)
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig, last: int) -> EvaluationPlan:
-        return cls(cfg.evaluate_every, cfg.evaluate_with_train and cfg.evaluation == "federated", last)
 
     def decide(self, index: int, task_ends: bool, own_slices: bool) -> str:
         """How round ``index`` (0-based) is evaluated; ``own_slices``: the method scores each task
@@ -99,7 +96,8 @@ class ExperimentRun:
         self.schedule = self.strategy.schedule
         self.steps = self.schedule.steps()  # (nominal task, round within it) of every round
         self.last = min(len(self.steps), cfg.max_rounds) if cfg.max_rounds else len(self.steps)
-        self.plan = EvaluationPlan.of(cfg, self.last - 1)
+        self.plan = EvaluationPlan(cfg.evaluate_every, cfg.evaluate_with_train and cfg.evaluation == "federated",
+                                   self.last - 1)
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
@@ -109,7 +107,7 @@ class ExperimentRun:
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
         # before any model is built: a run's sizes may multiply into more memory than the machine has
-        check_server_footprint(cfg)
+        check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
         method = strategy_class(cfg.strategy)
         if cfg.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
@@ -150,7 +148,7 @@ class ExperimentRun:
             return
         if saved is None:
             raise ConfigError(f"resume=true but {cfg.out_dir} holds no checkpoint")
-        checkpoint.check_compatible(saved, cfg)
+        checkpoint.check_compatible(saved, cfg.to_dict())
         self.arrays = to_array_record(saved.arrays)
         self.strategy.load_state_dict(saved.strategy_state)
         self.strategy.load_platform_state(getattr(saved, "platform_state", {}))

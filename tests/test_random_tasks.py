@@ -168,7 +168,7 @@ def test_checkpoints_from_before_the_random_keys_still_resume():
     for key in ("task-generator", "num-rounds", "classes-per-task", "min-overlap", "task-data-fraction",
                 "task-data-sharing"):
         ckpt.config.pop(key)
-    checkpoint.check_compatible(ckpt, tiny_config(resume=True))
+    checkpoint.check_compatible(ckpt, tiny_config(resume=True).to_dict())
 
 
 # ---------------------------------------------------------------------------- metrics

@@ -17,7 +17,7 @@ from ...common.config import ConfigError, ExperimentConfig
 from ...common.config_files import read_config
 from ...common.data import check_source
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
-from ...common.privacy import PrivacyOptions, check_privacy
+from ...common.privacy import PrivacyOptions, check_privacy, privacy_options
 from ...common.schedule import RandomTaskSchedule, TaskSchedule, task_schedule
 from ..registry import check_method, check_namespaces, method_options
 
@@ -43,7 +43,7 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     check_source(cfg.dataset)
     options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
     schedule = _check_schedule(task_schedule(cfg), cfg.task_generator == "random", cfg.strategy, options)
-    privacy = check_privacy(cfg, cfg.strategy, _privacy_refusal(options))
+    privacy = check_privacy(privacy_options(cfg), cfg.num_clients, cfg.strategy, _privacy_refusal(options))
     options.check_run(cfg)
     return CheckedRun(options, schedule, privacy)
 
@@ -54,7 +54,7 @@ def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
     the server's); the method's strategy is not imported."""
     check_method(cfg.strategy)
     options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
-    privacy = check_privacy(cfg, cfg.strategy, _privacy_refusal(options))
+    privacy = check_privacy(privacy_options(cfg), cfg.num_clients, cfg.strategy, _privacy_refusal(options))
     options.check_run(cfg)
     return privacy
 
