@@ -19,7 +19,9 @@ The executor (client/warm_executor.py) talks to the zygote over a socket pair, o
 per request: ``{"spec": {...}}`` -> ``{"pid": N}`` or ``{"error": "..."}``. The task's token
 travels over that socket, never on a command line.
 
-Run as ``python -m promptfcl.client.zygote --fd N`` by the executor only.
+Run as ``python -m promptfcl.client.zygote --fd N`` by the executor only. Its imports are inside
+functions on purpose: what the zygote imports, and when (``preload``, before any fork; a child's
+own after it), is the point of this module.
 """
 
 from __future__ import annotations
