@@ -46,11 +46,14 @@ test: lint typecheck
 lint: $(STAMP)
 	$(PY) -m ruff check common client server strategies deploy scripts tests
 
-# mypy reads the installed name (promptfcl.*) from links to the layers' folders
+# mypy reads the layers from the checkout (their imports of each other are relative); the root's
+# __init__.py makes the checkout's folder their package, so a folder name that is no Python
+# identifier (a clone into promptfcl-main/) is checked through a link named promptfcl instead
 typecheck: $(STAMP)
-	@mkdir -p .mypy/promptfcl
-	@for d in common client server strategies; do ln -sfn ../../$$d .mypy/promptfcl/$$d; done
-	$(PY) -m mypy
+	@if basename "$(CURDIR)" | grep -Eq '^[A-Za-z_][A-Za-z0-9_]*$$'; then $(PY) -m mypy; else \
+	  tmp=$$(mktemp -d) && ln -s "$(CURDIR)" $$tmp/promptfcl && cd $$tmp/promptfcl && \
+	  echo "typecheck: $(notdir $(CURDIR)) is not a Python identifier: checking it as promptfcl/" && \
+	  "$(CURDIR)/$(PY)" -m mypy; fi
 
 clean-venv:
 	rm -rf $(VENV)

@@ -27,32 +27,37 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from promptfcl.client.faults import inject_faults
-from promptfcl.client.memory import apply_plan, plan_metrics
-from promptfcl.client.node_data import NodeDataError, check_classes, node_data, original_names
-from promptfcl.client.node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
-from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.evaluation import correct_counts, pooled_counts
-from promptfcl.common.learner import read_task_round
-from promptfcl.common.privacy import privacy_options, privatise_reply
-from promptfcl.common.records import (
+from ..common import startup
+from ..common.config import ExperimentConfig
+from ..common.evaluation import correct_counts, pooled_counts
+from ..common.privacy import PrivacyOptions, privacy_options, privatise_reply
+from ..common.records import (
     ARRAYS,
-    CONFIG,
     EVALUATE_TASK,
     EVALUATION,
     METRICS,
     PLACEMENT,
     POOL_PREFIX,
+    arrays_of,
+    as_int,
+    config_of,
+    metrics_of,
     to_torch,
 )
-from promptfcl.common.runtime import Runtime, get_runtime
-from promptfcl.common.text import escape_log_args, printable, without_paths
-from promptfcl.common.weights import cache_dir
-from promptfcl.strategies.registry import build_learner, prompt_class, strategy_class
+from ..common.runtime import Runtime, get_runtime
+from ..common.text import escape_log_args, printable, without_paths
+from ..common.weights import cache_dir
+from ..strategies.platform.learner import read_task_round
+from ..strategies.platform.run_checks import check_client_run
+from ..strategies.registry import build_learner, private_records, prompt_class
+from .faults import inject_faults
+from .memory import apply_plan, plan_metrics
+from .node_data import NodeDataError, check_classes, node_data, original_names
+from .node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
 
 # what the node logs of the run config and the server's messages cannot forge log lines
 log = escape_log_args()
@@ -101,8 +106,8 @@ app = ClientApp(mods=[report_errors, simulated_nodes_mod, inject_faults])
 def train(msg: Message, context: Context) -> Message:
     """Load the global prompts and head, train on this client's share, reply the update."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
-    check_same_config(cfg, config)
+    config = config_of(msg.content)
+    check_same_config(cfg.digest(), config)
     started = time.perf_counter()
     runtime, client_id = client_runtime(cfg, context, config)
     setup = time.perf_counter() - started
@@ -111,18 +116,23 @@ def train(msg: Message, context: Context) -> Message:
     plan = apply_plan(runtime, policy, learner)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
-    evaluation = evaluate_received(cfg, runtime, msg.content) if EVALUATE_TASK in config else None
+    own_data = cfg.population == "nodes"
+    evaluation = evaluate_received(runtime, msg.content, cfg.num_tasks, own_data) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    task, round_, client_id = assignment(cfg, config, client_id)
+    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
     reply = learner.fit(msg.content, task, round_, client_id)
+    dp = privacy_options(cfg)
+    if dp.enabled:
+        check_client_run(cfg)  # a method that cannot bound its upload never sends one
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
-    reply = private_upload(cfg, reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng())
+    reply = private_upload(reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng(),
+                           dp, cfg.strategy)
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
             reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
-        report_process_cost(reply[METRICS])
-        declare_sizes(cfg, runtime, reply[METRICS])
+        report_process_cost(metrics_of(reply))
+        declare_sizes(own_data, runtime, metrics_of(reply))
         if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
             for key, value in plan_metrics(plan, runtime).items():
                 reply.metric_records[METRICS][key] = value
@@ -132,33 +142,32 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=reply, reply_to=msg)
 
 
-def evaluate_received(cfg: ExperimentConfig, runtime: Runtime, content: RecordDict) -> MetricRecord | None:
+def evaluate_received(runtime: Runtime, content: RecordDict, num_tasks: int, own_data: bool) -> MetricRecord | None:
     """The counts an evaluate message would get for the arrays this train message carries, on
-    tasks 0..``evaluate-task`` (the server asks only where those arrays are the global model).
+    tasks 0..``evaluate-task`` of the run's ``num_tasks`` (the server asks only where those arrays
+    are the global model); ``own_data``: the node declares its data's sizes (``declare_sizes``).
 
     None, logged, when they cannot be computed: the update still goes back, and the server
     sends this node an evaluate message instead."""
-    task = content[CONFIG][EVALUATE_TASK]
+    task = config_of(content)[EVALUATE_TASK]
     try:
-        if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < cfg.num_tasks:
-            raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{cfg.num_tasks - 1}")
-        return evaluation_counts(cfg, runtime, content[ARRAYS], task, {})
+        if not isinstance(task, int) or isinstance(task, bool) or not 0 <= task < num_tasks:
+            raise ValueError(f"train message: {EVALUATE_TASK} {task!r} names no task in 0..{num_tasks - 1}")
+        return evaluation_counts(runtime, arrays_of(content), task, {}, own_data)
     except Exception as exc:  # the evaluation must never cost the training update
         log.warning("evaluation asked with training not done (%s: %s); training goes on", type(exc).__name__, exc)
         return None
 
 
-def private_upload(cfg: ExperimentConfig, reply: RecordDict, received: ArrayRecord,
-                   rng: np.random.Generator) -> RecordDict:
-    """The train reply as it may leave this client: with ``dp.*`` on, through the Gaussian
-    mechanism (common/privacy.py), the one place every method's upload is privatised; a reply
-    with no examples releases nothing of the data and goes as it is."""
-    dp = privacy_options(cfg)
-    if not dp.enabled or METRICS not in reply.metric_records or int(reply[METRICS]["num-examples"]) == 0:
+def private_upload(reply: RecordDict, received: ArrayRecord, rng: np.random.Generator, dp: PrivacyOptions,
+                   strategy: str) -> RecordDict:
+    """The train reply as it may leave this client: with ``dp.*`` on (``dp``: the run's options,
+    the run checked first, ``check_client_run``), through the Gaussian mechanism
+    (common/privacy.py) with method ``strategy``'s record bounds, the one place every method's
+    upload is privatised; a reply with no examples releases nothing of the data and goes as it is."""
+    if not dp.enabled or METRICS not in reply.metric_records or as_int(metrics_of(reply)["num-examples"]) == 0:
         return reply
-    strategy = strategy_class(cfg.strategy)
-    strategy.check_privacy(cfg)  # a method that cannot bound its upload never sends one
-    return privatise_reply(reply, received, strategy.private_records, dp, rng)
+    return privatise_reply(reply, received, private_records(strategy), dp, rng)
 
 
 @app.query()
@@ -166,12 +175,12 @@ def query(msg: Message, context: Context) -> Message:
     """A method's exchange before training (``PromptStrategy.configure_exchange``, e.g. Powder's
     measuring step): the method's learner answers it (``LocalLearner.answer``) without training."""
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
-    check_same_config(cfg, config)
+    config = config_of(msg.content)
+    check_same_config(cfg.digest(), config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
-    task, round_, client_id = assignment(cfg, config, client_id)
+    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
 
@@ -183,24 +192,24 @@ def evaluate(msg: Message, context: Context) -> Message:
     far, ``num-examples``); the server sums them over nodes into accuracies.
     """
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    config = msg.content[CONFIG]
-    check_same_config(cfg, config)
+    config = config_of(msg.content)
+    check_same_config(cfg.digest(), config)
     runtime, _ = client_runtime(cfg, context, config)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
     try:
-        task = int(config["task"])
+        task = as_int(config["task"])
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
-    metrics = evaluation_counts(cfg, runtime, msg.content[ARRAYS], task, pools)
+    metrics = evaluation_counts(runtime, arrays_of(msg.content), task, pools, cfg.population == "nodes")
     report_process_cost(metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
 
-def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayRecord, task: int,
-                      pools: dict[int, list[int]]) -> MetricRecord:
+def evaluation_counts(runtime: Runtime, arrays: ArrayRecord, task: int, pools: dict[int, list[int]],
+                      own_data: bool) -> MetricRecord:
     """Per-task ``correct`` / ``total`` of ``arrays`` on this node's held-out data (each task
-    through its own prompt slices where ``pools`` names them), and the node's data sizes."""
+    through its own prompt slices where ``pools`` names them), and (``own_data``) the node's data sizes."""
     runtime.model.load_trainable_state(to_torch(arrays))
     correct, total = pooled_counts(runtime, task, pools) if pools else correct_counts(runtime, task)
     metrics = MetricRecord({
@@ -208,7 +217,7 @@ def evaluation_counts(cfg: ExperimentConfig, runtime: Runtime, arrays: ArrayReco
         "total": [int(v) for v in total],
         "num-examples": int(np.sum(total)),
     })
-    declare_sizes(cfg, runtime, metrics)
+    declare_sizes(own_data, runtime, metrics)
     return metrics
 
 
@@ -241,7 +250,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     """
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
-    cfg = policy.backbone(cfg)  # the node's own weights or its cache, never a file the run names
+    # the node's own weights or its cache, never a file the run names
+    cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
     method_prompt = prompt_class(cfg.strategy)
     if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
@@ -257,32 +267,36 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
         node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
-        check_classes(cfg, node.data.num_classes, original_names(node.data, cfg.seed),
-                      f"this node's data ({node.data.name})", run_num_classes=int(sent))
-    return get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision), node.client_id
+        check_classes(node.data.num_classes, original_names(node.data, cfg.seed),
+                      f"this node's data ({node.data.name})", cfg.num_classes or as_int(sent), cfg.class_name_list)
+    return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
+            node.client_id)
 
 
-def assignment(cfg: ExperimentConfig, config: ConfigRecord, node_client: int) -> tuple[int, int, int]:
+def assignment(config: ConfigRecord, node_client: int, population: str, task_generator: str,
+               num_clients: int) -> tuple[int, int, int]:
     """(task, round within task, client id) this message asks for.
 
-    A virtual client is the id the server names; a node is itself (``node_client``), except
-    with random tasks, where it plays the schedule's client of its turn (``schedule-slot``).
+    A virtual client (``population``) is the id the server names; a node is itself
+    (``node_client``), except with random tasks (``task_generator``), where it plays the
+    schedule's client of its turn (``schedule-slot``, one of the run's ``num_clients``).
     """
     task, round_, assigned = read_task_round(config)
-    if cfg.population == "virtual":
+    if population == "virtual":
         return task, round_, assigned
-    if cfg.task_generator == "random":
+    if task_generator == "random":
         slot = config.get("schedule-slot")
-        if not isinstance(slot, int) or not 0 <= slot < cfg.num_clients:
+        if not isinstance(slot, int) or not 0 <= slot < num_clients:
             raise ValueError(f"random tasks: the message's schedule-slot {slot!r} is not a client of the "
-                             f"run's {cfg.num_clients}")
+                             f"run's {num_clients}")
         return task, round_, slot
     return task, round_, node_client
 
 
-def declare_sizes(cfg: ExperimentConfig, runtime: Runtime, metrics: MetricRecord) -> None:
-    """A node with its own data states how much it holds; the server bounds its counts by it."""
-    if cfg.population == "nodes":
+def declare_sizes(own_data: bool, runtime: Runtime, metrics: MetricRecord) -> None:
+    """A node with its own data (``own_data``: ``population = "nodes"``) states how much it holds;
+    the server bounds its counts by it."""
+    if own_data:
         metrics["train-size"] = len(runtime.data.train)
         metrics["test-size"] = len(runtime.data.test)
 
@@ -307,10 +321,9 @@ def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray_actor() else None
     device = runtime.device
     if device.type == "cuda" and device.index is None:
-        import torch
 
         device = torch.device("cuda", torch.cuda.current_device())
-    fields = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
+    fields: dict[str, Any] = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         fields["cuda-visible-devices"] = visible
@@ -330,12 +343,13 @@ def process_age() -> float:
         return 0.0
 
 
-def check_same_config(cfg: ExperimentConfig, config: ConfigRecord) -> None:
-    """Refuse to train under a configuration other than the server's."""
+def check_same_config(digest: str, config: ConfigRecord) -> None:
+    """Refuse to train under a configuration (``digest``: this client's ``ExperimentConfig.digest``)
+    other than the server's."""
     theirs = config.get("config-digest")
-    if theirs is not None and theirs != cfg.digest():
+    if theirs is not None and theirs != digest:
         raise ValueError(
-            f"this client's run config (digest {cfg.digest()}) differs from the server's ({theirs!r}); "
+            f"this client's run config (digest {digest}) differs from the server's ({theirs!r}); "
             "both sides must run the same promptfcl configuration"
         )
 

@@ -30,9 +30,9 @@ from collections.abc import Callable
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from promptfcl.client.node_policy import NodePolicy
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
+from ..common.config import ExperimentConfig
+from ..common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from .node_policy import NodePolicy
 
 log = logging.getLogger("promptfcl")
 
@@ -41,15 +41,14 @@ class InjectedFault(RuntimeError):
     """Raised by a client chosen to fail."""
 
 
-def is_faulty(cfg: ExperimentConfig, client_id: int, task: int, round_: int) -> bool:
-    """``fault-clients`` set: those clients always; else each (client, task, round) with probability ``fault-rate``."""
-    if not cfg.fault:
+def is_faulty(chosen: frozenset[int], rate: float, seed: int, client_id: int, task: int, round_: int) -> bool:
+    """``chosen`` (``fault-clients``) set: those clients always; else each (client, task, round) with
+    probability ``rate`` (``fault-rate``), seeded by the run's ``seed``."""
+    if chosen:
+        return client_id in chosen
+    if rate <= 0:
         return False
-    if cfg.fault_clients:
-        return client_id in cfg.fault_client_ids
-    if cfg.fault_rate <= 0:
-        return False
-    return bool(np.random.default_rng([cfg.seed, client_id, task, round_, 0xFA17]).random() < cfg.fault_rate)
+    return bool(np.random.default_rng([seed, client_id, task, round_, 0xFA17]).random() < rate)
 
 
 def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
@@ -70,10 +69,10 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     cfg = ExperimentConfig.from_run_config(context.run_config)
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content.config_records else ConfigRecord()
     try:
-        client, task, round_ = int(config["client-id"]), int(config["task"]), int(config["round"])
+        client, task, round_ = as_int(config["client-id"]), as_int(config["task"]), as_int(config["round"])
     except (KeyError, TypeError, ValueError):
         return call_next(msg, context)  # not a message the ClientApp can train on: it reports that itself
-    if not is_faulty(cfg, client, task, round_):
+    if not cfg.fault or not is_faulty(cfg.fault_client_ids, cfg.fault_rate, cfg.seed, client, task, round_):
         return call_next(msg, context)
     if cfg.fault == "raise":
         raise InjectedFault(f"injected failure of client {client} (task {task}, round {round_})")
@@ -83,7 +82,7 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
-    sent = from_array_record(msg.content[ARRAYS]) if ARRAYS in msg.content.array_records else {}
+    sent = from_array_record(arrays_of(msg.content)) if ARRAYS in msg.content.array_records else {}
     return Message(content=corrupt(cfg.fault, reply.content, sent, cfg.update_norm_factor), reply_to=msg)
 
 
@@ -98,9 +97,9 @@ def reverse_update(trained: np.ndarray, sent: np.ndarray | None, scale: float) -
     an array with nothing to compare to is negated."""
     if sent is not None and sent.shape != trained.shape and sent.ndim == trained.ndim \
             and sent.shape[1:] == trained.shape[1:] and trained.shape[0] <= sent.shape[0]:
-        rows = trained.shape[0]
-        start = min(range(sent.shape[0] - rows + 1), key=lambda i: float(np.sum((sent[i:i + rows] - trained) ** 2)))
-        sent = sent[start:start + rows]
+        rows, whole = trained.shape[0], sent
+        start = min(range(whole.shape[0] - rows + 1), key=lambda i: float(np.sum((whole[i:i + rows] - trained) ** 2)))
+        sent = whole[start:start + rows]
     if sent is None or sent.shape != trained.shape:
         return (-scale * trained).astype(trained.dtype)
     return (sent - scale * (trained - sent)).astype(trained.dtype)
@@ -110,7 +109,7 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
     """``reply`` as a client with fault ``kind`` would send it (``norm_factor``: the run's
     ``update-norm-factor``, which ``poison-under-filter`` stays under)."""
     out = RecordDict({name: reply[name] for name in reply.keys()})
-    arrays = from_array_record(reply[ARRAYS]) if ARRAYS in reply.array_records else {}
+    arrays = from_array_record(arrays_of(reply)) if ARRAYS in reply.array_records else {}
     name = next(iter(arrays), "")
     if kind == "nan":
         arrays[name] = np.full_like(arrays[name], np.nan)
@@ -126,7 +125,7 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
     elif kind == "missing-record":
         return RecordDict({ARRAYS: reply[ARRAYS]})
     elif kind in ("huge-count", "nan-metrics"):
-        metrics = dict(reply[METRICS])
+        metrics = dict(metrics_of(reply))
         if kind == "huge-count":
             metrics["num-examples"] = 10**12
         else:
@@ -136,7 +135,7 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
         out[ARRAYS] = to_array_record(arrays)
     if kind in STATISTICS_ATTACKS:
         for record in [n for n in reply.array_records if n != ARRAYS]:
-            out[record] = to_array_record(forge_statistics(kind, from_array_record(reply[record])))
+            out[record] = to_array_record(forge_statistics(kind, from_array_record(arrays_of(reply, record))))
     return out
 
 

@@ -9,10 +9,8 @@ memory and how much of the frozen backbone it reads from the shared mapping of t
 
 from __future__ import annotations
 
-from promptfcl.client.node_policy import NodePolicy, NodeRefusal
-from promptfcl.common.backbone import backbone_cache_path
-from promptfcl.common.learner import LocalLearner
-from promptfcl.common.memory_plan import (
+from ..common.backbone import backbone_cache_path
+from ..common.memory_plan import (
     MIN_MICRO_BATCH,
     BudgetError,
     StepSizes,
@@ -24,8 +22,11 @@ from promptfcl.common.memory_plan import (
     resident_mb,
     return_freed_memory,
 )
-from promptfcl.common.model import PromptedViT
-from promptfcl.common.runtime import Runtime
+from ..common.model import PromptedViT
+from ..common.runtime import Runtime
+from ..common.weights import BackboneSpec
+from ..strategies.platform.learner import LocalLearner
+from .node_policy import NodePolicy, NodeRefusal
 
 
 def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
@@ -59,7 +60,7 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
     if policy.memory_budget_mb:
         return_freed_memory()  # before anything large is allocated: freed activations leave the process
     held = resident_mb()
-    cached = backbone_cache_path(runtime.cfg)
+    cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
     if policy.memory_budget_mb and cached is not None:
         weights = [*model.backbone.parameters(), *model.backbone.buffers()]
         held += mapped_tensor_mb(weights, cached) - mapped_mb(cached)
@@ -81,7 +82,7 @@ def plan_metrics(plan: TrainingPlan, runtime: Runtime) -> dict[str, int | float]
     """The reply's account of the plan: what the node chose, its peak memory, the shared backbone."""
     metrics = plan.metrics()
     metrics["peak-rss-mb"] = peak_resident_mb()
-    cached = backbone_cache_path(runtime.cfg)
+    cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
     metrics["backbone-mapped-mb"] = mapped_mb(cached) if cached is not None else 0.0
     return metrics
 

@@ -40,26 +40,32 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from promptfcl.client.node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
-from promptfcl.common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
-from promptfcl.common.data import (
+from ..common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
+from ..common.data import (
     ArraySplit,
     DataError,
     Dataset,
-    load_dataset,
+    DataSource,
+    check_task_stream,
     ordered_dataset,
     read_class_folders,
+    read_source,
 )
-from promptfcl.common.data_cache import code_identity, load_dataset_cached, mapped_dataset
-from promptfcl.common.images import IMAGE_EXTENSIONS, image_listing
-from promptfcl.common.tasks import class_order
+from ..common.data_cache import code_identity, load_source_cached, mapped_dataset
+from ..common.flower_internals import internal
+from ..common.images import IMAGE_EXTENSIONS, image_listing
+from ..common.partitions import Partition
+from ..common.tasks import TaskLayout, class_order
+from ..common.weights import BackboneSpec, cache_dir, check_weights
+from ..strategies.platform.run_checks import load_config
+from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
 log = logging.getLogger("promptfcl")
 
@@ -114,7 +120,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
         policy = NodePolicy.from_node_config(node_config)
     except NodeRefusal as exc:
         raise NodeDataError(str(exc)) from None
-    common = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
+    common: dict[str, Any] = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
               "data_from_run": policy.data_from_run}
 
     if "partition-id" in node_config:
@@ -157,8 +163,9 @@ class NodeData:
 
     spec: NodeSpec
     data: Dataset
-    cfg: ExperimentConfig  # the run config as this node's learner and runtime must see it
+    cfg: ExperimentConfig  # the run config with this node's own device, threads and data location
     client_id: int  # seeds local training; indexes the partition for "partition" nodes
+    partition: Partition  # how the run's clients share ``data`` (data of its own: all of it this node's)
 
 
 _loaded: dict[str, NodeData] = {}
@@ -190,57 +197,60 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     if spec.threads:
         node_cfg = dataclasses.replace(node_cfg, threads=spec.threads)
 
+    run_source = DataSource.of(cfg)
+    run_names = cfg.class_name_list
     if spec.kind == "partition":
         if spec.num_partitions != cfg.num_clients:
             raise NodeDataError(
                 f"this node is partition {spec.partition_id} of {spec.num_partitions}, but the run has "
                 f"num-clients = {cfg.num_clients} nodes: start the nodes with num-partitions={cfg.num_clients}")
-        full = load_dataset_cached(partition_source(cfg, spec))
-        check_classes(cfg, full.num_classes, original_names(full, cfg.seed), "the run's dataset")
+        full = load_source_cached(partition_source(run_source, spec), cfg.num_tasks)
+        check_task_stream(TaskLayout.of(cfg, full.num_classes), full)
+        check_classes(full.num_classes, original_names(full, cfg.seed), "the run's dataset", cfg.num_classes,
+                      run_names)
         # Held-out data: a disjoint shard of the test split, so the nodes' counts add up
         # to exactly the central evaluation over the whole test split.
         shard = np.arange(spec.partition_id, len(full.test), spec.num_partitions)
         test = ArraySplit(full.test.images[shard], full.test.labels[shard])
         fp = hashlib.sha1(f"{full.fingerprint} test {spec.partition_id}/{spec.num_partitions}".encode())
         data = dataclasses.replace(full, test=test, fingerprint=fp.hexdigest()[:16])
-        return NodeData(spec, data, node_cfg, spec.partition_id)
+        return NodeData(spec, data, node_cfg, spec.partition_id, Partition.of(cfg))
 
     if spec.dataset.startswith("folder:"):
-        data = load_folder(cfg, Path(spec.dataset[len("folder:"):]).expanduser())
+        data = load_folder(run_source, run_names, Path(spec.dataset[len("folder:"):]).expanduser())
         names = original_names(data, cfg.seed)
     else:
-        source_cfg = dataclasses.replace(cfg, dataset=spec.dataset, data_dir=spec.data_dir)  # never the run's
+        source = dataclasses.replace(run_source, dataset=spec.dataset, data_dir=spec.data_dir)  # never the run's
         try:
-            data = load_dataset(source_cfg)
+            data = read_source(source)
+            check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
         except ConfigError as exc:
             raise NodeDataError(f"this node's data ({spec.dataset}): {exc}") from exc
         names = original_names(data, cfg.seed)
-    check_classes(cfg, data.num_classes, names, f"this node's data ({spec.dataset})")
+    check_classes(data.num_classes, names, f"this node's data ({spec.dataset})", cfg.num_classes, run_names)
     if len(data.train) == 0:
         raise NodeDataError(f"this node's data ({spec.dataset}) has no training images")
     client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
-    # The node's data is all its own: every sample of a task's classes is its share
-    # (`centralised` on a client = "the runtime's data is this client's data").
-    # (centralised-mode stays "incremental": a node learns its tasks in turn, never the joint reference)
-    # (with random tasks the node plays the schedule's client the server names, so the population stays the run's)
-    clients = cfg.num_clients if cfg.task_generator == "random" else max(cfg.num_clients, client_id + 1)
-    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir, centralised=True,
-                                   centralised_mode="incremental", num_clients=clients)
-    return NodeData(spec, data, node_cfg, client_id)
+    # The node's data is all its own: every sample of a task's classes is its share (with random
+    # tasks the node plays the schedule's client the server names, drawn as the run draws it)
+    # (the runtime's data location is the node's own, never the run's)
+    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir)
+    return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg).own())
 
 
-def partition_source(cfg: ExperimentConfig, spec: NodeSpec) -> ExperimentConfig:
-    """The run's config with the dataset location of a partition node: its own copy of the run's
+def partition_source(run_source: DataSource, spec: NodeSpec) -> DataSource:
+    """The run's source at the dataset location of a partition node: its own copy of the run's
     dataset (``dataset``, ``data-dir`` of its node config), or, with ``data-from-run``, the run's."""
     if spec.data_from_run and not spec.dataset:
-        return cfg
+        return run_source
     if not spec.dataset:
-        raise NodeDataError(f"this node is partition {spec.partition_id} of the run's dataset {cfg.dataset!r}, but its "
-                            "node-config does not name the copy it holds: add dataset=\"...\" (and data-dir=\"...\" "
-                            "where the source needs one), or data-from-run=true to read the run's location")
-    if spec.dataset != cfg.dataset:
-        raise NodeDataError(f"this node holds dataset {spec.dataset!r}, but the run partitions {cfg.dataset!r}")
-    return dataclasses.replace(cfg, data_dir=spec.data_dir)
+        raise NodeDataError(f"this node is partition {spec.partition_id} of the run's dataset "
+                            f"{run_source.dataset!r}, but its node-config does not name the copy it holds: add "
+                            "dataset=\"...\" (and data-dir=\"...\" where the source needs one), or data-from-run=true "
+                            "to read the run's location")
+    if spec.dataset != run_source.dataset:
+        raise NodeDataError(f"this node holds dataset {spec.dataset!r}, but the run partitions {run_source.dataset!r}")
+    return dataclasses.replace(run_source, data_dir=spec.data_dir)
 
 
 def original_names(data: Dataset, seed: int) -> list[str]:
@@ -252,17 +262,18 @@ def original_names(data: Dataset, seed: int) -> list[str]:
     return names
 
 
-def check_classes(cfg: ExperimentConfig, num_classes: int, names: list[str], what: str,
-                  run_num_classes: int | None = None) -> None:
-    """Refuse data whose classes are not the run's (``num-classes``, ``class-names``).
+def check_classes(num_classes: int, names: list[str], what: str, run_num_classes: int = 0,
+                  run_names: Sequence[str] = ()) -> None:
+    """Refuse data whose classes are not the run's.
 
-    ``run_num_classes`` is the head size the server sent (it overrides an unset num-classes).
+    ``run_num_classes`` is the run's ``num-classes`` (or, where that is unset, the head size the
+    server sent; 0: not checked); ``run_names`` its ``class-names`` (empty: not checked).
     """
-    expected = cfg.num_classes or run_num_classes or 0
+    expected = run_num_classes
     if expected and num_classes != expected:
         raise NodeDataError(f"{what} has {num_classes} classes but the run has {expected}; "
                             "every node must hold data of the run's classes")
-    wanted = cfg.class_name_list
+    wanted = list(run_names)
     if wanted and names != wanted:
         extra = [n for n in names if n not in wanted]
         raise NodeDataError(
@@ -272,33 +283,34 @@ def check_classes(cfg: ExperimentConfig, num_classes: int, names: list[str], wha
 
 
 # ---------------------------------------------------------------------------- folder data
-def load_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
+def load_folder(source: DataSource, class_names: list[str], root: Path) -> Dataset:
     """A node's image folder as a Dataset in the run's class order (decoded once per machine,
-    then mapped from the data cache: common/data_cache.py).
+    then mapped from the data cache: common/data_cache.py), decoded as the run's ``source`` is.
 
     Layout ``root/<class>/*`` or ``root/{train,test}/<class>/*``; classes are matched by
-    folder name to ``class-names`` when the run sets it, else taken as the sorted folders.
+    folder name to ``class_names`` (the run's ``class-names``) when set, else taken as the
+    sorted folders.
     """
     if not root.is_dir():
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
-    from promptfcl.common.weights import cache_dir
 
-    full = cfg.to_dict()
+    full = {**source.keys(), "class-names": ",".join(class_names)}
     listing = image_listing(root)
     if not listing:
         raise NodeDataError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}; {HOW_TO}")
     key = ["node folder", code_identity(sys.modules[__name__]), str(root.resolve()),
-           {k: full[k] for k in FOLDER_KEYS}, cfg.class_name_list, listing]
-    if not cfg.data_cache:
-        return _decode_folder(cfg, root)
-    return mapped_dataset(cache_dir() / "data", key, lambda: _decode_folder(cfg, root), f"this node's folder {root}")
+           {k: full[k] for k in FOLDER_KEYS}, class_names, listing]
+    if not source.cache:
+        return _decode_folder(source, class_names, root)
+    return mapped_dataset(cache_dir() / "data", key, lambda: _decode_folder(source, class_names, root),
+                          f"this node's folder {root}")
 
 
-def _decode_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
+def _decode_folder(source: DataSource, class_names: list[str], root: Path) -> Dataset:
     has_splits = (root / "train").is_dir() and (root / "test").is_dir()
     base = root / "train" if has_splits else root
     folders = sorted(p.name for p in base.iterdir() if p.is_dir())
-    names = cfg.class_name_list or folders
+    names = class_names or folders
     extra = [f for f in folders if f not in names]
     if extra:
         raise NodeDataError(f"this node's data {base} has class folders {extra[:5]} that are not among "
@@ -307,28 +319,28 @@ def _decode_folder(cfg: ExperimentConfig, root: Path) -> Dataset:
         raise NodeDataError(f"this node's data {base} needs one sub-folder per class (found {len(names)}); "
                             "or set the run's class-names")
     if has_splits:
-        train, test = _read_split(root / "train", names, cfg), _read_split(root / "test", names, cfg)
+        train, test = _read_split(root / "train", names, source), _read_split(root / "test", names, source)
     else:
-        train, test = _split(_read_split(root, names, cfg), cfg)
-    return _as_dataset(cfg, root, names, train, test)
+        train, test = _split(_read_split(root, names, source), source.test_fraction, source.seed)
+    return _as_dataset(source, root, names, train, test)
 
 
-def _read_split(split_root: Path, names: list[str], cfg: ExperimentConfig) -> ArraySplit:
+def _read_split(split_root: Path, names: list[str], source: DataSource) -> ArraySplit:
     """The node's images of the run's classes (a node may lack some classes)."""
     try:
-        return read_class_folders(split_root, names, cfg.image_size, skip_missing=True,
-                                  interpolation=cfg.resize_interpolation)
+        return read_class_folders(split_root, names, source.image_size, skip_missing=True,
+                                  interpolation=source.resize_interpolation)
     except DataError as exc:
         raise NodeDataError(str(exc)) from exc
 
 
-def _split(full: ArraySplit, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySplit]:
+def _split(full: ArraySplit, test_fraction: float, seed: int) -> tuple[ArraySplit, ArraySplit]:
     """Seeded per-class held-out split by ``test-fraction`` (classes with one image stay in train)."""
-    rng = np.random.default_rng([cfg.seed, 0x7E57])
+    rng = np.random.default_rng([seed, 0x7E57])
     test_idx = []
     for c in np.unique(full.labels):
         idx = np.flatnonzero(full.labels == c)
-        n_test = int(round(cfg.test_fraction * len(idx))) if len(idx) > 1 else 0
+        n_test = int(round(test_fraction * len(idx))) if len(idx) > 1 else 0
         test_idx.append(rng.permutation(idx)[:n_test])
     test_mask = np.zeros(len(full), dtype=bool)
     test_mask[np.concatenate(test_idx) if test_idx else []] = True
@@ -336,7 +348,7 @@ def _split(full: ArraySplit, cfg: ExperimentConfig) -> tuple[ArraySplit, ArraySp
             ArraySplit(full.images[test_mask], full.labels[test_mask]))
 
 
-def _as_dataset(cfg: ExperimentConfig, root: Path, names: list[str], train: ArraySplit, test: ArraySplit) -> Dataset:
+def _as_dataset(source: DataSource, root: Path, names: list[str], train: ArraySplit, test: ArraySplit) -> Dataset:
     """A node's folders as a Dataset, ordered exactly as ``load_dataset`` orders a source."""
     num_classes = len(names)
     if len(test) and train.images.shape[1:] != test.images.shape[1:]:
@@ -345,8 +357,8 @@ def _as_dataset(cfg: ExperimentConfig, root: Path, names: list[str], train: Arra
     if (root / "train").is_dir() and (root / "test").is_dir():
         split = f"this node's folders {root}/train and {root}/test"
     else:
-        split = f"this node's folder {root} split by seed {cfg.seed} per class, {cfg.test_fraction:.0%} held out"
-    return ordered_dataset(cfg, f"folder:{root}", train, test, num_classes, names, split)
+        split = f"this node's folder {root} split by seed {source.seed} per class, {source.test_fraction:.0%} held out"
+    return ordered_dataset(source, f"folder:{root}", train, test, num_classes, names, split)
 
 
 # ---------------------------------------------------------------------------- export (demo data)
@@ -356,6 +368,7 @@ def export_digits(out: Path, nodes: int, seed: int = 0) -> list[Path]:
     For trying a deployment without a dataset of one's own: each node gets a stratified
     share of the digits' train and test images.
     """
+    # only the sources that need them: PIL for image folders, scikit-learn for digits
     from PIL import Image
     from sklearn.datasets import load_digits
 
@@ -398,11 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             print(folder)
         return 0
 
-    from promptfcl.common.flower_internals import internal
 
     parse_config_args = internal("parse_config_args")
-    from promptfcl.common.weights import check_weights
-    from promptfcl.strategies.registry import load_config
 
     try:
         try:
@@ -413,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set, None, None)
         policy = NodePolicy.from_node_config(node_config)
         policy.check_run(cfg)
-        cfg = policy.backbone(cfg)  # as the ClientApp will: the node's own weights or its cache
+        # as the ClientApp will: the node's own weights or its cache
+        cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
         loaded = node_data(cfg, node_config)
-        check_weights(cfg)  # the backbone must be on this node (the server has none)
+        check_weights(BackboneSpec.of(cfg))  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -42,17 +42,19 @@ import logging
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Context, Message
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint_problem
-from promptfcl.common.low_precision import PRECISIONS
-from promptfcl.common.memory_plan import BUDGET_KEY
-from promptfcl.common.text import printable
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint, footprint_problem
+from ..common.low_precision import PRECISIONS
+from ..common.memory_plan import BUDGET_KEY
+from ..common.text import printable
+from ..common.weights import BackboneSpec
 
 log = logging.getLogger("promptfcl")
 
@@ -137,8 +139,9 @@ class NodePolicy:
                    flag(node_config, DATA_FROM_RUN), flag(node_config, WEIGHTS_FROM_RUN), weights,
                    float(budget), str(precision))
 
-    def backbone(self, cfg: ExperimentConfig) -> ExperimentConfig:
-        """``cfg`` with the backbone weights this node uses, checked before anything is opened.
+    def backbone_weights(self, backbone: str, run_weights: str) -> str:
+        """The weights this node uses for the run's ``backbone`` (``run_weights``: the run's
+        ``weights``), checked before anything is opened.
 
         The node's own ``weights`` (node config) wins over the run's; without it, the run's
         ``weights`` must be one the node takes from its cache (:data:`CACHED_WEIGHTS`), unless
@@ -151,21 +154,21 @@ class NodePolicy:
             The run names a checkpoint path or a hub source for the backbone.
         """
         if self.weights_from_run:
-            return cfg
-        if not PLAIN_BACKBONE.fullmatch(cfg.backbone):
+            return run_weights
+        if not PLAIN_BACKBONE.fullmatch(backbone):
             # timm reads a "hf-hub:" model's config from the network and a "local-dir:" one from disk
-            raise self._refusal("backbone", cfg.backbone, "is not a plain timm model name (a source prefix such "
+            raise self._refusal("backbone", backbone, "is not a plain timm model name (a source prefix such "
                                 "as hf-hub: or local-dir:, or a path, would make the node fetch or open what the "
                                 "run names)")
         if self.weights is not None:
-            if self.weights != cfg.weights:
+            if self.weights != run_weights:
                 log.info("backbone weights from this node's config (weights = %r), not the run's (%r)",
-                         self.weights, cfg.weights)
-            return cfg.replace(weights=self.weights)
-        if CACHED_WEIGHTS.fullmatch(cfg.weights):
-            return cfg
-        what = "a hub source" if cfg.weights == "timm" else "a checkpoint file"
-        raise self._refusal("weights", cfg.weights, f"names {what}; this node takes its backbone only from its own "
+                         self.weights, run_weights)
+            return self.weights
+        if CACHED_WEIGHTS.fullmatch(run_weights):
+            return run_weights
+        what = "a hub source" if run_weights == "timm" else "a checkpoint file"
+        raise self._refusal("weights", run_weights, f"names {what}; this node takes its backbone only from its own "
                             "node-config (weights=...) or its cache (weights = \"pretrained:<source>\" or \"random\")")
 
     @staticmethod
@@ -190,7 +193,9 @@ class NodePolicy:
                                   f"max-{key} = {self.limits[key]} (its operator's node-config)")
         # each size may pass alone and their product still not fit (a million tokens per image)
         try:
-            problem = footprint_problem(cfg, self.limits["tokens"], self.limits["memory-gb"], "this node's limit")
+            size = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
+            problem = footprint_problem(size, cfg.image_size, self.limits["tokens"], self.limits["memory-gb"],
+                                        "this node's limit")
         except ConfigError as exc:  # a size left to the model that its name does not say
             raise NodeRefusal(f"node refuses the run: {exc}") from None
         if problem is not None:
@@ -232,7 +237,6 @@ def trust_run(context: Context) -> None:
 
 def in_ray_actor() -> bool:
     """Whether this process is a Ray worker (a simulated client); Ray is never imported for this."""
-    import sys
 
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()

@@ -27,8 +27,8 @@ import sys
 from logging import ERROR, INFO, WARNING
 from typing import Any
 
-from promptfcl.client.zygote import BLAS_THREADS_ENV, DEFAULT_RUNNER, installed_fingerprint
-from promptfcl.common.flower_internals import internal, replace_internal
+from ..common.flower_internals import internal, replace_internal
+from .zygote import BLAS_THREADS_ENV, DEFAULT_RUNNER, installed_fingerprint
 
 # Flower's logger: these lines appear with the SuperExec's own, in the node's log
 log = logging.getLogger("flwr").log

@@ -19,7 +19,9 @@ The executor (client/warm_executor.py) talks to the zygote over a socket pair, o
 per request: ``{"spec": {...}}`` -> ``{"pid": N}`` or ``{"error": "..."}``. The task's token
 travels over that socket, never on a command line.
 
-Run as ``python -m promptfcl.client.zygote --fd N`` by the executor only.
+Run as ``python -m promptfcl.client.zygote --fd N`` by the executor only. Its imports are inside
+functions on purpose: what the zygote imports, and when (``preload``, before any fork; a child's
+own after it), is the point of this module.
 """
 
 from __future__ import annotations
@@ -87,10 +89,10 @@ def preload() -> None:
     import torch
     import torch._dynamo  # noqa: F401  (torch.optim imports it on a process's first optimiser: 2 s)
 
-    from promptfcl.client import app  # noqa: F401  (the ClientApp and, through it, the project)
-    from promptfcl.common import startup
-    from promptfcl.common.flower_internals import internal, set_internal_default
-    from promptfcl.strategies.registry import methods
+    from ..common import startup
+    from ..common.flower_internals import internal, set_internal_default
+    from ..strategies.registry import methods
+    from . import app  # noqa: F401  (the ClientApp and, through it, the project)
 
     for name, method in methods().items():  # every installed method's code, ours and others'
         try:
@@ -133,7 +135,7 @@ def restore_blas_threads() -> None:
 def run_flower_task(spec: dict[str, Any]) -> None:
     """Flower's ``flwr-clientapp`` for one task, in this (forked) process: the same call its
     command line makes (flwr/supernode/cli/flwr_clientapp.py)."""
-    from promptfcl.common.flower_internals import internal
+    from ..common.flower_internals import internal
 
     internal("run_clientapp")(
         runtime_api_address=spec["runtime_api_address"],
@@ -178,7 +180,7 @@ def _child(runner: Callable[[dict[str, Any]], None], spec: dict[str, Any], chann
 
         np.random.seed()
         restore_blas_threads()
-        from promptfcl.common import startup
+        from ..common import startup
 
         # this message's process imported nothing (the zygote did, once): its start-up is
         # Flower's task pull, the model build and the data, which the reply reports as usual

@@ -26,7 +26,7 @@ def augment_images(images: np.ndarray, kind: str, rng: np.random.Generator) -> n
     padded = np.pad(images, ((0, 0), (0, 0), (pad_h, pad_h), (pad_w, pad_w)))
     top = rng.integers(0, 2 * pad_h + 1, size=n)
     left = rng.integers(0, 2 * pad_w + 1, size=n)
-    flip = rng.random(n) < 0.5
+    flip = np.asarray(rng.random(n)) < 0.5
     rows = top[:, None] + np.arange(h)[None, :]  # (N, H)
     cols = left[:, None] + np.arange(w)[None, :]  # (N, W)
     cols = np.where(flip[:, None], cols[:, ::-1], cols)

@@ -9,12 +9,13 @@ strategy name (``hepco.lambda-kl``) and are validated by the strategy itself.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from promptfcl.common.config_checks import (  # noqa: F401
+from .config_checks import (  # noqa: F401
     AGGREGATIONS,
     AUGMENTATIONS,
     CENTRALISED_MODES,
@@ -31,8 +32,8 @@ from promptfcl.common.config_checks import (  # noqa: F401
     valid_ray_address,
     validate_config,
 )
-from promptfcl.common.errors import ConfigError  # re-exported: the error of configurations
-from promptfcl.common.options import coerce_value
+from .errors import ConfigError  # re-exported: the error of configurations
+from .options import coerce_value
 
 DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
 
@@ -265,7 +266,7 @@ class ExperimentConfig:
     # offline default's clients hold ~30 samples per task, so a larger step is needed.
     lr: float = key(1e-2, "training", ("results",))
     lr_schedule: str = key("cosine", "training", ("results",))  # "cosine" or "constant", over one round's local steps
-    # Training-time augmentation of every method's local training (common/learner.py), seeded
+    # Training-time augmentation of every method's local training (strategies/platform/learner.py), seeded
     # per client, task and round: "none"; "crop-flip" (random crop with zero padding of 1/8 of
     # the side, then a random horizontal flip); "resized-crop-flip" (torchvision's
     # RandomResizedCrop to the backbone's size + horizontal flip, CODA-P's and FPPL's code; the
@@ -327,6 +328,14 @@ class ExperimentConfig:
         return [int(v) for v in self.prompt_layers.split(",") if v.strip() != ""]
 
     @property
+    def sampled_per_round(self) -> int:
+        """Clients that train in one round (the one place it is computed): ``clients-per-round``,
+        else ``client-fraction`` of the population, at least one; centralised: the one client."""
+        if self.centralised:
+            return 1
+        return self.clients_per_round or max(1, int(round(self.client_fraction * self.num_clients)))
+
+    @property
     def per_task_head(self) -> bool:
         """Whether the head has a block of rows per task (``head``; "auto": with random tasks)."""
         return self.head == "per-task" or (self.head == "auto" and self.task_generator == "random")
@@ -372,7 +381,6 @@ class ExperimentConfig:
 
     def digest(self) -> str:
         """Short hash of the full configuration; server and clients must agree on it."""
-        import hashlib
 
         relevant = {k: v for k, v in self.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
         return hashlib.sha1(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:12]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from promptfcl.common.errors import ConfigError
-from promptfcl.common.files import class_name_problem
+from .errors import ConfigError
+from .files import class_name_problem
+from .schedule import task_schedule
 
 if TYPE_CHECKING:
-    from promptfcl.common.config import ExperimentConfig
+    from .config import ExperimentConfig
 
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
@@ -85,7 +86,6 @@ def validate_config(cfg: ExperimentConfig) -> None:
          "set clients-per-round > 0 or client-fraction > 0")
     need(cfg.clients_per_round <= cfg.num_clients,
          f"clients-per-round ({cfg.clients_per_round}) exceeds num-clients ({cfg.num_clients})")
-    from promptfcl.common.schedule import task_schedule
 
     task_schedule(cfg)  # switch-every / switch-fraction / num-tasks: raises ConfigError
     need(cfg.partition in PARTITIONS, f"partition must be one of {PARTITIONS}, got {cfg.partition!r}")

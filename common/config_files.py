@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from .config import ConfigError, ExperimentConfig
 
 
 def toml_value(value: object) -> str:
@@ -24,7 +24,7 @@ def read_config(
 ) -> ExperimentConfig:
     """Defaults <- TOML file (flat keys, or a [tool.flwr.app.config] table) <- ``--set`` pairs <- flags.
 
-    Only the configuration's own checks run here; ``client.methods.load_config`` adds the method's.
+    Only the configuration's own checks run here; ``strategies.platform.run_checks.load_config`` adds the run's.
     """
     raw: dict[str, Any] = {}
     if config_file:

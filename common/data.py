@@ -15,19 +15,21 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.errors import DataError  # re-exported: the error of datasets
-from promptfcl.common.images import (
+from .config import ConfigError, ExperimentConfig
+from .errors import DataError  # re-exported: the error of datasets
+from .images import (
     class_folder_files,
     decode_files,
     decode_rows,
     image_listing,
 )
-from promptfcl.common.row_file import RowFile
-from promptfcl.common.tasks import class_order, random_tasks
+from .row_file import RowFile
+from .splits import check_matches, read_splits
+from .tasks import TaskLayout, class_order
 
 log = logging.getLogger("promptfcl")
 
@@ -68,6 +70,65 @@ class Dataset:
     split: str = ""  # where train and test came from (recorded in results.json)
 
 
+@dataclass(frozen=True)
+class DataSource:
+    """Where a dataset comes from and how it is decoded: what the data layer reads of a run.
+
+    Parameters
+    ----------
+    dataset : str
+        ``digits``, ``fashion-mnist``, ``hf:<name>`` or ``folder:<path>``.
+    data_dir, hf_revision : str
+        The source's folder (Fashion-MNIST) and the hub revision (``hf:``); "" for the default.
+    seed : int
+        Seeds the held-out split, the per-class caps and the class order.
+    test_fraction : float
+        Held-out share of a source with one split.
+    image_size : int
+        Side of the decoded images.
+    resize_interpolation : str
+        How images are resized on decoding.
+    max_train_per_class, max_test_per_class : int
+        Per-class caps (0: none).
+    splits : str
+        A splits file whose class order and data seed replace the drawn ones ("": none).
+    cache : bool
+        Map decoded arrays from the machine's data cache (``data-cache``).
+    """
+
+    dataset: str = "digits"
+    data_dir: str = ""
+    hf_revision: str = ""
+    seed: int = 0
+    test_fraction: float = 0.25
+    image_size: int = 32
+    resize_interpolation: str = "bilinear"
+    max_train_per_class: int = 0
+    max_test_per_class: int = 0
+    splits: str = ""
+    cache: bool = True
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> DataSource:
+        """The source run ``cfg`` reads."""
+        return cls(cfg.dataset, cfg.data_dir, cfg.hf_revision, cfg.seed, cfg.test_fraction, cfg.image_size,
+                   cfg.resize_interpolation, cfg.max_train_per_class, cfg.max_test_per_class, cfg.splits,
+                   cfg.data_cache)
+
+    def as_recorded(self) -> DataSource:
+        """This source with the data seed of its splits file, if it names one (the source split and
+        caps of the run that wrote it)."""
+        if not self.splits:
+            return self
+        from .splits import read_splits  # splits imports this module
+
+        return dataclasses.replace(self, seed=read_splits(self.splits).data_seed)
+
+    def keys(self) -> dict[str, object]:
+        """This source's run-config keys (kebab-case) and values, for caches keyed by them."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 @dataclass
 class Source:
     """What a source reader gives: both splits, the class names, and how they were split."""
@@ -81,6 +142,7 @@ class Source:
 def seeded_rows(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, test rows) of a stratified split of one split, the same for the same seed
     (CODA-P's protocol splits ImageNet-R this way, 80/20); chosen on the labels alone."""
+    # scikit-learn is slow to import: only the sources that split or load with it
     from sklearn.model_selection import train_test_split
 
     tr, te = train_test_split(np.arange(len(labels)), test_size=test_fraction, stratify=labels, random_state=seed)
@@ -98,15 +160,16 @@ def _split_note(what: str, test_fraction: float, seed: int) -> str:
 
 
 # ---------------------------------------------------------------------------- sources
-def _digits(cfg: ExperimentConfig) -> Source:
+def _digits(source: DataSource) -> Source:
+    # scikit-learn is slow to import: only the sources that split or load with it
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[:, None]  # (N,1,8,8)
     full = ArraySplit(images, bunch.target.astype(np.int64))
-    train, test = seeded_split(full, cfg.test_fraction, cfg.seed)
+    train, test = seeded_split(full, source.test_fraction, source.seed)
     names = [str(i) for i in range(10)]
-    return Source(train, test, names, _split_note("scikit-learn's digits (one set)", cfg.test_fraction, cfg.seed))
+    return Source(train, test, names, _split_note("scikit-learn's digits (one set)", source.test_fraction, source.seed))
 
 
 def _read_idx(path: Path, fix: str) -> np.ndarray:
@@ -131,8 +194,8 @@ def _read_idx(path: Path, fix: str) -> np.ndarray:
         raise DataError(f"{path}: not a readable idx file ({type(exc).__name__}: {exc}); {fix}") from exc
 
 
-def _fashion_mnist(cfg: ExperimentConfig) -> Source:
-    root = Path(cfg.data_dir or FASHION_MNIST_DIR)
+def _fashion_mnist(source: DataSource) -> Source:
+    root = Path(source.data_dir or FASHION_MNIST_DIR)
     if not root.is_dir():
         raise DataError(
             f"Fashion-MNIST directory {root} does not exist. Install it with "
@@ -178,13 +241,14 @@ def hf_splits(split_names: list[str], hub_name: str) -> tuple[str, str | None]:
     return "train", next((s for s in HF_TEST_SPLITS if s in split_names), None)
 
 
-def _huggingface(name: str, cfg: ExperimentConfig) -> Source:
+def _huggingface(name: str, source: DataSource) -> Source:
     try:
+        # the datasets library is slow to import: only a hub source needs it
         import datasets as hf
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise DataError("the `datasets` package is required for hf: sources") from exc
     hub_name = HF_ALIASES.get(name, name)
-    revision = cfg.hf_revision or None
+    revision = source.hf_revision or None
     try:
         dd = hf.load_dataset(hub_name, revision=revision)
     except Exception as exc:  # the hub raises many types (ConnectionError, OfflineModeIsEnabled, ...)
@@ -201,19 +265,19 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> Source:
     feature = first.features[lab_col]
     names = list(getattr(feature, "names", []) or [])
 
-    def convert(split: object, rows: np.ndarray | None = None) -> ArraySplit:
+    def convert(split: Any, rows: np.ndarray | None = None) -> ArraySplit:  # a datasets.Dataset
         """The split's ``rows`` (all: None), labels read first, images decoded a chunk at a time."""
-        labels = np.asarray(split[lab_col], dtype=np.int64)  # type: ignore[index]
-        chosen = split if rows is None else split.select(rows)  # type: ignore[attr-defined]
-        images = decode_rows(len(chosen), lambda a, b: chosen[a:b][img_col], cfg.image_size,
-                             cfg.resize_interpolation)
+        labels = np.asarray(split[lab_col], dtype=np.int64)
+        chosen = split if rows is None else split.select(rows)
+        images = decode_rows(len(chosen), lambda a, b: chosen[a:b][img_col], source.image_size,
+                             source.resize_interpolation)
         return ArraySplit(images, labels if rows is None else labels[rows])
 
     where = f"Hugging Face {hub_name} at revision {revision or 'main (unpinned)'}"
     if test_name is None:  # the rows of each part chosen on the labels, before any image is decoded
-        tr, te = seeded_rows(np.asarray(first[lab_col], dtype=np.int64), cfg.test_fraction, cfg.seed)
+        tr, te = seeded_rows(np.asarray(first[lab_col], dtype=np.int64), source.test_fraction, source.seed)
         train, test = convert(first, tr), convert(first, te)
-        split = _split_note(f"{where}, its only split {train_name!r},", cfg.test_fraction, cfg.seed)
+        split = _split_note(f"{where}, its only split {train_name!r},", source.test_fraction, source.seed)
     else:
         train, test = convert(first), convert(dd[test_name])
         split = f"{where}, splits {train_name!r} (train) and {test_name!r} (test)"
@@ -222,7 +286,7 @@ def _huggingface(name: str, cfg: ExperimentConfig) -> Source:
     return Source(train, test, names, split)
 
 
-def _folder(path: str, cfg: ExperimentConfig) -> Source:
+def _folder(path: str, source: DataSource) -> Source:
     """``root/<class>/*.png`` (split by test-fraction) or ``root/{train,test}/<class>/*``."""
 
     root = Path(path).expanduser()
@@ -240,15 +304,15 @@ def _folder(path: str, cfg: ExperimentConfig) -> Source:
         return files, labels
 
     def decoded(files: list[Path], labels: np.ndarray) -> ArraySplit:
-        return ArraySplit(decode_files(files, cfg.image_size, cfg.resize_interpolation), labels)
+        return ArraySplit(decode_files(files, source.image_size, source.resize_interpolation), labels)
 
     if has_splits:
         return Source(decoded(*listed(root / "train")), decoded(*listed(root / "test")), names,
                       f"the folders {root}/train and {root}/test")
     files, labels = listed(root)  # the rows of each part chosen on the labels, before any image is decoded
-    tr, te = seeded_rows(labels, cfg.test_fraction, cfg.seed)
+    tr, te = seeded_rows(labels, source.test_fraction, source.seed)
     train, test = decoded([files[i] for i in tr], labels[tr]), decoded([files[i] for i in te], labels[te])
-    return Source(train, test, names, _split_note(f"the folder {root}", cfg.test_fraction, cfg.seed))
+    return Source(train, test, names, _split_note(f"the folder {root}", source.test_fraction, source.seed))
 
 
 def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
@@ -259,26 +323,27 @@ def read_class_folders(split_root: Path, names: list[str], image_size: int, skip
     return ArraySplit(decode_files(files, image_size, interpolation), labels)
 
 
-def source_identity(cfg: ExperimentConfig) -> object:
+def source_identity(source: DataSource) -> object:
     """What, besides the run's dataset keys, defines the decoded arrays: the source's files
     (names, sizes, times), the hub name and revision, the splits file."""
-    name = cfg.dataset
+    name = source.dataset
     if name == "digits":
+        # scikit-learn is slow to import: only the digits source needs it
         import sklearn
 
         ident: object = ["scikit-learn digits", sklearn.__version__]
     elif name == "fashion-mnist":
-        root = Path(cfg.data_dir or FASHION_MNIST_DIR)
+        root = Path(source.data_dir or FASHION_MNIST_DIR)
         ident = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.glob("*ubyte*")) \
             if root.is_dir() else str(root)
     elif name.startswith("hf:"):
-        ident = [HF_ALIASES.get(name[3:], name[3:]), cfg.hf_revision or "main"]
+        ident = [HF_ALIASES.get(name[3:], name[3:]), source.hf_revision or "main"]
     else:
         root = Path(name[len("folder:"):]).expanduser()
         ident = [str(root.resolve()), image_listing(root) if root.is_dir() else None]
-    if cfg.splits:
-        st = Path(cfg.splits).expanduser().stat() if Path(cfg.splits).expanduser().is_file() else None
-        ident = [ident, cfg.splits, st and (st.st_size, st.st_mtime_ns)]
+    if source.splits:
+        st = Path(source.splits).expanduser().stat() if Path(source.splits).expanduser().is_file() else None
+        ident = [ident, source.splits, st and (st.st_size, st.st_mtime_ns)]
     return ident
 
 
@@ -294,9 +359,9 @@ def _cap_per_class(split: ArraySplit, cap: int, seed: int) -> ArraySplit:
     return ArraySplit(split.images[sel], split.labels[sel])
 
 
-def check_source(cfg: ExperimentConfig) -> None:
+def check_source(dataset: str) -> None:
     """Cheap checks of the dataset name, without loading anything."""
-    name = cfg.dataset
+    name = dataset
     if name in ("digits", "fashion-mnist") or name.startswith(("hf:", "folder:")):
         return
     raise ConfigError(
@@ -306,42 +371,48 @@ def check_source(cfg: ExperimentConfig) -> None:
 
 
 def load_dataset(cfg: ExperimentConfig) -> Dataset:
-    """Load a source, remap labels to the seeded class order, and check the task split."""
-    check_source(cfg)
-    if cfg.splits:  # the source split and caps of the run that wrote the splits file
-        from promptfcl.common.splits import read_splits
-
-        cfg = dataclasses.replace(cfg, seed=read_splits(cfg.splits).data_seed)
-    name = cfg.dataset
-    if name == "digits":
-        source = _digits(cfg)
-    elif name == "fashion-mnist":
-        source = _fashion_mnist(cfg)
-    elif name.startswith("hf:"):
-        source = _huggingface(name[3:], cfg)
-    else:
-        source = _folder(name[len("folder:"):], cfg)
-    train, test, names = source.train, source.test, source.names
-    check_distinct_splits(name, train, test)
-
-    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    data = ordered_dataset(cfg, name, train, test, num_classes, names, source.split)
-    check_task_stream(cfg, data)
+    """Run ``cfg``'s dataset (:func:`read_source`), its task stream checked."""
+    check_source(cfg.dataset)
+    source = DataSource.of(cfg).as_recorded()
+    data = read_source(source)
+    # the stream checked with the seed the arrays were decoded with (a splits file's data seed)
+    check_task_stream(dataclasses.replace(TaskLayout.of(cfg, data.num_classes), seed=source.seed), data)
     return data
 
 
-def check_task_stream(cfg: ExperimentConfig, data: Dataset) -> None:
-    """The run's task stream fits the dataset's classes (run on every load, cached or not)."""
+def read_source(source: DataSource) -> Dataset:
+    """Load a source and remap its labels to the seeded class order (no task stream checked)."""
+    check_source(source.dataset)
+    recorded = source.as_recorded()
+    name = recorded.dataset
+    if name == "digits":
+        src = _digits(recorded)
+    elif name == "fashion-mnist":
+        src = _fashion_mnist(recorded)
+    elif name.startswith("hf:"):
+        src = _huggingface(name[3:], recorded)
+    else:
+        src = _folder(name[len("folder:"):], recorded)
+    train, test, names = src.train, src.test, src.names
+    check_distinct_splits(name, train, test)
+
+    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
+    return ordered_dataset(recorded, name, train, test, num_classes, names, src.split)
+
+
+def check_task_stream(layout: TaskLayout, data: Dataset) -> None:
+    """The run's task stream (``layout``, of ``data``'s classes) fits the dataset's classes (run on
+    every load, cached or not)."""
     name, num_classes = data.name, data.num_classes
     counts = np.bincount(data.train.labels, minlength=num_classes)
-    if cfg.task_generator == "random":
-        random_tasks(cfg, num_classes)  # raises ConfigError when the tasks cannot be drawn
-        if int(cfg.task_data_fraction * int(counts.min())) == 0:
+    if layout.random:
+        layout.random_tasks()  # raises ConfigError when the tasks cannot be drawn
+        if int(layout.task_data_fraction * int(counts.min())) == 0:
             raise ConfigError(f"{name}: a class has {int(counts.min())} training images, of which task-data-fraction "
-                              f"= {cfg.task_data_fraction} is none; raise task-data-fraction")
-    elif num_classes % cfg.num_tasks != 0:
+                              f"= {layout.task_data_fraction} is none; raise task-data-fraction")
+    elif num_classes % layout.num_tasks != 0:
         raise ConfigError(
-            f"{name} has {num_classes} classes, not divisible into num-tasks = {cfg.num_tasks} equal tasks"
+            f"{name} has {num_classes} classes, not divisible into num-tasks = {layout.num_tasks} equal tasks"
         )
     missing = np.flatnonzero(counts == 0)
     if len(missing):
@@ -358,29 +429,28 @@ def check_distinct_splits(name: str, train: ArraySplit, test: ArraySplit) -> Non
                         "a test split must hold images not trained on")
 
 
-def ordered_dataset(cfg: ExperimentConfig, name: str, train: ArraySplit, test: ArraySplit, num_classes: int,
+def ordered_dataset(source: DataSource, name: str, train: ArraySplit, test: ArraySplit, num_classes: int,
                     names: list[str], split: str) -> Dataset:
     """Cap per class, remap labels to the seeded class order, and fingerprint the arrays.
 
     Shared by every source and by nodes' own folders (client/node_data.py), so all of them
     give the same class order and caches keyed by the same fingerprint.
     """
-    train = _cap_per_class(train, cfg.max_train_per_class, cfg.seed)
-    test = _cap_per_class(test, cfg.max_test_per_class, cfg.seed)
-    order = class_order(num_classes, cfg.seed)
-    if cfg.splits:  # another run's class order (common/splits.py)
-        from promptfcl.common.splits import check_matches, read_splits
+    train = _cap_per_class(train, source.max_train_per_class, source.seed)
+    test = _cap_per_class(test, source.max_test_per_class, source.seed)
+    order = class_order(num_classes, source.seed)
+    if source.splits:  # another run's class order (common/splits.py)
 
-        recorded = read_splits(cfg.splits)
+        recorded = read_splits(source.splits)
         if len(recorded.class_order) != num_classes:
-            raise DataError(f"splits file {cfg.splits} orders {len(recorded.class_order)} classes; "
+            raise DataError(f"splits file {source.splits} orders {len(recorded.class_order)} classes; "
                             f"{name} has {num_classes}")
         order = recorded.class_order
     remap = np.empty(num_classes, dtype=np.int64)
     remap[order] = np.arange(num_classes)
     train = ArraySplit(train.images, remap[train.labels])
     test = ArraySplit(test.images, remap[test.labels])
-    if cfg.splits:
+    if source.splits:
         check_matches(recorded, train.labels)
     ordered_names = [names[c] if c < len(names) else str(c) for c in order]
     digest = hashlib.sha1()

@@ -34,11 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common import data as decoding
-from promptfcl.common import images as image_decoding
-from promptfcl.common.config import ExperimentConfig, keys_of
-from promptfcl.common.data import ArraySplit, Dataset, check_task_stream, load_dataset, source_identity
-from promptfcl.common.row_file import RowFile
+from . import data as decoding
+from . import images as image_decoding
+from .config import ExperimentConfig, keys_of
+from .data import ArraySplit, Dataset, DataSource, check_task_stream, read_source, source_identity
+from .row_file import RowFile
+from .tasks import TaskLayout
+from .weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -141,20 +143,26 @@ _loaded: dict[str, Dataset] = {}
 
 
 def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
-    """The run's dataset: mapped from the machine's data cache (``data-cache``, decoded once
+    """Run ``cfg``'s dataset (:func:`load_source_cached`), its task stream checked on every load."""
+    data = load_source_cached(DataSource.of(cfg), cfg.num_tasks)
+    check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
+    return data
+
+
+def load_source_cached(source: DataSource, num_tasks: int) -> Dataset:
+    """``source``'s dataset: mapped from the machine's data cache (``data-cache``, decoded once
     per machine), held once per process (a ClientApp in a long-lived Ray actor loads its data
-    once, whatever the other settings of the run), its task stream checked on every load."""
-    full = cfg.to_dict()
+    once, whatever the other settings of the run). ``num_tasks`` is one of the run's dataset
+    keys (``keys_of("dataset")``) the cache is keyed by."""
+    full = {**source.keys(), "num-tasks": num_tasks}
     keys = {k: full[k] for k in DATA_KEYS}
     text = json.dumps(keys, sort_keys=True)
     if text not in _loaded:
         _loaded.clear()  # one dataset per process is enough; keeps memory bounded
-        if cfg.data_cache:
-            from promptfcl.common.weights import cache_dir
+        if source.cache:
 
-            _loaded[text] = mapped_dataset(cache_dir() / "data", [keys, source_identity(cfg)],
-                                           lambda: load_dataset(cfg), cfg.dataset)
+            _loaded[text] = mapped_dataset(cache_dir() / "data", [keys, source_identity(source)],
+                                           lambda: read_source(source), source.dataset)
         else:
-            _loaded[text] = load_dataset(cfg)
-    check_task_stream(cfg, _loaded[text])
+            _loaded[text] = read_source(source)
     return _loaded[text]

@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.model import masked_logits
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, seen_classes, task_classes
+from .model import masked_logits
+from .runtime import Runtime
 
 
 @torch.no_grad()
@@ -28,15 +27,12 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     """Per task i <= ``task``: (correct, total) predictions, all seen classes competing
     (random tasks: the task's own classes competing; ``only``: score that task alone, on
     its classes' images only, the others' counts left 0)."""
-    cfg, model = rt.cfg, rt.model
-    if only is not None and cfg.task_generator != "random":
+    layout, model = rt.layout, rt.model
+    if only is not None and not layout.random:
         raise ValueError("only = <task> scores one task among its own classes: random tasks only")
     data = getattr(rt.data, split)
-    random_tasks = cfg.task_generator == "random"
-    k = rt.data.num_classes // cfg.num_tasks  # stream: task of a class
-    seen = (
-        seen_classes(cfg, task, rt.data.num_classes) if only is None else task_classes(cfg, only, rt.data.num_classes)
-    )
+    random_tasks = layout.random
+    seen = layout.seen(task) if only is None else layout.classes(only)
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
     allowed[seen] = True
     index = np.flatnonzero(np.isin(data.labels, seen))
@@ -44,7 +40,7 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     model.eval()
     model.prompt.set_task(task)
     preds = np.empty(len(index), dtype=np.int64)
-    all_logits = torch.empty(len(index) if random_tasks else 0, head_size(cfg, rt.data.num_classes))
+    all_logits = torch.empty(len(index) if random_tasks else 0, layout.head_size)
     for start in range(0, len(index), batch_size):
         sel = index[start : start + batch_size]
         x = model.preprocess(torch.from_numpy(data.images[sel]).to(rt.device), evaluation=split == "test")
@@ -59,13 +55,13 @@ def correct_counts(rt: Runtime, task: int, split: str = "test", batch_size: int 
     if random_tasks:
         correct, total = np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64)
         for i in range(task + 1) if only is None else [only]:
-            classes = task_classes(cfg, i, rt.data.num_classes)
+            classes = layout.classes(i)
             rows = np.flatnonzero(np.isin(labels, classes))
-            cols = torch.as_tensor(head_rows(cfg, i, rt.data.num_classes))
+            cols = torch.as_tensor(layout.head_rows(i))
             pred = classes[all_logits[rows][:, cols].argmax(1).numpy()]
             correct[i], total[i] = int((pred == labels[rows]).sum()), len(rows)
         return correct, total
-    task_of = labels // k
+    task_of = labels // layout.classes_per_task  # the stream's tasks hold contiguous classes
     correct = np.bincount(task_of, weights=(preds == labels), minlength=task + 1)[: task + 1]
     total = np.bincount(task_of, minlength=task + 1)[: task + 1]
     return correct.astype(np.int64), total.astype(np.int64)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from promptfcl.common.errors import DataError
+from .errors import DataError
 
 #: the most a results file gives beyond its owner: the group may read it, others nothing
 RESULTS_MODE = 0o640

@@ -16,6 +16,8 @@ import importlib
 import inspect
 from typing import Any, NamedTuple
 
+import flwr
+
 
 class Internal(NamedTuple):
     """One Flower name promptfcl takes, and what it relies on that name to be.
@@ -207,7 +209,6 @@ def _found(entry: Internal) -> tuple[Any, Any]:
 
 
 def _missing(name: str, exc: BaseException | None = None, what: str = "") -> ImportError:
-    import flwr
 
     entry = INTERNALS[name]
     where = entry.module + (f" (or {entry.new_module})" if entry.new_module else "")

@@ -28,7 +28,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from .config import ConfigError
+from .weights import BackboneSpec
 
 #: default ceilings: a node's unless its node config says otherwise, the server's unless its
 #: environment does (:func:`server_ceilings`). 4096 tokens: a 1024 px image in 16 px patches.
@@ -75,21 +76,22 @@ class Footprint:
         return BYTES_PER_FLOAT * (self.parameters + self.activations) / 1e9
 
 
-def footprint(cfg: ExperimentConfig) -> Footprint:
-    """``cfg``'s backbone sizes, a 0 ("the model's own") read from the timm name.
+def footprint(spec: BackboneSpec, batch_size: int, prompt_length: int) -> Footprint:
+    """The backbone ``spec``'s sizes, a 0 ("the model's own") read from the timm name, trained at
+    ``batch_size`` with prompts of ``prompt_length`` tokens.
 
     Raises
     ------
     ConfigError
         A size is 0 and the backbone's name does not say it.
     """
-    name = cfg.backbone.split(".", 1)[0]  # the pretrained tag does not change the architecture
-    patch = cfg.patch_size or _from_name(re.search(r"patch(\d+)", name), "patch-size", cfg.backbone)
+    name = spec.backbone.split(".", 1)[0]  # the pretrained tag does not change the architecture
+    patch = spec.patch_size or _from_name(re.search(r"patch(\d+)", name), "patch-size", spec.backbone)
     named = next((SIZES[part] for part in name.split("_") if part in SIZES), None)
-    width = cfg.embed_dim or _from_name(named and named[0], "embed-dim", cfg.backbone)
-    depth = cfg.depth or _from_name(named and named[1], "depth", cfg.backbone)
-    tokens = (cfg.image_size // patch) ** 2  # timm refuses a size its patches do not divide
-    return Footprint(tokens, width, depth, patch, cfg.batch_size, cfg.prompt_length)
+    width = spec.embed_dim or _from_name(named and named[0], "embed-dim", spec.backbone)
+    depth = spec.depth or _from_name(named and named[1], "depth", spec.backbone)
+    tokens = (spec.image_size // patch) ** 2  # timm refuses a size its patches do not divide
+    return Footprint(tokens, width, depth, patch, batch_size, prompt_length)
 
 
 def _from_name(found: object, key: str, backbone: str) -> int:
@@ -101,11 +103,12 @@ def _from_name(found: object, key: str, backbone: str) -> int:
                       "so the run's memory can be estimated before anything is built")
 
 
-def footprint_problem(cfg: ExperimentConfig, max_tokens: int, max_memory_gb: float, whose: str) -> str | None:
-    """Why ``cfg`` exceeds the ceilings (``whose``: "this node's limit", ...), or None when it fits."""
-    size = footprint(cfg)
+def footprint_problem(size: Footprint, image_size: int, max_tokens: int, max_memory_gb: float,
+                      whose: str) -> str | None:
+    """Why a run of ``size`` (``image_size``: the run's image-size) exceeds the ceilings (``whose``:
+    "this node's limit", ...), or None when it fits."""
     if size.tokens > max_tokens:
-        return (f"image-size {cfg.image_size} / patch-size {size.patch} gives {size.tokens} tokens per image, "
+        return (f"image-size {image_size} / patch-size {size.patch} gives {size.tokens} tokens per image, "
                 f"above {whose} max-tokens = {max_tokens}")
     if size.memory_gb > max_memory_gb:
         return (f"the backbone (width {size.width}, depth {size.depth}, {size.tokens} tokens) at batch-size "
@@ -136,8 +139,9 @@ def server_ceilings(environ: Mapping[str, str] | None = None) -> tuple[int, floa
     return int(out[0]), out[1]
 
 
-def check_server_footprint(cfg: ExperimentConfig) -> None:
-    """Refuse, before the server builds anything, a run beyond the server's ceilings.
+def check_server_footprint(spec: BackboneSpec, batch_size: int, prompt_length: int, image_size: int) -> None:
+    """Refuse, before the server builds anything, a run beyond the server's ceilings (the run's
+    backbone ``spec``, batch size, prompt length and image size).
 
     Raises
     ------
@@ -145,7 +149,8 @@ def check_server_footprint(cfg: ExperimentConfig) -> None:
         The run's tokens or estimated memory exceed :func:`server_ceilings`.
     """
     max_tokens, max_memory_gb = server_ceilings()
-    problem = footprint_problem(cfg, max_tokens, max_memory_gb, "the server's limit")
+    size = footprint(spec, batch_size, prompt_length)
+    problem = footprint_problem(size, image_size, max_tokens, max_memory_gb, "the server's limit")
     if problem is not None:
         raise ConfigError(f"{problem} ({MAX_TOKENS_ENV} / {MAX_MEMORY_ENV} in the server's environment raise it)")
 

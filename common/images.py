@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from promptfcl.common.errors import DataError
-from promptfcl.common.files import class_folder
+from .errors import DataError
+from .files import class_folder
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 #: images decoded at once
@@ -46,6 +46,7 @@ def to_uint8_chw(img: object, size: int | None, interpolation: str = "bilinear")
     """One image (PIL or array-like) as uint8 (C, H, W), C = 1 or 3; with ``size``, resized so that
     its shorter side is ``size`` and cut to its central ``size`` x ``size`` square, exactly as
     torchvision's ``Resize(size)`` + ``CenterCrop(size)`` (a square image is just resized)."""
+    # PIL: only decoding encoded images needs it
     from PIL import Image
 
     if not isinstance(img, Image.Image):
@@ -136,6 +137,7 @@ def class_folder_files(split_root: Path, names: list[str], skip_missing: bool) -
 def decode_files(files: Sequence[Path], image_size: int, interpolation: str = "bilinear") -> np.ndarray:
     """The images in ``files`` as one uint8 array (:func:`decode_rows`); an unreadable file is a
     DataError naming it."""
+    # PIL: only decoding encoded images needs it
     from PIL import Image, UnidentifiedImageError
 
     def fetch(start: int, stop: int) -> list[object]:

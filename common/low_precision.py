@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from promptfcl.common.memory_plan import file_mappings
+from .memory_plan import file_mappings
 
 PRECISIONS = ("fp32", "bf16", "int8")
 

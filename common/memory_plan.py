@@ -3,7 +3,7 @@
 A node may say how much memory a message may take (node-config ``memory-budget-mb``,
 client/node_policy.py). The plan keeps the run's updates: the optimiser still steps once per
 ``batch-size`` images, each step's gradient accumulated over micro-batches whose losses are
-weighted by their share of the batch (common/learner.py), and where even a micro-batch of a few
+weighted by their share of the batch (strategies/platform/learner.py), and where even a micro-batch of a few
 images does not fit, the frozen blocks that prompts back-propagate through are recomputed in the
 backward pass instead of kept (activation checkpointing, common/model.py). No-grad passes (the
 query, evaluation, statistics) run in chunks that fit as well. What stays: the process as it

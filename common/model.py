@@ -16,20 +16,25 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from promptfcl.common.backbone import backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.preprocess import InputPipeline
-from promptfcl.common.vit import Attention as OurAttention
-from promptfcl.common.vit import Block as OurBlock
-from promptfcl.common.vit import block_forward
+from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
+from .config import ConfigError, ExperimentConfig
+from .low_precision import lower_precision
+from .preprocess import InputPipeline
+from .tasks import TaskLayout
+from .vit import Attention as OurAttention
+from .vit import Block as OurBlock
+from .vit import block_forward
+from .weights import BackboneSpec
 
 log = logging.getLogger("promptfcl")
 
@@ -99,9 +104,11 @@ class CodaPrompt(nn.Module):
             for kind in self.kinds:
                 nn.init.uniform_(getattr(self, f"{kind}{layer}"))
 
-    def configure(self, cfg: ExperimentConfig) -> None:
-        """Read the method options that shape the forward pass (hook; called by ``build_model``, so
-        clients, evaluators and the server build the same module). Default: nothing to read."""
+    def configure(self, options: Mapping[str, Any]) -> None:
+        """Read the method options that shape the forward pass from the run's namespaced options
+        (``options``: ``<method>.<option>`` keys, ``ExperimentConfig.method``) (hook; called by
+        ``build_model``, so clients, evaluators and the server build the same module). Default:
+        nothing to read."""
 
     def slice_of(self, task: int) -> slice:
         return slice(task * self.per_task, (task + 1) * self.per_task)
@@ -158,7 +165,7 @@ class CodaPrompt(nn.Module):
 
 
 # ---------------------------------------------------------------------------- prompted ViT
-def check_blocks(backbone: nn.Module, layers: list[int]) -> None:
+def check_blocks(backbone: Backbone, layers: list[int]) -> None:
     """Refuse a backbone whose prompted blocks the prefix / prompt path would not reproduce.
 
     ``common.vit.block_forward`` is timm's ``vision_transformer.Block`` and ``Attention``
@@ -171,6 +178,7 @@ def check_blocks(backbone: nn.Module, layers: list[int]) -> None:
         attn = getattr(block, "attn", None)
         if type(block) is OurBlock and type(attn) is OurAttention:
             continue  # checked first: a backbone read from the disk cache never imports timm
+        # timm only for a timm-built backbone (a cached one never imports it)
         from timm.models.vision_transformer import Attention, Block
 
         if type(block) is not Block or type(attn) is not Attention:
@@ -188,7 +196,7 @@ class PromptedViT(nn.Module):
     via :func:`masked_logits`.
     """
 
-    def __init__(self, backbone: nn.Module, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
+    def __init__(self, backbone: Backbone, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
                  input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0,
                  tokens: str = "truncate") -> None:
         super().__init__()
@@ -319,46 +327,82 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device)[None, :], float("-inf"))
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """What building the prompted model reads of a run: its backbone, prompt, head and inputs.
+
+    Parameters
+    ----------
+    backbone : BackboneSpec
+        The frozen backbone.
+    seed : int
+        Seeds the prompt's and the head's initialisation.
+    layers, pool_size, prompt_length, num_tasks
+        The prompt (CodaPrompt's constructor arguments).
+    head_size : int
+        Outputs of the head (``TaskLayout.head_size``).
+    prompt_mode, input_norm, resize_interpolation, eval_crop, prompt_tokens
+        The forward pass (``prompt_tokens``: "auto" leaves it to the prompt module).
+    method : mapping
+        The run's namespaced method options (``<method>.<option>``), read by the prompt's ``configure``.
+    """
+
+    backbone: BackboneSpec
+    seed: int
+    layers: tuple[int, ...]
+    pool_size: int
+    prompt_length: int
+    num_tasks: int
+    head_size: int
+    prompt_mode: str
+    input_norm: str
+    resize_interpolation: str
+    eval_crop: float
+    prompt_tokens: str
+    method: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, num_classes: int) -> ModelSpec:
+        """The model of run ``cfg`` over a dataset of ``num_classes`` classes."""
+
+        return cls(BackboneSpec.of(cfg), cfg.seed, tuple(cfg.layers), cfg.pool_size, cfg.prompt_length, cfg.num_tasks,
+                   TaskLayout.of(cfg, num_classes).head_size, cfg.prompt_mode, cfg.input_norm,
+                   cfg.resize_interpolation, cfg.eval_crop, cfg.prompt_tokens, cfg.method)
+
+
 def build_model(
-    cfg: ExperimentConfig, num_classes: int, prompt_class: type[CodaPrompt] | None = None,
-    precision: str = "fp32",
+    spec: ModelSpec, prompt_class: type[CodaPrompt] | None = None, precision: str = "fp32",
 ) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
     node's own choice (common/low_precision.py)."""
-    from promptfcl.common.low_precision import lower_precision
-    from promptfcl.common.tasks import head_size
 
-    backbone, source = build_backbone(cfg)
+    backbone, source = build_backbone(spec.backbone)
     if precision != "fp32":
-        cached = backbone_cache_path(cfg)
+        cached = backbone_cache_path(spec.backbone)
         lower_precision(backbone, precision, str(cached) if cached is not None else None)
         source += f" (frozen linear layers in {precision}, this node's choice)"
     state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(spec.seed)
     prompt = (prompt_class or CodaPrompt)(
-        int(backbone.embed_dim), cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks
+        int(backbone.embed_dim), list(spec.layers), spec.pool_size, spec.prompt_length, spec.num_tasks
     )
-    prompt.configure(cfg)
-    tokens = prompt.prompt_tokens if cfg.prompt_tokens == "auto" else cfg.prompt_tokens
-    model = PromptedViT(backbone, prompt, head_size(cfg, num_classes), cfg.prompt_mode,
-                        cfg.input_norm, cfg.resize_interpolation, cfg.eval_crop, tokens)
+    prompt.configure(spec.method)
+    tokens = prompt.prompt_tokens if spec.prompt_tokens == "auto" else spec.prompt_tokens
+    model = PromptedViT(backbone, prompt, spec.head_size, spec.prompt_mode,
+                        spec.input_norm, spec.resize_interpolation, spec.eval_crop, tokens)
     torch.random.set_rng_state(state)
     return model, source
 
 
-def initial_trainable_state(
-    cfg: ExperimentConfig, prompt_class: type[CodaPrompt] | None = None
-) -> dict[str, torch.Tensor]:
+def initial_trainable_state(spec: ModelSpec, prompt_class: type[CodaPrompt] | None = None) -> dict[str, torch.Tensor]:
     """The initial prompt and head parameters, built without data or backbone weights.
 
     Their initialisation is seeded and independent of the backbone's weights, so a randomly
     initialised backbone of the same architecture gives exactly the parameters every node
     builds; a server that holds no weights (deployment) starts from these.
     """
-    import dataclasses
-
-    model, _ = build_model(dataclasses.replace(cfg, weights="random"), cfg.num_classes, prompt_class)
+    model, _ = build_model(replace(spec, backbone=replace(spec.backbone, weights="random")), prompt_class)
     return model.trainable_state()
 
 

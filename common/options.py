@@ -1,17 +1,32 @@
 """Typed options: run-config values converted strictly, and the base of every method's options.
 
 A method's options are the run-config keys ``<method>.<key>`` (``hgp.cov-type``); the method
-declares them as a dataclass subclass of :class:`MethodOptions`, and the platform parses them
-once (``PromptStrategy.parse_options``) into the object the strategy and the learner receive.
+declares them as a dataclass subclass of :class:`MethodOptions`, with what of a run it supports
+(``COMPATIBILITY``) and its own checks against the run (``check_run``); the platform checks and
+parses them once (strategies/platform/run_checks.py) into the object the strategy and the
+learner receive.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from promptfcl.common.errors import ConfigError
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # config parses its values through this module; no import back at run time
+    from .config import ExperimentConfig
+
+# What a run may ask of a method (a method's ``COMPATIBILITY`` lists those it supports, as in
+# Mammoth's ``COMPATIBILITY``); strategies/platform/run_checks.py refuses a run that asks for more.
+#: clients on different tasks in one round (``switch-fraction`` < 1 or ``switch-every`` > 0)
+ASYNCHRONOUS_TASKS = "asynchronous-tasks"
+#: Powder's random tasks (``task-generator = "random"``); they are asynchronous too
+RANDOM_TASKS = "random-tasks"
+#: differential privacy (``dp.*``, common/privacy.py): the method's uploads can be bounded
+DIFFERENTIAL_PRIVACY = "differential-privacy"
+CAPABILITIES = frozenset({ASYNCHRONOUS_TASKS, RANDOM_TASKS, DIFFERENTIAL_PRIVACY})
 
 
 def coerce_value(key: str, value: Any, type_name: Any) -> Any:
@@ -54,6 +69,11 @@ class MethodOptions:
     """
 
     prefix: ClassVar[str] = ""
+    #: what of a run the method supports (names from ``CAPABILITIES``): a run that needs one it
+    #: lacks is refused before anything is loaded (strategies/platform/run_checks.py)
+    COMPATIBILITY: ClassVar[frozenset[str]] = CAPABILITIES
+    #: why the method lacks a capability, where the refusal should say more than that it does
+    WHY_NOT: ClassVar[Mapping[str, str]] = {}
 
     @classmethod
     def key_of(cls, name: str) -> str:
@@ -79,6 +99,10 @@ class MethodOptions:
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
+
+    def check_run(self, cfg: ExperimentConfig) -> None:
+        """Raise ConfigError where these options cannot work with the run ``cfg`` (beyond
+        ``COMPATIBILITY``); called once before anything is loaded. Default: no such check."""
 
     def to_dict(self) -> dict[str, Any]:
         """The options as run-config keys (prefix removed)."""

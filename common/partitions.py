@@ -6,113 +6,193 @@ recomputes exactly the same indices.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.splits import ANY_ROUND, check_matches, read_splits
-from promptfcl.common.tasks import class_order, random_task_indices, task_classes, training_classes
+from .config import ConfigError, ExperimentConfig
+from .splits import ANY_ROUND, check_matches, read_splits
+from .tasks import TaskLayout, class_order
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How the clients share each task's training data: the data layer's explicit inputs.
+
+    Parameters
+    ----------
+    scheme : str
+        ``partition``: iid, dirichlet, quantity-skew, quantity (static per task) or stateless
+        (HePCo's population, drawn afresh every round).
+    num_clients : int
+        The population the shares are cut for (client ids ``0..num_clients-1``).
+    seed : int
+        Seeds every draw.
+    whole : bool
+        One client holds every sample of its task's classes: the centralised upper bound, or a
+        deployed node whose data is all its own (``own_data``).
+    own_data : bool
+        The data is the client's own (a deployed node): every sample of a stream task's classes
+        is its share, whatever its client id.
+    splits : str
+        A splits.npz whose recorded shares replace the draws ("": draw).
+    scope, class_order, beta, classes_per_client, min_size, balance
+        The static partitions' settings (``partition-scope``, ``partition-class-order``,
+        ``dirichlet-beta``, ``classes-per-client``, ``min-partition-size``, ``dirichlet-balance``).
+    category_ratio, split_ratio, imbalance_ratio, rounds_per_task
+        The stateless population's draws, per round of a task.
+    num_rounds, switch_every, switch_fraction
+        Random tasks: which client owns a task (common/schedule.py ``RandomTaskSchedule``).
+    """
+
+    scheme: str = "iid"
+    num_clients: int = 1
+    seed: int = 0
+    whole: bool = False
+    own_data: bool = False
+    splits: str = ""
+    scope: str = "task"
+    class_order: str = "original"
+    beta: float = 0.5
+    classes_per_client: int = 2
+    min_size: int = 0
+    balance: bool = False
+    category_ratio: float = 1.0
+    split_ratio: float = 1.0
+    imbalance_ratio: float = 1.0
+    rounds_per_task: int = 1
+    num_rounds: int = 0
+    switch_every: int = 0
+    switch_fraction: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> Partition:
+        """The partition run ``cfg`` draws over the run's dataset."""
+        return cls(cfg.partition, cfg.num_clients, cfg.seed, cfg.centralised, False, cfg.splits, cfg.partition_scope,
+                   cfg.partition_class_order, cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
+                   cfg.dirichlet_balance, cfg.category_ratio, cfg.split_ratio, cfg.imbalance_ratio,
+                   cfg.rounds_per_task, cfg.num_rounds, cfg.switch_every, cfg.switch_fraction)
+
+    def own(self) -> Partition:
+        """This partition as a deployed node with data of its own holds it: every sample of its
+        task's classes is its share (random tasks: the schedule's client it plays, drawn as the
+        run's), and no splits file is opened."""
+        return dataclasses.replace(self, whole=True, own_data=True, splits="")
+
+    def owner(self, layout: TaskLayout, task: int) -> int:
+        """The client that holds random task ``task`` (the run's random task schedule)."""
+        from .schedule import RandomTaskSchedule  # schedule imports tasks; built only for random tasks
+
+        return RandomTaskSchedule(layout.num_tasks, self.num_clients, self.num_rounds, self.switch_every,
+                                  self.switch_fraction, self.seed).owner(task)
+
+    def describe(self, layout: TaskLayout) -> str:
+        """One line naming the scheme (the whole summary: :func:`partition_summary`)."""
+        if layout.random or self.whole or self.scheme == "stateless":
+            return f"partition: {self.scheme if not self.whole else 'centralised'} (drawn per task or round)"
+        return f"partition: {self.scheme} (scope {self.scope})"
 
 
 def client_indices(
-    labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, client_id: int, task: int, round_: int
+    labels: np.ndarray, layout: TaskLayout, partition: Partition, client_id: int, task: int, round_: int
 ) -> np.ndarray:
     """Training indices of ``client_id`` for ``task`` (and, for stateless populations, ``round_``):
-    those recorded in the run's ``splits`` file if it names one, else drawn (:func:`drawn_indices`).
+    those recorded in the partition's ``splits`` file if it names one, else drawn (:func:`drawn_indices`).
 
     A pure function of its arguments: the same inputs give the same indices in any process.
     """
-    if not 0 <= client_id < max(cfg.num_clients, 1):
-        raise ValueError(f"client id {client_id} outside the population of {cfg.num_clients}")
-    if cfg.splits:
-        splits = read_splits(cfg.splits)
+    # a node's own data: any client id holds all of its stream task (random tasks: the run's clients)
+    if (layout.random or not partition.own_data) and not 0 <= client_id < max(partition.num_clients, 1):
+        raise ValueError(f"client id {client_id} outside the population of {partition.num_clients}")
+    if partition.splits:
+        splits = read_splits(partition.splits)
         check_matches(splits, labels)
         share = splits.share(client_id, task, round_)
-        stray = np.setdiff1d(labels[share], training_classes(cfg, task, num_classes))
+        stray = np.setdiff1d(labels[share], layout.training_classes(task))
         if len(stray):
-            raise ConfigError(f"splits file {cfg.splits}: client {client_id}'s share of task {task} holds classes "
-                              f"{stray[:5].tolist()} outside the task; it was written for another task stream "
-                              "(num-tasks, task-generator or seed)")
+            raise ConfigError(f"splits file {partition.splits}: client {client_id}'s share of task {task} holds "
+                              f"classes {stray[:5].tolist()} outside the task; it was written for another task "
+                              "stream (num-tasks, task-generator or seed)")
         return share
-    return drawn_indices(labels, cfg, num_classes, client_id, task, round_)
+    return drawn_indices(labels, layout, partition, client_id, task, round_)
 
 
 def drawn_indices(
-    labels: np.ndarray, cfg: ExperimentConfig, num_classes: int, client_id: int, task: int, round_: int
+    labels: np.ndarray, layout: TaskLayout, partition: Partition, client_id: int, task: int, round_: int
 ) -> np.ndarray:
-    """The share the configuration draws (seed, partition, task stream)."""
-    if cfg.task_generator == "random":  # the task's client holds all of its data
-        from promptfcl.common.schedule import task_schedule
-
-        owner = task_schedule(cfg).owner(task)
+    """The share the partition draws (seed, scheme, task stream)."""
+    p = partition
+    if layout.random:  # the task's client holds all of its data
+        owner = p.owner(layout, task)
         if client_id != owner:
             raise ValueError(f"random task {task} belongs to client {owner}, not {client_id}")
-        return random_task_indices(labels, cfg, num_classes, task)
-    classes = task_classes(cfg, task, num_classes)
-    if cfg.centralised:  # the one client holds the task (joint upper bound: every seen task)
-        return np.flatnonzero(np.isin(labels, training_classes(cfg, task, num_classes)))
+        return layout.random_task_indices(labels, task)
+    classes = layout.classes(task)
+    if p.whole:  # the one client holds the task (joint upper bound: every seen task)
+        return np.flatnonzero(np.isin(labels, layout.training_classes(task)))
     pool = np.flatnonzero(np.isin(labels, classes))
-    if cfg.partition == "stateless":
-        return _stateless_indices(labels, pool, classes, cfg, client_id, task, round_)
-    cut_order = _cut_order(cfg, num_classes)
-    if cfg.partition_scope == "dataset":  # one partition of the whole training set; each task takes its classes
-        parts = _static_partition(labels.tobytes(), cfg.partition, cfg.num_clients, cfg.seed, -1, cfg.dirichlet_beta,
-                                  cfg.classes_per_client, cfg.min_partition_size, cfg.dirichlet_balance, cut_order)
+    if p.scheme == "stateless":
+        return _stateless_indices(labels, pool, classes, p, client_id, task, round_)
+    cut_order = _cut_order(p.class_order, layout.num_classes, p.seed)
+    if p.scope == "dataset":  # one partition of the whole training set; each task takes its classes
+        parts = _static_partition(labels.tobytes(), p.scheme, p.num_clients, p.seed, -1, p.beta,
+                                  p.classes_per_client, p.min_size, p.balance, cut_order)
         mine = parts[client_id]
         return mine[np.isin(labels[mine], classes)]
-    parts = _static_partition(labels[pool].tobytes(), cfg.partition, cfg.num_clients, cfg.seed, task,
-                              cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
-                              cfg.dirichlet_balance, cut_order)
+    parts = _static_partition(labels[pool].tobytes(), p.scheme, p.num_clients, p.seed, task,
+                              p.beta, p.classes_per_client, p.min_size, p.balance, cut_order)
     return pool[parts[client_id]]
 
 
-def _cut_order(cfg: ExperimentConfig, num_classes: int) -> bytes:
+def _cut_order(order: str, num_classes: int, seed: int) -> bytes:
     """The rank at which each (remapped) class is cut by a balanced Dirichlet partition, as bytes
     (hashable for the partition cache): ``partition-class-order = "original"`` cuts the classes in
     the dataset's own label order, as NIID-Bench and FPPL's code do (they partition before the
     class order is shuffled into tasks), so the balancing cap falls on classes spread over every
     task; ``"task"`` cuts them in task order, which leaves the clients that filled up on the early
     tasks with nothing of the last ones."""
-    if cfg.partition_class_order == "task":
+    if order == "task":
         return np.arange(num_classes, dtype=np.int64).tobytes()
-    return class_order(num_classes, cfg.seed).astype(np.int64).tobytes()  # remapped r is original order[r]
+    return class_order(num_classes, seed).astype(np.int64).tobytes()  # remapped r is original order[r]
 
 
-def drawn_shares(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> dict[tuple[int, int, int], np.ndarray]:
-    """Every share the configuration draws, keyed (client, task, round within the task or -1 =
+def drawn_shares(labels: np.ndarray, layout: TaskLayout,
+                 partition: Partition) -> dict[tuple[int, int, int], np.ndarray]:
+    """Every share the partition draws, keyed (client, task, round within the task or -1 =
     every round): what splits.npz records (common/splits.py)."""
+    p = partition
     shares: dict[tuple[int, int, int], np.ndarray] = {}
-    for task in range(cfg.num_tasks):
-        if cfg.task_generator == "random":
-            from promptfcl.common.schedule import task_schedule
-
-            owner = task_schedule(cfg).owner(task)
-            shares[(owner, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, owner, task, 0)
-        elif cfg.centralised:
-            shares[(0, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, 0, task, 0)
-        elif cfg.partition == "stateless":  # HePCo's population draws afresh every round
-            for client in range(cfg.num_clients):
-                for round_ in range(cfg.rounds_per_task):
-                    shares[(client, task, round_)] = drawn_indices(labels, cfg, num_classes, client, task, round_)
+    for task in range(layout.num_tasks):
+        if layout.random:
+            owner = p.owner(layout, task)
+            shares[(owner, task, ANY_ROUND)] = drawn_indices(labels, layout, p, owner, task, 0)
+        elif p.whole:
+            shares[(0, task, ANY_ROUND)] = drawn_indices(labels, layout, p, 0, task, 0)
+        elif p.scheme == "stateless":  # HePCo's population draws afresh every round
+            for client in range(p.num_clients):
+                for round_ in range(p.rounds_per_task):
+                    shares[(client, task, round_)] = drawn_indices(labels, layout, p, client, task, round_)
         else:
-            for client in range(cfg.num_clients):
-                shares[(client, task, ANY_ROUND)] = drawn_indices(labels, cfg, num_classes, client, task, 0)
+            for client in range(p.num_clients):
+                shares[(client, task, ANY_ROUND)] = drawn_indices(labels, layout, p, client, task, 0)
     return shares
 
 
-def partition_summary(labels: np.ndarray, cfg: ExperimentConfig, num_classes: int) -> str:
+def partition_summary(labels: np.ndarray, layout: TaskLayout, partition: Partition) -> str:
     """Compute every task's partition once (raising ConfigError where one cannot be made, before
     any client trains) and describe it: client share sizes and the classes no client holds."""
-    if cfg.task_generator == "random" or cfg.centralised or cfg.partition == "stateless":
-        return f"partition: {cfg.partition if not cfg.centralised else 'centralised'} (drawn per task or round)"
+    p = partition
+    if layout.random or p.whole or p.scheme == "stateless":
+        return p.describe(layout)
     sizes, unheld = [], 0
-    for task in range(cfg.num_tasks):
-        parts = [client_indices(labels, cfg, num_classes, c, task, 0) for c in range(cfg.num_clients)]
-        sizes += [len(p) for p in parts]
+    for task in range(layout.num_tasks):
+        parts = [client_indices(labels, layout, p, c, task, 0) for c in range(p.num_clients)]
+        sizes += [len(s) for s in parts]
         held = np.unique(labels[np.concatenate(parts)]) if parts else np.zeros(0, np.int64)
-        unheld += len(np.setdiff1d(task_classes(cfg, task, num_classes), held))
-    return (f"partition: {cfg.partition} (scope {cfg.partition_scope}), client shares of a task: "
+        unheld += len(np.setdiff1d(layout.classes(task), held))
+    return (f"{p.describe(layout)}, client shares of a task: "
             f"min {min(sizes)}, median {int(np.median(sizes))}, max {max(sizes)}, {sizes.count(0)} empty; "
             f"{unheld} task classes held by no client")
 
@@ -249,7 +329,7 @@ def _quantity_skew(n: int, num_clients: int, beta: float, min_size: int, rng: np
 
 
 def _stateless_indices(
-    labels: np.ndarray, pool: np.ndarray, classes: np.ndarray, cfg: ExperimentConfig,
+    labels: np.ndarray, pool: np.ndarray, classes: np.ndarray, partition: Partition,
     client_id: int, task: int, round_: int,
 ) -> np.ndarray:
     """HePCo's stateless population: each (client, round) draws afresh.
@@ -258,15 +338,15 @@ def _stateless_indices(
     class's images, then a long-tail profile with imbalance ratio beta (the
     rarest chosen class keeps a fraction beta of the most frequent one).
     """
-    rng = np.random.default_rng([cfg.seed, client_id, task, round_, 0x57A7E])
-    n_cls = max(1, int(round(cfg.category_ratio * len(classes))))
+    rng = np.random.default_rng([partition.seed, client_id, task, round_, 0x57A7E])
+    n_cls = max(1, int(round(partition.category_ratio * len(classes))))
     chosen = rng.permutation(classes)[:n_cls]
     out = []
     for rank, c in enumerate(chosen):
         idx = pool[labels[pool] == c]
-        n = max(1, int(round(cfg.split_ratio * len(idx))))
+        n = max(1, int(round(partition.split_ratio * len(idx))))
         # exponential long-tail profile over ranks: 1 -> beta
-        frac = cfg.imbalance_ratio ** (rank / max(n_cls - 1, 1))
+        frac = partition.imbalance_ratio ** (rank / max(n_cls - 1, 1))
         n = max(1, int(round(n * frac)))
         out.append(rng.choice(idx, size=min(n, len(idx)), replace=False))
     return np.sort(np.concatenate(out))

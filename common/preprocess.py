@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from promptfcl.common.config_checks import INPUT_NORMS, INTERPOLATIONS
+from .config_checks import INPUT_NORMS, INTERPOLATIONS
 
 
 def random_resized_crops(n: int, height: int, width: int, rng: np.random.Generator,
@@ -95,6 +95,8 @@ def resample(x: torch.Tensor, crops: torch.Tensor, size: int, mode: str) -> torc
 
 
 class InputPipeline(nn.Module):
+    mean: torch.Tensor  # buffers (register_buffer), typed for the checker
+    std: torch.Tensor
     """uint8 (B, C, H, W) -> float inputs at the backbone's size, channels and normalisation.
 
     Parameters

@@ -20,8 +20,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.weights import ARCH_KEYS, checkpoint_path
+from .config import ExperimentConfig
+from .data import load_dataset
+from .model import CodaPrompt, PromptedViT, build_backbone
+from .weights import BackboneSpec, checkpoint_path
 
 log = logging.getLogger("promptfcl")
 
@@ -32,8 +34,6 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     AdamW with one-cycle schedule and small random shifts; the classification head
     is discarded, only the backbone is kept.
     """
-    from promptfcl.common.data import load_dataset
-    from promptfcl.common.model import CodaPrompt, PromptedViT, build_backbone
 
     # backbone-cache-disk off: the backbone is trained here, so it stays timm's own model
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",
@@ -41,7 +41,7 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     data = load_dataset(src_cfg)
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    backbone, _ = build_backbone(src_cfg)
+    backbone, _ = build_backbone(BackboneSpec.of(src_cfg))
     for p in backbone.parameters():
         p.requires_grad_(True)
     backbone.train()
@@ -77,10 +77,11 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
             x = wrapper.preprocess(torch.from_numpy(data.test.images[start : start + 512]))
             correct += int((head(backbone(x)).argmax(1).numpy() == data.test.labels[start : start + 512]).sum())
     accuracy = 100.0 * correct / len(data.test)
-    path = checkpoint_path(cfg, source)
+    spec = BackboneSpec.of(cfg)
+    path = checkpoint_path(spec, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"source": source, "epochs": epochs, "source_test_accuracy": accuracy,
-            "seconds": time.perf_counter() - started, "architecture": {k: cfg.to_dict()[k] for k in ARCH_KEYS}}
+            "seconds": time.perf_counter() - started, "architecture": spec.architecture()}
     tmp = path.with_suffix(".tmp")
     torch.save({"model": backbone.state_dict(), "meta": meta}, tmp)
     os.replace(tmp, path)

@@ -65,9 +65,9 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from promptfcl.common.config import DP_NAMESPACE, ConfigError, ExperimentConfig
-from promptfcl.common.options import MethodOptions
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from .config import DP_NAMESPACE, ConfigError, ExperimentConfig
+from .options import MethodOptions
+from .records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE
 MECHANISM = "gaussian, client-side, client-level"
@@ -103,15 +103,20 @@ def privacy_options(cfg: ExperimentConfig) -> PrivacyOptions:
     return PrivacyOptions.from_options(cfg.method_options(NAMESPACE))
 
 
-def check_privacy(cfg: ExperimentConfig, method: str, refusal: str) -> PrivacyOptions:
-    """The run's options, refused when DP is on and the method cannot bound its upload (``refusal``
-    says why; "" when it can) or ``dp.delta`` is not below 1 / num-clients (client-level: a
-    delta that large allows releasing one client's data outright)."""
-    opts = privacy_options(cfg)
+def privacy_refused(method: str, reason: str) -> ConfigError:
+    """The error that refuses ``dp.*`` to a method whose upload cannot be bounded (``reason``: why)."""
+    return ConfigError(f"strategy {method!r} does not support differential privacy (dp.*): {reason}")
+
+
+def check_privacy(opts: PrivacyOptions, num_clients: int, method: str, refusal: str) -> PrivacyOptions:
+    """The run's options ``opts``, refused when DP is on and the method cannot bound its upload
+    (``refusal`` says why; "" when it can) or ``dp.delta`` is not below 1 / num-clients
+    (client-level: a delta that large allows releasing one client's data outright). Called by
+    strategies/platform/run_checks.py, the one check of a run."""
     if opts.enabled and refusal:
-        raise ConfigError(f"strategy {method!r} does not support differential privacy (dp.*): {refusal}")
-    if opts.enabled and opts.delta >= 1 / cfg.num_clients:
-        raise ConfigError(f"dp.delta = {opts.delta} must be below 1 / num-clients = {1 / cfg.num_clients:.3g}")
+        raise privacy_refused(method, refusal)
+    if opts.enabled and opts.delta >= 1 / num_clients:
+        raise ConfigError(f"dp.delta = {opts.delta} must be below 1 / num-clients = {1 / num_clients:.3g}")
     return opts
 
 
@@ -159,7 +164,7 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
     zeroed. ``received`` is the ``arrays`` record the client was sent.
     """
     sent = from_array_record(received)
-    mine = from_array_record(reply[ARRAYS])
+    mine = from_array_record(arrays_of(reply))
     if list(mine) != list(sent) or any(mine[k].shape != sent[k].shape for k in mine):
         raise ValueError("dp: the reply's arrays do not match the arrays received, so there is no update to clip")
     update = np.concatenate([(mine[k].astype(np.float64) - sent[k]).reshape(-1) for k in mine])
@@ -171,7 +176,7 @@ def privatise_reply(reply: RecordDict, received: ArrayRecord, records: Mapping[s
         spec = records.get(name)
         if spec is None:
             raise ValueError(f"dp: upload record {name!r} has no declared privacy bound")
-        extras[name] = arrays = {k: np.array(v) for k, v in from_array_record(reply[name]).items()}
+        extras[name] = arrays = {k: np.array(v) for k, v in from_array_record(arrays_of(reply, name)).items()}
         for key, value in arrays.items():
             if key in spec.public:
                 continue
@@ -205,6 +210,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
         return 0.0
     if noise_multiplier <= 0:
         return None
+    # opacus is slow to import: only a run with dp.* builds an accountant
     from opacus.accountants import RDPAccountant  # heavy import: only runs with DP on pay it
 
     accountant = RDPAccountant()
@@ -219,6 +225,7 @@ def composed_epsilon(noise_multiplier: float, sample_rates: Sequence[float], del
         return 0.0
     if noise_multiplier <= 0:
         return None
+    # opacus is slow to import: only a run with dp.* builds an accountant
     from opacus.accountants import RDPAccountant
 
     accountant = RDPAccountant()
@@ -278,6 +285,7 @@ __all__ = [
     "epsilon",
     "gaussian_mechanism",
     "privacy_options",
+    "privacy_refused",
     "privacy_report",
     "privatise_reply",
 ]

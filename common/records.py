@@ -17,10 +17,13 @@ Record names used in every message (methods may add their own):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from .flower_internals import internal
 
 ARRAYS, CONFIG, METRICS, PLACEMENT, EVALUATION = "arrays", "config", "metrics", "placement", "evaluation"
 #: a train message's config key asking the node to evaluate the received arrays on tasks 0..value
@@ -29,6 +32,56 @@ PLACEMENT_FIELDS = ("node", "device", "cuda-visible-devices", "config-digest")
 # evaluate messages: ``pool-<task>`` = the prompt slices task <task> is scored with (methods with
 # per-task local pools, ``PromptStrategy.evaluation_pools``)
 POOL_PREFIX = "pool-"
+
+
+R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
+
+
+# A RecordDict's values, and a metric or config record's values, are unions (an ArrayRecord,
+# MetricRecord or ConfigRecord; an int, float, string or list): every reply's types are checked when
+# it arrives (strategies/platform/checks.py), a message's by its reader. These take a value out as
+# the type it must be, and say which record or key is wrong when it is not.
+def arrays_of(content: RecordDict, name: str = ARRAYS) -> ArrayRecord:
+    """``content[name]``, an ArrayRecord (KeyError when absent, TypeError when another kind)."""
+    return _record(content, name, ArrayRecord)
+
+
+def metrics_of(content: RecordDict, name: str = METRICS) -> MetricRecord:
+    """``content[name]``, a MetricRecord (KeyError when absent, TypeError when another kind)."""
+    return _record(content, name, MetricRecord)
+
+
+def config_of(content: RecordDict, name: str = CONFIG) -> ConfigRecord:
+    """``content[name]``, a ConfigRecord (KeyError when absent, TypeError when another kind)."""
+    return _record(content, name, ConfigRecord)
+
+
+def _record(content: RecordDict, name: str, kind: type[R]) -> R:
+    record = content[name]
+    if not isinstance(record, kind):
+        raise TypeError(f"record {name!r} is a {type(record).__name__}, not a {kind.__name__}")
+    return record
+
+
+def as_int(value: object) -> int:
+    """A record's value as an int, as ``int()`` takes it (TypeError for a list or bytes)."""
+    if isinstance(value, (int, float, str, np.integer, np.floating)):
+        return int(value)
+    raise TypeError(f"expected a number, got {type(value).__name__}")
+
+
+def as_list(value: object) -> list:
+    """A record's value that must be a list (TypeError otherwise)."""
+    if isinstance(value, list):
+        return value
+    raise TypeError(f"expected a list, got {type(value).__name__}")
+
+
+def as_float(value: object) -> float:
+    """A record's value as a float, as ``float()`` takes it (TypeError for a list or bytes)."""
+    if isinstance(value, (int, float, str, np.integer, np.floating)):
+        return float(value)
+    raise TypeError(f"expected a number, got {type(value).__name__}")
 
 
 def to_array_record(state: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayRecord:
@@ -50,6 +103,5 @@ def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
 
 def payload_bytes(content: RecordDict) -> int:
     """Bytes of a message's content as Flower transmits it (its deflated object tree)."""
-    from promptfcl.common.flower_internals import internal
 
     return sum(len(obj.deflate()) for obj in internal("nested_objects")(content).values())

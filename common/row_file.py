@@ -68,7 +68,7 @@ class RowFile:
         if len(flat) and (flat.min() < 0 or flat.max() >= self.shape[0]):
             raise IndexError(f"row index out of range for {self.shape[0]} rows")
         out = np.empty((len(flat), *self.shape[1:]), self.dtype)
-        view, size = memoryview(out.reshape(-1).view(np.uint8)), self.row_bytes
+        view, size = out.reshape(-1).view(np.uint8).data, self.row_bytes
         for i, row in enumerate(flat.tolist()):
             self._read_into(view[i * size : (i + 1) * size], self.offset + row * size)
         return out.reshape(*rows.shape, *self.shape[1:])
@@ -80,7 +80,7 @@ class RowFile:
     def _read_block(self, start: int, count: int) -> np.ndarray:
         out = np.empty((count, *self.shape[1:]), self.dtype)
         if count:
-            self._read_into(memoryview(out.reshape(-1).view(np.uint8)), self.offset + start * self.row_bytes)
+            self._read_into(out.reshape(-1).view(np.uint8).data, self.offset + start * self.row_bytes)
         return out
 
     def _read_into(self, buffer: memoryview, offset: int) -> None:

@@ -22,19 +22,23 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig, keys_of
-from promptfcl.common.data import ArraySplit, Dataset
-from promptfcl.common.data_cache import load_dataset_cached
-from promptfcl.common.files import write_atomic
-from promptfcl.common.model import CodaPrompt, PromptedViT, build_model, resolve_device
-from promptfcl.common.weights import disk_backbone_id
+from . import startup
+from .config import ConfigError, ExperimentConfig, keys_of
+from .data import ArraySplit, Dataset
+from .data_cache import load_dataset_cached
+from .files import write_atomic
+from .model import CodaPrompt, ModelSpec, PromptedViT, build_model, resolve_device
+from .partitions import Partition
+from .tasks import TaskLayout
+from .weights import BackboneSpec, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
 
@@ -138,9 +142,16 @@ class Runtime:
     model: PromptedViT
     device: torch.device
     weights_source: str
+    # how the clients share this process's data (a node with data of its own: all of it its own)
+    partition: Partition
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
     precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/low_precision.py)
+
+    @functools.cached_property
+    def layout(self) -> TaskLayout:
+        """The run's tasks, classes, prompt pool and head over this runtime's data."""
+        return TaskLayout.of(self.cfg, self.data.num_classes)
 
     @functools.cached_property
     def mixed_precision(self) -> bool:
@@ -162,7 +173,8 @@ class Runtime:
             if self.disk_dir is not None:
                 inputs = self.model.inputs.identity(evaluation=split == "test")
                 # a lower-precision backbone's queries differ: a file of their own
-                backbone = disk_backbone_id(self.cfg) + ("" if self.precision == "fp32" else f"-{self.precision}")
+                backbone = disk_backbone_id(BackboneSpec.of(self.cfg))
+                backbone += "" if self.precision == "fp32" else f"-{self.precision}"
                 path = self.disk_dir / f"{backbone}-{self.data.fingerprint}-{inputs}-{split}.npz"
             with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
                 self.caches[split] = QueryCache(getattr(self.data, split), self.model.embed_dim, path,
@@ -177,54 +189,58 @@ class Runtime:
             return self.query_cache(split).get(self.model, index, self.device).to(self.device)
 
 
-def query_disk_dir(cfg: ExperimentConfig) -> Path | None:
-    """``<cache dir>/queries`` when the disk query cache is on for ``cfg``, else None."""
-    if not cfg.query_cache:
+def query_disk_dir(query_cache: bool, disk: str, population: str) -> Path | None:
+    """``<cache dir>/queries`` when the disk query cache is on (``query-cache``, ``query-cache-disk``
+    on, or auto on deployed nodes: ``population``), else None."""
+    if not query_cache:
         return None
-    on = cfg.query_cache_disk == "on" or (cfg.query_cache_disk == "auto" and cfg.population == "nodes")
+    on = disk == "on" or (disk == "auto" and population == "nodes")
     if not on:
         return None
-    from promptfcl.common.weights import cache_dir
 
     return cache_dir() / "queries"
 
 
-def configure_threads(cfg: ExperimentConfig) -> None:
-    """Use cfg.threads if set; otherwise respect OMP_NUM_THREADS (Ray sets it per actor)."""
-    n = cfg.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+def configure_threads(threads: int) -> None:
+    """Use ``threads`` (the config's) if set; otherwise respect OMP_NUM_THREADS (Ray sets it per actor)."""
+    n = threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 
-def _build_runtime(cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt],
-                   precision: str = "fp32") -> Runtime:
-    configure_threads(cfg)
-    device = resolve_device(cfg.device)
+def _build_model(spec: ModelSpec, prompt_class: type[CodaPrompt], device_name: str, threads: int,
+                 precision: str = "fp32") -> tuple[PromptedViT, torch.device, str]:
+    """The runtime's model (``spec``) on its device (``device_name``, ``threads``): the model, the
+    device and where the backbone's weights came from."""
+    configure_threads(threads)
+    device = resolve_device(device_name)
     if precision != "fp32" and device.type != "cpu":
-        from promptfcl.common.config import ConfigError
 
         raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
-    model, source = build_model(cfg, data.num_classes, prompt_class, precision)
+    model, source = build_model(spec, prompt_class, precision)
     model.to(device)
     log.info("model: %s on %s", source, device)
-    return Runtime(cfg, data, model, device, source, disk_dir=query_disk_dir(cfg), precision=precision)
+    return model, device, source
 
 
 @functools.lru_cache(maxsize=2)
 def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = "fp32") -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
-    configure_threads(cfg)
+    configure_threads(cfg.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _build_runtime(cfg, data, prompt_class, precision)
+    model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device, cfg.threads,
+                                         precision)
+    disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
+    return Runtime(cfg, data, model, device, source, Partition.of(cfg), disk_dir=disk_dir, precision=precision)
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
-_with_data: dict[tuple[str, type[CodaPrompt], str, str], Runtime] = {}
+_with_data: dict[tuple[str, type[CodaPrompt], str, str, Partition | None], Runtime] = {}
 
 
 def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt,
-                data: Dataset | None = None, precision: str = "fp32") -> Runtime:
+                data: Dataset | None = None, precision: str = "fp32", partition: Partition | None = None) -> Runtime:
     """The process-wide runtime for this configuration (the backbone is built once).
 
     Parameters
@@ -238,20 +254,28 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
         run's dataset is loaded from ``cfg``.
     precision : str
         The frozen backbone's precision, the node's choice (``fp32``, ``bf16``, ``int8``).
+    partition : Partition, optional
+        How ``data`` is shared among the clients (a node's own data: ``Partition.own``); by
+        default the run's partition.
     """
     if data is None:
-        return _runtime(cfg.fingerprint(), prompt_class, precision)
-    key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision)
+        return _runtime(cfg.fingerprint(), cast(Hashable, prompt_class), precision)  # a class hashes by identity
+    key = (cfg.fingerprint(), prompt_class, data.fingerprint, precision, partition)
     if key not in _with_data:
         previous = next(iter(_with_data.values()), None)
         _with_data.clear()  # one node dataset per process
         if previous is not None and previous.precision == precision and \
-                _same_model(previous, cfg, data, prompt_class):
+                _same_model(previous, cfg.to_dict(), data, prompt_class):
             # another node's data in this process (simulated nodes share Ray actors): keep the model
+            disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
             _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
-                                      disk_dir=query_disk_dir(cfg), precision=precision)
+                                      partition or Partition.of(cfg), disk_dir=disk_dir, precision=precision)
         else:
-            _with_data[key] = _build_runtime(cfg, data, prompt_class, precision)
+            model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device,
+                                                 cfg.threads, precision)
+            disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
+            _with_data[key] = Runtime(cfg, data, model, device, source, partition or Partition.of(cfg),
+                                      disk_dir=disk_dir, precision=precision)
     return _with_data[key]
 
 
@@ -259,9 +283,11 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
 _DATA_LOCATION_KEYS = frozenset(keys_of("data-location"))
 
 
-def _same_model(rt: Runtime, cfg: ExperimentConfig, data: Dataset, prompt_class: type[CodaPrompt]) -> bool:
-    def model_part(c: ExperimentConfig) -> dict:
-        return {k: v for k, v in c.to_dict().items() if k not in _DATA_LOCATION_KEYS}
+def _same_model(rt: Runtime, settings: dict[str, Any], data: Dataset, prompt_class: type[CodaPrompt]) -> bool:
+    """Whether ``rt``'s model serves run ``settings`` (``to_dict``) on ``data``: the same prompt
+    module, classes and settings apart from where the data is."""
+    def model_part(values: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in values.items() if k not in _DATA_LOCATION_KEYS}
 
     return (type(rt.model.prompt) is prompt_class and rt.data.num_classes == data.num_classes
-            and model_part(rt.cfg) == model_part(cfg))
+            and model_part(rt.cfg.to_dict()) == model_part(settings))

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from promptfcl.common.errors import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from promptfcl.common.config import ExperimentConfig
+    from .config import ExperimentConfig
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:
@@ -71,13 +71,6 @@ class TaskSchedule:
     switch_every: int = 0
     switch_fraction: float = 1.0
     seed: int = 0
-
-    @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> TaskSchedule:
-        if cfg.centralised:  # one client holding all data: the upper bound sees the stream in order
-            return cls(cfg.num_tasks, 1, cfg.rounds_per_task, seed=cfg.seed)
-        return cls(cfg.num_tasks, cfg.num_clients, cfg.rounds_per_task, cfg.switch_every, cfg.switch_fraction,
-                   cfg.seed)
 
     def __post_init__(self) -> None:
         check_switching(self.switch_every, self.switch_fraction, "rounds-per-task")
@@ -310,7 +303,10 @@ def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:
         return RandomTaskSchedule(
             cfg.num_tasks, cfg.num_clients, cfg.num_rounds, cfg.switch_every, cfg.switch_fraction, cfg.seed
         )
-    return TaskSchedule.from_config(cfg)
+    if cfg.centralised:  # one client holding all data: the upper bound sees the stream in order
+        return TaskSchedule(cfg.num_tasks, 1, cfg.rounds_per_task, seed=cfg.seed)
+    return TaskSchedule(cfg.num_tasks, cfg.num_clients, cfg.rounds_per_task, cfg.switch_every, cfg.switch_fraction,
+                        cfg.seed)
 
 
 __all__ = ["RandomTaskSchedule", "TaskSchedule", "check_switching", "movers_per_switch", "task_schedule"]

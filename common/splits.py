@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from promptfcl.common.errors import DataError
+from .errors import DataError
+from .files import write_atomic
 
 FILE_NAME = "splits.npz"
 FORMAT = 1
@@ -62,7 +63,6 @@ class Splits:
 def write_splits(path: Path, data_seed: int, class_order: np.ndarray, train_labels: np.ndarray,
                  shares: dict[tuple[int, int, int], np.ndarray], config: dict) -> None:
     """Write splits.npz (compressed; readable by the group like the other results)."""
-    from promptfcl.common.files import write_atomic
 
     keys = sorted(shares)
     sizes = [len(shares[k]) for k in keys]

@@ -28,7 +28,9 @@ from torch import nn
 
 
 # ---------------------------------------------------------------------------- forwards
-def attention_forward(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+# The forward functions and timm's readers take ``Any``: they read timm's modules or ours by their
+# attributes, which torch types as ``Tensor | Module``
+def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
     """timm's ``Attention.forward`` (fused path), with optional prefix keys/values.
 
     Runs on this module's :class:`Attention` and on timm's ``vision_transformer``
@@ -58,7 +60,7 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | N
     q, k = attn.q_norm(q), attn.k_norm(k)
     if prefix is not None:
         half = prefix.shape[1] // 2
-        heads, head_dim = int(attn.num_heads), int(attn.head_dim)  # type: ignore[call-overload]
+        heads, head_dim = int(attn.num_heads), int(attn.head_dim)
         pk = prefix[:, :half].reshape(B, half, heads, head_dim).transpose(1, 2)
         pv = prefix[:, half:].reshape(B, half, heads, head_dim).transpose(1, 2)
         k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
@@ -71,7 +73,7 @@ def attention_forward(attn: nn.Module, x: torch.Tensor, prefix: torch.Tensor | N
     return attn.proj_drop(attn.proj(out))
 
 
-def block_forward(block: nn.Module, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+def block_forward(block: Any, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
     """timm's pre-norm ``Block.forward``, its attention through :func:`attention_forward`."""
     x = x + block.drop_path1(block.ls1(attention_forward(block.attn, block.norm1(x), prefix)))
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
@@ -83,7 +85,8 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, img_size: tuple[int, int], patch_size: tuple[int, int], in_chans: int, embed_dim: int) -> None:
         super().__init__()
-        self.img_size, self.patch_size = tuple(img_size), tuple(patch_size)
+        self.img_size = (int(img_size[0]), int(img_size[1]))
+        self.patch_size = (int(patch_size[0]), int(patch_size[1]))
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size)
@@ -213,7 +216,7 @@ def from_state(arch: dict[str, Any], state: dict[str, torch.Tensor]) -> VisionTr
     return model.eval()
 
 
-def architecture(model: nn.Module) -> dict[str, Any]:
+def architecture(model: Any) -> dict[str, Any]:
     """Constructor arguments of :class:`VisionTransformer` read from a built timm ViT (plain types)."""
     block = model.blocks[0]
     cfg = getattr(model, "pretrained_cfg", None) or {}
@@ -232,7 +235,7 @@ def architecture(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def from_timm(model: nn.Module) -> tuple[VisionTransformer | None, str]:
+def from_timm(model: Any) -> tuple[VisionTransformer | None, str]:
     """Our ViT with a built timm ViT's architecture and weights, checked to compute the same.
 
     Parameters
@@ -269,7 +272,7 @@ def from_timm(model: nn.Module) -> tuple[VisionTransformer | None, str]:
     return ours, ""
 
 
-def _unsupported(model: nn.Module) -> str:
+def _unsupported(model: Any) -> str:
     """Why ``model`` is outside the standard ViT this module mirrors ("" when it is not)."""
     if type(model).__name__ != "VisionTransformer" or not hasattr(model, "blocks") or not len(model.blocks):
         return f"{type(model).__name__} is not timm's VisionTransformer"

@@ -52,12 +52,14 @@ import sys
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.config_files import parse_overrides, toml_value
 from promptfcl.common.footprint import check_server_footprint
+from promptfcl.common.weights import BackboneSpec
 from promptfcl.server.cli import load_config
 
 src, dst, *sets = sys.argv[1:]
 try:
     cfg = load_config(src, sets, None, None)
-    check_server_footprint(cfg)  # what the ServerApp checks before it builds anything, checked before sending
+    # what the ServerApp checks before it builds anything, checked before sending
+    check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
     wanted = load_config(src, [], None, None).to_dict()
     wanted.update(parse_overrides(sets))
 except ConfigError as exc:

@@ -8,14 +8,13 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.data import check_source
-from promptfcl.common.files import results_umask
-from promptfcl.common.text import escape_log_args
-from promptfcl.server.progress import TerminalHandler
-from promptfcl.server.report import table, write_outputs
-from promptfcl.server.run import finish, run_experiment
-from promptfcl.strategies.registry import check_method, check_namespaces
+from ..common.config import ExperimentConfig
+from ..common.files import results_umask
+from ..common.text import escape_log_args
+from ..strategies.platform.run_checks import check_run
+from .progress import TerminalHandler
+from .report import table, write_outputs
+from .run import finish, run_experiment
 
 log = logging.getLogger("promptfcl")
 
@@ -27,13 +26,11 @@ def main(grid: Grid, context: Context) -> None:
     """Entry point for `flwr run` (simulation or deployment) and `promptfcl simulate`."""
     setup_logging()
     cfg = ExperimentConfig.from_run_config(context.run_config)
-    check_method(cfg.strategy)
-    check_namespaces(cfg.method)
-    check_source(cfg)
+    check_run(cfg)  # before any dataset or backbone is loaded
     with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
         results = run_experiment(grid, cfg)
         path = write_outputs(results, cfg.out_dir)
-        finish(cfg, results)
+        finish(cfg.out_dir, cfg.keep_checkpoint, results)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 

@@ -52,8 +52,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.files import write_atomic
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.files import write_atomic
+from ..common.partitions import client_indices
+from ..common.runtime import Runtime, get_runtime
+from ..common.weights import BackboneSpec, check_weights
+from ..strategies.registry import build_strategy, strategy_class
+from . import checkpoint
 
 log = logging.getLogger("promptfcl")
 
@@ -205,6 +210,7 @@ def _ssim_kernel(height: int, width: int) -> tuple[int, float]:
 def best_similarity(recon: torch.Tensor, real: torch.Tensor) -> tuple[float, float, int]:
     """Best SSIM and best PSNR (dB) of one reconstruction (C, H, W) over ``real`` (N, C, H, W), both
     in [0, 1]; and the index of the real image of the best SSIM."""
+    # torchmetrics: only `promptfcl audit` scores reconstructions
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     preds = recon.unsqueeze(0).expand_as(real).contiguous()
@@ -212,6 +218,7 @@ def best_similarity(recon: torch.Tensor, real: torch.Tensor) -> tuple[float, flo
     ssim = structural_similarity_index_measure(preds, real, kernel_size=size, sigma=sigma, data_range=1.0,
                                                reduction="none")
     psnr = peak_signal_noise_ratio(preds, real, data_range=1.0, reduction="none", dim=(1, 2, 3))
+    assert isinstance(ssim, torch.Tensor)  # reduction "none" without the full image: one tensor
     best = int(torch.argmax(ssim))
     return float(ssim[best]), float(psnr.max()), best
 
@@ -276,9 +283,11 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def plot_grid(images: dict[str, np.ndarray], records: list[dict[str, Any]], path: Path) -> None:
     """audit.png: one column per target; rows real (best match), reconstruction, chance."""
+    # matplotlib is slow to import: only the audit's figure needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib is slow to import: only the audit's figure needs it
     import matplotlib.pyplot as plt
 
     k = len(records)
@@ -318,21 +327,19 @@ def prompted_features(model: Any) -> Features:
     return features
 
 
-def _real_images(data: Any, cfg: ExperimentConfig, label: int, client: int, max_real: int) -> np.ndarray:
+def _real_images(rt: Runtime, label: int, client: int, max_real: int) -> np.ndarray:
     """The class's training images held by ``client`` for the class's task, at most ``max_real``.
 
     Every training image of the class where one client's share is not known here: ``client`` -1
     (a head row), deployed nodes (their own data), stateless shares (they change every round)
     and random tasks."""
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.tasks import task_classes
 
+    data, layout = rt.data, rt.layout
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
-    if client >= 0 and cfg.population == "virtual" and cfg.partition != "stateless" \
-            and cfg.task_generator == "stream":
-        task = next(t for t in range(cfg.num_tasks) if label in task_classes(cfg, t, data.num_classes))
-        own = client_indices(labels, cfg, data.num_classes, client, task, 0)
+    if client >= 0 and rt.cfg.population == "virtual" and rt.partition.scheme != "stateless" and not layout.random:
+        task = layout.task_of(label)
+        own = client_indices(labels, layout, rt.partition, client, task, 0)
         index = own[labels[own] == label]
         if not len(index):  # a client the partition gives none of the class (a stale id): the class's images
             index = np.flatnonzero(labels == label)
@@ -360,11 +367,6 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     -------
     The audit.json document.
     """
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.common.tasks import task_classes
-    from promptfcl.common.weights import check_weights
-    from promptfcl.server import checkpoint
-    from promptfcl.strategies.registry import build_strategy, strategy_class
 
     settings.validate()
     run = Path(run)
@@ -379,7 +381,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     if cfg.per_task_head:
         raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
                           "not classes")
-    check_weights(cfg)
+    check_weights(BackboneSpec.of(cfg))
     method = strategy_class(cfg.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
@@ -392,8 +394,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     model = rt.model
     model.eval()
     model.prompt.set_task(ckpt.task)
-    seen = [int(c) for t in range(ckpt.task + 1) for c in task_classes(cfg, t, rt.data.num_classes)] \
-        if cfg.task_generator == "stream" else list(range(rt.data.num_classes))
+    seen = rt.layout.seen(ckpt.task).tolist() if not rt.layout.random else list(range(rt.data.num_classes))
     uploads = strategy.uploaded_features(seen, settings.seed + 1)  # None: no feature uploads, head rows
     available = seen if uploads is None else sorted({u["class"] for u in uploads})
     if classes is not None:
@@ -410,13 +411,14 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         uploads = strategy.uploaded_features(available, settings.seed + 1)
     if uploads is None:
         weight = model.head.weight.detach().cpu().numpy()
-        targets = [Target(c, "head-row", weight[c], "logit", _real_images(rt.data, cfg, c, -1, settings.max_real))
+        targets = [Target(c, "head-row", weight[c], "logit", _real_images(rt, c, -1, settings.max_real))
                    for c in available]
     else:
         targets = [Target(u["class"], u["kind"], np.asarray(u["vector"]), settings.distance,
-                          _real_images(rt.data, cfg, u["class"], u["client"], settings.max_real), u["client"],
+                          _real_images(rt, u["class"], u["client"], settings.max_real), u["client"],
                           u["meta"]) for u in uploads]
-    shape = tuple(int(s) for s in rt.data.train.images.shape[1:])
+    channels, height, width = rt.data.train.images.shape[1:]
+    shape = (int(channels), int(height), int(width))
     log.info("audit: %s run %s after task %d round %d: %d targets of %d classes, image %s, %d steps",
              cfg.strategy, run, ckpt.task, ckpt.round, len(targets), len(available), "x".join(map(str, shape)),
              settings.steps)

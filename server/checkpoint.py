@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
-from promptfcl.common.files import write_atomic
+from ..common.config import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
+from ..common.files import write_atomic
 
 FILENAME = "checkpoint.safetensors"
 LEGACY_FILENAME = "checkpoint.pkl"  # written by promptfcl before this format; never read
@@ -87,6 +88,7 @@ def _join(value: Any, tensors: dict[str, np.ndarray]) -> Any:
 
 def encode(ckpt: Checkpoint) -> bytes:
     """The checkpoint as the bytes of a safetensors file."""
+    # safetensors: only when a checkpoint is written
     from safetensors.numpy import save
 
     tensors: dict[str, np.ndarray] = {}
@@ -113,6 +115,7 @@ def encode(ckpt: Checkpoint) -> bytes:
 
 def decode(data: bytes) -> Checkpoint:
     """The checkpoint in the bytes of a safetensors file (ValueError if it is not one)."""
+    # safetensors: only when a checkpoint is read
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -171,14 +174,15 @@ def load(out_dir: str | Path) -> Checkpoint | None:
                           "move it away to start afresh") from exc
 
 
-def check_compatible(ckpt: Checkpoint, cfg: ExperimentConfig) -> None:
-    """Refuse to resume under a configuration that would change the results."""
+def check_compatible(ckpt: Checkpoint, config: Mapping[str, Any]) -> None:
+    """Refuse to resume under a configuration (``config``: the run's, ``ExperimentConfig.to_dict``)
+    that would change the results."""
     try:  # keys added since the checkpoint was written take their defaults, as then
         filled = ExperimentConfig.from_dict(ckpt.config).to_dict()
     except ConfigError:
         filled = ckpt.config
     saved = {k: v for k, v in filled.items() if k not in RESULT_NEUTRAL_KEYS}
-    now = {k: v for k, v in cfg.to_dict().items() if k not in RESULT_NEUTRAL_KEYS}
+    now = {k: v for k, v in config.items() if k not in RESULT_NEUTRAL_KEYS}
     if saved != now:
         diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:6])

@@ -18,17 +18,29 @@ promptfcl strategies                   list the available methods
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
+import shutil
 import sys
+import time as _time
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import parse_overrides
-from promptfcl.common.data import DataError
-from promptfcl.common.weights import check_weights
-from promptfcl.strategies.registry import check_method, load_config, methods, strategy_class
+from ..common.config import FAULTS, ConfigError, ExperimentConfig
+from ..common.config_files import parse_overrides
+from ..common.data import DataError
+from ..common.low_precision import PRECISIONS
+from ..common.pretrain import pretrain
+from ..common.weights import BackboneSpec, check_weights, checkpoint_path
+from ..strategies.platform.run_checks import check_run, load_config
+from ..strategies.registry import methods
+from . import bench, checkpoint
+from .app import setup_logging
+from .audit import AuditSettings, audit_run
+from .bench.edge import ROWS, accuracy
+from .report import table
+from .simulation import run_simulation
 
 log = logging.getLogger("promptfcl")
 
@@ -163,14 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-    from promptfcl.server.app import setup_logging
 
     setup_logging()
     if args.command == "strategies":
         print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
-        from promptfcl.server.report import table
 
         path = Path(args.dir) / "results.json"
         if not path.is_file():
@@ -190,19 +200,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _resume_config(args.dir, args.set)
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
-            _prepare_out_dir(cfg)
-        check_weights(cfg)
+            _prepare_out_dir(cfg.out_dir, cfg.resume)
+        check_weights(BackboneSpec.of(cfg))
         if cfg.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from promptfcl.common.data_cache import load_dataset_cached
+            from ..common.data_cache import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from promptfcl.server.simulation import run_simulation
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
     try:
@@ -238,7 +247,6 @@ PLACEMENT_KEYS = ("ray-address", "device", "client-cpus", "client-gpus")
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-    from promptfcl.server import checkpoint
 
     saved = checkpoint.load(out_dir)
     if saved is None:
@@ -266,19 +274,18 @@ def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
         raw["max-rounds"] = 0
     raw.update({"resume": True, "out-dir": out_dir})
     cfg = ExperimentConfig.from_dict(raw)
-    checkpoint.check_compatible(saved, cfg)
+    check_run(cfg)
+    checkpoint.check_compatible(saved, cfg.to_dict())
     return cfg
 
 
-def _prepare_out_dir(cfg: ExperimentConfig) -> None:
-    """Refuse to clobber an unfinished run; move a finished run's files aside, never delete them."""
-    import shutil
-    import time as _time
+def _prepare_out_dir(out_dir: str, resume: bool) -> None:
+    """Refuse to clobber an unfinished run in ``out_dir``; move a finished run's files aside, never
+    delete them (nothing to do when the run ``resume``s)."""
 
-    from promptfcl.server import checkpoint
 
-    out = Path(cfg.out_dir)
-    if cfg.resume:
+    out = Path(out_dir)
+    if resume:
         return
     if (out / checkpoint.FILENAME).exists() or (out / checkpoint.LEGACY_FILENAME).exists():
         raise ConfigError(
@@ -295,13 +302,9 @@ def _prepare_out_dir(cfg: ExperimentConfig) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from promptfcl.server import bench
 
     try:
         if args.bench == "edge":
-            from promptfcl.common.low_precision import PRECISIONS
-            from promptfcl.server.bench.edge import ROWS
-
             wanted = [v for v in args.rows.split(",") if v]
             unknown = sorted(set(wanted) - {r[0] for r in ROWS} - {"none"})
             precisions = [v for v in args.precisions.split(",") if v]
@@ -313,13 +316,9 @@ def _bench(args: argparse.Namespace) -> int:
                            [r for r in ROWS if not wanted or r[0] in wanted])
             seeds = [int(v) for v in args.accuracy_seeds.split(",") if v]
             if seeds:
-                from promptfcl.server.bench.edge import accuracy
-
                 accuracy(Path(args.out), seeds, precisions)
             return 0
         if args.bench == "paper-dims":
-            import glob
-
             configs = sorted(Path(p) for p in glob.glob(args.configs))
             if not configs:
                 raise ConfigError(f"no configuration matches {args.configs!r}")
@@ -337,7 +336,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 0
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
-        check_weights(ExperimentConfig.from_dict(base))
+        check_weights(BackboneSpec.of(ExperimentConfig.from_dict(base)))
         chosen = (
             [base["strategy"]]
             if args.bench == "deploy"
@@ -345,20 +344,13 @@ def _bench(args: argparse.Namespace) -> int:
         )
         for m in chosen:  # every method (variant) must fit the configuration before any run starts
             name, options = bench.parse_method(m)
-            check_method(name)
-            method_cfg = ExperimentConfig.from_dict({**base, **options})
-            strategy_class(name).parse_options(method_cfg.method_options(name))
-            strategy_class(name).check_privacy(method_cfg)
-            if method_cfg.task_generator == "random":  # random tasks: refuse unfit methods before any run
-                strategy_class(name).check_schedule(method_cfg)
+            check_run(ExperimentConfig.from_dict({**base, **options, "strategy": name}))
         base = {k: v for k, v in base.items() if k not in ("out-dir", "strategy")}
         if args.bench == "deploy":
             if args.nodes < 1:
                 raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
             bench.deploy_overhead(Path(args.out), base, args.nodes)
         elif args.bench == "robustness":
-            from promptfcl.common.config import FAULTS
-
             attacks = [a for a in args.attacks.split(",") if a]
             defences = [d for d in args.defences.split(",") if d]
             bad = [a for a in attacks if a not in FAULTS or not a] + [d for d in defences if d not in bench.DEFENCES]
@@ -412,7 +404,6 @@ def _parse_setting(text: str) -> dict[str, Any]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from promptfcl.server.audit import AuditSettings, audit_run
 
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
@@ -436,12 +427,10 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from promptfcl.common.pretrain import pretrain
-    from promptfcl.common.weights import checkpoint_path
 
     try:
         cfg = load_config(args.config, args.set, None, None)
-        path = checkpoint_path(cfg, args.source)
+        path = checkpoint_path(BackboneSpec.of(cfg), args.source)
         if path.is_file() and not args.force:
             log.info("backbone pretrained on %s already cached at %s", args.source, path)
             return 0

@@ -15,16 +15,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from promptfcl.common.evaluation import accuracies, correct_counts, pooled_counts
-from promptfcl.common.records import ARRAYS, CONFIG, EVALUATE_TASK, EVALUATION, METRICS, POOL_PREFIX, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.startup import metric_name
-from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
-from promptfcl.strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common.evaluation import accuracies, correct_counts, pooled_counts
+from ..common.records import (
+    ARRAYS,
+    CONFIG,
+    EVALUATE_TASK,
+    EVALUATION,
+    METRICS,
+    POOL_PREFIX,
+    arrays_of,
+    as_float,
+    config_of,
+    metrics_of,
+    to_torch,
+)
+from ..common.runtime import Runtime
+from ..common.startup import metric_name
+from ..strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
+from ..strategies.platform.strategy import PromptStrategy
+from .messaging import message_bytes, send_and_receive, unanswered
 
 log = logging.getLogger("promptfcl")
 
@@ -98,9 +110,9 @@ class FederatedEvaluator:
             node = int(m.metadata.dst_node_id)
             # a node playing several clients evaluates once; one counted or refused is not asked again
             if node in done or node in carried.asked.values() or ARRAYS not in m.content.array_records or \
-                    not same_arrays(m.content[ARRAYS], carried.arrays):
+                    not same_arrays(arrays_of(m.content), carried.arrays):
                 continue
-            config = ConfigRecord(dict(m.content[CONFIG]))  # this message's own copy
+            config = ConfigRecord(dict(config_of(m.content)))  # this message's own copy
             config[EVALUATE_TASK] = carried.task
             m.content[CONFIG] = config
             carried.asked[id(m)] = node
@@ -114,7 +126,7 @@ class FederatedEvaluator:
             node = by_id.get(reply.metadata.reply_to_message_id)
             if node is None or reply.has_error() or EVALUATION not in reply.content.metric_records:
                 continue
-            record = reply.content[EVALUATION]
+            record = metrics_of(reply.content, EVALUATION)
             try:
                 result = check_eval_metrics(record, carried.task, self.strategy, node)
             except Exception as exc:  # nothing a reply holds may stop the run
@@ -131,7 +143,6 @@ class FederatedEvaluator:
 
     def _evaluate(self, arrays: ArrayRecord, task: int, carried: dict[int, tuple[np.ndarray, np.ndarray]],
                   carried_failed: list[dict[str, Any]]) -> np.ndarray:
-        from flwr.app import MessageType
 
         cfg = self.strategy.cfg
         done = set(carried) | {f["node"] for f in carried_failed}
@@ -164,7 +175,7 @@ class FederatedEvaluator:
             counts[node] = result
             m = reply.content[METRICS]
             if metric_name("imports") in m and "process-seconds" in m:  # a fresh process: its start-up
-                overheads.append(float(m["process-seconds"]))
+                overheads.append(as_float(m["process-seconds"]))
         failed += [{"node": int(m.metadata.dst_node_id), "reason": "no evaluation reply before round-timeout"}
                    for m in unanswered(messages, replies)]
         failed = [self.strategy.named(f) for f in failed]
@@ -233,7 +244,7 @@ def _eval_counts(reply: Message, task: int, strategy: PromptStrategy,
     content = reply.content
     if set(content.keys()) != {METRICS} or METRICS not in content.metric_records:
         return f"an evaluation reply holds exactly a 'metrics' record, got {sorted(content.keys())}"
-    return check_eval_metrics(content[METRICS], task, strategy, node)
+    return check_eval_metrics(metrics_of(content), task, strategy, node)
 
 
 #: what evaluation counts may hold besides ``correct`` / ``total`` (evaluate replies, and the

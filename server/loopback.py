@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..client.node_data import export_digits
+from ..common.config_files import toml_value
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 VENV_BIN = Path(sys.executable).parent
@@ -29,7 +32,6 @@ VENV_BIN = Path(sys.executable).parent
 
 def toml_file(path: Path, values: dict[str, Any]) -> Path:
     """A flat run-config TOML file (``deploy/run.toml``'s format) holding ``values``."""
-    from promptfcl.common.config_files import toml_value
 
     path.write_text("".join(f'"{k}" = {toml_value(v)}\n' for k, v in values.items()))
     return path
@@ -283,7 +285,6 @@ def run_deployed(
     disjoint share of the digits as image folders; returns the run's results.json. ``warm``: the
     nodes' default executor (forking from a warm zygote); False: Flower's stock one (``--no-warm``).
     ``node_args``: more deploy/start-client.sh arguments of node i (1-based), e.g. ``--node KEY=VAL``."""
-    from promptfcl.client.node_data import export_digits
 
     root = root.resolve()  # the scripts run inside it
     root.mkdir(parents=True, exist_ok=True)

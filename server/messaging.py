@@ -7,7 +7,7 @@ import time
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from promptfcl.common.records import payload_bytes
+from ..common.records import payload_bytes
 
 #: seconds between two pulls for replies; Flower's deployment grid waits 3 s between pulls, so
 #: a reply that arrives just after one sits idle for up to 3 s, twice per round (train and

@@ -29,10 +29,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.config_checks import TRACKERS
-from promptfcl.common.files import write_atomic
-from promptfcl.server.trackers import final_metrics, round_metrics, task_metrics
+from ..common.config import ConfigError
+from ..common.config_checks import TRACKERS
+from ..common.files import write_atomic
+from .report import json_safe
+from .trackers import MLflowTracker, WandbTracker, final_metrics, round_metrics, task_metrics
 
 log = logging.getLogger("promptfcl")
 
@@ -77,7 +78,6 @@ class RoundsFile:
         self.fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def round(self, record: dict[str, Any]) -> None:
-        from promptfcl.server.report import json_safe
 
         self.fh.write(json.dumps(json_safe(record)[0], allow_nan=False) + "\n")
         self.fh.flush()
@@ -102,6 +102,7 @@ class TensorBoardTracker:
 
     def __init__(self, out_dir: str | Path) -> None:
         try:
+            # tensorboard is optional (tracker = "tensorboard")
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ConfigError("tracker = tensorboard needs the tensorboard package "
@@ -156,7 +157,6 @@ class RunTrackers:
         if tracker == "tensorboard":
             self.trackers.append(TensorBoardTracker(out_dir))
         elif tracker in ("mlflow", "wandb"):
-            from promptfcl.server.trackers import MLflowTracker, WandbTracker
 
             kind = MLflowTracker if tracker == "mlflow" else WandbTracker
             try:

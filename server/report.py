@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.files import write_atomic
-from promptfcl.strategies.registry import cite
+import numpy as np
+
+from ..common.files import write_atomic
+from ..strategies.registry import cite
 
 
 def write_json_atomic(path: Path, obj: Any) -> int:
@@ -22,9 +25,7 @@ def write_json_atomic(path: Path, obj: Any) -> int:
 def json_safe(obj: Any) -> tuple[Any, int]:
     """``obj`` with NaN / inf as None and NumPy scalars and arrays as Python values, and the
     number of non-finite values replaced."""
-    import math
 
-    import numpy as np
 
     if isinstance(obj, dict):
         out, n = {}, 0
@@ -171,11 +172,12 @@ def asynchronous_table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], out: Path) -> None:
+    # matplotlib is slow to import: only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib is slow to import: only the plots need it
     import matplotlib.pyplot as plt
-    import numpy as np
 
     every = results["rounds"]
     rounds = [r for r in every if r["task_accuracies"] is not None]  # the evaluated ones (evaluate-every)

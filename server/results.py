@@ -9,23 +9,23 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from promptfcl.common import metrics
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.privacy import privacy_options, privacy_report
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
-from promptfcl.common.trust import resolve_trust
-from promptfcl.server.rounds import RoundRecord
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common import metrics
+from ..common.config import ExperimentConfig
+from ..common.privacy import PrivacyOptions, privacy_report
+from ..common.runtime import Runtime
+from ..common.splits import FILE_NAME as SPLITS_FILE
+from ..common.tasks import class_order
+from ..common.trust import resolve_trust
+from ..strategies.platform.strategy import PromptStrategy
+from .rounds import RoundRecord
 
 log = logging.getLogger("promptfcl")
 
 
-def privacy_so_far(cfg: ExperimentConfig, strategy: PromptStrategy, rounds: list[RoundRecord]) -> dict[str, Any]:
-    """results.json's ``privacy`` after ``rounds`` (common/privacy.py): every training attempt
-    is one step of the sampled Gaussian mechanism (a retried round's clients uploaded too), at
-    the rate it was sampled with."""
-    opts = privacy_options(cfg)
+def privacy_so_far(opts: PrivacyOptions, strategy: PromptStrategy, rounds: list[RoundRecord]) -> dict[str, Any]:
+    """results.json's ``privacy`` after ``rounds`` under the run's privacy options ``opts``
+    (common/privacy.py): every training attempt is one step of the sampled Gaussian mechanism (a
+    retried round's clients uploaded too), at the rate it was sampled with."""
     if not opts.enabled:  # called after every round: nothing to count
         return privacy_report(opts, [], strategy.sample_rate)
     return privacy_report(opts, sample_rates(rounds, strategy.sample_rate), strategy.sample_rate,
@@ -72,7 +72,6 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/splits.py)
         }
     else:  # federated evaluation: what the server knows of the nodes' data
-        from promptfcl.common.tasks import class_order
 
         names = cfg.class_name_list
         backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"

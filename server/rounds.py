@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
-from promptfcl.common.records import CONFIG, METRICS
-from promptfcl.common.startup import PHASES, metric_name
-from promptfcl.server.messaging import message_bytes, send_and_receive, unanswered
-from promptfcl.strategies.platform.replies import PLAN_METRICS
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..common.records import CONFIG, METRICS, as_float, as_int
+from ..common.startup import PHASES, metric_name
+from ..strategies.platform.outcome import RoundOutcome
+from ..strategies.platform.replies import PLAN_METRICS
+from ..strategies.platform.rounds import Accepted
+from ..strategies.platform.strategy import PromptStrategy
+from .messaging import message_bytes, send_and_receive, unanswered
 
 log = logging.getLogger("promptfcl")
 
@@ -123,31 +126,31 @@ class Attempts:
 
     def read_replies(self, used: list[MetricRecord]) -> None:
         """The accepted replies' metrics (they have passed the checks of every field)."""
-        self.client_secs += [float(m["train-seconds"]) for m in used]
+        self.client_secs += [as_float(m["train-seconds"]) for m in used]
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
-        self.process_secs += [float(m.get("process-seconds", 0.0)) for m in used]
+        self.process_secs += [as_float(m.get("process-seconds", 0.0)) for m in used]
         # a fresh process (every deployed message; an actor's first in simulation): its time before
         # the first training step, and per phase (common/startup.py)
         fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
-        self.overheads += [float(m["process-seconds"]) - float(m["train-seconds"])
-                           - float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
-                           + float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
+        self.overheads += [as_float(m["process-seconds"]) - as_float(m["train-seconds"])
+                           - as_float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up
+                           + as_float(m.get(metric_name("query_cache"), 0.0))  # read inside training, yet start-up
                            for m in fresh]
         for name in PHASES:
-            self.startup_phases.setdefault(name, []).extend(float(m[metric_name(name)]) for m in fresh
+            self.startup_phases.setdefault(name, []).extend(as_float(m[metric_name(name)]) for m in fresh
                                                             if metric_name(name) in m)
-        self.device_peaks += [float(m.get("device-peak-mb", 0.0)) for m in used]
+        self.device_peaks += [as_float(m.get("device-peak-mb", 0.0)) for m in used]
 
 
 def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: int, round_: int, server_round: int,
-                before_aggregation: Any = None) -> tuple[ArrayRecord, MetricRecord, Attempts, list]:
+                before_aggregation: Any = None) -> tuple[RoundOutcome, Attempts, list]:
     """Configure, send, receive and aggregate one round, retrying with fresh clients while too few
     replies are usable. ``before_aggregation(messages, replies)`` sees each attempt's exchange
     (the federated evaluator reads the counts train replies carry; it may also mark the messages
     before they go, through ``before_aggregation.ask(messages)``).
 
-    Returns the new arrays, the aggregated metrics, what the attempts cost, and the last attempt's
-    messages.
+    Returns the last attempt's outcome (its arrays and metrics set), what the attempts cost, and
+    the last attempt's messages.
 
     Raises
     ------
@@ -168,9 +171,7 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
             strategy.aggregate_exchange(server_round, answers)
             spent.bytes_s2c += message_bytes(exchange)
             spent.bytes_c2s += message_bytes([m for m in answers if not m.has_error()])
-        strategy.last_sample_rate = strategy.sample_rate  # a method that samples otherwise keeps the nominal rate
         messages = list(strategy.configure_train(server_round, arrays, config, grid))
-        spent.sample_rates.append(strategy.last_sample_rate)  # what the sampling of this attempt's clients set
         if before_aggregation is not None:
             before_aggregation.ask(messages)
         t1 = time.perf_counter()
@@ -178,26 +179,29 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         t2 = time.perf_counter()
         if before_aggregation is not None:
             before_aggregation.collect(messages, replies)
-        new_arrays, agg = strategy.aggregate_train(server_round, replies)
+        # counted as received: aggregation may rewrite a reply (a clip, a method completing a partial one)
+        received = message_bytes([m for m in replies if not m.has_error()])
+        outcome = strategy.aggregate_round(server_round, replies)
         t3 = time.perf_counter()
+        spent.sample_rates.append(outcome.sample_rate)  # what the sampling of this attempt's clients set
         spent.bytes_s2c += message_bytes(messages)
-        spent.bytes_c2s += message_bytes([m for m in replies if not m.has_error()])
+        spent.bytes_c2s += received
         spent.sampled += len(messages)
         spent.server_seconds += (t1 - t0 - waited) + (t3 - t2)
         spent.round_seconds += t3 - t0
-        used = [a.content.metric_records[METRICS] for a in strategy.accepted] if new_arrays is not None else []
+        used = [a.content.metric_records[METRICS] for a in outcome.accepted] if outcome.aggregated else []
         spent.read_replies(used)
-        if new_arrays is not None:
-            spent.plans = memory_plans(strategy.accepted)
+        if outcome.aggregated:
+            spent.plans = memory_plans(outcome.accepted)
         spent.rejected += [strategy.named({"node": int(n), "reason": r, "attempt": attempt})
-                           for n, r in strategy.rejected]
+                           for n, r in outcome.rejected]
         spent.rejected += [strategy.named({"node": int(m.metadata.dst_node_id), "attempt": attempt,
                                            "reason": "no reply before round-timeout"})
                            for m in unanswered(messages, replies)]
-        if new_arrays is not None:
-            return new_arrays, agg, spent, messages  # type: ignore[return-value]
+        if outcome.aggregated:
+            return outcome, spent, messages
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
-                    len(strategy.accepted), len(messages),
+                    len(outcome.accepted), len(messages),
                     "; retrying with fresh clients" if attempt < cfg.round_retries else "")
     raise RoundFailed(
         f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
@@ -205,7 +209,7 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
 
 
-def memory_plans(accepted: list) -> list[dict[str, Any]]:
+def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:
     """Each accepted reply's memory plan, with its node, where the node reports one (client/memory.py)."""
     plans = []
     for reply in accepted:
@@ -216,9 +220,11 @@ def memory_plans(accepted: list) -> list[dict[str, Any]]:
     return plans
 
 
-def round_record(strategy: PromptStrategy, task: int, round_: int, server_round: int, agg: MetricRecord,
-                 spent: Attempts, messages: list) -> RoundRecord:
-    """The round's record from what its attempts spent and what the strategy aggregated (not evaluated yet)."""
+def round_record(task: int, round_: int, server_round: int, outcome: RoundOutcome, spent: Attempts,
+                 messages: list) -> RoundRecord:
+    """The round's record from what its attempts spent and its outcome (not evaluated yet)."""
+    agg = outcome.metrics
+    assert agg is not None, "a round's record is made of an aggregated outcome (train_round)"
     return RoundRecord(
         task=task, round=round_, server_round=server_round, accuracy=None, task_accuracies=None,
         bytes_s2c=spent.bytes_s2c, bytes_c2s=spent.bytes_c2s,
@@ -231,18 +237,18 @@ def round_record(strategy: PromptStrategy, task: int, round_: int, server_round:
         server_seconds=spent.server_seconds, round_seconds=spent.round_seconds, eval_seconds=0.0,
         attempts=spent.count, clients_sampled=spent.sampled,
         client_tasks=[int(m.content[CONFIG]["task"]) for m in messages if CONFIG in m.content.config_records],
-        placement=[strategy.placement_of(m) for m in messages],
-        clients_aggregated=int(agg["clients"]),
-        update_norms=[float(v) for v in strategy.update_norms],
-        reply_shares=list(strategy.reply_shares),
-        reply_nodes=strategy.reply_nodes,
-        update_cosines=[None if c is None else round(float(c), 4) for c in strategy.update_cosines],
-        defences=dict(strategy.defence_counts) if strategy.screen.active or strategy.stats_bound.active else {},
-        stats_ratios=dict(strategy.stats_ratios),
+        placement=[outcome.placement_of(m) for m in messages],
+        clients_aggregated=as_int(agg["clients"]),
+        update_norms=[float(v) for v in outcome.update_norms],
+        reply_shares=list(outcome.shares),
+        reply_nodes=list(outcome.nodes),
+        update_cosines=[None if c is None else round(float(c), 4) for c in outcome.update_cosines],
+        defences=dict(outcome.defences),
+        stats_ratios=dict(outcome.stats_ratios),
         sample_rates=list(spent.sample_rates),
         memory_plans=spent.plans,
-        examples=int(agg["num-examples"]),
+        examples=as_int(agg["num-examples"]),
         rejected=spent.rejected,
-        train_loss=float(agg["train-loss"]),
+        train_loss=as_float(agg["train-loss"]),
         strategy_metrics={k: v for k, v in agg.items() if k not in ("num-examples", "clients", "train-loss")},
     )

@@ -18,23 +18,26 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
-from promptfcl.common import metrics
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.footprint import check_server_footprint
-from promptfcl.common.model import initial_trainable_state
-from promptfcl.common.partitions import client_indices, drawn_shares, partition_summary
-from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.common.runtime import Runtime, get_runtime
-from promptfcl.common.splits import FILE_NAME as SPLITS_FILE
-from promptfcl.common.splits import read_splits, write_splits
-from promptfcl.common.tasks import class_order
-from promptfcl.server import checkpoint
-from promptfcl.server.evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
-from promptfcl.server.progress import RunTrackers
-from promptfcl.server.results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
-from promptfcl.server.rounds import RoundRecord, round_record, train_round
-from promptfcl.strategies.platform.strategy import PromptStrategy
-from promptfcl.strategies.registry import build_strategy, strategy_class
+from ..common import metrics
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.footprint import check_server_footprint
+from ..common.model import ModelSpec, initial_trainable_state
+from ..common.partitions import client_indices, drawn_shares, partition_summary
+from ..common.privacy import privacy_options
+from ..common.records import from_array_record, to_array_record
+from ..common.runtime import Runtime, get_runtime
+from ..common.splits import FILE_NAME as SPLITS_FILE
+from ..common.splits import read_splits, write_splits
+from ..common.tasks import class_order
+from ..common.weights import BackboneSpec
+from ..strategies.platform.strategy import PromptStrategy
+from ..strategies.registry import build_strategy, strategy_class
+from . import checkpoint
+from .evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
+from .progress import RunTrackers
+from .results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
+from .rounds import RoundRecord, round_record, train_round
+from .transfer import asynchronous_results, client_accuracy_by_round, single_task_accuracies
 
 log = logging.getLogger("promptfcl")
 
@@ -52,10 +55,6 @@ class EvaluationPlan:
     every: int
     carry: bool  # federated evaluation with evaluate-with-train
     last: int  # index of the run's last round (0-based)
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig, last: int) -> EvaluationPlan:
-        return cls(cfg.evaluate_every, cfg.evaluate_with_train and cfg.evaluation == "federated", last)
 
     def decide(self, index: int, task_ends: bool, own_slices: bool) -> str:
         """How round ``index`` (0-based) is evaluated; ``own_slices``: the method scores each task
@@ -97,7 +96,8 @@ class ExperimentRun:
         self.schedule = self.strategy.schedule
         self.steps = self.schedule.steps()  # (nominal task, round within it) of every round
         self.last = min(len(self.steps), cfg.max_rounds) if cfg.max_rounds else len(self.steps)
-        self.plan = EvaluationPlan.of(cfg, self.last - 1)
+        self.plan = EvaluationPlan(cfg.evaluate_every, cfg.evaluate_with_train and cfg.evaluation == "federated",
+                                   self.last - 1)
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
@@ -107,7 +107,7 @@ class ExperimentRun:
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
         # before any model is built: a run's sizes may multiply into more memory than the machine has
-        check_server_footprint(cfg)
+        check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
         method = strategy_class(cfg.strategy)
         if cfg.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
@@ -115,7 +115,8 @@ class ExperimentRun:
                      cfg.num_classes, cfg.num_tasks)
             strategy: PromptStrategy = build_strategy(cfg, cfg.num_classes)
             self.evaluator = FederatedEvaluator(self.grid, strategy)
-            return strategy, to_array_record(initial_trainable_state(cfg, method.prompt_class))
+            initial = initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), method.prompt_class)
+            return strategy, to_array_record(initial)
         runtime = self.runtime = get_runtime(cfg, method.prompt_class)
         log.info("backbone: %s", runtime.weights_source)
         data = runtime.data
@@ -127,9 +128,9 @@ class ExperimentRun:
         if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
-            log.info("%s", partition_summary(labels, cfg, data.num_classes))  # refuses a partition it cannot make
+            log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
             strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
-                client_indices(labels, cfg, data.num_classes, client, task, round_)))
+                client_indices(labels, runtime.layout, runtime.partition, client, task, round_)))
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 
@@ -147,7 +148,7 @@ class ExperimentRun:
             return
         if saved is None:
             raise ConfigError(f"resume=true but {cfg.out_dir} holds no checkpoint")
-        checkpoint.check_compatible(saved, cfg)
+        checkpoint.check_compatible(saved, cfg.to_dict())
         self.arrays = to_array_record(saved.arrays)
         self.strategy.load_state_dict(saved.strategy_state)
         self.strategy.load_platform_state(getattr(saved, "platform_state", {}))
@@ -173,7 +174,7 @@ class ExperimentRun:
             data_seed, order, shares = reused.data_seed, reused.class_order, reused.shares
         else:
             data_seed, order = cfg.seed, class_order(data.num_classes, cfg.seed)
-            shares = drawn_shares(data.train.labels, cfg, data.num_classes)
+            shares = drawn_shares(data.train.labels, self.runtime.layout, self.runtime.partition)
         write_splits(Path(cfg.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
 
     # ------------------------------------------------------------------ the run
@@ -218,9 +219,10 @@ class ExperimentRun:
         ending = self.schedule.task_ending(index)
         carried = self.carried
         ask = CarriedAsk(self.evaluator, carried) if carried is not None else None  # type: ignore[arg-type]
-        new_arrays, agg, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_,
-                                                       self.server_round, ask)
-        record = round_record(strategy, task, round_, self.server_round, agg, spent, messages)
+        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask)
+        record = round_record(task, round_, self.server_round, outcome, spent, messages)
+        new_arrays = outcome.arrays
+        assert new_arrays is not None  # train_round returns an aggregated round or raises RoundFailed
         if carried is not None:
             self.complete(carried)  # rounds are evaluated in order
         self.arrays = new_arrays
@@ -233,7 +235,7 @@ class ExperimentRun:
         record.eval_pending = how == CARRIED
         self.rounds.append(record)
         self.carried = CarriedEvaluation(len(self.rounds) - 1, task, self.arrays) if how == CARRIED else None
-        privacy = privacy_so_far(cfg, strategy, self.rounds)
+        privacy = privacy_so_far(privacy_options(cfg), strategy, self.rounds)
         if privacy["enabled"]:  # the guarantee after every round (None: no noise, no guarantee)
             record.private, record.epsilon = True, privacy["epsilon"]
         self.log_round(record, privacy)
@@ -316,7 +318,7 @@ class ExperimentRun:
         rounds = [r.to_dict() for r in self.rounds]
         results = build_results(cfg, self.runtime, self.matrix, rounds, self.arrays,
                                 self.elapsed_before + time.perf_counter() - self.started, self.evaluator)
-        results["privacy"] = privacy_so_far(cfg, self.strategy, self.rounds)
+        results["privacy"] = privacy_so_far(privacy_options(cfg), self.strategy, self.rounds)
         stateful = self.strategy.stateful_parameters(self.arrays)
         if stateful is not None:  # what a paper that counts stateful clients' traffic would count
             results["communication"]["stateful_parameters_per_exchange"] = stateful
@@ -330,16 +332,14 @@ class ExperimentRun:
                                 **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
-            from promptfcl.server.transfer import client_accuracy_by_round
 
             results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.num_tasks)
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
-            from promptfcl.server.transfer import asynchronous_results, single_task_accuracies
 
             single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
                                              self.strategy.prompt_class.prompt_tokens)
                       if self.runtime is not None else None)
-            results["asynchronous"] = asynchronous_results(cfg, schedule, rounds, single)
+            results["asynchronous"] = asynchronous_results(schedule, rounds, single)
             results.update({"final_average_accuracy": results["asynchronous"]["final_accuracy"],
                             "average_incremental_accuracy": results["asynchronous"]["average_incremental_accuracy"],
                             "average_forgetting": results["asynchronous"]["forgetting_measure"],
@@ -364,11 +364,11 @@ def run_experiment(grid: Grid, cfg: ExperimentConfig) -> dict[str, Any]:
     return ExperimentRun(grid, cfg).run()
 
 
-def finish(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
-    """After results are written: the checkpoint has served its purpose (unless the run stopped early,
-    or ``keep-checkpoint`` keeps it for ``promptfcl audit``)."""
-    if results.get("stopped_after_round") is not None or cfg.keep_checkpoint:
+def finish(out_dir: str, keep_checkpoint: bool, results: dict[str, Any]) -> None:
+    """After results are written in ``out_dir``: the checkpoint has served its purpose (unless the
+    run stopped early, or ``keep_checkpoint`` keeps it for ``promptfcl audit``)."""
+    if results.get("stopped_after_round") is not None or keep_checkpoint:
         return
-    path = Path(cfg.out_dir) / checkpoint.FILENAME
+    path = Path(out_dir) / checkpoint.FILENAME
     if path.exists():
         path.unlink()

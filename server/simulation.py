@@ -27,12 +27,18 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import toml_value
+from flwr.app import Context, RecordDict
+
+from ..client.app import app as client_app
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import toml_value
+from ..common.flower_internals import internal
+from .app import app as server_app
 
 log = logging.getLogger("promptfcl")
 
@@ -91,13 +97,6 @@ def _fits(available: float, each: float) -> int:
     return int(available / each + 1e-6)
 
 
-def sampled_per_round(cfg: ExperimentConfig) -> int:
-    """Clients that train in one round (the Flower nodes a simulation needs)."""
-    if cfg.centralised:
-        return 1
-    return cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients))
-
-
 def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int | None = None,
                     address: str = "") -> SimulationPlan:
     """Size the client actors for ``nodes`` (the Ray cluster's schedulable resources).
@@ -112,7 +111,7 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
         GPUs asked for where Ray sees none, ``device = "cuda"`` without a GPU share, or a
         client actor that fits on no node.
     """
-    sampled = sampled_per_round(cfg)
+    sampled = cfg.sampled_per_round
     count = supernodes or (cfg.num_clients if cfg.population == "nodes" else sampled)
     total_cpus = sum(n.cpus for n in nodes)
     total_gpus = sum(n.gpus for n in nodes)
@@ -145,8 +144,9 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
     return plan
 
 
-def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
-    """A minimal Flower app directory whose pyproject carries ``cfg`` as its run config."""
+def write_app_dir(run_config: dict[str, Any], root: Path) -> Path:
+    """A minimal Flower app directory whose pyproject carries ``run_config`` (``ExperimentConfig.to_dict``)
+    as its run config."""
     lines = [
         "[project]",
         'name = "promptfcl-run"',
@@ -161,7 +161,7 @@ def write_app_dir(cfg: ExperimentConfig, root: Path) -> Path:
         "",
         "[tool.flwr.app.config]",
     ]
-    lines += [f'"{key}" = {toml_value(value)}' for key, value in cfg.to_dict().items()]
+    lines += [f'"{key}" = {toml_value(value)}' for key, value in run_config.items()]
     root.mkdir(parents=True, exist_ok=True)
     (root / "pyproject.toml").write_text("\n".join(lines) + "\n")
     return root
@@ -174,8 +174,8 @@ def connect_ray(address: str, cpus: int | None = None) -> list[RayNode]:
     process's ``sys.path`` as PYTHONPATH, as Flower's own initialisation does, so actors
     import the same code (on other machines the same install path must exist).
     """
-    import warnings
 
+    # Ray is heavy and starts only for a simulation
     import ray
 
     # Ray's notice that a future version will stop hiding GPUs from actors that ask for none;
@@ -213,18 +213,15 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     """Run ``cfg`` to the end in Flower's Ray simulation (blocking)."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray is heavy and starts only for a simulation
     import ray
-    from flwr.app import Context, RecordDict
 
-    from promptfcl.client.app import app as client_app
-    from promptfcl.common.flower_internals import internal
-    from promptfcl.server.app import app as server_app
 
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)
         log.info("Flower simulation: %s", plan.describe())
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
-            app_dir = write_app_dir(cfg, Path(tmp))
+            app_dir = write_app_dir(cfg.to_dict(), Path(tmp))
             context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=cfg.to_dict())
             internal("run_simulation")(
                 num_supernodes=plan.supernodes,

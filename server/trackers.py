@@ -32,12 +32,13 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.metrics import backward_transfer
+from ..common.config import ConfigError
+from ..common.metrics import backward_transfer
+from .results import SUMMARY_KEYS
 
 #: a round record's figures that trackers plot, by their results.json names
 ROUND_METRICS = ("accuracy", "bytes_s2c", "bytes_c2s", "client_seconds", "server_seconds", "train_loss")
@@ -73,12 +74,11 @@ def final_metrics(results: dict[str, Any]) -> dict[str, float]:
     and combined transfer only where a reference exists (Powder's random tasks, against the
     single-task runs: common/metrics.py).
     """
-    from promptfcl.server.results import SUMMARY_KEYS
 
     values = {key: results.get(key) for key in SUMMARY_KEYS}
     for key in ("forward_transfer", "combined_transfer"):
         values[key] = (results.get("asynchronous") or {}).get(key)
-    return {key: float(v) for key, v in values.items() if _finite(v)}
+    return {key: float(v) for key, v in values.items() if v is not None and _finite(v)}
 
 
 def matrix_rows(matrix: np.ndarray | list[list[float | None]]) -> list[list[float | None]]:
@@ -103,6 +103,7 @@ class MLflowTracker:
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], resume: bool = False) -> None:
         try:
+            # mlflow is optional (promptfcl[mlflow])
             from mlflow.exceptions import MlflowException
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
@@ -137,6 +138,7 @@ class MLflowTracker:
         self.run_id = run_id
 
     def _experiment(self, name: str, artifacts: str | None) -> str:
+        # mlflow is optional (promptfcl[mlflow])
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(name)
@@ -151,6 +153,7 @@ class MLflowTracker:
             return str(found.experiment_id)
 
     def _log_params(self, run_id: str, config: dict[str, Any]) -> None:
+        # mlflow is optional (promptfcl[mlflow])
         from mlflow.entities import Param
 
         # MLflow's parameters are strings: a string stays itself, anything else is JSON, so that
@@ -161,6 +164,7 @@ class MLflowTracker:
             self.client.log_batch(run_id, params=params[start:start + MLFLOW_BATCH])
 
     def _metrics(self, values: dict[str, float], step: int) -> None:
+        # mlflow is optional (promptfcl[mlflow])
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -192,13 +196,15 @@ class WandbTracker:
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], resume: bool = False) -> None:
         try:
+            # wandb is optional (promptfcl[wandb])
             import wandb
         except ImportError as exc:
             raise ConfigError("tracker = wandb needs the wandb package (pip install 'promptfcl[wandb]')") from exc
         out = Path(out_dir)
         (out / "wandb").mkdir(parents=True, exist_ok=True)
         # offline unless the environment asks for more: a run never uploads by surprise
-        mode = None if os.environ.get("WANDB_MODE") else "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        mode: Literal["online", "offline"] | None = (
+            None if os.environ.get("WANDB_MODE") else "online" if os.environ.get("WANDB_API_KEY") else "offline")
         id_file = out / "wandb" / "promptfcl-run-id"
         run_id = _saved_id(id_file, resume)
         self.run = wandb.init(

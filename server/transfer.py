@@ -25,15 +25,17 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from promptfcl.common import metrics
-from promptfcl.common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
-from promptfcl.common.evaluation import accuracies, correct_counts
-from promptfcl.common.files import write_atomic
-from promptfcl.common.model import CodaPrompt, initial_trainable_state
-from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.schedule import RandomTaskSchedule
-from promptfcl.common.weights import cache_dir
+from ..common import metrics
+from ..common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
+from ..common.evaluation import accuracies, correct_counts
+from ..common.files import write_atomic
+from ..common.model import CodaPrompt, ModelSpec, initial_trainable_state
+from ..common.records import ARRAYS, from_array_record, to_array_record, to_torch
+from ..common.runtime import get_runtime
+from ..common.schedule import RandomTaskSchedule
+from ..common.weights import cache_dir
+from ..strategies.fedavg.strategy import FedAvgStrategy
+from ..strategies.platform.learner import LocalLearner
 
 log = logging.getLogger("promptfcl")
 
@@ -52,8 +54,6 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     configuration without the method, the data's and the backbone's identity), so the
     methods of one comparison train the reference once.
     """
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     started = time.perf_counter()
     if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":
@@ -74,8 +74,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
     learner = LocalLearner(rt)
-    initial = to_array_record(initial_trainable_state(dataclasses.replace(cfg, num_classes=rt.data.num_classes),
-                                                      CodaPrompt))
+    initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
     fresh = FedAvgStrategy(cfg, rt.data.num_classes)
     per_task = cfg.pool_size // cfg.num_tasks
     out = np.full(cfg.num_tasks, np.nan)
@@ -97,18 +96,18 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     return out
 
 
-def asynchronous_results(cfg: ExperimentConfig, schedule: RandomTaskSchedule, rounds: list[dict[str, Any]],
+def asynchronous_results(schedule: RandomTaskSchedule, rounds: list[dict[str, Any]],
                          single_task: np.ndarray | None) -> dict[str, Any]:
-    """Section 5.1's metrics and the per-task timeline for results.json."""
-    acc = task_accuracy_by_round(rounds, cfg.num_tasks)
-    finish = np.array([schedule.finish(g) for g in range(cfg.num_tasks)])
+    """Section 5.1's metrics and the per-task timeline of ``schedule``'s run for results.json."""
+    acc = task_accuracy_by_round(rounds, schedule.num_tasks)
+    finish = np.array([schedule.finish(g) for g in range(schedule.num_tasks)])
     evaluation_rounds = sorted({r - 1 for r in schedule.switch_rounds} | {schedule.total_rounds - 1})
     out: dict[str, Any] = metrics.asynchronous_summary(acc, finish, evaluation_rounds, single_task)
     out.update({
         "evaluation_rounds": [r + 1 for r in evaluation_rounds],
         "single_task_accuracy": None if single_task is None else [float(v) for v in single_task],
         "tasks": [{"client": schedule.owner(g), "first_round": schedule.start(g) + 1,
-                   "last_round": int(finish[g]) + 1} for g in range(cfg.num_tasks)],
+                   "last_round": int(finish[g]) + 1} for g in range(schedule.num_tasks)],
     })
     return out
 

@@ -2,17 +2,19 @@
 
 A method is one folder: a package whose ``__init__.py`` defines ``METHOD``, a :class:`Method`
 naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills the platform's
-hooks) and its learner (the client's side, a ``LocalLearner`` subclass), both relative to the
-package; the folder holds everything else of the method (options, prompt module, records,
-losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a method; so is
-every package another distribution registers under the entry-point group
-``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository.
-Both halves are imported on first use: a client process loads only its own method.
+hooks), its learner (the client's side, a ``LocalLearner`` subclass), its prompt module, its
+options (what both sides read, and what a run is checked against) and the privacy bounds of the
+records its clients upload, each relative to the package; the folder holds everything else of the
+method (records, losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a
+method; so is every package another distribution registers under the entry-point group
+``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository. Each
+part is imported on first use: a client process loads only its own method's client side (learner,
+prompt, options, records), never its strategy module; checking a run loads only the options.
 
 Each method names the paper to cite for it (``Method.citation``, one BibTeX entry: the one place
 the project keeps it; docs/methods.md repeats it and a test keeps the two equal).
 
-Configurations are loaded here too: checking one needs the methods' options.
+A run is checked against its method's options by strategies/platform/run_checks.py.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import read_config
-from promptfcl.common.privacy import NAMESPACE as DP_NAMESPACE
-from promptfcl.common.privacy import PrivacyOptions
+from ..common.config import ConfigError, ExperimentConfig
+from ..common.config_files import toml_value
+from ..common.options import MethodOptions, NoOptions
+from ..common.privacy import NAMESPACE as DP_NAMESPACE
+from ..common.privacy import PrivacyOptions, PrivateRecord
 
 ENTRY_POINTS = "promptfcl.methods"
 
@@ -40,6 +43,12 @@ class Method:
     name: str
     strategy: str  # a PromptStrategy subclass: the server's side
     learner: str  # a LocalLearner subclass: local learning
+    prompt: str  # a CodaPrompt subclass: the prompt module both sides build (the strategy's ``prompt_class``)
+    #: the privacy bounds of what a client uploads besides its arrays (``record name -> PrivateRecord``,
+    #: the strategy's ``private_records``); "": no extra upload is bounded
+    records: str = ""
+    #: a MethodOptions subclass, what both sides read and a run is checked against ("": no options)
+    options: str = ""
     package: str = ""  # the method's package (set by discovery)
     #: named settings of the method's options a paper compares against (``bench compare``
     #: runs ``<name>/<variant>``), e.g. HePCo's FedAvg-Prompt baseline
@@ -68,7 +77,7 @@ class Method:
         return dict(named[name])
 
     def load(self, which: str) -> Any:
-        """The strategy or learner class (``which``), imported on first use."""
+        """The strategy, learner, prompt or options class or the records' bounds (``which``), imported on first use."""
         module, attr = getattr(self, which).split(":")
         return getattr(importlib.import_module(module, self.package or None), attr)
 
@@ -76,7 +85,7 @@ class Method:
 @functools.cache
 def methods() -> dict[str, Method]:
     """Every method: this package's folders, then entry points of other installed distributions."""
-    import promptfcl.strategies as here
+    here = importlib.import_module(__name__.rpartition(".")[0])  # this package: promptfcl.strategies
 
     found: dict[str, Method] = {}
     packages = [f"{here.__name__}.{info.name}" for info in pkgutil.iter_modules(here.__path__) if info.ispkg]
@@ -121,24 +130,45 @@ def learner_class(name: str) -> Any:
     return methods()[name].load("learner")
 
 
+def options_class(name: str) -> type[MethodOptions]:
+    """The options of method ``name`` (without importing either of its sides)."""
+    check_method(name)
+    method = methods()[name]
+    return method.load("options") if method.options else NoOptions
+
+
 def prompt_class(name: str) -> Any:
-    """The prompt module a method's clients and server use (its strategy's ``prompt_class``)."""
-    return strategy_class(name).prompt_class
+    """The prompt module a method's clients and server use (its strategy's ``prompt_class``),
+    without importing the strategy."""
+    check_method(name)
+    return methods()[name].load("prompt")
 
 
-def method_options(cfg: ExperimentConfig) -> Any:
-    """The run's method options, parsed once (ConfigError on unknown keys or bad values)."""
-    return strategy_class(cfg.strategy).parse_options(cfg.method_options(cfg.strategy))
+def private_records(name: str) -> dict[str, PrivateRecord]:
+    """How differential privacy bounds each record method ``name``'s clients upload besides their
+    arrays (its strategy's ``private_records``), without importing the strategy."""
+    check_method(name)
+    method = methods()[name]
+    return dict(method.load("records")) if method.records else {}
+
+
+def method_options(strategy: str, options: dict[str, Any]) -> Any:
+    """Method ``strategy``'s options (its ``<strategy>.*`` keys, prefix removed: the run config's
+    ``method_options(strategy)``), parsed once (ConfigError on unknown keys or bad values)."""
+    return options_class(strategy).from_options(options)
 
 
 def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
     """The run's server strategy, with its options parsed once."""
-    return strategy_class(cfg.strategy)(cfg, num_classes, method_options(cfg))
+    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
+    return strategy_class(cfg.strategy)(cfg, num_classes, options)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
-    """The run's local learner on ``runtime``, with the method's options parsed once."""
-    return learner_class(cfg.strategy)(runtime, method_options(cfg))
+    """The run's local learner on ``runtime``, with the method's options parsed once (by the
+    learner's ``options_class``, the strategy's: a client imports no strategy module)."""
+    learner = learner_class(cfg.strategy)
+    return learner(runtime, learner.options_class.from_options(cfg.method_options(cfg.strategy)))
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:
@@ -163,7 +193,7 @@ def check_namespaces(method_keys: dict[str, Any]) -> None:
             raise ConfigError(f"unknown configuration namespace {namespace!r} (in {namespace}.{example}); "
                               f"options are namespaced by method ({', '.join(sorted(methods()))}) or "
                               f"{DP_NAMESPACE!r} (differential privacy)")
-        strategy_class(namespace).parse_options(options)
+        options_class(namespace).from_options(options)
 
 
 def namespaced_defaults() -> dict[str, dict[str, Any]]:
@@ -172,7 +202,7 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
     (:func:`app_config_tables`): Flower's run-config check refuses any key it does not declare."""
     out: dict[str, dict[str, Any]] = {DP_NAMESPACE: PrivacyOptions().to_dict()}
     for name in sorted(methods()):
-        defaults = strategy_class(name).options_class().to_dict()
+        defaults = options_class(name)().to_dict()
         if defaults:
             out[name] = defaults
     return out
@@ -180,7 +210,6 @@ def namespaced_defaults() -> dict[str, dict[str, Any]]:
 
 def app_config_tables() -> str:
     """The ``[tool.flwr.app.config.<namespace>]`` tables of pyproject.toml, as TOML text."""
-    from promptfcl.common.config_files import toml_value
 
     blocks = []
     for namespace, options in namespaced_defaults().items():
@@ -188,19 +217,3 @@ def app_config_tables() -> str:
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
-
-def load_config(config_file: str | None, overrides: list[str], strategy: str | None = None,
-                out: str | None = None) -> ExperimentConfig:
-    """A run's configuration from defaults, a TOML file, ``--set`` pairs and flags, checked as far
-    as it can be before anything is loaded: every key and value, the method, every method
-    option, the task schedule, differential privacy and the dataset's name."""
-    from promptfcl.common.data import check_source
-
-    cfg = read_config(config_file, overrides, strategy, out)
-    check_method(cfg.strategy)
-    check_namespaces(cfg.method)
-    method = strategy_class(cfg.strategy)
-    method.check_schedule(cfg)
-    method.check_privacy(cfg)
-    check_source(cfg)
-    return cfg

@@ -43,7 +43,7 @@ def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -
     """:func:`simulate`'s run (same configuration, loaded and checked the same way) with the
     ClientApps in this process (:class:`InProcessGrid`, one node per client of a round): the
     same server loop, strategies and ClientApp, without Ray's start-up; results.json."""
-    from promptfcl.strategies.registry import load_config
+    from promptfcl.strategies.platform.run_checks import load_config
     from tests.conftest import TINY, flower_task_identity
 
     settings = {**TINY, "rounds-per-task": 2, "num-clients": 3, "clients-per-round": 3, **overrides}
@@ -171,7 +171,7 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
     grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
     write_outputs(results, cfg.out_dir)
-    finish(cfg, results)
+    finish(cfg.out_dir, cfg.keep_checkpoint, results)
     return results
 
 

@@ -44,9 +44,9 @@ def test_docs_methods_repeat_the_codes_entries_exactly():
 
 
 def test_key_and_title_are_read_from_the_entry():
-    method = Method("x", strategy=".s:S", learner=".l:L", citation="@misc{k1,\n  title = {{ABC}: a Title},\n}")
+    method = Method("x", strategy=".s:S", learner=".l:L", prompt=".p:P", citation="@misc{k1,\n  title = {{ABC}: a Title},\n}")
     assert (method.citation_key, method.citation_title) == ("k1", "ABC: a Title")
-    assert Method("y", strategy=".s:S", learner=".l:L").citation_key is None
+    assert Method("y", strategy=".s:S", learner=".l:L", prompt=".p:P").citation_key is None
 
 
 def test_the_method_line_of_table_and_show_prints_key_and_title(tmp_path, capsys):

@@ -212,14 +212,15 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
 
-    from promptfcl.common.model import CodaPrompt, build_backbone, initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, ModelSpec, build_backbone, initial_trainable_state
     from promptfcl.common.records import to_array_record
+    from promptfcl.common.weights import BackboneSpec
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
-    trainable = to_array_record(initial_trainable_state(cfg, CodaPrompt))
+    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt))
     shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
-    backbone, _ = build_backbone(cfg)
+    backbone, _ = build_backbone(BackboneSpec.of(cfg))
     backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
                       if t.numel() > 8}
     messages = wire_messages(deployment.exchanges)
@@ -432,7 +433,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     cfg = nodes_config(num_classes=10, class_names=names)
     full = node_data(cfg, {"data-dir": str(node)})
     assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
-    assert full.cfg.centralised  # all of a node's own data is its share
+    assert full.partition.whole and full.partition.own_data and not full.cfg.centralised  # its own data: all its share
     # a node that lacks some classes keeps the others' labels (matched by name, not position)
     import shutil
 
@@ -452,7 +453,8 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     sorted_cfg = nodes_config()
     nine = node_data(sorted_cfg, {"data-dir": str(node)})
     with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
-        check_classes(sorted_cfg, nine.data.num_classes, original_names(nine.data, 0), "this node", run_num_classes=10)
+        check_classes(nine.data.num_classes, original_names(nine.data, 0), "this node",
+                      sorted_cfg.num_classes or 10, sorted_cfg.class_name_list)
 
 
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():

@@ -16,6 +16,7 @@ from promptfcl.common.privacy import (
     clip_rows,
     epsilon,
     gaussian_mechanism,
+    privacy_options,
     privacy_report,
     privatise_reply,
 )
@@ -23,7 +24,8 @@ from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record,
 from promptfcl.server.report import table
 from promptfcl.strategies.fppl.strategy import LOCAL_PROTOTYPES
 from promptfcl.strategies.hgp.strategy import STATS, HGPStrategy
-from promptfcl.strategies.registry import learner_class, load_config, prompt_class
+from promptfcl.strategies.platform.run_checks import load_config
+from promptfcl.strategies.registry import learner_class, prompt_class
 from tests.conftest import TINY, tiny_config
 from tests.helpers import simulate_in_process
 
@@ -101,7 +103,7 @@ def fit_and_release(strategy: str, clip: float, **options):
     raw = learner.fit(content, task=0, round_=0, client_id=0)
     raw_copy = RecordDict({name: to_array_record(from_array_record(raw[name])) for name in raw.array_records})
     reference = learner.update_reference(received, 0)  # what the reply's arrays update (FPPL: its task's prompt)
-    released = private_upload(cfg, raw, reference, np.random.default_rng(0))
+    released = private_upload(raw, reference, np.random.default_rng(0), privacy_options(cfg), strategy)
     return raw_copy, released, from_array_record(reference)
 
 

@@ -12,16 +12,17 @@ from promptfcl.client.memory import apply_plan, step_sizes
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common import model as model_module
 from promptfcl.common.backbone import backbone_cache_path, build_backbone
-from promptfcl.common.learner import LocalLearner
 from promptfcl.common.low_precision import Bf16Linear, Int8Linear, lower_precision
 from promptfcl.common.memory_plan import BudgetError, StepSizes, TrainingPlan, mapped_mb, plan_training, resident_mb
 from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
 from promptfcl.common.runtime import get_runtime
+from promptfcl.common.weights import BackboneSpec
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES
 from promptfcl.strategies.fppl.strategy import FPPLStrategy
+from promptfcl.strategies.platform.learner import LocalLearner
 from tests.conftest import tiny_config
 
 #: a budgeted step differs from the whole batch's only by float rounding (micro-batch sums)
@@ -202,10 +203,10 @@ def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
 def test_the_backbone_is_read_through_a_shared_mapping_of_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = tiny_config(backbone_cache_disk="on", embed_dim=96, depth=2, image_size=32)
-    build_backbone(cfg)  # a miss: built and written
-    path = backbone_cache_path(cfg)
+    build_backbone(BackboneSpec.of(cfg))  # a miss: built and written
+    path = backbone_cache_path(BackboneSpec.of(cfg))
     assert path is not None and path.is_file()
-    backbone, _ = build_backbone(cfg)  # read from the cache: mapped, not copied
+    backbone, _ = build_backbone(BackboneSpec.of(cfg))  # read from the cache: mapped, not copied
     with torch.no_grad():
         backbone(torch.zeros(1, 3, 32, 32))  # touch every weight
     before = mapped_mb(path)

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from promptfcl.common.config import ConfigError
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
 from promptfcl.common.runtime import get_runtime
+from promptfcl.common.tasks import TaskLayout
 from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
 from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
@@ -222,7 +223,7 @@ def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
 
 
 def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
-    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.platform.learner import LocalLearner
 
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt, _, arrays = start(cfg, tasks=2)
@@ -333,7 +334,7 @@ def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(f
         np.testing.assert_array_equal(final[name][0:2], best[name][0:2])  # task 0 back at its best
         np.testing.assert_array_equal(final[name][2:4], 41.0)  # task 1 keeps this round's average
     msgs = list(s.configure_train(5, out, ConfigRecord({"task": 0, "round": 4}), NodeList(4)))
-    assert sorted(m.content[CONFIG]["task"] for m in msgs) == [1, 1] and s.sent_round.skipped == 2
+    assert sorted(m.content[CONFIG]["task"] for m in msgs) == [1, 1] and s._sent_round.skipped == 2
     s.task_of_client = {c: 0 for c in range(4)}  # every sampled client on the stopped task
     assert list(s.configure_train(6, out, ConfigRecord({"task": 0, "round": 5}), NodeList(4))) == []
     arrays, metrics = s.aggregate_train(6, [])
@@ -415,14 +416,15 @@ def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
     msgs = list(s.configure_train(5, base, ConfigRecord({"task": 0, "round": 3}), NodeList(2)))
     assert [m.content[CONFIG]["task"] for m in msgs] == [0, 1, 0, 1]
     assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
-    assert {sent.client: sent.task for sent in s.sent_round.sent} == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert {sent.client: sent.task for sent in s._sent_round.sent} == {0: 0, 1: 1, 2: 0, 3: 1}
     for m in msgs:  # the grid gives every sent message an id
         m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     # nodes 100 and 101 each play a task-0 and a task-1 client: only message ids can tell them apart
     values, counts = {0: 1.0, 1: 10.0, 2: 3.0, 3: 20.0}, {0: 10, 1: 10, 2: 30, 3: 30}
     replies = [Message(content=reply_content(values[i], counts[i], shapes), reply_to=m) for i, m in enumerate(msgs)]
     stray = reply_from(100, reply_content(99.0, 5, shapes))  # answers no message of this round
-    arrays, metrics = s.aggregate_train(5, replies[::-1] + [stray])
+    outcome = s.aggregate_round(5, replies[::-1] + [stray])
+    arrays, metrics = outcome.arrays, outcome.metrics
     out = from_array_record(arrays)
     t0, t1 = (10 * 1.0 + 30 * 3.0) / 40, (10 * 10.0 + 30 * 20.0) / 40
     for name in ("prompt.p0", "prompt.k0"):
@@ -434,8 +436,8 @@ def test_per_slice_aggregation_with_clients_on_different_tasks(flower_identity):
         np.testing.assert_allclose(out[name][2:4], t1)
         np.testing.assert_array_equal(out[name][4:6], -1.0)
     assert metrics["clients"] == 4 and metrics["tasks-aggregated"] == 2 and metrics["num-examples"] == 80
-    assert sorted(a.task for a in s.accepted) == [0, 0, 1, 1]
-    assert len(s.rejected) == 1 and "no matching message" in s.rejected[0][1]
+    assert sorted(a.task for a in outcome.accepted) == [0, 0, 1, 1]
+    assert len(outcome.rejected) == 1 and "no matching message" in outcome.rejected[0][1]
 
 
 def test_per_slice_aggregation_reuses_the_base_validation(flower_identity):
@@ -447,12 +449,13 @@ def test_per_slice_aggregation_reuses_the_base_validation(flower_identity):
     nan[ARRAYS] = to_array_record({k: np.full(v, np.nan, np.float32) for k, v in shapes.items()})
     replies = [reply_from(100, reply_content(7.0, 10, shapes)), reply_from(101, nan),
                reply_from(102, reply_content(2.0, 10, shapes)), reply_from(103, error="boom")]
-    arrays, metrics = s.aggregate_train(1, replies)
+    outcome = s.aggregate_round(1, replies)
+    arrays, metrics = outcome.arrays, outcome.metrics
     out = from_array_record(arrays)
     np.testing.assert_allclose(out["prompt.p0"][4:6], 7.0)  # task 2 from client 0 alone
     np.testing.assert_allclose(out["prompt.p0"][0:2], 2.0)  # task 0: the NaN reply is excluded
     np.testing.assert_array_equal(out["prompt.p0"][2:4], -1.0)  # task 1: nobody
-    reasons = dict(s.rejected)
+    reasons = dict(outcome.rejected)
     assert "non-finite" in reasons[101] and "boom" in reasons[103] and metrics["clients"] == 2
     assert s.aggregate_train(2, [reply_from(100, error="x")]) == (None, None)
 
@@ -478,7 +481,7 @@ def test_aggregate_per_task_averages_other_arrays_over_everyone():
     base = {"prompt.p0": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.float32)}
     updates = [(0, {"prompt.p0": np.ones((4, 2)), "extra": np.full(3, 2.0)}, 1.0),
                (1, {"prompt.p0": np.full((4, 2), 3.0), "extra": np.full(3, 4.0)}, 3.0)]
-    out = aggregate_per_task(tiny_config(num_tasks=2, pool_size=4), base, updates, num_classes=2)
+    out = aggregate_per_task(TaskLayout.of(tiny_config(num_tasks=2, pool_size=4), 2), base, updates)
     np.testing.assert_allclose(out["prompt.p0"], [[1, 1], [1, 1], [3, 3], [3, 3]])
     np.testing.assert_allclose(out["extra"], 3.5)
     assert out["extra"].dtype == np.float32 and out["prompt.p0"].dtype == np.float32

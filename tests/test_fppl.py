@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
+from promptfcl.common.model import ModelSpec, build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import get_runtime
+from promptfcl.common.tasks import TaskLayout
 from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -42,7 +43,7 @@ def fppl_config(**overrides):
 def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) -> tuple[FPPLStrategy, object]:
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
-    model, _ = build_model(cfg, NUM_CLASSES, FPPLPrompt)
+    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
     s = FPPLStrategy(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
@@ -108,8 +109,9 @@ def test_replies_carry_only_the_trained_prompt_and_aggregate_as_complete_ones(fl
     msgs = list(s.configure_train(1, arrays, config, NodeList(3)))
     replies = [Message(make(int(m.content["config"]["client-id"]), i), reply_to=m) for i, m in enumerate(msgs)]
     assert [r.content[ARRAYS]["prompt.p0"].numpy().shape[0] for r in replies] == [1, 1, state["prompt.p0"].shape[0]]
-    out, _ = s.aggregate_train(1, replies)
-    assert [node for node, _ in s.rejected] == [102] and "prompt.p0: float32(2" in s.rejected[0][1]
+    outcome = s.aggregate_round(1, replies)
+    out = outcome.arrays
+    assert [node for node, _ in outcome.rejected] == [102] and "prompt.p0: float32(2" in outcome.rejected[0][1]
     merged = from_array_record(out)["prompt.p0"]
     np.testing.assert_array_equal(merged[0], state["prompt.p0"][0])  # task 0's frozen prompt as sent
     np.testing.assert_allclose(merged[1], (10 * trained[0] + 20 * trained[1]) / 30, rtol=1e-5, atol=1e-7)
@@ -122,6 +124,7 @@ def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions()
     s, _ = strategy_at_task(0)
     s.cfg = s.cfg.replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
     s.num_classes = 200
+    s.layout = TaskLayout.of(s.cfg, 200)  # what the strategy counts with: 10 classes per task
     d, t, length = 768, 20, 20
     state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
              "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),
@@ -308,8 +311,8 @@ def test_malformed_prototypes_are_rejected(flower_identity):
             del content[LOCAL_PROTOTYPES]
         return content
 
-    s.aggregate_train(1, answered(s, arrays, make, nodes=4))
-    reasons = dict(s.rejected)  # nodes 101, 102, 103 sent a NaN, a wrong width, no prototypes
+    outcome = s.aggregate_round(1, answered(s, arrays, make, nodes=4))
+    reasons = dict(outcome.rejected)  # nodes 101, 102, 103 sent a NaN, a wrong width, no prototypes
     assert set(reasons) == {101, 102, 103}
     assert "non-finite" in reasons[101] and "shape" in reasons[102] and "missing" in reasons[103]
 

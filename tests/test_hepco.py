@@ -12,12 +12,14 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.records import from_array_record, to_array_record
+from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.hepco.diagnostics import RealDataProbe, teacher_accuracy
 from promptfcl.strategies.hepco.distill import distill, generator_losses, train_generator
 from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, PromptGrams, Teachers
 from promptfcl.strategies.hepco.options import HePCoOptions
 from promptfcl.strategies.hepco.prompt import HePCoPrompt
 from promptfcl.strategies.hepco.strategy import HePCoStrategy
+from promptfcl.strategies.platform.run_checks import check_run
 from promptfcl.strategies.registry import methods, strategy_class
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
@@ -564,15 +566,15 @@ def test_round_reports_what_its_pseudo_latents_are(distilled):
 
 
 def test_diagnostics_need_the_servers_central_data():
+    cfg = tiny_config(strategy="hepco", population="nodes", evaluation="federated", num_classes=10,
+                      **{"hepco.diagnostics": True})
     with pytest.raises(ConfigError, match="diagnostics"):
-        cfg = tiny_config(strategy="hepco", population="nodes", evaluation="federated", num_classes=10,
-                          **{"hepco.diagnostics": True})
-        HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+        check_run(cfg)
 
 
 def test_real_data_probe_measures_distance_and_accuracy():
     cfg = tiny_config(strategy="hepco")
-    probe = RealDataProbe(cfg, per_class=6)
+    probe = RealDataProbe(get_runtime(cfg, HePCoPrompt), cfg.seed, per_class=6)
     model = probe.rt.model
     state = {k: v.detach().numpy().copy() for k, v in model.trainable_state().items()}
     seen, old = np.arange(10), np.arange(5)
@@ -608,9 +610,9 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     prompt's buffer to clients and evaluators. ``task-slices``: CODA-P's slices."""
     s = make_strategy()
     assert s.opts.pool_training == "whole"
-    from promptfcl.common.model import initial_trainable_state
+    from promptfcl.common.model import ModelSpec, initial_trainable_state
 
-    initial = initial_trainable_state(s.cfg.replace(num_classes=NUM_CLASSES), HePCoPrompt)
+    initial = initial_trainable_state(ModelSpec.of(s.cfg, NUM_CLASSES), HePCoPrompt)
     arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))
     state = from_array_record(arrays)
     assert state["prompt.whole_pool"].tolist() == [1.0]
@@ -644,7 +646,9 @@ def test_whole_pool_with_clients_on_two_tasks_averages_the_pool_over_everyone(fl
     contents = [reply({k: np.full(v, float(i + 1), np.float32) for k, v in shapes.items()}, n)
                 for i, n in enumerate([10, 30])]
     accepted = accepted_of(contents, tasks=[0, 1])
-    out = from_array_record(s.average(accepted, np.array([10.0, 30.0])))
+    for a, weight in zip(accepted, (10.0, 30.0)):
+        a.weight = weight
+    out = from_array_record(s.aggregate(accepted))  # the platform's average, with HePCo's averaged_over_all
     np.testing.assert_allclose(out["prompt.p0"], (10 * 1 + 30 * 2) / 40)  # over everyone
     np.testing.assert_allclose(out["head.weight"][:5], 1.0)  # task 0's rows: its client alone
     np.testing.assert_allclose(out["head.weight"][5:], 2.0)
@@ -683,7 +687,8 @@ def test_both_distillations_off_is_the_plain_average():
     s = make_strategy(ablate="prompt-distillation,classifier-distillation", averaging="uniform")
     sc = Scenario(s)
     replies = [reply(c, n) for c, n in zip(sc.clients, (1, 50, 200))]  # uniform: counts do not matter
-    out = from_array_record(s.consolidate(2, to_array_record(sc.provisional), accepted_of(replies, tasks=1)))
+    accepted = accepted_of(replies, tasks=1)
+    out = from_array_record(s.consolidate(2, s.aggregate(accepted), accepted))  # as the platform calls them
     for name in out:
         np.testing.assert_allclose(out[name], np.mean([c[name] for c in sc.clients], axis=0), rtol=1e-6, atol=1e-7)
 
@@ -802,6 +807,8 @@ def test_async_server_step_over_several_rounds(flower_identity):
               "head.bias": np.zeros(NUM_CLASSES, np.float32)}
     arrays = s.on_task_start(0, to_array_record(state))
 
+    outcomes = []  # each round's, as the server loop receives it
+
     def round_(server_round: int, arrays: ArrayRecord) -> tuple[ArrayRecord, MetricRecord, list[int]]:
         index = server_round - 1
         task, round_in = s.schedule.steps()[index]
@@ -817,8 +824,10 @@ def test_async_server_step_over_several_rounds(flower_identity):
                 rows = slice(t * per, (t + 1) * per) if name.startswith("prompt.") else slice(5 * t, 5 * t + 5)
                 mine[name][rows] += 0.1 * torch.randn(mine[name][rows].shape, generator=g).numpy()
             replies.append(Message(content=reply(mine), reply_to=msg))
-        out, metrics = s.aggregate_train(server_round, replies)
-        assert not s.rejected
+        outcome = s.aggregate_round(server_round, replies)
+        outcomes.append(outcome)
+        out, metrics = outcome.arrays, outcome.metrics
+        assert not outcome.rejected
         return out, metrics, sorted(int(m.content["config"]["task"]) for m in sent)
 
     arrays, m1, tasks1 = round_(1, arrays)
@@ -826,11 +835,11 @@ def test_async_server_step_over_several_rounds(flower_identity):
     before = from_array_record(arrays)
     arrays, m2, tasks2 = round_(2, arrays)
     assert tasks2 == [0, 0, 1, 1]
-    groups = s.task_teachers(s.accepted)
+    groups = s.task_teachers(list(outcomes[-1].accepted))
     assert [(g.share, g.classes.tolist(), g.teachers.keys[0].shape[1]) for g in groups] == \
         [(2, list(range(5)), per), (2, list(range(5, 10)), 2 * per)]
     # the distilled model moved both tasks' slices away from the replies' uniform average
-    average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in s.accepted], axis=0)
+    average = {k: np.mean([from_array_record(m.content["arrays"])[k] for m in outcomes[-1].accepted], axis=0)
                for k in before}
     after = from_array_record(arrays)
     for t in (0, 1):
@@ -887,10 +896,10 @@ def test_a_defended_round_gives_hepcos_server_step_the_screened_replies(flower_i
 
     s.consolidate = spy  # the method's server step, as the platform calls it
     scales = [1.0, 1.1, 0.9, 7.0]  # 7x: under the norm filter (10x), over the clip (5x)
-    s.aggregate_train(1, [Message(reply({"head.weight": np.full((NUM_CLASSES, D), v, np.float32),
+    outcome = s.aggregate_round(1, [Message(reply({"head.weight": np.full((NUM_CLASSES, D), v, np.float32),
                                          "head.bias": np.zeros(NUM_CLASSES, np.float32)}), reply_to=m)
                           for v, m in zip(scales, msgs)])
-    assert s.defence_counts["clip"] == 1
+    assert outcome.defences["clip"] == 1
     longest = np.abs(seen["teachers"][3]).max()
     assert longest == pytest.approx(cfg.update_clip * 1.0, rel=1e-5)  # 5 x the lower median (1.0)
     np.testing.assert_allclose(seen["provisional"], np.mean(seen["teachers"], axis=0), rtol=1e-5)

@@ -90,10 +90,10 @@ def test_prompt_weights_are_normalised_cosines_with_keys_only():
 def test_score_normalisation_is_an_option_every_builder_of_the_model_reads(norm):
     """hgp.score-norm: l1 (the project's reading, default), softmax, or none (CODA-P's plain
     cosine); build_model and the server's prompt_from both configure the prompt from the run."""
-    from promptfcl.common.model import build_model
+    from promptfcl.common.model import ModelSpec, build_model
 
     cfg = tiny_config(strategy="hgp", **{"hgp.score-norm": norm})
-    model, _ = build_model(cfg, 10, HGPPrompt)
+    model, _ = build_model(ModelSpec.of(cfg, 10), HGPPrompt)
     p = model.prompt
     assert p.score_norm == norm
     p.eval()

@@ -14,8 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["common", "strategies", "client", "server"]
 
 
+def package_of(path: Path) -> str:
+    """The installed package a file's relative imports start from (``promptfcl.strategies.hgp``)."""
+    parts = path.resolve().relative_to(ROOT).parts[:-1]
+    return ".".join(("promptfcl", *parts))
+
+
 def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import in a file, at any depth (not those only type checkers run)."""
+    """(line, absolute module) of every import in a file, at any depth (not those only type
+    checkers run); a relative import is resolved against the file's package, as Python does."""
     tree = ast.parse(path.read_text(), str(path))
     type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and
                  isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
@@ -28,6 +35,13 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            base = package_of(path).split(".")
+            base = base[: len(base) - node.level + 1]
+            if node.module:
+                out.append((node.lineno, ".".join([*base, node.module])))
+            else:  # ``from . import options``: each name is a module of that package
+                out += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
     return out
 
 
@@ -59,12 +73,24 @@ def test_no_import_goes_against_the_layers():
 
 
 def test_the_layers_are_imported_by_their_installed_name_only():
-    """``promptfcl.common...``, never a bare ``common...``: the repository root on sys.path would make
-    a second copy of every module (and of every class) in tests."""
+    """``promptfcl.common...`` (or relative, inside the package), never a bare ``common...``: the
+    repository root on sys.path would make a second copy of every module (and of every class) in tests."""
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for folder in (*LAYERS, "tests", "deploy", "scripts") for path in sorted((ROOT / folder).rglob("*.py"))
            for line, module in imports_of(path) if module.split(".")[0] in LAYERS]
     assert not bad, "\n  ".join(bad)
+
+
+def test_the_layers_import_each_other_relatively():
+    """Inside the package every project import is relative, so tools that read the checkout (a type
+    checker, an editor) resolve them without the installed name, which the checkout has no folder for."""
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
+           for path in project_modules().values() for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "promptfcl"]
+    bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}"
+            for path in project_modules().values() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Import) for alias in node.names if alias.name.split(".")[0] == "promptfcl"]
+    assert not bad, "use a relative import:\n  " + "\n  ".join(bad)
 
 
 def test_no_import_cycles_between_modules():
@@ -130,17 +156,27 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
-    from promptfcl.common.learner import LocalLearner
     from promptfcl.common.model import CodaPrompt
+    from promptfcl.strategies.platform.learner import LocalLearner
     from promptfcl.strategies.platform.strategy import PromptStrategy
-    from promptfcl.strategies.registry import learner_class, methods, prompt_class, strategy_class
+    from promptfcl.strategies.registry import (
+        learner_class,
+        methods,
+        options_class,
+        private_records,
+        prompt_class,
+        strategy_class,
+    )
 
     assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
     for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), CodaPrompt)
-        # strategy and learner read the same options
-        assert learner_class(name).options_class is strategy_class(name).options_class
+        # strategy and learner read the same options, those the registry names (a run is checked against
+        # them), and the client side names what the server uses
+        assert learner_class(name).options_class is strategy_class(name).options_class is options_class(name)
+        assert prompt_class(name) is strategy_class(name).prompt_class
+        assert private_records(name) == strategy_class(name).private_records
 
 
 #: what every method folder holds, by the same names (extras beside them are the method's own)
@@ -154,8 +190,10 @@ def test_every_method_is_one_folder_laid_out_alike():
         folder = ROOT / "strategies" / name
         assert method.package == f"promptfcl.strategies.{name}" and folder.is_dir()
         assert METHOD_FILES <= {p.name for p in folder.glob("*.py")}, name
-        assert (method.strategy, method.learner) == (".strategy:" + method.load("strategy").__name__,
-                                                     ".learner:" + method.load("learner").__name__)
+        assert (method.strategy, method.learner, method.prompt) == (
+            ".strategy:" + method.load("strategy").__name__, ".learner:" + method.load("learner").__name__,
+            ".prompt:" + method.load("prompt").__name__)
+        assert method.records in ("", ".records:PRIVATE_RECORDS")
     # no method code outside its folder: client/ holds the ClientApp, the node's own rules (its memory
     # plan among them) and its executor
     assert {p.stem for p in (ROOT / "client").glob("*.py")} == {"__init__", "app", "faults", "memory", "node_data",
@@ -175,3 +213,93 @@ def test_no_method_overrides_the_platforms_contract():
             assert not SEALED & set(vars(klass)), (name, klass)
     with pytest.raises(TypeError, match="overrides \\['aggregate_train'\\]"):
         type("Rogue", (PromptStrategy,), {"aggregate_train": lambda self, *a: None})
+
+
+def test_no_learner_overrides_the_platforms_loop():
+    """The platform owns local training (fit and its pieces); a method fills hooks, and a learner
+    that overrides a sealed name is refused."""
+    import pytest
+
+    from promptfcl.strategies.platform.learner import SEALED, LocalLearner
+    from promptfcl.strategies.registry import learner_class, methods
+
+    assert "fit" in SEALED
+    for name in methods():
+        cls = learner_class(name)
+        for klass in cls.__mro__[: cls.__mro__.index(LocalLearner)]:
+            assert not SEALED & set(vars(klass)), (name, klass)
+    with pytest.raises(TypeError, match="overrides \\['fit'\\]"):
+        type("Rogue", (LocalLearner,), {"fit": lambda self, *a: None})
+
+
+def test_every_learner_hook_is_documented():
+    """Each public method of LocalLearner is sealed, a hook or a helper hooks use; every hook is
+    listed in the learner's module docstring and in docs/extending.md's client-hook table."""
+    import inspect
+
+    from promptfcl.strategies.platform import learner
+    from promptfcl.strategies.platform.learner import HOOKS, SEALED, LocalLearner
+
+    helpers = {"accuracy", "correct"}
+    public = {name for name, value in vars(LocalLearner).items() if inspect.isfunction(value) and name[0] != "_"}
+    assert public <= SEALED | set(HOOKS) | helpers, sorted(public - SEALED - set(HOOKS) - helpers)
+    guide = (ROOT / "docs" / "extending.md").read_text()
+    for hook in HOOKS:
+        assert f"``{hook}(" in (learner.__doc__ or ""), hook
+        assert f"| `{hook}(" in guide, hook
+
+
+#: a train message of each method named in argv (with its run-config settings, JSON) through the
+#: ClientApp's handler, in one fresh interpreter; prints the modules it loaded
+CLIENT_ONLY = """
+import json, sys
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common import MessageType
+from promptfcl.client.app import train
+from promptfcl.common.records import to_array_record
+from promptfcl.common.runtime import get_runtime
+from promptfcl.common.tasks import TaskLayout
+from promptfcl.strategies.registry import prompt_class
+from tests.conftest import flower_task_identity, tiny_config
+
+for method, settings in json.loads(sys.argv[1]).items():
+    cfg = tiny_config(strategy=method, **settings)
+    runtime = get_runtime(cfg, prompt_class(method))
+    classes = runtime.data.num_classes
+    state = {k: v.numpy().copy() for k, v in runtime.model.trainable_state().items()}
+    config = {"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), "num-classes": classes}
+    if method == "powder":  # what Powder's server sends: the local pool's slices and the task's head rows
+        rows = {k: TaskLayout.of(cfg, classes).task_rows(k, v, 0) for k, v in state.items()}
+        state = {k: v if rows[k] is None else v[rows[k]] for k, v in state.items()}
+        config["powder-tasks"] = [0]
+    node = {"data-from-run": True, "weights-from-run": True}
+    ctx = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=cfg.to_dict())
+    with flower_task_identity():
+        msg = Message(content=RecordDict({"arrays": to_array_record(state), "config": ConfigRecord(config)}),
+                      dst_node_id=1, message_type=MessageType.TRAIN)
+        reply = train(msg, ctx)
+    assert reply.content["metrics"]["num-examples"] > 0, method
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_a_client_imports_only_its_methods_client_side():
+    """The registry's promise: a ClientApp that trains a method loads its learner, prompt, options
+    and records, never a strategy module (HePCo's latent generator and distillation among them),
+    checked in a fresh interpreter that trains HePCo, Powder and FPPL (under DP: its records' bounds)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    methods = {"hepco": {}, "powder": {}, "fppl": {"dp.clip": 1.0}}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", CLIENT_ONLY, json.dumps(methods)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = set(json.loads(done.stdout.splitlines()[-1]))
+    assert {f"promptfcl.strategies.{m}.learner" for m in methods} <= loaded
+    server_side = {m for m in loaded if m.startswith("promptfcl.strategies.") and m.endswith(".strategy")}
+    server_side |= {m for m in loaded if m.startswith("promptfcl.server")}
+    server_side |= {"promptfcl.strategies.hepco.latents", "promptfcl.strategies.hepco.distill"} & loaded
+    assert not server_side, sorted(server_side)

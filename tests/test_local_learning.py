@@ -7,10 +7,10 @@ import torch
 from flwr.app import RecordDict
 
 from promptfcl.common.evaluation import accuracies, correct_counts
-from promptfcl.common.learner import LocalLearner
 from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from promptfcl.strategies.platform.learner import LocalLearner
 from tests.conftest import tiny_config
 
 

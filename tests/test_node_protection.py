@@ -242,11 +242,11 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
 
 def message(cfg, **config) -> Message:
     """A train message of ``cfg``'s first round for client 0, with the initial prompts and head."""
-    from promptfcl.common.model import CodaPrompt, initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, ModelSpec, initial_trainable_state
     from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({
-        "arrays": to_array_record(initial_trainable_state(cfg, CodaPrompt)),
+        "arrays": to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt)),
         "config": ConfigRecord({"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), **config})}),
         dst_node_id=1, message_type=MessageType.TRAIN)
 
@@ -506,7 +506,7 @@ def test_simulated_app_dir_declares_every_key_it_sets(tmp_path):
     from promptfcl.server.simulation import write_app_dir
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag", "dp.clip": 1.0})
-    app = write_app_dir(cfg, tmp_path / "app")
+    app = write_app_dir(cfg.to_dict(), tmp_path / "app")
     assert get_fused_config_from_dir(app, {}) == cfg.to_dict()
     assert cfg.to_dict()["hgp.cov-type"] == "diag"
 
@@ -586,15 +586,16 @@ def test_the_backbone_comes_from_the_nodes_config_or_cache_unless_it_trusts_the_
     from promptfcl.client.node_policy import NodePolicy
 
     own = NodePolicy.from_node_config({})
+    backbone = tiny_config().backbone
     for weights in ("random", "pretrained:fashion-mnist"):  # the node's cache: nothing the server names is opened
-        assert own.backbone(tiny_config(weights=weights)).weights == weights
+        assert own.backbone_weights(backbone, weights) == weights
     for weights in ("timm", "/etc/shadow", "~/.ssh/id_rsa.pt", "ckpt.pt"):
         with pytest.raises(NodeRefusal, match="its weights names a"):
-            own.backbone(tiny_config(weights=weights))
+            own.backbone_weights(backbone, weights)
     chosen = NodePolicy.from_node_config({"weights": "/srv/vit.pt"})
-    assert chosen.backbone(tiny_config(weights="timm")).weights == "/srv/vit.pt"
+    assert chosen.backbone_weights(backbone, "timm") == "/srv/vit.pt"
     trusting = NodePolicy.from_node_config({"weights-from-run": True})  # simulated nodes: the run is the operator's
-    assert trusting.backbone(tiny_config(weights="/x/vit.pt")).weights == "/x/vit.pt"
+    assert trusting.backbone_weights(backbone, "/x/vit.pt") == "/x/vit.pt"
     with pytest.raises(NodeRefusal, match="must be a checkpoint path"):
         NodePolicy.from_node_config({"weights": 3})
     parse_node_config({"dataset": "digits", "weights": "timm", "weights-from-run": False})  # known node-config keys

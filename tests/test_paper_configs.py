@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from promptfcl.common.data import load_dataset
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.tasks import task_classes
+from promptfcl.common.partitions import Partition, client_indices
+from promptfcl.common.tasks import TaskLayout
 from promptfcl.common.trust import resolve_trust
 from promptfcl.server.cli import load_config
 
@@ -114,19 +114,19 @@ def test_paper_config_parses_and_partitions(name, stand_in):
                         weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4)
     data = load_dataset(small)
     assert data.num_classes == n_classes
-    classes = set(task_classes(cfg, 0, n_classes).tolist())
+    classes = set(TaskLayout.of(cfg, n_classes).classes(0).tolist())
     if cfg.task_generator == "random":  # Powder: tasks of random classes, each held by one client
         from promptfcl.common.schedule import task_schedule
 
         schedule = task_schedule(small)
         assert len(schedule.switch_rounds) == 4 and schedule.movers == 2
         for g in range(cfg.num_tasks):
-            idx = client_indices(data.train.labels, small, n_classes, schedule.owner(g), g, 0)
-            assert set(data.train.labels[idx].tolist()) == set(task_classes(cfg, g, n_classes).tolist())
-            assert len(set(task_classes(cfg, g, n_classes).tolist())) == cfg.classes_per_task
+            idx = client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), schedule.owner(g), g, 0)
+            assert set(data.train.labels[idx].tolist()) == set(TaskLayout.of(cfg, n_classes).classes(g).tolist())
+            assert len(set(TaskLayout.of(cfg, n_classes).classes(g).tolist())) == cfg.classes_per_task
         return
     assert len(classes) == n_classes // cfg.num_tasks
-    shares = [client_indices(data.train.labels, small, n_classes, c, 0, 0)
+    shares = [client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), c, 0, 0)
               for c in range(min(cfg.num_clients, 20))]
     for idx in shares:
         assert set(data.train.labels[idx].tolist()) <= classes
@@ -151,13 +151,13 @@ def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
     assert (cfg.partition, cfg.dirichlet_beta, cfg.min_partition_size) == ("quantity-skew", 0.5, 10)
     # CIFAR-100's training labels: 10 tasks of 10 classes, 500 images per class (5,000 per task)
     labels = np.repeat(np.arange(100), 500)
-    classes = task_classes(cfg, 0, 100)
+    classes = TaskLayout.of(cfg, 100).classes(0)
     pool = np.flatnonzero(np.isin(labels, classes))
-    shares = [client_indices(labels, cfg, 100, c, 0, 0) for c in range(cfg.num_clients)]
+    shares = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(cfg.num_clients)]
     sizes = np.array([len(s) for s in shares])
     assert sizes.sum() == len(pool) and sizes.std() / sizes.mean() > 0.4
     # the whole training set is partitioned once (NIID-Bench): at least 10 samples per client there
-    whole = [sum(len(client_indices(labels, cfg, 100, c, t, 0)) for t in range(10)) for c in range(cfg.num_clients)]
+    whole = [sum(len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, t, 0)) for t in range(10)) for c in range(cfg.num_clients)]
     assert min(whole) >= 10 and sum(whole) == len(labels)
     task_hist = np.bincount(labels[pool], minlength=100)[classes] / len(pool)
     for share in shares:

@@ -10,9 +10,18 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.learner import LocalLearner
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, payload_bytes, to_array_record
+from promptfcl.common.options import ASYNCHRONOUS_TASKS
+from promptfcl.common.records import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    from_array_record,
+    payload_bytes,
+    to_array_record,
+    to_torch,
+)
 from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.platform.learner import LocalLearner
 from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
     first_step_aggregation,
@@ -53,7 +62,7 @@ def test_options_defaults_validation_and_registry():
     assert strategy_class("powder") is PowderStrategy
     assert learner_class("powder") is PowderLearner
     assert prompt_class("powder") is PowderPrompt
-    assert PowderStrategy.asynchronous_tasks
+    assert ASYNCHRONOUS_TASKS in PowderOptions.COMPATIBILITY
 
 
 # ---------------------------------------------------------------------------- correlation (eq. 7)
@@ -166,15 +175,15 @@ def test_payload_holds_only_the_top_k_tasks_aggregated_and_is_smaller(flower_ide
         assert payload_bytes(m.content) < full_bytes  # tiny arrays here: framing is much of both
         assert sum(v.nbytes for v in sent.values()) < 0.5 * sum(v.nbytes for v in state.values())
         assert list(config[CLASS_CORR]) == [1.0, 1.0]  # no class measured yet: identity rows
-    assert [x.data.local_tasks for x in s.sent_round.sent] == [[0, 2]] * 4
+    assert [x.data.local_tasks for x in s._sent_round.sent] == [[0, 2]] * 4
 
 
 def send_tasks(strategy: PowderStrategy, task_of_client: dict[int, int]) -> None:
     """Make ``strategy`` send each client the task given here (clients on different tasks at once)."""
 
     class Scheduled(type(strategy)):
-        def client_config(self, config, client_id, slot, server_round):
-            out = super().client_config(config, client_id, slot, server_round)
+        def _client_config(self, config, client_id, slot, server_round):
+            out = super()._client_config(config, client_id, slot, server_round)
             out["task"] = task_of_client[client_id]
             return out
 
@@ -194,13 +203,13 @@ def test_measuring_in_the_training_round_sends_the_whole_aggregated_pool(flower_
     s.new_tasks_pending = True  # a task has just started
     m = list(s.configure_train(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1)))[0]
     assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
-    assert s.sent_round.sent[0].data.measure == (1, 0)  # it has just switched from task 0: both are measured
+    assert s._sent_round.sent[0].data.measure == (1, 0)  # it has just switched from task 0: both are measured
     s.new_tasks_pending = False
     m = list(s.configure_train(2, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
-    assert m.content[CONFIG][MEASURE] is False and s.sent_round.sent[0].data.measure == ()
+    assert m.content[CONFIG][MEASURE] is False and s._sent_round.sent[0].data.measure == ()
     s.task_measured[1] = False  # never measured: measured when next trained
     m = list(s.configure_train(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)))[0]
-    assert m.content[CONFIG][MEASURE] is True and s.sent_round.sent[0].data.measure == (1,)
+    assert m.content[CONFIG][MEASURE] is True and s._sent_round.sent[0].data.measure == (1,)
     assert s.configure_exchange(3, arrays, ConfigRecord({"task": 1, "round": 1}), NodeList(1)) == []
 
 
@@ -222,7 +231,7 @@ def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_
         m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     assert len(ex) == 4 and all(m.metadata.message_type == "query" for m in ex)
     hat = first_step_aggregation(state, s.mixing_matrix(), 4, cfg.pool_size, cfg.num_tasks)
-    for m, x in zip(ex, s.exchange_round.sent):
+    for m, x in zip(ex, s._exchange_round.sent):
         assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
         sent = from_array_record(m.content[ARRAYS])
         assert set(sent) == {"prompt.p0", "prompt.k0", "prompt.a0"}  # the pool only: no head rows
@@ -237,14 +246,15 @@ def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_
         for m in ex for t in [int(m.content[CONFIG]["task"])]]
     replies[3] = query_reply(ex[3], alpha_record([2], [4]))
     s.aggregate_exchange(4, replies)
-    assert not s.new_tasks_pending and s.measured_before == 3 and len(s.exchange_rejected) == 1
+    assert not s.new_tasks_pending and s.measured_before == 3 and len(s._exchange_rejected) == 1
     assert s.task_correlation()[3, 1] == pytest.approx(1.0)
     msgs = configure(s, 4, arrays, 0, 2, 2)
     assert [list(m.content[CONFIG][LOCAL_TASKS]) for m in msgs] == [[0, 2], [1, 3], [1, 3], [0, 2]]
-    assert all(m.content[CONFIG][MEASURE] is False and x.data.measure == () for m, x in zip(msgs, s.sent_round.sent))
-    _, metrics = s.aggregate_train(4, [echo(m) for m in msgs])
+    assert all(m.content[CONFIG][MEASURE] is False and x.data.measure == () for m, x in zip(msgs, s._sent_round.sent))
+    outcome = s.aggregate_round(4, [echo(m) for m in msgs])
+    metrics = outcome.metrics
     assert metrics["tasks-measured"] == 3 and metrics["local-pool-tasks"] == 2
-    assert len(s.rejected) == 1 and s.rejected[0][1].startswith("exchange: ")
+    assert len(outcome.rejected) == 1 and outcome.rejected[0][1].startswith("exchange: ")
     # nothing new and every task measured: no exchange
     assert s.configure_exchange(5, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(2)) == []
 
@@ -291,12 +301,13 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     _, s, state = strategy_with_pool(k=2)
     send_tasks(s, {0: 0, 1: 3, 2: 0, 3: 1})
     msgs = configure(s, 5, to_array_record(state), 0, 2, 2)  # two nodes, each playing two clients
-    good = [reply_for(msgs[0], s.sent_round.sent[0], 1.0, 10), reply_for(msgs[1], s.sent_round.sent[1], 7.0, 10),
-            reply_for(msgs[2], s.sent_round.sent[2], 3.0, 30)]
-    bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s.sent_round.sent[3].expected.keys()}),
+    good = [reply_for(msgs[0], s._sent_round.sent[0], 1.0, 10), reply_for(msgs[1], s._sent_round.sent[1], 7.0, 10),
+            reply_for(msgs[2], s._sent_round.sent[2], 3.0, 30)]
+    bad_shape = RecordDict({ARRAYS: to_array_record({k: np.zeros((1,), np.float32) for k in s._sent_round.sent[3].expected.keys()}),
                             ALPHA: ArrayRecord(), METRICS: MetricRecord({"num-examples": 5, "train-loss": 1.0, "train-seconds": 0.1})})
     stray = reply_from(101, bad_shape)  # answers no message of this round
-    arrays, metrics = s.aggregate_train(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
+    outcome = s.aggregate_round(5, good + [Message(content=bad_shape, reply_to=msgs[3]), stray])
+    arrays, metrics = outcome.arrays, outcome.metrics
     out = from_array_record(arrays)
     hat = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)  # what the clients were sent
     for name in ("prompt.p0", "prompt.k0", "prompt.a0"):
@@ -308,10 +319,10 @@ def test_replies_merge_per_task_slice_and_are_checked_against_their_own_message(
     np.testing.assert_allclose(out["head.weight"][0:2], 2.5)
     np.testing.assert_array_equal(out["head.weight"][2:6], state["head.weight"][2:6])
     assert metrics["clients"] == 3 and metrics["tasks-aggregated"] == 2
-    assert len(s.rejected) == 2 and "array prompt" in s.rejected[0][1] and "cannot tell" in s.rejected[1][1]
+    assert len(outcome.rejected) == 2 and "array prompt" in outcome.rejected[0][1] and "cannot tell" in outcome.rejected[1][1]
     # alphas sent back unasked are refused
     msgs = configure(s, 6, arrays, 0, 2, 1)
-    assert "did not ask" in s.check_reply(reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, alpha_record([0], [0])))
+    assert "did not ask" in s.check_reply(reply_for(msgs[0], s._sent_round.sent[0], 1.0, 5, alpha_record([0], [0])))
 
 
 def echo(msg: Message, shift: dict[int, float] | None = None, n: int = 10) -> Message:
@@ -399,13 +410,13 @@ def test_alpha_replies_update_the_correlations(flower_identity):
     s.task_measured[:] = False
     s.new_tasks_pending = True
     msgs = configure(s, 1, to_array_record(state), 1, 0, 2)
-    assert all(x.data.measure == (1, 0) for x in s.sent_round.sent)
-    wrong = reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, alpha_record([2], [4]))
+    assert all(x.data.measure == (1, 0) for x in s._sent_round.sent)
+    wrong = reply_for(msgs[0], s._sent_round.sent[0], 1.0, 5, alpha_record([2], [4]))
     assert "asked for" in s.check_reply(wrong)
     a0 = to_array_record({"tasks": np.array([1, 0]), "task-alpha": np.stack([np.eye(8)[0], np.eye(8)[0] + np.eye(8)[1]]),
                           "task-count": np.array([5, 5]), "classes": np.array([2, 3]),
                           "class-alpha": np.stack([np.eye(8)[2], np.eye(8)[2]]), "class-count": np.array([2, 3])})
-    replies = [reply_for(msgs[0], s.sent_round.sent[0], 1.0, 5, a0), reply_for(msgs[1], s.sent_round.sent[1], 1.0, 5, alpha_record([1], [2]))]
+    replies = [reply_for(msgs[0], s._sent_round.sent[0], 1.0, 5, a0), reply_for(msgs[1], s._sent_round.sent[1], 1.0, 5, alpha_record([1], [2]))]
     _, metrics = s.aggregate_train(1, replies)
     assert metrics["tasks-measured"] == 2 and not s.new_tasks_pending
     assert s.task_measured[:2].all() and not s.task_measured[2:].any()
@@ -526,7 +537,7 @@ def test_client_answers_the_measuring_exchange_with_the_alphas_it_would_measure_
     assert set(answer.keys()) == {ALPHA, METRICS} and answer[METRICS]["num-examples"] > 0
     for name in ("tasks", "task-alpha", "task-count", "classes", "class-alpha", "class-count"):
         np.testing.assert_allclose(answer[ALPHA][name].numpy(), in_training[name].numpy(), rtol=1e-6)
-    assert s.check_exchange(reply_from(100, answer), s.exchange_round.sent[0]) is None
+    assert s.check_exchange(reply_from(100, answer), s._exchange_round.sent[0]) is None
     assert rt.model.prompt.local_tasks is None
     with pytest.raises(NotImplementedError):
         LocalLearner(rt).answer(ex[0].content, 1, 0, 0)
@@ -556,8 +567,8 @@ def test_distillation_switches_change_local_training(flower_identity):
         plain = LocalLearner(rt).fit(RecordDict({ARRAYS: full, CONFIG: msg.content[CONFIG]}), 1, 1, 0)
     finally:
         rt.model.prompt.local_tasks = None
-    for name, value in from_array_record(helper.own_part(plain[ARRAYS], 1)).items():
-        np.testing.assert_array_equal(runs["off"][name], value)
+    for name, value in helper.uploaded(to_torch(plain[ARRAYS]), 1).items():
+        np.testing.assert_array_equal(runs["off"][name], value.numpy())
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -591,20 +602,22 @@ def test_update_norms_measure_the_clients_change_not_its_values(flower_identity)
     trained from (its task's P_hat slice, its head rows): a client that returns what it got has
     norm 0, and a reversed x10 change reads ten times an honest one (it read about 3.5 times when
     norms were of the values, and poisoned replies passed the filter)."""
+    from dataclasses import replace
+
     from promptfcl.strategies.platform.defences import NormFilter, UpdateScreen
 
     _, s, state = strategy_with_pool(k=2)
-    s.screen = UpdateScreen(norm_filter=NormFilter(factor=10.0))  # a defended run's norm filter alone
+    s.policies = replace(s.policies, screen=UpdateScreen(norm_filter=NormFilter(factor=10.0)))  # its norm filter alone
     send_tasks(s, {0: 0, 1: 1, 2: 2, 3: 3})
     msgs = configure(s, 1, to_array_record(state), 0, 2, 4)
-    s.aggregate_train(1, [echo(m) for m in msgs])
-    assert s.update_norms == pytest.approx([0.0] * 4, abs=1e-6)
+    outcome = s.aggregate_round(1, [echo(m) for m in msgs])
+    assert list(outcome.update_norms) == pytest.approx([0.0] * 4, abs=1e-6)
     msgs = configure(s, 2, to_array_record(state), 0, 2, 4)
     shifts = [{t: 0.01 for t in range(4)} for _ in msgs]
     shifts[0] = {t: -0.05 for t in range(4)}  # reversed and 5 times larger: under the filter's 10
     shifts[3] = {t: -0.3 for t in range(4)}  # reversed and 30 times larger: refused
-    s.aggregate_train(2, [echo(m, shift) for m, shift in zip(msgs, shifts)])
-    norms = s.update_norms
+    outcome = s.aggregate_round(2, [echo(m, shift) for m, shift in zip(msgs, shifts)])
+    norms = outcome.update_norms
     assert len(norms) == 3 and norms[0] == pytest.approx(5 * norms[1], rel=1e-4)
     assert norms[1] == pytest.approx(norms[2], rel=1e-4) and norms[1] > 0
-    assert "update norm" in s.rejected[-1][1]
+    assert "update norm" in outcome.rejected[-1][1]

@@ -78,7 +78,7 @@ def test_bad_pipeline_settings_are_refused(key, value):
 
 def test_resized_crop_views_are_seeded_per_fit():
     """Local training's views: the same (client, task, round) sees the same crops in any process."""
-    from promptfcl.common.learner import LocalLearner
+    from promptfcl.strategies.platform.learner import LocalLearner
 
     class Stub:
         cfg = ExperimentConfig(augment="resized-crop-flip", augment_crop_scale=0.05)

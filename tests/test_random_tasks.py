@@ -11,8 +11,9 @@ import pytest
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError
 from promptfcl.common.data import load_dataset
+from promptfcl.common.partitions import Partition, client_indices
 from promptfcl.common.schedule import RandomTaskSchedule, task_schedule
-from promptfcl.common.tasks import random_task_indices, random_tasks, seen_classes, task_classes
+from promptfcl.common.tasks import TaskLayout
 from tests.conftest import tiny_config
 
 RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
@@ -29,7 +30,7 @@ def random_config(**overrides):
 def test_every_later_task_reuses_at_least_tau_of_its_classes(tau):
     cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
                         num_tasks=22, classes_per_task=4, min_overlap=tau, task_data_fraction=0.01, pool_size=44)
-    tasks = random_tasks(cfg, 50)
+    tasks = TaskLayout.of(cfg, 50).random_tasks()
     assert len(tasks) == 22 and all(len(t) == 4 == len(set(t.tolist())) for t in tasks)
     seen = set(tasks[0].tolist())
     for t in tasks[1:]:
@@ -42,25 +43,25 @@ def test_every_later_task_reuses_at_least_tau_of_its_classes(tau):
 
 
 def test_random_tasks_are_a_function_of_the_seed():
-    a, b = random_tasks(random_config(), 10), random_tasks(random_config(), 10)
-    c = random_tasks(random_config(seed=1), 10)
+    a, b = TaskLayout.of(random_config(), 10).random_tasks(), TaskLayout.of(random_config(), 10).random_tasks()
+    c = TaskLayout.of(random_config(seed=1), 10).random_tasks()
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
 def test_task_classes_and_seen_classes_follow_the_random_tasks():
     cfg = random_config()
-    tasks = random_tasks(cfg, 10)
-    assert task_classes(cfg, 2, 10).tolist() == tasks[2].tolist()
-    assert seen_classes(cfg, 1, 10).tolist() == sorted(set(tasks[0].tolist()) | set(tasks[1].tolist()))
+    tasks = TaskLayout.of(cfg, 10).random_tasks()
+    assert TaskLayout.of(cfg, 10).classes(2).tolist() == tasks[2].tolist()
+    assert TaskLayout.of(cfg, 10).seen(1).tolist() == sorted(set(tasks[0].tolist()) | set(tasks[1].tolist()))
 
 
 def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     cfg = random_config()
     data = load_dataset(cfg)
-    labels, tasks = data.train.labels, random_tasks(cfg, 10)
+    labels, tasks = data.train.labels, TaskLayout.of(cfg, 10).random_tasks()
     schedule = task_schedule(cfg)
-    shares = [random_task_indices(labels, cfg, 10, g) for g in range(cfg.num_tasks)]
+    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.num_tasks)]
     for g, share in enumerate(shares):
         assert set(np.unique(labels[share]).tolist()) == set(tasks[g].tolist())
         for y in tasks[g]:  # a quarter of the class's images, rounded down
@@ -68,21 +69,20 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     for g in range(len(shares)):
         for h in range(g):
             assert not set(shares[g].tolist()) & set(shares[h].tolist()), f"tasks {h} and {g} share an image"
-    from promptfcl.common.partitions import client_indices
 
     owner = schedule.owner(3)
-    assert np.array_equal(client_indices(labels, cfg, 10, owner, 3, 0), shares[3])
+    assert np.array_equal(client_indices(labels, TaskLayout.of(cfg, 10), Partition.of(cfg), owner, 3, 0), shares[3])
     with pytest.raises(ValueError, match="belongs to client"):
-        client_indices(labels, cfg, 10, (owner + 1) % 3, 3, 0)
+        client_indices(labels, TaskLayout.of(cfg, 10), Partition.of(cfg), (owner + 1) % 3, 3, 0)
 
 
 def test_too_many_shares_of_a_class_is_a_clear_error_unless_shares_are_independent():
     with pytest.raises(ConfigError, match="task-data-sharing = independent"):
-        random_tasks(random_config(task_data_fraction=1.0, min_overlap=1.0), 10)
+        TaskLayout.of(random_config(task_data_fraction=1.0, min_overlap=1.0), 10).random_tasks()
     cfg = random_config(task_data_fraction=0.6, min_overlap=1.0, task_data_sharing="independent")
     labels = load_dataset(cfg).train.labels
-    tasks = random_tasks(cfg, 10)
-    shares = [random_task_indices(labels, cfg, 10, g) for g in range(cfg.num_tasks)]
+    tasks = TaskLayout.of(cfg, 10).random_tasks()
+    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.num_tasks)]
     for g, share in enumerate(shares):
         for y in tasks[g]:
             assert np.sum(labels[share] == y) == int(0.6 * np.sum(labels == y))
@@ -93,7 +93,7 @@ def test_overlap_reuses_the_least_reused_classes_first():
     cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
                         num_tasks=22, classes_per_task=20, min_overlap=0.9, task_data_fraction=0.01, pool_size=44)
     holders = np.zeros(200, dtype=int)
-    for j, task in enumerate(random_tasks(cfg, 200)):
+    for j, task in enumerate(TaskLayout.of(cfg, 200).random_tasks()):
         if j:  # 18 of the task's classes were seen before, none used more often than a seen class left out
             seen = set(np.flatnonzero(holders).tolist())
             reused = sorted(holders[sorted(seen & set(task.tolist()))])
@@ -152,10 +152,10 @@ def test_random_generator_needs_its_keys():
         random_config(partition="iid")
     with pytest.raises(ConfigError, match="partition-scope"):
         random_config(partition_scope="dataset")
-    from promptfcl.strategies.registry import strategy_class
+    from promptfcl.strategies.platform.run_checks import check_run
 
     with pytest.raises(ConfigError, match="needs the shared task stream"):
-        strategy_class("hgp").check_schedule(random_config(switch_every=0, num_tasks=3, pool_size=6))
+        check_run(random_config(switch_every=0, num_tasks=3, pool_size=6, strategy="hgp"))
     with pytest.raises(ConfigError, match="raise task-data-fraction"):  # every class's share empty: at load time
         load_dataset(random_config(task_data_fraction=0.001))
 
@@ -168,7 +168,7 @@ def test_checkpoints_from_before_the_random_keys_still_resume():
     for key in ("task-generator", "num-rounds", "classes-per-task", "min-overlap", "task-data-fraction",
                 "task-data-sharing"):
         ckpt.config.pop(key)
-    checkpoint.check_compatible(ckpt, tiny_config(resume=True))
+    checkpoint.check_compatible(ckpt, tiny_config(resume=True).to_dict())
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -189,15 +189,15 @@ def test_asynchronous_metrics_by_hand():
 
 
 def test_a_head_row_shared_by_two_tasks_averages_both():
-    from promptfcl.strategies.platform.strategy import aggregate_per_task
+    from promptfcl.strategies.platform.aggregation import aggregate_per_task
 
     cfg = random_config(head="per-class")
-    tasks = random_tasks(cfg, 10)
+    tasks = TaskLayout.of(cfg, 10).random_tasks()
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist())
                  and set(tasks[g].tolist()) != set(tasks[h].tolist()))
     base = {"head.weight": np.zeros((10, 2), np.float32)}
     updates = [(h, {"head.weight": np.ones((10, 2))}, 1.0), (g, {"head.weight": np.full((10, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(cfg, base, updates, 10)["head.weight"]
+    out = aggregate_per_task(TaskLayout.of(cfg, 10), base, updates)["head.weight"]
     for y in range(10):  # rows of both tasks: (1 + 3 x 4) / 4; of one: its value; of neither: the base
         in0, in3 = y in tasks[h], y in tasks[g]
         expected = (1.0 * in0 + 12.0 * in3) / (1.0 * in0 + 3.0 * in3) if in0 or in3 else 0.0
@@ -205,28 +205,27 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
 
 
 def test_a_per_task_head_gives_every_task_its_own_block():
-    from promptfcl.common.tasks import head_rows, head_size, head_targets, task_rows
-    from promptfcl.strategies.platform.strategy import aggregate_per_task
+    from promptfcl.strategies.platform.aggregation import aggregate_per_task
 
     cfg = random_config(head="per-task")
     per_class = random_config(head="per-class")
-    tasks = random_tasks(cfg, 10)
-    assert head_size(cfg, 10) == 4 * 3 and head_size(per_class, 10) == 10
+    tasks = TaskLayout.of(cfg, 10).random_tasks()
+    assert TaskLayout.of(cfg, 10).head_size == 4 * 3 and TaskLayout.of(per_class, 10).head_size == 10
     assert random_config().per_task_head and not tiny_config().per_task_head  # auto: per task on random tasks
     head = np.zeros((12, 2), np.float32)
     for g in range(4):
-        assert head_rows(cfg, g, 10).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
-        assert head_targets(cfg, g, tasks[g][::-1], 10).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
-        assert task_rows(cfg, "head.weight", head, g, 10).tolist() == head_rows(cfg, g, 10).tolist()
-        assert head_rows(per_class, g, 10).tolist() == tasks[g].tolist()  # per-class: the classes' rows
+        assert TaskLayout.of(cfg, 10).head_rows(g).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
+        assert TaskLayout.of(cfg, 10).head_targets(g, tasks[g][::-1]).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
+        assert TaskLayout.of(cfg, 10).task_rows("head.weight", head, g).tolist() == TaskLayout.of(cfg, 10).head_rows(g).tolist()
+        assert TaskLayout.of(per_class, 10).head_rows(g).tolist() == tasks[g].tolist()  # per-class: the classes' rows
     with pytest.raises(ValueError, match="outside task"):
-        head_targets(cfg, 0, np.setdiff1d(np.arange(10), tasks[0])[:1], 10)
+        TaskLayout.of(cfg, 10).head_targets(0, np.setdiff1d(np.arange(10), tasks[0])[:1])
     # two tasks sharing a class: with a per-task head each keeps its own rows (per-class: averaged, above)
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist()))
     updates = [(h, {"head.weight": np.ones((12, 2))}, 1.0), (g, {"head.weight": np.full((12, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(cfg, {"head.weight": head}, updates, 10)["head.weight"]
-    np.testing.assert_array_equal(out[head_rows(cfg, h, 10)], 1.0)
-    np.testing.assert_array_equal(out[head_rows(cfg, g, 10)], 4.0)
+    out = aggregate_per_task(TaskLayout.of(cfg, 10), {"head.weight": head}, updates)["head.weight"]
+    np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(h)], 1.0)
+    np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(g)], 4.0)
     with pytest.raises(ConfigError, match="head = per-task applies to task-generator = random only"):
         tiny_config(head="per-task")
     with pytest.raises(ConfigError, match="head must be one of"):
@@ -240,10 +239,9 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     import torch
     from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
     from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
     from promptfcl.common.runtime import get_runtime
-    from promptfcl.common.tasks import head_rows
+    from promptfcl.strategies.platform.learner import LocalLearner
 
     cfg = random_config(head=head, lr=0.05)
     rt = get_runtime(cfg)
@@ -253,16 +251,16 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     out = from_array_record(LocalLearner(rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
                                                  0, task_schedule(cfg).owner(g))[ARRAYS])
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
-    assert moved.tolist() == sorted(head_rows(cfg, g, 10).tolist())
+    assert moved.tolist() == sorted(TaskLayout.of(cfg, 10).head_rows(g).tolist())
     # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
     from promptfcl.common.evaluation import correct_counts
 
     state = {k: v.clone() for k, v in start.items()}
     state["head.weight"].zero_()
     state["head.bias"].zero_()
-    tasks = random_tasks(cfg, 10)
+    tasks = TaskLayout.of(cfg, 10).random_tasks()
     for i in range(4):
-        state["head.bias"][int(head_rows(cfg, i, 10)[1])] += 10.0 * (i + 1)  # task i: always its second class
+        state["head.bias"][int(TaskLayout.of(cfg, 10).head_rows(i)[1])] += 10.0 * (i + 1)  # task i: always its second class
     rt.model.load_trainable_state(state)
     correct, total = correct_counts(rt, 3)
     labels = rt.data.test.labels

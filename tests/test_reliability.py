@@ -113,9 +113,9 @@ def test_a_pickle_checkpoint_is_refused_without_running_its_code(tmp_path):
 
 def test_resume_refuses_a_different_configuration():
     ckpt = make_ckpt(1)
-    checkpoint.check_compatible(ckpt, tiny_config(round_timeout=5.0, resume=True))  # neutral keys are fine
+    checkpoint.check_compatible(ckpt, tiny_config(round_timeout=5.0, resume=True).to_dict())  # neutral keys are fine
     with pytest.raises(ConfigError, match="lr"):
-        checkpoint.check_compatible(ckpt, tiny_config(lr=0.5))
+        checkpoint.check_compatible(ckpt, tiny_config(lr=0.5).to_dict())
 
 
 # ----------------------------------------------------------------------------- whole runs

@@ -82,12 +82,12 @@ def test_every_method_takes_asynchronous_arrival_on_the_stream():
 
 @pytest.mark.parametrize("name", ["hepco", "fppl", "hgp"])
 def test_stream_methods_refuse_random_tasks(name):
-    from promptfcl.strategies.registry import strategy_class
+    from promptfcl.strategies.platform.run_checks import check_run
 
     cfg = tiny_config(task_generator="random", num_clients=2, clients_per_round=2, num_rounds=2, switch_every=0,
-                      num_tasks=2, classes_per_task=2, min_overlap=0.0, task_data_fraction=0.5)
+                      num_tasks=2, classes_per_task=2, min_overlap=0.0, task_data_fraction=0.5, strategy=name)
     with pytest.raises(ConfigError, match="needs the shared task stream"):
-        strategy_class(name).check_schedule(cfg)
+        check_run(cfg)
 
 
 def test_each_client_is_sent_its_own_task(flower_identity):

@@ -61,17 +61,20 @@ def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
     contents = [content(1.0, 10), content(4.0, 30), nan, content(9.0, 10, shape=(2, 2)), missing, content(9.0, 0)]
     replies = [Message(c, reply_to=m) for c, m in zip(contents, msgs)]
     replies.append(Message(Error(code=0, reason="boom"), reply_to=msgs[6]))
-    arrays, metrics = s.aggregate_train(1, replies)
+    outcome = s.aggregate_round(1, replies)
+    arrays, metrics = outcome.arrays, outcome.metrics
     np.testing.assert_allclose(from_array_record(arrays)["head.weight"], 3.25)  # (10*1 + 30*4) / 40
     assert metrics["num-examples"] == 40 and metrics["clients"] == 2
-    reasons = dict(s.rejected)
+    reasons = dict(outcome.rejected)
     assert set(reasons) == {102, 103, 104, 105, 106}  # the nodes the bad replies' messages went to
     assert "non-finite" in reasons[102] and "shape" not in reasons[102]
     assert "(2, 2)" in reasons[103] and "missing" in reasons[104] and "no training" in reasons[105]
     assert "boom" in reasons[106]
     # a reply to no message of this round is left out, under the node it came from
     stray = reply_from(42, content(1.0, 10))
-    assert s.aggregate_train(1, [stray]) == (None, None) and "no matching message" in dict(s.rejected)[42]
+    outcome = s.aggregate_round(1, [stray])
+    assert s.aggregate_train(1, []) == (None, None) and outcome.arrays is None and outcome.metrics is None
+    assert "no matching message" in dict(outcome.rejected)[42]
 
 
 def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
@@ -80,10 +83,10 @@ def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from promptfcl.common.model import build_model
+    from promptfcl.common.model import ModelSpec, build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
-    model, _ = build_model(cfg, 10)
+    model, _ = build_model(ModelSpec.of(cfg, 10))
     s = FedAvgStrategy(cfg, 10)
     a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
     a1 = s.on_task_start(1, a0)
@@ -100,7 +103,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task = "in-flight", task 1's slice
     and head rows are the mean of the two ahead clients' values (not diluted by the two others'
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
-    from promptfcl.common.tasks import task_rows
+    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **PLAIN_MEAN, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
@@ -120,8 +123,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for i, (msg, task) in enumerate(zip(msgs, tasks)):
         value = float(i + 1)  # each client writes its own value into its own task's rows only
         p, h = pool.copy(), head.copy()
-        p[task_rows(cfg, "prompt.p0", p, task, 10)] = value
-        h[task_rows(cfg, "head.weight", h, task, 10)] = value
+        p[TaskLayout.of(cfg, 10).task_rows("prompt.p0", p, task)] = value
+        h[TaskLayout.of(cfg, 10).task_rows("head.weight", h, task)] = value
         replies.append(Message(RecordDict({ARRAYS: to_array_record({"prompt.p0": p, "head.weight": h}),
                                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
                                                                   "train-seconds": 0.1})}), reply_to=msg))
@@ -130,8 +133,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for task in (0, 1):
         on_it = [i + 1.0 for i, t in enumerate(tasks) if t == task]
         expected = np.mean(on_it) if per_task else sum(on_it) / 4  # diluted by the two untouched copies
-        np.testing.assert_allclose(out["prompt.p0"][task_rows(cfg, "prompt.p0", pool, task, 10)], expected, rtol=1e-6)
-        np.testing.assert_allclose(out["head.weight"][task_rows(cfg, "head.weight", head, task, 10)], expected,
+        np.testing.assert_allclose(out["prompt.p0"][TaskLayout.of(cfg, 10).task_rows("prompt.p0", pool, task)], expected, rtol=1e-6)
+        np.testing.assert_allclose(out["head.weight"][TaskLayout.of(cfg, 10).task_rows("head.weight", head, task)], expected,
                                    rtol=1e-6)
 
 
@@ -143,11 +146,12 @@ def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(cl
                                    update_min_cosine=-1.0, update_reversed_norm=0.0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
-    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    outcome = s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    arrays = outcome.arrays
     np.testing.assert_allclose(from_array_record(arrays)["head.weight"], expected, rtol=1e-6)
-    assert not s.rejected  # bounded, not refused
+    assert not outcome.rejected  # bounded, not refused
     if clip:  # the hostile update keeps its direction at clip x the honest length
-        assert max(a.update_norm for a in s.accepted) == pytest.approx(clip * np.sqrt(6))
+        assert max(a.update_norm for a in outcome.accepted) == pytest.approx(clip * np.sqrt(6))
 
 
 def _non_iid_update(client: int, sign: float = 1.0) -> RecordDict:
@@ -171,15 +175,16 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
                                    update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
-    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    outcome = s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    arrays = outcome.arrays
     honest = [from_array_record(c[ARRAYS])["head.weight"] for c in contents[:4]]
     flipped = from_array_record(contents[4][ARRAYS])["head.weight"]
     expected = np.mean(honest, axis=0) if min_cosine > -1 else np.mean(honest + [flipped], axis=0)
     np.testing.assert_allclose(from_array_record(arrays)["head.weight"], expected, rtol=1e-6)
-    assert len(s.accepted) == (4 if min_cosine > -1 else 5)
+    assert len(outcome.accepted) == (4 if min_cosine > -1 else 5)
     if min_cosine > -1:
-        assert [node for node, _ in s.rejected] == [msgs[4].metadata.dst_node_id]
-        assert "points against the round" in s.rejected[0][1]
+        assert [node for node, _ in outcome.rejected] == [msgs[4].metadata.dst_node_id]
+        assert "points against the round" in outcome.rejected[0][1]
 
 
 def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity):
@@ -200,10 +205,11 @@ def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity)
                                    update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [reply(v) for v in honest + [hostile, hostile]]
-    arrays, _ = s.aggregate_train(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
-    assert len(s.rejected) == 2 and all("points against the round" in why for _, why in s.rejected)
+    outcome = s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    arrays = outcome.arrays
+    assert len(outcome.rejected) == 2 and all("points against the round" in why for _, why in outcome.rejected)
     bound = np.linalg.norm(honest[1])  # the 3rd smallest of the five norms
-    assert sorted(a.update_norm for a in s.accepted) == pytest.approx([np.linalg.norm(honest[0]), bound, bound])
+    assert sorted(a.update_norm for a in outcome.accepted) == pytest.approx([np.linalg.norm(honest[0]), bound, bound])
     clipped = hostile * bound / np.linalg.norm(hostile)
     np.testing.assert_allclose(from_array_record(arrays)["head.weight"][:, 0], (honest[0] + 2 * clipped) / 3,
                                rtol=1e-5)
@@ -231,7 +237,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     whose update (its own task's rows up, task 0's head rows down, as a client learning new
     classes does) points against task 0's median. The reversed client is excluded; the one
     ahead is alone on its task, so nothing judges it and it is kept."""
-    from promptfcl.common.tasks import task_rows
+    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0, update_strikes=0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
@@ -245,7 +251,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
         if len(set(tasks)) > 1:
             break
     assert sorted(tasks) == [0, 0, 0, 0, 1]
-    rows = {t: task_rows(cfg, "head.weight", head, t, 10) for t in (0, 1)}
+    rows = {t: TaskLayout.of(cfg, 10).task_rows("head.weight", head, t) for t in (0, 1)}
     replies, on_task_0 = [], 0
     for msg, task in zip(msgs, tasks):
         h = head.copy()
@@ -257,9 +263,9 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
         replies.append(Message(RecordDict({ARRAYS: to_array_record({"head.weight": h}),
                                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
                                                                   "train-seconds": 0.1})}), reply_to=msg))
-    strategy.aggregate_train(server_round, replies)
-    assert sorted(a.task for a in strategy.accepted) == [0, 0, 0, 1]
-    assert len(strategy.rejected) == 1 and "points against the round" in strategy.rejected[0][1]
+    outcome = strategy.aggregate_round(server_round, replies)
+    assert sorted(a.task for a in outcome.accepted) == [0, 0, 0, 1]
+    assert len(outcome.rejected) == 1 and "points against the round" in outcome.rejected[0][1]
 
 
 def test_direction_check_is_not_applied_under_client_side_dp_noise():
@@ -269,7 +275,7 @@ def test_direction_check_is_not_applied_under_client_side_dp_noise():
     noisy = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0,
                                        **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
     clipped = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
-    assert (noisy.screen.direction.active, clipped.screen.direction.active) == (False, True)
+    assert (noisy.policies.screen.direction.active, clipped.policies.screen.direction.active) == (False, True)
 
 
 def test_a_long_reversed_update_is_excluded_a_short_skewed_one_kept(flower_identity):
@@ -288,9 +294,9 @@ def test_a_long_reversed_update_is_excluded_a_short_skewed_one_kept(flower_ident
             w.flat[:4] = v
             replies.append(Message(RecordDict({ARRAYS: to_array_record({"head.weight": w}), METRICS: MetricRecord(
                 {"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})}), reply_to=m))
-        s.aggregate_train(1, replies)
-        assert (s.defence_counts["direction"] == 1) is excluded, s.rejected
+        outcome = s.aggregate_round(1, replies)
+        assert (outcome.defences["direction"] == 1) is excluded, outcome.rejected
         if excluded:
-            assert "update-reversed-norm" in s.rejected[0][1]
+            assert "update-reversed-norm" in outcome.rejected[0][1]
         else:  # kept although it points against the round, by less than update-min-cosine
-            assert len(s.accepted) == 5 and -0.6 < s.accepted[-1].cosine < 0
+            assert len(outcome.accepted) == 5 and -0.6 < outcome.accepted[-1].cosine < 0

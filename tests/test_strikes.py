@@ -86,7 +86,7 @@ def _replies(s: FedAvgStrategy, server_round: int, reversed_client: int) -> list
                                   NodeList(5)))
     out = []
     for m in msgs:
-        client = s.sent_round.match(Message(RecordDict(), reply_to=m), consume=False).client
+        client = s._sent_round.match(Message(RecordDict(), reply_to=m), consume=False).client
         w = np.full((3, 2), 1.0, np.float32)
         w[1 + client % 2, client % 2] += 1.0  # label skew
         if client == reversed_client:
@@ -102,11 +102,11 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
     excludes it from its first round on."""
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-0.6)
     s = FedAvgStrategy(cfg, 10)
-    assert s.screen.strikes.limit == 2
+    assert s.policies.screen.strikes.limit == 2
     with caplog.at_level("WARNING", logger="promptfcl"):
         for server_round in (1, 2):
-            s.aggregate_train(server_round, _replies(s, server_round, reversed_client=3))
-    assert s.defence_counts[STRUCK_OUT] == 1 and len(s.accepted) == 4
+            outcome = s.aggregate_round(server_round, _replies(s, server_round, reversed_client=3))
+    assert outcome.defences[STRUCK_OUT] == 1 and len(outcome.accepted) == 4
     assert [r.getMessage() for r in caplog.records if "struck out" in r.getMessage()] == [
         "client 3 struck out: 2 of its updates were too long or pointed against the round "
         "(update-strikes = 2); its replies are excluded from now on"]
@@ -114,8 +114,9 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
     assert state["strikes"] == {"3": 2}
     restored = FedAvgStrategy(cfg, 10)
     restored.load_platform_state(state)
-    arrays, _ = restored.aggregate_train(3, _replies(restored, 3, reversed_client=-1))  # it plays honest now
-    assert len(restored.accepted) == 4 and "struck out earlier" in restored.rejected[0][1]
+    outcome = restored.aggregate_round(3, _replies(restored, 3, reversed_client=-1))  # it plays honest now
+    arrays = outcome.arrays
+    assert len(outcome.accepted) == 4 and "struck out earlier" in outcome.rejected[0][1]
     assert from_array_record(arrays)["head.weight"].min() >= 1.0  # only the honest four averaged
 
 

@@ -22,7 +22,8 @@ FILES = {
         """Toy: FedAvg-Prompt plus a proximal pull of the head, and a record of what each client trained on."""
         from promptfcl.strategies.registry import Method
 
-        METHOD = Method("toy", strategy=".strategy:ToyStrategy", learner=".learner:ToyLearner")
+        METHOD = Method("toy", strategy=".strategy:ToyStrategy", learner=".learner:ToyLearner", prompt=".prompt:ToyPrompt",
+                        options=".options:ToyOptions")
     ''',
     "options.py": '''
         from dataclasses import dataclass
@@ -53,7 +54,7 @@ FILES = {
         import numpy as np
         import torch
 
-        from promptfcl.common.learner import LocalLearner
+        from promptfcl.strategies.platform.learner import LocalLearner
         from promptfcl.common.records import to_array_record
 
         from .options import ToyOptions
@@ -91,8 +92,7 @@ FILES = {
             reply_records = frozenset({ARRAYS, METRICS, "toy-stats"})
             statistics = {"toy-stats": Statistics(vectors=("mu",))}  # bounded by the platform
 
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
+            def setup(self):
                 self.rounds = 0
                 self.mus = []
 
@@ -174,7 +174,7 @@ def test_the_platform_checks_a_new_methods_records(toy_method, tmp_path, flower_
     from flwr.app import MessageType
 
     from promptfcl.common.records import to_array_record
-    from promptfcl.strategies.registry import load_config
+    from promptfcl.strategies.platform.run_checks import load_config
     from tests.helpers import client_app, run_in_process
 
     def forge(msg, context, call_next):

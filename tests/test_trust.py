@@ -42,22 +42,22 @@ def _round(defences: str, **extra) -> FedAvgStrategy:
                                    METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
                                                           "train-seconds": 0.1})}), reply_to=m)
                for v, m in zip([1.0, 1.0, 1.0, 1.0, -10.0], msgs)]
-    s.result = s.aggregate_train(1, replies)[0]
+    s.outcome = s.aggregate_round(1, replies)
     return s
 
 
 def test_an_undefended_run_averages_every_reply_as_the_paper_does(flower_identity):
     s = _round("auto")  # a simulation without fault injection: off
-    assert not s.trust.defended and not s.screen.active and not s.stats_bound.active
-    np.testing.assert_allclose(from_array_record(s.result)["head.weight"], (4 - 10) / 5, rtol=1e-6)
-    assert not s.rejected
+    assert not s.trust.defended and not s.policies.defended
+    np.testing.assert_allclose(from_array_record(s.outcome.arrays)["head.weight"], (4 - 10) / 5, rtol=1e-6)
+    assert not s.outcome.rejected and s.outcome.defences == {}
 
 
 def test_a_defended_run_screens_the_same_replies(flower_identity):
     s = _round("auto", fault="poison", fault_clients="4")  # fault injection: on
-    assert s.trust.defended and s.screen.active
-    np.testing.assert_allclose(from_array_record(s.result)["head.weight"], 1.0, rtol=1e-6)
-    assert s.defence_counts["direction"] == 1 and len(s.rejected) == 1
+    assert s.trust.defended and s.policies.screen.active
+    np.testing.assert_allclose(from_array_record(s.outcome.arrays)["head.weight"], 1.0, rtol=1e-6)
+    assert s.outcome.defences["direction"] == 1 and len(s.outcome.rejected) == 1
 
 
 def test_a_client_alone_on_its_task_is_not_clipped_as_its_single_task_reference_is_not(flower_identity):

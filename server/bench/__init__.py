@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import subprocess  # noqa: F401 (tests replace subprocess.Popen through this module)
 
-from promptfcl.server.bench.attacks import DEFENCES, robustness
-from promptfcl.server.bench.common import run_simulation_subprocess
-from promptfcl.server.bench.comparison import compare, finished_run, parse_method, summary_table
-from promptfcl.server.bench.data_memory import data_memory
-from promptfcl.server.bench.deploy import deploy_overhead
-from promptfcl.server.bench.edge import edge_rounds
-from promptfcl.server.bench.paper_scale import paper_dims
-from promptfcl.server.bench.speed import perf
+from .attacks import DEFENCES, robustness
+from .common import run_simulation_subprocess
+from .comparison import compare, finished_run, parse_method, summary_table
+from .data_memory import data_memory
+from .deploy import deploy_overhead
+from .edge import edge_rounds
+from .paper_scale import paper_dims
+from .speed import perf
 
 __all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge_rounds", "finished_run", "paper_dims",
            "parse_method", "perf", "robustness", "run_simulation_subprocess", "summary_table"]

@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.client.faults import STATISTICS_ATTACKS
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import ARRAYS, METRICS
-from promptfcl.server.bench.common import run_simulation_subprocess
-from promptfcl.server.bench.comparison import finished_run, parse_method
-from promptfcl.strategies.registry import strategy_class
+from ...client.faults import STATISTICS_ATTACKS
+from ...common.config import ExperimentConfig
+from ...common.records import ARRAYS, METRICS
+from ...strategies.registry import strategy_class
+from .common import run_simulation_subprocess
+from .comparison import finished_run, parse_method
 
 log = logging.getLogger("promptfcl")
 

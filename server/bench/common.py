@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -12,8 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from promptfcl.common.memory_plan import proc_status_kb
-from promptfcl.server import checkpoint
+import torch
+
+from ...common.memory_plan import proc_status_kb
+from .. import checkpoint
 
 log = logging.getLogger("promptfcl")
 
@@ -106,9 +109,7 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
 
 
 def _machine() -> dict[str, Any]:
-    import platform
 
-    import torch
 
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                             "cuda": torch.cuda.is_available()}

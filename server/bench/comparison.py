@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import run_simulation_subprocess
+from ...common.config import ExperimentConfig
+from ...common.config_files import parse_overrides
+from ...strategies.registry import check_method, methods
+from .common import run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -100,8 +102,6 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powder/dual=false/k=1"`` -> ("powder", {"powder.dual": False, "powder.k": 1}): a method
     with some of its options changed (an ablation), compared as a method of its own; a part
     without ``=`` names one of the method's variants (``"hepco/baseline"``)."""
-    from promptfcl.common.config_files import parse_overrides
-    from promptfcl.strategies.registry import check_method, methods
 
     name, *parts = spec.split("/")
     options: dict[str, Any] = {}
@@ -184,9 +184,11 @@ def _write_compare(out_dir: Path, rows: list[dict[str, Any]], failed: Sequence[s
 
 
 def _plot_compare(out_dir: Path, rows: list[dict[str, Any]]) -> None:
+    # matplotlib is slow to import: only the figure needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib is slow to import: only the figure needs it
     import matplotlib.pyplot as plt
 
     settings = sorted({r["setting"] for r in rows})

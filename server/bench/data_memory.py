@@ -27,9 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import RecordDict
 
-from promptfcl.common.files import write_atomic
-from promptfcl.server.bench.common import _machine
+from ...common.config import ExperimentConfig
+from ...common.data_cache import load_dataset_cached
+from ...common.files import write_atomic
+from ...common.partitions import client_indices
+from ...common.records import ARRAYS, to_array_record
+from ...common.runtime import get_runtime
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
+from .common import _machine
 
 log = logging.getLogger("promptfcl")
 
@@ -39,6 +47,7 @@ SHARE = 200  # images per client (train and test together), whatever the dataset
 
 def synthetic_folder(root: Path, images: int, size: int = 224, seed: int = 0) -> Path:
     """``root/class<c>/<i>.jpg``: smooth class-coloured patterns with noise (JPEG keeps them small)."""
+    # PIL: only this benchmark's image folder needs it
     from PIL import Image
 
     done = root / ".complete"
@@ -110,27 +119,19 @@ def _peak_rss_mb() -> float:
 
 def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.data_cache import load_dataset_cached
 
     cfg = ExperimentConfig.from_dict(settings)
     if step == "decode":
         load_dataset_cached(cfg)
         return {"seconds": round(time.perf_counter() - started, 2), "rss_mb": round(_peak_rss_mb(), 1)}
-    from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.records import ARRAYS, to_array_record
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     t = time.perf_counter()
     data = load_dataset_cached(cfg)
     decode_seconds = round(time.perf_counter() - t, 2)
     rt = get_runtime(cfg)
     arrays = FedAvgStrategy(cfg, data.num_classes).on_task_start(0, to_array_record(rt.model.trainable_state()))
-    share = len(client_indices(data.train.labels, cfg, data.num_classes, 0, 0, 0))
+    share = len(client_indices(data.train.labels, rt.layout, rt.partition, 0, 0, 0))
     LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     return {"seconds": time.perf_counter() - started, "rss_mb": _peak_rss_mb(), "share": share,
             "decode_seconds": decode_seconds}

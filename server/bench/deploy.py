@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from promptfcl.server.bench.common import run_simulation_subprocess
+from ...common.flower_internals import INTERNALS, internal
+from ...common.startup import PHASES
+from ..loopback import run_deployed
+from .common import run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -23,7 +26,6 @@ def empty_process_seconds(repeats: int = 3, imports: str = "") -> float:
     process imports (its runner and ``ClientApp``) and nothing of this project: the floor under
     any deployed message's start-up on this machine. ``imports``: more to import (``"torch"``:
     the floor of any ClientApp that trains with torch)."""
-    from promptfcl.common.flower_internals import INTERNALS, internal
 
     internal("clientapp_main")  # fails here, naming it, if Flower moved its runner
     runner = INTERNALS["clientapp_main"]
@@ -43,7 +45,6 @@ def _median_round(results: dict[str, Any], key: str) -> float:
 
 def _path_figures(deployed: dict[str, Any]) -> dict[str, Any]:
     """One deployed run's per-round figures and its messages' start-up breakdown."""
-    from promptfcl.common.startup import PHASES
 
     overhead = _median_round(deployed, "client_overhead_seconds")
     phases = {p: float(statistics.median(r["client_startup"].get(p, 0.0) for r in deployed["rounds"])) for p in PHASES}
@@ -76,7 +77,6 @@ def deploy_overhead(out_dir: Path, base: dict[str, Any], nodes: int = 3) -> dict
     Writes ``deploy.json`` into ``out_dir`` (top-level figures: the warm path; ``stock``: the
     stock path's) and prints a table.
     """
-    from promptfcl.server.loopback import run_deployed
 
     out_dir.mkdir(parents=True, exist_ok=True)
     same = {**base, "num-clients": nodes, "clients-per-round": nodes, "threads": 1}

@@ -22,8 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from flwr.app import RecordDict
 
-from promptfcl.server.bench.common import _machine, run_simulation_subprocess
+from ...client.memory import apply_plan, plan_metrics
+from ...client.node_policy import BACKBONE_PRECISION_ENV, NodePolicy
+from ...common.backbone import build_backbone
+from ...common.config import ExperimentConfig
+from ...common.data import ArraySplit, Dataset
+from ...common.evaluation import accuracies, correct_counts
+from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
+from ...common.runtime import get_runtime
+from ...common.weights import BackboneSpec
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
+from ...strategies.registry import prompt_class
+from .. import checkpoint
+from .common import _machine, run_simulation_subprocess
+from .comparison import finished_run
 
 log = logging.getLogger("promptfcl")
 
@@ -49,14 +65,12 @@ PAPER_MODEL: dict[str, Any] = {
 
 
 def edge_config(batch_size: int, threads: int) -> Any:
-    from promptfcl.common.config import ExperimentConfig
 
     return ExperimentConfig.from_dict({**PAPER_MODEL, "batch-size": batch_size, "threads": threads})
 
 
 def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: int = 0) -> Any:
     """One step's worth of random 224-px images in task 0's classes (and a few test images)."""
-    from promptfcl.common.data import ArraySplit, Dataset
 
     rng = np.random.default_rng(seed)
     images = rng.integers(0, 256, (batch_size + per_task, 3, 224, 224), dtype=np.uint8)
@@ -69,14 +83,7 @@ def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: 
 
 def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: int, arrays_out: Path) -> dict:
     """The child's work: one client round in this process; its figures (and its arrays to ``arrays_out``)."""
-    from flwr.app import RecordDict
 
-    from promptfcl.client.memory import apply_plan, plan_metrics
-    from promptfcl.client.node_policy import NodePolicy
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
@@ -88,7 +95,7 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     started, cpu = time.perf_counter(), time.process_time()
     reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    sent, trained = from_array_record(arrays), from_array_record(reply[ARRAYS])
+    sent, trained = from_array_record(arrays), from_array_record(arrays_of(reply))
     np.savez(arrays_out, **{name: trained[name] - sent[name] for name in trained})
     return {**plan_metrics(plan, runtime), "images_per_second": batch_size / seconds, "seconds": seconds,
             "cpu_seconds_per_image": cpu / batch_size,
@@ -158,8 +165,6 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
     and the final model is evaluated again with the clients' precision (``a_n_node_eval``: what the
     edge nodes themselves would score).
     """
-    from promptfcl.client.node_policy import BACKBONE_PRECISION_ENV
-    from promptfcl.server.bench.comparison import finished_run
 
     rows: list[dict[str, Any]] = []
     for precision in precisions:
@@ -188,13 +193,7 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
 def final_accuracy(run_dir: Path, precision: str) -> float | None:
     """A_N of the run's final model (its kept checkpoint) evaluated with a ``precision`` backbone
     (None: the run kept no checkpoint)."""
-    import torch
 
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.evaluation import accuracies, correct_counts
-    from promptfcl.common.runtime import get_runtime
-    from promptfcl.server import checkpoint
-    from promptfcl.strategies.registry import prompt_class
 
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:
@@ -247,9 +246,8 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-        from promptfcl.common.backbone import build_backbone
 
-        build_backbone(edge_config(int(spec["batch_size"]), int(spec["threads"])))
+        build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return
     figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
                               int(spec["threads"]), Path(spec["arrays"]))

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import (
+from ...common.schedule import task_schedule
+from ...strategies.platform.run_checks import load_config
+from .common import (
     PAPER_COMMUNICATION,
     PAPER_DATASETS,
     VIT_B16_PARAMETERS,
@@ -30,6 +31,7 @@ log = logging.getLogger("promptfcl")
 def write_stand_in(root: Path, num_classes: int, per_class: int, size: int = 32, seed: int = 0) -> Path:
     """A folder dataset (``root/<class>/<i>.png``) of random images: the papers' class count
     without their data (built once; reused when it already holds what is asked)."""
+    # PIL: only this benchmark's image folder needs it
     from PIL import Image
 
     marker = root / ".stand-in.json"
@@ -76,7 +78,6 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     round's configure + aggregate + consolidation), and an extrapolation of one full-size
     round on this hardware.
     """
-    from promptfcl.strategies.registry import load_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cpus = cpus or os.cpu_count() or 1
@@ -103,7 +104,7 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             images = cfg.classes_per_task * train_per_class * cfg.task_data_fraction
         else:
             images = classes / cfg.num_tasks * train_per_class / cfg.num_clients
-        sampled = cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients))
+        sampled = cfg.sampled_per_round
         waves = math.ceil(sampled / max(1, min(cpus, sampled)))
         round_seconds = waves * images * cfg.local_epochs * per_image + r["server_seconds"]
         report["methods"][cfg.strategy] = {
@@ -125,16 +126,12 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             "stateful_parameters_per_exchange": results["communication"].get("stateful_parameters_per_exchange"),
             "extrapolated_round_seconds": round_seconds,
             "extrapolated_images_per_client": images,
-            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * _paper_rounds(cfg),
+            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg).total_rounds,
             "device": r["placement"][0]["device"] if r.get("placement") else None,
         }
         (out_dir / "paper_dims.json").write_text(json.dumps(report, indent=2))
     print(format_paper_dims(report))
     return report
-
-
-def _paper_rounds(cfg: ExperimentConfig) -> int:
-    return cfg.num_rounds if cfg.task_generator == "random" else cfg.num_tasks * cfg.rounds_per_task
 
 
 def format_paper_dims(report: dict[str, Any]) -> str:

@@ -12,9 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import RecordDict
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.server.bench.common import VIT_B16_PARAMETERS, _machine, run_simulation_subprocess
+from ...common.config import ExperimentConfig
+from ...common.model import masked_logits
+from ...common.partitions import client_indices
+from ...common.records import ARRAYS, to_array_record
+from ...common.runtime import _runtime, get_runtime
+from ...strategies.fedavg.strategy import FedAvgStrategy
+from ...strategies.platform.learner import LocalLearner
+from ...strategies.registry import methods as registered
+from .common import VIT_B16_PARAMETERS, _machine, run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")
 
@@ -22,17 +32,7 @@ log = logging.getLogger("promptfcl")
 # ----------------------------------------------------------------------------- perf
 def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, float]:
     """Images/s of LocalLearner.fit vs the bare prompted forward+backward on the same batches."""
-    import torch
-    import torch.nn.functional as F
-    from flwr.app import RecordDict
 
-    from promptfcl.common.learner import LocalLearner
-    from promptfcl.common.model import masked_logits
-    from promptfcl.common.partitions import client_indices
-    from promptfcl.common.records import ARRAYS, to_array_record
-    from promptfcl.common.runtime import _runtime, get_runtime
-    from promptfcl.common.tasks import task_classes
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     out: dict[str, float] = {}
     for cached in (True, False):
@@ -42,7 +42,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         arrays = FedAvgStrategy(run_cfg, rt.data.num_classes).on_task_start(
             0, to_array_record(rt.model.trainable_state())
         )
-        index = client_indices(rt.data.train.labels, run_cfg, rt.data.num_classes, 0, 0, 0)
+        index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 0, 0)
         n_images = len(index) * run_cfg.local_epochs
         learner = LocalLearner(rt)
         timings = []
@@ -58,7 +58,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     # The compute bound: the same batches through the bare prompted model (queries given).
     model = rt.model
     allowed = torch.zeros(rt.data.num_classes, dtype=torch.bool)
-    allowed[task_classes(cfg, 0, rt.data.num_classes)] = True
+    allowed[rt.layout.classes(0)] = True
     x_all = model.preprocess(torch.from_numpy(rt.data.train.images[index]).to(rt.device))
     with torch.no_grad(), rt.autocast():
         q_all = model.query(x_all).float()
@@ -98,9 +98,7 @@ def perf(
     out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000), methods: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-    import torch
 
-    from promptfcl.strategies.registry import methods as registered
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig.from_dict({**base, "centralised": True})  # one client holding a whole task

@@ -1,6 +1,6 @@
 """FedAvg-Prompt: CODA-P clients and sample-weighted averaging, the papers' common baseline."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # FedAvg has no paper of its own here: the prompt it averages is CODA-Prompt's (the paper is not among
 # the texts this project holds, so the entry is as Powder's references print it)
@@ -14,4 +14,6 @@ CITATION = """\
   year = {2023},
 }"""
 
-METHOD = Method("fedavg", strategy=".strategy:FedAvgStrategy", learner=".learner:FedAvgLearner", citation=CITATION)
+METHOD = Method("fedavg", strategy=".strategy:FedAvgStrategy", learner=".learner:FedAvgLearner",
+                prompt=".prompt:FedAvgPrompt", options=".options:FedAvgOptions",
+                citation=CITATION)

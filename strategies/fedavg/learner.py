@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from promptfcl.common.learner import LocalLearner
-from promptfcl.strategies.fedavg.options import FedAvgOptions
+from ..platform.learner import LocalLearner
+from .options import FedAvgOptions
 
 
 class FedAvgLearner(LocalLearner):

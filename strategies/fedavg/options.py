@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from promptfcl.common.options import MethodOptions
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 
 
 @dataclass(frozen=True)
@@ -13,3 +13,4 @@ class FedAvgOptions(MethodOptions):
     """No ``fedavg.*`` keys."""
 
     prefix: ClassVar[str] = "fedavg"
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, RANDOM_TASKS, DIFFERENTIAL_PRIVACY})

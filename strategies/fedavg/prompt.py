@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
 
 
 class FedAvgPrompt(CodaPrompt):

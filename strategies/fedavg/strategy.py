@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from promptfcl.strategies.fedavg.options import FedAvgOptions
-from promptfcl.strategies.fedavg.prompt import FedAvgPrompt
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ..platform.strategy import PromptStrategy
+from .options import FedAvgOptions
+from .prompt import FedAvgPrompt
 
 
 class FedAvgStrategy(PromptStrategy):

@@ -1,7 +1,7 @@
 """Fed-CPrompt ("Fed-CPrompt: Contrastive Prompt for Rehearsal-Free Federated Continual Learning"):
 asynchronous prompt learning with every known task's slice, the C2L loss, FedAvg per task slice."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # The venue is the one FPPL's references print; Fed-CPrompt's own text prints only its template's
 # footer (ICML 2023's proceedings), which the note keeps so a reader can check both
@@ -16,4 +16,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("fedcprompt", strategy=".strategy:FedCPromptStrategy", learner=".learner:FedCPromptLearner",
+                prompt=".prompt:FedCPromptPrompt", options=".options:FedCPromptOptions",
                 citation=CITATION)

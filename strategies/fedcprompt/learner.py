@@ -1,6 +1,6 @@
 """Fed-CPrompt's client: CODA-P with frozen past and future slices, CE + lambda * C2L.
 
-The shared loop (common/learner.py) trains the current task's slice and the head with
+The shared loop (strategies/platform/learner.py) trains the current task's slice and the head with
 CE over the current task's classes; this learner
 
 * reads ``known-tasks`` from the server's message, so the prompt module uses every
@@ -33,13 +33,13 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.privacy import privacy_options
-from promptfcl.common.records import CONFIG
-from promptfcl.common.runtime import Runtime
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, split_held_out
-from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
-from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
+from ...common.privacy import privacy_options
+from ...common.records import CONFIG, as_int, config_of
+from ...common.runtime import Runtime
+from ..platform.learner import Batch, LocalLearner
+from .options import FedCPromptOptions, split_held_out
+from .prompt import FedCPromptPrompt
+from .records import KNOWN_TASKS
 
 
 def c2l_loss(current: torch.Tensor, previous: torch.Tensor, others: torch.Tensor,
@@ -108,19 +108,17 @@ class FedCPromptLearner(LocalLearner):
                           for layer in self.prompt.layers for kind in self.opts.c2l_params])
 
     # ------------------------------------------------------------------ hooks
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        try:
-            return super().fit(content, task, round_, client_id)
-        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.known_tasks = None
-            self.server_params, self.previous, self.others = {}, None, None
-            self.best, self.stale = None, 0
-            self.validation_counts = None
+    def round_cleanup(self) -> None:
+        """The shared model back to plain use of its slices; no reference or best state kept."""
+        self.prompt.known_tasks = None
+        self.server_params, self.previous, self.others = {}, None, None
+        self.best, self.stale = None, 0
+        self.validation_counts = None
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
         prompt = self.prompt
-        known = int(content[CONFIG].get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
+        known = as_int(config_of(content).get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
         if not task < known <= self.cfg.num_tasks:
             raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.num_tasks}")
         prompt.known_tasks = known
@@ -135,6 +133,7 @@ class FedCPromptLearner(LocalLearner):
     def c2l(self, task: int) -> torch.Tensor:
         """C2L of the model's current prompt for ``task`` (eq. 3)."""
         current = self.task_vector(dict(self.prompt.named_parameters()), task)
+        assert self.previous is not None and self.others is not None  # set by round_start
         return c2l_loss(current, self.previous, self.others, self.opts.gamma, self.opts.alpha,
                         self.opts.c2l_first_task)
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 
 C2L_PARAMS = ("p", "pka")
 C2L_FIRST_TASK = ("drift", "off")
@@ -22,6 +22,7 @@ class FedCPromptOptions(MethodOptions):
     """
 
     prefix = "fedcprompt"
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, RANDOM_TASKS, DIFFERENTIAL_PRIVACY})
 
     # weight of the distance to the nearest other task's prompt (eq. 3). At 1 the hinge never
     # opens once another task is known (orthogonal slices sit ~sqrt(2 * rows) apart, far more

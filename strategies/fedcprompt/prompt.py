@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
 
 
 class FedCPromptPrompt(CodaPrompt):

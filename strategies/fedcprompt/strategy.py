@@ -36,15 +36,14 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.privacy import privacy_options
-from promptfcl.common.records import METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_rows
-from promptfcl.strategies.fedcprompt.options import FedCPromptOptions, held_out_count
-from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
-from promptfcl.strategies.fedcprompt.records import KNOWN_TASKS
-from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.privacy import privacy_options
+from ...common.records import METRICS, as_int, from_array_record, to_array_record
+from ..platform.replies import REPLY_METRICS, MetricSpec
+from ..platform.rounds import Accepted, Sent
+from ..platform.strategy import PromptStrategy
+from .options import FedCPromptOptions, held_out_count
+from .prompt import FedCPromptPrompt
+from .records import KNOWN_TASKS
 
 log = logging.getLogger("promptfcl")
 
@@ -73,8 +72,7 @@ class FedCPromptStrategy(PromptStrategy):
     per_task = "always"  # slice m and task m's head rows over the clients that trained m, whatever the round
     reply_metrics = {**REPLY_METRICS, **VALIDATION_METRICS}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.known_tasks = 0  # task slices initialised so far (0..known_tasks-1)
         # task-level early stopping, per task still running: its best validation accuracy, that
         # model's rows of the task (every task-structured array), rounds without a gain; and the
@@ -115,8 +113,8 @@ class FedCPromptStrategy(PromptStrategy):
         has = [k in metrics for k in VALIDATION_METRICS]
         if any(has) and not all(has):
             return "val-correct and val-total come together"
-        if all(has) and int(metrics["val-correct"]) > int(metrics["val-total"]):
-            return f"val-correct {int(metrics['val-correct'])} exceeds val-total {int(metrics['val-total'])}"
+        if all(has) and as_int(metrics["val-correct"]) > as_int(metrics["val-total"]):
+            return f"val-correct {as_int(metrics['val-correct'])} exceeds val-total {as_int(metrics['val-total'])}"
         return None
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
@@ -130,7 +128,7 @@ class FedCPromptStrategy(PromptStrategy):
             mine = [a.content[METRICS] for a in accepted if a.task == task and "val-total" in a.content[METRICS]]
             total = correct = 0
             for m in mine:
-                total, correct = total + int(m["val-total"]), correct + int(m["val-correct"])
+                total, correct = total + as_int(m["val-total"]), correct + as_int(m["val-correct"])
             if not total:
                 continue  # no counts (differential privacy, or shares too small to hold any out)
             accuracy = correct / total
@@ -143,7 +141,7 @@ class FedCPromptStrategy(PromptStrategy):
             if self.stale[task] >= self.opts.patience:
                 state = from_array_record(arrays) if state is None else state
                 for name, rows in self.best_rows.pop(task).items():  # this round's update is discarded
-                    state[name][task_rows(self.cfg, name, state[name], task, self.num_classes)] = rows
+                    state[name][self.layout.task_rows(name, state[name], task)] = rows
                 self.stopped.add(task)
                 log.info("round %d: task %d stopped early (validation %.1f%%, best %.1f%%, %d rounds without a "
                          "gain); its slice and head rows are back at its best model", server_round, task + 1,
@@ -154,7 +152,7 @@ class FedCPromptStrategy(PromptStrategy):
         """``task``'s rows of every task-structured array (its slice of each prompt array, its head rows)."""
         out = {}
         for name, value in state.items():
-            rows = task_rows(self.cfg, name, value, task, self.num_classes)
+            rows = self.layout.task_rows(name, value, task)
             if rows is not None:
                 out[name] = np.array(value[rows], copy=True)
         return out

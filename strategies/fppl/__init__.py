@@ -2,7 +2,7 @@
 Federated Continual Learning Framework"): fused task prompts, a prototype loss on the clients, a
 prototype pool and classifier debiasing on the server."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # The title is the one the paper prints (the method's long name, Federated Prototype-Augmented Prompt
 # Learning, is in its abstract); the text names no venue and no year
@@ -13,4 +13,6 @@ CITATION = """\
   note = {The paper's text names no venue and no year},
 }"""
 
-METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner", citation=CITATION)
+METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner", prompt=".prompt:FPPLPrompt",
+                records=".records:PRIVATE_RECORDS",
+                options=".options:FPPLOptions", citation=CITATION)

@@ -28,13 +28,12 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.records import CONFIG, to_array_record
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
-from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
+from ...common.records import CONFIG, arrays_of, as_int, to_array_record
+from ...common.runtime import Runtime
+from ..platform.learner import Batch, LocalLearner
+from .options import FPPLOptions
+from .prompt import FPPLPrompt, task_prompt_names
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 
 # ---------------------------------------------------------------------------- losses
@@ -129,13 +128,13 @@ class FPPLLearner(LocalLearner):
         self.rt.model.prompt.fusion_scale.requires_grad_(self.opts.fusion_scale == "learnable")
         self.proto_classes = self.proto_means = None
         config = content.config_records.get(CONFIG)
-        self.client_id = int(config["client-id"]) if config is not None and "client-id" in config else -1
+        self.client_id = as_int(config["client-id"]) if config is not None and "client-id" in config else -1
         if not self.opts.unified_loss or GLOBAL_PROTOTYPES not in content.array_records:
             return  # e.g. the first round of a task: no global prototype of its classes yet
-        record = content[GLOBAL_PROTOTYPES]
+        record = arrays_of(content, GLOBAL_PROTOTYPES)
         classes = record["classes"].numpy().astype(np.int64)
         means = record["means"].numpy()
-        keep = np.isin(classes, task_classes(self.cfg, task, self.rt.data.num_classes))
+        keep = np.isin(classes, self.rt.layout.classes(task))
         keep &= np.isfinite(means).all(axis=1)
         if keep.any():
             self.proto_classes = torch.from_numpy(classes[keep]).to(self.rt.device)
@@ -146,6 +145,7 @@ class FPPLLearner(LocalLearner):
         if not self.opts.unified_loss or self.proto_means is None:
             return None
         counted = None
+        assert self.proto_classes is not None  # set with the means by round_start
         if batch.share != 1.0 and batch.step_labels is not None:
             # a micro-batch: averaged over the step's samples that have a prototype, not its own
             counted = int((batch.step_labels[:, None] == self.proto_classes[None, :].to(batch.labels.device))

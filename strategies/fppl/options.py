@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 
 FUSION_SCALES = ("fixed", "learnable")
 PROTOTYPE_VIEWS = ("augmented", "stored")
@@ -62,6 +62,8 @@ class FPPLOptions(MethodOptions):
     """
 
     prefix = "fppl"
+    # not random tasks: prototypes are pooled per (client, task) of the stream
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY})
 
     temperature: float = 0.2
     ur_weight: float = 1.0

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
 
 
 def task_prompt_names(layers: list[int]) -> set[str]:
@@ -33,6 +33,8 @@ class FPPLPrompt(CodaPrompt):
     ``pool_size`` is accepted for the shared constructor signature and ignored: FPPL
     has exactly one prompt per task.
     """
+
+    hard_selection: torch.Tensor  # a buffer (register_buffer), typed for the checker
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         nn.Module.__init__(self)  # not CodaPrompt.__init__: none of its components/keys/attention

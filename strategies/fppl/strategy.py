@@ -27,16 +27,15 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.privacy import PrivateRecord
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.fppl.options import FPPLOptions
-from promptfcl.strategies.fppl.prompt import FPPLPrompt, task_prompt_names
-from promptfcl.strategies.fppl.prototypes import PrototypeSet, debias_head
-from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
+from ..platform.partial import Rows, completed
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import Statistics
+from ..platform.strategy import PromptStrategy
+from .options import FPPLOptions
+from .prompt import FPPLPrompt, task_prompt_names
+from .prototypes import PrototypeSet, debias_head
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, PRIVATE_RECORDS
 
 log = logging.getLogger("promptfcl")
 
@@ -60,16 +59,12 @@ class FPPLStrategy(PromptStrategy):
     options_class = FPPLOptions
     opts: FPPLOptions
     per_task = "in-flight"  # asynchronous arrival: a task's prompt over the clients on it
-    random_tasks = False  # prototypes pooled per (client, task) of the stream
     # (a client with no examples of its task replies without prototypes: the platform leaves
     # it out as "no training examples" before it checks the records)
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
     # what the platform bounds where the run is defended (stats-bound)
     statistics = {LOCAL_PROTOTYPES: Statistics(vectors=("means",), counts=("counts",))}
-    # dp.clip = C: each class prototype (a mean feature) is clipped to norm C on its own;
-    # classes, counts and the client id are the label histogram and bookkeeping, in the clear
-    private_records = {LOCAL_PROTOTYPES: PrivateRecord(bounded={"means": (1, 1.0)},
-                                                       public=("classes", "counts", "client"))}
+    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, one client's prototype: the newest (this task's local prototypes before the pool)."""
@@ -83,8 +78,7 @@ class FPPLStrategy(PromptStrategy):
                     break
         return out
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.task = 0
         self.pool = PrototypeSet.empty()  # C_g: prototypes of finished tasks
         self.current = PrototypeSet.empty()  # {C_k^t}: the current task's local prototypes
@@ -142,7 +136,7 @@ class FPPLStrategy(PromptStrategy):
         assert content is not None  # the platform's payload always trains
         if self._global_record is not None:
             content[GLOBAL_PROTOTYPES] = self._global_record
-        state = from_array_record(content[ARRAYS])
+        state = from_array_record(arrays_of(content))
         sent.expected = to_array_record({name: value[sent.task : sent.task + 1] if name in self._task_prompts else value
                                          for name, value in state.items()})
         return content
@@ -151,17 +145,20 @@ class FPPLStrategy(PromptStrategy):
     def _task_prompts(self) -> set[str]:
         return task_prompt_names(self.cfg.layers)
 
+    def _own_prompt(self, task: int) -> Rows:
+        """What a reply holds of each array: of a task prompt array the row of ``task``, others whole."""
+        prompts = self._task_prompts
+        return lambda name, value: slice(task, task + 1) if name in prompts else None
+
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
         """FedAvg over the replies, each completed with the frozen prompts it was sent."""
-        complete = []
-        for a in accepted:
-            state = from_array_record(a.sent.arrays)  # type: ignore[arg-type]
-            reply = from_array_record(a.content[ARRAYS])
-            for name in self._task_prompts:
-                state[name] = state[name].copy()
-                state[name][a.task : a.task + 1] = reply[name]
-            complete.append(to_array_record({**reply, **{n: state[n] for n in self._task_prompts}}))
-        return self.average(accepted, np.array([a.weight for a in accepted]), complete)
+        complete = [to_array_record(completed(from_array_record(arrays_of(a.content)),
+                                              from_array_record(a.sent.arrays),  # type: ignore[arg-type]
+                                              self._own_prompt(a.task)))
+                    for a in accepted]
+        for a, record in zip(accepted, complete):
+            a.content[ARRAYS] = record  # what the platform's average reads
+        return super().aggregate(accepted)
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | None:
         """FPPL's count (the paper's 0.25 M per round on ImageNet-R): one task prompt per layer, psi,
@@ -179,11 +176,11 @@ class FPPLStrategy(PromptStrategy):
         content = reply.content
         if LOCAL_PROTOTYPES not in content.array_records:
             return f"{LOCAL_PROTOTYPES!r} is not an array record"
-        rec = content[LOCAL_PROTOTYPES]
+        rec = arrays_of(content, LOCAL_PROTOTYPES)
         if not {"classes", "means"} <= set(rec.keys()):
             return f"{LOCAL_PROTOTYPES!r} record lacks 'classes' or 'means'"
         classes, means = rec["classes"].numpy(), rec["means"].numpy()
-        dim = int(content[ARRAYS]["prompt.fusion"].shape[1])  # already checked against what was sent
+        dim = int(arrays_of(content)["prompt.fusion"].shape[1])  # already checked against what was sent
         if means.ndim != 2 or means.shape != (classes.shape[0], dim):
             return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
         if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
@@ -194,7 +191,7 @@ class FPPLStrategy(PromptStrategy):
             return "prototypes repeat a class"
         if not np.isfinite(means).all():
             return "prototypes have non-finite values"
-        if not np.isin(classes, task_classes(self.cfg, sent.task, self.num_classes)).all():
+        if not np.isin(classes, self.layout.classes(sent.task)).all():
             return "prototypes of classes outside the task the client was sent"
         if "client" in rec.keys():
             claimed = rec["client"].numpy().reshape(-1)
@@ -205,7 +202,7 @@ class FPPLStrategy(PromptStrategy):
     # ------------------------------------------------------------------ aggregation
     @property
     def classes_per_task(self) -> int:
-        return self.num_classes // self.cfg.num_tasks
+        return self.layout.classes_per_task
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
         """After FedAvg: collect local prototypes, debias the head (eq. 4), build G (eq. 5) for the
@@ -248,7 +245,7 @@ class FPPLStrategy(PromptStrategy):
         """This round's local prototypes, each under the client the server sent."""
         out = PrototypeSet.empty()
         for a in accepted:
-            rec = a.content[LOCAL_PROTOTYPES]
+            rec = arrays_of(a.content, LOCAL_PROTOTYPES)
             classes = rec["classes"].numpy().astype(np.int64)
             out = out.concat(PrototypeSet(classes, rec["means"].numpy().astype(np.float32),
                                           np.full(len(classes), a.client, np.int64)))

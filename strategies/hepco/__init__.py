@@ -1,7 +1,7 @@
 """HePCo ("Continual Adaptation of Vision Transformers for Federated Learning"): latent generation and
 distillation at the server, plain prompt clients."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # the text prints the authors and "Reviewed on OpenReview" with the forum's address, but no venue
 # name and no year: the entry says so rather than guess them
@@ -15,7 +15,9 @@ CITATION = """\
 }"""
 
 METHOD = Method(
-    "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner", citation=CITATION,
+    "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner", prompt=".prompt:HePCoPrompt",
+    options=".options:HePCoOptions",
+    citation=CITATION,
     # the paper's FedAvg-Prompt baseline (Table 1): HePCo with both distillations ablated, so
     # the same prompts, averaging and clients, without the server's consolidation
     variants=(("baseline", (("ablate", "prompt-distillation,classifier-distillation"),)),),

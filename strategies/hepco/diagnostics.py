@@ -3,15 +3,19 @@ round's consolidation measured on real images of the server's central data."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import to_array_record
-from promptfcl.strategies.hepco.distill import set_sampling_mode
-from promptfcl.strategies.hepco.latents import LatentGenerator, Teachers
-from promptfcl.strategies.hepco.prompt import HePCoPrompt
+from ...common.records import to_array_record, to_torch
+from ...common.runtime import Runtime
+from .distill import set_sampling_mode
+from .latents import LatentGenerator, Teachers
+
+if TYPE_CHECKING:  # the runtime (data, backbone) is built by the strategy, for diagnostics only
+    from ...common.runtime import Runtime
 
 
 @torch.no_grad()
@@ -58,16 +62,14 @@ class RealDataProbe:
       it was distilled in).
     """
 
-    def __init__(self, cfg: ExperimentConfig, per_class: int) -> None:
-        from promptfcl.common.runtime import get_runtime
-
-        self.rt = get_runtime(cfg, HePCoPrompt)  # the server's central evaluation runtime (cached)
-        self.cfg, self.per_class = cfg, per_class
+    def __init__(self, runtime: Runtime, seed: int, per_class: int) -> None:
+        self.rt = runtime  # the server's central evaluation runtime (``get_runtime``, cached)
+        self.seed, self.per_class = seed, per_class
 
     def images(self, classes: np.ndarray) -> np.ndarray:
         """Up to ``per_class`` training-image indices of each class (seeded, same every round)."""
         labels = self.rt.data.train.labels
-        rng = np.random.default_rng([self.cfg.seed, 0xD1A6])
+        rng = np.random.default_rng([self.seed, 0xD1A6])
         picks = []
         for c in classes:
             idx = np.flatnonzero(labels == c)
@@ -78,7 +80,6 @@ class RealDataProbe:
     def features(self, state: dict[str, np.ndarray], index: np.ndarray, task: int,
                  batch: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """(q(x), f(x)) of training images ``index`` under the prompts of ``state`` (float32, CPU)."""
-        from promptfcl.common.records import to_torch
 
         rt, model = self.rt, self.rt.model
         model.load_trainable_state(to_torch(to_array_record(state)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from promptfcl.strategies.hepco.latents import (
+from .latents import (
     LatentGenerator,
     LatentStudent,
     PromptGrams,
@@ -14,7 +14,7 @@ from promptfcl.strategies.hepco.latents import (
     draw_labels,
     task_groups,
 )
-from promptfcl.strategies.hepco.options import HePCoOptions
+from .options import HePCoOptions
 
 
 # ---------------------------------------------------------------------------- losses

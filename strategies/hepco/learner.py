@@ -7,8 +7,8 @@ current task's classes; all consolidation happens on the server.
 
 from __future__ import annotations
 
-from promptfcl.common.learner import LocalLearner
-from promptfcl.strategies.hepco.options import HePCoOptions
+from ..platform.learner import LocalLearner
+from .options import HePCoOptions
 
 
 class HePCoLearner(LocalLearner):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError, ExperimentConfig
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 
 #: Table 3 rows, as names for ``hepco.ablate`` (comma-separated, composable).
 ABLATIONS = ("previous-model", "kl", "mse", "prompt-distillation", "classifier-distillation")
@@ -97,6 +97,8 @@ class HePCoOptions(MethodOptions):
     """
 
     prefix = "hepco"
+    # not random tasks: tasks of the stream, contiguous classes and slices
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY})
 
     noise_dim: int = 64
     label_embed_dim: int = 64
@@ -196,3 +198,8 @@ class HePCoOptions(MethodOptions):
         need(self.client_weights in ("samples", "uniform"),
              f"client-weights must be 'samples' or 'uniform', got {self.client_weights!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
+
+    def check_run(self, cfg: ExperimentConfig) -> None:
+        if self.diagnostics and (cfg.evaluation != "central" or cfg.population != "virtual"):
+            raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
+                              "evaluation = central and population = virtual (simulation)")

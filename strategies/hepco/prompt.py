@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
 
 
 class HePCoPrompt(CodaPrompt):
@@ -21,6 +21,7 @@ class HePCoPrompt(CodaPrompt):
     """
 
     kinds = "pk"  # no attention vectors
+    whole_pool: torch.Tensor  # a buffer (register_buffer), typed for the checker
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__(embed_dim, layers, pool_size, length, num_tasks)

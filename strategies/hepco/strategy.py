@@ -45,25 +45,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.model import resolve_device
-from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes
-from promptfcl.strategies.hepco.diagnostics import RealDataProbe, sample_latents, teacher_accuracy
-from promptfcl.strategies.hepco.distill import distill, train_generator
-from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
-from promptfcl.strategies.hepco.options import HePCoOptions
-from promptfcl.strategies.hepco.prompt import HePCoPrompt
-from promptfcl.strategies.platform.aggregation import combine_records
-from promptfcl.strategies.platform.rounds import Accepted
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from ...common.model import resolve_device
+from ...common.records import arrays_of, from_array_record, to_array_record
+from ..platform.rounds import Accepted
+from ..platform.strategy import PromptStrategy
+from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
+from .distill import distill, train_generator
+from .latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
+from .options import HePCoOptions
+from .prompt import HePCoPrompt
 
 log = logging.getLogger("promptfcl")
 
@@ -78,44 +74,33 @@ class HePCoStrategy(PromptStrategy):
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
     name = "hepco"
-    random_tasks = False  # tasks of the stream: contiguous classes and slices
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
     opts: HePCoOptions
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
-        super().__init__(cfg, num_classes, options)
-        if num_classes % cfg.num_tasks:
-            raise ConfigError(f"{num_classes} classes do not split into {cfg.num_tasks} tasks")
-        self.device = resolve_device(cfg.device)
+    def setup(self) -> None:
+        self.device = resolve_device(self.cfg.device)
         self.task, self.round = 0, 0
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
         self.previous_task = -1
         self.last_report: dict[str, float] = {}
-        if self.opts.diagnostics and (cfg.evaluation != "central" or cfg.population != "virtual"):
-            raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
-                              "evaluation = central and population = virtual (simulation)")
         self._probe: RealDataProbe | None = None
 
-    def average(self, accepted: Sequence[Accepted], weights: np.ndarray,
-                arrays: Sequence[ArrayRecord] | None = None) -> ArrayRecord:
-        """The platform's average; with ``pool-training = "whole"`` and clients on several tasks,
-        the prompt arrays over every reply (each trained the whole pool), the head rows of a task
-        over the replies that trained it."""
-        out = super().average(accepted, weights, arrays)
-        if self.opts.pool_training != "whole" or len({a.task for a in accepted}) < 2:
-            return out
-        records = list(arrays) if arrays is not None else [a.content[ARRAYS] for a in accepted]
-        everyone = from_array_record(combine_records(records, weights, self.combiner))
-        state = from_array_record(out)
-        state.update({name: value for name, value in everyone.items() if name.startswith("prompt.")})
-        return to_array_record(state)
+    def averaging_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
+        """``averaging = "uniform"``: the provisional model is the replies' plain average (1 each);
+        ``"samples"``: the platform's weights."""
+        return np.ones(len(accepted)) if self.opts.averaging == "uniform" else None
+
+    def averaged_over_all(self, name: str) -> bool:
+        """With ``pool-training = "whole"`` the prompt arrays average over every reply (each trained
+        the whole pool) when clients are on several tasks; a task's head rows over its replies."""
+        return self.opts.pool_training == "whole" and name.startswith("prompt.")
 
     def components(self, task: int) -> int:
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
         if self.opts.pool_training == "whole":
             return self.cfg.pool_size
-        return (task + 1) * (self.cfg.pool_size // self.cfg.num_tasks)
+        return (task + 1) * self.layout.components_per_task
 
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
         """The pool-training choice travels in the prompt's ``whole_pool`` buffer; then CODA-P's new slice."""
@@ -136,16 +121,13 @@ class HePCoStrategy(PromptStrategy):
         """Provisional average -> generators -> latent distillation; returns the new global arrays."""
         started = time.perf_counter()
         opts, cfg, task = self.opts, self.cfg, self.task
-        if opts.averaging == "uniform":
-            provisional = from_array_record(self.average(accepted, np.ones(len(accepted))))
-        else:
-            provisional = from_array_record(arrays)
+        provisional = from_array_record(arrays)  # the platform's average, weighted as ``averaging`` says
         if not (opts.distill_prompts or opts.distill_head):
             self.last_report = {"consolidation-seconds": time.perf_counter() - started}
             return to_array_record(provisional)
 
-        per_task = cfg.pool_size // cfg.num_tasks
-        k = self.num_classes // cfg.num_tasks
+        per_task = self.layout.components_per_task
+        k = self.layout.classes_per_task
         dev = self.device
         # the tasks this round's replies trained (one, the current task, with synchronous arrival):
         # the current-task generator and the distillation cover all their classes
@@ -203,9 +185,9 @@ class HePCoStrategy(PromptStrategy):
         groups = []
         for t in sorted({a.task for a in accepted}):
             mine = [i for i, a in enumerate(accepted) if a.task == t]
-            states = [from_array_record(accepted[i].content[ARRAYS]) for i in mine]
+            states = [from_array_record(arrays_of(accepted[i].content)) for i in mine]
             w = None if weights is None else weights[mine]
-            groups.append(TaskTeachers(torch.as_tensor(task_classes(self.cfg, t, self.num_classes), device=self.device),
+            groups.append(TaskTeachers(torch.as_tensor(self.layout.classes(t), device=self.device),
                                        Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),
                                        float(len(mine) if w is None else w.sum())))
         return groups
@@ -257,7 +239,10 @@ class HePCoStrategy(PromptStrategy):
                 out[f"{prefix}-{name}-acc"] = float(teacher_accuracy(head, z, y, seen)[0])
         if opts.diagnostics:
             if self._probe is None:
-                self._probe = RealDataProbe(self.cfg, opts.diagnostics_per_class)
+                from ...common.runtime import get_runtime  # the server's own data and backbone: diagnostics only
+
+                self._probe = RealDataProbe(get_runtime(self.cfg, HePCoPrompt), self.cfg.seed,
+                                            opts.diagnostics_per_class)
             old = np.arange(int(classes[0]))  # the stream's earlier tasks hold the classes below
             out.update(self._probe.measure(provisional, distilled, self.task, seen.cpu().numpy(), old, latents))
         return out

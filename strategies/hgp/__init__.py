@@ -2,7 +2,7 @@
 Prototypes"): per-class Gaussian prototypes from the clients, hierarchical sampling and classifier
 rebalancing on the server."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 # The text this project holds prints the title and the paper, but no authors, venue or year; the
 # entry says so rather than fill them from memory
@@ -12,4 +12,6 @@ CITATION = """\
   note = {The paper's text names no authors, no venue and no year},
 }"""
 
-METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", citation=CITATION)
+METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", prompt=".prompt:HGPPrompt",
+                records=".records:PRIVATE_RECORDS",
+                options=".options:HGPOptions", citation=CITATION)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from promptfcl.common.records import to_array_record
-from promptfcl.strategies.hgp.options import HGPOptions
+from ...common.records import to_array_record
+from .options import HGPOptions
 
 log = logging.getLogger("promptfcl")
 
@@ -108,6 +108,7 @@ def ledoit_wolf(samples: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """``cov`` shrunk toward mu I (mu: its mean variance) by the Ledoit-Wolf intensity of
     ``samples`` (scikit-learn's estimate, "A well-conditioned estimator for large-dimensional
     covariance matrices", Ledoit and Wolf 2004): (1 - s) cov + s mu I."""
+    # scikit-learn is slow to import: only the shrinkage estimate needs it
     from sklearn.covariance import ledoit_wolf_shrinkage
 
     shrinkage = float(ledoit_wolf_shrinkage(samples.numpy()))
@@ -237,6 +238,7 @@ def build_mixture(label: int, counts: torch.Tensor, means: torch.Tensor, kind: s
     dim = means.shape[1]
     fac = std = None
     if kind == "full":
+        assert cov is not None
         c = cov[keep].double()
         c = 0.5 * (c + c.transpose(1, 2))  # float16 transport can break symmetry
         eye = torch.eye(dim, dtype=torch.float64)
@@ -257,9 +259,11 @@ def build_mixture(label: int, counts: torch.Tensor, means: torch.Tensor, kind: s
             fac[bad] = evecs * evals.sqrt()[:, None, :]
             log.debug("class %d: %d covariance(s) not positive definite, spectrum clamped", label, len(bad))
     elif kind == "diag":
+        assert cov is not None
         var = cov[keep].double().clamp_min(0.0)
         std = (var + _ridge(var.mean(1), eps)[:, None]).sqrt()
     elif kind == "lowrank":
+        assert factor is not None and diag is not None
         f, d = factor[keep].double(), diag[keep].double().clamp_min(0.0)
         avg_var = ((f**2).sum((1, 2)) + d.sum(1)) / dim
         fac, std = f, (d + _ridge(avg_var, eps)[:, None]).sqrt()

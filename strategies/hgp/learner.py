@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from promptfcl.common.learner import LocalLearner
-from promptfcl.common.privacy import clip_rows, privacy_options
-from promptfcl.strategies.hgp.gaussians import class_statistics
-from promptfcl.strategies.hgp.options import HGPOptions
-from promptfcl.strategies.hgp.records import STATS
+from ...common.privacy import clip_rows, privacy_options
+from ..platform.learner import LocalLearner
+from .gaussians import class_statistics
+from .options import HGPOptions
+from .records import STATS
 
 
 class HGPLearner(LocalLearner):

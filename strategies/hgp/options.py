@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError, ExperimentConfig
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
+from ...common.privacy import privacy_options, privacy_refused
 
 COV_TYPES = ("full", "diag", "lowrank")
 COV_DTYPES = ("float32", "float16")
@@ -26,6 +27,8 @@ class HGPOptions(MethodOptions):
     """
 
     prefix = "hgp"
+    # not random tasks: CR_old / CR_cur follow the stream's task order
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY})
 
     cov_type: str = "full"  # "full" (paper), "diag" (authors' code default), "lowrank"
     # "ledoit-wolf": each client shrinks its full class covariances toward a scaled identity
@@ -86,3 +89,10 @@ class HGPOptions(MethodOptions):
         need(self.loss in LOSSES, f"loss must be one of {LOSSES}, got {self.loss!r}")
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
         need(self.score_norm in SCORE_NORMS, f"score-norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
+
+    def check_run(self, cfg: ExperimentConfig) -> None:
+        """Low-rank covariances are refused under ``dp.*``: noise on SVD factors is not noise on a bounded
+        covariance."""
+        if self.cov_type == "lowrank" and privacy_options(cfg).enabled:
+            raise privacy_refused(self.prefix, "hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of "
+                                               "the covariance; use cov-type full or diag")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
+from .options import HGPOptions
 
 
 class HGPPrompt(CodaPrompt):
@@ -31,11 +34,11 @@ class HGPPrompt(CodaPrompt):
     kinds = "pk"  # no attention vectors: they are neither trained nor transmitted
     score_norm = "l1"
 
-    def configure(self, cfg: ExperimentConfig) -> None:
-        """The ``hgp.score-norm`` of the run."""
-        from promptfcl.strategies.hgp.options import HGPOptions
+    def configure(self, options: Mapping[str, Any]) -> None:
+        """The ``hgp.score-norm`` of the run (``options``: its namespaced method options)."""
 
-        self.score_norm = HGPOptions.from_options(cfg.method_options("hgp")).score_norm
+        self.score_norm = HGPOptions.from_options({k[len("hgp."):]: v for k, v in options.items()
+                                                   if k.startswith("hgp.")}).score_norm
 
     def weights(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """alpha (B, M_active): cosine of the query with each key, normalised over the pool

@@ -49,11 +49,11 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.privacy import PrivateRecord
-from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import seen_classes, task_classes
-from promptfcl.strategies.hgp.gaussians import (
+from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
+from ..platform.strategy import PromptStrategy
+from .gaussians import (
     FEATURE_BOUND,
     WIRE_ARRAYS,
     ClassMixture,
@@ -65,12 +65,9 @@ from promptfcl.strategies.hgp.gaussians import (
     rebalance_head,
     sample_features,
 )
-from promptfcl.strategies.hgp.options import HGPOptions
-from promptfcl.strategies.hgp.prompt import HGPPrompt
-from promptfcl.strategies.hgp.records import STATS
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
+from .options import HGPOptions
+from .prompt import HGPPrompt
+from .records import PRIVATE_RECORDS, STATS
 
 log = logging.getLogger("promptfcl")
 
@@ -91,7 +88,6 @@ class HGPStrategy(PromptStrategy):
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
     name = "hgp"
-    random_tasks = False  # CR_old / CR_cur follow the stream's task order
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
     # what the platform bounds where the run is defended (stats-bound)
@@ -99,21 +95,7 @@ class HGPStrategy(PromptStrategy):
         "cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})}
     options_class = HGPOptions
     opts: HGPOptions
-    # With dp.clip = C the client clips every feature to norm C before its statistics
-    # (strategies/hgp/learner.py), so a class mean has norm <= C, and the unbiased covariance, positive
-    # semi-definite with trace sum ||x - mu||^2 / (n - 1) = n / (n - 1) (mean ||x||^2 - ||mu||^2)
-    # <= 2 C^2 (n >= 2; zero for n = 1), has Frobenius norm, and so upper-triangle and diagonal
-    # norms, <= 2 C^2. Classes and counts are the label histogram, sent in the clear.
-    private_records = {STATS: PrivateRecord(bounded={"means": (1, 1.0), "cov-triu": (2, 2.0), "cov-diag": (2, 2.0)},
-                                            public=("classes", "counts"))}
-
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Low-rank covariances are refused: noise on SVD factors is not noise on a bounded covariance."""
-        if HGPOptions.from_options(cfg.method_options(cls.name)).cov_type == "lowrank":
-            return ("hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of the covariance; "
-                    "use cov-type full or diag")
-        return ""
+    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, the Gaussian of the client with most samples of it: its mean and one draw from
@@ -135,8 +117,7 @@ class HGPStrategy(PromptStrategy):
                             "meta": meta})
         return out
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.task = 0  # the newest task some client has started
         # per class: its clients' statistics as received, one row per client, with the client
         # ("clients") and the server round it arrived in ("rounds") (checkpointed), and the
@@ -161,11 +142,11 @@ class HGPStrategy(PromptStrategy):
         task uploads on top (classes, counts, means and the ``cov-type`` encoding), which the
         paper's figure does not break out."""
         state = from_array_record(arrays)
-        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        per_task = self.layout.components_per_task
         prompts = sum(per_task * int(np.prod(v.shape[1:])) for k, v in state.items() if k.startswith("prompt."))
         head = sum(int(np.prod(v.shape)) for k, v in state.items() if k.startswith("head."))
         dim = int(state["head.weight"].shape[1])
-        classes = self.num_classes // self.cfg.num_tasks
+        classes = self.layout.classes_per_task
         covariance = {"full": dim * (dim + 1) // 2, "diag": dim, "lowrank": dim * self.opts.cov_rank + dim}
         return {"s2c": prompts + head, "c2s": prompts + classes * (dim + 1),
                 "c2s-statistics": classes * (2 + dim + covariance[self.opts.cov_type])}
@@ -177,8 +158,8 @@ class HGPStrategy(PromptStrategy):
         content = reply.content
         if STATS not in content.array_records:
             return f"{STATS!r} is not an array record"
-        arrays = from_array_record(content[STATS])
-        dim = int(content[ARRAYS]["head.weight"].shape[1])  # already checked against what was sent
+        arrays = from_array_record(arrays_of(content, STATS))
+        dim = int(arrays_of(content)["head.weight"].shape[1])  # already checked against what was sent
         try:
             kind = check_class_stats(arrays, dim)
         except ValueError as exc:
@@ -188,11 +169,11 @@ class HGPStrategy(PromptStrategy):
         expected = {"classes", "counts", "means"} | set(WIRE_ARRAYS[kind])
         if set(arrays) != expected:
             return f"class statistics hold {sorted(arrays)}, expected {sorted(expected)}"
-        examples = int(content[METRICS]["num-examples"])
+        examples = as_int(metrics_of(content)["num-examples"])
         if int(arrays["counts"].sum()) != examples:
             # the counts weigh the mixtures: they must be the samples the client trained on
             return f"class counts sum to {int(arrays['counts'].sum())}, num-examples is {examples}"
-        outside = set(arrays["classes"].tolist()) - set(task_classes(self.cfg, sent.task, self.num_classes).tolist())
+        outside = set(arrays["classes"].tolist()) - set(self.layout.classes(sent.task).tolist())
         if outside:
             return f"class statistics for classes {sorted(outside)[:5]} outside the task it was sent"
         for name, bound in (("means", FEATURE_BOUND), *((k, FEATURE_BOUND**2) for k in WIRE_ARRAYS[kind])):
@@ -225,7 +206,7 @@ class HGPStrategy(PromptStrategy):
 
         if self.opts.rebalance_logits == "seen":
             newest = self.task if in_flight is None else in_flight[-1]
-            allowed = torch.as_tensor(seen_classes(self.cfg, newest, self.num_classes))
+            allowed = torch.as_tensor(self.layout.seen(newest))
         else:
             allowed = torch.tensor(sorted(m.label for m in mixtures))
         sampled = time.perf_counter()
@@ -280,8 +261,8 @@ class HGPStrategy(PromptStrategy):
         for (client, task), content in zip(origins, replies):
             if STATS not in content.array_records:
                 continue
-            allowed = set(task_classes(self.cfg, task, self.num_classes).tolist())
-            arrays = from_array_record(content[STATS])  # stored as received, decoded when a mixture is built
+            allowed = set(self.layout.classes(task).tolist())
+            arrays = from_array_record(arrays_of(content, STATS))  # stored as received, decoded when a mixture is built
             for row, c in enumerate(arrays["classes"].tolist()):
                 if c in allowed and int(arrays["counts"][row]) > 0:
                     fresh.setdefault(c, []).append((arrays, row, client))
@@ -312,7 +293,7 @@ class HGPStrategy(PromptStrategy):
         stored = self.class_stats.get(label)
         if stored is None or "clients" not in stored:
             return None
-        task = label // (self.num_classes // self.cfg.num_tasks)  # the stream's tasks own contiguous classes
+        task = self.layout.task_of(label)  # the stream's tasks own contiguous classes
         keep = np.array(
             [
                 c not in reporters and c >= 0 and self.client_position(int(c), server_round - 1) > task
@@ -347,9 +328,9 @@ class HGPStrategy(PromptStrategy):
         in_flight = range(self.task, self.task + 1) if in_flight is None else in_flight
         labels: list[int] = []
         if self.opts.rebalance_old:
-            labels += seen_classes(self.cfg, in_flight.start - 1, self.num_classes).tolist() if in_flight.start else []
+            labels += self.layout.seen(in_flight.start - 1).tolist() if in_flight.start else []
         if self.opts.rebalance_cur:
-            labels += [c for t in in_flight for c in task_classes(self.cfg, t, self.num_classes).tolist()]
+            labels += [c for t in in_flight for c in self.layout.classes(t).tolist()]
         return [m for m in (self.mixture(c) for c in labels) if m is not None]
 
     # ------------------------------------------------------------------ checkpoint

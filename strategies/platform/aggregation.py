@@ -1,7 +1,8 @@
 """How accepted replies become one model: their weights, and how their arrays combine.
 
 Two policies every method's aggregation goes through, chosen once from the run config
-(:func:`aggregation_policies`), so no method weighs or combines replies its own way:
+(:func:`aggregation_policies`, by the platform's constructor), so no method weighs or combines
+replies its own way:
 
 * **weighting**: sample counts (FedAvg), each capped at ``max-client-weight`` of the round
   where counts cannot be verified (``population = "nodes"``, from 2 replies on);
@@ -9,21 +10,23 @@ Two policies every method's aggregation goes through, chosen once from the run c
   (``aggregation``) with Flower's own aggregation functions.
 
 :func:`aggregate_per_task` applies them per task slice (clients on different tasks in one
-round, asynchronous arrival and random tasks).
+round, asynchronous arrival and random tasks); :func:`average_replies` is the platform's default
+``aggregate``, a method's arrays reach it through the hooks ``averaging_weights`` and
+``averaged_over_all`` (strategies/platform/strategy.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord
 
-from promptfcl.common.config import AGGREGATIONS, ExperimentConfig
-from promptfcl.common.records import to_array_record
-from promptfcl.common.tasks import task_rows
-from promptfcl.strategies.platform.replies import capped_weights, combine
+from ...common.config import AGGREGATIONS
+from ...common.records import from_array_record, to_array_record
+from ...common.tasks import TaskLayout
+from .replies import capped_weights, combine
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,14 @@ class Combiner:
         return combine(values, weights, self.mode, self.trim)
 
 
-def aggregation_policies(cfg: ExperimentConfig) -> tuple[Weighting, Combiner]:
-    """The run's weighting and combining (counts are capped only where the server cannot check them)."""
-    if cfg.aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {cfg.aggregation!r}; one of {AGGREGATIONS}")
-    cap = cfg.max_client_weight if cfg.population == "nodes" else 0.0
-    return Weighting(cap), Combiner(cfg.aggregation, cfg.trim_fraction)
+def aggregation_policies(aggregation: str, trim_fraction: float,
+                         client_weight_cap: float) -> tuple[Weighting, Combiner]:
+    """The run's weighting and combining (``aggregation``, ``trim-fraction``): counts capped at
+    ``client_weight_cap`` of the round (the run's ``max-client-weight`` where the server cannot
+    check them, ``population = "nodes"``; 0: uncapped)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS}")
+    return Weighting(client_weight_cap), Combiner(aggregation, trim_fraction)
 
 
 def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: Combiner = Combiner()) -> ArrayRecord:
@@ -72,40 +77,61 @@ def weighted_average(records: list[ArrayRecord], weights: np.ndarray) -> ArrayRe
     return combine_records(records, weights)
 
 
+def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weights: np.ndarray, per_task: str,
+                    base: ArrayRecord | None, layout: TaskLayout, combiner: Combiner,
+                    over_all: Callable[[str], bool] | None = None) -> ArrayRecord:
+    """The replies' arrays (``records``, trained on ``tasks``) combined with ``weights``.
+
+    Per task slice and head rows over the replies that trained each (``per_task`` "always", or
+    "in-flight" with several tasks in the round; ``base``: the arrays the round started from), so
+    a slice trained only by clients that are ahead is not diluted; else every array over every
+    reply. With several tasks, the arrays ``over_all`` names are combined over every reply anyway
+    (every reply trained all of them: HePCo's whole-pool training).
+    """
+    several = len(set(tasks)) > 1
+    if (per_task == "always" or (per_task == "in-flight" and several)) and base is not None:
+        updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
+        out = to_array_record(aggregate_per_task(layout, from_array_record(base), updates, combiner))
+    else:
+        out = combine_records(list(records), weights, combiner)
+    shared = [name for name in records[0].keys() if over_all(name)] if over_all is not None and several else []
+    if not shared:
+        return out
+    state = from_array_record(out)
+    state.update({name: combiner([r[name].numpy() for r in records], weights) for name in shared})
+    return to_array_record(state)
+
+
 def aggregate_per_task(
-    cfg: ExperimentConfig,
+    layout: TaskLayout,
     base: Mapping[str, np.ndarray],
-    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
-    num_classes: int,
-    combiner: Combiner | None = None,
+    updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
+    combiner: Combiner = Combiner(),
 ) -> dict[str, np.ndarray]:
     """FedAvg per task slice, all tasks of the round in parallel.
 
     Parameters
     ----------
-    cfg : ExperimentConfig
-        Locates a task's rows (``common.data.task_rows``): its slice of every prompt array,
+    layout : TaskLayout
+        Locates a task's rows (``TaskLayout.task_rows``): its slice of every prompt array,
         its classes' rows of every head array.
     base : dict
         The server's arrays this round started from (values of rows nobody trained).
     updates : list of (task, arrays, weight)
         Each accepted reply: the task its client trained, its arrays, its weight.
-    num_classes : int
-        Classes of the head.
     combiner : Combiner, optional
-        The run's combining rule (default: the run config's ``aggregation``).
+        The run's combining rule (default: the weighted mean).
 
     Each row is the weighted average over the replies whose task owns it, so a head row shared
     by two tasks (random tasks of overlapping classes) averages both. Any array that is not
     task-structured is combined over all replies. With a median or trimmed-mean combiner, each
     row is instead the coordinate-wise median (trimmed mean) over the replies whose task owns it.
     """
-    combiner = combiner or Combiner(cfg.aggregation, cfg.trim_fraction)
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
     out: dict[str, np.ndarray] = {}
     for name, value in base.items():
         value = np.asarray(value)
-        if task_rows(cfg, name, value, 0, num_classes) is None:  # not task-structured: every reply
+        if layout.task_rows(name, value, 0) is None:  # not task-structured: every reply
             if combiner.mode != "mean":
                 out[name] = combiner([a[name] for _, a, _ in updates], all_weights)
                 continue
@@ -114,12 +140,12 @@ def aggregate_per_task(
             out[name] = np.asarray(acc).astype(value.dtype)
             continue
         if combiner.mode != "mean":
-            out[name] = _robust_per_row(cfg, name, value, updates, num_classes, combiner)
+            out[name] = _robust_per_row(layout, name, value, updates, combiner)
             continue
         total = np.zeros(value.shape, dtype=np.float64)
         weight = np.zeros(value.shape[0], dtype=np.float64)
         for task, arrays, w in updates:
-            rows = task_rows(cfg, name, value, int(task), num_classes)
+            rows = layout.task_rows(name, value, int(task))
             total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
             weight[rows] += float(w)
         trained = weight > 0
@@ -131,22 +157,21 @@ def aggregate_per_task(
 
 
 def _robust_per_row(
-    cfg: ExperimentConfig,
+    layout: TaskLayout,
     name: str,
     value: np.ndarray,
-    updates: list[tuple[int, Mapping[str, np.ndarray], float]],
-    num_classes: int,
+    updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]],
     combiner: Combiner,
 ) -> np.ndarray:
     """Median / trimmed mean per row over the replies whose task owns the row (rows grouped by
     the set of replies that trained them); untrained rows keep ``value``."""
     owners = np.zeros((value.shape[0], len(updates)), dtype=bool)
     for i, (task, _, _) in enumerate(updates):
-        owners[task_rows(cfg, name, value, int(task), num_classes), i] = True
+        owners[layout.task_rows(name, value, int(task)), i] = True
     merged = value.copy()
     for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
         rows = np.flatnonzero((owners == pattern).all(axis=1))
-        idx = np.flatnonzero(pattern)
+        idx = np.flatnonzero(pattern).tolist()
         merged[rows] = combiner(
             [np.asarray(updates[i][1][name])[rows] for i in idx], np.array([updates[i][2] for i in idx])
         )

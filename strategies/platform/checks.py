@@ -1,6 +1,6 @@
 """Checks of what a client reply carries, before any of it is used.
 
-Any client may be broken or hostile: :meth:`PromptStrategy.accept` runs :func:`platform_problem`
+Any client may be broken or hostile: ``PromptStrategy``'s reply checks run :func:`platform_problem`
 on every reply (then the method's own ``check_records``), and a reply that fails is left out,
 logged with the node it stands for. The schema of the metrics record and the update-norm and
 weighting rules are in :mod:`promptfcl.strategies.platform.replies`.
@@ -15,17 +15,20 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.records import (
+from ...common.records import (
     ARRAYS,
     EVALUATE_TASK,
     EVALUATION,
     METRICS,
     PLACEMENT,
     PLACEMENT_FIELDS,
+    arrays_of,
+    as_int,
+    metrics_of,
     payload_bytes,
 )
-from promptfcl.strategies.platform.replies import MetricSpec, check_metrics
-from promptfcl.strategies.platform.rounds import Sent
+from .replies import MetricSpec, check_metrics
+from .rounds import Sent
 
 #: records any reply may carry besides the method's own; the platform checks placement, the server
 #: loop the evaluation counts a train reply carries (evaluate-with-train)
@@ -72,7 +75,7 @@ class SampleBounds:
         if self.max_examples is not None and n > self.max_examples:
             return f"implausible num-examples {n} (a client holds at most {self.max_examples})"
         if self.examples_of is not None:
-            expected = self.examples_of(sent.client, int(sent.config["task"]), int(sent.config["round"]))
+            expected = self.examples_of(sent.client, as_int(sent.config["task"]), as_int(sent.config["round"]))
             if n != expected:
                 return f"num-examples {n}, but client {sent.client} holds {expected} for this task"
         if self.nodes:
@@ -122,7 +125,7 @@ def platform_problem(reply: Message, sent: Sent | None, expected: ArrayRecord | 
     reason = check_metrics(content[METRICS], reply_metrics)
     if reason is not None:
         return reason
-    n = int(content[METRICS]["num-examples"])
+    n = as_int(metrics_of(content)["num-examples"])
     if n == 0:
         return NO_EXAMPLES
     names = method_records(content)
@@ -135,7 +138,7 @@ def platform_problem(reply: Message, sent: Sent | None, expected: ArrayRecord | 
     size = payload_bytes(content)
     if size > max_bytes:
         return f"reply of {size} bytes exceeds max-reply-bytes = {max_bytes}"
-    arrays = content[ARRAYS]
+    arrays = arrays_of(content)
     if expected is not None:
         if set(arrays.keys()) != set(expected.keys()):
             return f"array names differ from those sent: {sorted(set(arrays.keys()) ^ set(expected.keys()))[:4]}"

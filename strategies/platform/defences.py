@@ -29,19 +29,22 @@ punished, and a hostile client's second strike ends its part in the run.
 The lower median (the ceil(n/2)-th smallest) and the coordinate-wise median are honest values
 while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the screens and
 returns a :class:`Screening`: what each reply became, why, and each reply's cosine (recorded in
-every round, defended or not, so a reader sees how far honest clients disagree).
+every round, defended or not, so a reader sees how far honest clients disagree). The platform
+applies it (``UpdateScreen.apply``) among the run's policies (strategies/platform/policies.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from promptfcl.strategies.platform.replies import lower_median, median_cosines, norm_outliers
+from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
+from .replies import clipped_update, lower_median, median_cosines, norm_outliers, update_norm, update_of
+from .rounds import Accepted, Sent
 
 log = logging.getLogger("promptfcl")
 
@@ -222,6 +225,31 @@ class UpdateScreen:
                 if scale < 1.0:
                     out.scales[i] = scale
         return out
+
+    def apply(self, replies: Sequence[Accepted], start_of: Callable[[Sent], Mapping[str, np.ndarray] | None]
+              ) -> tuple[list[Accepted], list[tuple[Accepted, str]], dict[str, int]]:
+        """Screen a round's replies that passed the record checks, as the platform does.
+
+        Each reply's update is measured from what ``start_of`` says its message started from (once,
+        for every screen); each reply gets its ``update_norm`` and ``cosine``, and a clipped one its
+        shortened arrays (its direction kept). Returns the replies kept, those excluded with why,
+        and the replies each defence excluded or clipped.
+        """
+        updates = [update_of(from_array_record(arrays_of(a.content)), start_of(a.sent)) for a in replies]
+        norms = [update_norm(u, None) for u in updates]
+        screening = self(updates, norms, [a.task for a in replies], [a.sent.client for a in replies])
+        kept, excluded = [], []
+        for i, a in enumerate(replies):
+            a.update_norm, a.cosine = norms[i], screening.cosines[i]
+            if i in screening.excluded:
+                excluded.append((a, screening.excluded[i][1]))
+                continue
+            if i in screening.scales:  # norm bounding: shortened, its direction kept
+                a.content[ARRAYS] = to_array_record(clipped_update(
+                    from_array_record(arrays_of(a.content)), start_of(a.sent), screening.scales[i]))
+                a.update_norm = norms[i] * screening.scales[i]
+            kept.append(a)
+        return kept, excluded, screening.counts()
 
 
 def _task_groups(tasks: Sequence[int]) -> list[list[int]]:

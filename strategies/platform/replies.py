@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from promptfcl.common.config import AGGREGATIONS
-from promptfcl.common.startup import PHASES, metric_name
+from ...common.config import AGGREGATIONS
+from ...common.startup import PHASES, metric_name
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ PLAN_METRICS: dict[str, MetricSpec] = {
     "backbone-mapped-mb": MetricSpec(float, required=False, low=0),
 }
 
-#: the metrics record of a train reply (common/learner.py, client/app.py)
+#: the metrics record of a train reply (strategies/platform/learner.py, client/app.py)
 REPLY_METRICS: dict[str, MetricSpec] = {
     "num-examples": MetricSpec(int, low=0),
     "train-loss": MetricSpec(float),
@@ -193,7 +193,7 @@ def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: 
             f"update-min-cosine = {min_cosine:g}" for c in median_cosines(updates)]
 
 
-def capped_weights(counts: Sequence[float], cap: float) -> np.ndarray:
+def capped_weights(counts: Sequence[float] | np.ndarray, cap: float) -> np.ndarray:
     """Normalised weights proportional to ``counts`` with none above ``cap`` (excess shared
     among the others in proportion); unchanged when no weight exceeds ``cap`` or a cap
     cannot be met (fewer than 1 / cap replies)."""
@@ -224,7 +224,7 @@ def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean
         for wi, v in zip(w, values):
             acc += wi * np.asarray(v, dtype=np.float64)
         return acc.astype(first.dtype)
-    from promptfcl.common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
+    from ...common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
 
     aggregate_median, aggregate_trimmed_avg = internal("aggregate_median"), internal("aggregate_trimmed_avg")
     layers = [([np.asarray(v, dtype=np.float64)], 1) for v in values]

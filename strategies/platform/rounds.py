@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS
+from ...common.records import ARRAYS, CONFIG, as_int, metrics_of
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Accepted:
 
     @property
     def examples(self) -> int:
-        return int(self.reply.content[METRICS]["num-examples"])
+        return as_int(metrics_of(self.reply.content)["num-examples"])
 
     @property
     def client(self) -> int:
@@ -89,6 +89,7 @@ class SentRound:
 
     sent: list[Sent] = field(default_factory=list)
     skipped: int = 0  # sampled clients the method sent nothing (its payload was None)
+    sample_rate: float = 0.0  # sampled / population at this sampling (Sampling._clients)
     _by_id: dict[str, Sent] = field(default_factory=dict)
     _taken: set[int] = field(default_factory=set)
 

@@ -18,9 +18,10 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.node_identity import grid_names, node_label
-from promptfcl.strategies.platform.rounds import Sent, SentRound
+from ...common.config import ExperimentConfig
+from ...common.node_identity import grid_names, node_label
+from ...common.records import as_int
+from .rounds import Sent, SentRound
 
 log = logging.getLogger("promptfcl")
 
@@ -85,24 +86,16 @@ class Sampling:
     cfg: ExperimentConfig
     num_classes: int
     schedule: Any
-    schedule_slots: dict[int, int]
+    _schedule_slots: dict[int, int]
     _nodes_ready: bool
     _warned_few_nodes: bool
-    #: the last sampling's sampled / population: with population = "nodes" the population is the
-    #: nodes connected at sampling time, so a node that dropped out raises it (differential
-    #: privacy's accountant composes each round at its own rate, server/results.py)
-    last_sample_rate: float
     #: population = "nodes": each connected node's registered name (or key fingerprint), where
     #: Flower's NodeInfo says (deployment), for logs and records
-    node_names: dict[int, str]
+    _node_names: dict[int, str]
 
     @property
     def clients_per_round(self) -> int:
-        if self.cfg.centralised:
-            return 1
-        if self.cfg.clients_per_round > 0:
-            return self.cfg.clients_per_round
-        return max(1, int(round(self.cfg.client_fraction * self.cfg.num_clients)))
+        return self.cfg.sampled_per_round
 
     @property
     def population_size(self) -> int:
@@ -112,7 +105,7 @@ class Sampling:
     @property
     def sample_rate(self) -> float:
         """The share of the population one round trains without drop-outs (the nominal sampling
-        rate q; each round's own is :attr:`last_sample_rate`)."""
+        rate q; each round's own is its outcome's ``sample_rate``)."""
         return min(1.0, self.clients_per_round / self.population_size)
 
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
@@ -125,32 +118,34 @@ class Sampling:
     def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
         nodes = connected_nodes(grid, minimum, timeout)
         if self.cfg.population == "nodes":  # a node connected now may be new: learn its registered name
-            self.node_names.update(grid_names(grid))
+            self._node_names.update(grid_names(grid))
         return nodes
 
     def node_label(self, node_id: int) -> str:
         """``node <id>`` with its registered name or key fingerprint where known (common/node_identity.py)."""
-        return node_label(int(node_id), self.node_names.get(int(node_id), ""))
+        return node_label(int(node_id), self._node_names.get(int(node_id), ""))
 
     def named(self, entry: dict[str, Any]) -> dict[str, Any]:
         """A record of ``entry["node"]`` (a rejection, a failed evaluation) with its registered ``name``."""
-        name = self.node_names.get(int(entry["node"]))
+        name = self._node_names.get(int(entry["node"]))
         return {**entry, "name": name} if name else entry
 
-    def _clients(self, config: ConfigRecord, grid: Grid) -> list[tuple[int, int, int]]:
-        """(client id, node id, schedule slot) of each client of this round."""
-        task, round_, attempt = int(config["task"]), int(config["round"]), int(config.get("attempt", 0))
+    def _clients(self, config: ConfigRecord, grid: Grid) -> tuple[list[tuple[int, int, int]], float]:
+        """(client id, node id, schedule slot) of each client of this round, and the sampling's rate:
+        sampled / population, where with population = "nodes" the population is the nodes connected
+        at sampling time, so a node that dropped out raises it (differential privacy's accountant
+        composes each round at its own rate, server/results.py)."""
+        task, round_, attempt = as_int(config["task"]), as_int(config["round"]), as_int(config.get("attempt", 0))
         if self.cfg.population == "nodes":  # every connected node is one client with its own data
             # before the first round, wait for the whole population; later, for enough to aggregate
             minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
             nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
             self._nodes_ready = True
             sampled = self.sample_nodes(nodes, task, round_, attempt)
-            self.last_sample_rate = len(sampled) / len(nodes)
             # a node's place in the sorted connected ids is its turn in the task schedule
-            return [(node_client_id(n), n, nodes.index(n)) for n in sampled]
+            return [(node_client_id(n), n, nodes.index(n)) for n in sampled], len(sampled) / len(nodes)
         clients = self.sample_clients(task, round_, attempt)
-        self.last_sample_rate = len(clients) / self.population_size
+        rate = len(clients) / self.population_size
         nodes = sorted(grid.get_node_ids())
         if not nodes:
             raise RuntimeError("no Flower nodes are connected")
@@ -158,15 +153,16 @@ class Sampling:
             log.warning("%d clients per round but %d Flower nodes: nodes play several clients in turn "
                         "(start more SuperNodes / num-supernodes for parallelism)", len(clients), len(nodes))
             self._warned_few_nodes = True
-        return [(client, nodes[i % len(nodes)], client) for i, client in enumerate(clients)]
+        return [(client, nodes[i % len(nodes)], client) for i, client in enumerate(clients)], rate
 
     def _send(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
               make: Callable[[Sent, ArrayRecord], RecordDict | None], kind: str) -> SentRound:
         """The round's messages: each sampled client's config, then the method's content for it."""
-        out = SentRound()
-        for client, node, slot in self._clients(config, grid):
-            client_config = self.client_config(config, client, slot, server_round)
-            sent = Sent(client, int(client_config["task"]), int(client_config["round"]),
+        clients, rate = self._clients(config, grid)
+        out = SentRound(sample_rate=rate)
+        for client, node, slot in clients:
+            client_config = self._client_config(config, client, slot, server_round)
+            sent = Sent(client, as_int(client_config["task"]), as_int(client_config["round"]),
                         slot % self.schedule.num_clients, client_config)
             content = make(sent, arrays)
             if content is None:
@@ -176,14 +172,14 @@ class Sampling:
             out.sent.append(sent)
         return out
 
-    def client_config(self, config: ConfigRecord, client_id: int, slot: int, server_round: int) -> ConfigRecord:
+    def _client_config(self, config: ConfigRecord, client_id: int, slot: int, server_round: int) -> ConfigRecord:
         """The round's config for one client: its id, and its own task when tasks arrive asynchronously."""
         client_config = ConfigRecord(dict(config))
         client_config["client-id"] = client_id
         client_config["server-round"] = server_round
         client_config["config-digest"] = self.cfg.digest()
         turn = slot % self.schedule.num_clients
-        self.schedule_slots[client_id] = turn
+        self._schedule_slots[client_id] = turn
         if not self.schedule.synchronous:
             client_config["task"], client_config["round"] = self.schedule.assignment(turn, server_round - 1)
         if self.cfg.task_generator == "random":  # a deployed node plays the schedule's client of its turn
@@ -195,7 +191,7 @@ class Sampling:
     # ------------------------------------------------------------------ schedule helpers for methods
     def client_position(self, client_id: int, round_index: int) -> int:
         """The task ``client_id`` is on in ``round_index`` (0-based), by the schedule."""
-        slot = self.schedule_slots.get(client_id, client_id % self.schedule.num_clients)
+        slot = self._schedule_slots.get(client_id, client_id % self.schedule.num_clients)
         return self.schedule.position(slot, round_index)
 
     def tasks_in_flight(self, round_index: int) -> range:

@@ -33,9 +33,9 @@ from functools import partial
 
 import numpy as np
 
-from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.strategies.platform.replies import lower_median
-from promptfcl.strategies.platform.rounds import Accepted
+from ...common.records import arrays_of, from_array_record, to_array_record
+from .replies import lower_median
+from .rounds import Accepted
 
 #: how a second-moment array holds one covariance per row
 PACKED_TRIU, DIAGONAL, FACTOR = "packed-triu", "diagonal", "factor"
@@ -83,7 +83,7 @@ class StatisticsBound:
         changed = 0
         for name, spec in specs.items():
             holders = [a for a in replies if name in a.content.array_records]
-            before = [from_array_record(a.content[name]) for a in holders]
+            before = [from_array_record(arrays_of(a.content, name)) for a in holders]
             ratios.update(self.ratios(before, spec))
             if not self.active:
                 continue

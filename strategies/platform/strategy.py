@@ -6,28 +6,34 @@ weights, per-task averaging and the round's records. A method fills hooks only, 
 override the contract (``__init_subclass__`` refuses), so no method checks, weighs or
 averages replies its own way:
 
+* ``setup()``  the method's own state, at the end of the platform's constructor (sealed)
 * ``round_start(server_round, task, round_, arrays)``  before the round's messages are made
 * ``payload(sent, arrays)``  one client's message content (default: the arrays and config);
   it may set ``sent.expected`` / ``sent.start`` / ``sent.data`` when the client gets its own
 * ``check_records(reply, sent)``  the method's records of a reply the platform accepted
 * ``aggregate(accepted)``  the round's arrays (default: the weighted average, per task slice
-  when clients are on several tasks and ``per_task`` says so)
+  when clients are on several tasks and ``per_task`` says so; ``averaging_weights`` and
+  ``averaged_over_all`` adjust it)
 * ``consolidate(server_round, arrays, accepted)``  a server step after averaging
 * ``round_metrics(accepted)``  the method's figures for the round's record
 * ``on_task_start`` / ``on_task_end``; ``uses_exchange`` / ``exchange_payload`` /
   ``check_exchange`` / ``use_exchange`` (a query before training, Powder's measuring step);
-  ``evaluation_pools``; ``state_dict`` / ``load_state_dict``; ``privacy_refusal``,
-  ``uploaded_features``, ``audit_notes``
+  ``evaluation_pools``; ``state_dict`` / ``load_state_dict``; ``uploaded_features``, ``audit_notes``
 
 Each accepted reply arrives as an :class:`~promptfcl.strategies.platform.rounds.Accepted`:
-its message, the client and task the server sent, its weight. How replies weigh and combine
-is the run's policy (:mod:`~promptfcl.strategies.platform.aggregation`), not the method's.
+its message, the client and task the server sent, its weight. How replies are screened, weigh,
+combine and how their statistics are bounded is the run's policy
+(:mod:`~promptfcl.strategies.platform.policies`), not the method's. The server loop receives each
+round as a value, :class:`~promptfcl.strategies.platform.outcome.RoundOutcome`
+(``aggregate_round``; Flower's ``aggregate_train`` returns its arrays and metrics).
+What of a run a method supports is declared on its options (``COMPATIBILITY``, ``check_run``)
+and checked before anything loads (:mod:`~promptfcl.strategies.platform.run_checks`), not here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,26 +42,41 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import CodaPrompt
-from promptfcl.common.options import MethodOptions, NoOptions
-from promptfcl.common.privacy import PrivateRecord, check_privacy, privacy_options
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, PLACEMENT, from_array_record, to_array_record
-from promptfcl.common.schedule import task_schedule
-from promptfcl.common.trust import resolve_trust
-from promptfcl.strategies.platform.aggregation import aggregate_per_task, aggregation_policies, combine_records
-from promptfcl.strategies.platform.checks import NO_EXAMPLES, SampleBounds, platform_problem
-from promptfcl.strategies.platform.defences import update_screen
-from promptfcl.strategies.platform.replies import REPLY_METRICS, MetricSpec, clipped_update, update_norm, update_of
-from promptfcl.strategies.platform.rounds import Accepted, Sent, SentRound
-from promptfcl.strategies.platform.sampling import Sampling
-from promptfcl.strategies.platform.statistics import Statistics, StatisticsBound
+from ...common.config import ExperimentConfig
+from ...common.model import CodaPrompt
+from ...common.options import MethodOptions, NoOptions
+from ...common.privacy import PrivateRecord, privacy_options
+from ...common.records import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    PLACEMENT,
+    as_float,
+    as_int,
+    config_of,
+    from_array_record,
+    metrics_of,
+    to_array_record,
+)
+from ...common.schedule import task_schedule
+from ...common.tasks import TaskLayout
+from ...common.trust import resolve_trust
+from .aggregation import aggregation_policies, average_replies
+from .checks import NO_EXAMPLES, SampleBounds, platform_problem
+from .defences import update_screen
+from .outcome import RoundOutcome
+from .policies import RunPolicies
+from .replies import REPLY_METRICS, MetricSpec
+from .rounds import Accepted, Sent, SentRound
+from .sampling import Sampling
+from .statistics import Statistics, StatisticsBound
 
 log = logging.getLogger("promptfcl")
 
-#: Flower's contract and the platform's round logic: methods fill hooks instead
-SEALED = frozenset({"configure_train", "aggregate_train", "configure_exchange", "aggregate_exchange", "accept",
-                    "check_reply"})
+#: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
+#: ``setup``): methods fill hooks instead
+SEALED = frozenset({"__init__", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
+                    "aggregate_exchange", "check_reply"})
 
 
 class PromptStrategy(Sampling, FedAvg):
@@ -95,11 +116,6 @@ class PromptStrategy(Sampling, FedAvg):
     statistics: dict[str, Statistics] = {}
     #: the fields a train reply's metrics record may hold (strategies/platform/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
-    #: whether the method works with clients on different tasks in one round (``switch-fraction``
-    #: < 1); methods whose task-end step assumes every client has finished the task set False
-    asynchronous_tasks: bool = True
-    #: whether the method runs on Powder's random tasks (``task-generator = "random"``)
-    random_tasks: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,59 +137,38 @@ class PromptStrategy(Sampling, FedAvg):
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
         self.cfg = cfg
         self.num_classes = num_classes
+        self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
-        self.weighting, self.combiner = aggregation_policies(cfg)
         self.bounds = SampleBounds(nodes=cfg.population == "nodes")
-        self.schedule = self.check_schedule(cfg)
-        self.check_privacy(cfg)
+        self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
         self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
-        self.screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm,
-                                    cfg.update_clip, cfg.update_min_cosine, cfg.update_reversed_norm,
-                                    cfg.update_strikes, privacy_options(cfg).noise_multiplier)
-        self.stats_bound = StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0)
-        self.defence_counts: dict[str, int] = {}  # the last aggregation's replies excluded or clipped per defence
-        self.sent_round = SentRound()  # this round's train messages
-        self.exchange_round = SentRound()  # this round's exchange before training
+        # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
+        # only where the run is defended; counts are capped only where the server cannot check them
+        weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
+                                                   cfg.max_client_weight if cfg.population == "nodes" else 0.0)
+        screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
+                               cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
+                               privacy_options(cfg).noise_multiplier)
+        self.policies = RunPolicies(weighting, combiner, screen,
+                                    StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
-        self.rejected: list[tuple[int, str]] = []  # (node id, reason) of the last aggregation
-        self.exchange_rejected: list[tuple[int, str]] = []
-        self.exchange_bounded = 0  # statistics rows of this round's exchange answers bounded
-        self.stats_ratios: dict[str, float] = {}  # per statistics array: largest row scale / the round's reference
-        self.accepted: list[Accepted] = []  # the last aggregation's accepted replies
-        self.placements: dict[str, dict[str, str]] = {}  # reply-to message id -> where an accepted reply trained
-        self.schedule_slots: dict[int, int] = {}  # client id -> its turn in the task schedule
+        self._sent_round = SentRound()  # this round's train messages
+        self._exchange_round = SentRound()  # this round's exchange before training
+        self._exchange_rejected: list[tuple[int, str]] = []  # (node id, reason) of its answers left out
+        self._exchange_bounded = 0  # statistics rows of this round's exchange answers bounded
+        self._exchange_ratios: dict[str, float] = {}  # per statistics array: largest row scale / its reference
+        self._schedule_slots: dict[int, int] = {}  # client id -> its turn in the task schedule
         self._decoded: tuple[ArrayRecord | None, dict[str, np.ndarray]] = (None, {})
         self._warned_few_nodes = False
         self._nodes_ready = False  # population = "nodes": the first round has found its nodes
-        self.last_sample_rate = self.sample_rate  # the last sampling's sampled / population (Sampling)
-        self.node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
-
-    # ------------------------------------------------------------------ checks before any loading
-    @classmethod
-    def check_schedule(cls, cfg: ExperimentConfig) -> Any:
-        """The run's task schedule, if this method can follow it (else ConfigError, before any loading)."""
-        from promptfcl.common.config import ConfigError
-
-        schedule = task_schedule(cfg)
-        if cfg.task_generator == "random" and not (cls.random_tasks and cls.asynchronous_tasks):
-            raise ConfigError(f"strategy {cls.name!r} needs the shared task stream (task-generator = stream): "
-                              "its server step assumes tasks of disjoint classes in stream order")
-        if not schedule.synchronous and not cls.asynchronous_tasks:
-            raise ConfigError(f"strategy {cls.name!r} needs synchronous task arrival (switch-fraction = 1 and "
-                              f"switch-every = 0): {schedule.describe()}")
-        return schedule
-
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Why this method cannot bound its uploads under ``cfg`` ("": it can); options may matter."""
-        return ""
-
-    @classmethod
-    def check_privacy(cls, cfg: ExperimentConfig) -> None:
-        """Refuse ``dp.*`` (ConfigError) for a method whose upload cannot be bounded, before any loading."""
-        check_privacy(cfg, cls.name, cls.privacy_refusal(cfg))
+        self._node_names: dict[int, str] = {}  # registered names of the nodes seen (Sampling.connected_nodes)
+        self.setup()
 
     # ------------------------------------------------------------------ hooks (defaults)
+    def setup(self) -> None:
+        """The method's own state, made once the platform's is (``cfg``, ``layout``, ``opts``...).
+        A method never overrides ``__init__`` (sealed)."""
+
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
         """Before the round's messages are made (``task``, ``round_``: the nominal ones)."""
 
@@ -189,8 +184,24 @@ class PromptStrategy(Sampling, FedAvg):
         return None
 
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
-        """The round's arrays from the accepted replies: their weighted average (:meth:`average`)."""
-        return self.average(accepted, np.array([a.weight for a in accepted]))
+        """The round's arrays from the accepted replies: their average with the run's combiner, per
+        task slice and head rows over the replies that trained each (``per_task``) when they trained
+        several tasks, so a slice trained only by clients that are ahead is not diluted."""
+        weights = self.averaging_weights(accepted)
+        return average_replies([a.content.array_records[ARRAYS] for a in accepted], [a.task for a in accepted],
+                               np.array([a.weight for a in accepted]) if weights is None else weights, self.per_task,
+                               self.round_arrays, self.layout, self.policies.combiner,
+                               self.averaged_over_all)
+
+    def averaging_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
+        """Each reply's weight in the default ``aggregate`` (None: its ``Accepted.weight``, the run's
+        weighting); a method whose paper averages otherwise (HePCo's uniform average) says so."""
+        return None
+
+    def averaged_over_all(self, name: str) -> bool:
+        """Whether array ``name`` averages over every reply even with clients on several tasks (every
+        reply trained all of it: HePCo's whole pool). Default: no, ``per_task`` decides."""
+        return False
 
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
         """Server-side step after averaging (distillation, debiasing, ...). Default: none."""
@@ -249,7 +260,7 @@ class PromptStrategy(Sampling, FedAvg):
     def reference_components(self) -> int:
         """Prompt components per prompted block of the single-task reference of the transfer
         metrics (random tasks, server/transfer.py); default: one task's slice."""
-        return self.cfg.pool_size // self.cfg.num_tasks
+        return self.layout.components_per_task
 
     def stateful_parameters(self, arrays: ArrayRecord) -> int | dict[str, int] | None:
         """Parameters one client exchange would carry each way if clients kept what they already
@@ -278,73 +289,79 @@ class PromptStrategy(Sampling, FedAvg):
                         grid: Grid) -> Iterable[Message]:
         """One message per sampled client; ``config`` carries ``task``, ``round`` (and ``attempt``)."""
         self.round_arrays = arrays
-        self.round_start(server_round, int(config["task"]), int(config["round"]), arrays)
-        self.sent_round = self._send(server_round, arrays, config, grid, self.payload, MessageType.TRAIN)
-        return self.sent_round.messages
+        self.round_start(server_round, as_int(config["task"]), as_int(config["round"]), arrays)
+        self._sent_round = self._send(server_round, arrays, config, grid, self.payload, MessageType.TRAIN)
+        return self._sent_round.messages
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check every reply, weigh and average the accepted ones, then the method's server step."""
-        self.accepted = self.accept(list(replies))
-        self.rejected = self.exchange_rejected + self.rejected
-        if not self.sent_round.sent and self.sent_round.skipped and self.round_arrays is not None:
+        """Flower's contract: the arrays and metrics of :meth:`aggregate_round`."""
+        outcome = self.aggregate_round(server_round, replies)
+        return outcome.arrays, outcome.metrics
+
+    def aggregate_round(self, server_round: int, replies: Iterable[Message]) -> RoundOutcome:
+        """Check every reply, screen, weigh and average the accepted ones, then the method's server
+        step: the round's outcome, what the server loop records."""
+        accepted, rejected, counts = self._accept(list(replies))
+        rejected = self._exchange_rejected + rejected
+        ratios = dict(self._exchange_ratios) if self.uses_exchange() else {}
+        if not self._sent_round.sent and self._sent_round.skipped and self.round_arrays is not None:
             # the method left every sampled client out (its tasks are stopped): nothing to aggregate
             log.info("round %d: no client trains (the method left all %d sampled clients out); the global "
-                     "model is unchanged", server_round, self.sent_round.skipped)
-            return self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0})
-        if len(self.accepted) < self.cfg.min_replies:
+                     "model is unchanged", server_round, self._sent_round.skipped)
+            return self._outcome(self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0}),
+                                 accepted, rejected, counts, ratios)
+        if len(accepted) < self.cfg.min_replies:
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
-                        server_round, len(self.accepted), self.cfg.min_replies)
-            return None, None
-        weights = self.weighting([a.examples for a in self.accepted])
-        for a, w in zip(self.accepted, weights):
+                        server_round, len(accepted), self.cfg.min_replies)
+            return self._outcome(None, None, accepted, rejected, counts, ratios)
+        weights = self.policies.weighting([a.examples for a in accepted])
+        for a, w in zip(accepted, weights):
             a.weight = float(w)
-        self._log_capped(server_round, weights)
-        self.stats_ratios = self.stats_ratios if self.uses_exchange() else {}
-        self.defence_counts["stats"] = self.exchange_bounded + self.stats_bound.apply(
-            self.accepted, self.statistics, self.stats_ratios)
-        if any(self.defence_counts.values()):  # one line a round, not one per node
+        self._log_capped(server_round, accepted, weights)
+        counts["stats"] = self._exchange_bounded + self.policies.stats_bound.apply(accepted, self.statistics, ratios)
+        if any(counts.values()):  # one line a round, not one per node
             log.info("round %d defences: %s; %d replies kept", server_round, ", ".join(f"{k} {v}" if k != "stats" else
-                     f"{v} statistics rows bounded" for k, v in self.defence_counts.items() if v), len(self.accepted))
-        arrays = self.consolidate(server_round, self.aggregate(self.accepted), self.accepted)
-        losses = [float(a.content[METRICS]["train-loss"]) for a in self.accepted]
-        metrics = MetricRecord({"num-examples": sum(a.examples for a in self.accepted),
-                                "clients": len(self.accepted),
+                     f"{v} statistics rows bounded" for k, v in counts.items() if v), len(accepted))
+        arrays = self.consolidate(server_round, self.aggregate(accepted), accepted)
+        losses = [as_float(metrics_of(a.content)["train-loss"]) for a in accepted]
+        metrics = MetricRecord({"num-examples": sum(a.examples for a in accepted), "clients": len(accepted),
                                 "train-loss": float(np.average(losses, weights=weights))})
-        for key, value in self.round_metrics(self.accepted).items():
+        for key, value in self.round_metrics(accepted).items():
             metrics[key] = value
-        return arrays, metrics
+        return self._outcome(arrays, metrics, accepted, rejected, counts, ratios)
 
     def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> list[Message]:
         """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
-        self.exchange_round, self.exchange_rejected, self.exchange_bounded = SentRound(), [], 0
+        self._exchange_round, self._exchange_rejected, self._exchange_bounded = SentRound(), [], 0
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
-        self.round_start(server_round, int(config["task"]), int(config["round"]), arrays)
-        self.exchange_round = self._send(server_round, arrays, config, grid, self.exchange_payload, MessageType.QUERY)
-        return self.exchange_round.messages
+        self.round_start(server_round, as_int(config["task"]), as_int(config["round"]), arrays)
+        self._exchange_round = self._send(server_round, arrays, config, grid, self.exchange_payload, MessageType.QUERY)
+        return self._exchange_round.messages
 
     def aggregate_exchange(self, server_round: int, replies: list[Message]) -> None:
-        """Check the exchange's answers (``check_exchange``) and hand the good ones to ``use_exchange``."""
+        """Check the exchange's answers (``check_exchange``), bound their statistics, and hand the
+        good ones to ``use_exchange``."""
         answers = []
         for reply in replies:
-            sent = self.exchange_round.match(reply)
+            sent = self._exchange_round.match(reply)
             if reply.has_error():
                 reason: str | None = f"client error: {reply.error.reason}"
             elif sent is None:
                 reason = "cannot tell which message this reply answers (no matching message sent this round)"
             else:
                 reason = self._safely(self.check_exchange, reply, sent)
-            if reason is None:
-                answers.append(Accepted(sent, reply))  # type: ignore[arg-type]
+            if reason is None and sent is not None:
+                answers.append(Accepted(sent, reply))
                 continue
-            node = self.exchange_round.sender(reply)
-            self.exchange_rejected.append((node, "exchange: " + reason))
+            node = self._exchange_round.sender(reply)
+            self._exchange_rejected.append((node, f"exchange: {reason}"))
             log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
-        self.stats_ratios = {}
-        self.exchange_bounded = self.stats_bound.apply(answers, self.statistics, self.stats_ratios)
+        self._exchange_ratios = {}
+        self._exchange_bounded = self.policies.stats_bound.apply(answers, self.statistics, self._exchange_ratios)
         self.use_exchange(server_round, answers)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -353,49 +370,34 @@ class PromptStrategy(Sampling, FedAvg):
         return []
 
     # ------------------------------------------------------------------ replies
-    def accept(self, replies: list[Message]) -> list[Accepted]:
+    def _accept(self, replies: list[Message]) -> tuple[list[Accepted], list[tuple[int, str]], dict[str, int]]:
         """The replies that pass every check (platform's, then the method's), then the run's update
-        defences (:mod:`~promptfcl.strategies.platform.defences`; none where the run is not defended).
-        Rejected replies are logged and listed in ``rejected``; ``defence_counts`` counts per defence.
-        """
-        self.rejected, self.placements = [], {}
+        screen (:mod:`~promptfcl.strategies.platform.defences`; inactive where the run is not
+        defended); the rejected ones as (node id, reason), logged; the replies per defence."""
+        rejected: list[tuple[int, str]] = []
         kept: list[Accepted] = []
         for reply in replies:
-            sent = self.sent_round.match(reply)
+            sent = self._sent_round.match(reply)
             reason = self._safely(self._problem, reply, sent)
-            if reason is None:
-                kept.append(Accepted(sent, reply))  # type: ignore[arg-type]
-            else:
-                self._reject(reply, reason)
-        # each reply's change from what it was sent, computed once for every screen
-        updates = [update_of(from_array_record(a.content[ARRAYS]), self.update_start(a.sent)) for a in kept]
-        norms = [update_norm(u, None) for u in updates]
-        screening = self.screen(updates, norms, [a.task for a in kept], [a.sent.client for a in kept])
-        accepted = []
-        for i, a in enumerate(kept):
-            a.update_norm, a.cosine = norms[i], screening.cosines[i]
-            if i in screening.excluded:
-                self._reject(a.reply, screening.excluded[i][1], level=logging.DEBUG)
-                continue
-            if i in screening.scales:  # norm bounding: shortened, its direction kept
-                a.content[ARRAYS] = to_array_record(clipped_update(
-                    from_array_record(a.content[ARRAYS]), self.update_start(a.sent), screening.scales[i]))
-                a.update_norm = norms[i] * screening.scales[i]
-            accepted.append(a)
-            if PLACEMENT in a.content:
-                self.placements[a.reply.metadata.reply_to_message_id] = dict(a.content[PLACEMENT])
-        self.defence_counts = screening.counts()
-        return accepted
+            if reason is None and sent is not None:
+                kept.append(Accepted(sent, reply))
+            else:  # (a reply matching no message sent always has a reason: platform_problem)
+                rejected.append(self._rejection(reply, reason or "no matching message sent this round"))
+        accepted, excluded, counts = self.policies.screen.apply(kept, self._update_start)
+        rejected += [self._rejection(a.reply, reason, level=logging.DEBUG) for a, reason in excluded]
+        return accepted, rejected, counts
 
     def check_reply(self, reply: Message) -> str | None:
         """Why one reply to this round's training cannot be aggregated (None: it can), norms aside."""
-        return self._safely(self._problem, reply, self.sent_round.match(reply, consume=False))
+        return self._safely(self._problem, reply, self._sent_round.match(reply, consume=False))
 
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
                                   self.cfg.max_reply_bytes)
-        return reason if reason is not None else self.check_records(reply, sent)  # type: ignore[arg-type]
+        if reason is not None or sent is None:  # no message matched: platform_problem said so
+            return reason
+        return self.check_records(reply, sent)
 
     @staticmethod
     def _safely(check: Callable[..., str | None], *args: Any) -> str | None:
@@ -404,13 +406,13 @@ class PromptStrategy(Sampling, FedAvg):
         except Exception as exc:  # a check must never take the server down, whatever a reply holds
             return f"reply could not be checked ({type(exc).__name__}: {exc})"
 
-    def _reject(self, reply: Message, reason: str, level: int = logging.WARNING) -> None:
-        node = self.sent_round.sender(reply)
-        self.rejected.append((node, reason))
+    def _rejection(self, reply: Message, reason: str, level: int = logging.WARNING) -> tuple[int, str]:
+        node = self._sent_round.sender(reply)
         log.log(logging.DEBUG if reason == NO_EXAMPLES else level, "reply from %s excluded: %s", self.node_label(node),
                 reason)
+        return node, reason
 
-    def update_start(self, sent: Sent) -> dict[str, np.ndarray] | None:
+    def _update_start(self, sent: Sent) -> dict[str, np.ndarray] | None:
         """What a reply's update is measured from: ``sent.start``, else the arrays it must match
         (decoded once per round when everyone was sent the same)."""
         if sent.start is not None:
@@ -422,67 +424,36 @@ class PromptStrategy(Sampling, FedAvg):
             self._decoded = (record, from_array_record(record))
         return self._decoded[1]
 
-    @property
-    def reply_shares(self) -> list[float]:
-        """Each accepted reply's share of the round's weight (the round's record)."""
-        total = sum(a.weight for a in self.accepted)
-        return [a.weight / total for a in self.accepted] if total > 0 else []
+    def _outcome(self, arrays: ArrayRecord | None, metrics: MetricRecord | None, accepted: list[Accepted],
+                 rejected: list[tuple[int, str]], counts: dict[str, int], ratios: dict[str, float]) -> RoundOutcome:
+        """The round as a value: each accepted reply's share, node, norm, cosine and placement."""
+        total = sum(a.weight for a in accepted)
+        return RoundOutcome(
+            arrays, metrics, tuple(accepted), tuple(rejected),
+            shares=tuple(a.weight / total for a in accepted) if total > 0 else (),
+            nodes=tuple(self.node_label(a.sent.node) for a in accepted),
+            update_norms=tuple(a.update_norm for a in accepted), update_cosines=tuple(a.cosine for a in accepted),
+            placements={a.reply.metadata.reply_to_message_id: _placement(a.content) for a in accepted
+                        if PLACEMENT in a.content},
+            defences=dict(counts) if self.policies.defended else {}, stats_ratios=ratios,
+            sample_rate=self._sent_round.sample_rate)
 
-    @property
-    def reply_nodes(self) -> list[str]:
-        """Each accepted reply's node, named (aligned with :attr:`reply_shares`)."""
-        return [self.node_label(a.sent.node) for a in self.accepted]
-
-    def _log_capped(self, server_round: int, weights: np.ndarray) -> None:
+    def _log_capped(self, server_round: int, accepted: list[Accepted], weights: np.ndarray) -> None:
         """One line per node whose share max-client-weight cut: who claimed how much of the round."""
-        counts = np.array([a.examples for a in self.accepted], dtype=np.float64)
-        if self.weighting.cap <= 0 or counts.sum() <= 0 or weights.sum() <= 0:
+        counts = np.array([a.examples for a in accepted], dtype=np.float64)
+        cap = self.policies.weighting.cap
+        if cap <= 0 or counts.sum() <= 0 or weights.sum() <= 0:
             return
-        for a, claimed, given in zip(self.accepted, counts / counts.sum(), weights / weights.sum()):
+        for a, claimed, given in zip(accepted, counts / counts.sum(), weights / weights.sum()):
             if claimed > given + 1e-9:
                 log.info("round %d: max-client-weight %g: %s claimed %.0f%% of the round's examples, weighted %.0f%%",
-                         server_round, self.weighting.cap, self.node_label(a.sent.node), 100 * claimed, 100 * given)
-
-    @property
-    def update_norms(self) -> list[float]:
-        return [a.update_norm for a in self.accepted]
-
-    @property
-    def update_cosines(self) -> list[float | None]:
-        """Each accepted reply's cosine with its task's median update (None: fewer than 3 on its task)."""
-        return [a.cosine for a in self.accepted]
-
-    # ------------------------------------------------------------------ averaging (the default aggregate)
-    def average(self, accepted: Sequence[Accepted], weights: np.ndarray,
-                arrays: Sequence[ArrayRecord] | None = None) -> ArrayRecord:
-        """The accepted replies' arrays (or ``arrays``, one per reply: a method that completes
-        partial replies first) combined with ``weights`` (the run's combiner); per task slice and
-        head rows over the replies that trained each (``per_task``) when they trained several
-        tasks, so a slice trained only by clients that are ahead is not diluted."""
-        records = list(arrays) if arrays is not None else [a.content.array_records[ARRAYS] for a in accepted]
-        tasks = [a.task for a in accepted]
-        per_task = self.per_task == "always" or (self.per_task == "in-flight" and len(set(tasks)) > 1)
-        if per_task and self.round_arrays is not None:
-            updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
-            return to_array_record(aggregate_per_task(self.cfg, from_array_record(self.round_arrays), updates,
-                                                      self.num_classes, self.combiner))
-        return combine_records(records, weights, self.combiner)
-
-    def placement_of(self, message: Message) -> dict[str, Any]:
-        """``message``'s client and where its accepted reply trained (None where unknown or rejected)."""
-        config = message.content.config_records[CONFIG] if CONFIG in message.content.config_records else ConfigRecord()
-        where = self.placements.get(message.metadata.message_id, {})
-        return {"client": int(config["client-id"]) if "client-id" in config else None,
-                "node": where.get("node"), "device": where.get("device"),
-                "cuda_visible_devices": where.get("cuda-visible-devices"),
-                "config_digest": where.get("config-digest")}
-
+                         server_round, cap, self.node_label(a.sent.node), 100 * claimed, 100 * given)
     def prompt_from(self, state: Mapping[str, np.ndarray]) -> CodaPrompt:
         """A prompt module holding the prompt arrays of ``state`` (no backbone needed)."""
         dim = int(state["head.weight"].shape[1])
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
                                    self.cfg.num_tasks)
-        prompt.configure(self.cfg)
+        prompt.configure(self.cfg.method)
         prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
                                 for k, v in state.items() if k.startswith("prompt.")})
         return prompt
@@ -491,10 +462,15 @@ class PromptStrategy(Sampling, FedAvg):
     def platform_state(self) -> dict[str, Any]:
         """What the platform keeps across a resume (the nodes' declared sizes, each client's turn)."""
         return {"node-sizes": {str(k): list(v) for k, v in self.bounds.declared.items()},
-                "schedule-slots": {str(k): int(v) for k, v in self.schedule_slots.items()},
-                "strikes": self.screen.strikes.to_dict()}
+                "schedule-slots": {str(k): int(v) for k, v in self._schedule_slots.items()},
+                "strikes": self.policies.screen.strikes.to_dict()}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
-        self.schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
-        self.screen.strikes.load(state.get("strikes", {}))
+        self._schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
+        self.policies.screen.strikes.load(state.get("strikes", {}))
+
+
+def _placement(content: RecordDict) -> dict[str, str]:
+    """A reply's placement record (its fields are strings: checks.check_placement)."""
+    return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}

@@ -1,7 +1,7 @@
 """Powder ("Federated Continual Learning via Prompt-based Dual Knowledge Transfer"): task and class
 correlation, two-step prompt aggregation, per-client top-k payloads, dual distillation."""
 
-from promptfcl.strategies.registry import Method
+from ..registry import Method
 
 CITATION = """\
 @inproceedings{piao2024powder,
@@ -14,4 +14,6 @@ CITATION = """\
   year = {2024},
 }"""
 
-METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner", citation=CITATION)
+METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner",
+                prompt=".prompt:PowderPrompt", options=".options:PowderOptions",
+                citation=CITATION)

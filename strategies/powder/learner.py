@@ -1,6 +1,6 @@
 """Powder's client: local pool from the server, alpha measurement, CE + lambda * dual distillation.
 
-The shared loop (common/learner.py) trains the current task's slice and the head with CE
+The shared loop (strategies/platform/learner.py) trains the current task's slice and the head with CE
 over the current task's classes; this learner
 
 * rebuilds full-size arrays from the server's per-client payload (only the slices of its
@@ -31,14 +31,24 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.learner import Batch, LocalLearner
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, task_rows
-from promptfcl.strategies.powder.options import PowderOptions
-from promptfcl.strategies.powder.prompt import PowderPrompt
-from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
+from ...common.partitions import client_indices
+from ...common.records import (
+    METRICS,
+    arrays_of,
+    as_float,
+    as_int,
+    as_list,
+    config_of,
+    from_array_record,
+    to_array_record,
+    to_torch,
+)
+from ...common.runtime import Runtime
+from ..platform.learner import Batch, LocalLearner
+from ..platform.partial import Rows, completed
+from .options import PowderOptions
+from .prompt import PowderPrompt
+from .records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE, OWN_WEIGHTS, PREVIOUS
 
 
 def dual_distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
@@ -127,89 +137,91 @@ class PowderLearner(LocalLearner):
         names = {k for k in full if k.startswith("prompt.")} if prompts_only else set(full)
         if set(got) != names:
             raise ValueError(f"payload arrays {sorted(got)} differ from the model's {sorted(names)}")
-        out = {}
-        for name, value in full.items():
-            rows = self.rows(name, value, task)
-            if name not in got:  # not sent: not used
-                out[name] = np.zeros_like(value)
-                continue
-            if rows is None:
-                out[name] = got[name]
-                continue
-            value = np.zeros_like(value)
-            if name.startswith("prompt."):  # the local pool: its tasks' slices, in order
-                rows = np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
-            value[rows] = got[name]
-            out[name] = value
-        return to_array_record(out)
+        zeros = {name: np.zeros_like(value) for name, value in full.items()}  # an array not sent is not used
+        placed = completed(got, {name: zeros[name] for name in got}, self.sent_rows(task))
+        return to_array_record({name: placed.get(name, value) for name, value in zeros.items()})
 
-    def own_part(self, arrays: ArrayRecord, task: int) -> ArrayRecord:
+    def sent_rows(self, task: int) -> Rows:
+        """The rows of each array the server sends: the local pool's slices (its tasks' slices, in
+        order) of a prompt array, ``task``'s head rows, the whole of any other array."""
+        def rows(name: str, value: np.ndarray) -> slice | np.ndarray | None:
+            own = self.rows(name, value, task)
+            if own is None or not name.startswith("prompt."):
+                return own
+            return np.concatenate([np.arange(len(value))[self.rows(name, value, t)] for t in self.local_tasks])
+
+        return rows
+
+    def uploaded(self, state: dict[str, torch.Tensor], task: int) -> dict[str, torch.Tensor]:
         """The reply: the task's slice of every prompt array and the task's head rows."""
         out = {}
-        for name, value in from_array_record(arrays).items():
-            rows = self.rows(name, value, task)
-            out[name] = value if rows is None else value[rows]
-        return to_array_record(out)
+        for name, value in state.items():
+            array = value.detach().cpu().numpy()
+            rows = self.rows(name, array, task)
+            out[name] = value if rows is None else torch.from_numpy(array[rows])
+        return out
 
     def rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(self.cfg, name, value, task, self.rt.data.num_classes)
+        return self.rt.layout.task_rows(name, value, task)
 
     # ------------------------------------------------------------------ the round
     def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
         """This round's local pool, mixing weights, measuring request and class correlations."""
-        local = [int(t) for t in config[LOCAL_TASKS]]
+        local = [as_int(t) for t in as_list(config[LOCAL_TASKS])]
         if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
-        weights = config.get(OWN_WEIGHTS)
+        weights = None if config.get(OWN_WEIGHTS) is None else as_list(config[OWN_WEIGHTS])
         if weights is not None and len(weights) != len(local):
             raise ValueError(f"{OWN_WEIGHTS} has {len(weights)} values for the local pool {local}")
-        self.own_weights = None if weights is None else dict(zip(local, (float(w) for w in weights)))
+        self.own_weights = None if weights is None else dict(zip(local, (as_float(w) for w in weights)))
         self.measure = bool(config.get(MEASURE, False))
-        self.previous = int(config.get(PREVIOUS, -1))
+        self.previous = as_int(config.get(PREVIOUS, -1))
         if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
         # indexed like the logits (head rows), as the batches' labels are
-        total = torch.ones(head_size(self.cfg, self.rt.data.num_classes))
-        corr = [float(v) for v in config.get(CLASS_CORR, [])]
-        rows = head_rows(self.cfg, task, self.rt.data.num_classes)  # in the order of the task's classes
+        total = torch.ones(self.rt.layout.head_size)
+        corr = [as_float(v) for v in as_list(config.get(CLASS_CORR, []))]
+        rows = self.rt.layout.head_rows(task)  # in the order of the task's classes
         if corr:
             if len(corr) != len(rows):
                 raise ValueError(f"{CLASS_CORR} has {len(corr)} values for {len(rows)} classes")
             total[rows] = torch.tensor(corr)
         self.class_total = total.to(self.rt.device)
 
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        config = content[CONFIG]
-        self.read_message(config, task, round_, client_id)
+    def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:
+        """This round's local pool and the rest of the server's message read; the payload completed
+        to full-size arrays (zeros outside the local pool and the task's head rows)."""
+        self.read_message(config_of(content), task, round_, client_id)
         self.alpha_record = ArrayRecord()
-        inner = RecordDict({ARRAYS: self.expand(content[ARRAYS], task), CONFIG: config})
-        try:
-            reply = super().fit(inner, task, round_, client_id)
-        finally:  # the runtime (and its model) is shared by the process: leave no round state behind
-            self.prompt.end_round()
-            self.teacher = None
-        reply[ARRAYS] = self.own_part(reply[ARRAYS], task)
-        reply[ALPHA] = self.alpha_record
-        return reply
+        return self.expand(arrays_of(content), task)
+
+    def reply_records(self) -> dict[str, Any]:
+        """The alphas measured at the round's start (empty when the server did not ask)."""
+        return {ALPHA: self.alpha_record}
+
+    def round_cleanup(self) -> None:
+        """The shared model's prompt back to plain CODA-P; the teacher dropped."""
+        self.prompt.end_round()
+        self.teacher = None
 
     def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """The measuring exchange (Algorithm 1, line 9): the alphas of the current task, and of the
         task just finished, over the whole P_hat sent; no training."""
-        config = content[CONFIG]
+        config = config_of(content)
         self.read_message(config, task, round_, client_id)
         if not self.measure:
             raise ValueError(f"a message before training must ask for alphas ({MEASURE} = true)")
         model = self.rt.model
-        model.load_trainable_state(to_torch(self.expand(content[ARRAYS], task, prompts_only=True)))
+        model.load_trainable_state(to_torch(self.expand(arrays_of(content), task, prompts_only=True)))
         model.prompt.set_task(task)
         self.prompt.begin_round(self.local_tasks, None)
         try:
             record = self.measure_alphas([task] + ([self.previous] if self.previous >= 0 else []))
         finally:
             self.prompt.end_round()
-        n = len(client_indices(self.rt.data.train.labels, self.cfg, self.rt.data.num_classes, client_id, task, round_))
+        n = len(client_indices(self.rt.data.train.labels, self.rt.layout, self.rt.partition, client_id, task, round_))
         return RecordDict({ALPHA: record, METRICS: MetricRecord({"num-examples": int(n)})})
 
     def round_start(self, content: RecordDict, task: int) -> None:
@@ -237,7 +249,7 @@ class PowderLearner(LocalLearner):
         prompt.eval()
         try:
             for t in tasks:
-                index = client_indices(labels_all, self.cfg, rt.data.num_classes, self.client_id, t,
+                index = client_indices(labels_all, rt.layout, rt.partition, self.client_id, t,
                                        self.round_ if t == tasks[0] else 0)
                 if len(index) == 0:
                     continue
@@ -300,12 +312,14 @@ class PowderLearner(LocalLearner):
         if self.opts.distillation == "classic":
             loss = classic_distillation(batch.logits, teacher, self.opts.temperature)
         else:
+            total = self.class_total
+            assert total is not None  # set by read_message, before any batch
             if batch.share != 1.0 and batch.step_labels is not None and batch.rows is not None:
                 # a micro-batch: beta is a softmax over the whole step's samples; the loop weights
                 # this micro-batch's part by its share, which the division undoes
-                beta = sample_weights(self.class_total, batch.step_labels)[batch.rows] / batch.share
+                beta = sample_weights(total, batch.step_labels)[batch.rows] / batch.share
             else:
-                beta = sample_weights(self.class_total, batch.labels)
+                beta = sample_weights(total, batch.labels)
             loss = dual_distillation(batch.logits, teacher, batch.labels, beta, self.opts.temperature)
         self.last_distillation = float(loss.detach())
         return self.opts.lambda_ * loss

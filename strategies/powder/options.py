@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import MethodOptions
+from ...common.config import ConfigError
+from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 
 SELECTIONS = ("top-k", "random")
 DISTILLATIONS = ("dual", "classic")
@@ -29,6 +29,12 @@ class PowderOptions(MethodOptions):
     """
 
     prefix = "powder"
+    COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, RANDOM_TASKS})
+    # refused whatever the options: the measuring exchange is a release outside the train reply
+    WHY_NOT = {DIFFERENTIAL_PRIVACY: (
+        "its measuring exchange answers, before training, with selection weights computed from the client's "
+        "data (a second release per round, outside the train reply), and those weights choose which prompts "
+        "it uploads; neither release is bounded nor accounted here")}
 
     k: int = 3  # tasks in a client's local pool (eq. 4), its own included
     p: float = 30.0  # sharpening exponent of the correlation (eq. 7)

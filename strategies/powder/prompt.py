@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from promptfcl.common.model import CodaPrompt
+from ...common.model import CodaPrompt
 
 
 class PowderPrompt(CodaPrompt):
@@ -62,17 +62,20 @@ class PowderPrompt(CodaPrompt):
         name = f"{kind}{layer}"
         param = getattr(self, name)
         own = param[self.slice_of(self.task)]
-        change = None if self.own_weights is None else own - self._start[name]
+        weights = self.own_weights
+        change = None if weights is None else own - self._start[name]
         parts = []
         for t in self.local_tasks:
             if change is None:
                 part = param[self.slice_of(t)]
                 parts.append(part if (not train or t == self.task) else part.detach())
             elif t == self.task:  # eq. 7's diagonal is 1: then the slice is the trained one itself, exactly
-                w = self.own_weights[t]
+                assert weights is not None  # a change is made only with the weights
+                w = weights[t]
                 parts.append(own if w == 1.0 else self._start[name] + w * change)
             else:
-                parts.append(param[self.slice_of(t)].detach() + self.own_weights[t] * change)
+                assert weights is not None
+                parts.append(param[self.slice_of(t)].detach() + weights[t] * change)
         return torch.cat(parts, dim=0)
 
     def pool_rows(self) -> np.ndarray:

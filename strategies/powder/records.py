@@ -1,6 +1,6 @@
 """What Powder adds to the wire."""
 
-from promptfcl.strategies.platform.replies import MetricSpec
+from ..platform.replies import MetricSpec
 
 #: reply record: measured alphas (empty when the server did not ask)
 ALPHA = "powder-alpha"

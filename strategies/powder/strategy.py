@@ -57,30 +57,29 @@ by default (``head = "auto"``) each task has its own head block, the paper's psi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.tasks import task_classes, task_rows
-from promptfcl.strategies.platform.aggregation import aggregate_per_task
-from promptfcl.strategies.platform.replies import check_metrics
-from promptfcl.strategies.platform.rounds import Accepted, Sent
-from promptfcl.strategies.platform.statistics import Statistics
-from promptfcl.strategies.platform.strategy import PromptStrategy
-from promptfcl.strategies.powder.correlation import (
+from ...common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, to_array_record
+from ..platform.aggregation import aggregate_per_task
+from ..platform.partial import Rows, completed
+from ..platform.replies import check_metrics
+from ..platform.rounds import Accepted, Sent
+from ..platform.statistics import Statistics
+from ..platform.strategy import PromptStrategy
+from .correlation import (
     correlation_matrix,
     first_step_aggregation,
     select_tasks,
     sparsify_rows,
 )
-from promptfcl.strategies.powder.options import PowderOptions
-from promptfcl.strategies.powder.prompt import PowderPrompt
-from promptfcl.strategies.powder.records import (
+from .options import PowderOptions
+from .prompt import PowderPrompt
+from .records import (
     ALPHA,
     CLASS_CORR,
     LOCAL_TASKS,
@@ -125,13 +124,6 @@ class PowderStrategy(PromptStrategy):
     # the client's pool, not of the reply's training examples, so no count bound applies to them
     statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"))}
 
-    @classmethod
-    def privacy_refusal(cls, cfg: ExperimentConfig) -> str:
-        """Refused whatever the options: the measuring exchange is a release outside the train reply."""
-        return ("its measuring exchange answers, before training, with selection weights computed from the "
-                "client's data (a second release per round, outside the train reply), and those weights choose "
-                "which prompts it uploads; neither release is bounded nor accounted here")
-
     def audit_notes(self) -> dict[str, Any]:
         """What the server's correlation weights show (the privacy audit's report)."""
         return {"powder": {
@@ -143,8 +135,8 @@ class PowderStrategy(PromptStrategy):
                      "features; the feature-level audit is the head inversion"),
         }}
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int, options: Any = None) -> None:
-        super().__init__(cfg, num_classes, options)
+    def setup(self) -> None:
+        cfg, num_classes = self.cfg, self.num_classes
         self.width = len(cfg.layers) * cfg.pool_size  # alpha: selection weights of every pool row, per layer
         self.known_tasks = 0
         self.task_alpha = np.zeros((cfg.num_tasks, self.width))
@@ -161,7 +153,7 @@ class PowderStrategy(PromptStrategy):
     def reference_components(self) -> int:
         """The single-task reference trains as many components as a client's local pool (k slices),
         or one task's slice (``reference = "task-slice"``)."""
-        per_task = self.cfg.pool_size // self.cfg.num_tasks
+        per_task = self.layout.components_per_task
         return per_task * (min(self.opts.k, self.cfg.num_tasks) if self.opts.reference == "local-pool" else 1)
 
     def summary(self) -> None:
@@ -218,10 +210,10 @@ class PowderStrategy(PromptStrategy):
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
         else:
-            rng = np.random.default_rng([self.cfg.seed, int(sent.config.get("server-round", 0)), sent.client, 0x50D])
+            rng = np.random.default_rng([self.cfg.seed, as_int(sent.config.get("server-round", 0)), sent.client, 0x50D])
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
-        classes = task_classes(self.cfg, task, self.num_classes)
+        classes = self.layout.classes(task)
         out, expected, start, origin = {}, {}, {}, {}
         for name, value in self.aggregated.items():
             rows = self._rows(name, value, task)
@@ -262,7 +254,7 @@ class PowderStrategy(PromptStrategy):
         sent.config[PREVIOUS] = measured[1] if len(measured) == 2 else -1
         if not measured:
             return None
-        rows = slice(0, self.known_tasks * (self.cfg.pool_size // self.cfg.num_tasks))  # slices 0..known-1
+        rows = slice(0, self.known_tasks * self.layout.components_per_task)  # slices 0..known-1
         out = {name: value[rows] for name, value in self.aggregated.items()
                if name.startswith("prompt.") and self._rows(name, value, task) is not None}
         local = list(range(self.known_tasks))
@@ -327,11 +319,11 @@ class PowderStrategy(PromptStrategy):
             return reason
         if reply.content[METRICS]["num-examples"] == 0:
             return "nothing measured (num-examples 0)"
-        return self.check_alpha(reply.content[ALPHA], sent)
+        return self.check_alpha(arrays_of(reply.content, ALPHA), sent)
 
     def use_exchange(self, server_round: int, answers: list[Accepted]) -> None:
         """Replace the measured alphas (eq. 6-7); the round's P_hat is then recomputed with them."""
-        records = [a.content[ALPHA] for a in answers]
+        records = [arrays_of(a.content, ALPHA) for a in answers]
         self.measured_before = self.update_correlation(records)
         if records:
             self.new_tasks_pending = False
@@ -339,7 +331,7 @@ class PowderStrategy(PromptStrategy):
     # ------------------------------------------------------------------ replies and aggregation
     def check_records(self, reply: Message, sent: Sent) -> str | None:
         """The alpha record: empty unless the server asked this client to measure."""
-        return self.check_alpha(reply.content[ALPHA], sent)
+        return self.check_alpha(arrays_of(reply.content, ALPHA), sent)
 
     def check_alpha(self, record: ArrayRecord, sent: Sent) -> str | None:
         """Why an alpha record cannot be used (None: it can)."""
@@ -353,7 +345,7 @@ class PowderStrategy(PromptStrategy):
         allowed_classes = set()
         for t in sent.data.measure:
             if t >= 0:
-                allowed_classes |= set(task_classes(self.cfg, t, self.num_classes).tolist())
+                allowed_classes |= set(self.layout.classes(t).tolist())
         for kind, ids, allowed in (("task", a["tasks"], set(sent.data.measure)),
                                    ("class", a["classes"], allowed_classes)):
             alpha, count = a[f"{kind}-alpha"], a[f"{kind}-count"]
@@ -368,12 +360,14 @@ class PowderStrategy(PromptStrategy):
     def aggregate(self, accepted: list[Accepted]) -> ArrayRecord:
         """Merge the returned task slices into P_g per task (as raw slices, ``raw_slices``), then
         update the correlations from the alphas measured in training."""
+        assert self.global_arrays is not None  # kept by configure_train, before any reply
         base = from_array_record(self.global_arrays)
         merged = self.merge(
             base,
-            [(a.task, self.raw_slices(a.sent, from_array_record(a.content[ARRAYS]), base), a.weight) for a in accepted],
+            [(a.task, self.raw_slices(a.sent, from_array_record(arrays_of(a.content)), base), a.weight)
+             for a in accepted],
         )
-        measuring = [a.content[ALPHA] for a in accepted if a.sent.data.measure]
+        measuring = [arrays_of(a.content, ALPHA) for a in accepted if a.sent.data.measure]
         self.measured_in_training = self.update_correlation(measuring)
         if measuring:
             self.new_tasks_pending = False
@@ -408,26 +402,16 @@ class PowderStrategy(PromptStrategy):
         return out
 
     def merge(
-        self, base: Mapping[str, np.ndarray], updates: list[tuple[int, Mapping[str, np.ndarray], float]]
+        self, base: Mapping[str, np.ndarray], updates: Sequence[tuple[int, Mapping[str, np.ndarray], float]]
     ) -> dict[str, np.ndarray]:
         """P_g with every trained task slice (and its head rows) replaced by the sample-weighted
         average of the clients that trained it; other arrays averaged over every reply.
 
         Replies carry only their task's rows: placed into a copy of ``base``, they go through
         the shared per-slice FedAvg (``platform.aggregation.aggregate_per_task``)."""
-        full = []
-        for task, arrays, weight in updates:
-            expanded: dict[str, np.ndarray] = {}
-            for name, value in base.items():
-                value = np.asarray(value)
-                rows = self._rows(name, value, task)
-                if rows is None:
-                    expanded[name] = np.asarray(arrays[name])
-                else:
-                    expanded[name] = value.copy()
-                    expanded[name][rows] = arrays[name]
-            full.append((task, expanded, weight))
-        return aggregate_per_task(self.cfg, base, full, self.num_classes, self.combiner)
+        full = [(task, completed(arrays, base, self._rows_of(task)), weight)
+                for task, arrays, weight in updates]
+        return aggregate_per_task(self.layout, base, full, self.policies.combiner)
 
     def update_correlation(self, records: list[ArrayRecord]) -> int:
         """Replace the alphas of every task and class measured this round (count-weighted over
@@ -451,7 +435,11 @@ class PowderStrategy(PromptStrategy):
     # ------------------------------------------------------------------ helpers
     def _rows(self, name: str, value: np.ndarray, task: int) -> slice | np.ndarray | None:
         """``task``'s rows of array ``name`` (its pool slice, or its classes' head rows); None: neither."""
-        return task_rows(self.cfg, name, value, task, self.num_classes)
+        return self.layout.task_rows(name, value, task)
+
+    def _rows_of(self, task: int) -> Rows:
+        """``task``'s rows of each array (:meth:`_rows`), as the partial arrays of its reply hold them."""
+        return lambda name, value: self._rows(name, value, task)
 
 
 __all__ = [

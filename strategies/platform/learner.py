@@ -1,13 +1,24 @@
 """Local learning on a client: the one training loop every method shares.
 
-``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the
-current task's classes). A method changes local learning by subclassing it and
-overriding hooks, never by copying the loop:
+``LocalLearner`` is FedAvg-Prompt's client (CODA-P, cross-entropy over the current task's
+classes). The platform owns the loop (:meth:`LocalLearner.fit` and its pieces, ``SEALED``: a
+subclass that overrides one is refused with a TypeError, as ``PromptStrategy`` refuses one that
+overrides Flower's contract); a method changes local learning by filling hooks, in the order
+a fit calls them:
 
-* ``round_start(content)``  read extra records the server sent (prototypes, ...)
-* ``extra_loss(batch)``     add a term to the loss of each batch
-* ``round_end(index)``      return extra records to upload (statistics, ...)
-* ``answer(content)``       reply to a message before training (Powder's measuring step)
+* ``received(content, task, round_, client_id)``  the full-size arrays to start from (Powder
+  completes its partial payload)
+* ``round_start(content, task)``  read extra records the server sent (prototypes, known tasks, ...)
+* ``held_out(index)``  samples held out of training for validation (Fed-CPrompt's early stopping)
+* ``extra_loss(batch, task)``  add a term to the loss of each batch
+* ``epoch_end(epoch, validation, task)``  after each local epoch; True stops training there
+* ``round_end(index, task)``  extra records to upload, from the trained samples (statistics, ...)
+* ``uploaded(state, task)``  the trained parameters the reply carries (FPPL, Powder: their own part)
+* ``reply_metrics()``  the method's own fields of the reply's metrics
+* ``reply_records()``  records every reply of the fit carries, samples or none (Powder's alphas)
+* ``round_cleanup()``  in a ``finally``: no round state left on the process's shared model
+* ``answer(content, task, round_, client_id)``  reply to a message before training (Powder's
+  measuring step; not part of a fit)
 
 Training-time augmentation (``augment``) lives here too, for every method: each batch
 is augmented with views drawn from a generator seeded by (seed, client, task, round),
@@ -28,17 +39,24 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.augment import augment_images
-from promptfcl.common.memory_plan import TrainingPlan
-from promptfcl.common.model import masked_logits
-from promptfcl.common.options import MethodOptions, NoOptions
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.preprocess import random_resized_crops
-from promptfcl.common.records import ARRAYS, METRICS, to_array_record, to_torch
-from promptfcl.common.runtime import Runtime
-from promptfcl.common.tasks import head_rows, head_size, head_targets, training_classes
+from ...common.augment import augment_images
+from ...common.memory_plan import TrainingPlan
+from ...common.model import masked_logits
+from ...common.options import MethodOptions, NoOptions
+from ...common.partitions import client_indices
+from ...common.preprocess import random_resized_crops
+from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
+from ...common.runtime import Runtime
 
 log = logging.getLogger("promptfcl")
+
+#: the loop's pieces: the platform's, never a method's (LocalLearner.__init_subclass__ refuses a
+#: subclass that overrides one; a method fills the hooks instead)
+SEALED = frozenset({"fit", "_train", "step", "inputs", "augmentation", "update_reference", "_reply"})
+#: what a method fills, in the order a fit calls them (``answer``: outside a fit); the module's
+#: docstring and docs/extending.md list each (a test keeps them so)
+HOOKS = ("received", "round_start", "held_out", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
+         "reply_records", "round_cleanup", "answer")
 
 
 @dataclass
@@ -82,7 +100,20 @@ class LocalLearner:
         self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
         self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = SEALED & set(vars(cls))
+        if overridden:
+            raise TypeError(f"{cls.__name__} overrides {sorted(overridden)}: the platform owns the training loop; "
+                            "fill the hooks instead (strategies/platform/learner.py)")
+
     # ------------------------------------------------------------------ hooks
+    def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:
+        """The full-size trainable arrays this fit starts from (hook; default: the message's
+        ``arrays`` as they are). A method whose server sends part of them completes them here
+        (Powder: its local pool and task rows), reading what else it needs from ``content``."""
+        return content.array_records[ARRAYS]
+
     def round_start(self, content: RecordDict, task: int) -> None:
         """Read method-specific records sent by the server."""
 
@@ -103,6 +134,17 @@ class LocalLearner:
         """The method's own fields of the reply's metrics (hook; its strategy declares them in
         ``reply_metrics``). Default: none."""
         return {}
+
+    def reply_records(self) -> dict[str, Any]:
+        """Records every reply of this fit carries, by record name, whether it trained on samples
+        or had none (hook; :meth:`round_end`'s come from the trained samples and only with some).
+        Powder: the alphas measured at the round's start. Default: none."""
+        return {}
+
+    def round_cleanup(self) -> None:
+        """After every fit, in a ``finally`` (hook): the runtime and its model are shared by every
+        message of the process, so no round state may stay behind (Fed-CPrompt's known tasks,
+        Powder's local pool). Default: nothing to undo."""
 
     def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
         """After local epoch ``epoch`` (hook; ``validation``: the held-out samples): True stops the
@@ -126,13 +168,24 @@ class LocalLearner:
 
     # ------------------------------------------------------------------ the loop
     def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
-        """Train on this client's share of ``task`` starting from the global parameters."""
+        """Train on this client's share of ``task`` starting from the arrays received; the reply.
+
+        The platform's loop (sealed): it calls the hooks (the module's docstring lists them, in
+        order) and, however the fit ends, :meth:`round_cleanup`.
+        """
+        try:
+            return self._train(content, task, round_, client_id)
+        finally:
+            self.round_cleanup()
+
+    def _train(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The fit but its cleanup (:meth:`fit`)."""
         cfg, rt, model = self.cfg, self.rt, self.rt.model
         started = time.perf_counter()
-        index = client_indices(rt.data.train.labels, cfg, rt.data.num_classes, client_id, task, round_)
+        index = client_indices(rt.data.train.labels, rt.layout, rt.partition, client_id, task, round_)
 
         self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
-        model.load_trainable_state(to_torch(content[ARRAYS]))
+        model.load_trainable_state(to_torch(self.received(content, task, round_, client_id)))
         model.prompt.set_task(task)
         self.round_start(content, task)
         if len(index) == 0:
@@ -141,9 +194,8 @@ class LocalLearner:
 
         # the CE's rows: the task's (its own block with a per-task head); every seen class's
         # for the joint upper bound (stream tasks only, one row per class)
-        rows = (training_classes(cfg, task, rt.data.num_classes) if cfg.centralised_mode == "joint"
-                else head_rows(cfg, task, rt.data.num_classes))
-        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
+        rows = rt.layout.training_classes(task) if cfg.centralised_mode == "joint" else rt.layout.head_rows(task)
+        allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
         allowed[rows] = True
         seed = self.seed
         torch.manual_seed(int(np.random.default_rng(seed).integers(2**31 - 1)))
@@ -160,7 +212,7 @@ class LocalLearner:
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
         images = rt.data.train.images
-        labels = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[trained], rt.data.num_classes))
+        labels = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[trained]))
 
         model.train()
         losses: list[float] = []
@@ -225,9 +277,9 @@ class LocalLearner:
         what evaluation scores). Leaves the model in eval mode."""
         rt, cfg, model = self.rt, self.cfg, self.rt.model
         model.eval()
-        allowed = torch.zeros(head_size(cfg, rt.data.num_classes), dtype=torch.bool)
-        allowed[head_rows(cfg, task, rt.data.num_classes)] = True
-        targets = torch.as_tensor(head_targets(cfg, task, rt.data.train.labels[index], rt.data.num_classes))
+        allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
+        allowed[rt.layout.head_rows(task)] = True
+        targets = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[index]))
         # the training split's query cache holds the uncropped images' q(x): valid while the
         # evaluation takes the whole image
         queries = rt.queries("train", index) if cfg.eval_crop >= 1.0 else None
@@ -278,15 +330,17 @@ class LocalLearner:
                             METRICS: metrics})
         for name, record in extras.items():
             reply[name] = record
+        for name, record in self.reply_records().items():
+            reply[name] = record
         return reply
 
 
 def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
     """(task, round within task, client id) from a train message's config."""
     try:
-        return int(config["task"]), int(config["round"]), int(config["client-id"])
+        return as_int(config["task"]), as_int(config["round"]), as_int(config["client-id"])
     except KeyError as exc:
         raise ValueError(f"train message config lacks {exc}") from None
 
 
-__all__ = ["Batch", "LocalLearner", "read_task_round", "ArrayRecord"]
+__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "read_task_round"]
