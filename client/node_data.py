@@ -411,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
             print(folder)
         return 0
 
-
     parse_config_args = internal("parse_config_args")
 
     try:

@@ -209,7 +209,6 @@ def _found(entry: Internal) -> tuple[Any, Any]:
 
 
 def _missing(name: str, exc: BaseException | None = None, what: str = "") -> ImportError:
-
     entry = INTERNALS[name]
     where = entry.module + (f" (or {entry.new_module})" if entry.new_module else "")
     error = ImportError(

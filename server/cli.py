@@ -175,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--max-classes", type=int, default=0, help="at most this many classes (0: all)")
     args = parser.parse_args(argv)
 
-
     setup_logging()
     if args.command == "strategies":
         print("\n".join(sorted(methods())))
@@ -247,7 +246,6 @@ PLACEMENT_KEYS = ("ray-address", "device", "client-cpus", "client-gpus")
 
 
 def _resume_config(out_dir: str, overrides: list[str]) -> ExperimentConfig:
-
     saved = checkpoint.load(out_dir)
     if saved is None:
         raise ConfigError(f"{out_dir} holds no checkpoint to resume")
@@ -283,7 +281,6 @@ def _prepare_out_dir(out_dir: str, resume: bool) -> None:
     """Refuse to clobber an unfinished run in ``out_dir``; move a finished run's files aside, never
     delete them (nothing to do when the run ``resume``s)."""
 
-
     out = Path(out_dir)
     if resume:
         return
@@ -302,7 +299,6 @@ def _prepare_out_dir(out_dir: str, resume: bool) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-
     try:
         if args.bench == "edge":
             wanted = [v for v in args.rows.split(",") if v]
@@ -404,7 +400,6 @@ def _parse_setting(text: str) -> dict[str, Any]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-
     try:
         classes = [int(c) for c in args.classes.split(",")] if args.classes else None
     except ValueError:
@@ -427,7 +422,6 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-
     try:
         cfg = load_config(args.config, args.set, None, None)
         path = checkpoint_path(BackboneSpec.of(cfg), args.source)

@@ -78,7 +78,6 @@ class RoundsFile:
         self.fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def round(self, record: dict[str, Any]) -> None:
-
         self.fh.write(json.dumps(json_safe(record)[0], allow_nan=False) + "\n")
         self.fh.flush()
 

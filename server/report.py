@@ -26,7 +26,6 @@ def json_safe(obj: Any) -> tuple[Any, int]:
     """``obj`` with NaN / inf as None and NumPy scalars and arrays as Python values, and the
     number of non-finite values replaced."""
 
-
     if isinstance(obj, dict):
         out, n = {}, 0
         for k, v in obj.items():

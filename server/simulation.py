@@ -216,7 +216,6 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     # Ray is heavy and starts only for a simulation
     import ray
 
-
     try:
         plan = plan_simulation(cfg, connect_ray(cfg.ray_address), supernodes, cfg.ray_address)
         log.info("Flower simulation: %s", plan.describe())

@@ -109,8 +109,6 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
 
 
 def _machine() -> dict[str, Any]:
-
-
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                             "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():

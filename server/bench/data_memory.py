@@ -125,7 +125,6 @@ def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
         load_dataset_cached(cfg)
         return {"seconds": round(time.perf_counter() - started, 2), "rss_mb": round(_peak_rss_mb(), 1)}
 
-
     t = time.perf_counter()
     data = load_dataset_cached(cfg)
     decode_seconds = round(time.perf_counter() - t, 2)

@@ -65,7 +65,6 @@ PAPER_MODEL: dict[str, Any] = {
 
 
 def edge_config(batch_size: int, threads: int) -> Any:
-
     return ExperimentConfig.from_dict({**PAPER_MODEL, "batch-size": batch_size, "threads": threads})
 
 
@@ -83,7 +82,6 @@ def stand_in(batch_size: int, num_classes: int = 100, per_task: int = 10, seed: 
 
 def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: int, arrays_out: Path) -> dict:
     """The child's work: one client round in this process; its figures (and its arrays to ``arrays_out``)."""
-
 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
@@ -193,7 +191,6 @@ def accuracy(out_dir: Path, seeds: list[int], precisions: list[str], strategy: s
 def final_accuracy(run_dir: Path, precision: str) -> float | None:
     """A_N of the run's final model (its kept checkpoint) evaluated with a ``precision`` backbone
     (None: the run kept no checkpoint)."""
-
 
     ckpt = checkpoint.load(run_dir)
     if ckpt is None:

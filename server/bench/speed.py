@@ -33,7 +33,6 @@ log = logging.getLogger("promptfcl")
 def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, float]:
     """Images/s of LocalLearner.fit vs the bare prompted forward+backward on the same batches."""
 
-
     out: dict[str, float] = {}
     for cached in (True, False):
         run_cfg = cfg.replace(query_cache=cached)
@@ -98,7 +97,6 @@ def perf(
     out_dir: Path, base: dict[str, Any], populations: tuple[int, ...] = (10, 100, 1000), methods: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """All ``bench perf`` figures; writes ``out_dir/perf.json`` and prints a summary."""
-
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = ExperimentConfig.from_dict({**base, "centralised": True})  # one client holding a whole task
