@@ -48,12 +48,14 @@ lint: $(STAMP)
 
 # mypy reads the layers from the checkout (their imports of each other are relative); the root's
 # __init__.py makes the checkout's folder their package, so a folder name that is no Python
-# identifier (a clone into promptfcl-main/) is checked through a link named promptfcl instead
+# identifier (a clone into promptfcl-main/) is checked from a copy of the layers named promptfcl
+# (a link would not do: the working directory is the link's target)
 typecheck: $(STAMP)
 	@if basename "$(CURDIR)" | grep -Eq '^[A-Za-z_][A-Za-z0-9_]*$$'; then $(PY) -m mypy; else \
-	  tmp=$$(mktemp -d) && ln -s "$(CURDIR)" $$tmp/promptfcl && cd $$tmp/promptfcl && \
-	  echo "typecheck: $(notdir $(CURDIR)) is not a Python identifier: checking it as promptfcl/" && \
-	  "$(CURDIR)/$(PY)" -m mypy; fi
+	  tmp=$$(mktemp -d) && mkdir $$tmp/promptfcl && \
+	  cp -r __init__.py pyproject.toml common client server strategies $$tmp/promptfcl/ && \
+	  echo "typecheck: $(notdir $(CURDIR)) is not a Python identifier: checking a copy named promptfcl/" && \
+	  cd $$tmp/promptfcl && "$(abspath $(PY))" -m mypy; status=$$?; rm -rf $$tmp; exit $$status; fi
 
 clean-venv:
 	rm -rf $(VENV)
