@@ -321,7 +321,6 @@ def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray_actor() else None
     device = runtime.device
     if device.type == "cuda" and device.index is None:
-
         device = torch.device("cuda", torch.cuda.current_device())
     fields: dict[str, Any] = {"node": str(node or context.node_id), "device": str(device), "config-digest": digest}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

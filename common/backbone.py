@@ -143,7 +143,6 @@ def _build_with_timm(spec: BackboneSpec) -> tuple[Backbone, str]:
         _seeded_reinit(model, spec.seed)
     else:
         if spec.weights.startswith("pretrained:"):
-
             path = resolve_weights(spec)
             meta = checkpoint_meta(path)
             overlap = "OVERLAPS" if meta.get("source") == spec.dataset else "does not overlap"

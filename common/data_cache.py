@@ -160,7 +160,6 @@ def load_source_cached(source: DataSource, num_tasks: int) -> Dataset:
     if text not in _loaded:
         _loaded.clear()  # one dataset per process is enough; keeps memory bounded
         if source.cache:
-
             _loaded[text] = mapped_dataset(cache_dir() / "data", [keys, source_identity(source)],
                                            lambda: read_source(source), source.dataset)
         else:

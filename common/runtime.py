@@ -215,7 +215,6 @@ def _build_model(spec: ModelSpec, prompt_class: type[CodaPrompt], device_name: s
     configure_threads(threads)
     device = resolve_device(device_name)
     if precision != "fp32" and device.type != "cpu":
-
         raise ConfigError(f"backbone-precision = {precision} is a CPU node's option; this node trains on {device}")
     model, source = build_model(spec, prompt_class, precision)
     model.to(device)
@@ -229,10 +228,18 @@ def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = 
     configure_threads(cfg.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device, cfg.threads,
-                                         precision)
+    return _assemble(cfg, data, _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device,
+                                             cfg.threads, precision), None, precision)
+
+
+def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, torch.device, str],
+              partition: Partition | None, precision: str) -> Runtime:
+    """The runtime of ``cfg`` over ``data`` with the model ``built`` (model, device, weights' source)
+    and ``partition`` (None: the run's)."""
+    model, device, source = built
     disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
-    return Runtime(cfg, data, model, device, source, Partition.of(cfg), disk_dir=disk_dir, precision=precision)
+    return Runtime(cfg, data, model, device, source, partition or Partition.of(cfg), disk_dir=disk_dir,
+                   precision=precision)
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
@@ -267,15 +274,11 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
         if previous is not None and previous.precision == precision and \
                 _same_model(previous, cfg.to_dict(), data, prompt_class):
             # another node's data in this process (simulated nodes share Ray actors): keep the model
-            disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
-            _with_data[key] = Runtime(cfg, data, previous.model, previous.device, previous.weights_source,
-                                      partition or Partition.of(cfg), disk_dir=disk_dir, precision=precision)
+            built = (previous.model, previous.device, previous.weights_source)
         else:
-            model, device, source = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device,
-                                                 cfg.threads, precision)
-            disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
-            _with_data[key] = Runtime(cfg, data, model, device, source, partition or Partition.of(cfg),
-                                      disk_dir=disk_dir, precision=precision)
+            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device, cfg.threads,
+                                 precision)
+        _with_data[key] = _assemble(cfg, data, built, partition, precision)
     return _with_data[key]
 
 

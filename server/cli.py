@@ -180,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(sorted(methods())))
         return 0
     if args.command == "show":
-
         path = Path(args.dir) / "results.json"
         if not path.is_file():
             print(f"error: {path} does not exist", file=sys.stderr)

@@ -156,7 +156,6 @@ class RunTrackers:
         if tracker == "tensorboard":
             self.trackers.append(TensorBoardTracker(out_dir))
         elif tracker in ("mlflow", "wandb"):
-
             kind = MLflowTracker if tracker == "mlflow" else WandbTracker
             try:
                 self.trackers.append(kind(out_dir, dict(config or {}), resume=done > 0))

@@ -332,7 +332,6 @@ class ExperimentRun:
                                 **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
-
             results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.num_tasks)
         if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
 

@@ -243,7 +243,6 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-
         build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return
     figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
