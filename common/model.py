@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .adapters import LowRankAdapters
 from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
 from .config import ConfigError, ExperimentConfig
 from .low_precision import lower_precision
@@ -89,6 +90,10 @@ class CodaPrompt(nn.Module):
     #: with prompt-tuning and ``prompt-tokens = "auto"``: what the method does with a block's
     #: prompt tokens after the block, "truncate" or "accumulate" (see ``PromptedViT.features``)
     prompt_tokens = "truncate"
+    #: the module family (the other: common/adapters.py's low-rank adapters)
+    family = "prompts"
+    #: whether the forward reads q(x), the unprompted backbone's feature (the runtime caches it)
+    uses_query = True
 
     def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
         super().__init__()
@@ -188,15 +193,20 @@ def check_blocks(backbone: Backbone, layers: list[int]) -> None:
                 "Block / Attention (or common/vit.py's), whose forward the prompted path reproduces")
 
 
+#: a method's trainable module: one of the two families
+TrainableModule = CodaPrompt | LowRankAdapters
+
+
 class PromptedViT(nn.Module):
-    """Frozen ViT + CODA-P prompts + one linear head (over all classes, or a block per task).
+    """Frozen ViT + the method's trainable module (CODA-P prompts, or low-rank adapters:
+    common/adapters.py) + one linear head (over all classes, or a block per task).
 
     ``forward(images, query)`` returns logits over all classes; masking to the
     current task (training) or to the seen classes (evaluation) is the caller's,
     via :func:`masked_logits`.
     """
 
-    def __init__(self, backbone: Backbone, prompt: CodaPrompt, num_classes: int, mode: str = "prefix",
+    def __init__(self, backbone: Backbone, prompt: TrainableModule, num_classes: int, mode: str = "prefix",
                  input_norm: str = "backbone", interpolation: str = "bilinear", eval_crop: float = 1.0,
                  tokens: str = "truncate") -> None:
         super().__init__()
@@ -215,6 +225,8 @@ class PromptedViT(nn.Module):
         if bad:
             raise ConfigError(f"prompt-layers {bad} do not exist in a backbone of depth {depth}")
         check_blocks(backbone, prompt.layers)
+        if isinstance(prompt, LowRankAdapters):
+            prompt.check_backbone(backbone)
         if mode == "prefix" and self.embed_dim % backbone.blocks[0].attn.num_heads:
             raise ConfigError("embed dim not divisible by heads")
         self.head = nn.Linear(self.embed_dim, num_classes)
@@ -253,7 +265,10 @@ class PromptedViT(nn.Module):
 
     @torch.no_grad()
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        """q(x): final-layer CLS feature of the frozen backbone without prompts."""
+        """q(x): final-layer CLS feature of the frozen backbone without prompts; (B, 0) for a module
+        that reads none (adapters), so no frozen pass is spent on it."""
+        if not self.prompt.uses_query:
+            return x.new_zeros(len(x), 0)
         b = self.backbone
         return self._chunked(lambda xs: b.forward_head(b.forward_features(xs[0]), pre_logits=True), x)
 
@@ -289,9 +304,13 @@ class PromptedViT(nn.Module):
         prompted = set(self.prompt.layers)
         carried = 0  # accumulated prompt tokens, right after CLS
         run = self._run_block
+        adapters = self.prompt if isinstance(self.prompt, LowRankAdapters) else None
         for i, block in enumerate(b.blocks):
             if i not in prompted:
                 tokens = run(i, block, tokens)
+                continue
+            if adapters is not None:
+                tokens = run(i, partial(block_forward, block, adapt=partial(adapters.adapt, i)), tokens)
                 continue
             prompt = self.prompt(query, i)
             if self.mode == "prefix":
@@ -316,10 +335,16 @@ class PromptedViT(nn.Module):
             return block(tokens, *prefix)
         return checkpoint(block, tokens, *prefix, use_reentrant=False)
 
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Scores over all classes of pre-logit ``features``: the head's (a module may score otherwise:
+        its ``logits(head, features)``, PILoRA's distances to prototypes held in the head's rows)."""
+        scorer = getattr(self.prompt, "logits", None)
+        return self.head(features) if scorer is None else scorer(self.head, features)
+
     def forward(self, x: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor:
         if query is None:
             query = self.query(x)
-        return self.head(self.features(x, query))
+        return self.logits(self.features(x, query))
 
 
 def masked_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -371,7 +396,7 @@ class ModelSpec:
 
 
 def build_model(
-    spec: ModelSpec, prompt_class: type[CodaPrompt] | None = None, precision: str = "fp32",
+    spec: ModelSpec, prompt_class: type[TrainableModule] | None = None, precision: str = "fp32",
 ) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
@@ -395,7 +420,8 @@ def build_model(
     return model, source
 
 
-def initial_trainable_state(spec: ModelSpec, prompt_class: type[CodaPrompt] | None = None) -> dict[str, torch.Tensor]:
+def initial_trainable_state(spec: ModelSpec,
+                            prompt_class: type[TrainableModule] | None = None) -> dict[str, torch.Tensor]:
     """The initial prompt and head parameters, built without data or backbone weights.
 
     Their initialisation is seeded and independent of the backbone's weights, so a randomly

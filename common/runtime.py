@@ -35,7 +35,7 @@ from .config import ConfigError, ExperimentConfig, keys_of
 from .data import ArraySplit, Dataset
 from .data_cache import load_dataset_cached
 from .files import write_atomic
-from .model import CodaPrompt, ModelSpec, PromptedViT, build_model, resolve_device
+from .model import CodaPrompt, ModelSpec, PromptedViT, TrainableModule, build_model, resolve_device
 from .partitions import Partition
 from .tasks import TaskLayout
 from .weights import BackboneSpec, cache_dir, disk_backbone_id
@@ -182,8 +182,9 @@ class Runtime:
         return self.caches[split]
 
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:
-        """Cached queries for ``index`` (None when the cache is switched off)."""
-        if not self.cfg.query_cache:
+        """Cached queries for ``index`` (None when the cache is switched off, or the model's trainable
+        module reads no query: adapters change every feature, q(x) is none of theirs)."""
+        if not self.cfg.query_cache or not self.model.prompt.uses_query:
             return None
         with self.autocast():  # the cache stores float32 whatever the forward's precision
             return self.query_cache(split).get(self.model, index, self.device).to(self.device)
@@ -208,7 +209,7 @@ def configure_threads(threads: int) -> None:
         torch.set_num_threads(n)
 
 
-def _build_model(spec: ModelSpec, prompt_class: type[CodaPrompt], device_name: str, threads: int,
+def _build_model(spec: ModelSpec, prompt_class: type[TrainableModule], device_name: str, threads: int,
                  precision: str = "fp32") -> tuple[PromptedViT, torch.device, str]:
     """The runtime's model (``spec``) on its device (``device_name``, ``threads``): the model, the
     device and where the backbone's weights came from."""
@@ -223,7 +224,7 @@ def _build_model(spec: ModelSpec, prompt_class: type[CodaPrompt], device_name: s
 
 
 @functools.lru_cache(maxsize=2)
-def _runtime(fingerprint: str, prompt_class: type[CodaPrompt], precision: str = "fp32") -> Runtime:
+def _runtime(fingerprint: str, prompt_class: type[TrainableModule], precision: str = "fp32") -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
     configure_threads(cfg.threads)
     with startup.phase("data"):
@@ -243,10 +244,10 @@ def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, to
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
-_with_data: dict[tuple[str, type[CodaPrompt], str, str, Partition | None], Runtime] = {}
+_with_data: dict[tuple[str, type[TrainableModule], str, str, Partition | None], Runtime] = {}
 
 
-def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaPrompt,
+def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = CodaPrompt,
                 data: Dataset | None = None, precision: str = "fp32", partition: Partition | None = None) -> Runtime:
     """The process-wide runtime for this configuration (the backbone is built once).
 
@@ -254,7 +255,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
     ----------
     cfg : ExperimentConfig
         The run's configuration.
-    prompt_class : type of CodaPrompt
+    prompt_class : type of CodaPrompt or LowRankAdapters
         The method's prompt module.
     data : Dataset, optional
         Data loaded by the caller (a deployed node's own data); by default the
@@ -286,7 +287,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[CodaPrompt] = CodaProm
 _DATA_LOCATION_KEYS = frozenset(keys_of("data-location"))
 
 
-def _same_model(rt: Runtime, settings: dict[str, Any], data: Dataset, prompt_class: type[CodaPrompt]) -> bool:
+def _same_model(rt: Runtime, settings: dict[str, Any], data: Dataset, prompt_class: type[TrainableModule]) -> bool:
     """Whether ``rt``'s model serves run ``settings`` (``to_dict``) on ``data``: the same prompt
     module, classes and settings apart from where the data is."""
     def model_part(values: dict[str, Any]) -> dict[str, Any]:

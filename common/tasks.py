@@ -130,6 +130,8 @@ class TaskLayout:
         random tasks two tasks may share, or task t's own block). Methods that average, send or
         reply per task (Fed-CPrompt, Powder) locate a task's part with this.
         """
+        if name.startswith("prompt.lora_") and value.ndim >= 1 and value.shape[0] == self.num_tasks:
+            return slice(task, task + 1)  # a low-rank adapter's sets, one per task (common/adapters.py)
         if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == self.pool_size:
             return self.slice_of(task)
         if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == self.head_size:

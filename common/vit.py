@@ -20,17 +20,25 @@ optional prefix keys/values for prompts) -> ``PatchEmbed`` -> ``Attention`` -> `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # ---------------------------------------------------------------------------- forwards
 # The forward functions and timm's readers take ``Any``: they read timm's modules or ours by their
 # attributes, which torch types as ``Tensor | Module``
-def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+
+#: a low-rank adapter's hook into a block: ``adapt(name, x, y)`` is projection ``name``'s output ``y``
+#: ("qkv", "proj", "fc1" or "fc2", computed from its input ``x``) with the adapter's delta added
+#: (common/adapters.py); a projection it does not adapt comes back as it is
+Adapt = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = None,
+                      adapt: Adapt | None = None) -> torch.Tensor:
     """timm's ``Attention.forward`` (fused path), with optional prefix keys/values.
 
     Runs on this module's :class:`Attention` and on timm's ``vision_transformer``
@@ -47,6 +55,8 @@ def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = 
     prefix : torch.Tensor, optional
         Prefix-tuning prompt (B, L, D): the first L/2 tokens are prepended to the keys,
         the last L/2 to the values (sequence length unchanged).
+    adapt : Adapt, optional
+        Low-rank adapters of the qkv and output projections (:data:`Adapt`).
 
     Returns
     -------
@@ -55,7 +65,8 @@ def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = 
     """
     B, N, _ = x.shape
     gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    qkv = attn.qkv(x) if adapt is None else adapt("qkv", x, attn.qkv(x))
+    qkv = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
     if prefix is not None:
@@ -70,13 +81,22 @@ def attention_forward(attn: Any, x: torch.Tensor, prefix: torch.Tensor | None = 
     out = norm(out) if norm is not None else out
     if gate is not None:
         out = out * gate
-    return attn.proj_drop(attn.proj(out))
+    return attn.proj_drop(attn.proj(out) if adapt is None else adapt("proj", out, attn.proj(out)))
 
 
-def block_forward(block: Any, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
-    """timm's pre-norm ``Block.forward``, its attention through :func:`attention_forward`."""
-    x = x + block.drop_path1(block.ls1(attention_forward(block.attn, block.norm1(x), prefix)))
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+def mlp_forward(mlp: Any, x: torch.Tensor, adapt: Adapt) -> torch.Tensor:
+    """timm's ``Mlp.forward`` (fc1, act, drop, norm, fc2, drop) with adapted ``fc1`` and ``fc2``."""
+    h = mlp.norm(mlp.drop1(mlp.act(adapt("fc1", x, mlp.fc1(x)))))
+    return mlp.drop2(adapt("fc2", h, mlp.fc2(h)))
+
+
+def block_forward(block: Any, x: torch.Tensor, prefix: torch.Tensor | None = None,
+                  adapt: Adapt | None = None) -> torch.Tensor:
+    """timm's pre-norm ``Block.forward``, its attention through :func:`attention_forward` (and its
+    MLP through :func:`mlp_forward` when ``adapt`` is given)."""
+    x = x + block.drop_path1(block.ls1(attention_forward(block.attn, block.norm1(x), prefix, adapt)))
+    h = block.norm2(x)
+    return x + block.drop_path2(block.ls2(block.mlp(h) if adapt is None else mlp_forward(block.mlp, h, adapt)))
 
 
 # ---------------------------------------------------------------------------- modules

@@ -72,7 +72,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
             for s in range(0, len(index), cfg.batch_size):
                 with rt.autocast():
                     feats = model.features(x_all[s : s + cfg.batch_size], q_all[s : s + cfg.batch_size])
-                    logits = masked_logits(model.head(feats), allowed)
+                    logits = masked_logits(model.logits(feats), allowed)
                     loss = F.cross_entropy(logits, y_all[s : s + cfg.batch_size])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

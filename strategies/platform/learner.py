@@ -10,6 +10,7 @@ a fit calls them:
   completes its partial payload)
 * ``round_start(content, task)``  read extra records the server sent (prototypes, known tasks, ...)
 * ``held_out(index)``  samples held out of training for validation (Fed-CPrompt's early stopping)
+* ``learning_rate(name, task)``  a trainable parameter's own learning rate (PILoRA's prototypes)
 * ``extra_loss(batch, task)``  add a term to the loss of each batch
 * ``epoch_end(epoch, validation, task)``  after each local epoch; True stops training there
 * ``round_end(index, task)``  extra records to upload, from the trained samples (statistics, ...)
@@ -52,10 +53,10 @@ log = logging.getLogger("promptfcl")
 
 #: the loop's pieces: the platform's, never a method's (LocalLearner.__init_subclass__ refuses a
 #: subclass that overrides one; a method fills the hooks instead)
-SEALED = frozenset({"fit", "_train", "step", "inputs", "augmentation", "update_reference", "_reply"})
+SEALED = frozenset({"fit", "_train", "_parameter_groups", "step", "inputs", "augmentation", "update_reference", "_reply"})
 #: what a method fills, in the order a fit calls them (``answer``: outside a fit); the module's
 #: docstring and docs/extending.md list each (a test keeps them so)
-HOOKS = ("received", "round_start", "held_out", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
+HOOKS = ("received", "round_start", "held_out", "learning_rate", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
          "reply_records", "round_cleanup", "answer")
 
 
@@ -116,6 +117,12 @@ class LocalLearner:
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Read method-specific records sent by the server."""
+
+    def learning_rate(self, name: str, task: int) -> float | None:
+        """The learning rate of trainable parameter ``name`` (the model's parameter name, e.g.
+        ``head.weight``, ``prompt.lora_q0_a``) in this fit (hook; None: the run's ``lr``). A method
+        whose paper trains parts at different rates (PILoRA's prototypes and adapters) says so."""
+        return None
 
     def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
         """Extra loss term for one batch (None: plain cross-entropy)."""
@@ -202,8 +209,7 @@ class LocalLearner:
         rng = np.random.default_rng(seed + [0xBA7C4])
         augment = self.augmentation()
 
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.Adam(params, lr=cfg.lr)
+        optimizer = torch.optim.Adam(self._parameter_groups(task), lr=cfg.lr)
         trained, validation = self.held_out(index)
         steps = cfg.local_epochs * math.ceil(len(trained) / cfg.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
@@ -234,6 +240,15 @@ class LocalLearner:
         model.eval()
         return self._reply(index, task, started, losses, examples=len(trained))
 
+    def _parameter_groups(self, task: int) -> list[dict[str, Any]]:
+        """The trainable parameters, one optimiser group per learning rate (``learning_rate``)."""
+        groups: dict[float, list[torch.nn.Parameter]] = {}
+        for name, param in self.rt.model.named_parameters():
+            if param.requires_grad:
+                rate = self.learning_rate(name, task)
+                groups.setdefault(self.cfg.lr if rate is None else float(rate), []).append(param)
+        return [{"params": params, "lr": rate} for rate, params in groups.items()]
+
     def step(self, x: torch.Tensor, y: torch.Tensor, queries: torch.Tensor | None, allowed: torch.Tensor,
              task: int) -> float:
         """One optimiser step's gradient (accumulated in the parameters' ``grad``) and its loss.
@@ -252,7 +267,7 @@ class LocalLearner:
             with rt.autocast():
                 q = queries[rows] if queries is not None else model.query(xs)
                 feats = model.features(xs, q)
-                logits = masked_logits(model.head(feats), allowed)
+                logits = masked_logits(model.logits(feats), allowed)
                 loss = F.cross_entropy(logits, ys)
                 extra = self.extra_loss(Batch(xs, ys, q, feats, logits, share, y, rows), task)
                 if extra is not None:

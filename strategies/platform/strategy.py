@@ -43,7 +43,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from ...common.config import ExperimentConfig
-from ...common.model import CodaPrompt
+from ...common.model import CodaPrompt, TrainableModule
 from ...common.options import MethodOptions, NoOptions
 from ...common.privacy import PrivateRecord, privacy_options
 from ...common.records import (
@@ -96,7 +96,7 @@ class PromptStrategy(Sampling, FedAvg):
     name = "fedavg"
     #: prompt module of this method (clients build their model with it; the server uses it to
     #: initialise task slices). Must take CodaPrompt's constructor arguments.
-    prompt_class: type[CodaPrompt] = CodaPrompt
+    prompt_class: type[TrainableModule] = CodaPrompt
     #: the method's options dataclass (``from_options(dict)`` raises ConfigError on a bad value)
     options_class: type[MethodOptions] = NoOptions
     #: averaging with clients on several tasks in one round: "in-flight" averages each task's
@@ -448,7 +448,7 @@ class PromptStrategy(Sampling, FedAvg):
             if claimed > given + 1e-9:
                 log.info("round %d: max-client-weight %g: %s claimed %.0f%% of the round's examples, weighted %.0f%%",
                          server_round, cap, self.node_label(a.sent.node), 100 * claimed, 100 * given)
-    def prompt_from(self, state: Mapping[str, np.ndarray]) -> CodaPrompt:
+    def prompt_from(self, state: Mapping[str, np.ndarray]) -> TrainableModule:
         """A prompt module holding the prompt arrays of ``state`` (no backbone needed)."""
         dim = int(state["head.weight"].shape[1])
         prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,

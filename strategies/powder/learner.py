@@ -300,7 +300,7 @@ class PowderLearner(LocalLearner):
         assert self.teacher is not None, "teacher_logits before round_start"
         model.prompt, model.head = self.teacher  # type: ignore[assignment]
         try:
-            logits = model.head(model.features(batch.images, batch.query))
+            logits = model.logits(model.features(batch.images, batch.query))
         finally:
             model.prompt, model.head = prompt, head
         return logits.masked_fill(~torch.isfinite(batch.logits), float("-inf"))
