@@ -192,6 +192,12 @@ class ExperimentConfig:
     # not exclude (0: off, it excludes at once). Honest label-skewed clients disagree with the
     # round once in a run at most on the offline benchmark, hostile ones in most rounds
     update_strikes: int = key(2, "robustness", ("results",))
+    # Direction history: a client whose cosines with its task's median update average below
+    # update-mean-cosine (-1: off) over its replies so far, judged from its
+    # update-mean-cosine-after-th reply on, is excluded from then on: a reversed update of
+    # ordinary length swings with the round, its mean does not (docs/reliability.md)
+    update_mean_cosine: float = key(0.0, "robustness", ("results",))
+    update_mean_cosine_after: int = key(3, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): a row (class mean, covariance scale) beyond
     # stats-bound x the lower median of the round's rows of that array is cut to it, a count to the

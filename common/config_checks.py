@@ -154,6 +154,11 @@ def validate_config(cfg: ExperimentConfig) -> None:
          f"update-reversed-norm must be 0 (off) or > 0 (a multiple of the lower median norm), "
          f"got {cfg.update_reversed_norm}")
     need(cfg.update_strikes >= 0, f"update-strikes must be >= 0 (0: off), got {cfg.update_strikes}")
+    need(math.isfinite(cfg.update_mean_cosine) and -1 <= cfg.update_mean_cosine < 1,
+         f"update-mean-cosine must be in [-1, 1) (-1: off), got {cfg.update_mean_cosine}")
+    need(cfg.update_mean_cosine_after >= 1,
+         f"update-mean-cosine-after must be >= 1 (replies judged before a client's mean counts), "
+         f"got {cfg.update_mean_cosine_after}")
     need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),
          f"stats-bound must be 0 (off) or >= 1 (a multiple of the lower median), got {cfg.stats_bound}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,

@@ -148,7 +148,8 @@ class PromptStrategy(Sampling, FedAvg):
                                                    cfg.max_client_weight if cfg.population == "nodes" else 0.0)
         screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
                                cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
-                               privacy_options(cfg).noise_multiplier)
+                               privacy_options(cfg).noise_multiplier, cfg.update_mean_cosine,
+                               cfg.update_mean_cosine_after)
         self.policies = RunPolicies(weighting, combiner, screen,
                                     StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
@@ -463,12 +464,14 @@ class PromptStrategy(Sampling, FedAvg):
         """What the platform keeps across a resume (the nodes' declared sizes, each client's turn)."""
         return {"node-sizes": {str(k): list(v) for k, v in self.bounds.declared.items()},
                 "schedule-slots": {str(k): int(v) for k, v in self._schedule_slots.items()},
-                "strikes": self.policies.screen.strikes.to_dict()}
+                "strikes": self.policies.screen.strikes.to_dict(),
+                "direction-history": self.policies.screen.history.to_dict()}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
         self._schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
         self.policies.screen.strikes.load(state.get("strikes", {}))
+        self.policies.screen.history.load(state.get("direction-history", {}))
 
 
 def _placement(content: RecordDict) -> dict[str, str]:

@@ -1,0 +1,96 @@
+"""The direction history (``update-mean-cosine``, strategies/platform/defences.py): a client whose
+updates point against the round on average is excluded from then on, however its single rounds
+read; an honest label-skewed client's lone disagreements are not; the history survives a resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
+from promptfcl.strategies.platform.defences import (
+    DIRECTION,
+    STRUCK_OUT,
+    DirectionCheck,
+    DirectionHistory,
+    Strikes,
+    UpdateClip,
+    UpdateScreen,
+    update_screen,
+)
+from tests.conftest import tiny_config
+
+# per-round cosines with the round's median update, as recorded on the offline benchmark: a
+# sign-flipping Fed-CPrompt client (seed 0, client 0: never below update-min-cosine = -0.6) and an
+# honest label-skewed FPPL client (seed 1, client 9, the lowest honest means recorded)
+HOSTILE = [0.26, -0.47, -0.45, 0.22, -0.55, -0.46, -0.43, 0.31, -0.5, -0.4]
+HONEST = [-0.36, -0.02, 0.87, 0.5, -0.3, 0.6, 0.4, 0.7, 0.1, 0.3]
+
+
+def _at(cosine: float) -> dict[str, np.ndarray]:
+    """A unit update whose cosine with (1, 0) is ``cosine``."""
+    return {"w": np.array([cosine, math.sqrt(1 - cosine * cosine)])}
+
+
+def _round(screen: UpdateScreen, hostile: float, honest: float):
+    # three clients exactly on (1, 0): the coordinate-wise median of the five updates is (1, 0)
+    updates = [_at(1.0), _at(1.0), _at(1.0), _at(honest), _at(hostile)]
+    return screen(updates, [1.0] * 5, [0] * 5, clients=[0, 1, 2, 3, 4])
+
+
+def test_a_client_pointing_against_the_round_on_average_is_excluded_from_its_third_reply_on():
+    """The defended defaults (update-min-cosine -0.6, update-strikes 2, update-mean-cosine 0 after 3):
+    the hostile client's cosines never cross -0.6, so neither the direction check nor the strikes
+    ever see it; its mean over three replies (-0.22) does. The honest client's two disagreements
+    (-0.36, -0.02) are not held against it: its mean at its third reply is +0.16."""
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(5.0), strikes=Strikes(2),
+                          history=DirectionHistory(0.0, 3))
+    for r, (hostile, honest) in enumerate(zip(HOSTILE, HONEST)):
+        out = _round(screen, hostile, honest)
+        assert out.cosines[4] is None or out.cosines[4] == pytest.approx(hostile)
+        if r < 2:
+            assert out.excluded == {}
+        elif r == 2:
+            assert out.excluded[4][0] == DIRECTION and "mean cosine -0.220" in out.excluded[4][1]
+        else:
+            assert set(out.excluded) == {4} and out.excluded[4][0] == STRUCK_OUT
+    assert screen.strikes.counts == {}  # no single round flagged either
+    assert screen.history.excluded == {4} and screen.history.sums[3][1] == len(HONEST)
+    assert screen.history.sums[3][0] / len(HONEST) > 0.2
+
+
+def test_off_it_remembers_nothing_and_under_dp_noise_it_is_not_applied(caplog):
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), strikes=Strikes(2))  # history off
+    for hostile, honest in zip(HOSTILE, HONEST):
+        assert _round(screen, hostile, honest).excluded == {}
+    assert screen.history.sums == {}
+    with caplog.at_level("INFO", logger="promptfcl"):
+        noisy = update_screen(True, 10.0, 0.0, 5.0, -0.6, 3.5, 2, dp_noise=1.0, mean_cosine=0.0, mean_after=3)
+    assert not noisy.history.active and "update-mean-cosine" in caplog.text
+
+
+def test_the_history_survives_a_resume():
+    cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on")
+    s = FedAvgStrategy(cfg, 10)
+    assert s.policies.screen.history == DirectionHistory(0.0, 3)  # on where defended, by default
+    for hostile, honest in zip(HOSTILE[:2], HONEST[:2]):
+        _round(s.policies.screen, hostile, honest)
+    restored = FedAvgStrategy(cfg, 10)
+    restored.load_platform_state(s.platform_state())
+    out = _round(restored.policies.screen, HOSTILE[2], HONEST[2])  # its third reply, after the resume
+    assert out.excluded[4][0] == DIRECTION
+    again = FedAvgStrategy(cfg, 10)
+    again.load_platform_state(restored.platform_state())
+    assert again.policies.screen.history.excluded == {4}
+    assert FedAvgStrategy(tiny_config(defences="off"), 10).policies.screen.history.active is False
+
+
+@pytest.mark.parametrize("key,bad", [("update_mean_cosine", 1.0), ("update_mean_cosine", -1.5),
+                                     ("update_mean_cosine_after", 0)])
+def test_bad_settings_are_refused(key, bad):
+    from promptfcl.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace("_", "-")):
+        tiny_config(**{key: bad})
