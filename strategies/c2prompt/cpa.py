@@ -80,7 +80,8 @@ def collapse_weights(hists: np.ndarray, weights: np.ndarray, mode: str = "usage"
     if mode != "usage":
         raise ValueError(f"unknown CPA collapse {mode!r}")
     usage = hists.sum(2)  # (K, N): selections of each component
-    share = np.divide(usage, usage.sum(1, keepdims=True), out=np.zeros_like(usage), where=usage.sum(1, keepdims=True) > 0)
+    per_client = usage.sum(1, keepdims=True)
+    share = np.divide(usage, per_client, out=np.zeros_like(usage), where=per_client > 0)
     pi = share.T * w[None, :]
     empty = pi.sum(1) <= 0
     pi[empty] = base[empty]

@@ -133,7 +133,8 @@ class C2PromptLearner(LocalLearner):
             return cached.float()
         out = []
         for start in range(0, len(index), batch_size):
-            x = model.preprocess(torch.from_numpy(rt.data.train.images[index[start : start + batch_size]]).to(rt.device))
+            images = rt.data.train.images[index[start : start + batch_size]]
+            x = model.preprocess(torch.from_numpy(images).to(rt.device))
             with rt.autocast():
                 out.append(model.query(x).float())
         return torch.cat(out)

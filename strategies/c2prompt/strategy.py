@@ -83,8 +83,8 @@ class C2PromptStrategy(PromptStrategy):
     def global_record(self, task: int) -> ArrayRecord | None:
         """The pooled Gaussians of ``task``'s classes that have any report (None: none has)."""
         if task not in self._global:
-            rows = [(c, self.global_distribution(c)) for c in self.layout.classes(task).tolist()]
-            rows = [(c, g) for c, g in rows if g is not None]
+            rows = [(c, g) for c in self.layout.classes(task).tolist()
+                    if (g := self.global_distribution(c)) is not None]
             if not rows:
                 return None
             self._global[task] = to_array_record({
@@ -136,7 +136,7 @@ class C2PromptStrategy(PromptStrategy):
         classes, counts = stats["classes"], stats["counts"]
         dim = int(arrays_of(content)["head.weight"].shape[1])  # already checked against what was sent
         n = len(classes)
-        if classes.ndim != 1 or counts.shape != (n,) or stats["means"].shape != (n, dim) or stats["var"].shape != (n, dim):
+        if classes.ndim != 1 or counts.shape != (n,) or any(stats[k].shape != (n, dim) for k in ("means", "var")):
             return f"class statistics shapes do not fit {n} classes of dim {dim}"
         if not (np.issubdtype(classes.dtype, np.integer) and np.issubdtype(counts.dtype, np.integer)):
             return "class statistics classes and counts must be integers"
@@ -219,7 +219,8 @@ class C2PromptStrategy(PromptStrategy):
         for (c, client, task, n), mu, var in zip(keys.tolist(), np.asarray(state.get("stats.means", [])),
                                                   np.asarray(state.get("stats.var", []))):
             self.reported[int(c)][(int(client), int(task))] = (int(n), np.asarray(mu), np.asarray(var))
-        self.received = {(int(a), int(b)) for a, b in np.asarray(state.get("received", np.zeros((0, 2)))).reshape(-1, 2)}
+        received = np.asarray(state.get("received", np.zeros((0, 2)))).reshape(-1, 2)
+        self.received = {(int(a), int(b)) for a, b in received}
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, the q(x) mean of the report with most samples (what the audit inverts)."""
