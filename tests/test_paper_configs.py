@@ -37,6 +37,11 @@ EXPECTED = {
                                "switch-every": 3, "switch-fraction": 0.4, "local-epochs": 10,
                                "lr": 0.005, "prompt-mode": "prompt", "prompt-layers": "4,5,6", "pool-size": 130,
                                "prompt-length": 8},
+    # no paper text: Powder's benchmark, which C2Prompt reports on (its README's schedule)
+    "c2prompt-imagenet-r.toml": {"strategy": "c2prompt", "dataset": "hf:imagenet-r", "task-generator": "random",
+                                 "num-rounds": 15, "num-tasks": 13, "classes-per-task": 20, "min-overlap": 0.5,
+                                 "task-data-fraction": 0.2, "num-clients": 5, "clients-per-round": 5,
+                                 "switch-every": 3, "switch-fraction": 0.4},
 }
 # Inputs and partitions: the paper's where it says, else its authors' code (CODA-P's for the
 # methods built on it); every config says which in its comments. CODA-P's get_transform
@@ -54,6 +59,8 @@ PIPELINE = {
     "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
     "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
                                "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
+    "c2prompt-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
+                                 "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # Powder's, see the file
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
 }
@@ -65,6 +72,7 @@ BACKBONES = {
     "fedcprompt-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # code: vit_base_patch16_224_in21k
     "powder-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (Appendix B)
     "hgp-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (sec. 4.1)
+    "c2prompt-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # Powder's (the paper's: unread)
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 

@@ -76,7 +76,7 @@ def test_every_method_takes_asynchronous_arrival_on_the_stream():
     from promptfcl.strategies.registry import strategy_class
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
-    for name in ("fedavg", "fedcprompt", "powder", "hepco", "fppl", "hgp"):
+    for name in ("fedavg", "fedcprompt", "powder", "hepco", "fppl", "hgp", "c2prompt"):
         assert not strategy_class(name)(cfg, 10).schedule.synchronous
 
 

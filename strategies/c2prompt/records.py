@@ -1,0 +1,24 @@
+"""What C2Prompt adds to the wire, and how differential privacy bounds what a client uploads."""
+
+from ...common.privacy import PrivateRecord
+
+#: client -> server: per-class statistics of the frozen backbone's q(x) ("classes", "counts",
+#: "means", "var": diagonal population variances); empty when the server did not ask
+CLASS_STATS = "c2prompt-stats"
+#: client -> server: the histogram H (prompted block x component of the task's slice x class of the
+#: task, in the order of ``TaskLayout.classes``) of prompt selections, "hist"
+HISTOGRAM = "c2prompt-hist"
+#: server -> client: the global class distributions of the task's classes ("classes", "means", "var")
+GLOBAL_STATS = "c2prompt-global"
+#: config key of a train message: whether the client uploads its class statistics this round
+UPLOAD_STATS = "c2prompt-upload-stats"
+
+# With dp.clip = C the client clips every q(x) to norm C before its statistics (learner.py), so a
+# class mean has norm <= C and the population variance, trace mean ||x||^2 - ||mu||^2 <= C^2, has
+# a diagonal of L2 norm <= C^2. A histogram layer (one row per prompted block) is clipped to norm 1:
+# CPA reads only its direction (cosine similarity) and each client's shares of it, which scaling
+# keeps. Classes and counts are the label histogram, sent in the clear.
+PRIVATE_RECORDS = {
+    CLASS_STATS: PrivateRecord(bounded={"means": (1, 1.0), "var": (2, 1.0)}, public=("classes", "counts")),
+    HISTOGRAM: PrivateRecord(bounded={"hist": (0, 1.0)}),
+}
