@@ -87,7 +87,7 @@ class C2PromptLearner(LocalLearner):
         chosen = positions[attach]
         model = self.rt.model
         with self.prompt.compensated(self.attached(chosen, batch.images.device), self.cfg.prompt_mode == "prefix"):
-            logits = model.head(model.features(batch.images[rows], batch.query[rows]))
+            logits = model.logits(model.features(batch.images[rows], batch.query[rows]))
         allowed = torch.isfinite(batch.logits[0])
         logits = logits.masked_fill(~allowed[None, :], float("-inf"))
         swapped = F.cross_entropy(logits, batch.labels[rows], reduction="sum") - \
