@@ -53,11 +53,12 @@ log = logging.getLogger("promptfcl")
 
 #: the loop's pieces: the platform's, never a method's (LocalLearner.__init_subclass__ refuses a
 #: subclass that overrides one; a method fills the hooks instead)
-SEALED = frozenset({"fit", "_train", "_parameter_groups", "step", "inputs", "augmentation", "update_reference", "_reply"})
+SEALED = frozenset({"fit", "_train", "_parameter_groups", "step", "inputs", "augmentation", "update_reference",
+                    "_reply"})
 #: what a method fills, in the order a fit calls them (``answer``: outside a fit); the module's
 #: docstring and docs/extending.md list each (a test keeps them so)
-HOOKS = ("received", "round_start", "held_out", "learning_rate", "extra_loss", "epoch_end", "round_end", "uploaded", "reply_metrics",
-         "reply_records", "round_cleanup", "answer")
+HOOKS = ("received", "round_start", "held_out", "learning_rate", "extra_loss", "epoch_end", "round_end", "uploaded",
+         "reply_metrics", "reply_records", "round_cleanup", "answer")
 
 
 @dataclass
