@@ -75,7 +75,7 @@ def regmean_head(weights: Sequence[np.ndarray], grams: Sequence[np.ndarray], alp
         return np.asarray(numerator) @ np.linalg.pinv(total, rcond=1e-15, hermitian=True)
 
 
-def task_weights(diagonals: Sequence[np.ndarray], mode: str) -> np.ndarray:
+def task_weights(diagonals: Sequence[np.ndarray] | np.ndarray, mode: str) -> np.ndarray:
     """Column weights (tasks x in) of the sets of tasks 0..t, from each task's Gram diagonal.
 
     ``"regmean"``: ``d_tau / sum d`` (0 where no task's data reaches a column: the pseudo-inverse);
