@@ -275,7 +275,7 @@ def test_a_fit_trains_one_factor_uploads_it_alone_and_restores_the_shared_model(
         if name.endswith(f"_{frozen}"):
             np.testing.assert_array_equal(state[name].numpy(), before[name])
     assert all(p.requires_grad for n, p in rt.model.prompt.named_parameters() if not n.endswith("_w"))
-    assert out[GRAMS][SAMPLES].numpy()[0] == out[METRICS]["num-examples"]
+    assert out[GRAMS][SAMPLES].numpy()[0] == out[METRICS]["num-examples"]  # every trained sample
 
 
 def test_gram_pass_equals_a_hand_computation_on_a_two_block_vit():

@@ -139,7 +139,7 @@ class LoRMStrategy(PromptStrategy):
         return content
 
     def check_records(self, reply: Message, sent: Sent) -> str | None:
-        """A finite, non-negative Gram record of the run's blocks and the reply's samples."""
+        """A finite, non-negative Gram record of the run's blocks, of no more samples than the reply claims."""
         content = reply.content
         if GRAMS not in content.array_records:
             return f"{GRAMS!r} is not an array record"
@@ -159,7 +159,9 @@ class LoRMStrategy(PromptStrategy):
         if record[BLOCKS].tolist() != list(self.cfg.layers):
             return f"{GRAMS} blocks {record[BLOCKS].tolist()}, the run adapts {list(self.cfg.layers)}"
         samples, tokens = int(record[SAMPLES][0]), int(record[TOKENS][0])
-        if samples != as_int(metrics_of(content)["num-examples"]) or tokens < samples:
+        # (a node may claim more examples than it sums, within what it declared: its Gram weighs by its
+        # capped claim, as its factors do; a Gram of more samples than claimed is refused)
+        if not 0 < samples <= as_int(metrics_of(content)["num-examples"]) or tokens < samples:
             examples = metrics_of(content)["num-examples"]
             return f"{GRAMS} counts {samples} samples and {tokens} tokens for {examples} examples"
         if any((record[diagonal_name(t)] < 0).any() for t in widths) or \
