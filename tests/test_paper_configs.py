@@ -42,6 +42,9 @@ EXPECTED = {
                                  "num-rounds": 15, "num-tasks": 13, "classes-per-task": 20, "min-overlap": 0.5,
                                  "task-data-fraction": 0.2, "num-clients": 5, "clients-per-round": 5,
                                  "switch-every": 3, "switch-fraction": 0.4},
+    "lorm-cifar100.toml": {"strategy": "lorm", "dataset": "hf:cifar100", "num-tasks": 10, "num-clients": 10,
+                           "clients-per-round": 10, "rounds-per-task": 5, "local-epochs": 5, "batch-size": 16,
+                           "dirichlet-beta": 0.5, "lr": 3e-3, "prompt-layers": "0,1,2,3,4,5,6,7,8,9,10,11"},
 }
 # Inputs and partitions: the paper's where it says, else its authors' code (CODA-P's for the
 # methods built on it); every config says which in its comments. CODA-P's get_transform
@@ -63,6 +66,8 @@ PIPELINE = {
                                  "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # Powder's, see the file
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
+    "lorm-cifar100.toml": {"augment": "resized-crop-flip", "augment-crop-scale": 0.08, "resize-interpolation": "bicubic",
+                           "input-norm": "backbone", "eval-crop": 0.875, "min-partition-size": 6},  # the authors' code
 }
 # The exact timm weights each paper (or its authors' code) used; timm's bare vit_base_patch16_224
 # is augreg2_in21k_ft_in1k since timm 0.9, weights none of them used.
@@ -73,6 +78,7 @@ BACKBONES = {
     "powder-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (Appendix B)
     "hgp-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (sec. 4.1)
     "c2prompt-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # Powder's (the paper's: unread)
+    "lorm-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # the authors' code (_networks/vit.py)
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 

@@ -133,4 +133,6 @@ def test_what_a_method_supports_is_data_on_its_options():
         # the strategy and the learner read the options the registry names
         assert strategy_class(name).options_class is options is learner_class(name).options_class
     assert "differential-privacy" not in options_class("powder").COMPATIBILITY
-    assert {n for n in methods() if "random-tasks" not in options_class(n).COMPATIBILITY} == {"fppl", "hepco", "hgp"}
+    assert {n for n in methods() if "random-tasks" not in options_class(n).COMPATIBILITY} == {"fppl", "hepco", "hgp",
+                                                                                                "lorm"}
+    assert options_class("lorm").COMPATIBILITY == frozenset()  # synchronous stream, no DP (its Grams)

@@ -80,7 +80,7 @@ def test_every_method_takes_asynchronous_arrival_on_the_stream():
         assert not strategy_class(name)(cfg, 10).schedule.synchronous
 
 
-@pytest.mark.parametrize("name", ["hepco", "fppl", "hgp"])
+@pytest.mark.parametrize("name", ["hepco", "fppl", "hgp", "lorm"])
 def test_stream_methods_refuse_random_tasks(name):
     from promptfcl.strategies.platform.run_checks import check_run
 

@@ -41,6 +41,7 @@ PAPER_COMMUNICATION: dict[str, str] = {
     "fedcprompt": "not reported",
     "hgp": "not reported",
     "c2prompt": "not read (the paper's text could not be read)",
+    "lorm": "not read (only the paper's abstract is held here)",
 }
 
 
