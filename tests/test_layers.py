@@ -156,6 +156,7 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
+    from promptfcl.common.adapters import LowRankAdapters
     from promptfcl.common.model import CodaPrompt
     from promptfcl.strategies.platform.learner import LocalLearner
     from promptfcl.strategies.platform.strategy import PromptStrategy
@@ -168,10 +169,10 @@ def test_every_method_has_a_strategy_and_a_learner():
         strategy_class,
     )
 
-    assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "powder"}
+    assert set(methods()) == {"fedavg", "fedcprompt", "fppl", "hepco", "hgp", "pilora", "powder"}
     for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
-        assert issubclass(prompt_class(name), CodaPrompt)
+        assert issubclass(prompt_class(name), (CodaPrompt, LowRankAdapters))  # either family
         # strategy and learner read the same options, those the registry names (a run is checked against
         # them), and the client side names what the server uses
         assert learner_class(name).options_class is strategy_class(name).options_class is options_class(name)

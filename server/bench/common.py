@@ -40,6 +40,7 @@ PAPER_COMMUNICATION: dict[str, str] = {
     "powder": "493.08 MB over the whole run; Fed-CODAP 815.63 MB (Powder, Table 2)",
     "fedcprompt": "not reported",
     "hgp": "not reported",
+    "pilora": "not reported (the paper's tables could not be read)",
 }
 
 
