@@ -37,6 +37,9 @@ EXPECTED = {
                                "switch-every": 3, "switch-fraction": 0.4, "local-epochs": 10,
                                "lr": 0.005, "prompt-mode": "prompt", "prompt-layers": "4,5,6", "pool-size": 130,
                                "prompt-length": 8},
+    "pilora-cifar100.toml": {"strategy": "pilora", "dataset": "hf:cifar100", "num-tasks": 10, "num-clients": 10,
+                             "clients-per-round": 10, "rounds-per-task": 30, "dirichlet-beta": 0.5,
+                             "local-epochs": 10, "batch-size": 64, "prompt-layers": "0"},  # the authors' code
 }
 # Inputs and partitions: the paper's where it says, else its authors' code (CODA-P's for the
 # methods built on it); every config says which in its comments. CODA-P's get_transform
@@ -56,6 +59,11 @@ PIPELINE = {
                                "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
+    # the authors' Resize(224) and NIID-Bench Dirichlet; their flip + colour
+    # jitter and CIFAR statistics have no counterpart here (the config says so)
+    "pilora-cifar100.toml": {**CIFAR_EVAL, "augment": "none", "resize-interpolation": "bilinear",
+                             "input-norm": "backbone", "partition": "dirichlet", "min-partition-size": 10,
+                             "dirichlet-balance": True, "partition-scope": "dataset", "prompt-layers": "0"},
 }
 # The exact timm weights each paper (or its authors' code) used; timm's bare vit_base_patch16_224
 # is augreg2_in21k_ft_in1k since timm 0.9, weights none of them used.
@@ -65,6 +73,7 @@ BACKBONES = {
     "fedcprompt-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # code: vit_base_patch16_224_in21k
     "powder-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (Appendix B)
     "hgp-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (sec. 4.1)
+    "pilora-cifar100.toml": "vit_base_patch16_224.dino",  # code: timm 0.6.7's vit_base_patch16_224_dino
 }
 FILES = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
