@@ -109,11 +109,11 @@ class PILoRAOptions(MethodOptions):
         need(self.reweight_temperature > 0,
              f"pilora.reweight-temperature must be > 0, got {self.reweight_temperature}")
         need(self.min_class_count >= 1, f"pilora.min-class-count must be >= 1, got {self.min_class_count}")
-        for key, value, allowed in (("softmax-over", self.softmax_over, SOFTMAX_SCOPES),
-                                    ("reweight", self.reweight, REWEIGHTS),
-                                    ("class-means", self.class_means, CLASS_MEANS),
-                                    ("round-schedule", self.round_schedule, ROUND_SCHEDULES)):
-            need(value in allowed, f"pilora.{key} must be one of {allowed}, got {value!r}")
+        for key, choice, allowed in (("softmax-over", self.softmax_over, SOFTMAX_SCOPES),
+                                     ("reweight", self.reweight, REWEIGHTS),
+                                     ("class-means", self.class_means, CLASS_MEANS),
+                                     ("round-schedule", self.round_schedule, ROUND_SCHEDULES)):
+            need(choice in allowed, f"pilora.{key} must be one of {allowed}, got {choice!r}")
 
     def check_run(self, cfg: ExperimentConfig) -> None:
         if cfg.per_task_head:
