@@ -221,4 +221,4 @@ def test_statistics_attacks_run_only_against_methods_that_upload_statistics():
     from promptfcl.server.bench.attacks import uploads_statistics
     from promptfcl.strategies.registry import methods
 
-    assert {m for m in methods() if uploads_statistics(m)} == {"hgp", "fppl", "powder", "c2prompt", "lorm"}
+    assert {m for m in methods() if uploads_statistics(m)} == {"hgp", "fppl", "powder", "c2prompt", "lorm", "pilora"}

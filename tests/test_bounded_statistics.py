@@ -97,7 +97,7 @@ STATS_ONLY = {"defences": "on", "update-norm-factor": 0.0, "update-clip": 0.0, "
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", ["hgp", "fppl", "powder", "c2prompt", "lorm"])
+@pytest.mark.parametrize("method", ["hgp", "fppl", "powder", "c2prompt", "lorm", "pilora"])
 def test_on_an_honest_label_skewed_run_the_bound_changes_no_statistic(method, tmp_path):
     """Dirichlet 0.05 (most classes held almost whole by one client): HGP's mixtures (its counts
     are its weights), FPPL's prototypes and Powder's alphas, as the server holds them after every

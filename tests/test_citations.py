@@ -15,7 +15,7 @@ from promptfcl.common.config import ExperimentConfig
 from promptfcl.strategies.registry import Method, cite, methods
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "powder")
+OURS = ("c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "pilora", "powder")
 
 
 def bibtex_blocks(text: str) -> list[str]:

@@ -24,7 +24,7 @@ from promptfcl.strategies.registry import check_namespaces, strategy_class
 from tests.conftest import tiny_config
 from tests.helpers import InProcessGrid, client_app, run_in_process
 
-METHODS = ("fedavg", "hepco", "fppl", "hgp", "fedcprompt", "powder", "c2prompt", "lorm")
+METHODS = ("fedavg", "hepco", "fppl", "hgp", "fedcprompt", "powder", "c2prompt", "lorm", "pilora")
 FAST_OPTIONS = {"hepco.generator-epochs": 1, "hepco.distill-epochs": 1, "hgp.samples-per-class": 8,
                 # task-level early stopping keeps each task's best model across aggregations, and
                 # these tests aggregate one round many times over: the local reading keeps none

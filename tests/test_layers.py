@@ -169,7 +169,7 @@ def test_every_method_has_a_strategy_and_a_learner():
         strategy_class,
     )
 
-    assert set(methods()) == {"c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "powder"}
+    assert set(methods()) == {"c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "pilora", "powder"}
     for name in methods():
         assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
         assert issubclass(prompt_class(name), (CodaPrompt, LowRankAdapters))  # a module family

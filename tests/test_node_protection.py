@@ -436,7 +436,8 @@ def claims_more(factor: int):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("strategy", ["fedavg", "fppl", "hgp", "hepco", "fedcprompt", "powder", "c2prompt", "lorm"])
+@pytest.mark.parametrize("strategy", ["fedavg", "fppl", "hgp", "hepco", "fedcprompt", "powder", "c2prompt", "lorm",
+                                      "pilora"])
 def test_every_method_caps_one_nodes_share_of_a_round(tmp_path, flower_identity, strategy):
     """A node claiming 1000 times its samples (within what it declared) gets at most
     max-client-weight of the round, from 2 replies on, whatever the method."""

@@ -45,7 +45,7 @@ def test_the_wheel_holds_one_top_level_package_with_its_configs_and_scripts(tmp_
     for script in ("start-server.sh", "start-client.sh", "submit-run.sh", "register-node.sh", "superlink.py", "supernode.py",
                    "run.toml", "Dockerfile", "compose.yaml"):
         assert f"promptfcl/deploy/{script}" in names
-    for method in ("c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "powder"):
+    for method in ("c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "pilora", "powder"):
         assert f"promptfcl/strategies/{method}/strategy.py" in names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata

@@ -201,7 +201,8 @@ def test_a_method_found_by_entry_point_is_listed_in_a_fresh_process(toy_method):
     done = subprocess.run([sys.executable, "-m", "promptfcl.server.cli", "strategies"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "powder", "toy"]
+    assert done.stdout.split() == ["c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "pilora", "powder",
+                                   "toy"]
 
 
 def test_a_new_methods_statistics_are_bounded_by_the_platform(toy_method, flower_identity):

@@ -42,6 +42,7 @@ PAPER_COMMUNICATION: dict[str, str] = {
     "hgp": "not reported",
     "c2prompt": "not read (the paper's text could not be read)",
     "lorm": "not read (only the paper's abstract is held here)",
+    "pilora": "not reported (the paper's tables could not be read)",
 }
 
 
