@@ -958,3 +958,25 @@ def test_warm_executor_trains_exactly_what_the_stock_executor_trains(tmp_path):
     print(f"\nper-message overhead (median over rounds): warm "
           f"{np.median([r['client_overhead_seconds'] for r in warm['rounds']]):.2f} s, stock "
           f"{np.median([r['client_overhead_seconds'] for r in stock['rounds']]):.2f} s")
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("method", ["lorm", "pilora", "c2prompt"])
+def test_the_newer_methods_run_deployed(deployment, method):
+    """The methods beyond the seed papers on real SuperLink and SuperNodes: LoRM's and PILoRA's
+    low-rank adapters (their sets, Grams, prototypes and class means) and C2Prompt's class
+    statistics and histograms travel, pass the server's checks from every honest node, and the
+    run ends with its accuracy matrix (LoRM's read after its merge across tasks)."""
+    root = deployment.root
+    env = script_env(FLWR_HOME=str(root / "cli-home"))
+    run = {**RUN, "strategy": method, "num-tasks": 2, "rounds-per-task": 2, "out-dir": f"runs/{method}"}
+    done = submit(root, env, deployment.ports.control, toml_file(root / f"{method}.toml", run), root / "app")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads((root / "server" / "runs" / method / "results.json").read_text())
+    assert results["config"]["strategy"] == method and len(results["rounds"]) == 4
+    for record in results["rounds"]:
+        assert record["clients_aggregated"] == NUM_HONEST, record["rejected"]
+        assert record["eval_nodes"] >= NUM_HONEST
+    matrix = results["accuracy_matrix"]
+    assert all(v is not None and 0 <= v <= 100 for row in matrix for v in row if v is not None)
+    assert results["final_average_accuracy"] is not None
