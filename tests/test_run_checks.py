@@ -134,5 +134,5 @@ def test_what_a_method_supports_is_data_on_its_options():
         assert strategy_class(name).options_class is options is learner_class(name).options_class
     assert "differential-privacy" not in options_class("powder").COMPATIBILITY
     assert {n for n in methods() if "random-tasks" not in options_class(n).COMPATIBILITY} == {"fppl", "hepco", "hgp",
-                                                                                                "lorm"}
+                                                                                                "lorm", "pilora"}
     assert options_class("lorm").COMPATIBILITY == frozenset()  # synchronous stream, no DP (its Grams)
