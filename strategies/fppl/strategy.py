@@ -28,6 +28,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
+from ..platform.checks import class_rows_problem
 from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
@@ -179,25 +180,9 @@ class FPPLStrategy(PromptStrategy):
         rec = arrays_of(content, LOCAL_PROTOTYPES)
         if not {"classes", "means"} <= set(rec.keys()):
             return f"{LOCAL_PROTOTYPES!r} record lacks 'classes' or 'means'"
-        classes, means = rec["classes"].numpy(), rec["means"].numpy()
         dim = int(arrays_of(content)["prompt.fusion"].shape[1])  # already checked against what was sent
-        if means.ndim != 2 or means.shape != (classes.shape[0], dim):
-            return f"prototypes of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
-        if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
-            return "prototype classes must be a vector of integers"
-        if classes.size and (classes.min() < 0 or classes.max() >= self.num_classes):
-            return "prototype classes out of range"
-        if len(np.unique(classes)) != len(classes):
-            return "prototypes repeat a class"
-        if not np.isfinite(means).all():
-            return "prototypes have non-finite values"
-        if not np.isin(classes, self.layout.classes(sent.task)).all():
-            return "prototypes of classes outside the task the client was sent"
-        if "client" in rec.keys():
-            claimed = rec["client"].numpy().reshape(-1)
-            if claimed.shape != (1,) or int(claimed[0]) != sent.client:
-                return "prototypes claim another client than the one the server sent"
-        return None
+        return class_rows_problem(rec, "prototypes", dim, self.layout.classes(sent.task), sent.client,
+                                  self.num_classes)
 
     # ------------------------------------------------------------------ aggregation
     @property

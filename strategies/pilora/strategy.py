@@ -24,6 +24,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 
 from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
+from ..platform.checks import class_rows_problem
 from ..platform.rounds import Accepted, Sent
 from ..platform.statistics import Statistics
 from ..platform.strategy import PromptStrategy
@@ -87,25 +88,14 @@ class PILoRAStrategy(PromptStrategy):
         rec = arrays_of(content, CLASS_MEANS)
         if not {"classes", "means", "counts"} <= set(rec.keys()):
             return f"{CLASS_MEANS!r} record lacks 'classes', 'means' or 'counts'"
-        classes, means, counts = rec["classes"].numpy(), rec["means"].numpy(), rec["counts"].numpy()
+        classes, counts = rec["classes"].numpy(), rec["counts"].numpy()
         dim = int(arrays_of(content)["head.weight"].shape[1])  # already checked against what was sent
-        if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
-            return "class-mean classes must be a vector of integers"
-        if means.ndim != 2 or means.shape != (classes.shape[0], dim):
-            return f"class means of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
-        if counts.shape != classes.shape or not np.issubdtype(counts.dtype, np.integer) or (counts < 1).any():
+        problem = class_rows_problem(rec, "class means", dim, self.layout.head_rows(sent.task), sent.client,
+                                     self.layout.head_size)
+        if problem is None and (counts.shape != classes.shape or not np.issubdtype(counts.dtype, np.integer)
+                                or (counts < 1).any()):
             return "class-mean counts must be one positive integer per class"
-        if len(np.unique(classes)) != len(classes):
-            return "class means repeat a class"
-        if not np.isfinite(means).all():
-            return "class means have non-finite values"
-        if not np.isin(classes, self.layout.head_rows(sent.task)).all():
-            return "class means of classes outside the task the client was sent"
-        if "client" in rec.keys():
-            claimed = rec["client"].numpy().reshape(-1)
-            if claimed.shape != (1,) or int(claimed[0]) != sent.client:
-                return "class means claim another client than the one the server sent"
-        return None
+        return problem
 
     # ------------------------------------------------------------------ aggregation
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:

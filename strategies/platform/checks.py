@@ -36,6 +36,32 @@ PLATFORM_RECORDS = frozenset({PLACEMENT, EVALUATION})
 NO_EXAMPLES = "no training examples"
 
 
+def class_rows_problem(rec: ArrayRecord, rows: str, dim: int, task_classes: np.ndarray, client: int,
+                       num_classes: int) -> str | None:
+    """Why a per-class record of ``rows`` (its ``classes`` and ``means`` arrays: FPPL's prototypes,
+    PILoRA's class means) cannot be used (None: it can): integer classes in range, one finite row of
+    width ``dim`` per class, no class twice, every class among ``task_classes`` (those of the task the
+    client was sent) and, where the record names its client, the one the server sent."""
+    classes, means = rec["classes"].numpy(), rec["means"].numpy()
+    if not np.issubdtype(classes.dtype, np.integer) or classes.ndim != 1:
+        return f"{rows} classes must be a vector of integers"
+    if means.ndim != 2 or means.shape != (classes.shape[0], dim):
+        return f"{rows} of shape {means.shape} for {classes.shape[0]} classes of dim {dim}"
+    if classes.size and (classes.min() < 0 or classes.max() >= num_classes):
+        return f"{rows} classes out of range"
+    if len(np.unique(classes)) != len(classes):
+        return f"{rows} repeat a class"
+    if not np.isfinite(means).all():
+        return f"{rows} have non-finite values"
+    if not np.isin(classes, task_classes).all():
+        return f"{rows} of classes outside the task the client was sent"
+    if "client" in rec.keys():
+        claimed = rec["client"].numpy().reshape(-1)
+        if claimed.shape != (1,) or int(claimed[0]) != client:
+            return f"{rows} claim another client than the one the server sent"
+    return None
+
+
 def method_records(content: RecordDict) -> set[str]:
     """Names of the records a reply carries for the method (the platform's own left out)."""
     return set(content.keys()) - PLATFORM_RECORDS
