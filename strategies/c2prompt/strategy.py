@@ -53,11 +53,14 @@ class C2PromptStrategy(PromptStrategy):
     opts: C2PromptOptions
     per_task = "in-flight"  # clients on several tasks: each task's slice and head rows over its clients
     reply_records = frozenset({ARRAYS, METRICS, CLASS_STATS, HISTOGRAM})
-    # what the platform bounds where the run is defended (stats-bound); a histogram row (one per
-    # prompted block) is a vector whose direction and per-client shares are all CPA reads
+    # what the platform bounds where the run is defended (stats-bound). Not the histogram: CPA reads
+    # only its rows' directions (cosines) and each client's shares of its own selections, so its
+    # scale changes nothing, while bounding a row against other clients' rows rescales an honest
+    # label-skewed client's rows unevenly (their norms spread 9.7x in a clean offline run) and with
+    # them its shares; check_records keeps it finite (CPA clips negative counts: DP noise makes some)
     statistics = {CLASS_STATS: Statistics(vectors=("means",), second_moments={"var": DIAGONAL}, counts=("counts",),
                                           keys="classes"),
-                  HISTOGRAM: Statistics(vectors=("hist",))}
+                  HISTOGRAM: Statistics()}  # declared, nothing of it bounded (above)
     private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def setup(self) -> None:
