@@ -169,17 +169,21 @@ class LowRankAdapters(nn.Module):
     def delta(self, target: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         """sum over the active sets of ``B_tau A_tau (w_tau * x)`` for ``x`` (..., in): (..., out).
         Earlier tasks' sets are detached while training; the column weights apply outside training
-        and with ``training_sets = "all"``."""
+        and with ``training_sets = "all"``.
+
+        The weights are folded into ``A_tau`` (r x in, not the activations) and the active sets
+        stacked, ``[B_0 .. B_t] [A_0 diag(w_0); ..; A_t diag(w_t)]``, so the sum over tasks is two
+        matrix products whatever the number of tasks."""
         a, b, w = (getattr(self, self.name(target, layer, p)) for p in "abw")
         weighted = not (self.training and self.training_sets == "current")
-        out = None
+        downs, ups = [], []
         for t in self.active():
             at, bt = (a[t], b[t]) if (t == self.task or not self.training) else (a[t].detach(), b[t].detach())
-            xs = x * w[t].to(x.dtype) if weighted else x
-            term = (xs @ at.to(x.dtype).T) @ bt.to(x.dtype).T
-            out = term if out is None else out + term
-        assert out is not None  # active() is never empty
-        return out
+            downs.append(at * w[t] if weighted else at)
+            ups.append(bt)
+        down = downs[0] if len(downs) == 1 else torch.cat(downs)  # (k r, in)
+        up = ups[0] if len(ups) == 1 else torch.cat(ups, dim=1)  # (out, k r)
+        return (x @ down.to(x.dtype).T) @ up.to(x.dtype).T
 
     def adapt(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Projection ``name``'s output ``y`` in block ``layer`` with its adapters' deltas added
@@ -190,11 +194,14 @@ class LowRankAdapters(nn.Module):
             slices = [t for t in ("q", "v") if t in self.targets]
             if not slices:
                 return y
+            # added in place to q's and v's slices of the projection's fresh output (its backward
+            # keeps the input, not the output), not rebuilt by concatenation
             d = y.shape[-1] // 3
-            q, k, v = y[..., :d], y[..., d : 2 * d], y[..., 2 * d :]
-            q = q + self.delta("q", layer, x) if "q" in slices else q
-            v = v + self.delta("v", layer, x) if "v" in slices else v
-            return torch.cat([q, k, v], dim=-1)
+            if "q" in slices:
+                y[..., :d] += self.delta("q", layer, x)
+            if "v" in slices:
+                y[..., 2 * d :] += self.delta("v", layer, x)
+            return y
         return y + self.delta(name, layer, x) if name in self.targets else y
 
     def merged_delta(self, target: str, layer: int) -> torch.Tensor:

@@ -84,7 +84,7 @@ def test_fresh_sets_leave_the_frozen_model_unchanged_and_q_v_leave_k_alone():
     randomise(model.prompt)
     block, tokens = model.backbone.blocks[0], torch.randn(2, 5, 48, dtype=torch.float64)
     plain = block.attn.qkv(tokens)
-    adapted = model.prompt.adapt(0, "qkv", tokens, plain)
+    adapted = model.prompt.adapt(0, "qkv", tokens, plain.clone())  # the hook may add in place
     assert not torch.equal(adapted[..., :48], plain[..., :48])
     torch.testing.assert_close(adapted[..., 48:96], plain[..., 48:96], rtol=0, atol=0)
     assert not torch.equal(adapted[..., 96:], plain[..., 96:])
@@ -151,3 +151,27 @@ def test_a_backbone_of_another_mlp_width_is_refused():
 
     with pytest.raises(ConfigError, match="fc1"):
         adapted_model(Wide)
+
+
+@pytest.mark.parametrize("adapters", [LowRankAdapters, QVAdapters])
+def test_training_gradients_equal_the_per_task_sum_it_stands_for(adapters):
+    """The forward folds the column weights into A and stacks the tasks' sets (and adds q's and v's
+    deltas in place): its gradients are those of sum_tau B_tau A_tau (w_tau * x) written out task by task."""
+    model = adapted_model(adapters)
+    randomise(model.prompt)
+    model.prompt.set_task(2)
+    model.train()
+    prompt, target = model.prompt, adapters.targets[0]
+    x = torch.randn(2, 5, 48, dtype=torch.float64)
+    y = torch.randn(2, 5, 144, dtype=torch.float64)
+    weights = torch.randn(2, 5, 144, dtype=torch.float64)
+    (prompt.adapt(0, "qkv", x, y.clone()) * weights).sum().backward()
+    a, b, w = (getattr(prompt, prompt.name(target, 0, p)) for p in "abw")
+    got = a.grad[2].clone(), b.grad[2].clone()
+    a.grad, b.grad = None, None
+    delta = sum(((x * w[t]) @ (a[t] if t == 2 else a[t].detach()).T) @ (b[t] if t == 2 else b[t].detach()).T
+                for t in range(3))
+    rows = slice(0, 144) if target == "qkv" else slice(0, 48)
+    (delta * weights[..., rows]).sum().backward()
+    torch.testing.assert_close(got[0], a.grad[2], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], b.grad[2], rtol=1e-10, atol=1e-10)
