@@ -177,17 +177,21 @@ class ExperimentConfig:
     # "median" or "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
     update_norm_factor: float = key(10.0, "robustness", ("results",))
     # Norm bounding: an accepted update longer than update-clip x the lower median update norm of
-    # the replies on its task is scaled down to that length (0: off). Defaults: above what honest
-    # label-skewed clients reach on the offline benchmark (docs/reliability.md), so honest runs are
-    # left alone
-    update_clip: float = key(5.0, "robustness", ("results",))
+    # the replies on its task is scaled down to that length (0: off): what one reply can carry.
+    # Default: in the honest tail (on the offline benchmark at most 2 % of honest replies reach 3 x,
+    # none 4.2 x: docs/reliability.md), so a hostile reply weighs at most 3 honest ones
+    update_clip: float = key(3.0, "robustness", ("results",))
+    # A kept update longer than update-strike-norm x its task's lower median is a strike (0: off):
+    # above every honest reply of the offline benchmark
+    update_strike_norm: float = key(5.0, "robustness", ("results",))
     # Direction check (3+ replies on a task): an update whose cosine with its task's coordinate-wise
     # median update is below update-min-cosine (-1: off) is flagged (a strike), one below 0 while
     # it is longer than update-reversed-norm x the task's lower median norm (0: off) is excluded
     update_min_cosine: float = key(-0.6, "robustness", ("results",))
     update_reversed_norm: float = key(3.5, "robustness", ("results",))
-    # Strikes (strategies/platform/defences.py): a client whose updates the norm filter or the
-    # direction check flagged (excluded, or a cosine below update-min-cosine) in this many rounds is
+    # Strikes (strategies/platform/defences.py): a client whose updates the norm filter, the
+    # direction check (excluded, or a cosine below update-min-cosine) or update-strike-norm
+    # flagged in this many rounds is
     # excluded from then on, the reply that reached it included; below it, a cosine flag alone does
     # not exclude (0: off, it excludes at once). Honest label-skewed clients disagree with the
     # round once in a run at most on the offline benchmark, hostile ones in most rounds

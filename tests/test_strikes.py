@@ -71,6 +71,31 @@ def test_a_clip_is_not_a_strike():
     assert screen.strikes.counts == {} and out.counts()[CLIP] == 2
 
 
+def test_a_reply_longer_than_the_strike_norm_is_clipped_and_struck_and_an_honest_tail_is_only_clipped():
+    """update-clip 3 sits in the honest tail, update-strike-norm 5 above it. Six rounds of five
+    clients: client 1 is honest and long (3.5 x the others) in every round, clipped and never
+    struck; client 4 agrees with the round but sends 8 x an honest length (a scaled update whose
+    direction the round's median cannot tell apart): its first reply is kept clipped to 3 x, its
+    second strikes it out, and from then on it is excluded."""
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(3.0), strikes=Strikes(2),
+                          strike_norm=5.0)
+    rng = np.random.default_rng(1)
+    for r in range(6):
+        updates = [{"w": np.array([1.0, 0.5, 0.0]) + 0.1 * rng.normal(size=3)} for _ in range(5)]
+        updates[1] = {"w": 3.5 * updates[1]["w"]}
+        updates[4] = {"w": 8.0 * updates[4]["w"]}
+        norms = [float(np.linalg.norm(u["w"])) for u in updates]
+        out = screen(updates, norms, [0] * 5, clients=list(range(5)))
+        assert 1 in out.scales and 1 not in out.excluded  # the honest tail: clipped, kept
+        if r == 0:
+            assert 4 in out.scales and 4 not in out.excluded
+            assert norms[4] * out.scales[4] == pytest.approx(3.0 * sorted(norms)[2])
+        else:
+            assert out.excluded[4][0] == STRUCK_OUT
+        assert set(out.excluded) <= {4}
+    assert screen.strikes.counts == {4: 2}
+
+
 def test_without_strikes_a_flag_excludes_at_once_and_nothing_is_remembered():
     screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0))  # update-strikes 0
     updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-1.0, 0.0])}]

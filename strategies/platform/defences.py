@@ -26,9 +26,12 @@ benchmark (every method, Dirichlet 0.5 and 0.1) the lowest mean over 3 or more r
 while 20 of 24 sign-flipping clients' means were below 0 at their third reply.
 
 Every reply the norm filter or the direction check flags (excluded, or pointing against the
-round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``).
-A client whose strikes reach the limit is excluded from then on, the reply that reached it
-included. A clip is not a strike: a tight ``update-clip`` clips honest replies. An honest
+round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``),
+and so is a kept reply longer than ``strike_norm`` x its task's lower median
+(``update-strike-norm``: above any honest reply of the offline benchmark, while ``update-clip``
+sits inside the honest tail, so that what one reply can carry is bounded tightly; a clip alone is
+no strike). A client whose strikes reach the limit is excluded from then on, the reply that
+reached it included. An honest
 label-skewed client disagrees with the round now and then (once in a run at most, on the
 offline benchmark: cosines down to -0.69, norms up to 4.1 x the lower median); a hostile one
 does in most rounds, and a reversed update only reads a positive cosine in the rounds where its
@@ -228,10 +231,12 @@ class UpdateScreen:
     clip: UpdateClip = UpdateClip()
     strikes: Strikes = field(default_factory=Strikes)  # the run's history (mutable: screening updates it)
     history: DirectionHistory = field(default_factory=DirectionHistory)  # the run's cosines per client (mutable)
+    strike_norm: float = 0.0  # a kept update longer than this x its task's lower median is a strike (0: off)
 
     @property
     def active(self) -> bool:
-        return self.norm_filter.active or self.direction.active or self.clip.active or self.history.active
+        return self.norm_filter.active or self.direction.active or self.clip.active or self.history.active \
+            or self.strike_norm > 0
 
     def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], norms: Sequence[float],
                  tasks: Sequence[int], clients: Sequence[int] | None = None) -> Screening:
@@ -271,6 +276,10 @@ class UpdateScreen:
                                                 [references[tasks[i]] for i in kept])):
             if flag is not None:  # without a strike history a flag excludes at once
                 strike(i, DIRECTION, flag[0], flag[1] or strikes.limit <= 0)
+            elif self.strike_norm > 0 and norms[i] > self.strike_norm * references[tasks[i]]:
+                # one strike per reply: a long reply the direction check flagged already has its own
+                strike(i, CLIP, f"update norm {norms[i]:.3g} above update-strike-norm = {self.strike_norm:g} x "
+                                f"its task's lower median {references[tasks[i]]:.3g}", False)
         for i in kept:
             cosine = cosines[i]
             reason = self.history.add(clients[i], cosine) if cosine is not None else None
@@ -325,7 +334,7 @@ def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) 
 
 def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: float, min_cosine: float,
                   reversed_norm: float, strikes: int, dp_noise: float, mean_cosine: float = -1.0,
-                  mean_after: int = 3) -> UpdateScreen:
+                  mean_after: int = 3, strike_norm: float = 0.0) -> UpdateScreen:
     """The run's screen: every defence off where the run is not ``defended``; the direction checks
     off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
     cosine near 0), with a log line."""
@@ -336,4 +345,4 @@ def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: flo
                  "applied: with dp.noise-multiplier > 0 the clients' noise hides their updates' directions")
         min_cosine, reversed_norm, mean_cosine = -1.0, 0.0, -1.0
     return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm), UpdateClip(clip),
-                        Strikes(strikes), DirectionHistory(mean_cosine, mean_after))
+                        Strikes(strikes), DirectionHistory(mean_cosine, mean_after), strike_norm)

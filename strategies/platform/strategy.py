@@ -149,7 +149,7 @@ class PromptStrategy(Sampling, FedAvg):
         screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
                                cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
                                privacy_options(cfg).noise_multiplier, cfg.update_mean_cosine,
-                               cfg.update_mean_cosine_after)
+                               cfg.update_mean_cosine_after, cfg.update_strike_norm)
         self.policies = RunPolicies(weighting, combiner, screen,
                                     StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
