@@ -17,7 +17,8 @@ they are sampled (a fixed hostile share of the population). The mod sits between
   (trained - sent)), ``poison-under-filter`` (the update reversed and scaled to 0.9 x
   ``update-norm-factor``, just under where the norm filter refuses an update of an honest
   client's length), ``nan-metrics`` (a NaN training loss), and on the statistics a reply
-  carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`), in training replies and in
+  carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`: what the method declares its
+  records hold, ``strategies.registry.statistics_of``), in training replies and in
   the answers to an exchange before training (query messages: Powder's measured alphas).
 """
 
@@ -25,13 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from ..common.config import ExperimentConfig
 from ..common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ..strategies.platform.statistics import Statistics
+from ..strategies.registry import statistics_of
 from .node_policy import NodePolicy
 
 log = logging.getLogger("promptfcl")
@@ -83,7 +86,8 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     if reply.has_error():
         return reply
     sent = from_array_record(arrays_of(msg.content)) if ARRAYS in msg.content.array_records else {}
-    return Message(content=corrupt(cfg.fault, reply.content, sent, cfg.update_norm_factor), reply_to=msg)
+    specs = statistics_of(cfg.strategy) if cfg.fault in STATISTICS_ATTACKS else {}
+    return Message(content=corrupt(cfg.fault, reply.content, sent, cfg.update_norm_factor, specs), reply_to=msg)
 
 
 #: the factor each reversing attack multiplies the client's own update by (None: the norm filter's)
@@ -105,9 +109,11 @@ def reverse_update(trained: np.ndarray, sent: np.ndarray | None, scale: float) -
     return (sent - scale * (trained - sent)).astype(trained.dtype)
 
 
-def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_factor: float = 10.0) -> RecordDict:
+def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_factor: float = 10.0,
+            specs: Mapping[str, Statistics] | None = None) -> RecordDict:
     """``reply`` as a client with fault ``kind`` would send it (``norm_factor``: the run's
-    ``update-norm-factor``, which ``poison-under-filter`` stays under)."""
+    ``update-norm-factor``, which ``poison-under-filter`` stays under; ``specs``: what the
+    method declares each record of statistics holds, which the statistics attacks forge)."""
     out = RecordDict({name: reply[name] for name in reply.keys()})
     arrays = from_array_record(arrays_of(reply)) if ARRAYS in reply.array_records else {}
     name = next(iter(arrays), "")
@@ -134,31 +140,33 @@ def corrupt(kind: str, reply: RecordDict, sent: dict[str, np.ndarray], norm_fact
     if kind in ("nan", "shape", "huge-values", *REVERSALS):
         out[ARRAYS] = to_array_record(arrays)
     if kind in STATISTICS_ATTACKS:
-        for record in [n for n in reply.array_records if n != ARRAYS]:
-            out[record] = to_array_record(forge_statistics(kind, from_array_record(arrays_of(reply, record))))
+        for record, spec in (specs or {}).items():
+            if record in reply.array_records:
+                out[record] = to_array_record(forge_statistics(kind, from_array_record(arrays_of(reply, record)), spec))
     return out
 
 
-#: attacks on the statistics a reply carries besides the model (HGP's class statistics, FPPL's
-#: prototypes, Powder's alphas), each well-formed so that record checks pass
+#: attacks on the statistics a reply carries besides the model, on whatever the method declares
+#: its records hold (its ``statistics``: HGP's class statistics, FPPL's prototypes, Powder's alphas,
+#: LoRM's Grams, ...), each well-formed so that record checks pass
 STATISTICS_ATTACKS = ("stats-scale", "stats-shift", "cov-inflate", "hist-forge")
 
 
-def forge_statistics(kind: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One statistics record as a hostile client forges it: ``stats-scale`` (class means,
-    prototypes and alphas x 20), ``stats-shift`` (the same + 5 in every coordinate),
-    ``cov-inflate`` (covariances x 100), ``hist-forge`` (every class count moved to the record's
-    first class: the total, which the server checks against the reply's samples, unchanged)."""
+def forge_statistics(kind: str, arrays: dict[str, np.ndarray], spec: Statistics) -> dict[str, np.ndarray]:
+    """One statistics record, whose arrays ``spec`` declares, as a hostile client forges it:
+    ``stats-scale`` (its vectors: class means, prototypes, alphas x 20), ``stats-shift`` (the same
+    + 5 in every coordinate), ``cov-inflate`` (its second moments: covariances, Grams x 100),
+    ``hist-forge`` (every count moved to the record's first row: the total, which the server
+    checks against the reply's samples, unchanged)."""
     out = dict(arrays)
     for name, value in arrays.items():
-        is_vector = name == "means" or name.endswith("-alpha")
-        if kind == "stats-scale" and is_vector:
+        if kind == "stats-scale" and name in spec.vectors:
             out[name] = (value * 20).astype(value.dtype)
-        elif kind == "stats-shift" and is_vector:
+        elif kind == "stats-shift" and name in spec.vectors:
             out[name] = (value + 5).astype(value.dtype)
-        elif kind == "cov-inflate" and name.startswith("cov-"):
+        elif kind == "cov-inflate" and name in spec.second_moments:
             out[name] = (value * 100).astype(value.dtype)
-        elif kind == "hist-forge" and (name == "counts" or name.endswith("-count")) and value.size > 1:
+        elif kind == "hist-forge" and name in spec.counts and value.size > 1:
             forged = np.zeros_like(value)
             forged.reshape(-1)[0] = value.sum()
             out[name] = forged

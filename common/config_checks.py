@@ -154,7 +154,8 @@ def validate_config(cfg: ExperimentConfig) -> None:
          f"update-reversed-norm must be 0 (off) or > 0 (a multiple of the lower median norm), "
          f"got {cfg.update_reversed_norm}")
     need(math.isfinite(cfg.update_strike_norm) and (cfg.update_strike_norm == 0 or cfg.update_strike_norm >= 1),
-         f"update-strike-norm must be 0 (off) or >= 1 (a multiple of the lower median norm), got {cfg.update_strike_norm}")
+         f"update-strike-norm must be 0 (off) or >= 1 (a multiple of the lower median norm), "
+         f"got {cfg.update_strike_norm}")
     need(cfg.update_strikes >= 0, f"update-strikes must be >= 0 (0: off), got {cfg.update_strikes}")
     need(math.isfinite(cfg.update_mean_cosine) and -1 <= cfg.update_mean_cosine < 1,
          f"update-mean-cosine must be in [-1, 1) (-1: off), got {cfg.update_mean_cosine}")

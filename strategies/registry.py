@@ -3,13 +3,14 @@
 A method is one folder: a package whose ``__init__.py`` defines ``METHOD``, a :class:`Method`
 naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills the platform's
 hooks), its learner (the client's side, a ``LocalLearner`` subclass), its prompt module, its
-options (what both sides read, and what a run is checked against) and the privacy bounds of the
-records its clients upload, each relative to the package; the folder holds everything else of the
-method (records, losses). Every folder of ``promptfcl/strategies`` that defines ``METHOD`` is a
-method; so is every package another distribution registers under the entry-point group
-``promptfcl.methods`` (``name = "package"``), so a method can live outside this repository. Each
-part is imported on first use: a client process loads only its own method's client side (learner,
-prompt, options, records), never its strategy module; checking a run loads only the options.
+options (what both sides read, and what a run is checked against), and the privacy bounds and
+the statistics declarations of the records its clients upload, each relative to the package;
+the folder holds everything else of the method (records, losses). Every folder of
+``promptfcl/strategies`` that defines ``METHOD`` is a method; so is every package another
+distribution registers under the entry-point group ``promptfcl.methods`` (``name = "package"``),
+so a method can live outside this repository. Each part is imported on first use: a client
+process loads only its own method's client side (learner, prompt, options, records), never its
+strategy module; checking a run loads only the options.
 
 Each method names the paper to cite for it (``Method.citation``, one BibTeX entry: the one place
 the project keeps it; docs/methods.md repeats it and a test keeps the two equal).
@@ -49,6 +50,9 @@ class Method:
     records: str = ""
     #: a MethodOptions subclass, what both sides read and a run is checked against ("": no options)
     options: str = ""
+    #: what each uploaded record of statistics holds (``record name -> Statistics``, the strategy's
+    #: ``statistics``, read by the client's fault injection); "": none
+    statistics: str = ""
     package: str = ""  # the method's package (set by discovery)
     #: named settings of the method's options a paper compares against (``bench compare``
     #: runs ``<name>/<variant>``), e.g. HePCo's FedAvg-Prompt baseline
@@ -150,6 +154,14 @@ def private_records(name: str) -> dict[str, PrivateRecord]:
     check_method(name)
     method = methods()[name]
     return dict(method.load("records")) if method.records else {}
+
+
+def statistics_of(name: str) -> dict[str, Any]:
+    """What each record of statistics method ``name``'s clients upload holds (its strategy's
+    ``statistics``: record name -> ``Statistics``), without importing the strategy."""
+    check_method(name)
+    method = methods()[name]
+    return dict(method.load("statistics")) if method.statistics else {}
 
 
 def method_options(strategy: str, options: dict[str, Any]) -> Any:

@@ -83,14 +83,17 @@ def test_off_one_holder_and_noisy_covariances_leave_everything():
 
 
 def test_every_method_declares_the_statistics_it_uploads():
-    """Every record a method's replies carry besides the model is declared, so the platform bounds it."""
-    from promptfcl.strategies.registry import methods, strategy_class
+    """Every record a method's replies carry besides the model is declared, so the platform bounds it,
+    and the registry names the same declaration for the client's side (the fault injection forges
+    what is declared: client/faults.py), which reads it without importing the strategy."""
+    from promptfcl.strategies.registry import methods, statistics_of, strategy_class
 
     for name in methods():
         cls = strategy_class(name)
         extra = set(cls.reply_records or ()) - {ARRAYS, METRICS}
         assert extra <= set(cls.statistics), f"{name} uploads {sorted(extra)} but declares {sorted(cls.statistics)}"
         assert cls.reply_records is not None, f"{name}: an open record set cannot be bounded"
+        assert statistics_of(name) == cls.statistics, f"{name}: METHOD.statistics is not its strategy's"
 
 
 STATS_ONLY = {"defences": "on", "update-norm-factor": 0.0, "update-clip": 0.0, "update-min-cosine": -1.0}

@@ -383,14 +383,17 @@ def test_statistics_attacks_forge_well_formed_records():
 
     from promptfcl.client.faults import corrupt
     from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+    from promptfcl.strategies.platform.statistics import Statistics
 
     stats = {"classes": np.array([2, 3]), "counts": np.array([30, 10]), "means": np.ones((2, 4), np.float32),
              "cov-diag": np.full((2, 4), 0.5, np.float32)}
     reply = RecordDict({ARRAYS: to_array_record({"w": np.zeros(3, np.float32)}),
                         "class-stats": to_array_record(stats), METRICS: MetricRecord({"num-examples": 40})})
 
+    spec = {"class-stats": Statistics(vectors=("means",), counts=("counts",), second_moments={"cov-diag": "diagonal"})}
+
     def forged(kind):
-        out = corrupt(kind, reply, {"w": np.zeros(3, np.float32)})
+        out = corrupt(kind, reply, {"w": np.zeros(3, np.float32)}, specs=spec)
         assert np.array_equal(from_array_record(out[ARRAYS])["w"], np.zeros(3))  # the model is left alone
         return from_array_record(out["class-stats"])
 
@@ -399,6 +402,38 @@ def test_statistics_attacks_forge_well_formed_records():
     np.testing.assert_allclose(forged("cov-inflate")["cov-diag"], 50.0)
     hist = forged("hist-forge")
     assert hist["counts"].tolist() == [40, 0] and hist["classes"].tolist() == [2, 3]  # same total, one class
+
+
+def test_statistics_attacks_forge_what_each_method_declares():
+    """The attacks follow each method's declaration (``statistics``, read on the client from the
+    registry), as the platform's bound does: LoRM's Gram diagonals and head Gram are second
+    moments (cov-inflate x 100), C2Prompt's variances too; an array the method does not declare
+    (LoRM's block ids and token count, C2Prompt's histogram) is never touched."""
+    from flwr.app import MetricRecord, RecordDict
+
+    from promptfcl.client.faults import corrupt
+    from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+    from promptfcl.strategies.registry import statistics_of, strategy_class
+
+    grams = {"blocks": np.array([0, 1]), "samples": np.array([40]), "tokens": np.array([2000]),
+             "head-gram": np.full((1, 6), 0.5, np.float32),
+             **{f"diag-{t}": np.full((2, 4), 0.25, np.float32) for t in ("qkv", "proj", "fc1", "fc2")}}
+    reply = RecordDict({ARRAYS: to_array_record({"w": np.zeros(3, np.float32)}), "lorm-grams": to_array_record(grams),
+                        METRICS: MetricRecord({"num-examples": 40})})
+    assert statistics_of("lorm") == strategy_class("lorm").statistics
+    out = from_array_record(corrupt("cov-inflate", reply, {}, specs=statistics_of("lorm"))["lorm-grams"])
+    for t in ("qkv", "proj", "fc1", "fc2"):
+        np.testing.assert_allclose(out[f"diag-{t}"], 25.0)
+    np.testing.assert_allclose(out["head-gram"], 50.0)
+    assert out["blocks"].tolist() == [0, 1] and out["tokens"].tolist() == [2000] and out["samples"].tolist() == [40]
+    hist = {"hist": np.ones((2, 3), np.float32)}
+    stats = {"classes": np.array([2, 3]), "counts": np.array([30, 10]), "means": np.ones((2, 4), np.float32),
+             "var": np.full((2, 4), 0.5, np.float32)}
+    reply = RecordDict({"c2prompt-hist": to_array_record(hist), "c2prompt-stats": to_array_record(stats),
+                        METRICS: MetricRecord({"num-examples": 40})})
+    out = corrupt("cov-inflate", reply, {}, specs=statistics_of("c2prompt"))
+    np.testing.assert_allclose(from_array_record(out["c2prompt-stats"])["var"], 50.0)
+    np.testing.assert_allclose(from_array_record(out["c2prompt-hist"])["hist"], 1.0)
 
 
 def test_statistics_attacks_reach_an_exchange_answer_that_carries_no_model(flower_identity):
@@ -420,7 +455,7 @@ def test_statistics_attacks_reach_an_exchange_answer_that_carries_no_model(flowe
         query = Message(RecordDict({CONFIG: Config({"client-id": 0, "task": 1, "round": 0})}), dst_node_id=1,
                         message_type=MessageType.QUERY)
         context = Context(run_id=1, node_id=1, node_config={"fault-injection": True}, state=RecordDict(),
-                          run_config={"fault": fault, "fault-clients": "0"})
+                          run_config={"strategy": "powder", "fault": fault, "fault-clients": "0"})
         return from_array_record(inject_faults(query, context, answer).content["powder-alpha"])
 
     np.testing.assert_allclose(sent("stats-scale")["task-alpha"], 5.0)

@@ -23,7 +23,13 @@ FILES = {
         from promptfcl.strategies.registry import Method
 
         METHOD = Method("toy", strategy=".strategy:ToyStrategy", learner=".learner:ToyLearner", prompt=".prompt:ToyPrompt",
-                        options=".options:ToyOptions")
+                        options=".options:ToyOptions", statistics=".records:STATISTICS")
+    ''',
+    "records.py": '''
+        from promptfcl.strategies.platform.statistics import Statistics
+
+        #: what the toy's replies carry besides the model: bounded by the platform where the run is defended
+        STATISTICS = {"toy-stats": Statistics(vectors=("mu",))}
     ''',
     "options.py": '''
         from dataclasses import dataclass
@@ -78,11 +84,11 @@ FILES = {
         import numpy as np
 
         from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-        from promptfcl.strategies.platform.statistics import Statistics
         from promptfcl.strategies.platform.strategy import PromptStrategy
 
         from .options import ToyOptions
         from .prompt import ToyPrompt
+        from .records import STATISTICS
 
 
         class ToyStrategy(PromptStrategy):
@@ -90,7 +96,7 @@ FILES = {
             prompt_class = ToyPrompt
             options_class = ToyOptions
             reply_records = frozenset({ARRAYS, METRICS, "toy-stats"})
-            statistics = {"toy-stats": Statistics(vectors=("mu",))}  # bounded by the platform
+            statistics = STATISTICS  # bounded by the platform
 
             def setup(self):
                 self.rounds = 0

@@ -17,5 +17,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("c2prompt", strategy=".strategy:C2PromptStrategy", learner=".learner:C2PromptLearner",
-                prompt=".prompt:C2PromptPrompt", records=".records:PRIVATE_RECORDS",
+                prompt=".prompt:C2PromptPrompt", records=".records:PRIVATE_RECORDS", statistics=".records:STATISTICS",
                 options=".options:C2PromptOptions", citation=CITATION)

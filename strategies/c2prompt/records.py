@@ -1,6 +1,7 @@
 """What C2Prompt adds to the wire, and how differential privacy bounds what a client uploads."""
 
 from ...common.privacy import PrivateRecord
+from ..platform.statistics import DIAGONAL, Statistics
 
 #: client -> server: per-class statistics of the frozen backbone's q(x) ("classes", "counts",
 #: "means", "var": diagonal population variances); empty when the server did not ask
@@ -22,3 +23,12 @@ PRIVATE_RECORDS = {
     CLASS_STATS: PrivateRecord(bounded={"means": (1, 1.0), "var": (2, 1.0)}, public=("classes", "counts")),
     HISTOGRAM: PrivateRecord(bounded={"hist": (0, 1.0)}),
 }
+
+#: what the platform bounds where the run is defended (stats-bound). Not the histogram: CPA reads
+#: only its rows' directions (cosines) and each client's shares of its own selections, so its
+#: scale changes nothing, while bounding a row against other clients' rows rescales an honest
+#: label-skewed client's rows unevenly (their norms spread 9.7x in a clean offline run) and with
+#: them its shares; check_records keeps it finite (CPA clips negative counts: DP noise makes some)
+STATISTICS = {CLASS_STATS: Statistics(vectors=("means",), second_moments={"var": DIAGONAL}, counts=("counts",),
+                                      keys="classes"),
+              HISTOGRAM: Statistics()}  # declared, nothing of it bounded (above)

@@ -30,13 +30,12 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import DIAGONAL, Statistics
 from ..platform.strategy import PromptStrategy
 from .cpa import class_aware_aggregate, cpa_matrix
 from .distributions import pool_statistics
 from .options import C2PromptOptions
 from .prompt import C2PromptPrompt
-from .records import CLASS_STATS, GLOBAL_STATS, HISTOGRAM, PRIVATE_RECORDS, UPLOAD_STATS
+from .records import CLASS_STATS, GLOBAL_STATS, HISTOGRAM, PRIVATE_RECORDS, STATISTICS, UPLOAD_STATS
 
 log = logging.getLogger("promptfcl")
 
@@ -53,14 +52,7 @@ class C2PromptStrategy(PromptStrategy):
     opts: C2PromptOptions
     per_task = "in-flight"  # clients on several tasks: each task's slice and head rows over its clients
     reply_records = frozenset({ARRAYS, METRICS, CLASS_STATS, HISTOGRAM})
-    # what the platform bounds where the run is defended (stats-bound). Not the histogram: CPA reads
-    # only its rows' directions (cosines) and each client's shares of its own selections, so its
-    # scale changes nothing, while bounding a row against other clients' rows rescales an honest
-    # label-skewed client's rows unevenly (their norms spread 9.7x in a clean offline run) and with
-    # them its shares; check_records keeps it finite (CPA clips negative counts: DP noise makes some)
-    statistics = {CLASS_STATS: Statistics(vectors=("means",), second_moments={"var": DIAGONAL}, counts=("counts",),
-                                          keys="classes"),
-                  HISTOGRAM: Statistics()}  # declared, nothing of it bounded (above)
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
     private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def setup(self) -> None:

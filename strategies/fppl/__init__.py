@@ -14,5 +14,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("fppl", strategy=".strategy:FPPLStrategy", learner=".learner:FPPLLearner", prompt=".prompt:FPPLPrompt",
-                records=".records:PRIVATE_RECORDS",
+                records=".records:PRIVATE_RECORDS", statistics=".records:STATISTICS",
                 options=".options:FPPLOptions", citation=CITATION)

@@ -31,12 +31,11 @@ from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_
 from ..platform.checks import class_rows_problem
 from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import Statistics
 from ..platform.strategy import PromptStrategy
 from .options import FPPLOptions
 from .prompt import FPPLPrompt, task_prompt_names
 from .prototypes import PrototypeSet, debias_head
-from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, PRIVATE_RECORDS
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, PRIVATE_RECORDS, STATISTICS
 
 log = logging.getLogger("promptfcl")
 
@@ -63,8 +62,7 @@ class FPPLStrategy(PromptStrategy):
     # (a client with no examples of its task replies without prototypes: the platform leaves
     # it out as "no training examples" before it checks the records)
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
-    # what the platform bounds where the run is defended (stats-bound)
-    statistics = {LOCAL_PROTOTYPES: Statistics(vectors=("means",), counts=("counts",))}
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
     private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:

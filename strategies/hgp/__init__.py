@@ -13,5 +13,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("hgp", strategy=".strategy:HGPStrategy", learner=".learner:HGPLearner", prompt=".prompt:HGPPrompt",
-                records=".records:PRIVATE_RECORDS",
+                records=".records:PRIVATE_RECORDS", statistics=".records:STATISTICS",
                 options=".options:HGPOptions", citation=CITATION)

@@ -51,7 +51,6 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import DIAGONAL, FACTOR, PACKED_TRIU, Statistics
 from ..platform.strategy import PromptStrategy
 from .gaussians import (
     FEATURE_BOUND,
@@ -67,7 +66,7 @@ from .gaussians import (
 )
 from .options import HGPOptions
 from .prompt import HGPPrompt
-from .records import PRIVATE_RECORDS, STATS
+from .records import PRIVATE_RECORDS, STATISTICS, STATS
 
 log = logging.getLogger("promptfcl")
 
@@ -90,9 +89,7 @@ class HGPStrategy(PromptStrategy):
     name = "hgp"
     prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
-    # what the platform bounds where the run is defended (stats-bound)
-    statistics = {STATS: Statistics(vectors=("means",), counts=("counts",), keys="classes", second_moments={
-        "cov-triu": PACKED_TRIU, "cov-diag": DIAGONAL, "cov-factor": FACTOR})}
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
     options_class = HGPOptions
     opts: HGPOptions
     private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)

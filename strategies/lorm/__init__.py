@@ -17,4 +17,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("lorm", strategy=".strategy:LoRMStrategy", learner=".learner:LoRMLearner",
-                prompt=".prompt:LoRMAdapters", options=".options:LoRMOptions", citation=CITATION)
+                prompt=".prompt:LoRMAdapters", options=".options:LoRMOptions", statistics=".records:STATISTICS",
+                citation=CITATION)

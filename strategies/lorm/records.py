@@ -18,6 +18,9 @@ Nothing of it is bounded under differential privacy: LoRM refuses ``dp.*`` (opti
 
 from __future__ import annotations
 
+from ..platform.statistics import DIAGONAL, PACKED_TRIU, Statistics
+from .prompt import LoRMAdapters
+
 #: name of the record of a client's Gram statistics
 GRAMS = "lorm-grams"
 #: its arrays besides the per-projection diagonals
@@ -34,3 +37,10 @@ def factor_of(name: str) -> str | None:
     if name.startswith("prompt.lora_") and name[-2:] in ("_a", "_b"):
         return name[-1]
     return None
+
+
+#: where the run is defended, each projection's per-sample Gram diagonal is bounded against the same
+#: block's rows of the round's other replies, the head's Gram likewise, and the samples by num-examples
+STATISTICS = {GRAMS: Statistics(second_moments={**{diagonal_name(t): DIAGONAL for t in LoRMAdapters.targets},
+                                                HEAD_GRAM: PACKED_TRIU},
+                                counts=(SAMPLES,), keys=BLOCKS)}

@@ -38,12 +38,11 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import DIAGONAL, PACKED_TRIU, Statistics
 from ..platform.strategy import PromptStrategy
 from .merge import merge_a, merge_b, regmean_head, task_weights, unpack_triu
 from .options import LoRMOptions, trained_factor
 from .prompt import LoRMAdapters
-from .records import BLOCKS, GRAMS, HEAD_GRAM, SAMPLES, TOKENS, diagonal_name, factor_of
+from .records import BLOCKS, GRAMS, HEAD_GRAM, SAMPLES, STATISTICS, TOKENS, diagonal_name, factor_of
 
 log = logging.getLogger("promptfcl")
 
@@ -61,11 +60,7 @@ class LoRMStrategy(PromptStrategy):
     options_class = LoRMOptions
     opts: LoRMOptions
     reply_records = frozenset({ARRAYS, METRICS, GRAMS})
-    # where the run is defended, each projection's per-sample Gram diagonal is bounded against the same
-    # block's rows of the round's other replies, the head's Gram likewise, and the samples by num-examples
-    statistics = {GRAMS: Statistics(second_moments={**{diagonal_name(t): DIAGONAL for t in LoRMAdapters.targets},
-                                                    HEAD_GRAM: PACKED_TRIU},
-                                    counts=(SAMPLES,), keys=BLOCKS)}
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
 
     def setup(self) -> None:
         self.task, self.factor = 0, "b"

@@ -13,5 +13,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("pilora", strategy=".strategy:PILoRAStrategy", learner=".learner:PILoRALearner",
-                prompt=".prompt:PILoRAAdapters", records=".records:PRIVATE_RECORDS",
+                prompt=".prompt:PILoRAAdapters", records=".records:PRIVATE_RECORDS", statistics=".records:STATISTICS",
                 options=".options:PILoRAOptions", citation=CITATION)

@@ -26,12 +26,11 @@ from flwr.app import ArrayRecord, Message
 from ...common.records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
 from ..platform.checks import class_rows_problem
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import Statistics
 from ..platform.strategy import PromptStrategy
 from .options import PILoRAOptions
 from .prompt import PILoRAAdapters
 from .prototypes import reweighted_prototypes
-from .records import CLASS_MEANS, PRIVATE_RECORDS
+from .records import CLASS_MEANS, PRIVATE_RECORDS, STATISTICS
 
 log = logging.getLogger("promptfcl")
 
@@ -48,8 +47,7 @@ class PILoRAStrategy(PromptStrategy):
     opts: PILoRAOptions
     per_task = "in-flight"  # asynchronous arrival: a task's set and prototypes over the clients on it
     reply_records = frozenset({ARRAYS, METRICS, CLASS_MEANS})
-    # class means are vectors (bounded against the round's median norm) with counts, as FPPL's prototypes
-    statistics = {CLASS_MEANS: Statistics(vectors=("means",), counts=("counts",))}
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
     private_records = PRIVATE_RECORDS
 
     def setup(self) -> None:

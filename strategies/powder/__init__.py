@@ -15,5 +15,5 @@ CITATION = """\
 }"""
 
 METHOD = Method("powder", strategy=".strategy:PowderStrategy", learner=".learner:PowderLearner",
-                prompt=".prompt:PowderPrompt", options=".options:PowderOptions",
+                prompt=".prompt:PowderPrompt", options=".options:PowderOptions", statistics=".records:STATISTICS",
                 citation=CITATION)

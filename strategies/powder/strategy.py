@@ -69,7 +69,6 @@ from ..platform.aggregation import aggregate_per_task
 from ..platform.partial import Rows, completed
 from ..platform.replies import check_metrics
 from ..platform.rounds import Accepted, Sent
-from ..platform.statistics import Statistics
 from ..platform.strategy import PromptStrategy
 from .correlation import (
     correlation_matrix,
@@ -87,6 +86,7 @@ from .records import (
     MEASURE_METRICS,
     OWN_WEIGHTS,
     PREVIOUS,
+    STATISTICS,
 )
 
 log = logging.getLogger("promptfcl")
@@ -119,10 +119,7 @@ class PowderStrategy(PromptStrategy):
     options_class = PowderOptions
     opts: PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
-    # what the platform bounds where the run is defended (stats-bound), in replies and in the
-    # answers to the measuring exchange; the counts are of the samples measured on every task in
-    # the client's pool, not of the reply's training examples, so no count bound applies to them
-    statistics = {ALPHA: Statistics(vectors=("task-alpha", "class-alpha"))}
+    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
 
     def audit_notes(self) -> dict[str, Any]:
         """What the server's correlation weights show (the privacy audit's report)."""
