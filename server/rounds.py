@@ -78,8 +78,10 @@ class RoundRecord:
     # per uploaded statistics array: its largest row scale over the round's lower median (what
     # stats-bound compares), defended or not
     stats_ratios: dict[str, float] = field(default_factory=dict)
-    # each accepted reply's node, with its registered name where Flower says (aligned with reply_shares)
+    # each accepted reply's node, with its registered name where Flower says, and its client id
+    # (aligned with reply_shares, update_norms and update_cosines: a client's cosines over the run)
     reply_nodes: list[str] = field(default_factory=list)
+    reply_clients: list[int] = field(default_factory=list)
     # each attempt's sampling rate, sampled / population at sampling time (population = nodes: the
     # nodes connected then): what differential privacy's accountant composes
     sample_rates: list[float] = field(default_factory=list)
@@ -242,6 +244,7 @@ def round_record(task: int, round_: int, server_round: int, outcome: RoundOutcom
         update_norms=[float(v) for v in outcome.update_norms],
         reply_shares=list(outcome.shares),
         reply_nodes=list(outcome.nodes),
+        reply_clients=[int(c) for c in outcome.clients],
         update_cosines=[None if c is None else round(float(c), 4) for c in outcome.update_cosines],
         defences=dict(outcome.defences),
         stats_ratios=dict(outcome.stats_ratios),

@@ -87,6 +87,11 @@ def test_a_defended_runs_records_count_what_each_defence_did(tmp_path):
     assert all(set(r["defences"]) == {"norm-filter", "direction", "clip", "struck-out", "stats"} for r in rounds)
     assert sum(r["defences"]["norm-filter"] + r["defences"]["direction"] for r in rounds) >= 1
     assert all(len(r["update_cosines"]) == r["clients_aggregated"] for r in rounds)
+    # whose each recorded reply is: the clients sent to, less those left out (client 0, once struck out)
+    for r in rounds:
+        sent = [p["client"] for p in r["placement"]]
+        assert len(r["reply_clients"]) == r["clients_aggregated"] and set(r["reply_clients"]) <= set(sent)
+    assert 0 not in rounds[-1]["reply_clients"] and 0 in [p["client"] for p in rounds[-1]["placement"]]
 
 
 @pytest.mark.e2e

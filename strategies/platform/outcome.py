@@ -35,6 +35,8 @@ class RoundOutcome:
         Each accepted reply's share of the round's weight (empty where none was weighed).
     nodes : tuple of str
         Each accepted reply's node, named (aligned with ``accepted``).
+    clients : tuple of int
+        Each accepted reply's client id (aligned with ``accepted``).
     update_norms, update_cosines : tuple
         Each accepted reply's update norm (after a clip) and cosine with its task's median update
         (None: fewer than 3 on its task).
@@ -55,6 +57,7 @@ class RoundOutcome:
     rejected: tuple[tuple[int, str], ...] = ()
     shares: tuple[float, ...] = ()
     nodes: tuple[str, ...] = ()
+    clients: tuple[int, ...] = ()
     update_norms: tuple[float, ...] = ()
     update_cosines: tuple[float | None, ...] = ()
     placements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)

@@ -432,7 +432,7 @@ class PromptStrategy(Sampling, FedAvg):
         return RoundOutcome(
             arrays, metrics, tuple(accepted), tuple(rejected),
             shares=tuple(a.weight / total for a in accepted) if total > 0 else (),
-            nodes=tuple(self.node_label(a.sent.node) for a in accepted),
+            nodes=tuple(self.node_label(a.sent.node) for a in accepted), clients=tuple(a.sent.client for a in accepted),
             update_norms=tuple(a.update_norm for a in accepted), update_cosines=tuple(a.cosine for a in accepted),
             placements={a.reply.metadata.reply_to_message_id: _placement(a.content) for a in accepted
                         if PLACEMENT in a.content},
