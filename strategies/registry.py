@@ -151,17 +151,21 @@ def prompt_class(name: str) -> Any:
 def private_records(name: str) -> dict[str, PrivateRecord]:
     """How differential privacy bounds each record method ``name``'s clients upload besides their
     arrays (its strategy's ``private_records``), without importing the strategy."""
-    check_method(name)
-    method = methods()[name]
-    return dict(method.load("records")) if method.records else {}
+    return _declared(name, "records")
 
 
 def statistics_of(name: str) -> dict[str, Any]:
     """What each record of statistics method ``name``'s clients upload holds (its strategy's
     ``statistics``: record name -> ``Statistics``), without importing the strategy."""
+    return _declared(name, "statistics")
+
+
+def _declared(name: str, which: str) -> dict[str, Any]:
+    """Method ``name``'s mapping ``which`` (``records`` or ``statistics``), loaded from its
+    package without the strategy; empty where the method names none."""
     check_method(name)
     method = methods()[name]
-    return dict(method.load("statistics")) if method.statistics else {}
+    return dict(method.load(which)) if getattr(method, which) else {}
 
 
 def method_options(strategy: str, options: dict[str, Any]) -> Any:

@@ -24,7 +24,7 @@ benchmark, Fed-CPrompt's sign-flipping clients) and often stays above any per-ro
 honest clients also cross; its mean does not. Over 1,081 honest clients' histories of the offline
 benchmark (every method, Dirichlet 0.5 and 0.1) one mean fell below 0: a client holding the
 minority class of its 2-class tasks at Dirichlet 0.1 (-0.36, -0.69, -0.22 over its first three
-replies; the next lowest +0.02), which pointed against the round as a reversal does; 19 of 24
+replies; the next lowest +0.02), which pointed against the round as a reversal does; 19 of 27
 sign-flipping clients' means were below 0 at their third reply (docs/reliability.md).
 
 Every reply the norm filter or the direction check flags (excluded, or pointing against the
