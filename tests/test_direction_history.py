@@ -67,7 +67,8 @@ def test_off_it_remembers_nothing_and_under_dp_noise_it_is_not_applied(caplog):
         assert _round(screen, hostile, honest).excluded == {}
     assert screen.history.sums == {}
     with caplog.at_level("INFO", logger="promptfcl"):
-        noisy = update_screen(True, 10.0, 0.0, 5.0, -0.6, 3.5, 2, dp_noise=1.0, mean_cosine=0.0, mean_after=3)
+        noisy = update_screen(True, dp_noise=1.0, norm_factor=10.0, clip=5.0, min_cosine=-0.6, reversed_norm=3.5,
+                              strikes=2, mean_cosine=0.0, mean_after=3)
     assert not noisy.history.active and "update-mean-cosine" in caplog.text
 
 

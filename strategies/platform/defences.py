@@ -334,12 +334,15 @@ def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) 
     return out
 
 
-def update_screen(defended: bool, norm_factor: float, max_norm: float, clip: float, min_cosine: float,
-                  reversed_norm: float, strikes: int, dp_noise: float, mean_cosine: float = -1.0,
-                  mean_after: int = 3, strike_norm: float = 0.0) -> UpdateScreen:
+def update_screen(defended: bool, dp_noise: float, *, norm_factor: float = 0.0, max_norm: float = 0.0,
+                  clip: float = 0.0, strike_norm: float = 0.0, min_cosine: float = -1.0, reversed_norm: float = 0.0,
+                  strikes: int = 0, mean_cosine: float = -1.0, mean_after: int = 3) -> UpdateScreen:
     """The run's screen: every defence off where the run is not ``defended``; the direction checks
     off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
-    cosine near 0), with a log line."""
+    cosine near 0), with a log line. Each keyword is one run-config key's value (``update-norm-factor``,
+    ``max-update-norm``, ``update-clip``, ``update-strike-norm``, ``update-min-cosine``,
+    ``update-reversed-norm``, ``update-strikes``, ``update-mean-cosine``, ``update-mean-cosine-after``);
+    its default leaves that defence off."""
     if not defended:
         return UpdateScreen()
     if (min_cosine > -1 or reversed_norm > 0 or mean_cosine > -1) and dp_noise > 0:

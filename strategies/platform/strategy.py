@@ -146,10 +146,12 @@ class PromptStrategy(Sampling, FedAvg):
         # only where the run is defended; counts are capped only where the server cannot check them
         weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
                                                    cfg.max_client_weight if cfg.population == "nodes" else 0.0)
-        screen = update_screen(self.trust.defended, cfg.update_norm_factor, cfg.max_update_norm, cfg.update_clip,
-                               cfg.update_min_cosine, cfg.update_reversed_norm, cfg.update_strikes,
-                               privacy_options(cfg).noise_multiplier, cfg.update_mean_cosine,
-                               cfg.update_mean_cosine_after, cfg.update_strike_norm)
+        screen = update_screen(self.trust.defended, privacy_options(cfg).noise_multiplier,
+                               norm_factor=cfg.update_norm_factor, max_norm=cfg.max_update_norm,
+                               clip=cfg.update_clip, strike_norm=cfg.update_strike_norm,
+                               min_cosine=cfg.update_min_cosine, reversed_norm=cfg.update_reversed_norm,
+                               strikes=cfg.update_strikes, mean_cosine=cfg.update_mean_cosine,
+                               mean_after=cfg.update_mean_cosine_after)
         self.policies = RunPolicies(weighting, combiner, screen,
                                     StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
