@@ -35,7 +35,7 @@ sits inside the honest tail, so that what one reply can carry is bounded tightly
 no strike). A client whose strikes reach the limit is excluded from then on, the reply that
 reached it included. An honest
 label-skewed client disagrees with the round now and then (once in a run at most, on the
-offline benchmark: cosines down to -0.69, norms up to 4.1 x the lower median); a hostile one
+offline benchmark: cosines down to -0.69, norms up to 4.7 x the lower median); a hostile one
 does in most rounds, and a reversed update only reads a positive cosine in the rounds where its
 client's honest update pointed against the round. So a lone disagreement is recorded, not
 punished, and a hostile client's second strike ends its part in the run.
