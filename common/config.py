@@ -181,6 +181,10 @@ class ExperimentConfig:
     # Default: in the honest tail (on the offline benchmark at most 2 % of honest replies reach 3 x,
     # none 4.2 x: docs/reliability.md), so a hostile reply weighs at most 3 honest ones
     update_clip: float = key(3.0, "robustness", ("results",))
+    # The clip's bound grows with a reply's sample count (x sqrt(n / the task's lower median n),
+    # never below 1): an honest update's norm grows with its local steps, so under label skew the
+    # longest honest replies are those of the clients holding most of a class (false: one bound)
+    update_clip_by_count: bool = key(True, "robustness", ("results",))
     # A kept update longer than update-strike-norm x its task's lower median is a strike (0: off):
     # above every honest reply of the offline benchmark
     update_strike_norm: float = key(5.0, "robustness", ("results",))

@@ -1,6 +1,7 @@
 """The direction history (``update-mean-cosine``, strategies/platform/defences.py): a client whose
-updates point against the round on average is excluded from then on, however its single rounds
-read; an honest label-skewed client's lone disagreements are not; the history survives a resume."""
+updates point against the round on average is excluded while they do, however its single rounds
+read; an honest label-skewed client's early disagreements keep it out only until its mean is back
+above the threshold; the history survives a resume."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.defences import (
     DIRECTION,
-    STRUCK_OUT,
     DirectionCheck,
     DirectionHistory,
     Strikes,
@@ -27,6 +27,9 @@ from tests.conftest import tiny_config
 # honest label-skewed FPPL client (seed 1, client 9, the lowest honest means recorded)
 HOSTILE = [0.26, -0.47, -0.45, 0.22, -0.55, -0.46, -0.43, 0.31, -0.5, -0.4]
 HONEST = [-0.36, -0.02, 0.87, 0.5, -0.3, 0.6, 0.4, 0.7, 0.1, 0.3]
+# an honest client holding the minority class of its tasks at Dirichlet 0.1 (LoRM, seed 1, client 9,
+# undefended): its first replies point against the round, its later ones with it
+SKEWED = [-0.24, -0.5, 0.09, 0.52, 0.64, 0.86, 0.6, 0.7]
 
 
 def _at(cosine: float) -> dict[str, np.ndarray]:
@@ -52,13 +55,29 @@ def test_a_client_pointing_against_the_round_on_average_is_excluded_from_its_thi
         assert out.cosines[4] is None or out.cosines[4] == pytest.approx(hostile)
         if r < 2:
             assert out.excluded == {}
-        elif r == 2:
-            assert out.excluded[4][0] == DIRECTION and "mean cosine -0.220" in out.excluded[4][1]
-        else:
-            assert set(out.excluded) == {4} and out.excluded[4][0] == STRUCK_OUT
+        else:  # its mean is below 0 from its third reply on (-0.220 there): it stays out
+            assert set(out.excluded) == {4} and out.excluded[4][0] == DIRECTION
+            total, count = screen.history.sums[4]
+            assert count == r + 1 and f"mean cosine {total / count:.3f}" in out.excluded[4][1]
+            assert r > 2 or "mean cosine -0.220" in out.excluded[4][1]
     assert screen.strikes.counts == {}  # no single round flagged either
     assert screen.history.excluded == {4} and screen.history.sums[3][1] == len(HONEST)
+    assert screen.history.sums[4][1] == len(HOSTILE)  # still judged while excluded
     assert screen.history.sums[3][0] / len(HONEST) > 0.2
+
+
+def test_a_label_skewed_client_is_readmitted_once_its_mean_is_back_above_the_threshold(caplog):
+    """Its mean is below 0 at its third and fourth replies (-0.22, -0.03) and above from its fifth on
+    (+0.10): two replies left out, not the rest of the run (it was excluded for good before, and
+    LoRM lost 5.5 points of A_N at Dirichlet 0.1, seed 1)."""
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), strikes=Strikes(2), history=DirectionHistory(0.0, 3))
+    kept = []
+    with caplog.at_level("INFO", logger="promptfcl"):
+        for skewed in SKEWED:
+            kept.append(4 not in _round(screen, skewed, 1.0).excluded)
+    assert kept == [True, True, False, False, True, True, True, True]
+    assert screen.history.excluded == set() and screen.strikes.counts == {}
+    assert "client 4 readmitted" in caplog.text and caplog.text.count("point against the round on average") == 1
 
 
 def test_off_it_remembers_nothing_and_under_dp_noise_it_is_not_applied(caplog):

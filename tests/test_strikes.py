@@ -96,6 +96,28 @@ def test_a_reply_longer_than_the_strike_norm_is_clipped_and_struck_and_an_honest
     assert screen.strikes.counts == {4: 2}
 
 
+def test_the_clip_allows_a_client_holding_more_samples_sqrt_n_more_and_never_less():
+    """PILoRA at Dirichlet 0.1 (seed 0, round 7): a client holding 187 of the task's 269 samples sent
+    4.7 x the lower median norm (its clients held 8 samples each) and was clipped to 3 x; its
+    prototype rows stayed short and the run lost 5.4 points. With the bound x sqrt(n / lower median
+    n) it is kept whole (its bound is 14.5 x), while a client on the median count is clipped at 3 x
+    as before, and one on fewer samples at 3 x too (never below). A scaled-up reply of a large
+    client is still clipped at its own bound."""
+    norms, counts = [1.0, 1.6, 1.0, 4.7, 1.0], [8, 63, 3, 187, 8]
+    by_count, flat = UpdateClip(3.0, by_count=True), UpdateClip(3.0)
+    assert flat.scales(norms, 1.0, counts, 8)[3] == pytest.approx(3.0 / 4.7)
+    assert by_count.scales(norms, 1.0, counts, 8) == [1.0] * 5
+    long_small = [1.0, 1.0, 1.0, 4.0, 1.0]  # the long reply is the 3-sample client's: bound 3 x
+    assert by_count.scales(long_small, 1.0, [8, 8, 8, 3, 8], 8)[3] == pytest.approx(3.0 / 4.0)
+    scaled = by_count.scales([1.0, 1.0, 1.0, 40.0, 1.0], 1.0, counts, 8)[3]
+    assert 40.0 * scaled == pytest.approx(3.0 * (187 / 8) ** 0.5)
+    # the screen reads the reference count from the replies the norm filter kept
+    screen = UpdateScreen(clip=UpdateClip(3.0, by_count=True))
+    updates = [{"w": np.array([n, 0.0])} for n in norms]
+    assert screen(updates, norms, [0] * 5, counts=counts).scales == {}
+    assert set(UpdateScreen(clip=UpdateClip(3.0))(updates, norms, [0] * 5, counts=counts).scales) == {3}
+
+
 def test_without_strikes_a_flag_excludes_at_once_and_nothing_is_remembered():
     screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0))  # update-strikes 0
     updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-1.0, 0.0])}]

@@ -12,20 +12,25 @@ the order the platform applies them to the replies that passed the record checks
   task (``update-reversed-norm``): a reversed update reads a negative cosine whatever its length;
 * :class:`UpdateClip` scales an update longer than ``factor`` x the lower median norm of the
   replies on its task that the norm filter kept (``update-clip``) down to that length, its
-  direction kept. Like the direction check it compares replies that trained the same rows: a
+  direction kept; a reply on more samples than the task's lower median count is allowed
+  sqrt(n / that count) more (``update-clip-by-count``: an honest update's norm grows with its
+  local steps). Like the direction check it compares replies that trained the same rows: a
   client alone on its task (random tasks, asynchronous arrival) is not clipped, as the
   single-task reference of Powder's transfer metrics (server/transfer.py) is not.
 
 A client's cosines are also kept over the run (:class:`DirectionHistory`,
 ``update-mean-cosine``): one whose replies point against their task's median update on average,
-judged from its ``update-mean-cosine-after``-th reply on, is excluded from then on. A reversed
+judged from its ``update-mean-cosine-after``-th reply on, is excluded while its mean stays below
+the threshold (its replies are still judged, and kept again once the mean is back above). A reversed
 update of ordinary length reads cosines that swing with the round (-0.7 to +0.65 on the offline
 benchmark, Fed-CPrompt's sign-flipping clients) and often stays above any per-round threshold
 honest clients also cross; its mean does not. Over 1,081 honest clients' histories of the offline
 benchmark (every method, Dirichlet 0.5 and 0.1) one mean fell below 0: a client holding the
 minority class of its 2-class tasks at Dirichlet 0.1 (-0.36, -0.69, -0.22 over its first three
 replies; the next lowest +0.02), which pointed against the round as a reversal does; 19 of 27
-sign-flipping clients' means were below 0 at their third reply (docs/reliability.md).
+sign-flipping clients' means were below 0 at their third reply (docs/reliability.md). That
+client's mean is back above 0 at its sixth reply: it is left out for three replies, not for the
+rest of the run (excluded for good, the same kind of client cost LoRM 5.5 points at Dirichlet 0.1).
 
 Every reply the norm filter or the direction check flags (excluded, or pointing against the
 round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``),
@@ -154,32 +159,42 @@ class Strikes:
 @dataclass
 class DirectionHistory:
     """Each client's cosines with its task's median update over the run; a client whose mean is below
-    ``mean_cosine`` (-1: off) once ``after`` of its replies were judged is excluded from then on.
-    Kept in the checkpoint, like :class:`Strikes`."""
+    ``mean_cosine`` (-1: off) once ``after`` of its replies were judged is excluded while it stays
+    below. Kept in the checkpoint, like :class:`Strikes`."""
 
     mean_cosine: float = -1.0
     after: int = 3
     sums: dict[int, tuple[float, int]] = field(default_factory=dict)  # client id -> (sum of cosines, replies)
-    excluded: set[int] = field(default_factory=set)  # clients excluded for good
+    excluded: set[int] = field(default_factory=set)  # clients whose mean is below the threshold now
 
     @property
     def active(self) -> bool:
         return self.mean_cosine > -1
 
     def add(self, client: int, cosine: float) -> str | None:
-        """Record one judged reply's cosine; why the client is now excluded (None: it is not)."""
+        """Record one judged reply's cosine; why this reply is excluded (None: it is kept).
+
+        A client stays excluded while its mean is below ``mean_cosine``, and its replies are kept
+        again once the mean is back above it: a mean rises only on replies that agree with the
+        round, so what a readmitted client can send against the round stays bounded by what it sent
+        with it. An honest label-skewed client that disagreed in its first rounds comes back."""
         if not self.active:
             return None
         total, count = self.sums.get(client, (0.0, 0))
         total, count = total + cosine, count + 1
         self.sums[client] = (total, count)
         if count < self.after or total / count >= self.mean_cosine:
+            if client in self.excluded:
+                self.excluded.discard(client)
+                log.info("client %d readmitted: mean cosine %.3f with its task's median update over %d replies, "
+                         "back above update-mean-cosine = %g", client, total / count, count, self.mean_cosine)
             return None
-        self.excluded.add(client)
         reason = (f"client {client}'s updates point against the round on average: mean cosine {total / count:.3f} "
                   f"with their task's median update over {count} replies, below update-mean-cosine = "
-                  f"{self.mean_cosine:g}; its replies are excluded from now on")
-        log.warning("%s", reason)
+                  f"{self.mean_cosine:g}; its replies are excluded until the mean is back above it")
+        if client not in self.excluded:
+            log.warning("%s", reason)
+        self.excluded.add(client)
         return reason
 
     def to_dict(self) -> dict[str, list[float]]:
@@ -192,20 +207,34 @@ class DirectionHistory:
 
 @dataclass(frozen=True)
 class UpdateClip:
-    """Scale an update longer than ``factor`` x ``reference`` down to that length (0: off)."""
+    """Scale an update longer than its bound down to it (``factor`` 0: off). The bound is ``factor`` x
+    its task's lower median norm; ``by_count``: times sqrt(n / the lower median n) for a reply that
+    trained on more samples than that median (never less).
+
+    An honest update's norm grows with the samples its client trained on (more local steps): on the
+    offline benchmark as about n^0.13 to n^0.28 per method (docs/reliability.md), so under label skew
+    the long honest replies are those of the clients holding most of a class, whose rows the clip
+    would shorten (PILoRA's prototypes are such rows). sqrt(n) is above every measured growth.
+    """
 
     factor: float = 0.0
+    by_count: bool = False
 
     @property
     def active(self) -> bool:
         return self.factor > 0
 
-    def scales(self, norms: Sequence[float], reference: float) -> list[float]:
-        """The multiplier of each update (1: untouched)."""
+    def scales(self, norms: Sequence[float], reference: float, counts: Sequence[float] | None = None,
+               count_reference: float = 0.0) -> list[float]:
+        """The multiplier of each update (1: untouched); ``counts``: each reply's sample count,
+        ``count_reference``: the lower median count its ``reference`` norm was read with."""
         bound = self.factor * reference
         if not self.active or len(norms) < 2 or not bound > 0:
             return [1.0] * len(norms)
-        return [bound / n if n > bound else 1.0 for n in norms]
+        bounds = [bound] * len(norms)
+        if self.by_count and counts is not None and count_reference > 0:
+            bounds = [bound * max(1.0, math.sqrt(c / count_reference)) for c in counts]
+        return [b / n if n > b else 1.0 for n, b in zip(norms, bounds)]
 
 
 @dataclass
@@ -241,8 +270,10 @@ class UpdateScreen:
             or self.strike_norm > 0
 
     def __call__(self, updates: Sequence[Mapping[str, np.ndarray]], norms: Sequence[float],
-                 tasks: Sequence[int], clients: Sequence[int] | None = None) -> Screening:
-        """Screen one round's updates (``clients``: each update's client, for the strikes)."""
+                 tasks: Sequence[int], clients: Sequence[int] | None = None,
+                 counts: Sequence[float] | None = None) -> Screening:
+        """Screen one round's updates (``clients``: each update's client, for the strikes;
+        ``counts``: each update's sample count, for the clip)."""
         strikes = self.strikes
         clients = clients if clients is not None else list(range(len(updates)))
         out = Screening(cosines=[None] * len(updates))
@@ -250,10 +281,6 @@ class UpdateScreen:
             if strikes.struck_out(client):
                 out.excluded[i] = (STRUCK_OUT, f"client {client} struck out earlier in the run "
                                                f"(update-strikes = {strikes.limit})")
-            elif client in self.history.excluded:
-                out.excluded[i] = (STRUCK_OUT, f"client {client} excluded earlier in the run: its updates pointed "
-                                               f"against the round on average (update-mean-cosine = "
-                                               f"{self.history.mean_cosine:g})")
         live = [i for i in range(len(updates)) if i not in out.excluded]
         for i, cosine in zip(live, _cosines([updates[i] for i in live], [tasks[i] for i in live])):
             out.cosines[i] = cosine
@@ -273,6 +300,8 @@ class UpdateScreen:
         # check: what that check leaves may be a hostile majority (honest label-skewed updates can
         # disagree more than two attackers do)
         references = {task: lower_median([norms[i] for i in kept if tasks[i] == task]) for task in set(tasks)}
+        sizes = {task: lower_median([counts[i] for i in kept if tasks[i] == task]) if counts is not None else 0.0
+                 for task in set(tasks)}
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
         for i, flag in zip(kept, self.direction([cosines[i] for i in kept], [norms[i] for i in kept],
                                                 [references[tasks[i]] for i in kept])):
@@ -290,7 +319,10 @@ class UpdateScreen:
         kept = [i for i in kept if i not in out.excluded]
         for group in _task_groups([tasks[i] for i in kept]):  # norms compared among replies on one task
             members = [kept[j] for j in group]
-            for i, scale in zip(members, self.clip.scales([norms[i] for i in members], references[tasks[members[0]]])):
+            task = tasks[members[0]]
+            for i, scale in zip(members, self.clip.scales([norms[i] for i in members], references[task],
+                                                          [counts[i] for i in members] if counts is not None else None,
+                                                          sizes[task])):
                 if scale < 1.0:
                     out.scales[i] = scale
         return out
@@ -306,7 +338,8 @@ class UpdateScreen:
         """
         updates = [update_of(from_array_record(arrays_of(a.content)), start_of(a.sent)) for a in replies]
         norms = [update_norm(u, None) for u in updates]
-        screening = self(updates, norms, [a.task for a in replies], [a.sent.client for a in replies])
+        screening = self(updates, norms, [a.task for a in replies], [a.sent.client for a in replies],
+                         [a.examples for a in replies])
         kept, excluded = [], []
         for i, a in enumerate(replies):
             a.update_norm, a.cosine = norms[i], screening.cosines[i]
@@ -335,12 +368,13 @@ def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) 
 
 
 def update_screen(defended: bool, dp_noise: float, *, norm_factor: float = 0.0, max_norm: float = 0.0,
-                  clip: float = 0.0, strike_norm: float = 0.0, min_cosine: float = -1.0, reversed_norm: float = 0.0,
+                  clip: float = 0.0, clip_by_count: bool = False, strike_norm: float = 0.0,
+                  min_cosine: float = -1.0, reversed_norm: float = 0.0,
                   strikes: int = 0, mean_cosine: float = -1.0, mean_after: int = 3) -> UpdateScreen:
     """The run's screen: every defence off where the run is not ``defended``; the direction checks
     off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
     cosine near 0), with a log line. Each keyword is one run-config key's value (``update-norm-factor``,
-    ``max-update-norm``, ``update-clip``, ``update-strike-norm``, ``update-min-cosine``,
+    ``max-update-norm``, ``update-clip``, ``update-clip-by-count``, ``update-strike-norm``, ``update-min-cosine``,
     ``update-reversed-norm``, ``update-strikes``, ``update-mean-cosine``, ``update-mean-cosine-after``);
     its default leaves that defence off."""
     if not defended:
@@ -349,5 +383,6 @@ def update_screen(defended: bool, dp_noise: float, *, norm_factor: float = 0.0, 
         log.info("the direction checks (update-min-cosine, update-reversed-norm, update-mean-cosine) are not "
                  "applied: with dp.noise-multiplier > 0 the clients' noise hides their updates' directions")
         min_cosine, reversed_norm, mean_cosine = -1.0, 0.0, -1.0
-    return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm), UpdateClip(clip),
+    return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm),
+                        UpdateClip(clip, clip_by_count),
                         Strikes(strikes), DirectionHistory(mean_cosine, mean_after), strike_norm)

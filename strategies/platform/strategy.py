@@ -148,7 +148,8 @@ class PromptStrategy(Sampling, FedAvg):
                                                    cfg.max_client_weight if cfg.population == "nodes" else 0.0)
         screen = update_screen(self.trust.defended, privacy_options(cfg).noise_multiplier,
                                norm_factor=cfg.update_norm_factor, max_norm=cfg.max_update_norm,
-                               clip=cfg.update_clip, strike_norm=cfg.update_strike_norm,
+                               clip=cfg.update_clip, clip_by_count=cfg.update_clip_by_count,
+                               strike_norm=cfg.update_strike_norm,
                                min_cosine=cfg.update_min_cosine, reversed_norm=cfg.update_reversed_norm,
                                strikes=cfg.update_strikes, mean_cosine=cfg.update_mean_cosine,
                                mean_after=cfg.update_mean_cosine_after)
