@@ -154,6 +154,24 @@ def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(cl
         assert max(a.update_norm for a in outcome.accepted) == pytest.approx(clip * np.sqrt(6))
 
 
+@pytest.mark.parametrize("by_count", [True, False])
+def test_the_clip_reads_each_replys_sample_count(by_count, flower_identity):
+    """Four clients on 10 samples move every weight by +1; one on 40 samples (a label-skewed client
+    holding most of a class) moves them by +3.5, in the same direction. With update-clip-by-count
+    its bound is 3 x sqrt(40 / 10) = 6 x the lower median and it is kept whole; with one bound for
+    all it is clipped to 3 x, and the mean moves less than the clients' data say."""
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=3.0,
+                                   update_clip_by_count=by_count), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    contents = [content(1.0, 10) for _ in range(4)] + [content(3.5, 40)]
+    outcome = s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
+    longest = 3.5 if by_count else 3.0
+    np.testing.assert_allclose(from_array_record(outcome.arrays)["head.weight"], (4 * 10 + longest * 40) / 80,
+                               rtol=1e-6)
+    assert max(a.update_norm for a in outcome.accepted) == pytest.approx(longest * np.sqrt(6))
+    assert outcome.defences["clip"] == (0 if by_count else 1)
+
+
 def _non_iid_update(client: int, sign: float = 1.0) -> RecordDict:
     """A (3, 2) head update: every client moves row 0 (the shared part) by +1 and its own
     class's row by +2 (each on another row or column); ``sign`` -1 is that update reversed."""
