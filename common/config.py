@@ -186,8 +186,9 @@ class ExperimentConfig:
     # never below 1): an honest update's norm grows with its local steps, so under label skew the
     # longest honest replies are those of the clients holding most of a class (false: one bound)
     update_clip_by_count: bool = key(True, "robustness", ("results",))
-    # A kept update longer than update-strike-norm x its task's lower median is a strike (0: off):
-    # above every honest reply of the offline benchmark
+    # An update longer than update-strike-norm x its task's lower median (times the clip's count
+    # allowance) is excluded and a strike (0: off): above every honest reply of the offline
+    # benchmark; kept clipped, two reversed ones of five replies outweighed the round's honest ones
     update_strike_norm: float = key(5.0, "robustness", ("results",))
     # Direction check (3+ replies on a task): an update whose cosine with its task's coordinate-wise
     # median update is below update-min-cosine (-1: off) is flagged (a strike), one below 0 while

@@ -141,17 +141,31 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
 @pytest.mark.parametrize("clip, expected", [(0.0, -1.2), (1.0, 0.6), (2.0, 0.4)])
 def test_update_clip_bounds_a_reversed_and_scaled_update_to_the_rounds_median(clip, expected, flower_identity):
     """Four honest clients move every weight by +1; one sends its update reversed and ten times
-    longer (exactly at the norm filter's threshold, so the filter lets it through)."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=clip,
-                                   update_min_cosine=-1.0, update_reversed_norm=0.0), 10)
-    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
-    contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
-    outcome = s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
-    arrays = outcome.arrays
-    np.testing.assert_allclose(from_array_record(arrays)["head.weight"], expected, rtol=1e-6)
+    longer (exactly at the norm filter's threshold, so the filter lets it through); update-strike-norm
+    off, so the clip alone bounds it."""
+    outcome = _one_reversed_and_scaled_round(update_clip=clip, update_strike_norm=0.0)
+    np.testing.assert_allclose(from_array_record(outcome.arrays)["head.weight"], expected, rtol=1e-6)
     assert not outcome.rejected  # bounded, not refused
     if clip:  # the hostile update keeps its direction at clip x the honest length
         assert max(a.update_norm for a in outcome.accepted) == pytest.approx(clip * np.sqrt(6))
+
+
+def test_a_reply_beyond_the_strike_norm_is_excluded_not_clipped(flower_identity):
+    """The same round with update-strike-norm 5 (the default): the reply 10 x the honest length is
+    excluded and named, and the round is the honest clients' alone."""
+    outcome = _one_reversed_and_scaled_round(update_clip=3.0, update_strike_norm=5.0)
+    np.testing.assert_allclose(from_array_record(outcome.arrays)["head.weight"], 1.0, rtol=1e-6)
+    assert len(outcome.rejected) == 1 and "update-strike-norm" in outcome.rejected[0][1]
+
+
+def _one_reversed_and_scaled_round(**keys):
+    """Four honest clients move every weight by +1; one sends its update reversed and ten times
+    longer (exactly at the norm filter's threshold, so the filter lets it through)."""
+    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-1.0,
+                                   update_reversed_norm=0.0, **keys), 10)
+    msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
+    contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
+    return s.aggregate_round(1, [Message(c, reply_to=m) for c, m in zip(contents, msgs)])
 
 
 @pytest.mark.parametrize("by_count", [True, False])

@@ -13,6 +13,7 @@ from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.defences import (
     CLIP,
     DIRECTION,
+    NORM_FILTER,
     STRUCK_OUT,
     DirectionCheck,
     Strikes,
@@ -71,12 +72,13 @@ def test_a_clip_is_not_a_strike():
     assert screen.strikes.counts == {} and out.counts()[CLIP] == 2
 
 
-def test_a_reply_longer_than_the_strike_norm_is_clipped_and_struck_and_an_honest_tail_is_only_clipped():
+def test_a_reply_longer_than_the_strike_norm_is_excluded_and_struck_and_an_honest_tail_is_only_clipped():
     """update-clip 3 sits in the honest tail, update-strike-norm 5 above it. Six rounds of five
     clients: client 1 is honest and long (3.5 x the others) in every round, clipped and never
     struck; client 4 agrees with the round but sends 8 x an honest length (a scaled update whose
-    direction the round's median cannot tell apart): its first reply is kept clipped to 3 x, its
-    second strikes it out, and from then on it is excluded."""
+    direction the round's median cannot tell apart): its first reply is excluded and struck (kept
+    at 3 x, two such replies of five outweighed the round), its second strikes it out, and from
+    then on it is excluded."""
     screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(3.0), strikes=Strikes(2),
                           strike_norm=5.0)
     rng = np.random.default_rng(1)
@@ -87,13 +89,37 @@ def test_a_reply_longer_than_the_strike_norm_is_clipped_and_struck_and_an_honest
         norms = [float(np.linalg.norm(u["w"])) for u in updates]
         out = screen(updates, norms, [0] * 5, clients=list(range(5)))
         assert 1 in out.scales and 1 not in out.excluded  # the honest tail: clipped, kept
-        if r == 0:
-            assert 4 in out.scales and 4 not in out.excluded
-            assert norms[4] * out.scales[4] == pytest.approx(3.0 * sorted(norms)[2])
-        else:
-            assert out.excluded[4][0] == STRUCK_OUT
-        assert set(out.excluded) <= {4}
+        assert 4 not in out.scales
+        assert out.excluded[4][0] == (NORM_FILTER if r <= 1 else STRUCK_OUT)  # the second strike: still its own
+        assert set(out.excluded) == {4}
     assert screen.strikes.counts == {4: 2}
+
+
+def test_a_long_reply_the_direction_check_flagged_is_excluded_with_one_strike():
+    """With update-reversed-norm off, a reply reversed and 8 x long is flagged by the direction
+    check (its strike) and excluded for its length, without a second strike for the same reply."""
+    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0), clip=UpdateClip(3.0), strikes=Strikes(2), strike_norm=5.0)
+    updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-8.0, 0.0])}]
+    out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=list(range(5)))
+    assert set(out.excluded) == {4} and out.excluded[4][0] == NORM_FILTER and not out.scales
+    assert screen.strikes.counts == {4: 1}
+
+
+def test_the_long_reply_bound_grows_with_the_sample_count_like_the_clip():
+    """A client holding most of a class sends a long honest reply (PILoRA at Dirichlet 0.1: 187
+    samples against 8 at the median, 4.7 x the lower median norm). With the count allowance, 6 x
+    on 187 samples is neither excluded nor struck (its bound is 5 x sqrt(187 / 8) = 24 x), while 6 x
+    on the median count is; without it (update-clip-by-count false) both are (the lower median norm
+    is 1.2)."""
+    counts = [8, 63, 3, 187, 8]
+    updates = [{"w": np.array([n, 0.0])} for n in [1.0, 1.2, 1.0, 6.5, 6.5]]
+    norms = [float(u["w"][0]) for u in updates]
+    by_count = UpdateScreen(clip=UpdateClip(3.0, by_count=True), strikes=Strikes(2), strike_norm=5.0)
+    out = by_count(updates, norms, [0] * 5, clients=list(range(5)), counts=counts)
+    assert set(out.excluded) == {4} and out.excluded[4][0] == NORM_FILTER and 3 not in out.scales
+    assert by_count.strikes.counts == {4: 1}
+    flat = UpdateScreen(clip=UpdateClip(3.0), strikes=Strikes(2), strike_norm=5.0)
+    assert set(flat(updates, norms, [0] * 5, clients=list(range(5)), counts=counts).excluded) == {3, 4}
 
 
 def test_the_clip_allows_a_client_holding_more_samples_sqrt_n_more_and_never_less():

@@ -34,11 +34,12 @@ rest of the run (excluded for good, the same kind of client cost LoRM 5.5 points
 
 Every reply the norm filter or the direction check flags (excluded, or pointing against the
 round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``),
-and so is a kept reply longer than ``strike_norm`` x its task's lower median
-(``update-strike-norm``: above any honest reply of the offline benchmark, while ``update-clip``
-sits inside the honest tail, so that what one reply can carry is bounded tightly; a clip alone is
-no strike). A client whose strikes reach the limit is excluded from then on, the reply that
-reached it included. An honest
+and so is a reply longer than ``strike_norm`` x its task's lower median, times the clip's count
+allowance, which is also excluded (``update-strike-norm``: above every honest reply of the
+offline benchmark, while ``update-clip`` sits inside the honest tail; a reversed update scaled
+up, kept clipped, still outweighed a round's honest replies when two of five were hostile; a
+clip alone is no strike). A client whose strikes reach the limit is excluded from then on, the
+reply that reached it included. An honest
 label-skewed client disagrees with the round now and then (once in a run at most, on the
 offline benchmark: cosines down to -0.69, norms up to 4.7 x the lower median); a hostile one
 does in most rounds, and a reversed update only reads a positive cosine in the rounds where its
@@ -224,6 +225,13 @@ class UpdateClip:
     def active(self) -> bool:
         return self.factor > 0
 
+    def allowances(self, counts: Sequence[float] | None, count_reference: float, replies: int) -> list[float]:
+        """What each reply's bounds are multiplied by: sqrt(n / ``count_reference``), never below 1
+        (``by_count``), else 1; ``counts``: each reply's sample count (None: unknown, 1 each)."""
+        if not self.by_count or counts is None or not count_reference > 0:
+            return [1.0] * replies
+        return [max(1.0, math.sqrt(c / count_reference)) for c in counts]
+
     def scales(self, norms: Sequence[float], reference: float, counts: Sequence[float] | None = None,
                count_reference: float = 0.0) -> list[float]:
         """The multiplier of each update (1: untouched); ``counts``: each reply's sample count,
@@ -231,9 +239,7 @@ class UpdateClip:
         bound = self.factor * reference
         if not self.active or len(norms) < 2 or not bound > 0:
             return [1.0] * len(norms)
-        bounds = [bound] * len(norms)
-        if self.by_count and counts is not None and count_reference > 0:
-            bounds = [bound * max(1.0, math.sqrt(c / count_reference)) for c in counts]
+        bounds = [bound * a for a in self.allowances(counts, count_reference, len(norms))]
         return [b / n if n > b else 1.0 for n, b in zip(norms, bounds)]
 
 
@@ -262,7 +268,8 @@ class UpdateScreen:
     clip: UpdateClip = UpdateClip()
     strikes: Strikes = field(default_factory=Strikes)  # the run's history (mutable: screening updates it)
     history: DirectionHistory = field(default_factory=DirectionHistory)  # the run's cosines per client (mutable)
-    strike_norm: float = 0.0  # a kept update longer than this x its task's lower median is a strike (0: off)
+    # an update longer than this x its task's lower median (x its count allowance) is excluded, a strike (0: off)
+    strike_norm: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -302,15 +309,22 @@ class UpdateScreen:
         references = {task: lower_median([norms[i] for i in kept if tasks[i] == task]) for task in set(tasks)}
         sizes = {task: lower_median([counts[i] for i in kept if tasks[i] == task]) if counts is not None else 0.0
                  for task in set(tasks)}
+        allowance = {i: self.clip.allowances(None if counts is None else [counts[i]], sizes[tasks[i]], 1)[0]
+                     for i in kept}  # the clip's count allowance: the long-reply bound grows with it too
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
         for i, flag in zip(kept, self.direction([cosines[i] for i in kept], [norms[i] for i in kept],
                                                 [references[tasks[i]] for i in kept])):
             if flag is not None:  # without a strike history a flag excludes at once
                 strike(i, DIRECTION, flag[0], flag[1] or strikes.limit <= 0)
-            elif self.strike_norm > 0 and norms[i] > self.strike_norm * references[tasks[i]]:
-                # one strike per reply: a long reply the direction check flagged already has its own
-                strike(i, CLIP, f"update norm {norms[i]:.3g} above update-strike-norm = {self.strike_norm:g} x "
-                                f"its task's lower median {references[tasks[i]]:.3g}", False)
+            if i not in out.excluded and self.strike_norm > 0 \
+                    and norms[i] > self.strike_norm * references[tasks[i]] * allowance[i]:
+                reason = (f"update norm {norms[i]:.3g} above update-strike-norm = {self.strike_norm:g} x its task's "
+                          f"lower median {references[tasks[i]]:.3g}"
+                          + (f" x {allowance[i]:.3g} for its sample count" if allowance[i] > 1 else ""))
+                if flag is None:
+                    strike(i, NORM_FILTER, reason, True)
+                else:  # one strike per reply: the direction check's flag was this reply's
+                    out.excluded[i] = (NORM_FILTER, reason)
         for i in kept:
             cosine = cosines[i]
             reason = self.history.add(clients[i], cosine) if cosine is not None else None
