@@ -162,6 +162,9 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.update_mean_cosine_after >= 1,
          f"update-mean-cosine-after must be >= 1 (replies judged before a client's mean counts), "
          f"got {cfg.update_mean_cosine_after}")
+    need(cfg.update_norm_rounds >= 1,
+         f"update-norm-rounds must be >= 1 (rounds a task's reference norm is read over, this one included), "
+         f"got {cfg.update_norm_rounds}")
     need(math.isfinite(cfg.stats_bound) and (cfg.stats_bound == 0 or cfg.stats_bound >= 1),
          f"stats-bound must be 0 (off) or >= 1 (a multiple of the lower median), got {cfg.stats_bound}")
     need(math.isfinite(cfg.max_update_norm) and cfg.max_update_norm >= 0,

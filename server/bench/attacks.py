@@ -27,7 +27,8 @@ log = logging.getLogger("promptfcl")
 #: parameter, so that each means the same whatever the defaults are.
 _ON = {"defences": "on", "aggregation": "mean"}
 _NONE = {**_ON, "update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
-         "update-reversed-norm": 0.0, "update-strikes": 0, "update-mean-cosine": -1.0, "update-strike-norm": 0.0}
+         "update-reversed-norm": 0.0, "update-strikes": 0, "update-mean-cosine": -1.0, "update-strike-norm": 0.0,
+         "update-norm-rounds": 1}
 _NORM_FILTER = {**_NONE, "update-norm-factor": 10.0}
 DEFENCES: dict[str, dict[str, Any]] = {
     "off": {"defences": "off"},

@@ -18,6 +18,12 @@ the order the platform applies them to the replies that passed the record checks
   client alone on its task (random tasks, asynchronous arrival) is not clipped, as the
   single-task reference of Powder's transfer metrics (server/transfer.py) is not.
 
+The lower median norm and count a task's replies are measured against (the clip's, the long
+reply's and the reversed reply's reference) are read over the replies the norm filter kept in
+this round and the task's kept replies of its previous rounds (:class:`NormHistory`,
+``update-norm-rounds``): at Dirichlet 0.1 a task's round can have three replies, two of them
+hostile, and a round read alone then sets its own reference.
+
 A client's cosines are also kept over the run (:class:`DirectionHistory`,
 ``update-mean-cosine``): one whose replies point against their task's median update on average,
 judged from its ``update-mean-cosine-after``-th reply on, is excluded while its mean stays below
@@ -206,6 +212,37 @@ class DirectionHistory:
         self.excluded = {int(k) for k, v in state.items() if len(v) > 2 and v[2]}
 
 
+@dataclass
+class NormHistory:
+    """The norms and sample counts of each task's kept replies over its last ``rounds`` rounds
+    (``update-norm-rounds``): a round's reference norm and count are read over these and the
+    round's own replies. Read over one round alone, a round where most replies on a task are
+    hostile sets its own reference (at Dirichlet 0.1 a task's round can have 3 replies, 2 of them
+    hostile); pooled with the task's earlier rounds, the reference stays honest while fewer than
+    half of the pooled replies are hostile. Kept in the checkpoint, like :class:`Strikes`."""
+
+    rounds: int = 1
+    kept: dict[int, list[list[tuple[float, float]]]] = field(default_factory=dict)  # task -> rounds of (norm, n)
+
+    def pooled(self, task: int, current: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """``current`` (a round's replies on ``task``) with the task's earlier rounds kept here, when
+        the round has 2 or more replies on it (a client alone on its task is compared with nothing)."""
+        if self.rounds <= 1 or len(current) < 2:
+            return current
+        return [x for earlier in self.kept.get(task, [])[-(self.rounds - 1):] for x in earlier] + current
+
+    def add(self, task: int, kept: list[tuple[float, float]]) -> None:
+        """Record one round's kept replies on ``task`` (their norms as aggregated, clipped ones clipped)."""
+        if self.rounds > 1:
+            self.kept[task] = (self.kept.get(task, []) + [kept])[-(self.rounds - 1):]
+
+    def to_dict(self) -> dict[str, list[list[list[float]]]]:
+        return {str(t): [[[n, c] for n, c in r] for r in v] for t, v in sorted(self.kept.items())}
+
+    def load(self, state: Mapping[str, Sequence[Sequence[Sequence[float]]]]) -> None:
+        self.kept = {int(t): [[(float(n), float(c)) for n, c in r] for r in v] for t, v in state.items()}
+
+
 @dataclass(frozen=True)
 class UpdateClip:
     """Scale an update longer than its bound down to it (``factor`` 0: off). The bound is ``factor`` x
@@ -268,6 +305,7 @@ class UpdateScreen:
     clip: UpdateClip = UpdateClip()
     strikes: Strikes = field(default_factory=Strikes)  # the run's history (mutable: screening updates it)
     history: DirectionHistory = field(default_factory=DirectionHistory)  # the run's cosines per client (mutable)
+    norm_history: NormHistory = field(default_factory=NormHistory)  # each task's recent kept norms (mutable)
     # an update longer than this x its task's lower median (x its count allowance) is excluded, a strike (0: off)
     strike_norm: float = 0.0
 
@@ -306,9 +344,11 @@ class UpdateScreen:
         # each task's reference norm is read from what the norm filter kept, before the direction
         # check: what that check leaves may be a hostile majority (honest label-skewed updates can
         # disagree more than two attackers do)
-        references = {task: lower_median([norms[i] for i in kept if tasks[i] == task]) for task in set(tasks)}
-        sizes = {task: lower_median([counts[i] for i in kept if tasks[i] == task]) if counts is not None else 0.0
-                 for task in set(tasks)}
+        sample = (lambda i: counts[i]) if counts is not None else (lambda i: 0.0)
+        pooled = {task: self.norm_history.pooled(task, [(norms[i], sample(i)) for i in kept if tasks[i] == task])
+                  for task in set(tasks)}
+        references = {task: lower_median([n for n, _ in p]) for task, p in pooled.items()}
+        sizes = {task: lower_median([c for _, c in p]) if counts is not None else 0.0 for task, p in pooled.items()}
         allowance = {i: self.clip.allowances(None if counts is None else [counts[i]], sizes[tasks[i]], 1)[0]
                      for i in kept}  # the clip's count allowance: the long-reply bound grows with it too
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
@@ -339,6 +379,9 @@ class UpdateScreen:
                                                           sizes[task])):
                 if scale < 1.0:
                     out.scales[i] = scale
+        for task in set(tasks):
+            self.norm_history.add(task, [(norms[i] * out.scales.get(i, 1.0), sample(i)) for i in kept
+                                         if tasks[i] == task])
         return out
 
     def apply(self, replies: Sequence[Accepted], start_of: Callable[[Sent], Mapping[str, np.ndarray] | None]
@@ -384,12 +427,14 @@ def _cosines(updates: Sequence[Mapping[str, np.ndarray]], tasks: Sequence[int]) 
 def update_screen(defended: bool, dp_noise: float, *, norm_factor: float = 0.0, max_norm: float = 0.0,
                   clip: float = 0.0, clip_by_count: bool = False, strike_norm: float = 0.0,
                   min_cosine: float = -1.0, reversed_norm: float = 0.0,
-                  strikes: int = 0, mean_cosine: float = -1.0, mean_after: int = 3) -> UpdateScreen:
+                  strikes: int = 0, mean_cosine: float = -1.0, mean_after: int = 3,
+                  norm_rounds: int = 1) -> UpdateScreen:
     """The run's screen: every defence off where the run is not ``defended``; the direction checks
     off under client-side DP noise (``dp_noise`` > 0 hides an honest update's direction: it reads a
     cosine near 0), with a log line. Each keyword is one run-config key's value (``update-norm-factor``,
     ``max-update-norm``, ``update-clip``, ``update-clip-by-count``, ``update-strike-norm``, ``update-min-cosine``,
-    ``update-reversed-norm``, ``update-strikes``, ``update-mean-cosine``, ``update-mean-cosine-after``);
+    ``update-reversed-norm``, ``update-strikes``, ``update-mean-cosine``, ``update-mean-cosine-after``,
+    ``update-norm-rounds``);
     its default leaves that defence off."""
     if not defended:
         return UpdateScreen()
@@ -399,4 +444,5 @@ def update_screen(defended: bool, dp_noise: float, *, norm_factor: float = 0.0, 
         min_cosine, reversed_norm, mean_cosine = -1.0, 0.0, -1.0
     return UpdateScreen(NormFilter(norm_factor, max_norm), DirectionCheck(min_cosine, reversed_norm),
                         UpdateClip(clip, clip_by_count),
-                        Strikes(strikes), DirectionHistory(mean_cosine, mean_after), strike_norm)
+                        Strikes(strikes), DirectionHistory(mean_cosine, mean_after), NormHistory(norm_rounds),
+                        strike_norm)

@@ -152,7 +152,7 @@ class PromptStrategy(Sampling, FedAvg):
                                strike_norm=cfg.update_strike_norm,
                                min_cosine=cfg.update_min_cosine, reversed_norm=cfg.update_reversed_norm,
                                strikes=cfg.update_strikes, mean_cosine=cfg.update_mean_cosine,
-                               mean_after=cfg.update_mean_cosine_after)
+                               mean_after=cfg.update_mean_cosine_after, norm_rounds=cfg.update_norm_rounds)
         self.policies = RunPolicies(weighting, combiner, screen,
                                     StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
@@ -468,13 +468,15 @@ class PromptStrategy(Sampling, FedAvg):
         return {"node-sizes": {str(k): list(v) for k, v in self.bounds.declared.items()},
                 "schedule-slots": {str(k): int(v) for k, v in self._schedule_slots.items()},
                 "strikes": self.policies.screen.strikes.to_dict(),
-                "direction-history": self.policies.screen.history.to_dict()}
+                "direction-history": self.policies.screen.history.to_dict(),
+                "norm-history": self.policies.screen.norm_history.to_dict()}
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
         self._schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
         self.policies.screen.strikes.load(state.get("strikes", {}))
         self.policies.screen.history.load(state.get("direction-history", {}))
+        self.policies.screen.norm_history.load(state.get("norm-history", {}))
 
 
 def _placement(content: RecordDict) -> dict[str, str]:
