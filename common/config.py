@@ -208,9 +208,10 @@ class ExperimentConfig:
     # ordinary length swings with the round, its mean does not (docs/reliability.md)
     update_mean_cosine: float = key(0.0, "robustness", ("results",))
     update_mean_cosine_after: int = key(3, "robustness", ("results",))
-    # The reference norm and count of a task's round are read over its kept replies of this many
-    # rounds, this one included (1: this round's only): one round whose replies on a task are
-    # mostly hostile (2 of 3 at Dirichlet 0.1) does not set its own reference
+    # The reference norm and count of a task's round are the lower of the round's own and those
+    # read over the task's kept replies of this many rounds, this one included (1: the round's
+    # own): one round whose replies on a task are mostly hostile (2 of 3 at Dirichlet 0.1) does
+    # not set its own reference
     update_norm_rounds: int = key(3, "robustness", ("results",))
     # Bounded influence of uploaded statistics (HGP's Gaussians, FPPL's prototypes, Powder's
     # alphas; strategies/platform/statistics.py): a row (class mean, covariance scale) beyond

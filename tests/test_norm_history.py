@@ -1,7 +1,8 @@
 """The pooled norm reference (``update-norm-rounds``, strategies/platform/defences.py): a task's
-reference norm and count are read over its kept replies of the last rounds, so a round whose
-replies on a task are mostly hostile does not set its own reference; the history stays bounded
-and survives a resume."""
+reference norm and count are the lower of the round's own and those read over its kept replies of
+the last rounds, so a round whose replies on a task are mostly hostile does not set its own
+reference, nor does a task's early rounds' larger norms set a later round's; the history stays
+bounded and survives a resume."""
 
 from __future__ import annotations
 
@@ -40,6 +41,17 @@ def test_a_hostile_majority_of_one_round_is_measured_against_the_tasks_earlier_r
     # read over the round alone, the hostile pair sets the reference (14.5) and both are kept whole
     out = _play(alone, HOSTILE_ROUND, clients=[0, 1, 9])
     assert not out.excluded and not out.scales
+
+
+def test_where_honest_norms_shrink_over_a_task_the_rounds_own_lower_reference_is_kept():
+    """PILoRA's honest norms shrink about 10x over a task's rounds. A 10x reply of a later round
+    reads as ordinary against the pooled rounds (lower median 2.0 of these), so the reference is the
+    lower of the round's own (0.2) and the pooled one: the reply is excluded."""
+    screen = _screen(3)
+    for _ in range(2):
+        _play(screen, [3.0, 3.0, 3.0])
+    out = _play(screen, [0.2, 0.2, 0.2, 2.0], clients=[5, 6, 7, 1])
+    assert set(out.excluded) == {3} and "lower median 0.2" in out.excluded[3][1]
 
 
 def test_the_history_is_per_task_and_bounded_and_a_lone_reply_is_not_compared_with_it():

@@ -19,10 +19,10 @@ the order the platform applies them to the replies that passed the record checks
   single-task reference of Powder's transfer metrics (server/transfer.py) is not.
 
 The lower median norm and count a task's replies are measured against (the clip's, the long
-reply's and the reversed reply's reference) are read over the replies the norm filter kept in
-this round and the task's kept replies of its previous rounds (:class:`NormHistory`,
-``update-norm-rounds``): at Dirichlet 0.1 a task's round can have three replies, two of them
-hostile, and a round read alone then sets its own reference.
+reply's and the reversed reply's reference) are the lower of those of the replies the norm
+filter kept in this round and those read with the task's kept replies of its previous rounds
+(:class:`NormHistory`, ``update-norm-rounds``): at Dirichlet 0.1 a task's round can have three
+replies, two of them hostile, and a round read alone then sets its own reference.
 
 A client's cosines are also kept over the run (:class:`DirectionHistory`,
 ``update-mean-cosine``): one whose replies point against their task's median update on average,
@@ -215,21 +215,26 @@ class DirectionHistory:
 @dataclass
 class NormHistory:
     """The norms and sample counts of each task's kept replies over its last ``rounds`` rounds
-    (``update-norm-rounds``): a round's reference norm and count are read over these and the
-    round's own replies. Read over one round alone, a round where most replies on a task are
-    hostile sets its own reference (at Dirichlet 0.1 a task's round can have 3 replies, 2 of them
-    hostile); pooled with the task's earlier rounds, the reference stays honest while fewer than
-    half of the pooled replies are hostile. Kept in the checkpoint, like :class:`Strikes`."""
+    (``update-norm-rounds``): a round's reference norm (and count) is the lower of the round's own
+    and the one read over these with the round's replies. Read over one round alone, a round where
+    most replies on a task are hostile sets its own reference (at Dirichlet 0.1 a task's round can
+    have 3 replies, 2 of them hostile); pooled, it stays honest while fewer than half of the pooled
+    replies are hostile. The lower of the two, because honest norms shrink over a task's rounds
+    (PILoRA's by 10x): pooled alone, a later round's 10x reply would read as ordinary. Kept in the
+    checkpoint, like :class:`Strikes`."""
 
     rounds: int = 1
     kept: dict[int, list[list[tuple[float, float]]]] = field(default_factory=dict)  # task -> rounds of (norm, n)
 
-    def pooled(self, task: int, current: list[tuple[float, float]]) -> list[tuple[float, float]]:
-        """``current`` (a round's replies on ``task``) with the task's earlier rounds kept here, when
-        the round has 2 or more replies on it (a client alone on its task is compared with nothing)."""
+    def reference(self, task: int, current: list[tuple[float, float]]) -> tuple[float, float]:
+        """The lower median norm and count of ``current`` (a round's replies on ``task``: norm, n), or
+        of those with the task's earlier rounds kept here where that norm is lower; the round's own
+        for a client alone on its task (compared with nothing)."""
+        alone = _lower_medians(current)
         if self.rounds <= 1 or len(current) < 2:
-            return current
-        return [x for earlier in self.kept.get(task, [])[-(self.rounds - 1):] for x in earlier] + current
+            return alone
+        pooled = [x for earlier in self.kept.get(task, [])[-(self.rounds - 1):] for x in earlier] + current
+        return min(alone, _lower_medians(pooled))
 
     def add(self, task: int, kept: list[tuple[float, float]]) -> None:
         """Record one round's kept replies on ``task`` (their norms as aggregated, clipped ones clipped)."""
@@ -345,10 +350,10 @@ class UpdateScreen:
         # check: what that check leaves may be a hostile majority (honest label-skewed updates can
         # disagree more than two attackers do)
         sample = (lambda i: counts[i]) if counts is not None else (lambda i: 0.0)
-        pooled = {task: self.norm_history.pooled(task, [(norms[i], sample(i)) for i in kept if tasks[i] == task])
-                  for task in set(tasks)}
-        references = {task: lower_median([n for n, _ in p]) for task, p in pooled.items()}
-        sizes = {task: lower_median([c for _, c in p]) if counts is not None else 0.0 for task, p in pooled.items()}
+        medians = {task: self.norm_history.reference(task, [(norms[i], sample(i)) for i in kept if tasks[i] == task])
+                   for task in set(tasks)}
+        references = {task: norm for task, (norm, _) in medians.items()}
+        sizes = {task: count for task, (_, count) in medians.items()}
         allowance = {i: self.clip.allowances(None if counts is None else [counts[i]], sizes[tasks[i]], 1)[0]
                      for i in kept}  # the clip's count allowance: the long-reply bound grows with it too
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
@@ -409,6 +414,11 @@ class UpdateScreen:
                 a.update_norm = norms[i] * screening.scales[i]
             kept.append(a)
         return kept, excluded, screening.counts()
+
+
+def _lower_medians(replies: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The lower median norm and the lower median count of (norm, count) pairs."""
+    return lower_median([n for n, _ in replies]), lower_median([c for _, c in replies])
 
 
 def _task_groups(tasks: Sequence[int]) -> list[list[int]]:
