@@ -267,12 +267,12 @@ class UpdateClip:
     def active(self) -> bool:
         return self.factor > 0
 
-    def allowances(self, counts: Sequence[float] | None, count_reference: float, replies: int) -> list[float]:
-        """What each reply's bounds are multiplied by: sqrt(n / ``count_reference``), never below 1
-        (``by_count``), else 1; ``counts``: each reply's sample count (None: unknown, 1 each)."""
-        if not self.by_count or counts is None or not count_reference > 0:
-            return [1.0] * replies
-        return [max(1.0, math.sqrt(c / count_reference)) for c in counts]
+    def allowance(self, count: float, count_reference: float) -> float:
+        """What a reply's bounds are multiplied by: sqrt(``count`` / ``count_reference``), never below
+        1, where ``by_count`` and the reference is known (> 0); else 1."""
+        if not self.by_count or not count_reference > 0:
+            return 1.0
+        return max(1.0, math.sqrt(count / count_reference))
 
     def scales(self, norms: Sequence[float], reference: float, counts: Sequence[float] | None = None,
                count_reference: float = 0.0) -> list[float]:
@@ -281,7 +281,7 @@ class UpdateClip:
         bound = self.factor * reference
         if not self.active or len(norms) < 2 or not bound > 0:
             return [1.0] * len(norms)
-        bounds = [bound * a for a in self.allowances(counts, count_reference, len(norms))]
+        bounds = [bound * self.allowance(c, count_reference) for c in (counts or [0.0] * len(norms))]  # 0: none
         return [b / n if n > b else 1.0 for n, b in zip(norms, bounds)]
 
 
@@ -349,13 +349,13 @@ class UpdateScreen:
         # each task's reference norm is read from what the norm filter kept, before the direction
         # check: what that check leaves may be a hostile majority (honest label-skewed updates can
         # disagree more than two attackers do)
-        sample = (lambda i: counts[i]) if counts is not None else (lambda i: 0.0)
-        medians = {task: self.norm_history.reference(task, [(norms[i], sample(i)) for i in kept if tasks[i] == task])
+        samples = list(counts) if counts is not None else [0.0] * len(updates)  # 0: unknown, no allowance
+        medians = {task: self.norm_history.reference(task, [(norms[i], samples[i]) for i in kept if tasks[i] == task])
                    for task in set(tasks)}
         references = {task: norm for task, (norm, _) in medians.items()}
         sizes = {task: count for task, (_, count) in medians.items()}
-        allowance = {i: self.clip.allowances(None if counts is None else [counts[i]], sizes[tasks[i]], 1)[0]
-                     for i in kept}  # the clip's count allowance: the long-reply bound grows with it too
+        # the clip's count allowance: the long-reply bound grows with it too
+        allowance = {i: self.clip.allowance(samples[i], sizes[tasks[i]]) for i in kept}
         cosines = out.cosines if len(kept) >= 3 else [None] * len(updates)
         for i, flag in zip(kept, self.direction([cosines[i] for i in kept], [norms[i] for i in kept],
                                                 [references[tasks[i]] for i in kept])):
@@ -380,12 +380,11 @@ class UpdateScreen:
             members = [kept[j] for j in group]
             task = tasks[members[0]]
             for i, scale in zip(members, self.clip.scales([norms[i] for i in members], references[task],
-                                                          [counts[i] for i in members] if counts is not None else None,
-                                                          sizes[task])):
+                                                          [samples[i] for i in members], sizes[task])):
                 if scale < 1.0:
                     out.scales[i] = scale
         for task in set(tasks):
-            self.norm_history.add(task, [(norms[i] * out.scales.get(i, 1.0), sample(i)) for i in kept
+            self.norm_history.add(task, [(norms[i] * out.scales.get(i, 1.0), samples[i]) for i in kept
                                          if tasks[i] == task])
         return out
 
