@@ -16,7 +16,7 @@ CITATION = """\
 
 METHOD = Method(
     "hepco", strategy=".strategy:HePCoStrategy", learner=".learner:HePCoLearner", prompt=".prompt:HePCoPrompt",
-    options=".options:HePCoOptions",
+    options=".options:HePCoOptions", records=".records:PRIVATE_RECORDS", statistics=".records:STATISTICS",
     citation=CITATION,
     # the paper's FedAvg-Prompt baseline (Table 1): HePCo with both distillations ablated, so
     # the same prompts, averaging and clients, without the server's consolidation

@@ -25,56 +25,66 @@ def _local_labels(labels: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
 
 def generator_losses(z: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor, teachers: Teachers,
                      student: LatentStudent, use_kl: bool = True, use_mse: bool = True,
-                     grams: PromptGrams | None = None) -> dict[str, torch.Tensor]:
-    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` (summed over teachers, each times its
-    weight: :meth:`Teachers.weigh`, the "weighted sum" of sec. 5.2).
+                     grams: PromptGrams | None = None, span: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """L_cls, L_KL, L_MSE of eqs. 2-4 for latents ``z`` of ``labels`` (drawn from ``classes``),
+    summed over teachers, each times its weight (:meth:`Teachers.weigh`, the "weighted sum" of
+    sec. 5.2).
 
-    L_cls: CE of each teacher's head over ``classes``; L_KL: KL(softmax student head ||
-    softmax teacher head) over ``classes``; L_MSE: MSE of final prompts, summed over
-    prompted layers. A switched-off term is not computed at all (zero).
+    L_cls: CE of each teacher's head over the classes ``span``; L_KL: KL(softmax student head ||
+    softmax teacher head) over ``span``; L_MSE: MSE of final prompts, summed over prompted
+    layers. A switched-off term is not computed at all (zero).
 
-    Logits are restricted to ``classes``: clients train their heads with cross-entropy
-    over the current task's classes only, so those logits are where their knowledge is
-    (for the old-class generator, ``classes`` are the previous model's seen classes).
-    ``grams`` (for a fixed student) computes L_MSE without forming the prompts.
+    ``span``: the classes the logits compete over, a contiguous range from class 0 or from
+    ``classes[0]``. Every class seen so far (``hepco.generator-classes = "seen"``: the paper's
+    phi is the whole classifier, and the authors' trainer slices the logits up to the last
+    seen class), or ``classes`` alone (None; ``"task"``: clients train their heads with
+    cross-entropy over the current task's classes only). ``grams`` (for a fixed student)
+    computes L_MSE without forming the prompts.
     """
-    y = _local_labels(labels, classes)
-    t_logits = teachers.logits(z, classes)  # (C, B, K)
+    span = classes if span is None else span
+    y = _local_labels(labels, span)
+    t_logits = teachers.logits(z, span)  # (C, B, K)
     C = t_logits.shape[0]
     per_teacher = F.cross_entropy(t_logits.reshape(-1, t_logits.shape[-1]), y.repeat(C), reduction="none")
-    l_cls = teachers.weigh(per_teacher.reshape(C, -1).mean(-1))
+    l_cls = teachers.weigh(per_teacher.reshape(C, -1), labels)
     zero = z.new_zeros(())
     l_kl, l_mse = zero, zero
     if use_kl:
-        s_logp = F.log_softmax(student.logits(z, classes), dim=-1)  # (B, K)
+        s_logp = F.log_softmax(student.logits(z, span), dim=-1)  # (B, K)
         t_logp = F.log_softmax(t_logits, dim=-1)
-        l_kl = teachers.weigh((s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1).mean(-1))
+        l_kl = teachers.weigh((s_logp.exp()[None] * (s_logp[None] - t_logp)).sum(-1), labels)
     if use_mse and grams is not None:
-        l_mse = grams.mse(z)
+        l_mse = grams.mse(z, labels)
     elif use_mse:
         for layer in student.layers:
             diff = student.final_prompts(z, layer)[None] - teachers.final_prompts(z, layer)
-            l_mse = l_mse + teachers.weigh(diff.pow(2).mean(dim=(1, 2, 3)))
+            l_mse = l_mse + teachers.weigh(diff.pow(2).mean(dim=(2, 3)), labels)
     return {"cls": l_cls, "kl": l_kl, "mse": l_mse}
 
 
+def seen_span(classes: torch.Tensor) -> torch.Tensor:
+    """Every class up to the last of ``classes``: what a task's teachers have seen."""
+    return torch.arange(int(classes[-1]) + 1, device=classes.device)
+
+
 def group_generator_losses(z: torch.Tensor, labels: torch.Tensor, groups: list[TaskTeachers], student: LatentStudent,
-                           use_kl: bool = True, use_mse: bool = True,
-                           grams: list[PromptGrams] | None = None) -> dict[str, torch.Tensor]:
-    """:func:`generator_losses` of each task group on the latents of its classes, summed.
+                           use_kl: bool = True, use_mse: bool = True, grams: list[PromptGrams] | None = None,
+                           over_seen: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`generator_losses` of each task group on the latents of its classes, summed; the
+    logits span each group's own task (``over_seen`` False) or every class up to it (True).
 
     One group (synchronous arrival) is exactly :func:`generator_losses` on every latent.
     """
     grams = grams if grams is not None else [None] * len(groups)  # type: ignore[list-item]
-    if len(groups) == 1:
-        g = groups[0]
-        return generator_losses(z, labels, g.classes, g.teachers, student, use_kl, use_mse, grams[0])
     total: dict[str, torch.Tensor] = {}
     for g, gram in zip(groups, grams):
+        span = seen_span(g.classes) if over_seen else None
+        if len(groups) == 1:
+            return generator_losses(z, labels, g.classes, g.teachers, student, use_kl, use_mse, gram, span)
         mine = g.holds(labels)
         if not bool(mine.any()):
             continue
-        parts = generator_losses(z[mine], labels[mine], g.classes, g.teachers, student, use_kl, use_mse, gram)
+        parts = generator_losses(z[mine], labels[mine], g.classes, g.teachers, student, use_kl, use_mse, gram, span)
         total = {k: total[k] + v if k in total else v for k, v in parts.items()}
     return total
 
@@ -100,7 +110,8 @@ def train_generator(gen: LatentGenerator, classes: torch.Tensor, teachers: Teach
     for _ in range(steps):
         labels = draw_labels(groups, opts.generator_batch_size, rng)
         z = gen.sample(labels, rng)
-        parts = group_generator_losses(z, labels, groups, student, opts.use_kl, opts.use_mse, grams)
+        parts = group_generator_losses(z, labels, groups, student, opts.use_kl, opts.use_mse, grams,
+                                       opts.generator_classes == "seen")
         loss = generator_objective(parts, opts.lambda_kl, opts.lambda_mse)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -196,7 +207,7 @@ def distill(student: LatentStudent, opts: HePCoOptions,
                 z, y = z_new, y_new
             # the latents the clients teach on: all of them (eq. 6), or the current task's only
             # (the authors' code: the previous server alone teaches the old-class latents)
-            taught = z if opts.old_latent_teachers == "clients-and-previous" else z_new
+            taught, y_taught = (z, y) if opts.old_latent_teachers == "clients-and-previous" else (z_new, y_new)
             # Distillation targets: teachers' final prompts (eq. 6), fixed for this step.
             direct = opts.distill_prompts and grams is None
             targets = ({l: [g.teachers.final_prompts(taught, l) for g in groups] for l in student.layers}
@@ -205,10 +216,10 @@ def distill(student: LatentStudent, opts: HePCoOptions,
                            if direct and n_old else {})
         if grams is not None:
             # Eq. 6: clients on every latent; zeta: the previous server on old-class latents only.
-            loss_p = grams[0].mse(taught)
+            loss_p = grams[0].mse(taught, y_taught)
             for more in grams[1:]:
-                loss_p = loss_p + more.mse(taught)
-            loss_p = loss_p + (old_weight * grams_old.mse(z_old) if grams_old is not None else 0.0)
+                loss_p = loss_p + more.mse(taught, y_taught)
+            loss_p = loss_p + (old_weight * grams_old.mse(z_old, y_old) if grams_old is not None else 0.0)
             prompt_opt.zero_grad(set_to_none=True)
             loss_p.backward()
             prompt_opt.step()
@@ -218,7 +229,8 @@ def distill(student: LatentStudent, opts: HePCoOptions,
             for l in student.layers:
                 mine = student.final_prompts(z, l)
                 for g, target in zip(groups, targets[l]):
-                    loss_p = loss_p + g.teachers.weigh((mine[None, : len(taught)] - target).pow(2).mean(dim=(1, 2, 3)))
+                    loss_p = loss_p + g.teachers.weigh((mine[None, : len(taught)] - target).pow(2).mean(dim=(2, 3)),
+                                                       y_taught)
                 if n_old:  # zeta: the previous server teaches on old-class latents only
                     loss_p = loss_p + old_weight * (mine[len(z_new):] - old_targets[l]).pow(2).mean()
             prompt_opt.zero_grad(set_to_none=True)

@@ -45,8 +45,9 @@ class Teachers:
 
     ``keys[l]`` (C, M, D) L2-normalised; ``prompts[l]`` (C, M, L, D); ``head_w`` (C, N, D);
     ``head_b`` (C, N). M is the teachers' active components (slices up to their task).
-    ``weights`` (C,): each teacher's weight in the sums over teachers of eqs. 2-4 and 6
-    (:meth:`weigh`); None: 1 each, the plain sum.
+    ``weights``: each teacher's weight in the sums over teachers of eqs. 2-4 and 6
+    (:meth:`weigh`): (C,) one per teacher, or (C, N) one per teacher and class (a latent of
+    class y weighs teacher c by ``weights[c, y]``); None: 1 each, the plain sum.
     """
 
     keys: dict[int, torch.Tensor]
@@ -73,14 +74,27 @@ class Teachers:
 
     @property
     def total_weight(self) -> float:
-        """The teachers' weights summed (their number when unweighted)."""
-        return float(self.head_w.shape[0]) if self.weights is None else float(self.weights.sum())
-
-    def weigh(self, per_teacher: torch.Tensor) -> torch.Tensor:
-        """The weighted sum over teachers of a (C,) loss (the plain sum when unweighted)."""
+        """The teachers' weights summed on one latent (their number when unweighted; per class,
+        the largest sum over a class)."""
         if self.weights is None:
-            return per_teacher.sum()
-        return (per_teacher * self.weights.to(per_teacher.dtype)).sum()
+            return float(self.head_w.shape[0])
+        return float(self.weights.sum(0).max()) if self.weights.dim() == 2 else float(self.weights.sum())
+
+    def weigh(self, per_latent: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over teachers of their mean over latents of a (C, B) loss of the latents
+        of ``labels`` (B,): sum_c mean_b w_c(y_b) loss[c, b] (the plain sum when unweighted)."""
+        if self.weights is None:
+            return per_latent.mean(-1).sum()
+        w = self.weights.to(per_latent.dtype)
+        if w.dim() == 1:
+            return (per_latent.mean(-1) * w).sum()
+        return (per_latent * w[:, labels]).mean(-1).sum()
+
+    def held(self, classes: torch.Tensor) -> torch.Tensor:
+        """Those of ``classes`` some teacher has a weight for (all of them but with per-class weights)."""
+        if self.weights is None or self.weights.dim() == 1:
+            return classes
+        return classes[self.weights[:, classes].sum(0) > 0]
 
     def final_prompts(self, z: torch.Tensor, layer: int) -> torch.Tensor:
         """Each teacher's final prompt for latents ``z`` used as queries: (C, B, L, D)."""
@@ -116,15 +130,18 @@ def task_groups(classes: torch.Tensor, teachers: Teachers | list[TaskTeachers]) 
 
 
 def draw_labels(groups: list[TaskTeachers], n: int, rng: torch.Generator) -> torch.Tensor:
-    """``n`` latent labels: uniform over one task's classes; over several tasks, a task's classes
-    drawn in proportion to its ``share`` (the replies that trained it, or their weight; uniform
-    within the task)."""
+    """``n`` latent labels: uniform over one task's classes (Algorithm 1, "sample class labels y
+    randomly"); over several tasks, a task's classes drawn in proportion to its ``share`` (the
+    replies that trained it, or their weight; uniform within the task). With per-class teacher
+    weights only the classes some teacher holds are drawn: a latent no teacher can judge
+    teaches nothing."""
+    held = [g.teachers.held(g.classes) for g in groups]
     if len(groups) == 1:
-        classes = groups[0].classes
+        classes = held[0]
         return classes[torch.randint(len(classes), (n,), generator=rng, device=classes.device)]
-    classes = torch.cat([g.classes for g in groups])
+    classes = torch.cat(held)
     weights = torch.cat(
-        [torch.full((len(g.classes),), g.share / len(g.classes), dtype=torch.float64) for g in groups]
+        [torch.full((len(h),), g.share / max(len(h), 1), dtype=torch.float64) for g, h in zip(groups, held)]
     ).to(classes.device)
     return classes[torch.multinomial(weights, n, replacement=True, generator=rng)]
 
@@ -230,9 +247,9 @@ class PromptGrams:
         g_sc = torch.cat([c["g_fc"], torch.einsum("mx,cnx->cmn", cur, c["p_c"])], 1)  # (C, M_s, M_c)
         return g_ss, g_sc
 
-    def mse(self, z: torch.Tensor) -> torch.Tensor:
+    def mse(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum over layers and teachers (weighted, :meth:`Teachers.weigh`) of MSE(student prompt,
-        teacher prompt), mean over B, L, D."""
+        teacher prompt) on latents ``z`` of ``labels``, mean over B, L, D."""
         zn = F.normalize(z, dim=-1)
         total = z.new_zeros((), dtype=torch.float64)
         for l in self.layers:
@@ -244,5 +261,5 @@ class PromptGrams:
             ss = torch.einsum("bm,mn,bn->b", a_s, g_ss, a_s)
             sc = torch.einsum("bm,cmn,cbn->cb", a_s, g_sc, a_c)
             cc = torch.einsum("cbm,cmn,cbn->cb", a_c, c["g_cc"], a_c)
-            total = total + self.teachers.weigh((ss[None] - 2 * sc + cc).mean(-1) / c["p_c"].shape[-1])
+            total = total + self.teachers.weigh((ss[None] - 2 * sc + cc) / c["p_c"].shape[-1], labels)
         return total.to(z.dtype)

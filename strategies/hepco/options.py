@@ -69,15 +69,25 @@ class HePCoOptions(MethodOptions):
         earlier slices frozen.
     client_weights : str
         The sums over clients of the generator's L_cls, L_KL and L_MSE (eqs. 2-4) and of the
-        clients' prompt MSE in distillation (eq. 6). ``"samples"`` (default: sec. 5.2, "a
-        weighted sum of classification losses for each individual client, similar to Zhang
-        et al. (2022b)"): client c weighs C n_c / sum n by its sample count (the weights average
-        1, so the terms keep their scale), and with clients on several tasks a task's share of
-        the latents is its clients' samples. ``"uniform"`` (eq. 2 as printed, the default before
-        issue 40): every client 1, a task's share its replies. The authors' code weighs each
-        client's loss on a latent of class y by its count of y over the round's samples, which
-        needs per-class counts the clients here do not upload. Latent labels stay uniform over
-        the task's classes (Algorithm 1, "sample class labels y randomly").
+        clients' prompt MSE in distillation (eq. 6); each latent's weights sum to C, so the
+        terms keep their scale. ``"class-counts"`` (sec. 5.2, "a weighted sum of classification
+        losses for each individual client, similar to Zhang et al. (2022b)": that work weighs
+        client k on a sample of class y by n_k^y / n^y; the authors' code weighs client j by
+        its count of y): client c on a latent of class y weighs C n_c^y / n^y, so a client that
+        holds none of y does not judge its latents, and only classes some client of the round
+        holds are drawn. Clients upload their label counts (records.py). ``"samples"``:
+        C n_c / sum n by its sample count on every latent. ``"uniform"`` (eq. 2 as printed):
+        every client 1. With clients on several tasks a task's share of the latents is its
+        clients' samples (its replies with ``"uniform"``). Latent labels are uniform over the
+        drawn classes (Algorithm 1, "sample class labels y randomly"; the authors' code draws
+        them in proportion to the round's counts).
+    generator_classes : str
+        The classes the teachers' and the student's logits span in the generators' losses
+        (eqs. 2-3). ``"seen"`` (default: the paper's phi is the whole classifier, and the
+        authors' trainer slices the logits up to the last seen class): every class seen so
+        far, so a latent of class y must win against the old classes too. ``"task"`` (the
+        reading before issue 58): the current task's classes only, where the clients' heads
+        are trained; a latent then only has to beat the task's other classes.
     head_loss : str
         Cross-entropy of the head distillation over the composite batch. ``"ce"`` (default,
         sec. 5.3): plain mean over the batch, so each class weighs as often as it is drawn;
@@ -121,6 +131,7 @@ class HePCoOptions(MethodOptions):
     old_latent_teachers: str = "clients-and-previous"
     pool_training: str = "whole"
     head_loss: str = "ce"
+    generator_classes: str = "seen"
     client_weights: str = "samples"
     diagnostics: bool = False
     diagnostics_per_class: int = 50
@@ -194,9 +205,11 @@ class HePCoOptions(MethodOptions):
              "previous-task teacher's weight is the authors' code's)")
         need(self.pool_training in ("task-slices", "whole"),
              f"pool-training must be 'task-slices' or 'whole', got {self.pool_training!r}")
+        need(self.generator_classes in ("seen", "task"),
+             f"generator-classes must be 'seen' or 'task', got {self.generator_classes!r}")
         need(self.head_loss in ("ce", "balanced"), f"head-loss must be 'ce' or 'balanced', got {self.head_loss!r}")
-        need(self.client_weights in ("samples", "uniform"),
-             f"client-weights must be 'samples' or 'uniform', got {self.client_weights!r}")
+        need(self.client_weights in ("class-counts", "samples", "uniform"),
+             f"client-weights must be 'class-counts', 'samples' or 'uniform', got {self.client_weights!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
 
     def check_run(self, cfg: ExperimentConfig) -> None:

@@ -10,7 +10,9 @@ components weighted by the cosine of the query with their keys). The server, eve
 2. trains a conditional generator ``z = G(eps, y)`` in the D-dimensional *query* space
    for the current task's classes against the clients (eq. 5):
    ``min L_cls - lambda_KL L_KL - lambda_MSE L_MSE``, each a sum over clients weighted by
-   their sample counts (sec. 5.2's "weighted sum"; option ``client-weights``);
+   their share of the latent's class (sec. 5.2's "weighted sum ... similar to Zhang et al.
+   (2022b)"; option ``client-weights``), the logits spanning every class seen so far (the
+   whole classifier phi; option ``generator-classes``);
 3. trains a second generator for the past tasks' classes against the previous task's
    final server model (the only state the server keeps);
 4. latent distillation (sec. 5.3): the provisional model's prompts (keys and components:
@@ -49,17 +51,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message
 
 from ...common.model import resolve_device
-from ...common.records import arrays_of, from_array_record, to_array_record
-from ..platform.rounds import Accepted
+from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
 from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
 from .distill import distill, train_generator
 from .latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
 from .options import HePCoOptions
 from .prompt import HePCoPrompt
+from .records import CLASS_COUNTS, PRIVATE_RECORDS, STATISTICS, count_matrix
 
 log = logging.getLogger("promptfcl")
 
@@ -77,8 +80,12 @@ class HePCoStrategy(PromptStrategy):
     prompt_class = HePCoPrompt
     options_class = HePCoOptions
     opts: HePCoOptions
+    private_records = PRIVATE_RECORDS  # the label counts, with client-weights = "class-counts" (records.py)
+    statistics = STATISTICS
 
     def setup(self) -> None:
+        if self.opts.client_weights == "class-counts":
+            self.reply_records = frozenset({ARRAYS, METRICS, CLASS_COUNTS})
         self.device = resolve_device(self.cfg.device)
         self.task, self.round = 0, 0
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
@@ -182,28 +189,66 @@ class HePCoStrategy(PromptStrategy):
         """The round's client teachers, one group per task they trained (ascending), each stacked
         up to its task's slices; the task of a reply is the one the server sent it."""
         weights = self.client_weights(accepted)
+        samples = np.array([a.weight for a in accepted], np.float64)
         groups = []
         for t in sorted({a.task for a in accepted}):
             mine = [i for i, a in enumerate(accepted) if a.task == t]
             states = [from_array_record(arrays_of(accepted[i].content)) for i in mine]
             w = None if weights is None else weights[mine]
+            share = (len(mine) if w is None else float(samples[mine].sum()) if w.ndim == 2 else float(w.sum()))
             groups.append(TaskTeachers(torch.as_tensor(self.layout.classes(t), device=self.device),
                                        Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),
-                                       float(len(mine) if w is None else w.sum())))
+                                       share))
         return groups
 
     def client_weights(self, accepted: list[Accepted]) -> np.ndarray | None:
-        """Each reply's weight in the sums over clients (eqs. 2-4 and 6): ``client-weights =
-        "samples"`` (sec. 5.2's "weighted sum", as FedAvg weighs by the data each client trained
-        on) gives reply c the weight C n_c / sum n (``Accepted.weight``, its sample count or the
-        platform's capped share), so the weights average 1 and the sums keep their scale;
+        """Each reply's weight in the sums over clients (eqs. 2-4 and 6), scaled so that a latent's
+        weights sum to C (the replies), as with 1 each, and the terms keep their balance with the
+        lambdas and with eq. 6's zeta term.
+
+        ``client-weights = "class-counts"`` (sec. 5.2's "weighted sum of classification losses for
+        each individual client, similar to Zhang et al. (2022b)", whose weight of client k on
+        class y is n_k^y / n^y; the authors' code weighs client j by its count of y): (C, N),
+        reply c on a latent of class y weighs C n_c^y / n^y, so a client that holds none of y
+        does not judge its latents. Each reply's label counts (records.py) are scaled to its
+        ``Accepted.weight`` (its sample count or the platform's capped share).
+        ``"samples"``: (C,), C n_c / sum n by the samples each reply trained on.
         ``"uniform"`` (eq. 2 as printed): None, 1 each."""
         if self.opts.client_weights == "uniform":
             return None
         n = np.array([a.weight for a in accepted], np.float64)
         if not n.sum() > 0:
             return None
-        return (len(n) * n / n.sum()).astype(np.float32)
+        if self.opts.client_weights == "samples":
+            return (len(n) * n / n.sum()).astype(np.float32)
+        counts = count_matrix([from_array_record(arrays_of(a.content, CLASS_COUNTS)) for a in accepted],
+                              self.num_classes)
+        totals = counts.sum(1, keepdims=True)
+        counts = np.divide(counts * n[:, None], totals, out=np.zeros_like(counts), where=totals > 0)
+        per_class = counts.sum(0, keepdims=True)
+        return np.divide(len(n) * counts, per_class, out=np.zeros_like(counts),
+                         where=per_class > 0).astype(np.float32)
+
+    def check_records(self, reply: Message, sent: Sent) -> str | None:
+        """With ``client-weights = "class-counts"``: one count per class of the task the client
+        was sent, no class twice, non-negative, summing to the reply's ``num-examples``."""
+        if self.opts.client_weights != "class-counts":
+            return None
+        if CLASS_COUNTS not in reply.content.array_records:
+            return f"{CLASS_COUNTS!r} is not an array record"
+        record = from_array_record(arrays_of(reply.content, CLASS_COUNTS))
+        if set(record) != {"classes", "counts"}:
+            return f"{CLASS_COUNTS} holds {sorted(record)}, expected ['classes', 'counts']"
+        classes, counts = record["classes"], record["counts"]
+        if not (np.issubdtype(classes.dtype, np.integer) and np.issubdtype(counts.dtype, np.integer)):
+            return f"{CLASS_COUNTS} classes and counts must be integers"
+        if classes.ndim != 1 or counts.shape != classes.shape or len(np.unique(classes)) != len(classes):
+            return f"{CLASS_COUNTS} must give one count per class, each class once"
+        if not np.isin(classes, self.layout.classes(sent.task)).all() or (counts < 0).any():
+            return f"{CLASS_COUNTS} counts classes outside the task the client was sent, or negative counts"
+        if int(counts.sum()) != as_int(metrics_of(reply.content)["num-examples"]):
+            return f"{CLASS_COUNTS} sums to {int(counts.sum())}, the reply's num-examples differ"
+        return None
 
     def _diagnose(self, gen: LatentGenerator, classes: torch.Tensor, clients: Teachers | list[TaskTeachers],
                   past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
