@@ -43,8 +43,10 @@ RUNS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 #: readings whose defaults changed since the expectation was made (HePCo's weighted client sums
-#: and whole-pool training, issue 40): the old readings, options now, reproduce it
-OLD_DEFAULTS = {"hepco": {"hepco.client-weights": "uniform", "hepco.pool-training": "task-slices"}}
+#: and whole-pool training, issue 40; its generators over every seen class, issue 58): the old
+#: readings, options now, reproduce it
+OLD_DEFAULTS = {"hepco": {"hepco.client-weights": "uniform", "hepco.pool-training": "task-slices",
+                          "hepco.generator-classes": "task"}}
 
 
 def run_record(name: str, out: Path) -> dict[str, Any]:
