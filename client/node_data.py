@@ -25,7 +25,10 @@ number derived from the data's fingerprint).
 
 A node whose data is missing, unreadable or not the run's classes refuses with a
 :class:`NodeDataError` that says what to fix; ``python -m client.node_data`` runs the
-same checks before a SuperNode is started (``deploy/start-client.sh`` does).
+same checks before a SuperNode is started (``deploy/start-client.sh`` does). The error's text
+goes back to the server (client/app.py, ``report_errors``), so it never names what the run did
+not ask for: this node's other class folders or classes, its image files. Those are in this
+node's log only (:func:`refusal`); the server could otherwise probe the node's folders by name.
 
 Decoded folder datasets are cached as ``.npz`` under ``<cache dir>/node-data`` (keyed by
 the file listing and the data-defining run keys), so a fresh ClientApp process does not
@@ -38,7 +41,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,11 +65,13 @@ from ..common.flower_internals import internal
 from ..common.images import IMAGE_EXTENSIONS, image_listing
 from ..common.partitions import Partition
 from ..common.tasks import TaskLayout, class_order
+from ..common.text import escape_log_args
 from ..common.weights import BackboneSpec, cache_dir, check_weights
 from ..strategies.platform.run_checks import load_config
 from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
-log = logging.getLogger("promptfcl")
+# class names come from the server: escaped where they are logged
+log = escape_log_args()
 
 NODE_KEYS = ("data-dir", "dataset", "partition-id", "num-partitions", "device", "threads", "client-id", *POLICY_KEYS)
 # Run-config keys that decide what a node's folder data decodes to.
@@ -75,7 +79,15 @@ FOLDER_KEYS = keys_of("node-folder")
 
 
 class NodeDataError(DataError):
-    """A node's data is missing, unreadable or does not match the run."""
+    """A node's data is missing, unreadable or does not match the run (its text may reach the server)."""
+
+
+def refusal(public: str, local: str, *args: object) -> NodeDataError:
+    """A :class:`NodeDataError` saying ``public`` (what the server is told), with the names of this
+    node's own that the run did not ask for (``local % args``: its other class folders, its files)
+    logged here for the node's operator only."""
+    log.warning(local, *args)
+    return NodeDataError(public)
 
 
 @dataclass(frozen=True)
@@ -216,20 +228,21 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
         data = dataclasses.replace(full, test=test, fingerprint=fp.hexdigest()[:16])
         return NodeData(spec, data, node_cfg, spec.partition_id, Partition.of(cfg))
 
+    what = f"this node's data ({spec.dataset})"
     if spec.dataset.startswith("folder:"):
         data = load_folder(run_source, run_names, Path(spec.dataset[len("folder:"):]).expanduser())
-        names = original_names(data, cfg.seed)
+        check_classes(data.num_classes, original_names(data, cfg.seed), what, cfg.num_classes, run_names)
     else:
         source = dataclasses.replace(run_source, dataset=spec.dataset, data_dir=spec.data_dir)  # never the run's
         try:
             data = read_source(source)
+            # the run's classes first: the task stream's errors name classes, by then the run's own
+            check_classes(data.num_classes, original_names(data, cfg.seed), what, cfg.num_classes, run_names)
             check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
         except ConfigError as exc:
-            raise NodeDataError(f"this node's data ({spec.dataset}): {exc}") from exc
-        names = original_names(data, cfg.seed)
-    check_classes(data.num_classes, names, f"this node's data ({spec.dataset})", cfg.num_classes, run_names)
+            raise NodeDataError(f"{what}: {exc}") from exc
     if len(data.train) == 0:
-        raise NodeDataError(f"this node's data ({spec.dataset}) has no training images")
+        raise NodeDataError(f"{what} has no training images")
     client_id = spec.client_id if spec.client_id is not None else int(data.fingerprint[:7], 16)
     # The node's data is all its own: every sample of a task's classes is its share (with random
     # tasks the node plays the schedule's client the server names, drawn as the run draws it)
@@ -276,10 +289,12 @@ def check_classes(num_classes: int, names: list[str], what: str, run_num_classes
     wanted = list(run_names)
     if wanted and names != wanted:
         extra = [n for n in names if n not in wanted]
-        raise NodeDataError(
-            f"{what} does not match the run's classes: "
-            + (f"classes {extra[:5]} are not among the run's class-names" if extra
-               else f"class order {names[:5]}... differs from class-names {wanted[:5]}..."))
+        if extra:  # names of this node's own: its log has them, the server hears only that there are some
+            raise refusal(f"{what} does not match the run's classes: it has classes that are not among the run's "
+                          "class-names (this node's log names them)",
+                          "%s has classes %s that are not among the run's class-names", what, extra)
+        raise NodeDataError(f"{what} does not match the run's classes: class order {names[:5]}... differs from "
+                            f"class-names {wanted[:5]}...")
 
 
 # ---------------------------------------------------------------------------- folder data
@@ -295,7 +310,11 @@ def load_folder(source: DataSource, class_names: list[str], root: Path) -> Datas
         raise NodeDataError(f"this node's data directory {root} does not exist; {HOW_TO}")
 
     full = {**source.keys(), "class-names": ",".join(class_names)}
-    listing = image_listing(root)
+    try:
+        listing = image_listing(root)
+    except OSError as exc:  # a dangling link, a file gone while listed: its name is this node's
+        raise refusal(f"this node's data {root} cannot be listed ({type(exc).__name__}; this node's log names the "
+                      "file)", "this node's data %s cannot be listed: %s", root, exc) from exc
     if not listing:
         raise NodeDataError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {root}; {HOW_TO}")
     key = ["node folder", code_identity(sys.modules[__name__]), str(root.resolve()),
@@ -313,8 +332,11 @@ def _decode_folder(source: DataSource, class_names: list[str], root: Path) -> Da
     names = class_names or folders
     extra = [f for f in folders if f not in names]
     if extra:
-        raise NodeDataError(f"this node's data {base} has class folders {extra[:5]} that are not among "
-                            f"the run's classes {names[:10]}{'...' if len(names) > 10 else ''}")
+        run_classes = f"{names[:10]}{'...' if len(names) > 10 else ''}"
+        raise refusal(f"this node's data {base} has class folders that are not among the run's classes "
+                      f"{run_classes} (this node's log names them)",
+                      "this node's data %s has class folders %s that are not among the run's classes %s",
+                      base, extra, run_classes)
     if len(names) < 2:
         raise NodeDataError(f"this node's data {base} needs one sub-folder per class (found {len(names)}); "
                             "or set the run's class-names")
@@ -331,7 +353,10 @@ def _read_split(split_root: Path, names: list[str], source: DataSource) -> Array
         return read_class_folders(split_root, names, source.image_size, skip_missing=True,
                                   interpolation=source.resize_interpolation)
     except DataError as exc:
-        raise NodeDataError(str(exc)) from exc
+        if isinstance(exc.__cause__, OSError):  # an image file that cannot be read: its name is this node's
+            raise refusal(f"this node's data {split_root} holds an image that cannot be read "
+                          f"({type(exc.__cause__).__name__}; this node's log names the file)", "%s", exc) from exc
+        raise NodeDataError(str(exc)) from exc  # a class name the run sent, refused
 
 
 def _split(full: ArraySplit, test_fraction: float, seed: int) -> tuple[ArraySplit, ArraySplit]:

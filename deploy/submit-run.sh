@@ -12,10 +12,12 @@
 #   --no-stream     submit and return at once (follow later with `.venv/bin/flwr log RUN_ID promptfcl`;
 #                   `flwr` is on PATH only with the venv active)
 #
-# The merged configuration is validated here first (unknown keys, bad values, and a backbone
-# beyond the server's token or memory ceiling, common/footprint.py, stop before anything is
-# sent). Results are written on the SuperLink machine, in its --state directory (or at out-dir
-# if that is an absolute path).
+# The merged configuration is validated here first (unknown keys, bad values, a backbone
+# beyond the server's token or memory ceiling, common/footprint.py, and weights or a backbone
+# source that the nodes refuse to open, client/node_policy.py, stop before anything is sent).
+# Results are written on the SuperLink machine, in its --state directory (or at out-dir if that
+# is an absolute path). Exit status 0: the run completed; 1: it failed or was stopped (`flwr
+# stop`), which the last line says, with the run id.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -29,7 +31,7 @@ while [ $# -gt 0 ]; do
     --set) sets+=("$2"); shift 2 ;;
     --app) app=$2; shift 2 ;;
     --no-stream) stream=0; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n "2,$(( $(grep -n '^set -euo' "$0" | cut -d: -f1) - 1 ))p" "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -48,11 +50,13 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 # Merge --config and --set into one flat TOML file (`flwr run -c` takes a file or pairs, not both)
 # and validate it with promptfcl's own configuration checks.
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
+import logging
 import sys
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.config_files import parse_overrides, toml_value
 from promptfcl.common.footprint import check_server_footprint
 from promptfcl.common.weights import BackboneSpec
+from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.server.cli import load_config
 
 src, dst, *sets = sys.argv[1:]
@@ -64,6 +68,20 @@ try:
     wanted.update(parse_overrides(sets))
 except ConfigError as exc:
     sys.exit(f"error: {exc}")
+# The nodes' own rule (client/node_policy.py): a deployed node never opens a weights file or a
+# backbone source the run names. weights = "timm" is the paper configuration, which runs on nodes
+# that chose a backbone of their own (deploy/README.md): asked of such a node, the others of a
+# node started without one. Said once, here (not also as the node's log line).
+logging.getLogger("promptfcl").addHandler(logging.NullHandler())
+node = NodePolicy(limits={}, weights="timm" if cfg.weights == "timm" else None)
+try:
+    node.backbone_weights(cfg.backbone, cfg.weights)
+except NodeRefusal as exc:
+    sys.exit(f"error: the run was not submitted: {exc}. A deployed node never opens a weights file or backbone "
+             "source the run names: one started with weights of its own (start-client.sh --node "
+             "'weights=\"/srv/vit.pt\"' or \"timm\") uses those, any other refuses the run. Set the run's "
+             "weights = \"pretrained:<source>\" (each node's cache: promptfcl pretrain) or \"random\", or "
+             "\"timm\" for nodes that chose their own")
 # only the keys the user set (the app's pyproject.toml holds the defaults)
 defaults = ExperimentConfig().to_dict()
 final = cfg.to_dict()
@@ -86,13 +104,22 @@ run_id=$(sed -n 's/.*Successfully started run \([0-9]*\).*/\1/p' "$log" | head -
 # the flwr this script ran (the venv's, which a plain shell does not have on PATH)
 [ "$stream" = 1 ] || { echo "run $run_id submitted; follow it with: $(command -v flwr) log $run_id promptfcl"; exit 0; }
 # `flwr run --stream` ends when the run does, with status 0 either way: ask the SuperLink how it ended.
-status=$(flwr list promptfcl --run-id "$run_id" --format json | "$PYTHON" -c '
+# (fields split on \x1f, not on whitespace: an empty reason stays a field)
+IFS=$'\x1f' read -r status details traffic < <(flwr list promptfcl --run-id "$run_id" --format json | "$PYTHON" -c '
 import json, sys
 run = json.load(sys.stdin)["runs"][0]
-traffic = run.get("network-traffic", {})
-print(run["status"], "|", run.get("status-details", ""), "|", traffic.get("total-bytes", "?"))')
-echo "run $run_id: ${status%% |*} (SuperLink traffic: ${status##*| } bytes)"
+details = " ".join(str(run.get("status-details") or "").split())  # one line, "" for none
+print(run["status"], "" if details == "N/A" else details, run.get("network-traffic", {}).get("total-bytes", "?"),
+      sep="\x1f")') || die "cannot ask the SuperLink how run $run_id ended (flwr list promptfcl --run-id $run_id)"
+echo "run $run_id: $status (SuperLink traffic: $traffic bytes)"
 case "$status" in
   finished:completed*) exit 0 ;;
-  *) echo "error: run $run_id did not complete: $(echo "$status" | cut -d'|' -f2)" >&2; exit 1 ;;
+  finished:stopped*)
+    # Flower records no reason for a stop request (`flwr stop`), only for its own stops
+    why="by a stop request to the SuperLink's Control API (flwr stop $run_id promptfcl)"
+    echo "error: run $run_id was stopped before it completed: ${details:-$why}" >&2
+    exit 1 ;;
+  *) why="the SuperLink gives no reason; the ServerApp's log is above"
+     echo "error: run $run_id did not complete ($status): ${details:-$why}" >&2
+     exit 1 ;;
 esac

@@ -127,11 +127,14 @@ class StatisticsBound:
                 limit = self.bound * reference
                 over = scale > limit  # never where there is no reference (limit inf)
                 if over.any():
+                    # only the rows over their limit are scaled (scale > limit > 0 there): a row whose
+                    # scale is zero or negative (a noisy DP covariance's trace) is never divided by
                     values = np.asarray(record[name])
-                    factor = np.where(over, (limit / np.maximum(scale, np.finfo(np.float64).tiny)) ** power, 1.0)
-                    shape = (-1,) + (1,) * (values.ndim - 1)
-                    bounded = values.astype(np.float64) * factor.reshape(shape)
-                    record[name] = np.where(over.reshape(shape), bounded, values).astype(values.dtype)
+                    factor = (limit[over] / scale[over]) ** power
+                    bounded = values.copy()
+                    rows = values[over].astype(np.float64)
+                    bounded[over] = (rows * factor.reshape((-1,) + (1,) * (rows.ndim - 1))).astype(values.dtype)
+                    record[name] = bounded
                     changed += int(over.sum())
         return out, changed
 
