@@ -154,7 +154,7 @@ def distill(student: LatentStudent, opts: HePCoOptions,
             current: tuple[LatentGenerator, torch.Tensor, Teachers | list[TaskTeachers]],
             past: tuple[LatentGenerator, torch.Tensor, Teachers] | None, seen: torch.Tensor,
             rng: torch.Generator, use_grams: bool = True) -> dict[str, float]:
-    """Latent distillation (sec. 5.3) of the student's prompt slice and head, in place.
+    """Latent distillation (sec. 5.3) of the student's trainable prompt components and head, in place.
 
     Parameters
     ----------

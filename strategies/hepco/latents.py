@@ -44,7 +44,8 @@ class Teachers:
     """C teacher models stacked for one batched pass: keys/prompts per layer and heads.
 
     ``keys[l]`` (C, M, D) L2-normalised; ``prompts[l]`` (C, M, L, D); ``head_w`` (C, N, D);
-    ``head_b`` (C, N). M is the teachers' active components (slices up to their task).
+    ``head_b`` (C, N). M is the teachers' active components (the whole pool, or the slices up
+    to their task).
     ``weights``: each teacher's weight in the sums over teachers of eqs. 2-4 and 6
     (:meth:`weigh`): (C,) one per teacher, or (C, N) one per teacher and class (a latent of
     class y weighs teacher c by ``weights[c, y]``); None: 1 each, the plain sum.
@@ -147,11 +148,12 @@ def draw_labels(groups: list[TaskTeachers], n: int, rng: torch.Generator) -> tor
 
 
 class LatentStudent(nn.Module):
-    """The provisional server model in the latent space: prompts of one task slice and the head.
+    """The provisional server model in the latent space: its prompts (keys and components) and head.
 
-    Only the current task's prompt slice (keys and components) is trainable, as on
-    the clients; earlier slices stay fixed, so distillation cannot overwrite what
-    earlier tasks learnt through the prompts.
+    ``trainable``: the components distillation trains, as on the clients: the whole pool
+    (``hepco.pool-training = "whole"``, the default), or the slices of the tasks trained this
+    round (``"task-slices"``), earlier slices then fixed so that distillation cannot overwrite
+    what earlier tasks learnt through them.
     """
 
     def __init__(self, state: dict[str, np.ndarray], layers: list[int], trainable: slice, device: torch.device) -> None:
@@ -186,7 +188,7 @@ class LatentStudent(nn.Module):
         return z @ self.head_w[classes].T + self.head_b[classes]
 
     def export(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``state`` with this student's prompt slice and head written back (dtypes kept)."""
+        """``state`` with this student's trainable components and head written back (dtypes kept)."""
         out = dict(state)
         for l in self.layers:
             for kind in "pk":
