@@ -607,14 +607,16 @@ def test_error_replies_name_the_error_without_the_nodes_paths(tmp_path, flower_i
     from promptfcl.client.app import NodeError, public_reason
 
     (node,) = export_digits(tmp_path / "private-site-name", 1)
-    (node / "train" / "cat").mkdir()  # a class folder that is not the run's: the error names the folder
+    (node / "train" / "cat").mkdir()  # a class folder that is not the run's: only the node's log names it
     cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3, "num-classes": 10,
                                              "class-names": ",".join(map(str, range(10)))})
     ctx = Context(run_id=1, node_id=1, node_config={"data-dir": str(node)}, state=RecordDict(), run_config=cfg.to_dict())
     with pytest.raises(NodeError) as failed:
         client_app(operated=False)(message(cfg), ctx)
     reason = str(failed.value)
-    assert reason.startswith("NodeDataError: this node's data <data-dir>/train has class folders ['cat']"), reason
+    assert reason.startswith("NodeDataError: this node's data <data-dir>/train has class folders that are not among "
+                             "the run's classes"), reason
+    assert "cat" not in reason  # the folder's name stays on the node (tests/test_node_replies.py)
     assert str(tmp_path) not in reason and "private-site-name" not in reason
     assert "private-site-name" in str(failed.value.__cause__)  # the node's own log keeps the whole error
     # any other absolute or home path goes too, and a newline cannot forge the server's log

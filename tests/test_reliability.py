@@ -186,11 +186,9 @@ def test_hanging_clients_are_dropped_at_the_timeout(tmp_path):
     out = tmp_path / "hang"
     settings = {"fault": "hang", "fault-rate": 0.2, "fault-hang-seconds": 12.0, "round-timeout": 8.0,
                 "rounds-per-task": 1, "num-tasks": 1}
-    started = time.time()
+    # never waits forever: the subprocess timeout fails the test; the reasons below show that the
+    # server stopped at round-timeout rather than waiting out the hang (no wall-clock assertion)
     proc = subprocess.run(cli_args(out, **settings), capture_output=True, text=True, timeout=600)
-    elapsed = time.time() - started
-    # 1 round x 3 attempts x 8 s timeout, plus start-up and evaluation; a hang is 12 s
-    assert elapsed < 3 * 8 + 120
     if proc.returncode == 0:
         results = json.loads((out / "results.json").read_text())
         reasons = [r["reason"] for rnd in results["rounds"] for r in rnd["rejected"]]
@@ -225,5 +223,5 @@ def test_evaluate_every_skips_rounds_but_not_task_ends(tmp_path):
         if r["accuracy"] is not None:
             assert r["task_accuracies"] == full["task_accuracies"]
         else:
-            assert r["task_accuracies"] is None and r["eval_seconds"] < full["eval_seconds"]
+            assert r["task_accuracies"] is None  # skipped (its time is not compared: no wall-clock assertions)
     assert (tmp_path / "sparse" / "accuracy_over_rounds.png").is_file()  # the plot takes the evaluated rounds
