@@ -343,12 +343,18 @@ def process_age() -> float:
 
 
 def check_same_config(digest: str, config: ConfigRecord) -> None:
-    """Refuse to train under a configuration (``digest``: this client's ``ExperimentConfig.digest``)
-    other than the server's."""
+    """Refuse to work under a configuration (``digest``: this client's ``ExperimentConfig.digest``)
+    other than the server's, and a message that does not say which: the ServerApp puts its run's
+    digest in every train, query and evaluate message it sends (strategies/platform/sampling.py,
+    server/evaluation.py), so a message without one was not made by this run's server (a node
+    pushing a message "from the SuperLink", which deploy/fleet_gate.py also refuses)."""
     theirs = config.get("config-digest")
-    if theirs is not None and theirs != digest:
+    if theirs is None:
+        raise ValueError("the message carries no config-digest: every message of this run's server says its "
+                         "run config's digest, so this one was not made by it; refused")
+    if theirs != digest:
         raise ValueError(
-            f"this client's run config (digest {digest}) differs from the server's ({theirs!r}); "
+            f"this client's run config (digest {digest}) differs from the server's ({printable(str(theirs), 80)!r}); "
             "both sides must run the same promptfcl configuration"
         )
 

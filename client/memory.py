@@ -2,12 +2,16 @@
 
 The node's operator sets ``memory-budget-mb`` (and ``backbone-precision``) in its node config
 (client/node_policy.py); before a message trains or evaluates, the node measures what its process
-holds and plans the rest (common/memory_plan.py). The reply's metrics say what it chose and what it
-used: the budget, the micro-batch, checkpointing, the backbone's bits, the process's peak resident
-memory and how much of the frozen backbone it reads from the shared mapping of the node's cache.
+holds and plans the rest (common/memory_plan.py), the round's gradients, optimiser moments, reply
+and statistics counted from the model's own sizes. The reply's metrics say what it chose and what
+it used: the budget, the micro-batch, checkpointing, the backbone's bits, the process's peak
+resident memory, by how much that peak passed the budget (``over-budget-mb``, also a warning in the
+node's log) and how much of the frozen backbone it reads from the shared mapping of the node's cache.
 """
 
 from __future__ import annotations
+
+import logging
 
 from ..common.backbone import backbone_cache_path
 from ..common.memory_plan import (
@@ -19,14 +23,20 @@ from ..common.memory_plan import (
     mapped_tensor_mb,
     peak_resident_mb,
     plan_training,
+    release_library_pages,
     resident_mb,
     return_freed_memory,
+    round_after_mb,
 )
 from ..common.model import PromptedViT
+from ..common.privacy import privacy_options
 from ..common.runtime import Runtime
 from ..common.weights import BackboneSpec
 from ..strategies.platform.learner import LocalLearner
+from ..strategies.platform.run_memory import method_memory, run_sizes
 from .node_policy import NodePolicy, NodeRefusal
+
+log = logging.getLogger("promptfcl")
 
 
 def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
@@ -59,6 +69,7 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
     model = runtime.model
     if policy.memory_budget_mb:
         return_freed_memory()  # before anything large is allocated: freed activations leave the process
+        release_library_pages()  # library pages a CPU never runs again (torch's CUDA libraries) leave it too
     held = resident_mb()
     cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
     if policy.memory_budget_mb and cached is not None:
@@ -67,7 +78,8 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
     device = "cpu" if runtime.device.type == "cpu" else "other"
     try:
         plan = plan_training(policy.memory_budget_mb, step_sizes(model, runtime.cfg.batch_size), held,
-                             runtime.precision, MIN_MICRO_BATCH[device])
+                             runtime.precision, MIN_MICRO_BATCH[device],
+                             after_mb=after_plan_mb(runtime) if policy.memory_budget_mb else 0.0)
     except BudgetError as exc:
         raise NodeRefusal(str(exc)) from None
     first = min(model.prompt.layers, default=0)
@@ -78,13 +90,31 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
     return plan
 
 
+def after_plan_mb(runtime: Runtime) -> float:
+    """MB the round adds after the plan besides its activations (common/memory_plan.py's
+    ``round_after_mb``), from the built model: its trainable parameters' gradients and Adam's
+    moments, the reply's arrays, the method's statistics (strategies/platform/run_memory.py)."""
+    model, cfg = runtime.model, runtime.cfg
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    sent = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
+    statistics, _ = method_memory(cfg, run_sizes(cfg, runtime.data.num_classes))
+    return round_after_mb(trained, sent, statistics, privacy_options(cfg).enabled)
+
+
 def plan_metrics(plan: TrainingPlan, runtime: Runtime) -> dict[str, int | float]:
-    """The reply's account of the plan: what the node chose, its peak memory, the shared backbone."""
+    """The reply's account of the plan: what the node chose, its peak memory (the process's
+    high-water mark, read at the round's end), by how much that passed the budget (said in the
+    node's log too), the shared backbone."""
     metrics = plan.metrics()
-    metrics["peak-rss-mb"] = peak_resident_mb()
+    metrics["peak-rss-mb"] = peak = peak_resident_mb()
+    if plan.budget_mb and peak > plan.budget_mb:
+        metrics["over-budget-mb"] = peak - plan.budget_mb
+        log.warning("this round's process peaked at %.0f MB, above memory-budget-mb = %g by %.0f MB (micro-batch %d, "
+                    "%d blocks recomputed): the plan's margin did not cover it", peak, plan.budget_mb,
+                    peak - plan.budget_mb, plan.micro_batch, plan.checkpointed)
     cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
     metrics["backbone-mapped-mb"] = mapped_mb(cached) if cached is not None else 0.0
     return metrics
 
 
-__all__ = ["apply_plan", "plan_metrics", "step_sizes"]
+__all__ = ["after_plan_mb", "apply_plan", "plan_metrics", "step_sizes"]

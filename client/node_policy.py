@@ -7,17 +7,22 @@ take, or switch on behaviour meant for experiments. Three rules, all read from t
 
 * **Limits.** Each run-config size that scales what a message allocates or computes on the
   node has a ceiling (:data:`LIMITS`, node-config ``max-<key>`` to change it), and so do the
-  backbone's tokens per image and its estimated memory (:data:`FOOTPRINT_LIMITS`:
-  ``max-tokens``, ``max-memory-gb``; the estimate is common/footprint.py's, which the server
-  checks too). A message of a run beyond a ceiling is refused before anything is built: the
-  ClientApp raises :class:`NodeRefusal`, Flower returns an error reply, and the server logs it
-  with the node id.
+  backbone's tokens per image and the message's estimated memory (:data:`FOOTPRINT_LIMITS`:
+  ``max-tokens``, ``max-memory-gb``). The estimate (strategies/platform/run_memory.py; the
+  server checks its own side of it) counts the backbone, its activations, the trainable state
+  with its gradients and Adam's moments, the message's copies and the method's statistics; what
+  a GPU or a memory budget's plan cannot take (the trainable state, the copies, the statistics)
+  must also fit this machine's memory, unless the operator set ``max-memory-gb``. A message of a
+  run beyond a ceiling is refused before anything is built: the ClientApp raises
+  :class:`NodeRefusal`, Flower returns an error reply, and the server logs it with the node id.
 * **Fault injection** (client/faults.py) runs only on a node started with
   ``fault-injection=true`` (or ``PROMPTFCL_FAULT_INJECTION=1`` in its environment).
 * **Data location.** A node reads only the data its node config names; ``data-from-run=true``
   lets a partition node read the run's ``dataset`` / ``data-dir`` instead.
-* **Memory and precision.** ``memory-budget-mb`` is how much memory a message may take on this
-  node: the node plans its training within it (micro-batches, checkpointing; client/memory.py);
+* **Memory and precision.** ``memory-budget-mb`` is how much memory a message's process may
+  reach on this node: a round whose gradients, optimiser moments and reply cannot fit beside what
+  the process holds is refused at once (:meth:`NodePolicy.check_budget`), the rest planned within
+  it (micro-batches, checkpointing; client/memory.py);
   ``backbone-precision`` (``fp32``, ``bf16``, ``int8``) is the frozen backbone's, float32 unless
   the operator chooses otherwise. Neither comes from the run; a node's environment may set them
   (``PROMPTFCL_MEMORY_BUDGET_MB``, ``PROMPTFCL_BACKBONE_PRECISION``: a simulation's nodes).
@@ -50,11 +55,13 @@ from typing import Any
 from flwr.app import Context, Message
 
 from ..common.config import ConfigError, ExperimentConfig
-from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint, footprint_problem
+from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint, footprint_problem, memory_problem
 from ..common.low_precision import PRECISIONS
-from ..common.memory_plan import BUDGET_KEY
+from ..common.memory_plan import BUDGET_KEY, MARGIN_MB, release_library_pages, resident_mb, round_after_mb
+from ..common.privacy import privacy_options
 from ..common.text import printable
 from ..common.weights import BackboneSpec
+from ..strategies.platform.run_memory import method_memory, node_memory, run_sizes
 
 log = logging.getLogger("promptfcl")
 
@@ -73,7 +80,8 @@ LIMITS: dict[str, int] = {
     "local-epochs": 1000,  # time, not memory: a message may not keep the node busy for ever
 }
 #: ceilings on what the run's sizes add up to (common/footprint.py): tokens per image,
-#: (image-size / patch-size)^2, and the backbone's estimated memory in GB (node-config ``max-<key>``)
+#: (image-size / patch-size)^2, and a message's estimated memory in GB (node-config ``max-<key>``;
+#: strategies/platform/run_memory.py)
 FOOTPRINT_LIMITS: dict[str, int] = {"tokens": DEFAULT_MAX_TOKENS, "memory-gb": DEFAULT_MAX_MEMORY_GB}
 FAULT_INJECTION = "fault-injection"
 DATA_FROM_RUN = "data-from-run"
@@ -111,6 +119,8 @@ class NodePolicy:
     weights: str | None = None  # the node's own backbone weights (node-config ``weights``)
     memory_budget_mb: float = 0.0  # node-config ``memory-budget-mb`` (0: none)
     precision: str = "fp32"  # node-config ``backbone-precision``
+    # this machine's memory bounds a message too, unless the operator set max-memory-gb (swap, a GPU)
+    machine_ceiling: bool = True
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePolicy:
@@ -137,7 +147,7 @@ class NodePolicy:
                               f"got {printable(repr(precision), 40)}")
         return cls(limits, flag(node_config, FAULT_INJECTION) or os.environ.get(FAULT_INJECTION_ENV) == "1",
                    flag(node_config, DATA_FROM_RUN), flag(node_config, WEIGHTS_FROM_RUN), weights,
-                   float(budget), str(precision))
+                   float(budget), str(precision), machine_ceiling="max-memory-gb" not in node_config)
 
     def backbone_weights(self, backbone: str, run_weights: str) -> str:
         """The weights this node uses for the run's ``backbone`` (``run_weights``: the run's
@@ -191,15 +201,52 @@ class NodePolicy:
             if int(value) > self.limits[key]:
                 raise NodeRefusal(f"node refuses the run: {key} = {value} exceeds this node's limit "
                                   f"max-{key} = {self.limits[key]} (its operator's node-config)")
-        # each size may pass alone and their product still not fit (a million tokens per image)
+        # each size may pass alone and their product still not fit (a million tokens per image), and a
+        # message takes the trainable state four times over, its copies and the method's statistics
         try:
             size = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
-            problem = footprint_problem(size, cfg.image_size, self.limits["tokens"], self.limits["memory-gb"],
-                                        "this node's limit")
+            problem = footprint_problem(size, cfg.image_size, self.limits["tokens"], math.inf, "this node's limit")
+            if problem is None:
+                estimate = node_memory(cfg, sent_num_classes)
+                # the backbone and its activations are a GPU's, or a memory budget's to plan (client/memory.py)
+                planned = self.memory_budget_mb > 0 or trains_on_accelerator(cfg)
+                problem = memory_problem(estimate, self.limits["memory-gb"], "this node's limit",
+                                         "its operator's node-config", on_accelerator=planned,
+                                         machine_gb=None if self.machine_ceiling else 0.0)
         except ConfigError as exc:  # a size left to the model that its name does not say
             raise NodeRefusal(f"node refuses the run: {exc}") from None
         if problem is not None:
-            raise NodeRefusal(f"node refuses the run: {problem} (its operator's node-config)")
+            raise NodeRefusal(f"node refuses the run: {problem}")
+        if self.memory_budget_mb:
+            self.check_budget(cfg, sent_num_classes)
+
+    def check_budget(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
+        """Refuse (:class:`NodeRefusal`) a run whose round cannot fit ``memory-budget-mb`` whatever the
+        plan: what this process holds now (the message received) and what the round adds besides its
+        activations (the trainable state's gradients and Adam's moments, the reply, the statistics;
+        common/memory_plan.py), before the runtime is built. The plan (client/memory.py) checks the
+        rest once the backbone, the data and the model are there."""
+        sizes = run_sizes(cfg, sent_num_classes)
+        statistics, _ = method_memory(cfg, sizes)
+        release_library_pages()  # what a CPU never runs again is not held (as the plan measures it)
+        held, after = resident_mb(), round_after_mb(sizes.trainable, sizes.trainable, statistics,
+                                                    privacy_options(cfg).enabled)
+        if held + after + MARGIN_MB > self.memory_budget_mb:
+            raise NodeRefusal(
+                f"node refuses the run: node-config {MEMORY_BUDGET} = {self.memory_budget_mb:g} is too small for its "
+                f"round: this process holds {held:.0f} MB with the message, the round adds at least {after:.0f} MB "
+                f"(the gradients and Adam's moments of a {sizes.trainable / 1e6:.0f} MB trainable state, the reply, "
+                f"the statistics) and the plan keeps {MARGIN_MB:.0f} MB free; raise {MEMORY_BUDGET} or run smaller "
+                "prompts (pool-size, prompt-length)")
+
+
+def trains_on_accelerator(cfg: ExperimentConfig) -> bool:
+    """Whether this node trains ``cfg`` on a GPU (its backbone and activations then live there)."""
+    if cfg.device == "cpu":
+        return False
+    import torch  # the ClientApp has it loaded; the check itself needs none of it
+
+    return cfg.device != "auto" or torch.cuda.is_available()
 
 
 def _env_number(name: str) -> Any:

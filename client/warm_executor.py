@@ -28,6 +28,7 @@ from logging import ERROR, INFO, WARNING
 from typing import Any
 
 from ..common.flower_internals import internal, replace_internal
+from ..common.memory_plan import processes_line
 from .zygote import BLAS_THREADS_ENV, DEFAULT_RUNNER, installed_fingerprint
 
 # Flower's logger: these lines appear with the SuperExec's own, in the node's log
@@ -201,14 +202,28 @@ class ForkingExecutor:
             except OSError as exc:
                 raise ZygoteError(f"cannot start the zygote ({type(exc).__name__}: {exc})") from exc
             self.counts["restarts"] += 1
-            log(INFO, "promptfcl-superexec: warm zygote %d ready (torch, Flower and promptfcl imported in %.1f s)",
-                self.zygote.pid, self.zygote.preload_seconds)
+            log(INFO, "promptfcl-superexec: warm zygote %d ready (torch, Flower and promptfcl imported in %.1f s); "
+                "this node's processes before any message: %s", self.zygote.pid, self.zygote.preload_seconds,
+                processes_line(node_processes(self.zygote.pid)))
         return self.zygote
 
     def _drop_zygote(self) -> None:
         if self.zygote is not None:
             zygote, self.zygote = self.zygote, None
             zygote.stop()
+
+
+def node_processes(zygote: int, argv: list[str] | None = None) -> list[tuple[str, int]]:
+    """The node's long-lived processes, (name, pid): its SuperNode (the ``--parent-pid`` this
+    SuperExec was started with, where given), this executor and its zygote. A message's process
+    (forked from the zygote) adds its own, bounded by ``memory-budget-mb`` where the node sets one."""
+    args = sys.argv if argv is None else argv
+    out = []
+    if "--parent-pid" in args[:-1]:
+        parent = args[args.index("--parent-pid") + 1]
+        if parent.isdigit():
+            out.append(("SuperNode", int(parent)))
+    return out + [("executor", os.getpid()), ("zygote", zygote)]
 
 
 def main() -> None:

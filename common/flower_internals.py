@@ -68,8 +68,19 @@ INTERNALS: dict[str, Internal] = {
     "pull_object_response": Internal("flwr.proto.message_pb2", "PullObjectResponse", "tests: wire decoding", "none"),
     "push_object_request": Internal("flwr.proto.message_pb2", "PushObjectRequest", "tests: wire decoding", "none"),
     "pull_messages_response": Internal("flwr.proto.fleet_pb2", "PullMessagesResponse", "tests: wire decoding", "none"),
-    "push_messages_request": Internal("flwr.proto.fleet_pb2", "PushMessagesRequest", "tests: wire decoding", "none"),
+    "push_messages_request": Internal(
+        "flwr.proto.fleet_pb2", "PushMessagesRequest",
+        "deploy/fleet_rules.py: every message a node pushes is read (its sender, what it answers) before Flower "
+        "stores it; tests: wire decoding", "a per-message sender check in Flower's Fleet API",
+        uses=("node", "messages_list", "message_object_trees")),
     "get_fab_response": Internal("flwr.proto.fab_pb2", "GetFabResponse", "tests: the app bundle nodes fetch", "none"),
+    "linkstate_factories": Internal(
+        "flwr.superlink.config_loader", "get_objectstore_linkstate_factories",
+        "tests: a real SuperLink state (state.db) for the node-facing gate, in process", "none"),
+    "federation_manager": Internal("flwr.superlink.config_loader", "get_federation_manager",
+                                   "tests: as linkstate_factories", "none"),
+    "noop_federation_id": Internal("flwr.supercore.constant", "NOOP_FEDERATION_ID",
+                                   "tests: the federation of a run in a real SuperLink state", "none"),
     "parse_config_args": Internal(
         "flwr.common.config", "parse_config_args",
         "python -m client.node_data check: read --node-config exactly as flower-supernode does",
@@ -129,44 +140,86 @@ INTERNALS: dict[str, Internal] = {
         "a poll-interval option of flower-supernode", read_by=("start_client_internal", "time", "sleep")),
     "node_public_key_header": Internal(
         "flwr.supercore.constant", "FLEET_HTTP_PUBLIC_KEY_HEADER",
-        "deploy/superlink.py: a node-facing request without node authentication is refused before its body is read",
+        "deploy/fleet_gate.py: a node-facing request without node authentication is refused before its body is read",
         "node authentication ahead of the body in Flower's Fleet HTTP API"),
     "node_signature_header": Internal("flwr.supercore.constant", "FLEET_HTTP_SIGNATURE_HEADER",
-                                      "deploy/superlink.py: as node_public_key_header", "as node_public_key_header"),
+                                      "deploy/fleet_gate.py: as node_public_key_header", "as node_public_key_header"),
     "node_timestamp_header": Internal("flwr.common.constant", "TIMESTAMP_HEADER",
-                                      "deploy/superlink.py: as node_public_key_header", "as node_public_key_header"),
+                                      "deploy/fleet_gate.py: as node_public_key_header", "as node_public_key_header"),
     "timestamp_tolerance": Internal("flwr.common.constant", "TIMESTAMP_TOLERANCE",
-                                    "deploy/superlink.py: the age of a signed timestamp Flower accepts",
+                                    "deploy/fleet_gate.py: the age of a signed timestamp Flower accepts",
                                     "as node_public_key_header"),
     "system_time_tolerance": Internal("flwr.common.constant", "SYSTEM_TIME_TOLERANCE",
-                                      "deploy/superlink.py: the clock drift Flower allows",
+                                      "deploy/fleet_gate.py: the clock drift Flower allows",
                                       "as node_public_key_header"),
     "bytes_to_public_key": Internal("flwr.supercore.primitives.asymmetric", "bytes_to_public_key",
-                                    "deploy/superlink.py: a node's public key as Flower reads it",
+                                    "deploy/fleet_gate.py: a node's public key as Flower reads it",
                                     "as node_public_key_header"),
     "verify_signature": Internal("flwr.supercore.primitives.asymmetric", "verify_signature",
-                                 "deploy/superlink.py: a node's signed timestamp checked as Flower checks it",
+                                 "deploy/fleet_gate.py: a node's signed timestamp checked as Flower checks it",
                                  "as node_public_key_header"),
     "api_error_code": Internal("flwr.supercore.error", "ApiErrorCode",
-                               "deploy/superlink.py: a refused activation answered as Flower answers one, so the "
+                               "deploy/fleet_gate.py: a refused activation answered as Flower answers one, so the "
                                "SuperNode prints why", "as node_public_key_header",
                                uses=("FLEET_NODE_ACTIVATION_FAILED",)),
     "node_status": Internal("flwr.supercore.constant", "NodeStatus",
-                            "deploy/superlink.py: an identity still marked online is told from one that may activate",
+                            "deploy/fleet_rules.py: an identity still marked online is told from one that may activate",
                             "as node_public_key_header", uses=("ONLINE",)),
     "superlink_app": Internal("flwr.superlink.main", "create_app",
-                              "deploy/superlink.py: the SuperLink's state, which its app keeps as "
+                              "deploy/fleet_gate.py: the SuperLink's state, which its app keeps as "
                               "app.state.linkstate_factory", "as node_public_key_header",
                               read_by=("create_app", "linkstate_factory")),
     "linkstate_factory": Internal("flwr.server.superlink.linkstate", "LinkStateFactory",
-                                  "deploy/superlink.py: the SuperLink's state", "as node_public_key_header",
+                                  "deploy/fleet_gate.py: the SuperLink's state", "as node_public_key_header",
                                   uses=("state",)),
     "linkstate": Internal("flwr.server.superlink.linkstate", "LinkState",
-                          "deploy/superlink.py: whether a node is still online", "as node_public_key_header",
-                          uses=("get_node_info",)),
+                          "deploy/fleet_gate.py, fleet_rules.py: which node a key is, whether it is still online, "
+                          "and marking a crashed node's ended session offline so that it rejoins at once",
+                          "as node_public_key_header",
+                          uses=("get_node_info", "get_node_id_by_public_key", "deactivate_node")),
+    "sql_linkstate": Internal("flwr.server.superlink.linkstate", "SqlLinkState",
+                              "deploy/fleet_rules.py: the node a pushed reply's message was sent to (the "
+                              "SuperLink's state.db, what start-server.sh runs)",
+                              "a per-message sender check in Flower's Fleet API",
+                              uses=("get_valid_message_ins",)),
+    "superlink_node_id": Internal("flwr.common.constant", "SUPERLINK_NODE_ID",
+                                  "the SuperLink's own node id: the gate refuses a node's message claiming it; the "
+                                  "ServerApp tells the SuperLink's reports on a dead node from forged ones",
+                                  "a public constant (flwr.app) for the SuperLink's node id"),
+    "heartbeat_patience": Internal("flwr.common.constant", "HEARTBEAT_PATIENCE",
+                                   "deploy/fleet_rules.py: when a node's last heartbeat was (its online-until, less "
+                                   "this many intervals)", "a last-heartbeat time in NodeInfo"),
+    "heartbeat_call_timeout": Internal("flwr.common.constant", "HEARTBEAT_CALL_TIMEOUT",
+                                       "deploy/fleet_rules.py: the longest gap a live SuperNode leaves between "
+                                       "heartbeats", "a last-heartbeat time in NodeInfo"),
+    "heartbeat_base_multiplier": Internal("flwr.common.constant", "HEARTBEAT_BASE_MULTIPLIER",
+                                          "deploy/fleet_rules.py: as heartbeat_call_timeout",
+                                          "as heartbeat_call_timeout"),
+    "heartbeat_random_range": Internal("flwr.common.constant", "HEARTBEAT_RANDOM_RANGE",
+                                       "deploy/fleet_rules.py: as heartbeat_call_timeout",
+                                       "as heartbeat_call_timeout"),
+    "heartbeat_min_interval": Internal("flwr.common.constant", "HEARTBEAT_MIN_INTERVAL",
+                                       "deploy/supernode.py: the shortest heartbeat interval the SuperLink accepts",
+                                       "a heartbeat-interval option of flower-supernode"),
+    "heartbeat_max_interval": Internal("flwr.common.constant", "HEARTBEAT_MAX_INTERVAL",
+                                       "deploy/supernode.py: the longest heartbeat interval the SuperLink accepts",
+                                       "a heartbeat-interval option of flower-supernode"),
+    "supernode_heartbeat_interval": Internal(
+        "flwr.supernode.fleet_http_connection", "HEARTBEAT_DEFAULT_INTERVAL",
+        "deploy/supernode.py: the heartbeat interval a SuperNode declares (shorter: a crashed node rejoins sooner)",
+        "a heartbeat-interval option of flower-supernode", read_by=("http_request_response",)),
+    "heartbeat_sender_interval": Internal(
+        "flwr.supercore.heartbeat", "HEARTBEAT_DEFAULT_INTERVAL",
+        "deploy/supernode.py: how often the SuperNode's heartbeat thread sends (kept equal to what it declares)",
+        "a heartbeat-interval option of flower-supernode", read_by=("HeartbeatSender._run",)),
+    "max_concurrent_object_pushes": Internal(
+        "flwr.supercore.constant", "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES",
+        "deploy/fleet_gate.py: the object pushes a SuperNode makes at once, the most the gate lets one node make",
+        "as node_public_key_header"),
     "node_info": Internal("flwr.proto.node_pb2", "NodeInfo",
-                          "deploy/superlink.py: a node's status, name, key and heartbeat deadline",
-                          "as node_public_key_header", uses=("status", "online_until", "name", "public_key")),
+                          "deploy/fleet_rules.py: a node's status, name, key, heartbeat interval and deadline",
+                          "as node_public_key_header",
+                          uses=("status", "online_until", "heartbeat_interval", "name", "public_key")),
     "sign_message": Internal("flwr.supercore.primitives.asymmetric", "sign_message",
                              "deploy/supernode.py: its rejoin probe signs as a SuperNode signs",
                              "as node_public_key_header"),
@@ -294,7 +347,10 @@ def check(name: str) -> list[str]:
         return [str(_missing(name, exc))]
     problems = [str(_missing(name, what=f".{use}")) for use in entry.uses if not _has(obj, use)]
     if entry.read_by:
-        reader = getattr(module, entry.read_by[0], None)
+        reader: Any = module
+        for part in entry.read_by[0].split("."):  # a function, or a class's method (Class.method)
+            reader = getattr(reader, part, None)
+        reader = inspect.unwrap(reader) if callable(reader) else reader  # a decorated function's own code
         wanted = entry.read_by[1:] or (entry.attribute,)
         code = getattr(reader, "__code__", None)
         if code is None or not set(wanted) <= _mentions(code):

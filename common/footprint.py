@@ -1,20 +1,28 @@
-"""What a run's backbone costs in memory, estimated from its configuration before anything is built.
+"""What a run costs in memory, estimated from its configuration before anything is built.
 
-A run config sets the backbone's image size, patch size, width and depth, and the batch size;
-a node (client/node_policy.py), the ServerApp (server/run.py) and ``deploy/submit-run.sh`` all
-check the same estimate here before building a model, so a run that would ask for hundreds
-of gigabytes is refused with a sentence instead of an allocation. Two ceilings:
+A run config sets the backbone's image size, patch size, width and depth, the batch size, and
+the prompt pool (or adapters), head and method whose copies a node and the server hold; a node
+(client/node_policy.py), the ServerApp (server/run.py), ``promptfcl simulate`` and
+``deploy/submit-run.sh`` (both through the run check, strategies/platform/run_checks.py) check
+the same estimate before building anything, so a run that would ask for hundreds of gigabytes is
+refused with a sentence naming the figure and the limit instead of an allocation. Ceilings:
 
 * **tokens** per image, ``(image-size / patch-size)^2``: activations and the position
   embedding grow with it (and attention, without a fused kernel, with its square);
-* **estimated memory**, in GB: the backbone's float32 parameters, ``12 D^2`` per block plus the
-  patch and position embeddings, and the activations one training step keeps for the
-  backward pass, about ``20 D`` floats per token per block (LayerNorms, qkv, attention
-  output, the 4D-wide MLP and the residuals) for ``batch x (tokens + 1 + prompt-length)``
-  tokens. An upper estimate (bfloat16 autocast halves the activations), meant to tell a
-  paper-scale run (ViT-B/16, 224 px, batch 128, prompts of 20: about 21 GB) from a mistake or
-  an attack (1024 px, patch 1, batch 2048: a million tokens per image, some 66,000 GB at the
-  default width), not to plan a GPU's memory.
+* **estimated memory**, in GB, against ``max-memory-gb`` (a node's node config, the server's
+  ``PROMPTFCL_MAX_MEMORY_GB``) and, for what lives in the host's memory, this machine's memory.
+
+This module holds the backbone's part, which needs no method: its float32 parameters,
+``12 D^2`` per block plus the patch and position embeddings, and the activations one training
+step keeps for the backward pass, about ``20 D`` floats per token per block (LayerNorms, qkv,
+attention output, the 4D-wide MLP and the residuals) for ``batch x (tokens + 1 +
+prompt-length)`` tokens. An upper estimate (bfloat16 autocast halves the activations), meant to
+tell a paper-scale run (ViT-B/16, 224 px, batch 128, prompts of 20: about 21 GB) from a mistake
+or an attack (1024 px, patch 1, batch 2048: a million tokens per image, some 66,000 GB at the
+default width), not to plan a GPU's memory. The rest of a run's memory (the trainable state
+with its gradients and optimiser moments, the messages' copies, the statistics a method
+uploads and what the server keeps per round) is counted where the methods are known,
+strategies/platform/run_memory.py, into one :class:`MemoryEstimate` per side.
 
 A size the run leaves at 0 ("the model's own") is read from the timm name
 (``vit_base_patch16_224``: patch 16, width 768, depth 12); a name that does not say it is
@@ -74,6 +82,75 @@ class Footprint:
     @property
     def memory_gb(self) -> float:
         return BYTES_PER_FLOAT * (self.parameters + self.activations) / 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one side of a run (a node's message process, the ServerApp) needs, part by part.
+
+    ``parts``: (what, bytes) in the order they are described; ``accelerated``: the names of the
+    parts that live on the accelerator where the side trains on one (the backbone, its
+    activations, the trainable state and its optimiser), so only the others must fit the host's
+    memory there.
+    """
+
+    parts: tuple[tuple[str, float], ...]
+    accelerated: frozenset[str] = frozenset()
+
+    @property
+    def total_gb(self) -> float:
+        return sum(b for _, b in self.parts) / 1e9
+
+    def host_gb(self, on_accelerator: bool) -> float:
+        """GB in the host's memory: everything, or on an accelerator what does not live there."""
+        return sum(b for name, b in self.parts if not (on_accelerator and name in self.accelerated)) / 1e9
+
+    def part_gb(self, name: str) -> float:
+        return sum(b for what, b in self.parts if what == name) / 1e9
+
+    def describe(self, largest: int = 4) -> str:
+        """The largest parts, "trainable state x4 (...) 19.3 GB, ...", for a refusal's sentence."""
+        ranked = sorted(self.parts, key=lambda p: -p[1])[:largest]
+        return ", ".join(f"{name} {_gb(b)}" for name, b in ranked if b > 0)
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.3g} GB" if value >= 1e8 else f"{value / 1e6:.3g} MB"
+
+
+def memory_problem(estimate: MemoryEstimate, max_memory_gb: float, whose: str, setting: str,
+                   on_accelerator: bool, machine_gb: float | None = None) -> str | None:
+    """Why ``estimate`` does not fit (None: it does): above ``whose`` ``max-memory-gb`` (``setting``
+    says where it is set), or its host part above this machine's memory (``machine_gb``: None reads
+    it, 0 skips it: an operator who set ``max-memory-gb`` knows the machine better, its swap, its GPU)."""
+    total = estimate.total_gb
+    if total > max_memory_gb:
+        return (f"the run needs an estimated {total:.3g} GB, above {whose} max-memory-gb = {max_memory_gb:g} "
+                f"({estimate.describe()}; {setting})")
+    machine = machine_memory_gb() if machine_gb is None else machine_gb
+    host = estimate.host_gb(on_accelerator)
+    if machine > 0 and host > machine:
+        return (f"the run needs an estimated {host:.3g} GB of host memory, above this machine's memory, "
+                f"{machine:.3g} GB ({estimate.describe()})")
+    return None
+
+
+def machine_memory_gb() -> float:
+    """This machine's memory in GB (its control group's limit where lower; 0 where unknown)."""
+    found: list[float] = []
+    try:
+        with open("/proc/meminfo") as fh:
+            found += [float(line.split()[1]) * 1024 / 1e9 for line in fh if line.startswith("MemTotal:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            raw = fh.read().strip()
+        if raw.isdigit():
+            found.append(int(raw) / 1e9)
+    except OSError:
+        pass
+    return min(found) if found else 0.0
 
 
 def footprint(spec: BackboneSpec, batch_size: int, prompt_length: int) -> Footprint:
@@ -155,5 +232,5 @@ def check_server_footprint(spec: BackboneSpec, batch_size: int, prompt_length: i
         raise ConfigError(f"{problem} ({MAX_TOKENS_ENV} / {MAX_MEMORY_ENV} in the server's environment raise it)")
 
 
-__all__ = ["DEFAULT_MAX_MEMORY_GB", "DEFAULT_MAX_TOKENS", "Footprint", "check_server_footprint", "footprint",
-           "footprint_problem", "server_ceilings"]
+__all__ = ["DEFAULT_MAX_MEMORY_GB", "DEFAULT_MAX_TOKENS", "Footprint", "MemoryEstimate", "check_server_footprint",
+           "footprint", "footprint_problem", "machine_memory_gb", "memory_problem", "server_ceilings"]

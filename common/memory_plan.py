@@ -7,8 +7,11 @@ weighted by their share of the batch (strategies/platform/learner.py), and where
 images does not fit, the frozen blocks that prompts back-propagate through are recomputed in the
 backward pass instead of kept (activation checkpointing, common/model.py). No-grad passes (the
 query, evaluation, statistics) run in chunks that fit as well. What stays: the process as it
-stands when the plan is made (interpreter, torch, the backbone, the node's data), measured, not
-estimated.
+stands when the plan is made (interpreter, torch, the backbone, the node's data, the message),
+measured, not estimated; what the round adds besides its activations (the gradients and Adam's
+moments of the trainable parameters, the reply, the statistics: :func:`round_after_mb`) is
+counted from the model's own sizes. The budget bounds the whole process: a round whose peak
+(VmHWM) still passes it is reported (client/memory.py).
 
 Where the memory of a step goes (D the width, S tokens per image, N blocks a gradient passes
 through; measured at ViT-B/16, 224 px, on this project's CPU machine):
@@ -30,8 +33,10 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the plan and the measures need no torch: the executor process reads them too
+    import torch
 
 #: floats per token and block a step keeps for the backward pass without checkpointing
 KEPT_FLOATS = 20
@@ -40,9 +45,11 @@ KEPT_FLOATS = 20
 RECOMPUTE_FLOATS = 48
 #: floats per token a no-grad forward holds at a time (one block's activations)
 NO_GRAD_FLOATS = 12
-#: the plan leaves this much of the budget free (allocator slack, the optimiser, library pages the
-#: backward pass touches first)
-MARGIN_MB = 256.0
+#: the plan leaves this much of the budget free: allocator slack, and the library pages a step brings
+#: back after release_library_pages (about 100 MB at ViT-B/16). Measured at ViT-B/16 (bench edge) a
+#: round's peak passed its plan by 124-377 MB; the optimiser's moments, the gradients and the reply
+#: are counted apart (round_after_mb)
+MARGIN_MB = 384.0
 #: the smallest micro-batch worth keeping activations for rather than recomputing them: on a CPU
 #: one image at a time costs about what a whole batch does per image, on a GPU small batches idle it
 MIN_MICRO_BATCH = {"cpu": 1, "other": 8}
@@ -110,6 +117,7 @@ class TrainingPlan:
     checkpointed: int = 0  # graded blocks recomputed in the backward pass (from the first graded one)
     no_grad_batch: int = 0  # chunk of a no-grad pass (0: whole batches)
     precision: str = "fp32"  # the frozen backbone's: "fp32", "bf16" or "int8"
+    held_mb: float = 0.0  # what the process held when the plan was made (its unread mapped weights counted)
 
     @property
     def backbone_bits(self) -> int:
@@ -117,13 +125,16 @@ class TrainingPlan:
 
     def metrics(self) -> dict[str, int | float]:
         """What the node chose, for its reply's metrics (every field a number)."""
-        return {"memory-budget-mb": float(self.budget_mb), "micro-batch": int(self.micro_batch),
-                "checkpointed-blocks": int(self.checkpointed), "backbone-bits": self.backbone_bits}
+        return {"memory-budget-mb": float(self.budget_mb), "held-mb": float(self.held_mb),
+                "micro-batch": int(self.micro_batch), "checkpointed-blocks": int(self.checkpointed),
+                "backbone-bits": self.backbone_bits}
 
 
 def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision: str = "fp32",
-                  min_micro: int = 1) -> TrainingPlan:
-    """The plan that trains a step of ``sizes`` within ``budget_mb``, the process holding ``held_mb``.
+                  min_micro: int = 1, after_mb: float = 0.0) -> TrainingPlan:
+    """The plan that trains a step of ``sizes`` within ``budget_mb``, the process holding ``held_mb``
+    and the round adding ``after_mb`` besides the activations (the gradients and optimiser moments
+    of the trainable parameters, the reply's copies, the uploaded statistics: :func:`round_after_mb`).
 
     The fewest checkpointed blocks (recomputing a block costs about one more forward pass of it)
     with which a micro-batch of ``min_micro`` images fits (:data:`MIN_MICRO_BATCH`), then the
@@ -135,20 +146,29 @@ def plan_training(budget_mb: float, sizes: StepSizes, held_mb: float, precision:
         Not even one image at a time fits; the message names ``memory-budget-mb`` and what is needed.
     """
     if budget_mb <= 0:
-        return TrainingPlan(precision=precision)
-    free = budget_mb - held_mb - MARGIN_MB - sizes.inputs_mb()
+        return TrainingPlan(precision=precision, held_mb=held_mb)
+    free = budget_mb - held_mb - after_mb - MARGIN_MB - sizes.inputs_mb()
     no_grad = max(1, min(MAX_NO_GRAD_BATCH, int(free // sizes.no_grad_per_image_mb())))
     least = min(min_micro, sizes.batch)
     for wanted in (least, 1):
         for checkpointed in range(sizes.graded_blocks + 1):
             fits = int(free // sizes.per_image_mb(checkpointed)) if free > 0 else 0
             if fits >= wanted:
-                return TrainingPlan(budget_mb, min(fits, sizes.batch), checkpointed, no_grad, precision)
-    needed = held_mb + MARGIN_MB + sizes.inputs_mb() + sizes.per_image_mb(sizes.graded_blocks)
+                return TrainingPlan(budget_mb, min(fits, sizes.batch), checkpointed, no_grad, precision, held_mb)
+    needed = held_mb + after_mb + MARGIN_MB + sizes.inputs_mb() + sizes.per_image_mb(sizes.graded_blocks)
     raise BudgetError(f"node-config {BUDGET_KEY} = {budget_mb:g} is too small to train even one image at a time: "
-                      f"this process holds {held_mb:.0f} MB (interpreter, torch, the backbone, the data) and a step "
-                      f"of batch-size {sizes.batch} needs at least {needed:.0f} MB; raise {BUDGET_KEY}, or choose "
-                      "a smaller backbone precision (backbone-precision)")
+                      f"this process holds {held_mb:.0f} MB (interpreter, torch, the backbone, the data, the message), "
+                      f"the round adds {after_mb:.0f} MB besides its activations (gradients, optimiser moments, "
+                      f"the reply) and a step of batch-size {sizes.batch} needs at least {needed:.0f} MB; raise "
+                      f"{BUDGET_KEY}, or choose a smaller backbone precision (backbone-precision)")
+
+
+def round_after_mb(trained_bytes: int, sent_bytes: int, statistics_bytes: float = 0.0, private: bool = False) -> float:
+    """MB a training round adds after its plan is made besides the activations: the gradients and
+    Adam's two moments of the ``trained_bytes`` of trainable parameters, the reply's arrays
+    (``sent_bytes``) encoded, its statistics built and encoded, and under differential privacy the
+    reference and the clipped, noised copy of the reply."""
+    return (3 * trained_bytes + sent_bytes * (3 if private else 1) + 2 * statistics_bytes) / MB
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -174,6 +194,32 @@ def peak_resident_mb() -> float:
     return proc_status_kb("VmHWM") * 1024 / MB
 
 
+def process_memory_mb(pid: int | str = "self") -> tuple[float, float]:
+    """(RSS, PSS) of process ``pid`` in MB, from ``/proc/<pid>/smaps_rollup`` ((0, 0) where it cannot be
+    read). PSS divides each shared page among the processes that map it, so the PSS of a node's
+    processes adds up to what they take together, where their RSS counts a shared page in each."""
+    found = {"Rss:": 0.0, "Pss:": 0.0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                head = line.split()
+                if head and head[0] in found:
+                    found[head[0]] = float(head[1]) * 1024 / MB
+    except OSError:
+        pass
+    return found["Rss:"], found["Pss:"]
+
+
+def processes_line(processes: Iterable[tuple[str, int]]) -> str:
+    """One line of what ``processes`` ((name, pid) pairs) hold: each one's RSS and PSS, and together."""
+    parts, rss_sum, pss_sum = [], 0.0, 0.0
+    for name, pid in processes:
+        rss, pss = process_memory_mb(pid)
+        parts.append(f"{name} (pid {pid}) RSS {rss:,.0f} MB, PSS {pss:,.0f} MB")
+        rss_sum, pss_sum = rss_sum + rss, pss_sum + pss
+    return f"{'; '.join(parts)}; together RSS {rss_sum:,.0f} MB, PSS {pss_sum:,.0f} MB"
+
+
 #: glibc's mallopt parameter and the size above which a budgeted process maps its allocations
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -193,6 +239,47 @@ def return_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     except (OSError, AttributeError):  # not glibc
         return False
+
+
+#: madvise(2): drop a range's pages from this process (a file mapping's clean pages come back from the file)
+_MADV_DONTNEED = 4
+
+
+def release_library_pages() -> float:
+    """Hand the kernel back the resident pages of this process's shared libraries that are the
+    files' own (read-only mappings no relocation wrote); MB released (0.0 where not Linux).
+
+    ``import torch`` maps its CUDA libraries even on a CPU-only node, and the loader and their
+    initialisers leave some 240 MB of their pages resident (of 420 MB of library pages in all on
+    this project's machine) that a CPU never runs again. Dropped, a page still needed comes back
+    from the page cache at its next use (about 100 MB of them in a ViT-B/16 training step); a
+    mapping some relocation wrote to (its ``Anonymous`` pages) is left alone, since dropping would
+    lose what was written. A budgeted message's process calls this before it measures what it holds.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/smaps") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, AttributeError):
+        return 0.0
+    mappings: list[dict[str, str]] = []
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+            mappings.append({"range": head[0], "perms": head[1], "path": " ".join(head[5:])})
+        elif head and mappings and head[0] in ("Rss:", "Anonymous:"):
+            mappings[-1][head[0]] = head[1]
+    released = 0
+    for m in mappings:
+        name = os.path.basename(m["path"])
+        library = name.endswith(".so") or ".so." in name
+        if not library or "w" in m["perms"] or m.get("Anonymous:") != "0" or int(m.get("Rss:", "0")) == 0:
+            continue
+        low, high = (int(v, 16) for v in m["range"].split("-"))
+        if libc.madvise(low, high - low, _MADV_DONTNEED) == 0:
+            released += int(m["Rss:"])
+    return released * 1024 / MB
 
 
 def file_mappings(path: Path | str) -> list[tuple[int, int]]:
@@ -243,4 +330,5 @@ def mapped_tensor_mb(tensors: Iterable[torch.Tensor], path: Path | str) -> float
 
 
 __all__ = ["BUDGET_KEY", "BudgetError", "StepSizes", "TrainingPlan", "file_mappings", "mapped_mb",
-           "mapped_tensor_mb", "peak_resident_mb", "plan_training", "resident_mb", "return_freed_memory"]
+           "mapped_tensor_mb", "peak_resident_mb", "plan_training", "process_memory_mb", "processes_line",
+           "release_library_pages", "resident_mb", "return_freed_memory", "round_after_mb"]

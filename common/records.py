@@ -16,6 +16,7 @@ Record names used in every message (methods may add their own):
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -35,6 +36,8 @@ POOL_PREFIX = "pool-"
 
 
 R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
+#: the serialisation type of an Array holding an .npy payload (Flower's ``SType.NUMPY``)
+NUMPY_STYPE = "numpy.ndarray"
 
 
 # A RecordDict's values, and a metric or config record's values, are unions (an ArrayRecord,
@@ -89,16 +92,62 @@ def to_array_record(state: Mapping[str, torch.Tensor | np.ndarray]) -> ArrayReco
     out = {}
     for name, value in state.items():
         arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-        out[name] = Array(np.ascontiguousarray(arr))
+        out[name] = to_array(np.ascontiguousarray(arr))
     return ArrayRecord(out)
+
+
+def to_array(arr: np.ndarray) -> Array:
+    """An Array of ``arr`` with the bytes ``Array(arr)`` holds (an .npy payload), copied once:
+    Flower's ``np.save`` into a buffer and ``getvalue()`` copy every array twice."""
+    if arr.dtype.hasobject or not arr.flags.c_contiguous:
+        return Array(arr)
+    header = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(arr))
+    except ValueError:  # a header too long for format 1.0 (numpy then writes 2.0): numpy's own path
+        return Array(arr)
+    data = b"".join([header.getvalue(), arr.reshape(-1).data.cast("B")])
+    return Array(dtype=str(arr.dtype), shape=tuple(arr.shape), stype=NUMPY_STYPE, data=data)
 
 
 def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: record[name].numpy() for name in record.keys()}
 
 
+def array_view(array: Array) -> np.ndarray:
+    """An Array's values without a copy: a read-only view of its serialised bytes, where
+    ``Array.numpy()`` decodes a fresh copy at every call. A server that reads each reply's
+    arrays several times (checks, norms, cosines, the average) holds them once this way."""
+    data = array.data
+    if array.stype != NUMPY_STYPE or not isinstance(data, bytes):
+        return array.numpy()
+    stream = io.BytesIO(data)  # shares the bytes (nothing is written to it)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:  # rare header versions: numpy's own reader
+        return array.numpy()
+    if dtype.hasobject:
+        return array.numpy()  # refuses it, as every decoding of a message does (no pickles)
+    count = int(np.prod(shape, dtype=np.int64))
+    view = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
+    if fortran:  # our records are C-ordered; another sender's Fortran order is copied once, here
+        view = np.ascontiguousarray(view.reshape(shape, order="F"))
+        view.flags.writeable = False  # read-only as every view this gives
+        return view
+    return view.reshape(shape)
+
+
+def array_views(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """Every array of ``record`` as :func:`array_view` gives it (read-only, no copy)."""
+    return {name: array_view(record[name]) for name in record.keys()}
+
+
 def to_torch(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in from_array_record(record).items()}
+    """Writable tensors of ``record``'s arrays (one copy each: ``Array.numpy()`` decodes a fresh one)."""
+    return {name: torch.from_numpy(arr) for name, arr in from_array_record(record).items()}
 
 
 def payload_bytes(content: RecordDict) -> int:

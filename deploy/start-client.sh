@@ -23,10 +23,15 @@
 #                   SuperNode waits a fixed 3 s, which a round pays at its start; deploy/supernode.py)
 #   --rejoin-timeout SECONDS
 #                   a node restarted at once after a crash finds its identity still marked online
-#                   at the SuperLink until its last heartbeats time out (up to a minute): the
-#                   script says so and asks again every 5 s, up to this long (default 300; 0:
-#                   start at once and let the SuperNode fail). Still online after that means a
-#                   live process holds it: another machine with a copy of this node's key
+#                   at the SuperLink until its last heartbeat is older than a live node leaves
+#                   (about 11 s at the default --heartbeat): the script says so and asks again
+#                   every second, up to this long (default 300; 0: start at once and let the
+#                   SuperNode fail). Still online after that means a live process holds it:
+#                   another machine with a copy of this node's key
+#   --heartbeat SECONDS
+#                   the heartbeat interval this node declares (default 10, the shortest the
+#                   SuperLink accepts; Flower's SuperNode declares 30): how soon a crash is known
+#                   and the restarted node can rejoin (deploy/supernode.py)
 #   --no-warm       Flower's stock SuperExec: a fresh interpreter per message. The default
 #                   (Linux) is promptfcl-superexec beside a SuperNode in process isolation: every
 #                   message still runs in a process of its own, forked from a warm zygote that has
@@ -54,7 +59,7 @@ source "$(dirname "$0")/lib.sh"
 
 superlink=""; ca=""; key=""; insecure=0; data_dir=""; dataset=""; pid=""; nparts=""; device=auto
 config="$DEPLOY_DIR/run.toml"; sets=(); state=supernode-state; port=9094; threads=0; no_auth=0; extra=(); warm=1; poll=1
-rejoin=300
+rejoin=300; heartbeat=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --superlink) superlink=$2; shift 2 ;;
@@ -76,7 +81,8 @@ while [ $# -gt 0 ]; do
     --no-warm) warm=0; shift ;;
     --poll) poll=$2; shift 2 ;;
     --rejoin-timeout) rejoin=$2; shift 2 ;;
-    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+    --heartbeat) heartbeat=$2; shift 2 ;;
+    -h|--help) sed -n "2,$(( $(grep -n '^set -euo' "$0" | cut -d: -f1) - 1 ))p" "$0"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -85,6 +91,7 @@ case "$device" in auto|cpu|cuda|mps) ;; *) die "--device must be auto, cpu, cuda
 [[ "$threads" =~ ^[0-9]+$ ]] || die "--threads must be a number"
 [[ "$poll" =~ ^[0-9]*\.?[0-9]+$ ]] || die "--poll must be a number of seconds"
 [[ "$rejoin" =~ ^[0-9]+$ ]] || die "--rejoin-timeout must be a whole number of seconds"
+[[ "$heartbeat" =~ ^[0-9]+$ ]] || die "--heartbeat must be a whole number of seconds"
 
 # this node's data, as node-config (TOML values; strings quoted)
 node_config="device=\"$device\""
@@ -139,7 +146,8 @@ if [ "$warm" = 1 ] && [ "$(uname -s)" != Linux ]; then
   echo "note: the warm executor forks and runs on Linux only; Flower's stock executor on $(uname -s)" >&2
   warm=0
 fi
-supernode_cmd=("$PYTHON" "$DEPLOY_DIR/supernode.py" --idle-poll "$poll" --rejoin-timeout "$rejoin")
+supernode_cmd=("$PYTHON" "$DEPLOY_DIR/supernode.py" --idle-poll "$poll" --rejoin-timeout "$rejoin"
+               --heartbeat "$heartbeat")
 [ "$warm" = 1 ] || exec "${supernode_cmd[@]}" "${args[@]}"
 
 # Warm: the SuperNode leaves its ClientApp tasks to a SuperExec we start (process isolation);

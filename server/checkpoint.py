@@ -15,12 +15,13 @@ the previous checkpoint intact.
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -86,11 +87,23 @@ def _join(value: Any, tensors: dict[str, np.ndarray]) -> Any:
     return value
 
 
+#: numpy dtype -> safetensors dtype name (what checkpoints hold: parameters, states, counters, flags)
+SAFETENSORS_DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
+                      "int32": "I32", "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64",
+                      "uint64": "U64"}
+
+
 def encode(ckpt: Checkpoint) -> bytes:
     """The checkpoint as the bytes of a safetensors file."""
-    # safetensors: only when a checkpoint is written
-    from safetensors.numpy import save
+    buffer = io.BytesIO()
+    write(ckpt, buffer)
+    return buffer.getvalue()
 
+
+def write(ckpt: Checkpoint, fh: BinaryIO) -> None:
+    """Write the checkpoint to ``fh`` as a safetensors file, each array's bytes straight from the
+    array: no copy of the server's state is made to write it (safetensors' own ``save`` builds the
+    whole file in memory, twice)."""
     tensors: dict[str, np.ndarray] = {}
     python_rng = ckpt.rng["python"]
     numpy_rng = ckpt.rng["numpy"]
@@ -110,7 +123,22 @@ def encode(ckpt: Checkpoint) -> bytes:
         },
     }
     # NaN stays NaN (Python's JSON reads its own NaN back): the records resume exactly as they were
-    return save(tensors, metadata={"promptfcl": json.dumps(doc, allow_nan=True)})
+    header: dict[str, Any] = {"__metadata__": {"promptfcl": json.dumps(doc, allow_nan=True)}}
+    offset, ordered = 0, []
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("<"), copy=False))  # little-endian
+        if value.dtype.name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"checkpoint array {name!r} has dtype {value.dtype}, which a checkpoint cannot hold")
+        header[name] = {"dtype": SAFETENSORS_DTYPES[value.dtype.name], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + value.nbytes]}
+        offset += value.nbytes
+        ordered.append(value)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned, as safetensors writes them
+    fh.write(len(text).to_bytes(8, "little"))
+    fh.write(text)
+    for value in ordered:
+        fh.write(value.reshape(-1).data.cast("B"))
 
 
 def decode(data: bytes) -> Checkpoint:
@@ -147,8 +175,7 @@ def decode(data: bytes) -> Checkpoint:
 def save(ckpt: Checkpoint, out_dir: str | Path) -> Path:
     """Atomically replace ``out_dir/checkpoint.safetensors``."""
     path = Path(out_dir) / FILENAME
-    data = encode(ckpt)
-    write_atomic(path, lambda fh: fh.write(data))
+    write_atomic(path, lambda fh: write(ckpt, fh))
     return path
 
 

@@ -35,6 +35,7 @@ from ..common.records import (
 from ..common.runtime import Runtime
 from ..common.startup import metric_name
 from ..strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
+from ..strategies.platform.rounds import without_forged
 from ..strategies.platform.strategy import PromptStrategy
 from .messaging import message_bytes, send_and_receive, unanswered
 
@@ -157,7 +158,8 @@ class FederatedEvaluator:
             config.update({f"{POOL_PREFIX}{scored}": [int(s) for s in pool] for scored, pool in views[1].items()})
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
-        replies = send_and_receive(self.grid, messages, cfg.round_timeout) if messages else []
+        replies = without_forged(send_and_receive(self.grid, messages, cfg.round_timeout), messages,
+                                 f"evaluation of task {task + 1}") if messages else []
         sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
         counts = dict(carried)
         failed = list(carried_failed)

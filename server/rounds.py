@@ -19,7 +19,7 @@ from ..common.records import CONFIG, METRICS, as_float, as_int
 from ..common.startup import PHASES, metric_name
 from ..strategies.platform.outcome import RoundOutcome
 from ..strategies.platform.replies import PLAN_METRICS
-from ..strategies.platform.rounds import Accepted
+from ..strategies.platform.rounds import Accepted, without_forged
 from ..strategies.platform.strategy import PromptStrategy
 from .messaging import message_bytes, send_and_receive, unanswered
 
@@ -168,7 +168,8 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
         if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
             tx = time.perf_counter()
-            answers = send_and_receive(grid, exchange, cfg.round_timeout)
+            answers = without_forged(send_and_receive(grid, exchange, cfg.round_timeout), exchange,
+                                     f"round {server_round} exchange")
             waited = time.perf_counter() - tx
             strategy.aggregate_exchange(server_round, answers)
             spent.bytes_s2c += message_bytes(exchange)
@@ -177,7 +178,7 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         if before_aggregation is not None:
             before_aggregation.ask(messages)
         t1 = time.perf_counter()
-        replies = send_and_receive(grid, messages, cfg.round_timeout)
+        replies = without_forged(send_and_receive(grid, messages, cfg.round_timeout), messages, f"round {server_round}")
         t2 = time.perf_counter()
         if before_aggregation is not None:
             before_aggregation.collect(messages, replies)
@@ -218,7 +219,7 @@ def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:
         metrics = reply.content.metric_records[METRICS]
         chosen = {key: metrics[key] for key in PLAN_METRICS if key in metrics}
         if chosen:
-            plans.append({"node": int(reply.reply.metadata.src_node_id), **chosen})
+            plans.append({"node": reply.sent.node, **chosen})
     return plans
 
 

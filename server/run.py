@@ -20,16 +20,16 @@ from flwr.serverapp import Grid
 
 from ..common import metrics
 from ..common.config import ConfigError, ExperimentConfig
-from ..common.footprint import check_server_footprint
+from ..common.memory_plan import return_freed_memory
 from ..common.model import ModelSpec, initial_trainable_state
 from ..common.partitions import client_indices, drawn_shares, partition_summary
 from ..common.privacy import privacy_options
-from ..common.records import from_array_record, to_array_record
+from ..common.records import array_views, to_array_record
 from ..common.runtime import Runtime, get_runtime
 from ..common.splits import FILE_NAME as SPLITS_FILE
 from ..common.splits import read_splits, write_splits
 from ..common.tasks import class_order
-from ..common.weights import BackboneSpec
+from ..strategies.platform.run_memory import check_server_memory
 from ..strategies.platform.strategy import PromptStrategy
 from ..strategies.registry import build_strategy, strategy_class
 from . import checkpoint
@@ -84,6 +84,9 @@ class ExperimentRun:
 
     def __init__(self, grid: Grid, cfg: ExperimentConfig) -> None:
         self.grid, self.cfg = grid, cfg
+        # a round's temporaries (replies inflated chunk by chunk, the aggregate being built) go back to
+        # the kernel when freed, instead of staying in the heap as the next round's high-water mark
+        return_freed_memory()
         self.started = time.perf_counter()
         self.runtime: Runtime | None = None
         self.evaluator: CentralEvaluator | FederatedEvaluator
@@ -107,7 +110,7 @@ class ExperimentRun:
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
         # before any model is built: a run's sizes may multiply into more memory than the machine has
-        check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
+        check_server_memory(cfg)
         method = strategy_class(cfg.strategy)
         if cfg.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
@@ -223,6 +226,7 @@ class ExperimentRun:
         record = round_record(task, round_, self.server_round, outcome, spent, messages)
         new_arrays = outcome.arrays
         assert new_arrays is not None  # train_round returns an aggregated round or raises RoundFailed
+        del outcome, messages  # the round's replies are recorded: freed before evaluation and the checkpoint
         if carried is not None:
             self.complete(carried)  # rounds are evaluated in order
         self.arrays = new_arrays
@@ -285,7 +289,7 @@ class ExperimentRun:
     def save(self, task: int, round_: int, finished: bool) -> None:
         checkpoint.save(checkpoint.Checkpoint(
             config=self.cfg.to_dict(), task=task, round=round_, server_round=self.server_round,
-            task_finished=finished, arrays=from_array_record(self.arrays), strategy_state=self.strategy.state_dict(),
+            task_finished=finished, arrays=array_views(self.arrays), strategy_state=self.strategy.state_dict(),
             platform_state=self.strategy.platform_state(), accuracy_matrix=self.matrix.copy(),
             rounds=[r.to_dict() for r in self.rounds], rng=checkpoint.capture_rng(),
             elapsed_seconds=self.elapsed_before + time.perf_counter() - self.started,

@@ -121,8 +121,8 @@ class InProcessGrid(PushPullGrid):
         A node id -> its ``node_config``.
     dead : dict, optional
         A node id -> how it is dead: "silent" (no reply, as at a timeout) or "lost" (an error
-        reply made by the SuperLink, under the SuperLink's node id 0, as Flower reports a
-        node that disappeared).
+        reply made by the SuperLink, from and to the SuperLink's node id 1, as Flower's
+        ``create_message_error_unavailable_res_message`` reports a node that disappeared).
     """
 
     def __init__(self, cfg: ExperimentConfig, nodes: int, apps: dict[int, ClientApp] | None = None,
@@ -148,8 +148,11 @@ class InProcessGrid(PushPullGrid):
             if self.dead.get(node) == "silent":
                 continue
             if self.dead.get(node) == "lost":
+                from promptfcl.common.flower_internals import internal
+
                 reply = Message(Error(code=0, reason="node lost"), reply_to=msg)
-                reply.metadata.__dict__["_src_node_id"] = 0  # made by the SuperLink
+                superlink = internal("superlink_node_id")  # made by the SuperLink, as Flower makes it
+                reply.metadata.__dict__["_src_node_id"] = reply.metadata.__dict__["_dst_node_id"] = superlink
                 replies.append(reply)
                 continue
             app = self.apps.get(node, self.default_app)
@@ -162,13 +165,14 @@ class InProcessGrid(PushPullGrid):
 
 
 def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, ClientApp] | None = None,
-                   dead: dict[int, str] | None = None,
-                   node_configs: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid`; results."""
+                   dead: dict[int, str] | None = None, node_configs: dict[int, dict[str, Any]] | None = None,
+                   grid_class: type[InProcessGrid] | None = None) -> dict[str, Any]:
+    """The ServerApp's work (``run_experiment`` + outputs) over an :class:`InProcessGrid` (or
+    ``grid_class``, one of its kind); results."""
     from promptfcl.server.report import write_outputs
     from promptfcl.server.run import finish, run_experiment
 
-    grid = InProcessGrid(cfg, nodes, apps, node_configs=node_configs, dead=dead)
+    grid = (grid_class or InProcessGrid)(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
     write_outputs(results, cfg.out_dir)
     finish(cfg.out_dir, cfg.keep_checkpoint, results)

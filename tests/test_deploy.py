@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ class Deployment:
     processes: Processes
     superlink: subprocess.Popen  # the SuperLink now serving ``port`` ...
     superlink_log: Path  # ... and its log
+    forged: dict  # finding 1 of issue 54, pushed during the run with the hostile node's key: name -> (status, answer)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +122,12 @@ def deployment(tmp_path_factory) -> Deployment:
             extra = ["--threads", "1"] + (["--device", "cpu"] if i == 1 else [])  # the others: device auto
             start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml, extra)
 
+        forged: dict = {}
+        forger = forge_during_the_run(root, ports.fleet, forged)
         started = time.time()
         submitted = submit(root, env, ports.control, run_toml, app)
         finished = time.time()
+        forger.join(timeout=60)
         procs.remember_descendants()
         output = submitted.stdout + submitted.stderr
         superlink_log = (root / "superlink.log").read_text(errors="replace")
@@ -130,11 +135,65 @@ def deployment(tmp_path_factory) -> Deployment:
         results_path = root / "server" / RUN["out-dir"] / "results.json"
         assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
         yield Deployment(root, ports, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
-                         started, finished, procs, link, root / "superlink.log")
+                         started, finished, procs, link, root / "superlink.log", forged)
     finally:
         if tap is not None:
             tap.stop()
         procs.stop_all()
+
+
+def node_id_of(root: Path, name: str) -> int:
+    """The Flower node id a SuperNode started as ``name`` was given (its log says)."""
+    import re
+
+    return int(re.search(r"SuperNode ID:? *(\d+)", (root / f"{name}.log").read_text(errors="replace")).group(1))
+
+
+def post(port: int, cafile: Path, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """One HTTPS POST of ``body`` to 127.0.0.1:``port``; (status, answer)."""
+    import http.client
+    import ssl
+
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ssl.create_default_context(cafile=str(cafile)),
+                                       timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/protobuf", **headers})
+        reply = conn.getresponse()
+        return reply.status, reply.read()
+    finally:
+        conn.close()
+
+
+def forge_during_the_run(root: Path, fleet: int, out: dict) -> threading.Thread:
+    """Finding 1 of issue 54, replayed with the hostile node's own key and signed headers while the
+    run is running (once its SuperNode has its first train message): a train message "from the
+    server" (src = the SuperLink, no reply_to) to node1, and an error message "from the server" to
+    the ServerApp (dst = the SuperLink). ``out``: name -> (status, answer), or "error"."""
+    import re
+
+    from promptfcl.common.flower_internals import internal
+    from tests.test_fleet_gate import push_body
+
+    def forge() -> None:
+        log, deadline = root / f"node{HOSTILE}.log", time.time() + 1200
+        while "Receiving: train message" not in log.read_text(errors="replace"):
+            if time.time() > deadline:
+                out["error"] = "the hostile node never received a train message"
+                return
+            time.sleep(0.2)
+        run_id = int(re.search(r"\[RUN (\d+)", log.read_text(errors="replace")).group(1))
+        own, victim, superlink = node_id_of(root, f"node{HOSTILE}"), node_id_of(root, "node1"), \
+            internal("superlink_node_id")
+        messages = {"a train message from the server to node1": push_body(own, superlink, victim, run_id),
+                    "an error to the ServerApp": push_body(own, superlink, superlink, run_id,
+                                                           error=f"forged by node{HOSTILE}")}
+        for name, body in messages.items():
+            out[name] = post(fleet, root / "certs" / "ca.crt", "/v1/fleet/push-messages", body,
+                             node_headers(root / "keys" / f"node{HOSTILE}"))
+
+    thread = threading.Thread(target=forge, daemon=True)
+    thread.start()
+    return thread
 
 
 def hostile_app_dir(out: Path) -> Path:
@@ -193,6 +252,37 @@ def test_deployed_run_completes_and_evaluates_on_the_nodes_held_out_data(deploym
     assert r["config"]["population"] == "nodes" and r["config"]["evaluation"] == "federated"
     # the ServerApp's log reached the submitter (flwr run --stream)
     assert "results written to" in deployment.submit_output
+
+
+@pytest.mark.deploy
+def test_a_node_cannot_speak_as_the_server(deployment):
+    """Finding 1 of issue 54 with a registered node's real key, during the run: a train message
+    "from the server" to another node and an error "from the server" to the ServerApp are both
+    refused at the gate (403, logged under the node's registered name, counted); node1 ran only
+    the server's messages, and results.json is what the run gives without them (the first test's
+    exact records: no node 1, only the hostile node's own rejected replies)."""
+    from tests.wiretap import wire_messages
+
+    forged = deployment.forged
+    assert "error" not in forged, forged
+    status, answer = forged["a train message from the server to node1"]
+    assert status == 403 and b"sender is the SuperLink, not itself (to node " in answer, (status, answer)
+    status, answer = forged["an error to the ServerApp"]
+    assert status == 403 and b"sender is the SuperLink, not itself (to the SuperLink)" in answer, (status, answer)
+    hostile, log = hostile_node_id(deployment), deployment.superlink_log.read_text(errors="replace")
+    refused = [line for line in log.splitlines()
+               if "refused POST /v1/fleet/push-messages" in line and "sender is the SuperLink" in line]
+    assert len(refused) == 2 and all(f"of node {hostile} (node{HOSTILE}))" in line for line in refused), refused
+    assert f"refusal 2 of node {hostile} (node{HOSTILE})" in refused[1]
+    # node1 pulled and ran the server's messages only: one train message per round (the wire holds
+    # every node's), and its log counts as many
+    rounds = len(deployment.results["rounds"])
+    assert [kind for direction, kind, _ in wire_messages(deployment.exchanges)
+            if direction == "s2c"].count("train") == rounds * NUM_NODES
+    assert "Receiving: train message" in (deployment.root / "node1.log").read_text(errors="replace")
+    for record in deployment.results["rounds"]:
+        assert {x["node"] for x in record["rejected"] + record["eval_failed"]} == {hostile}
+    assert "forged" not in json.dumps(deployment.results)
 
 
 def hostile_node_id(deployment: Deployment) -> int:
@@ -334,27 +424,41 @@ def test_unregistered_node_key_is_refused(deployment):
 
 
 @pytest.mark.deploy
-def test_a_crashed_node_restarted_at_once_waits_and_rejoins(deployment):
-    """A node killed hard (no deactivation: its identity stays marked online until its heartbeats
-    time out) and restarted at once is told so, not that its key is unregistered; start-client.sh
-    says why it waits, asks again, and the node rejoins under its own id within about a minute."""
+def test_a_crashed_node_restarted_at_once_rejoins_as_soon_as_its_session_has_ended(deployment, capsys):
+    """A node killed hard (no deactivation: its identity stays marked online) is, right after,
+    still held by a session that may be live (its last heartbeat is recent), and the SuperLink
+    says so, not that its key is unregistered. Restarted at once, it rejoins under its own id
+    once its last heartbeat is older than a live SuperNode leaves at its declared 10 s interval
+    (10.5 s): the SuperLink ends the old session itself, before Flower's patience (2 intervals)
+    would, unless the restart took that long anyway."""
     import re
+
+    import deploy.supernode as launcher
 
     root, procs = deployment.root, deployment.processes
     log = root / "node2.log"
-    node_id = re.search(r"SuperNode ID: (\d+)", log.read_text(errors="replace")).group(1)
+    node_id = node_id_of(root, "node2")
     node = next(p for p in procs.procs if p.poll() is None and "keys/node2" in p.args)
     kill_hard(node)
-    started = time.time()
+    killed = time.time()
+    said = launcher.rejoin_refusal(f"127.0.0.1:{deployment.ports.fleet}", str(root / "keys" / "node2"),
+                                   str(root / "certs" / "ca.crt"), False)
+    assert said is not None and said.startswith(f"node {node_id} (node2) is still marked online: its last heartbeat"), said
+    assert "a copy of its key" in said and "not registered" not in said
     start_node(root, procs, script_env(PROMPTFCL_CACHE=str(root / "cache2"), PROMPTFCL_TEST_HOSTILE="0"),
                f"127.0.0.1:{deployment.tap_port}", "node2", "data/node1", root / "run.toml", ["--threads", "1"])
-    waited = time.time() - started
+    back = time.time() - killed
     out = log.read_text(errors="replace")
-    assert f"start-client: not rejoining yet: node {node_id} (node2) is still marked online until" in out, out[-3000:]
-    assert "a copy of its key" in out and "not registered" not in out
-    assert re.search(r"SuperNode ID: (\d+)", out).group(1) == node_id  # the same identity, back
-    assert waited < 150, waited  # Flower's patience: 2 heartbeats of 30 s, plus one probe interval
-    assert f"(node {node_id} (node2) is still marked online until" in deployment.superlink_log.read_text()
+    assert re.findall(r"SuperNode ID: (\d+)", out)[-1] == str(node_id)  # the same identity, back
+    link_log = deployment.superlink_log.read_text(errors="replace")
+    ended = re.search(rf"rejoin: node {node_id} \(node2\): last heartbeat (\d+) s ago", link_log)
+    # Flower itself marks the identity offline 20 s after its last heartbeat, at least 15.5 s after
+    # the kill: a restart back sooner was let in by the SuperLink's own decision
+    assert ended is not None or back > 15.5, (back, link_log[-3000:])
+    assert f"(node {node_id} (node2) is still marked online: its last heartbeat" in link_log
+    with capsys.disabled():
+        print(f"\nnode2 killed and restarted: back under its id {back:.1f} s after the kill"
+              + (f" (the SuperLink ended its session {ended.group(1)} s after its last heartbeat)" if ended else ""))
 
 
 @pytest.mark.deploy
@@ -712,22 +816,26 @@ def node_headers(private_key_file: Path) -> dict[str, str]:
             "flwr-signature": base64.b64encode(key.sign(stamp.encode(), ec.ECDSA(hashes.SHA256()))).decode()}
 
 
-def upload(port: int, cafile: Path, path: str, size: int, headers: dict[str, str], chunked: bool = False) -> int:
-    """POST ``size`` bytes to ``path`` on 127.0.0.1:``port`` (TLS) in 1 MiB chunks until the server
-    stops reading; the status it answered (0: none readable, the connection was cut)."""
+def upload(port: int, cafile: Path, path: str, size: int, headers: dict[str, str], chunked: bool = False,
+           body: bytes | None = None) -> int:
+    """POST ``size`` bytes (zeros, or ``body``) to ``path`` on 127.0.0.1:``port`` (TLS) in 1 MiB
+    chunks until the server stops reading; the status it answered (0: none readable, the
+    connection was cut)."""
     import socket
     import ssl
 
+    zeros = b"\0" * (1 << 20)
+    total = size if body is None else len(body)
     context = ssl.create_default_context(cafile=str(cafile))
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw, \
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, \
             context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
-        length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+        length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
         head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/protobuf", length,
                 *(f"{k}: {v}" for k, v in headers.items())]
         conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
-        chunk = b"\0" * (1 << 20)
         try:
-            for _ in range(size >> 20):  # bounded: the whole body at most
+            for start in range(0, total, 1 << 20):  # bounded: the whole body at most
+                chunk = zeros[:total - start] if body is None else body[start:start + (1 << 20)]
                 conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
         except OSError:  # the server answered and closed without reading the rest
             pass
@@ -794,6 +902,70 @@ def test_node_facing_address_reads_no_body_before_it_knows_the_node(deployment):
     assert conn.getresponse().status == 200
     conn.close()
     assert deployment.results["rounds"][-1]["clients_aggregated"] == NUM_HONEST
+
+
+@pytest.mark.deploy
+def test_one_node_cannot_make_the_superlink_hold_more_than_its_share(deployment, capsys):
+    """A registered node's one signed header set replayed for 8 concurrent 50 MB object pushes (a
+    well-formed push naming its own node): 2 at a time are read (a SuperNode's own concurrency),
+    the others refused unread (503, Retry-After), and the SuperLink stays within 300 MB of idle
+    and returns to it; 8 such bodies to the control address are refused there unread (403, the
+    Fleet API is not served on it)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from promptfcl.common.flower_internals import internal
+
+    root, pid = deployment.root, deployment.superlink.pid
+    cafile = root / "certs" / "ca.crt"
+
+    def rss_mb() -> float:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+    request = internal("push_object_request")()
+    request.node.node_id = hostile_node_id(deployment)
+    request.run_id, request.session_id, request.object_id = 1, "s", "ab" * 32
+    request.object_content = b"\0" * (50 << 20)
+    body = request.SerializeToString()
+    headers = node_headers(root / "keys" / f"node{HOSTILE}")  # one signed timestamp, replayed 8 times
+    before = deployment.superlink_log.read_text(errors="replace")
+    idle, peak, done = rss_mb(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            fleet = list(pool.map(lambda _: upload(deployment.ports.fleet, cafile, "/v1/fleet/push-object", 0,
+                                                   headers, body=body), range(8)))
+        with ThreadPoolExecutor(8) as pool:
+            control = list(pool.map(lambda _: upload(deployment.ports.control, cafile, "/v1/fleet/push-object", 0,
+                                                     headers, body=body), range(8)))
+    finally:
+        done.set()
+        sampler.join()
+    after = []
+    for _ in range(20):  # the SuperLink goes on serving its nodes meanwhile
+        time.sleep(0.5)
+        after.append(rss_mb())
+    with capsys.disabled():
+        print(f"\nSuperLink RSS: idle {idle:.0f} MB, {peak[0]:.0f} MB under one node's 8 x 50 MB pushes, "
+              f"{min(after):.0f} MB after; statuses {fleet} (node-facing), {control} (control)")
+    assert peak[0] - idle < 300, (idle, peak[0])
+    assert min(after) - idle < 60, (idle, after)
+    # each refused one is answered 503 (0: the answer was lost as the SuperLink closed the
+    # connection on the unread body); Flower refuses the ones it read (no such push session)
+    assert sum(status in (0, 503) for status in fleet) >= 4 and 200 not in fleet, fleet
+    assert set(control) <= {0, 403} and control.count(403) >= 4, control
+    log = deployment.superlink_log.read_text(errors="replace")[len(before):]
+    busy = [line for line in log.splitlines() if "object pushes of this node in flight already, its limit" in line]
+    assert len(busy) >= 4 and all(f"of node {hostile_node_id(deployment)} (node{HOSTILE}))" in line for line in busy)
+    assert log.count("control address: refused POST /v1/fleet/push-object from 127.0.0.1") == 8
 
 
 # ----------------------------------------------------------------------------- the server machine dies mid-run

@@ -1,6 +1,6 @@
 """A deployment across organisations: what a node machine can reach, and what a node accepts.
 
-The SuperLink's node-facing listener serves the Fleet API only (deploy/superlink.py); a node
+What a node machine can send the SuperLink is tested in tests/test_fleet_gate.py; here: a node
 reads only the data its own node config names, refuses runs beyond the sizes it allows, and
 obeys a run's fault switch only when its operator enabled fault injection
 (client/node_policy.py); class names from the server never leave the node's data folder;
@@ -10,9 +10,6 @@ tests/test_deploy.py.
 """
 
 from __future__ import annotations
-
-import asyncio
-import json
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -24,179 +21,6 @@ from promptfcl.common.errors import DataError
 from promptfcl.common.files import class_folder
 from tests.conftest import tiny_config
 from tests.helpers import client_app, run_in_process
-
-
-# ----------------------------------------------------------------------------- the node-facing listener
-class FlowerStandIn:
-    """Flower's app as the node-facing listener sees it: reads the whole body (as Flower's
-    protobuf translation does, before it authenticates), then answers 200."""
-
-    def __init__(self, registered: set[bytes] | None = None, online_until: float | None = None) -> None:
-        """``registered``: node authentication on, these keys registered (as node 7, named "node-a");
-        ``online_until``: node 7 is marked online until then (a time.time())."""
-        import types
-
-        self.called: list[str] = []
-        self.chunks_read = 0
-        if registered is not None:
-            info = types.SimpleNamespace(node_id=7, name="node-a", public_key=b"k", online_until=online_until or 0.0,
-                                         status="online" if online_until else "offline")
-            lookup = types.SimpleNamespace(get_node_id_by_public_key=lambda key: 7 if key in registered else None,
-                                           get_node_info=lambda node_ids: [info] if 7 in node_ids else [])
-            factory = types.SimpleNamespace(state=lambda: lookup)
-            self.state = types.SimpleNamespace(enable_supernode_auth=True, linkstate_factory=factory)
-
-    async def __call__(self, scope, receive, send):
-        self.called.append(scope["path"])
-        more = True
-        while more:
-            message = await receive()
-            self.chunks_read += 1
-            more = message.get("more_body", False)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"flower"})
-
-
-def signed_headers(key=None, age: float = 0.0) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """A SuperNode's node-authentication headers (its public key, a timestamp ``age`` seconds old
-    and its signature, as flwr's NodeAuthHttpInterceptor makes them) and the public key's bytes."""
-    import base64
-    import datetime
-
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = key or ec.generate_private_key(ec.SECP384R1())
-    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    stamp = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=age)).isoformat()
-    signature = key.sign(stamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
-    return [(b"flwr-public-key", base64.b64encode(public)), (b"flwr-timestamp", stamp.encode()),
-            (b"flwr-signature", base64.b64encode(signature))], public
-
-
-def asgi_call(app, path: str, method: str = "POST", headers=(), chunks=(b"",), inner=None,
-              ) -> tuple[int, bytes, bool]:
-    """(status, body, whether the wrapped app was called) for one HTTP request to ``app``, its
-    body sent as ``chunks``."""
-    inner = inner or FlowerStandIn()
-    sent, pending = [], list(chunks)
-
-    async def receive():
-        body = pending.pop(0) if pending else b""
-        return {"type": "http.request", "body": body, "more_body": bool(pending)}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": method, "path": path, "root_path": "", "client": ("10.0.0.7", 5555),
-             "headers": list(headers), "query_string": b""}
-    asyncio.run(app(inner)(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body, bool(inner.called)
-
-
-def test_node_facing_listener_passes_fleet_calls_and_refuses_everything_else():
-    from deploy.superlink import FleetOnly
-
-    headers, _ = signed_headers()
-    for path in ("/v1/fleet/pull-messages", "/v1/fleet/push-object", "/v1/fleet/activate-node", "/health"):
-        assert asgi_call(FleetOnly, path, headers=headers) == (200, b"flower", True), path
-    for path in ("/v1/control/list-runs", "/v1/control/start-run", "/v1/control/stop-run", "/v1/runtime/get-nodes",
-                 "/v1/fleet/../control/list-runs", "/v1/fleet//pull-messages", "/v1/fleet/", "/docs",
-                 "/openapi.json", "/", "/v1/fleet/pull-messages/x", "/healthz"):
-        status, body, called = asgi_call(FleetOnly, path, headers=headers)
-        assert status == 403 and not called and b"only the Fleet API" in body, path
-
-
-def test_a_restarted_node_is_told_its_identity_is_still_online_and_may_probe(caplog):
-    import functools
-    import time
-
-    from deploy.superlink import FleetOnly
-
-    headers, public = signed_headers()
-    probe = headers + [(b"promptfcl-rejoin-probe", b"1")]
-    online = functools.partial(FlowerStandIn, {public}, time.time() + 42)
-    # Flower would answer "Failed to activate SuperNode." only; the node hears why, and Flower is not called
-    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
-        status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=online())
-    assert (status, called) == (412, False)
-    answer = json.loads(body)
-    assert answer["code"] == 2004 and answer["detail"] == "Failed to activate SuperNode."
-    assert answer["extra"].startswith("node 7 (node-a) is still marked online until ")
-    assert "crash can rejoin then" in answer["extra"] and "a copy of its key" in answer["extra"]
-    assert any("node 7 (node-a) is still marked online" in m for m in caplog.messages)
-    # the probe gets the same answer while online, and "ready" (from the gate, not Flower) once offline
-    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=online())[::2] == (412, False)
-    offline = functools.partial(FlowerStandIn, {public})
-    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=probe, inner=offline())
-    assert (status, json.loads(body), called) == (200, {"ready": True}, False)
-    # an ordinary activation of an identity offline goes on to Flower
-    assert asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=headers, inner=offline()) == (200, b"flower", True)
-
-
-def test_the_launcher_waits_while_the_superlink_says_the_identity_is_online(monkeypatch, capsys):
-    import deploy.supernode as launcher
-
-    answers = iter(["node 7 (node-a) is still marked online until 12:00:00 UTC (40 s from now, ...)"] * 2 + [None])
-    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: next(answers))
-    monkeypatch.setattr(launcher, "REJOIN_POLL_SECONDS", 0.01)
-    args = ["--superlink", "127.0.0.1:9", "--auth-supernode-private-key", "k", "--root-certificates", "ca.crt"]
-    launcher.wait_to_rejoin(args, timeout=5)
-    err = capsys.readouterr().err
-    assert err.count("start-client: not rejoining yet: node 7 (node-a) is still marked online") == 2
-    # still online at the deadline: a live process holds the identity
-    monkeypatch.setattr(launcher, "rejoin_refusal", lambda *args: "node 7 (node-a) is still marked online until ...")
-    with pytest.raises(SystemExit, match="still refuses this node after 0 s: .*stop the other copy of this node's key"):
-        launcher.wait_to_rejoin(args, timeout=0.001)
-    launcher.wait_to_rejoin(["--superlink", "127.0.0.1:9"], timeout=5)  # no registered key: nothing to wait for
-
-
-def test_node_facing_listener_knows_the_node_and_bounds_the_body_before_reading_it(caplog):
-    import functools
-
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    from deploy.superlink import OBJECT_FRAMING_BYTES, SMALL_BODY_BYTES, FleetOnly
-
-    key = ec.generate_private_key(ec.SECP384R1())
-    headers, public = signed_headers(key)
-    stale, _ = signed_headers(key, age=3600)
-    forged = [(k, v if k != b"flwr-signature" else signed_headers()[0][2][1]) for k, v in headers]
-    other_key, _ = signed_headers()
-    # no headers, a stale or forged signature: 401, Flower's app never called (nothing read)
-    for bad in ([], stale, forged, [(b"flwr-public-key", b"%%%")] + headers[1:]):
-        status, body, called = asgi_call(FleetOnly, "/v1/fleet/push-object", headers=bad, chunks=[b"x" * 1000])
-        assert (status, called) == (401, False) and b"node authentication required" in body
-    # with node authentication on, a well-signed but unregistered key is refused too
-    registered = functools.partial(FlowerStandIn, {public})
-    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers, inner=registered())[0] == 200
-    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=other_key, inner=registered())[:2] == (
-        401, b"node authentication required: a registered node's signed timestamp\n")
-    # a node starting with an unregistered key is told so, in the error format a SuperNode prints
-    status, body, called = asgi_call(FleetOnly, "/v1/fleet/activate-node", headers=other_key, inner=registered())
-    assert (status, called) == (412, False)
-    assert json.loads(body) == {"code": 2004, "detail": "Failed to activate SuperNode.", "extra":
-                                "this node's public key is not registered with the SuperLink: its operator "
-                                "registers it (deploy/register-node.sh)"}
-    # a declared length beyond the path's limit: 413 unread; an object push may carry more
-    small = SMALL_BODY_BYTES + 1
-    length = [(b"content-length", str(small).encode())]
-    assert asgi_call(FleetOnly, "/v1/fleet/pull-messages", headers=headers + length)[::2] == (413, False)
-    assert asgi_call(FleetOnly, "/v1/fleet/push-object", headers=headers + length,
-                     chunks=[b"x" * small]) == (200, b"flower", True)
-    tight = functools.partial(FleetOnly, max_object_bytes=10)
-    too_long = [(b"content-length", str(11 + OBJECT_FRAMING_BYTES).encode())]
-    assert asgi_call(tight, "/v1/fleet/push-object", headers=headers + too_long)[::2] == (413, False)
-    # no declared length (or a false one): the streamed bytes are counted and the read cut at the limit
-    inner = FlowerStandIn()
-    with caplog.at_level("WARNING", logger="promptfcl.superlink"):
-        status, body, _ = asgi_call(FleetOnly, "/v1/fleet/send-node-heartbeat", headers=headers,
-                                    chunks=[b"x" * 65536] * 100, inner=inner)
-    # Flower's app got the chunks up to the limit, never the one past it (nor the 95 after)
-    assert status == 413 and b"limit of 262144 bytes" in body and inner.chunks_read == SMALL_BODY_BYTES // 65536
-    assert any("body streamed past its limit" in m and "10.0.0.7" in m for m in caplog.messages)
 
 
 # ----------------------------------------------------------------------------- class names stay in the folder
@@ -357,6 +181,74 @@ def test_the_server_logs_a_nodes_refusal_with_its_id(tmp_path, flower_identity, 
     assert [(x["node"], "batch-size = 32 exceeds this node's limit max-batch-size = 8" in x["reason"])
             for x in record["rejected"]] == [(1003, True)]
     assert any("node 1003 excluded" in m and "max-batch-size" in m for m in caplog.messages)
+
+
+def test_a_node_refuses_a_message_that_does_not_carry_its_runs_config_digest(flower_identity):
+    """A message "from the server" that a node could push to another (finding 1 of issue 54: the
+    run's initial arrays, no config-digest) trains nothing: every message of this run's server says
+    its run config's digest (train, query and evaluate alike)."""
+    from promptfcl.client.app import check_same_config, evaluate, query, train
+
+    cfg = tiny_config(population="nodes", **{"num-clients": 3, "clients-per-round": 3})
+    ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "partition-id": 0, "num-partitions": 3},
+                  state=RecordDict(), run_config=cfg.to_dict())
+    for handler, kind in ((train, MessageType.TRAIN), (evaluate, MessageType.EVALUATE), (query, MessageType.QUERY)):
+        forged = message(cfg)
+        del forged.content["config"]["config-digest"]
+        forged.metadata.__dict__["_message_type"] = kind
+        with pytest.raises(ValueError, match="carries no config-digest"):
+            handler(forged, ctx)
+    with pytest.raises(ValueError, match="differs from the server's"):
+        check_same_config(cfg.digest(), ConfigRecord({"config-digest": "0" * 16}))
+    check_same_config(cfg.digest(), ConfigRecord({"config-digest": cfg.digest()}))
+
+
+@pytest.mark.e2e
+def test_the_server_records_no_forged_message_as_a_clients_but_names_a_dead_node(tmp_path, flower_identity, caplog):
+    """Messages under the SuperLink's node id that the SuperLink did not make (a node's forged error
+    "to the ServerApp", pulled as an instruction addressed to it; a non-error "report" on a message
+    it sent) are dropped and logged as forged, in training and in federated evaluation alike; the
+    SuperLink's real report on a node that died still names that node, by the message it was sent."""
+    from flwr.app import Error
+
+    from promptfcl.common.flower_internals import internal
+    from tests.helpers import InProcessGrid
+
+    superlink = internal("superlink_node_id")
+
+    class ForgingGrid(InProcessGrid):
+        """Each batch's first pull also returns the two forged messages, as Flower's runtime API
+        returns instructions addressed to the SuperLink with the replies it was asked for."""
+
+        def push_messages(self, messages):
+            messages = list(messages)
+            ids = super().push_messages(messages)
+            error = Message(Error(code=0, reason="forged by node 1003"), reply_to=messages[0])
+            error.metadata.__dict__.update(_src_node_id=superlink, _dst_node_id=superlink, _reply_to_message_id="")
+            report = Message(RecordDict({"metrics": MetricRecord({"num-examples": 10**9})}), reply_to=messages[-1])
+            report.metadata.__dict__["_src_node_id"] = superlink
+            self.forged = [error, report]
+            return ids
+
+        def pull_messages(self, message_ids):
+            got, self.forged = super().pull_messages(message_ids) + self.forged, []
+            return got
+
+    cfg = tiny_config(population="nodes", evaluation="federated", **{
+        "num-classes": 10, "num-clients": 3, "clients-per-round": 3, "num-tasks": 1, "rounds-per-task": 1,
+        "out-dir": str(tmp_path / "out")})
+    configs = {1001 + i: {"partition-id": i, "num-partitions": 3, "dataset": "digits"} for i in range(3)}
+    with caplog.at_level("WARNING", logger="promptfcl"):
+        results = run_in_process(cfg, nodes=3, node_configs=configs, dead={1002: "lost"}, grid_class=ForgingGrid)
+    (record,) = results["rounds"]
+    assert record["clients_aggregated"] == 2
+    assert [(x["node"], x["reason"]) for x in record["rejected"]] == [(1002, "client error: node lost")]
+    assert [(x["node"], x["reason"]) for x in record["eval_failed"]] == [(1002, "client error: node lost")]
+    assert record["eval_nodes"] == 2
+    forged = [m for m in caplog.messages if "dropped as forged" in m]
+    assert len(forged) == 4 and all(f"from node {superlink}" in m for m in forged)  # 2 in training, 2 in evaluation
+    assert sum("yet answers no message sent" in m and "forged by node 1003" in m for m in forged) == 2
+    assert sum("yet is not an error report" in m for m in forged) == 2
 
 
 def test_fault_injection_obeys_the_node_not_the_run(tmp_path, flower_identity):
@@ -629,8 +521,9 @@ def test_error_replies_name_the_error_without_the_nodes_paths(tmp_path, flower_i
 def test_log_lines_quote_untrusted_text_with_control_characters_escaped(caplog):
     import logging
 
-    from deploy.superlink import FleetOnly
     from promptfcl.common.text import escape_log_args, printable
+    from promptfcl.deploy.fleet_gate import FleetOnly
+    from tests.test_fleet_gate import asgi_call
 
     log = escape_log_args(logging.getLogger("promptfcl"))
     with caplog.at_level("INFO"):

@@ -24,7 +24,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ...common.config import AGGREGATIONS
-from ...common.records import from_array_record, to_array_record
+from ...common.records import array_view, array_views, to_array_record
 from ...common.tasks import TaskLayout
 from .replies import capped_weights, combine
 
@@ -68,7 +68,7 @@ def aggregation_policies(aggregation: str, trim_fraction: float,
 
 def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: Combiner = Combiner()) -> ArrayRecord:
     """Every array of ``records`` combined across them (``combiner``)."""
-    return to_array_record({name: combiner([r[name].numpy() for r in records], weights)
+    return to_array_record({name: combiner([array_view(r[name]) for r in records], weights)
                             for name in records[0].keys()})
 
 
@@ -90,15 +90,15 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
     """
     several = len(set(tasks)) > 1
     if (per_task == "always" or (per_task == "in-flight" and several)) and base is not None:
-        updates = [(t, from_array_record(r), float(w)) for t, r, w in zip(tasks, records, weights)]
-        out = to_array_record(aggregate_per_task(layout, from_array_record(base), updates, combiner))
+        updates = [(t, array_views(r), float(w)) for t, r, w in zip(tasks, records, weights)]
+        out = to_array_record(aggregate_per_task(layout, array_views(base), updates, combiner))
     else:
         out = combine_records(list(records), weights, combiner)
     shared = [name for name in records[0].keys() if over_all(name)] if over_all is not None and several else []
     if not shared:
         return out
-    state = from_array_record(out)
-    state.update({name: combiner([r[name].numpy() for r in records], weights) for name in shared})
+    state = array_views(out)
+    state.update({name: combiner([array_view(r[name]) for r in records], weights) for name in shared})
     return to_array_record(state)
 
 
@@ -132,12 +132,7 @@ def aggregate_per_task(
     for name, value in base.items():
         value = np.asarray(value)
         if layout.task_rows(name, value, 0) is None:  # not task-structured: every reply
-            if combiner.mode != "mean":
-                out[name] = combiner([a[name] for _, a, _ in updates], all_weights)
-                continue
-            acc = sum(w * np.asarray(a[name], dtype=np.float64) for (_, a, _), w in
-                      zip(updates, all_weights / all_weights.sum()))
-            out[name] = np.asarray(acc).astype(value.dtype)
+            out[name] = np.asarray(combiner([a[name] for _, a, _ in updates], all_weights)).astype(value.dtype)
             continue
         if combiner.mode != "mean":
             out[name] = _robust_per_row(layout, name, value, updates, combiner)
@@ -146,7 +141,7 @@ def aggregate_per_task(
         weight = np.zeros(value.shape[0], dtype=np.float64)
         for task, arrays, w in updates:
             rows = layout.task_rows(name, value, int(task))
-            total[rows] += float(w) * np.asarray(arrays[name], dtype=np.float64)[rows]
+            total[rows] += float(w) * np.asarray(np.asarray(arrays[name])[rows], dtype=np.float64)
             weight[rows] += float(w)
         trained = weight > 0
         merged = value.copy()

@@ -22,6 +22,7 @@ from ...common.records import (
     METRICS,
     PLACEMENT,
     PLACEMENT_FIELDS,
+    array_view,
     arrays_of,
     as_int,
     metrics_of,
@@ -105,7 +106,8 @@ class SampleBounds:
             if n != expected:
                 return f"num-examples {n}, but client {sent.client} holds {expected} for this task"
         if self.nodes:
-            return self.check_declared(int(reply.metadata.src_node_id), reply.content[METRICS], examples=n)
+            # the node the message went to: what a reply stands for, whatever its metadata claims
+            return self.check_declared(sent.node, reply.content[METRICS], examples=n)
         return None
 
     def check_declared(self, node: int, metrics: Any, examples: int | None = None,
@@ -173,6 +175,6 @@ def platform_problem(reply: Message, sent: Sent | None, expected: ArrayRecord | 
                 return (f"array {name}: {arrays[name].dtype}{arrays[name].shape} != sent "
                         f"{expected[name].dtype}{expected[name].shape}")
     for name in arrays.keys():
-        if not np.isfinite(arrays[name].numpy()).all():
+        if not np.isfinite(array_view(arrays[name])).all():
             return f"array {name} has non-finite values"
     return None

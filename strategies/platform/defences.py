@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
+from ...common.records import ARRAYS, array_views, arrays_of, to_array_record
 from .replies import clipped_update, lower_median, median_cosines, norm_outliers, update_norm, update_of
 from .rounds import Accepted, Sent
 
@@ -397,7 +397,8 @@ class UpdateScreen:
         shortened arrays (its direction kept). Returns the replies kept, those excluded with why,
         and the replies each defence excluded or clipped.
         """
-        updates = [update_of(from_array_record(arrays_of(a.content)), start_of(a.sent)) for a in replies]
+        # each update read from the reply's own bytes when needed (no decoded or float64 copy of every reply)
+        updates = [update_of(array_views(arrays_of(a.content)), start_of(a.sent)) for a in replies]
         norms = [update_norm(u, None) for u in updates]
         screening = self(updates, norms, [a.task for a in replies], [a.sent.client for a in replies],
                          [a.examples for a in replies])
@@ -409,7 +410,7 @@ class UpdateScreen:
                 continue
             if i in screening.scales:  # norm bounding: shortened, its direction kept
                 a.content[ARRAYS] = to_array_record(clipped_update(
-                    from_array_record(arrays_of(a.content)), start_of(a.sent), screening.scales[i]))
+                    array_views(arrays_of(a.content)), start_of(a.sent), screening.scales[i]))
                 a.update_norm = norms[i] * screening.scales[i]
             kept.append(a)
         return kept, excluded, screening.counts()

@@ -68,10 +68,12 @@ DECLARED_SIZES: dict[str, MetricSpec] = {
 #: a node with a memory budget or its own backbone precision: what it chose (client/memory.py)
 PLAN_METRICS: dict[str, MetricSpec] = {
     "memory-budget-mb": MetricSpec(float, required=False, low=0),
+    "held-mb": MetricSpec(float, required=False, low=0),  # what the process held when it planned
     "micro-batch": MetricSpec(int, required=False, low=0),
     "checkpointed-blocks": MetricSpec(int, required=False, low=0),
     "backbone-bits": MetricSpec(int, required=False, low=8, high=32),
     "peak-rss-mb": MetricSpec(float, required=False, low=0),
+    "over-budget-mb": MetricSpec(float, required=False, low=0),  # the peak above the budget, where it passed it
     "backbone-mapped-mb": MetricSpec(float, required=False, low=0),
 }
 
@@ -106,21 +108,68 @@ def check_metrics(record: Mapping[str, Any], specs: Mapping[str, MetricSpec]) ->
     return None
 
 
+#: elements of one array read at a time where the server combines or compares replies: a round's
+#: temporaries are a few chunks, not a float64 copy of every reply (ServerApp memory, common/footprint.py)
+CHUNK = 1 << 20
+
+
+def chunks(size: int) -> list[slice]:
+    """Flat slices of at most :data:`CHUNK` elements covering ``size``."""
+    return [slice(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)] or [slice(0, 0)]
+
+
+@dataclass(frozen=True)
+class Update(Mapping[str, np.ndarray]):
+    """``reply - start`` per array, computed in float64 when read, never all at once: the screen
+    reads every reply's update several times (norm, cosine), a chunk at a time (:meth:`part`)."""
+
+    reply: Mapping[str, np.ndarray]
+    start: Mapping[str, np.ndarray] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.part(name, slice(None)).reshape(np.shape(self.reply[name]))
+
+    def __iter__(self) -> Any:
+        return iter(self.reply)
+
+    def __len__(self) -> int:
+        return len(self.reply)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.reply
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(np.shape(self.reply[name]))
+
+    def size(self, name: str) -> int:
+        return int(np.size(self.reply[name]))
+
+    def part(self, name: str, rows: slice) -> np.ndarray:
+        """Flat elements ``rows`` of array ``name``'s update, float64."""
+        value = np.ravel(self.reply[name])[rows].astype(np.float64)
+        if self.start is not None:
+            value -= np.ravel(self.start[name])[rows]
+        return value
+
+
+def as_update(value: Mapping[str, np.ndarray]) -> Update:
+    return value if isinstance(value, Update) else Update(value)
+
+
 def update_norm(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None) -> float:
     """L2 norm of ``reply - start`` over all arrays (of ``reply`` itself when ``start`` is None)."""
+    update = Update(reply, start) if start is not None else as_update(reply)
     total = 0.0
-    for name, value in reply.items():
-        diff = np.asarray(value, dtype=np.float64)
-        if start is not None:
-            diff = diff - np.asarray(start[name], dtype=np.float64)
-        total += float(np.square(diff).sum())
+    for name in update:
+        for rows in chunks(update.size(name)):
+            part = update.part(name, rows)
+            total += float(part @ part)
     return math.sqrt(total)
 
 
-def update_of(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
-    """``reply - start`` per array, in float64 (``reply`` itself when ``start`` is None)."""
-    return {name: np.asarray(value, dtype=np.float64) - (0.0 if start is None else np.asarray(start[name], np.float64))
-            for name, value in reply.items()}
+def update_of(reply: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray] | None) -> Update:
+    """``reply - start`` per array, in float64 (``reply`` itself when ``start`` is None), computed when read."""
+    return Update(reply, start)
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -165,20 +214,23 @@ def median_cosines(updates: Sequence[Mapping[str, np.ndarray]]) -> list[float | 
     than 3, or no array that every update holds with one shape; a zero update reads 1).
 
     Only arrays that every update holds with one shape are compared (clients on other task
-    slices); the median of two is their mean, so fewer than 3 updates are never judged.
+    slices); the median of two is their mean, so fewer than 3 updates are never judged. Read a
+    chunk of every update at a time (dot products and norms summed over the chunks).
     """
-    names = [n for n in updates[0] if all(n in u and np.shape(u[n]) == np.shape(updates[0][n]) for u in updates)] \
-        if updates else []
+    lazy = [as_update(u) for u in updates]
+    names = [n for n in lazy[0] if all(n in u and u.shape(n) == lazy[0].shape(n) for u in lazy)] if lazy else []
     if len(updates) < 3 or not names:
         return [None] * len(updates)
-    flat = np.stack([np.concatenate([np.ravel(np.asarray(u[n], dtype=np.float64)) for n in names]) for u in updates])
-    reference = np.median(flat, axis=0)
-    ref_norm = float(np.linalg.norm(reference))
-    out: list[float | None] = []
-    for row in flat:
-        norm = float(np.linalg.norm(row))
-        out.append(float(row @ reference) / (norm * ref_norm) if norm > 0 and ref_norm > 0 else 1.0)
-    return out
+    dots, norms, ref_sq = np.zeros(len(lazy)), np.zeros(len(lazy)), 0.0
+    for name in names:
+        for rows in chunks(lazy[0].size(name)):
+            flat = np.stack([u.part(name, rows) for u in lazy])
+            reference = np.median(flat, axis=0)
+            dots += flat @ reference
+            norms += np.einsum("ij,ij->i", flat, flat)
+            ref_sq += float(reference @ reference)
+    ref_norm = math.sqrt(ref_sq)
+    return [float(d) / (math.sqrt(n) * ref_norm) if n > 0 and ref_norm > 0 else 1.0 for d, n in zip(dots, norms)]
 
 
 def direction_outliers(updates: Sequence[Mapping[str, np.ndarray]], min_cosine: float) -> list[str | None]:
@@ -215,21 +267,26 @@ def capped_weights(counts: Sequence[float] | np.ndarray, cap: float) -> np.ndarr
 def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean", trim: float = 0.2) -> np.ndarray:
     """One array from the replies' arrays: weighted mean, or coordinate-wise median or
     trimmed mean (unweighted, Flower's ``aggregate_median`` / ``aggregate_trimmed_avg``),
-    computed in float64 and cast back to the first array's dtype."""
+    computed in float64 and cast back to the first array's dtype, a chunk of elements at a time
+    (each element's arithmetic is the whole array's: the result is the same)."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; one of {AGGREGATIONS}")
     first = np.asarray(values[0])
+    flat = [np.ravel(np.asarray(v)) for v in values]
+    out = np.empty(first.size, dtype=first.dtype)
     if mode == "mean":
         w = np.asarray(weights, dtype=np.float64)
         w = w / w.sum()
-        acc = np.zeros(first.shape, dtype=np.float64)
-        for wi, v in zip(w, values):
-            acc += wi * np.asarray(v, dtype=np.float64)
-        return acc.astype(first.dtype)
+        for rows in chunks(first.size):
+            acc = np.zeros(rows.stop - rows.start, dtype=np.float64)
+            for wi, v in zip(w, flat):
+                acc += wi * np.asarray(v[rows], dtype=np.float64)
+            out[rows] = acc
+        return out.reshape(first.shape)
     from ...common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
 
-    aggregate_median, aggregate_trimmed_avg = internal("aggregate_median"), internal("aggregate_trimmed_avg")
-    layers = [([np.asarray(v, dtype=np.float64)], 1) for v in values]
-    if mode == "median":
-        return np.asarray(aggregate_median(layers)[0]).astype(first.dtype)
-    if mode == "trimmed-mean":
-        return np.asarray(aggregate_trimmed_avg(layers, trim)[0]).astype(first.dtype)
-    raise ValueError(f"unknown aggregation {mode!r}; one of {AGGREGATIONS}")
+    aggregate = internal("aggregate_median") if mode == "median" else internal("aggregate_trimmed_avg")
+    for rows in chunks(first.size):
+        layers = [([np.asarray(v[rows], dtype=np.float64)], 1) for v in flat]
+        out[rows] = np.asarray((aggregate(layers) if mode == "median" else aggregate(layers, trim))[0])
+    return out.reshape(first.shape)

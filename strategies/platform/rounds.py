@@ -9,14 +9,18 @@ client claims.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
+from ...common.flower_internals import internal
 from ...common.records import ARRAYS, CONFIG, as_int, metrics_of
+from ...common.text import escape_log_args, printable
+
+log = escape_log_args()
 
 
 @dataclass
@@ -120,3 +124,38 @@ class SentRound:
                                 if s.message is not None and s.message.metadata.message_id}
         sent = by_id.get(reply.metadata.reply_to_message_id)
         return sent.node if sent is not None else int(reply.metadata.src_node_id)
+
+
+def forged(reply: Message, sent_ids: set[str]) -> str | None:
+    """Why ``reply`` stands for no client at all (None: it may stand for one).
+
+    The SuperLink (Flower's node 1) makes a reply itself only to report an error on a message
+    it sent: its node died, or the message expired. Such a report answers that message (one of
+    ``sent_ids``, the ids of the messages this exchange sent) and stands for the node it went
+    to. A message under the SuperLink's id that answers none of them, or that is not an error,
+    was made by someone else: a node pushing a message "from the SuperLink", which the
+    SuperLink's node-facing gate also refuses (deploy/fleet_gate.py)."""
+    if int(reply.metadata.src_node_id) != int(internal("superlink_node_id")):
+        return None
+    if reply.metadata.reply_to_message_id not in sent_ids:
+        return "it claims the SuperLink's node id yet answers no message sent"
+    if not reply.has_error():
+        return "it claims the SuperLink's node id yet is not an error report"
+    return None
+
+
+def without_forged(replies: Iterable[Message], messages: Iterable[Message], what: str) -> list[Message]:
+    """``replies`` to ``messages`` without the forged ones (:func:`forged`), each logged as such:
+    never recorded as a client's reply, nor as a client's rejected one. ``what``: the exchange
+    (for the log)."""
+    sent_ids = {m.metadata.message_id for m in messages if m.metadata.message_id}
+    kept = []
+    for reply in replies:
+        why = forged(reply, sent_ids)
+        if why is None:
+            kept.append(reply)
+            continue
+        said = f"error {printable(str(reply.error.reason), 200)!r}" if reply.has_error() else "content"
+        log.warning("%s: a message from node %d (%s, answering %r) dropped as forged: %s", what,
+                    int(reply.metadata.src_node_id), said, printable(reply.metadata.reply_to_message_id, 80), why)
+    return kept

@@ -20,6 +20,7 @@ from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_T
 from ...common.privacy import PrivacyOptions, check_privacy, privacy_options
 from ...common.schedule import RandomTaskSchedule, TaskSchedule, task_schedule
 from ..registry import check_method, check_namespaces, method_options
+from .run_memory import check_server_memory
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     the method is known; every namespaced key names a method (or ``dp``) and one of its options;
     the configuration's own values (common/config_checks.py); the dataset's name; the task
     schedule and ``dp.*`` against what the method supports (its options' ``COMPATIBILITY``);
-    the method's own checks of its options against the run (its options' ``check_run``)."""
+    the method's own checks of its options against the run (its options' ``check_run``); the
+    run's memory against the server's ceilings (run_memory.py: the backbone, and a round's
+    replies, copies and method state)."""
     check_method(cfg.strategy)
     check_namespaces(cfg.method)
     cfg.validate()  # run when the configuration was built; again for one built by dataclasses.replace
@@ -45,6 +48,7 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     schedule = _check_schedule(task_schedule(cfg), cfg.task_generator == "random", cfg.strategy, options)
     privacy = check_privacy(privacy_options(cfg), cfg.num_clients, cfg.strategy, _privacy_refusal(options))
     options.check_run(cfg)
+    check_server_memory(cfg)  # the run's whole estimate against the server's ceilings (run_memory.py)
     return CheckedRun(options, schedule, privacy)
 
 

@@ -51,10 +51,10 @@ from ...common.records import (
     CONFIG,
     METRICS,
     PLACEMENT,
+    array_views,
     as_float,
     as_int,
     config_of,
-    from_array_record,
     metrics_of,
     to_array_record,
 )
@@ -217,7 +217,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
         """Initialise the new task's prompt slice orthogonally to the earlier ones (CODA-P)."""
-        state = from_array_record(arrays)
+        state = array_views(arrays)  # read-only views: the prompt arrays are copied once, into the module
         prompt = self.prompt_from(state)
         gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, task, 0x0A7]).integers(2**31)))
         prompt.init_task_slice(task, gen, orthogonal=self.cfg.ortho_init)
@@ -424,8 +424,8 @@ class PromptStrategy(Sampling, FedAvg):
         record = sent.expected if sent.expected is not None else sent.arrays
         if record is None:
             return None
-        if self._decoded[0] is not record:
-            self._decoded = (record, from_array_record(record))
+        if self._decoded[0] is not record:  # read-only views of the sent bytes: nothing decoded twice
+            self._decoded = (record, array_views(record))
         return self._decoded[1]
 
     def _outcome(self, arrays: ArrayRecord | None, metrics: MetricRecord | None, accepted: list[Accepted],
@@ -453,13 +453,27 @@ class PromptStrategy(Sampling, FedAvg):
                 log.info("round %d: max-client-weight %g: %s claimed %.0f%% of the round's examples, weighted %.0f%%",
                          server_round, cap, self.node_label(a.sent.node), 100 * claimed, 100 * given)
     def prompt_from(self, state: Mapping[str, np.ndarray]) -> TrainableModule:
-        """A prompt module holding the prompt arrays of ``state`` (no backbone needed)."""
+        """A prompt module holding (writable copies of) the prompt arrays of ``state`` (no backbone
+        needed). Built on torch's meta device and given the copies, so the server holds the prompt
+        once, not a freshly initialised one beside it."""
         dim = int(state["head.weight"].shape[1])
-        prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
-                                   self.cfg.num_tasks)
-        prompt.configure(self.cfg.method)
-        prompt.load_state_dict({k[7:]: torch.from_numpy(np.array(v, copy=True))
-                                for k, v in state.items() if k.startswith("prompt.")})
+        arrays = {k[7:]: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items() if k.startswith("prompt.")}
+
+        def build() -> TrainableModule:
+            prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
+                                       self.cfg.num_tasks)
+            prompt.configure(self.cfg.method)
+            return prompt
+
+        with torch.device("meta"):
+            prompt = build()
+        own = prompt.state_dict()
+        if set(own) == set(arrays) and all(own[k].dtype == v.dtype for k, v in arrays.items()):
+            prompt.load_state_dict(arrays, assign=True)
+            if not any(t.is_meta for t in (*prompt.parameters(), *prompt.buffers())):
+                return prompt
+        prompt = build()  # a module with state outside its state dict: built as it is
+        prompt.load_state_dict(arrays)
         return prompt
 
     # ------------------------------------------------------------------ checkpoint
