@@ -276,3 +276,30 @@ def test_paper_config_states_the_papers_figures_and_benchmarks_has_its_row(name)
     docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
     section = docs[docs.index("## Reproduced vs paper"):]
     assert f"configs/{name}" in section
+
+
+def test_fppl_fedcodap_row_runs_coda_p_as_published_at_tables_comm():
+    """FPPL's FedCODA-P baseline (Table I, COMM 0.35 M): the command of docs/benchmarks.md's row
+    runs CODA-P's prefix-tuning with L = 8, 100 components on blocks 0-4; one task's slice
+    (components, keys, attention vectors: what CODA-P trains per task) and the 200-class head
+    are 345,800 parameters. FPPL's own prompt-tuning with L = 20 would make it 576,200."""
+    import shlex
+
+    from promptfcl.common.model import CodaPrompt
+
+    docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| FedCODA-P (FPPL's baseline)"))
+    words = shlex.split(row.split("`")[1])
+    overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    assert words[words.index("--config") + 1] == "configs/fppl-imagenet-r.toml"
+    cfg = load_config(str(CONFIGS / "fppl-imagenet-r.toml"), overrides, words[words.index("--strategy") + 1], None)
+
+    def comm(c) -> int:
+        prompt = CodaPrompt(768, c.layers, c.pool_size, c.prompt_length, c.num_tasks)  # ViT-B/16 width
+        return sum(p.numel() for p in prompt.parameters()) // c.num_tasks + 200 * (768 + 1)
+
+    assert (cfg.strategy, cfg.prompt_mode, cfg.prompt_length, cfg.pool_size) == ("fedavg", "prefix", 8, 100)
+    assert cfg.layers == [0, 1, 2, 3, 4] and cfg.lr_schedule == "constant"  # sec. V-A: constant for prompt methods
+    assert comm(cfg) == 345_800
+    inherited = cfg.replace(prompt_mode="prompt", prompt_length=20)
+    assert comm(inherited) == 576_200
