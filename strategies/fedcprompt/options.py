@@ -24,9 +24,14 @@ class FedCPromptOptions(MethodOptions):
     prefix = "fedcprompt"
     COMPATIBILITY = frozenset({ASYNCHRONOUS_TASKS, RANDOM_TASKS, DIFFERENTIAL_PRIVACY})
 
-    # weight of the distance to the nearest other task's prompt (eq. 3). At 1 the hinge never
-    # opens once another task is known (orthogonal slices sit ~sqrt(2 * rows) apart, far more
-    # than a round's drift); 0.1 keeps C2L active (the authors' code weighs the two terms 1e3 : 1e1).
+    # weight of the distance to the nearest other task's prompt (eq. 3; the paper: gamma > 0, no
+    # value). 0.1 is the project's: at 1 the hinge never opens once another task is known
+    # (orthogonal slices sit ~sqrt(2 * rows) apart, far more than a round's drift), 0.1 keeps C2L
+    # active. Not from the authors' code, whose loss is not eq. 3 (Fed-CPrompt learners/prompt.py,
+    # TripletLoss): squared distances of pre-logit *features* to this round's global model (x 1e3)
+    # and to the previous task's final model (x 1e1), summed over the batch, + margin 1, weight 1.
+    # Its 1e3 and 1e1 scale the two terms: their ratio plays gamma's role only up to a factor 1e3
+    # on the whole loss, so neither is eq. 3's gamma.
     gamma: float = 0.1
     alpha: float = 0.5  # margin of the hinge (eq. 3)
     lambda_: float = 1.0  # run-config key "lambda": weight of C2L in the loss (eq. 4)
