@@ -64,9 +64,11 @@ PIPELINE = {
                              "prompt-layers": "0,1,2,3,4"},  # the authors' code
     # NIID-Bench's label skew on each task separately (Appendix D.1, the authors' dataloader)
     "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "partition-scope": "task",
-                                 "partition-class-order": "task", "prompt-layers": "0,1,2,3,4"},
+                                 "partition-class-order": "task", "prompt-layers": "0,1,2,3,4",
+                                 "lr-schedule": "codap-cosine", "lr-schedule-epochs": 0},  # K = local epochs
     "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
-                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
+                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate",  # the authors' script
+                               "lr-schedule": "codap-cosine", "lr-schedule-epochs": 50},  # prompt_hard.py: K = 50
     "c2prompt-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
                                  "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # Powder's, see the file
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",

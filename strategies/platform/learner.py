@@ -215,6 +215,11 @@ class LocalLearner:
         steps = cfg.local_epochs * math.ceil(len(trained) / cfg.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
                      if cfg.lr_schedule == "cosine" else None)
+        # CODA-P's schedule steps once per epoch: each group's rate is its base (the learning_rate
+        # hook's) times the factor, re-made every fit as CODA-P's code re-makes it every task
+        epochs_k = cfg.lr_schedule_epochs or cfg.local_epochs
+        per_epoch = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: codap_cosine(e, epochs_k))
+                     if cfg.lr_schedule == "codap-cosine" else None)
         # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
@@ -237,6 +242,8 @@ class LocalLearner:
                 losses.append(loss)
             if self.epoch_end(epoch, validation, task):
                 break
+            if per_epoch is not None:
+                per_epoch.step()
             model.train()
         model.eval()
         return self._reply(index, task, started, losses, examples=len(trained))
@@ -351,6 +358,16 @@ class LocalLearner:
         return reply
 
 
+def codap_cosine(epoch: int, epochs: int) -> float:
+    """The factor of the base rate at local epoch ``epoch`` (from 0) of ``lr-schedule = codap-cosine``:
+    CODA-P's CosineSchedule (CODA-Prompt utils/schedulers.py; the same class in Fed-CPrompt's and
+    Powder's code), cos(99 pi e / (200 (K - 1))) over K = ``epochs``: 1 at epoch 0, cos(0.495 pi)
+    = 0.0157 at epoch K - 1. K = 1 is constant (the code's formula divides by zero there)."""
+    if epochs <= 1:
+        return 1.0
+    return math.cos(99 * math.pi * epoch / (200 * (epochs - 1)))
+
+
 def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
     """(task, round within task, client id) from a train message's config."""
     try:
@@ -359,4 +376,4 @@ def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
         raise ValueError(f"train message config lacks {exc}") from None
 
 
-__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "read_task_round"]
+__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "codap_cosine", "read_task_round"]
