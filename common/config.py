@@ -286,7 +286,14 @@ class ExperimentConfig:
     # Adam. CODA-P uses 1e-3 with ViT-B/16 and long local training (configs/ set that); the
     # offline default's clients hold ~30 samples per task, so a larger step is needed.
     lr: float = key(1e-2, "training", ("results",))
-    lr_schedule: str = key("cosine", "training", ("results",))  # "cosine" or "constant", over one round's local steps
+    # The rate over one round's local training: "cosine" (annealed per step to 0 over the round's
+    # local steps), "constant", or "codap-cosine": CODA-P's CosineSchedule (CODA-Prompt
+    # utils/schedulers.py), stepped per local epoch: epoch e of K trains at
+    # lr * cos(99 pi e / (200 (K - 1))), the last at about 1.6 % of lr; K = 1: constant.
+    lr_schedule: str = key("cosine", "training", ("results",))
+    # K of codap-cosine: 0 = local-epochs (CODA-P's and Fed-CPrompt's code: the schedule's length
+    # is the local epochs); Powder's code fixes K = 50 over its 10 local epochs
+    lr_schedule_epochs: int = key(0, "training", ("results",))
     # Training-time augmentation of every method's local training (strategies/platform/learner.py), seeded
     # per client, task and round: "none"; "crop-flip" (random crop with zero padding of 1/8 of
     # the side, then a random horizontal flip); "resized-crop-flip" (torchvision's

@@ -17,6 +17,7 @@ PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
 PARTITION_SCOPES = ("task", "dataset")
 PARTITION_CLASS_ORDERS = ("original", "task")
 AUGMENTATIONS = ("none", "crop-flip", "resized-crop-flip")
+LR_SCHEDULES = ("cosine", "constant", "codap-cosine")
 INPUT_NORMS = ("backbone", "unit")
 PROMPT_TOKENS = ("auto", "truncate", "accumulate")
 INTERPOLATIONS = ("bilinear", "bicubic")
@@ -112,7 +113,15 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(cfg.local_epochs >= 1, "local-epochs must be >= 1")
     need(cfg.batch_size >= 1, "batch-size must be >= 1")
     need(cfg.lr > 0, "lr must be > 0")
-    need(cfg.lr_schedule in ("cosine", "constant"), "lr-schedule must be 'cosine' or 'constant'")
+    need(cfg.lr_schedule in LR_SCHEDULES, f"lr-schedule must be one of {LR_SCHEDULES}, got {cfg.lr_schedule!r}")
+    need(cfg.lr_schedule_epochs >= 0, f"lr-schedule-epochs must be >= 0, got {cfg.lr_schedule_epochs}")
+    need(cfg.lr_schedule_epochs == 0 or cfg.lr_schedule == "codap-cosine",
+         f"lr-schedule-epochs = {cfg.lr_schedule_epochs} applies to lr-schedule = codap-cosine only, "
+         f"not {cfg.lr_schedule!r}")
+    # past epoch K - 1 CODA-P's cosine turns negative (for K < 100): no run trains longer than its K
+    need(cfg.lr_schedule != "codap-cosine" or cfg.lr_schedule_epochs == 0 or cfg.local_epochs <= cfg.lr_schedule_epochs,
+         f"local-epochs = {cfg.local_epochs} exceeds lr-schedule-epochs = {cfg.lr_schedule_epochs}: CODA-P's "
+         "cosine is defined over K epochs (0: K = local-epochs)")
     need(cfg.augment in AUGMENTATIONS, f"augment must be one of {AUGMENTATIONS}, got {cfg.augment!r}")
     need(0.0 < cfg.augment_crop_scale <= 1.0, f"augment-crop-scale must be in (0, 1], got {cfg.augment_crop_scale}")
     need(cfg.input_norm in INPUT_NORMS, f"input-norm must be one of {INPUT_NORMS}, got {cfg.input_norm!r}")

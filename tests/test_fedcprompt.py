@@ -44,6 +44,11 @@ def start(cfg, tasks: int):
     return rt, s, arrays
 
 
+#: the project's early-stopping rule before issue 58 (options since; the authors' code's is the default)
+EARLIER_RULE = {"early-stopping-metric": "accuracy", "patience": 2, "early-stopping-keep": "best",
+                "early-stopping-skip": 0}
+
+
 def train_content(arrays, task: int, known: int) -> RecordDict:
     return RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"task": task, "round": 0, "client-id": 0,
                                                               KNOWN_TASKS: known})})
@@ -255,7 +260,7 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     carries the parameters of the best epoch."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=5)
     rt, _, arrays = start(cfg, tasks=1)
-    learner = ScriptedValidation(rt, {"c2l": False, "early-stopping-scope": "local"})
+    learner = ScriptedValidation(rt, {"c2l": False, "early-stopping-scope": "local", **EARLIER_RULE})
     learner.states, learner.script = [], [0.5, 0.7, 0.6, 0.65, 0.9]
     seen = []
     learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
@@ -278,28 +283,36 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     assert FedCPromptStrategy(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
 
 
-def test_task_scope_clients_report_the_received_models_validation_and_train_every_epoch(flower_identity):
+@pytest.mark.parametrize(("metric", "field"), [("loss", "val-loss"), ("accuracy", "val-correct")])
+def test_task_scope_clients_report_the_received_models_validation_and_train_every_epoch(flower_identity, metric,
+                                                                                         field):
     """early-stopping-scope = task (default): the client scores the global model it received on its
-    held-out share (reply metrics val-correct / val-total), trains every local epoch on the rest,
-    and replies what it trained (no best-epoch selection)."""
+    held-out share (reply metrics val-loss, the default, or val-correct, with val-total), trains
+    every local epoch on the rest, and replies what it trained (no best-epoch selection)."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=3)
     rt, _, arrays = start(cfg, tasks=1)
-    learner = FedCPromptLearner(rt, {"c2l": False})
+    options = {"c2l": False, "early-stopping-metric": metric}
+    learner = FedCPromptLearner(rt, options)
     seen = []
     learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
     reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
     trained, validation = seen[0]
     assert learner.epochs_run == 3 and len(validation) and reply[METRICS]["num-examples"] == len(trained)
     metrics = reply[METRICS]
-    received = FedCPromptLearner(rt, {"c2l": False})
+    received = FedCPromptLearner(rt, options)
     rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
     rt.model.prompt.set_task(0)
     rt.model.prompt.known_tasks = 1
-    assert (metrics["val-correct"], metrics["val-total"]) == (received.correct(validation, 0), len(validation))
-    assert FedCPromptStrategy(cfg, 10).check_records(Message(content=reply, dst_node_id=1, message_type="train"),
-                                                     None) is None
+    score = received.validation_loss(validation, 0) if metric == "loss" else received.correct(validation, 0)
+    assert {k: metrics[k] for k in ("val-total", field)} == {field: score, "val-total": len(validation)}
+    assert ({"val-loss", "val-correct"} - {field}).isdisjoint(metrics.keys())
+    server = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": metric})
+    assert server.check_records(Message(content=reply, dst_node_id=1, message_type="train"), None) is None
+    other = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": "accuracy" if metric == "loss" else "loss"})
+    assert "this run's early stopping reads" in other.check_records(
+        Message(content=reply, dst_node_id=1, message_type="train"), None)
     bad = RecordDict({METRICS: MetricRecord({"num-examples": 5, "val-correct": 3, "val-total": 2})})
-    assert "exceeds" in FedCPromptStrategy(cfg, 10).check_records(
+    assert "exceeds" in FedCPromptStrategy(cfg, 10, EARLIER_RULE).check_records(
         Message(content=bad, dst_node_id=1, message_type="train"), None)
 
 
@@ -310,7 +323,7 @@ def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(f
     client to train keeps the arrays; the state survives a checkpoint."""
     from tests.helpers import accepted_of
 
-    cfg, s, shapes, base = async_setup(num_tasks=3, known=3)
+    cfg, s, shapes, base = async_setup(num_tasks=3, known=3, options=EARLIER_RULE)
     s.task_of_client = {0: 0, 1: 1, 2: 0, 3: 1}
     models, correct = [], {0: [5, 8, 7, 6], 1: [4, 5, 6, 7]}  # task 0 peaks in round 2; task 1 keeps gaining
     out = base
@@ -339,11 +352,118 @@ def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(f
     assert list(s.configure_train(6, out, ConfigRecord({"task": 0, "round": 5}), NodeList(4))) == []
     arrays, metrics = s.aggregate_train(6, [])
     assert arrays is out and metrics["clients"] == 0
-    again = ScheduledStrategy(cfg, 6)
+    again = ScheduledStrategy(cfg, 6, EARLIER_RULE)
     again.load_state_dict(s.state_dict())
-    assert again.stopped == {0} and again.best_accuracy == s.best_accuracy and again.stale == s.stale
+    assert again.stopped == {0} and again.best_score == s.best_score and again.stale == s.stale
+    assert again.scored == s.scored == {0: 4, 1: 4}
     for name, rows in s.best_rows[1].items():
         np.testing.assert_array_equal(again.best_rows[1][name], rows)
+
+
+# ---------------------------------------------------------------------------- the stopping rules, toy runs
+def authors_stop(losses: list[float]) -> int:
+    """The round after which the authors' code stops a task, whose model it keeps (Fed-CPrompt
+    trainer.py: best_loss 1e8, patience 5, round 0 never compared, break, save the last model).
+    ``losses[r]``: the validation loss of the model averaged in round r."""
+    best_loss, patience, stale = 100000000, 5, 0
+    for round_, loss in enumerate(losses):
+        if round_ > 0:
+            if loss < best_loss:
+                best_loss, stale = loss, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    return round_
+    return len(losses) - 1
+
+
+def earlier_stop(accuracies: list[float]) -> tuple[int, int]:
+    """The project's rule before issue 58: (the round that stops the task, the index of the model it
+    restores), ``accuracies[j]``: round j's validation of the model it started from (j = 0: the task's
+    start model), higher is better, patience 2, every score compared."""
+    best, stale = 0, 0
+    for j, accuracy in enumerate(accuracies):
+        if j == 0 or accuracy > accuracies[best]:
+            best, stale = j, 0
+            continue
+        stale += 1
+        if stale >= 2:
+            return j, best
+    return len(accuracies), -1
+
+
+def run_one_task(options: dict, field: str, scores: list[float]) -> tuple[int | None, list[dict], dict]:
+    """Rounds of one task on the server, four clients, every round's average a new model M_r (all its
+    values r + 1); round r's replies score the model it started from, M_(r-1) (``scores[r]``; r = 0:
+    the task's start model). The round that stopped the task (None: none did), the model each round
+    started from, and the arrays after the last round."""
+    from tests.helpers import accepted_of
+
+    _, s, shapes, base = async_setup(num_tasks=3, known=1, options=options)
+    s.task_of_client = {c: 0 for c in range(4)}
+    started, out = [], base
+    for r, score in enumerate(scores):
+        s.round_arrays = out
+        started.append(from_array_record(out))
+        value = score if field == "val-loss" else int(round(10 * score))
+        contents = [RecordDict({ARRAYS: to_array_record({k: np.full(v, r + 1.0, np.float32) for k, v in shapes.items()}),
+                                METRICS: MetricRecord({"num-examples": 9, "train-loss": 1.0, "train-seconds": 0.1,
+                                                       field: value, "val-total": 10})}) for _ in range(4)]
+        accepted = accepted_of(contents, tasks=[0] * 4)
+        out = s.consolidate(r + 1, s.aggregate(accepted), accepted)
+        if 0 in s.stopped:
+            return r, started, from_array_record(out)
+    return None, started, from_array_record(out)
+
+
+def task_rows(state: dict, layout) -> dict:
+    return {name: value[layout.task_rows(name, value, 0)] for name, value in state.items()}
+
+
+# the loss of the model after each round r (M_r); round 0's 0.9 is the lowest, which the code never compares
+LOSSES = [0.9, 1.5, 1.2, 1.3, 1.1, 1.15, 1.2, 1.12, 1.3, 1.25, 1.4, 1.0, 0.95]
+
+
+def test_the_default_stops_as_the_authors_code_on_validation_loss_and_keeps_the_last_model(flower_identity):
+    """Issue 58: the authors' rule is the default: the loss of M_1 (2 rounds trained) is the first
+    compared; 5 scores without a lower loss stop the task, which keeps the last model validated."""
+    k = authors_stop(LOSSES)
+    assert k == 9  # best 1.1 after round 4; 1.15, 1.2, 1.12, 1.3, 1.25 do not beat it
+    start_model_loss = 0.5  # lower than any: compared, it would stop the task at once
+    stopped, started, final = run_one_task({}, "val-loss", [start_model_loss] + LOSSES)
+    # round k + 1 scored M_k and stopped the task: M_k's rows are kept (the authors' saved model),
+    # the update of round k + 1 discarded, so M_0..M_k trained the task, as rounds 0..k in the code
+    assert stopped == k + 1
+    layout = async_setup(num_tasks=3, known=1)[1].layout
+    for name, rows in task_rows(final, layout).items():
+        np.testing.assert_array_equal(rows, task_rows(started[k + 1], layout)[name])
+        np.testing.assert_array_equal(rows, k + 1.0)  # M_k's values
+    # without the code's guard (every score compared) the start model's 0.5 would stop it at round 5
+    assert run_one_task({"early-stopping-skip": 0}, "val-loss", [start_model_loss] + LOSSES)[0] == 5
+
+
+def test_a_loss_that_keeps_falling_never_stops_the_task(flower_identity):
+    falling = [1.0 - 0.05 * r for r in range(12)]
+    assert authors_stop(falling) == len(falling) - 1
+    stopped, _, final = run_one_task({}, "val-loss", [2.0] + falling)
+    assert stopped is None
+    np.testing.assert_array_equal(final["head.weight"][0:2], len(falling) + 1.0)  # the last round's model
+
+
+def test_the_earlier_rule_stops_on_accuracy_after_two_rounds_and_restores_the_best_model(flower_identity):
+    accuracies = [0.1, 0.5, 0.7, 0.6, 0.65, 0.9]  # of the start model, M_0, M_1, ...
+    j, best = earlier_stop(accuracies)
+    assert (j, best) == (4, 2)  # M_1 (score 2) is the best; rounds 3 and 4 do not beat it
+    stopped, started, final = run_one_task(EARLIER_RULE, "val-correct", accuracies)
+    assert stopped == j
+    layout = async_setup(num_tasks=3, known=1)[1].layout
+    for name, rows in task_rows(final, layout).items():
+        np.testing.assert_array_equal(rows, task_rows(started[best], layout)[name])  # M_1 restored
+        np.testing.assert_array_equal(rows, best)
+    # the same scores under keep = "last": the model round 4 scored, M_2
+    _, started, last = run_one_task({**EARLIER_RULE, "early-stopping-keep": "last"}, "val-correct", accuracies)
+    np.testing.assert_array_equal(last["head.weight"][0:2], started[j]["head.weight"][0:2])
+    np.testing.assert_array_equal(last["head.weight"][0:2], j)
 
 
 def test_validation_accuracy_is_the_models_on_the_tasks_rows():
@@ -399,10 +519,10 @@ class ScheduledStrategy(FedCPromptStrategy):
         return super().payload(sent, arrays)
 
 
-def async_setup(num_tasks=3, known=2):
+def async_setup(num_tasks=3, known=2, options=None):
     cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
-    s = ScheduledStrategy(cfg, num_classes)
+    s = ScheduledStrategy(cfg, num_classes, options)
     shapes = {"prompt.p0": (cfg.pool_size, 4, 3), "prompt.k0": (cfg.pool_size, 3),
               "head.weight": (num_classes, 3), "head.bias": (num_classes,)}
     base = to_array_record({k: np.full(v, -1.0, np.float32) for k, v in shapes.items()})

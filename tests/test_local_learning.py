@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import pytest
 import torch
 from flwr.app import RecordDict
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from promptfcl.common.config import ConfigError
 from promptfcl.common.evaluation import accuracies, correct_counts
 from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
 from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-from promptfcl.strategies.platform.learner import LocalLearner
+from promptfcl.strategies.platform.learner import LocalLearner, codap_cosine
 from tests.conftest import tiny_config
 
 
@@ -141,3 +146,58 @@ def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
     inc = LocalLearner(inc_rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     assert inc["metrics"]["num-examples"] == np.isin(rt.data.train.labels, range(5, 10)).sum()
     np.testing.assert_array_equal(from_array_record(inc[ARRAYS])["head.weight"][:5], before["head.weight"][:5])
+
+
+# ---------------------------------------------------------------------------- lr-schedule = codap-cosine
+def coda_p_rates(base: float, k: int, epochs: int) -> list[float]:
+    """The rate of each local epoch under CODA-P's CosineSchedule as its code runs it (CODA-Prompt
+    utils/schedulers.py, learners/default.py): made with K, ``last_epoch`` 0 at the first epoch and
+    stepped at the start of every later one; rate = base * cos(99 pi last_epoch / (200 (K - 1)))."""
+    rates, last_epoch = [], 0
+    for epoch in range(epochs):
+        if epoch > 0:
+            last_epoch += 1
+        rates.append(base * math.cos((99 * math.pi * last_epoch) / (200 * (k - 1))))
+    return rates
+
+
+def rates_of_a_fit(cfg) -> list[list[float]]:
+    """Every optimiser step's learning rate in one real fit, grouped by local epoch."""
+    rt, arrays = start(cfg)
+    steps: list[float] = []
+    hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(opt.param_groups[0]["lr"]))
+    try:
+        reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    finally:
+        hook.remove()
+    per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.batch_size)
+    assert len(steps) == cfg.local_epochs * per_epoch
+    return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(cfg.local_epochs)]
+
+
+@pytest.mark.parametrize(("epochs", "k"), [(5, 0), (3, 50)])
+def test_codap_cosine_trains_each_epoch_at_coda_p_s_rate(epochs, k):
+    """Issue 58: CODA-P's schedule is per epoch, not per step; K = local epochs (k = 0) ends at
+    cos(0.495 pi) = 1.57 % of the base; Powder's code fixes K = 50 and trains fewer epochs."""
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=epochs, batch_size=8,
+                      lr_schedule="codap-cosine", lr_schedule_epochs=k)
+    expected = coda_p_rates(0.01, k or epochs, epochs)
+    for rates, rate in zip(rates_of_a_fit(cfg), expected):
+        np.testing.assert_allclose(rates, rate, rtol=1e-12)  # one rate through the epoch
+    assert [codap_cosine(e, k or epochs) for e in range(epochs)] == pytest.approx(np.divide(expected, 0.01), rel=1e-12)
+    if k == 0:  # the factors fidelity5 reads off CODA-P's code at K = 5
+        np.testing.assert_allclose(np.divide(expected, 0.01), [1, 0.92538, 0.71264, 0.39354, 0.01571], atol=5e-6)
+    assert codap_cosine(19, 20) == pytest.approx(math.cos(0.495 * math.pi)) == pytest.approx(0.0157073, abs=1e-7)
+
+
+def test_codap_cosine_is_constant_over_one_epoch_and_refuses_negative_rates():
+    cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=1, batch_size=8, lr_schedule="codap-cosine")
+    [rates] = rates_of_a_fit(cfg)
+    assert len(rates) > 1 and rates == [0.01] * len(rates)  # K = 1: the code divides by zero; constant here
+    assert codap_cosine(0, 1) == 1.0
+    with pytest.raises(ConfigError, match="exceeds lr-schedule-epochs"):  # epoch K would train at a negative rate
+        tiny_config(local_epochs=6, lr_schedule="codap-cosine", lr_schedule_epochs=5)
+    with pytest.raises(ConfigError, match="applies to lr-schedule = codap-cosine"):
+        tiny_config(lr_schedule="cosine", lr_schedule_epochs=5)
+    with pytest.raises(ConfigError, match="lr-schedule must be one of"):
+        tiny_config(lr_schedule="coda")

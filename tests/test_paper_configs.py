@@ -62,13 +62,18 @@ PIPELINE = {
     "hepco-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, "prompt-layers": "0,1,2,3,4"},  # "normalize to [0, 1]"
     "fppl-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "augment-crop-scale": 0.05, **NIID_BENCH_DIRICHLET,
                              "prompt-layers": "0,1,2,3,4"},  # the authors' code
-    "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "prompt-layers": "0,1,2,3,4"},
+    # NIID-Bench's label skew on each task separately (Appendix D.1, the authors' dataloader)
+    "fedcprompt-cifar100.toml": {**CODA_INPUTS, **CIFAR_EVAL, **NIID_BENCH_DIRICHLET, "partition-scope": "task",
+                                 "partition-class-order": "task", "prompt-layers": "0,1,2,3,4",
+                                 "lr-schedule": "codap-cosine", "lr-schedule-epochs": 0},  # K = local epochs
     "powder-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
-                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # the authors' script
+                               "prompt-layers": "4,5,6", "prompt-tokens": "accumulate",  # the authors' script
+                               "lr-schedule": "codap-cosine", "lr-schedule-epochs": 50},  # prompt_hard.py: K = 50
     "c2prompt-imagenet-r.toml": {**CODA_INPUTS, **IMAGENET_EVAL, "batch-size": 64,
                                  "prompt-layers": "4,5,6", "prompt-tokens": "accumulate"},  # Powder's, see the file
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
-                          "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4"},  # Appendix B.1
+                          "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4",  # Appendix B.1
+                          "min-partition-size": 6, "partition-scope": "task"},  # the authors' code (_split_fcil)
     "lorm-cifar100.toml": {"augment": "resized-crop-flip", "augment-crop-scale": 0.08, "resize-interpolation": "bicubic",
                            "input-norm": "backbone", "eval-crop": 0.875, "min-partition-size": 6},  # the authors' code
     # the authors' Resize(224) and NIID-Bench Dirichlet; their flip + colour
@@ -133,8 +138,10 @@ def test_paper_config_parses_and_partitions(name, stand_in):
 
     # stand-in: same class count and task split, tiny images, random tiny backbone
     n_classes = CLASSES[cfg.dataset]
+    # the stand-in's tasks hold about 8 images per class: a per-task minimum of 10 for 10 clients cannot fit
     small = cfg.replace(dataset=f"folder:{stand_in(n_classes)}", test_fraction=0.34,
-                        weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4)
+                        weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4,
+                        min_partition_size=min(cfg.min_partition_size, 6))
     data = load_dataset(small)
     assert data.num_classes == n_classes
     classes = set(TaskLayout.of(cfg, n_classes).classes(0).tolist())
@@ -179,15 +186,75 @@ def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
     shares = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(cfg.num_clients)]
     sizes = np.array([len(s) for s in shares])
     assert sizes.sum() == len(pool) and sizes.std() / sizes.mean() > 0.4
-    # the whole training set is partitioned once (NIID-Bench): at least 10 samples per client there
-    whole = [sum(len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, t, 0)) for t in range(10)) for c in range(cfg.num_clients)]
-    assert min(whole) >= 10 and sum(whole) == len(labels)
+    # each task is partitioned on its own (Appendix D.1): at least 10 of every task's samples per client
+    per_task = [[len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, t, 0))
+                 for c in range(cfg.num_clients)] for t in range(10)]
+    assert min(min(sizes) for sizes in per_task) >= 10 and all(sum(sizes) == 5000 for sizes in per_task)
     task_hist = np.bincount(labels[pool], minlength=100)[classes] / len(pool)
     for share in shares:
         if len(share) >= 200:
             hist = np.bincount(labels[share], minlength=100)[classes] / len(share)
             assert 0.5 * np.abs(hist - task_hist).sum() < 0.15  # labels IID: the task's mixture
         assert len(np.unique(labels[share])) > 5 or len(share) < 30  # not a few classes per client
+
+
+@pytest.mark.parametrize("name", ["hgp-cifar100.toml", "lorm-cifar100.toml"])
+def test_fed_mammoth_configs_give_every_client_six_images_of_every_task(name):
+    """fed-mammoth's _split_fcil redraws a task's Dirichlet split until every client holds at least 6 of
+    its training images; the configs that follow it get the same guarantee per task. At the papers'
+    beta 0.5 no draw comes near 6, so the check runs the papers' beta 0.05 column, where the same seed
+    without the minimum leaves clients with 0, 1 and 5 images of a task."""
+    labels = np.repeat(np.arange(100), 500)  # CIFAR-100's training labels
+
+    def smallest_shares(overrides: list[str]) -> list[int]:
+        cfg = load_config(str(CONFIGS / name), ["dirichlet-beta=0.05", "seed=1", *overrides], None, None)
+        layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
+        smallest = []
+        for task in range(cfg.num_tasks):
+            shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.num_clients)]
+            union = np.concatenate(shares)
+            assert len(union) == len(np.unique(union)) == 5000  # the task's images, each held once
+            assert set(labels[union].tolist()) == set(layout.classes(task).tolist())
+            smallest.append(min(len(s) for s in shares))
+        return smallest
+
+    assert min(smallest_shares([])) >= 6, name
+    assert min(smallest_shares(["min-partition-size=0"])) < 6  # the minimum is what holds it
+
+
+def balancing_cap_held_per_task(labels, layout, partition, num_clients) -> bool:
+    """The authors' rule within every task: walking the task's classes in its order, a client whose
+    share of the task has reached the task's average (N_task / clients) gets nothing more of it
+    (but one sample: NIID-Bench's cut rounds down and the last client takes the remainder)."""
+    for task in range(layout.num_tasks):
+        classes = layout.classes(task)  # remapped labels, ascending: the task's order
+        cap = np.isin(labels, classes).sum() / num_clients
+        for c in range(num_clients):
+            counts = np.bincount(labels[client_indices(labels, layout, partition, c, task, 0)], minlength=len(labels))
+            held = np.cumsum(counts[classes])
+            if np.any((held[:-1] >= cap) & (counts[classes][1:] > 1)):
+                return False
+    return True
+
+
+def test_fedcprompt_label_skew_partitions_each_task_as_the_authors_code():
+    """Appendix D.1 and the authors' dataloader: each task's samples are split on their own by
+    NIID-Bench's balanced Dirichlet (cap: the task's average share), cut in the task's class order,
+    until every client holds 10 of them. A partition of the whole training set (the reading before)
+    caps a client's share of the dataset instead, so within a task it breaks the task's cap."""
+    cfg = load_config(str(CONFIGS / "fedcprompt-cifar100.toml"), [], None, None)
+    labels = np.repeat(np.arange(100), 500)  # CIFAR-100's training labels, remapped: task t = 10t..10t+9
+    layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
+    for task in range(cfg.num_tasks):
+        shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.num_clients)]
+        union = np.concatenate(shares)
+        assert len(union) == len(np.unique(union)) == 5000  # disjoint, the whole task
+        assert set(labels[union].tolist()) == set(layout.classes(task).tolist())
+        assert min(len(s) for s in shares) >= 10
+        assert min(len(np.unique(labels[s])) for s in shares) < 10  # label skew: classes missing
+    assert balancing_cap_held_per_task(labels, layout, partition, cfg.num_clients)
+    whole = cfg.replace(partition_scope="dataset", partition_class_order="original")
+    assert not balancing_cap_held_per_task(labels, TaskLayout.of(whole, 100), Partition.of(whole), cfg.num_clients)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -236,3 +303,30 @@ def test_paper_config_states_the_papers_figures_and_benchmarks_has_its_row(name)
     docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
     section = docs[docs.index("## Reproduced vs paper"):]
     assert f"configs/{name}" in section
+
+
+def test_fppl_fedcodap_row_runs_coda_p_as_published_at_tables_comm():
+    """FPPL's FedCODA-P baseline (Table I, COMM 0.35 M): the command of docs/benchmarks.md's row
+    runs CODA-P's prefix-tuning with L = 8, 100 components on blocks 0-4; one task's slice
+    (components, keys, attention vectors: what CODA-P trains per task) and the 200-class head
+    are 345,800 parameters. FPPL's own prompt-tuning with L = 20 would make it 576,200."""
+    import shlex
+
+    from promptfcl.common.model import CodaPrompt
+
+    docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| FedCODA-P (FPPL's baseline)"))
+    words = shlex.split(row.split("`")[1])
+    overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    assert words[words.index("--config") + 1] == "configs/fppl-imagenet-r.toml"
+    cfg = load_config(str(CONFIGS / "fppl-imagenet-r.toml"), overrides, words[words.index("--strategy") + 1], None)
+
+    def comm(c) -> int:
+        prompt = CodaPrompt(768, c.layers, c.pool_size, c.prompt_length, c.num_tasks)  # ViT-B/16 width
+        return sum(p.numel() for p in prompt.parameters()) // c.num_tasks + 200 * (768 + 1)
+
+    assert (cfg.strategy, cfg.prompt_mode, cfg.prompt_length, cfg.pool_size) == ("fedavg", "prefix", 8, 100)
+    assert cfg.layers == [0, 1, 2, 3, 4] and cfg.lr_schedule == "constant"  # sec. V-A: constant for prompt methods
+    assert comm(cfg) == 345_800
+    inherited = cfg.replace(prompt_mode="prompt", prompt_length=20)
+    assert comm(inherited) == 576_200

@@ -4,6 +4,8 @@ prototype re-weighting's closed form, prototypes after many rounds, the class me
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -211,11 +213,40 @@ def test_learning_rates_are_the_authors_per_part_rates_with_their_round_cosine(r
     assert learner.learning_rate("head.weight", 0) == pytest.approx(2e-3)
     assert learner.learning_rate("prompt.lora_q0_a", 0) == pytest.approx(1e-5)
     assert learner.learning_rate("head.bias", 0) is None
-    learner.seed = [0, 0, 0, cfg.rounds_per_task]  # (1 + cos(pi)) / 2 = 0
-    assert learner.learning_rate("head.weight", 0) == pytest.approx(0.0, abs=1e-12)
     flat = PILoRALearner(rt, {"round-schedule": "none", "prototype-lr": 0.02})
     flat.seed = [0, 0, 0, 3]
     assert flat.learning_rate("head.weight", 0) == pytest.approx(0.02)
+
+
+def authors_rates(base: float, rounds: int) -> list[float]:
+    """The rate each round of a task trains at, by the authors' loop (Ghy0501/PILoRA, PILoRA-cifar/VITLORA.py,
+    train()) run as written: the rate is set after each round for the next one."""
+    rate, used = base, []
+    for epoch in range(rounds):  # their "epoch" is a global round
+        used.append(rate)  # local_model.update_weights(..., lr_c=center_lr, lr_e=encoder_lr)
+        rate = base * 0.5 * (1 + math.cos(epoch * math.pi / rounds))
+    return used
+
+
+@pytest.mark.parametrize("rounds", [3, 5, 30])
+def test_round_cosine_follows_the_authors_loop_round_by_round(runtime, rounds):
+    """Issue 58: the project's cosine ran one round ahead (1, 0.75, 0.25 at 3 rounds); the authors' loop
+    trains round 0 at the base rate and round r >= 1 at (1 + cos((r - 1) pi / E)) / 2."""
+    cfg, rt = runtime
+    learner = PILoRALearner(rt, {})
+    learner.cfg = cfg.replace(rounds_per_task=rounds)
+    ours = {"head.weight": [], "prompt.lora_q0_a": []}
+    for round_ in range(rounds):
+        learner.seed = [0, 0, 0, round_]
+        for name, rates in ours.items():
+            rates.append(learner.learning_rate(name, 0))
+    np.testing.assert_allclose(ours["head.weight"], authors_rates(2e-3, rounds), rtol=1e-12)
+    np.testing.assert_allclose(ours["prompt.lora_q0_a"], authors_rates(1e-5, rounds), rtol=1e-12)
+    if rounds == 3:  # the sequences as issue 58 quotes them
+        np.testing.assert_allclose(np.array(ours["head.weight"]) / 2e-3, [1, 1, 0.75], rtol=1e-12)
+    if rounds == 5:
+        np.testing.assert_allclose(np.array(ours["head.weight"]) / 2e-3, [1, 1, 0.9045085, 0.6545085, 0.3454915],
+                                   rtol=1e-7)
 
 
 # ---------------------------------------------------------------------------- class means

@@ -19,10 +19,11 @@ CE over the current task's classes; this learner
 * optionally adds FedProx's mu/2 ||w - w_global||^2 over the trainable parameters;
 * holds out a fixed validation share of the task's samples for early stopping
   (``early-stopping``): with ``early-stopping-scope = "task"`` it scores the global model it
-  received on that share and reports the counts (``val-correct``, ``val-total``), from which
-  the server stops the task; with ``"local"`` it keeps the parameters with the best
-  validation accuracy after each local epoch and stops after ``patience`` epochs without
-  improvement.
+  received on that share and reports the score (``val-loss``, the mean cross-entropy over the
+  seen classes, or ``val-correct``, per ``early-stopping-metric``) with ``val-total``, from which
+  the server stops the task; with ``"local"`` it scores its model after each local epoch and
+  stops after ``patience`` epochs without a gain, replying the last or the best epoch's
+  parameters (``early-stopping-keep``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ...common.privacy import privacy_options
 from ...common.records import CONFIG, as_int, config_of
 from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
-from .options import FedCPromptOptions, split_held_out
+from .options import FedCPromptOptions, improves, split_held_out
 from .prompt import FedCPromptPrompt
 from .records import KNOWN_TASKS
 
@@ -88,10 +89,11 @@ class FedCPromptLearner(LocalLearner):
         self.previous: torch.Tensor | None = None  # P_s^m(r-1), flattened
         self.others: torch.Tensor | None = None  # P_s^i, i != m known, (n, V)
         self.last_c2l: float | None = None  # C2L of the last batch (diagnostics, tests)
-        self.best: tuple[float, dict[str, torch.Tensor]] | None = None  # early stopping: accuracy, state
+        # local early stopping: the best score and (early-stopping-keep = "best") its parameters
+        self.best: tuple[float, dict[str, torch.Tensor]] | None = None
         self.stale = 0  # epochs since the best
         self.epochs_run = 0  # local epochs of the last fit (diagnostics, tests)
-        self.validation_counts: tuple[int, int] | None = None  # task scope: (correct, total) of the received model
+        self.validation_report: dict[str, int | float] | None = None  # task scope: the received model's score
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -113,7 +115,7 @@ class FedCPromptLearner(LocalLearner):
         self.prompt.known_tasks = None
         self.server_params, self.previous, self.others = {}, None, None
         self.best, self.stale = None, 0
-        self.validation_counts = None
+        self.validation_report = None
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
@@ -153,37 +155,45 @@ class FedCPromptLearner(LocalLearner):
         client and task), at least one sample and never all of them (``split_held_out``).
 
         Task scope: the model holds the global arrays it received (the loop loads them before this
-        hook); its counts on the share are the reply's ``val-correct`` / ``val-total``. Under
-        differential privacy they are not released (they are outside the Gaussian mechanism)."""
+        hook); its score on the share is the reply's ``val-loss`` or ``val-correct``, with
+        ``val-total``. Under differential privacy it is not released (it is outside the Gaussian
+        mechanism)."""
         if not self.opts.early_stopping or len(index) < 2:
             return index, index[:0]
         trained, validation = split_held_out(index, self.opts.validation_fraction, self.seed[:3])
         if self.task_scope and len(validation) and not privacy_options(self.cfg).enabled:
-            self.validation_counts = (self.correct(validation, self.rt.model.prompt.task), len(validation))
+            task = self.rt.model.prompt.task
+            score: dict[str, int | float] = (
+                {"val-loss": self.validation_loss(validation, task)} if self.opts.early_stopping_metric == "loss"
+                else {"val-correct": self.correct(validation, task)})
+            self.validation_report = {**score, "val-total": len(validation)}
         return trained, validation
 
     def reply_metrics(self) -> dict[str, int | float]:
-        """Task scope: the received model's counts on the held-out share."""
-        if self.validation_counts is None:
-            return {}
-        return {"val-correct": int(self.validation_counts[0]), "val-total": int(self.validation_counts[1])}
+        """Task scope: the received model's score on the held-out share."""
+        return dict(self.validation_report or {})
 
     def epoch_end(self, epoch: int, validation: np.ndarray, task: int) -> bool:
-        """Local scope: keep the best parameters on the validation share; stop after ``patience``
+        """Local scope: score the model on the validation share (``early-stopping-metric``), keep the
+        best epoch's parameters where ``early-stopping-keep = "best"``; stop after ``patience``
         epochs without a gain."""
         self.epochs_run = epoch + 1
         if not len(validation) or self.task_scope:
             return False
-        accuracy = self.accuracy(validation, task)
-        if self.best is None or accuracy > self.best[0]:
-            self.best, self.stale = (accuracy, {k: v.clone() for k, v in self.rt.model.trainable_state().items()}), 0
+        metric = self.opts.early_stopping_metric
+        score = self.validation_loss(validation, task) if metric == "loss" else self.accuracy(validation, task)
+        if self.best is None or improves(metric, score, self.best[0]):
+            keep = self.opts.early_stopping_keep == "best"
+            state = {k: v.clone() for k, v in self.rt.model.trainable_state().items()} if keep else {}
+            self.best, self.stale = (score, state), 0
             return False
         self.stale += 1
         return self.stale >= self.opts.patience
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
-        """Early stopping: the reply carries the best parameters on the validation share."""
-        if self.best is not None:
+        """Local early stopping with ``early-stopping-keep = "best"``: the reply carries the best
+        epoch's parameters ("last": those of the epoch it stopped after)."""
+        if self.best is not None and self.best[1]:
             self.rt.model.load_trainable_state(self.best[1])
         return {}
 

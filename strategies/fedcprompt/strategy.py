@@ -20,12 +20,17 @@ tasks whose slices the server has initialised), so a client knows which future
 slices exist.
 
 Early stopping "in each task using a validation set" (Appendix D), ``early-stopping-scope =
-"task"``: each reply carries its client's counts (``val-correct`` / ``val-total``) of the global
-model it was sent on its held-out share; summed per task they are the server's validation of
-that model. The server keeps each task's best model, and after ``patience`` rounds without a
-gain restores the task's slice and head rows to it and stops the task: its clients get no
-message for the task's remaining rounds (a round with no client to train keeps the arrays).
-Held-out samples are not trained on and do not count in a reply's ``num-examples``.
+"task"``: each reply carries its client's score of the global model it was sent, on its
+held-out share (``val-loss``, its mean cross-entropy, or ``val-correct``, with ``val-total``);
+combined per task they are the server's validation of that model. After the task's first
+``early-stopping-skip`` scores, one without a gain (a lower loss, a higher accuracy) counts
+against ``patience``; at ``patience`` the task stops: its slice and head rows are set to the
+last model validated (``early-stopping-keep = "last"``, the authors' code, which keeps its last
+averaged model) or to its best one (``"best"``), and its clients get no message for the task's
+remaining rounds (a round with no client to train keeps the arrays). A round's score is of the
+model the round started from (the code scores each averaged model after its round), so the
+stopping round's own update is discarded either way. Held-out samples are not trained on and
+do not count in a reply's ``num-examples``.
 """
 
 from __future__ import annotations
@@ -41,14 +46,16 @@ from ...common.records import METRICS, as_int, from_array_record, to_array_recor
 from ..platform.replies import REPLY_METRICS, MetricSpec
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
-from .options import FedCPromptOptions, held_out_count
+from .options import FedCPromptOptions, held_out_count, improves
 from .prompt import FedCPromptPrompt
 from .records import KNOWN_TASKS
 
 log = logging.getLogger("promptfcl")
 
-#: a reply's counts of the received global model on its held-out share (task-level early stopping)
-VALIDATION_METRICS = {"val-correct": MetricSpec(int, required=False, low=0),
+#: a reply's score of the received global model on its held-out share (task-level early stopping):
+#: its mean cross-entropy or its correct count (``early-stopping-metric``), and the share's size
+VALIDATION_METRICS = {"val-loss": MetricSpec(float, required=False, low=0),
+                      "val-correct": MetricSpec(int, required=False, low=0),
                       "val-total": MetricSpec(int, required=False, low=0)}
 
 
@@ -74,14 +81,15 @@ class FedCPromptStrategy(PromptStrategy):
 
     def setup(self) -> None:
         self.known_tasks = 0  # task slices initialised so far (0..known_tasks-1)
-        # task-level early stopping, per task still running: its best validation accuracy, that
-        # model's rows of the task (every task-structured array), rounds without a gain; and the
-        # tasks stopped
-        self.best_accuracy: dict[int, float] = {}
+        # task-level early stopping, per task still running: its scores so far, its best score,
+        # that model's rows of the task (every task-structured array; keep = "best" only), scores
+        # without a gain; and the tasks stopped
+        self.scored: dict[int, int] = {}
+        self.best_score: dict[int, float] = {}
         self.best_rows: dict[int, dict[str, np.ndarray]] = {}
         self.stale: dict[int, int] = {}
         self.stopped: set[int] = set()
-        self.validation: dict[int, float] = {}  # this round's validation accuracy per task (metrics)
+        self.validation: dict[int, float] = {}  # this round's validation score per task (metrics)
 
     @property
     def task_scope(self) -> bool:
@@ -107,13 +115,19 @@ class FedCPromptStrategy(PromptStrategy):
         sent.config[KNOWN_TASKS] = self.known_tasks
         return super().payload(sent, arrays)
 
+    @property
+    def score_key(self) -> str:
+        """The reply metric holding a client's validation score (``early-stopping-metric``)."""
+        return "val-loss" if self.opts.early_stopping_metric == "loss" else "val-correct"
+
     def check_records(self, reply: Message, sent: Sent) -> str | None:
-        """Validation counts, where sent, come in pairs, with no more correct than scored."""
+        """A validation score, where sent, is the run's metric with its share's size, with no more
+        correct than scored."""
         metrics = reply.content[METRICS]
-        has = [k in metrics for k in VALIDATION_METRICS]
-        if any(has) and not all(has):
-            return "val-correct and val-total come together"
-        if all(has) and as_int(metrics["val-correct"]) > as_int(metrics["val-total"]):
+        has = {k for k in VALIDATION_METRICS if k in metrics}
+        if has and has != {self.score_key, "val-total"}:
+            return f"validation fields {sorted(has)}: this run's early stopping reads {self.score_key} with val-total"
+        if "val-correct" in has and as_int(metrics["val-correct"]) > as_int(metrics["val-total"]):
             return f"val-correct {as_int(metrics['val-correct'])} exceeds val-total {as_int(metrics['val-total'])}"
         return None
 
@@ -125,28 +139,41 @@ class FedCPromptStrategy(PromptStrategy):
         sent = from_array_record(self.round_arrays)
         state: dict[str, np.ndarray] | None = None
         for task in sorted({a.task for a in accepted} - self.stopped):
-            mine = [a.content[METRICS] for a in accepted if a.task == task and "val-total" in a.content[METRICS]]
-            total = correct = 0
-            for m in mine:
-                total, correct = total + as_int(m["val-total"]), correct + as_int(m["val-correct"])
-            if not total:
-                continue  # no counts (differential privacy, or shares too small to hold any out)
-            accuracy = correct / total
-            self.validation[task] = accuracy
-            if task not in self.best_accuracy or accuracy > self.best_accuracy[task]:
-                self.best_accuracy[task], self.stale[task] = accuracy, 0
-                self.best_rows[task] = self._rows(sent, task)
+            score = self._score([a.content[METRICS] for a in accepted if a.task == task])
+            if score is None:
+                continue  # no scores (differential privacy, or shares too small to hold any out)
+            self.validation[task] = score
+            self.scored[task] = self.scored.get(task, 0) + 1
+            if self.scored[task] <= self.opts.early_stopping_skip:
+                continue  # the code never compares its first round's score
+            if task not in self.best_score or improves(self.opts.early_stopping_metric, score, self.best_score[task]):
+                self.best_score[task], self.stale[task] = score, 0
+                if self.opts.early_stopping_keep == "best":
+                    self.best_rows[task] = self._rows(sent, task)
                 continue
             self.stale[task] = self.stale.get(task, 0) + 1
             if self.stale[task] >= self.opts.patience:
+                kept = self.best_rows.pop(task) if self.opts.early_stopping_keep == "best" else self._rows(sent, task)
                 state = from_array_record(arrays) if state is None else state
-                for name, rows in self.best_rows.pop(task).items():  # this round's update is discarded
+                for name, rows in kept.items():  # this round's update is discarded
                     state[name][self.layout.task_rows(name, state[name], task)] = rows
                 self.stopped.add(task)
-                log.info("round %d: task %d stopped early (validation %.1f%%, best %.1f%%, %d rounds without a "
-                         "gain); its slice and head rows are back at its best model", server_round, task + 1,
-                         100 * accuracy, 100 * self.best_accuracy[task], self.stale[task])
+                log.info("round %d: task %d stopped early (validation %s %.4g, best %.4g, %d scores without a gain); "
+                         "its slice and head rows are its %s model's", server_round, task + 1,
+                         self.opts.early_stopping_metric, score, self.best_score[task], self.stale[task],
+                         self.opts.early_stopping_keep)
         return arrays if state is None else to_array_record(state)
+
+    def _score(self, metrics: list[Any]) -> float | None:
+        """One task's validation from its replies' scores: the mean loss over their held-out samples,
+        or the share of them classified right (None: no reply scored any)."""
+        mine = [m for m in metrics if "val-total" in m and self.score_key in m]
+        total = sum(as_int(m["val-total"]) for m in mine)
+        if not total:
+            return None
+        if self.opts.early_stopping_metric == "loss":
+            return sum(float(m["val-loss"]) * as_int(m["val-total"]) for m in mine) / total
+        return sum(as_int(m["val-correct"]) for m in mine) / total
 
     def _rows(self, state: dict[str, np.ndarray], task: int) -> dict[str, np.ndarray]:
         """``task``'s rows of every task-structured array (its slice of each prompt array, its head rows)."""
@@ -159,7 +186,7 @@ class FedCPromptStrategy(PromptStrategy):
 
     def on_task_end(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
         """The task's early-stopping state is no longer needed (a stopped task stays stopped)."""
-        for table in (self.best_accuracy, self.best_rows, self.stale):
+        for table in (self.scored, self.best_score, self.best_rows, self.stale):
             table.pop(task, None)
         return arrays
 
@@ -167,18 +194,22 @@ class FedCPromptStrategy(PromptStrategy):
         metrics: dict[str, float] = {"tasks-aggregated": len({a.task for a in accepted})}
         if self.task_scope:
             metrics["tasks-stopped"] = len(self.stopped)
-            metrics.update({f"val-acc-task{t + 1}": 100 * acc for t, acc in self.validation.items()})
+            if self.opts.early_stopping_metric == "loss":
+                metrics.update({f"val-loss-task{t + 1}": loss for t, loss in self.validation.items()})
+            else:
+                metrics.update({f"val-acc-task{t + 1}": 100 * acc for t, acc in self.validation.items()})
         return metrics
 
     def summary(self) -> None:
         super().summary()
         if self.task_scope and privacy_options(self.cfg).enabled:
-            log.info("fedcprompt: task-level early stopping needs the clients' validation counts, which "
+            log.info("fedcprompt: task-level early stopping needs the clients' validation scores, which "
                      "differential privacy does not release: every task runs all its rounds")
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"known-tasks": int(self.known_tasks), "stopped": sorted(self.stopped),
-                                 "best-accuracy": {str(t): v for t, v in self.best_accuracy.items()},
+                                 "scored": {str(t): v for t, v in self.scored.items()},
+                                 "best-score": {str(t): v for t, v in self.best_score.items()},
                                  "stale": {str(t): v for t, v in self.stale.items()}}
         for task, rows in self.best_rows.items():
             for name, value in rows.items():
@@ -188,7 +219,8 @@ class FedCPromptStrategy(PromptStrategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.known_tasks = int(state.get("known-tasks", 0))
         self.stopped = {int(t) for t in state.get("stopped", [])}
-        self.best_accuracy = {int(t): float(v) for t, v in dict(state.get("best-accuracy", {})).items()}
+        self.scored = {int(t): int(v) for t, v in dict(state.get("scored", {})).items()}
+        self.best_score = {int(t): float(v) for t, v in dict(state.get("best-score", {})).items()}
         self.stale = {int(t): int(v) for t, v in dict(state.get("stale", {})).items()}
         self.best_rows = {}
         for key, value in state.items():

@@ -23,7 +23,8 @@ class HGPOptions(MethodOptions):
     """HGP's options (run-config keys ``hgp.<key>``, kebab-case).
 
     Defaults follow the paper; values its copy leaves blank come from the authors'
-    code (marked "code"). Authors'-code behaviours are available as options.
+    code (marked "code") or, where the code has none, are the project's (marked so).
+    Authors'-code behaviours are available as options.
     """
 
     prefix = "hgp"
@@ -37,8 +38,12 @@ class HGPOptions(MethodOptions):
     cov_shrinkage: str = "none"
     cov_rank: int = 16  # r of the low-rank-plus-diagonal encoding
     cov_dtype: str = "float32"  # transport precision of the covariance: "float32" or "float16"
-    cov_multiplier: float = 3.0  # covariance scale when sampling (code: 3)
-    cov_eps: float = 1e-4  # ridge, relative to a component's average variance
+    # Covariance scale when sampling: the paper multiplies each prototype's covariance "to enhance
+    # dataset diversity" (Appendix B.1) by a value blank in our copy. 3 is the project's: the authors'
+    # sampler (fed-mammoth _models/ccvr.py) scales nothing (its "3" counts statistics epochs).
+    cov_multiplier: float = 3.0
+    # ridge, relative to a component's average variance (the project's; the authors' code adds 1e-8 I)
+    cov_eps: float = 1e-4
     samples_per_class: int = 256  # average synthetic features per class (code: 256)
     class_weights: str = "counts"  # Tier 2: "counts" (paper) or "uniform" (authors' code)
     rebalance_old: bool = True  # CR_old: synthetic features of earlier tasks' classes
@@ -46,11 +51,13 @@ class HGPOptions(MethodOptions):
     # classes competing in the rebalancing softmax: all seen so far, or only those sampled
     # (differs only in the CR ablations: CR_cur alone with "seen" pushes every old class down)
     rebalance_logits: str = "seen"
-    rebalance_epochs: int = 5
-    rebalance_lr: float = 0.01
-    rebalance_momentum: float = 0.9
+    rebalance_epochs: int = 5  # the paper's "five epochs"
+    rebalance_lr: float = 0.01  # (code: 0.01; blank in our copy of the paper)
+    rebalance_momentum: float = 0.9  # (code: 0.9; blank in our copy of the paper)
     rebalance_batch_size: int = 256  # (code: 256)
-    rebalance_schedule: str = "cosine"  # "cosine" (paper) or "constant" (authors' code)
+    # "cosine" (the paper, Appendix B.1; the authors' code too: CosineAnnealingLR, T_max 5, stepped per
+    # epoch, 0.01 .. 0.000955; here stepped per batch over all epochs) or "constant" (the project's ablation)
+    rebalance_schedule: str = "cosine"
     resample_each_epoch: bool = False  # a fresh synthetic set every epoch (authors' code)
     loss: str = "ce"  # "ce" (paper) or "logit-norm" (authors' code: logits / ||logits|| / T)
     logit_temperature: float = 0.1  # T of the logit-normalised CE

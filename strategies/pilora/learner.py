@@ -58,6 +58,14 @@ class ClassSums:
         return classes, means
 
 
+def round_cosine(round_: int, rounds: int) -> float:
+    """The factor of both rates in round ``round_`` (from 0) of a task of ``rounds`` rounds, as the
+    authors' loop computes it (Ghy0501/PILoRA, ``PILoRA-cifar/VITLORA.py``, ``train``): after round e
+    it sets the next round's rates to ``base (1 + cos(e pi / E)) / 2``, so round 0 runs at the base
+    rate and round r >= 1 at ``(1 + cos((r - 1) pi / E)) / 2``: 1, 1, 0.75 at E = 3."""
+    return 1.0 if round_ == 0 else 0.5 * (1.0 + math.cos(math.pi * (round_ - 1) / rounds))
+
+
 class PILoRALearner(LocalLearner):
     """PILoRA's local learning (module docstring): the shared loop trains the current LoRA set and
     the head's rows (the prototypes; only the task's receive a gradient) at their own rates."""
@@ -83,14 +91,14 @@ class PILoRALearner(LocalLearner):
 
     def learning_rate(self, name: str, task: int) -> float | None:
         """Prototypes (``head.weight``) at ``prototype-lr``, the LoRA sets at ``lora-lr``, each times the
-        authors' cosine over the task's rounds (``round-schedule``)."""
+        authors' cosine over the task's rounds (``round-schedule``, :func:`round_cosine`)."""
         base = self.opts.prototype_lr if name == "head.weight" else \
             self.opts.lora_lr if name.startswith("prompt.lora_") else None
         if base is None:
             return None
         if self.opts.round_schedule == "cosine":
             round_ = self.seed[3] if len(self.seed) > 3 else 0
-            base *= 0.5 * (1.0 + math.cos(math.pi * round_ / self.cfg.rounds_per_task))
+            base *= round_cosine(round_, self.cfg.rounds_per_task)
         return base
 
     def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:
@@ -150,4 +158,4 @@ class PILoRALearner(LocalLearner):
         self.class_sums = ClassSums()
 
 
-__all__ = ["ClassSums", "PILoRALearner"]
+__all__ = ["ClassSums", "PILoRALearner", "round_cosine"]

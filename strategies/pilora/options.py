@@ -42,11 +42,14 @@ class PILoRAOptions(MethodOptions):
         loss as ``wd / 2 * ||p||^2`` (A and M: 1e-5).
     prototype_lr, lora_lr : float
         Adam learning rates of the prototypes and of the LoRA sets (A's ``train_d.sh``:
-        ``centers_lr = 2e-3``, ``encoders_lr = 1e-5``; M's are ``--lr`` and ``--lr_back``).
+        ``centers_lr = 2e-3``, ``encoders_lr = 1e-5``; M's are ``--lr`` and ``--lr_back``, which its
+        released experiments set to 0.02 and 1e-4, as its maintainer confirmed in fed-mammoth
+        issue #2).
         The run's ``lr`` then drives nothing (the head's bias is unused).
     round_schedule : str
-        "cosine" (A): both rates times ``(1 + cos(pi e / E)) / 2`` in round e of a task of E
-        rounds; "none" (M). Set the run's ``lr-schedule = "constant"`` beside it for A's
+        "cosine" (A): both rates times 1 in round 0 of a task of E rounds and
+        ``(1 + cos(pi (r - 1) / E)) / 2`` in round r >= 1 (A updates the rates after each round
+        for the next: 1, 1, 0.75 at E = 3); "none" (M). Set the run's ``lr-schedule = "constant"`` beside it for A's
         arithmetic (the platform's cosine runs over one round's local steps).
     softmax_over : str
         The DCE's softmax: "all" (both codes) over every class's prototype, those of other tasks

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +215,11 @@ class LocalLearner:
         steps = cfg.local_epochs * math.ceil(len(trained) / cfg.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
                      if cfg.lr_schedule == "cosine" else None)
+        # CODA-P's schedule steps once per epoch: each group's rate is its base (the learning_rate
+        # hook's) times the factor, re-made every fit as CODA-P's code re-makes it every task
+        epochs_k = cfg.lr_schedule_epochs or cfg.local_epochs
+        per_epoch = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: codap_cosine(e, epochs_k))
+                     if cfg.lr_schedule == "codap-cosine" else None)
         # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
@@ -237,6 +242,8 @@ class LocalLearner:
                 losses.append(loss)
             if self.epoch_end(epoch, validation, task):
                 break
+            if per_epoch is not None:
+                per_epoch.step()
             model.train()
         model.eval()
         return self._reply(index, task, started, losses, examples=len(trained))
@@ -291,23 +298,44 @@ class LocalLearner:
         """How many of training samples ``index`` the model classifies right among ``task``'s head
         rows, each image taken as evaluation takes a test image (``eval-crop``: validation scores
         what evaluation scores). Leaves the model in eval mode."""
+        layout = self.rt.layout
+        targets = torch.as_tensor(layout.head_targets(task, self.rt.data.train.labels[index]))
+        correct = 0
+        for rows, logits in self._validation_logits(index, layout.head_rows(task), batch_size):
+            correct += int((logits.argmax(1).cpu() == targets[rows]).sum())
+        return correct
+
+    @torch.no_grad()
+    def validation_loss(self, index: np.ndarray, task: int, batch_size: int = 256) -> float:
+        """Mean cross-entropy of training samples ``index`` (of ``task``) over the head rows of every
+        task up to ``task`` (Fed-CPrompt's code validates over the first (t + 1) x 10 logits), each
+        image taken as evaluation takes it. Leaves the model in eval mode."""
+        layout = self.rt.layout
+        seen = np.unique(np.concatenate([layout.head_rows(t) for t in range(task + 1)]))
+        targets = torch.as_tensor(layout.head_targets(task, self.rt.data.train.labels[index]))
+        total = 0.0
+        for rows, logits in self._validation_logits(index, seen, batch_size):
+            total += float(F.cross_entropy(logits, targets[rows].to(logits.device), reduction="sum"))
+        return total / max(len(index), 1)
+
+    def _validation_logits(self, index: np.ndarray, allowed_rows: np.ndarray,
+                           batch_size: int) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(positions in ``index``, float32 logits masked to ``allowed_rows``) per batch of training
+        samples ``index``, each image preprocessed as evaluation preprocesses a test image."""
         rt, cfg, model = self.rt, self.cfg, self.rt.model
         model.eval()
         allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
-        allowed[rt.layout.head_rows(task)] = True
-        targets = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[index]))
+        allowed[allowed_rows] = True
         # the training split's query cache holds the uncropped images' q(x): valid while the
         # evaluation takes the whole image
         queries = rt.queries("train", index) if cfg.eval_crop >= 1.0 else None
-        correct = 0
         for start in range(0, len(index), batch_size):
             images = rt.data.train.images[index[start : start + batch_size]]
             x = model.preprocess(torch.from_numpy(images).to(rt.device), evaluation=True)
             with rt.autocast():
                 q = queries[start : start + batch_size] if queries is not None else model.query(x)
                 logits = masked_logits(model(x, q).float(), allowed)
-            correct += int((logits.argmax(1).cpu() == targets[start : start + batch_size]).sum())
-        return correct
+            yield slice(start, start + batch_size), logits
 
     def augmentation(self, stream: int = 0xA06) -> np.random.Generator | None:
         """A random source of augmented views for this fit (None: ``augment = "none"``).
@@ -351,6 +379,16 @@ class LocalLearner:
         return reply
 
 
+def codap_cosine(epoch: int, epochs: int) -> float:
+    """The factor of the base rate at local epoch ``epoch`` (from 0) of ``lr-schedule = codap-cosine``:
+    CODA-P's CosineSchedule (CODA-Prompt utils/schedulers.py; the same class in Fed-CPrompt's and
+    Powder's code), cos(99 pi e / (200 (K - 1))) over K = ``epochs``: 1 at epoch 0, cos(0.495 pi)
+    = 0.0157 at epoch K - 1. K = 1 is constant (the code's formula divides by zero there)."""
+    if epochs <= 1:
+        return 1.0
+    return math.cos(99 * math.pi * epoch / (200 * (epochs - 1)))
+
+
 def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
     """(task, round within task, client id) from a train message's config."""
     try:
@@ -359,4 +397,4 @@ def read_task_round(config: ConfigRecord) -> tuple[int, int, int]:
         raise ValueError(f"train message config lacks {exc}") from None
 
 
-__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "read_task_round"]
+__all__ = ["HOOKS", "SEALED", "Batch", "LocalLearner", "codap_cosine", "read_task_round"]
