@@ -95,18 +95,21 @@ def test_the_learners_histogram_counts_its_images_among_its_tasks_slice():
 
 
 # ---------------------------------------------------------------------------- CPA
-def test_cpa_with_identical_histograms_is_the_weighted_mean():
+def test_cpa_with_identical_histograms_is_the_weighted_mean_within_a_component():
     rng = np.random.default_rng(1)
     hist = rng.integers(0, 9, (4, 5)).astype(float)  # N = 4 components, C = 5 classes
     values = rng.normal(size=(3, 4, 2, 6))  # K = 3 clients' copies of the slice (N, L, D)
     weights = np.array([10.0, 30.0, 60.0])
-    merged, copies = class_aware_aggregate(values, np.stack([hist] * 3), weights)
+    merged, copies = class_aware_aggregate(values, np.stack([hist] * 3), weights, "component")
     mean = np.einsum("k,k...->...", weights / weights.sum(), values)
     np.testing.assert_allclose(merged, mean, atol=1e-12)
     np.testing.assert_allclose(copies, np.stack([mean] * 3), atol=1e-12)
     # scaled copies of one histogram (a bigger client) are the same class profile
-    merged2, _ = class_aware_aggregate(values, np.stack([hist, 3 * hist, 0.5 * hist]), weights)
+    merged2, _ = class_aware_aggregate(values, np.stack([hist, 3 * hist, 0.5 * hist]), weights, "component")
     np.testing.assert_allclose(merged2, mean, atol=1e-12)
+    # the figures' whole matrix (the default) also mixes components whose class profiles overlap
+    _, everywhere = class_aware_aggregate(values, np.stack([hist] * 3), weights)
+    assert not np.allclose(everywhere, copies)
 
 
 @pytest.mark.parametrize("scope", ["component", "all"])
@@ -183,13 +186,16 @@ def _learner_with_compensation(options: dict):
     rt.model.prompt.configure(cfg.method)
     learner = C2PromptLearner(rt, options)
     learner.seed = [0, 0, 0, 0]
-    dim = rt.model.embed_dim
-    content = RecordDict({GLOBAL_STATS: to_array_record({"classes": np.arange(5), "means": np.zeros((5, dim), np.float32),
-                                                         "var": np.ones((5, dim), np.float32)}),
-                          "config": ConfigRecord({})})
     rt.model.prompt.set_task(0)
-    learner.round_start(content, 0)
+    learner.round_start(global_content(rt.model.embed_dim), 0)
     return learner
+
+
+def global_content(dim: int) -> RecordDict:
+    """A train message's records for LCDC: task 0's classes at mean 0, variance 1."""
+    return RecordDict({GLOBAL_STATS: to_array_record({"classes": np.arange(5), "means": np.zeros((5, dim), np.float32),
+                                                      "var": np.ones((5, dim), np.float32)}),
+                       "config": ConfigRecord({})})
 
 
 def test_comp_prob_zero_leaves_the_plain_prompted_loss():
@@ -210,22 +216,24 @@ def test_with_comp_prob_one_each_images_loss_is_its_compensated_forwards():
     torch.testing.assert_close(total, direct)
 
 
-def test_lcdc_moves_the_compensated_features_toward_their_global_distribution():
-    learner = _learner_with_compensation({"comp-epochs": 0})
+@pytest.mark.parametrize("schedule", ["once", "every-round"])
+def test_lcdc_moves_the_compensated_features_toward_their_global_distribution(schedule):
+    learner = _learner_with_compensation({"comp-epochs": 0, "comp-schedule": schedule})
     rt, prompt = learner.rt, learner.prompt
     index = np.flatnonzero(rt.data.train.labels < 5)
     x = rt.model.preprocess(torch.from_numpy(rt.data.train.images[index]))
     which = torch.as_tensor(rt.data.train.labels[index])
+    alone = schedule == "once"  # figure (c): the class tokens alone on the frozen backbone
 
     def loss(comps):
-        with prompt.compensated({k: c[which] for k, c in comps.items()}, False), torch.no_grad():
+        with prompt.compensated({k: c[which] for k, c in comps.items()}, False, alone), torch.no_grad():
             feats = rt.model.features(x, rt.model.query(x))
         return float(compensation_loss(feats, learner.global_means[which], learner.global_var[which], "nll", 1e-4))
 
     before = loss(learner.compensation)
     trained = learner.train_compensation(0)  # the fit's LCDC (comp-epochs 0 above: init only)
     assert trained.keys() == learner.compensation.keys()
-    learner.opts = C2PromptOptions.from_options({"comp-epochs": 3, "comp-lr": 0.05})
+    learner.opts = C2PromptOptions.from_options({"comp-epochs": 3, "comp-lr": 0.05, "comp-schedule": schedule})
     assert loss(learner.train_compensation(0)) < before
 
 
@@ -250,7 +258,9 @@ def reply(s, arrays, task: int, hist: np.ndarray, shift: float, stats: dict | No
 
 
 def test_an_asynchronous_round_aggregates_each_task_over_the_replies_sent_that_task():
-    s, arrays = strategy(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
+    # component scope: identical histograms give each task's replies' mean, which this test reads
+    s, arrays = strategy(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5,
+                         **{"c2prompt.cpa-scope": "component"})
     per_task, layers = s.layout.components_per_task, s.cfg.layers
     shape = (len(layers), per_task, 5)
     h0, h1 = np.ones(shape), np.zeros(shape)
@@ -331,7 +341,10 @@ def test_options_are_validated_and_checked_against_the_run():
     with pytest.raises(ConfigError, match="global-stats"):
         C2PromptOptions.from_options({"global-stats": "full"})
     with pytest.raises(ConfigError, match="comp-length"):
-        C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3}).check_run(tiny_config())
+        C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3, "comp-schedule": "every-round"}
+                                     ).check_run(tiny_config())
+    with pytest.raises(ConfigError, match="comp-schedule = every-round"):  # "once" trains the tokens alone
+        C2PromptOptions.from_options({"comp-attach": "add"})
     with pytest.raises(ConfigError, match="even"):
         C2PromptOptions.from_options({"comp-length": 3}).check_run(tiny_config(prompt_mode="prefix"))
 

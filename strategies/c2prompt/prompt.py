@@ -24,7 +24,13 @@ class C2PromptPrompt(CodaPrompt):
 
     * ``"concat"``: its tokens follow the discriminative prompt's (prompt-tuning: more tokens after
       CLS; prefix-tuning: each half, keys and values, gets its own half of them);
-    * ``"add"``: it is added to the discriminative prompt (same length).
+    * ``"add"``: it is added to the discriminative prompt (same length);
+    * alone (``compensated(..., alone=True)``, figure (c)'s token row: the class tokens with the
+      frozen backbone, no discriminative prompt): the compensation prompt is the block's prompt.
+
+    With ``c2prompt.cpa-pool = "keep-all"`` a client trains only its part of its task's slice
+    (:meth:`restrict`: the earlier slices whole, the current one's part), as the figures' client
+    holds its own N prompts; unrestricted (the server, evaluation) every part of every slice is used.
     """
 
     attach = "concat"
@@ -33,26 +39,51 @@ class C2PromptPrompt(CodaPrompt):
         super().__init__(*args, **kwargs)
         self._compensation: Mapping[int, torch.Tensor] | None = None  # block -> (B, Lc, D)
         self._halves = False
+        self._alone = False
+        self.own: slice | None = None  # rows of the current task's slice this client trains (None: all)
 
     def configure(self, options: Mapping[str, Any]) -> None:
         """The run's ``c2prompt.comp-attach`` (``options``: its namespaced method options)."""
         self.attach = C2PromptOptions.from_options({k[len("c2prompt."):]: v for k, v in options.items()
                                                     if k.startswith("c2prompt.")}).comp_attach
 
+    def restrict(self, rows: slice | None) -> None:
+        """Train (and weigh) only ``rows`` of the current task's slice (None: all of it)."""
+        s = self.slice_of(self.task)
+        if rows is not None and not (s.start <= rows.start < rows.stop <= s.stop):
+            raise ValueError(f"rows {rows} are not part of task {self.task}'s slice {s}")
+        self.own = rows
+
+    def task_columns(self) -> slice:
+        """The columns of :meth:`weights` that are the current task's components (its part)."""
+        s = self.slice_of(self.task)
+        own = self.own or s
+        return slice(s.start, s.start + own.stop - own.start)
+
+    def _active(self, kind: str, layer: int, train: bool) -> torch.Tensor:
+        if self.own is None:
+            return super()._active(kind, layer, train)
+        param = getattr(self, f"{kind}{layer}")
+        earlier = param[: self.slice_of(self.task).start]
+        return torch.cat([earlier.detach() if train else earlier, param[self.own]], dim=0)
+
     @contextmanager
-    def compensated(self, prompts: Mapping[int, torch.Tensor], halves: bool) -> Iterator[None]:
+    def compensated(self, prompts: Mapping[int, torch.Tensor], halves: bool, alone: bool = False) -> Iterator[None]:
         """Forward passes inside attach ``prompts`` (block -> (B, Lc, D), row i for image i);
-        ``halves``: the prompts are prefixes split into key and value halves."""
-        self._compensation, self._halves = prompts, halves
+        ``halves``: the prompts are prefixes split into key and value halves; ``alone``: the
+        compensation prompts replace the discriminative ones (figure (c))."""
+        self._compensation, self._halves, self._alone = prompts, halves, alone
         try:
             yield
         finally:
-            self._compensation = None
+            self._compensation, self._alone = None, False
 
     def forward(self, query: torch.Tensor, layer: int) -> torch.Tensor:
         """The discriminative prompt (B, L, D) of ``layer``, with the attached compensation prompt."""
-        prompt = super().forward(query, layer)
         extra = None if self._compensation is None else self._compensation.get(layer)
+        if extra is not None and self._alone:
+            return extra
+        prompt = super().forward(query, layer)
         if extra is None:
             return prompt
         extra = extra.to(prompt.dtype)

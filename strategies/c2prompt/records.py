@@ -1,6 +1,7 @@
 """What C2Prompt adds to the wire, and how differential privacy bounds what a client uploads."""
 
 from ...common.privacy import PrivateRecord
+from ..platform.replies import MetricSpec
 from ..platform.statistics import DIAGONAL, Statistics
 
 #: client -> server: per-class statistics of the frozen backbone's q(x) ("classes", "counts",
@@ -11,8 +12,14 @@ CLASS_STATS = "c2prompt-stats"
 HISTOGRAM = "c2prompt-hist"
 #: server -> client: the global class distributions of the task's classes ("classes", "means", "var")
 GLOBAL_STATS = "c2prompt-global"
-#: config key of a train message: whether the client uploads its class statistics this round
+#: config key of a train message (stats-round = "first-training") or of the statistics-only
+#: exchange before training ("exchange"): whether the client uploads its class statistics
 UPLOAD_STATS = "c2prompt-upload-stats"
+#: config key of a train message with cpa-pool = "keep-all": which part of its task's slice the
+#: client trains (its schedule slot: part k is rows k N .. (k + 1) N - 1 of the slice)
+PART = "c2prompt-part"
+#: the metrics of an answer to the statistics-only exchange: the samples its statistics count
+EXCHANGE_METRICS = {"num-examples": MetricSpec(int, low=0)}
 
 # With dp.clip = C the client clips every q(x) to norm C before its statistics (learner.py), so a
 # class mean has norm <= C and the population variance, trace mean ||x||^2 - ||mu||^2 <= C^2, has
