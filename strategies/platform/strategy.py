@@ -339,6 +339,7 @@ class PromptStrategy(Sampling, FedAvg):
                            grid: Grid) -> list[Message]:
         """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
         self._exchange_round, self._exchange_rejected, self._exchange_bounded = SentRound(), [], 0
+        self._exchange_ratios = {}  # a round without an exchange reports none, not the last one's
         if not self.uses_exchange():
             return []
         self.round_arrays = arrays
