@@ -217,3 +217,19 @@ def accepted_of(contents: list[RecordDict], tasks: list[int] | int = 0, clients:
                 if METRICS in content.metric_records else 0.0
             out.append(Accepted(sent, Message(content=content, reply_to=request), weight=weight))
     return out
+
+
+class Built(Exception):
+    """What building the server's model raises in a test: the run got past the server's checks."""
+
+
+def refuse_to_build_the_server(monkeypatch: Any) -> None:
+    """server/run.py's model and runtime builders raise :class:`Built`: a test sees whether a run is
+    refused before anything is built, without building it."""
+    import promptfcl.server.run as server_run
+
+    def build(*args: Any, **kwargs: Any) -> None:
+        raise Built
+
+    monkeypatch.setattr(server_run, "initial_trainable_state", build)
+    monkeypatch.setattr(server_run, "get_runtime", build)

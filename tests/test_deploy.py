@@ -846,6 +846,33 @@ def upload(port: int, cafile: Path, path: str, size: int, headers: dict[str, str
     return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
 
 
+class PeakRss:
+    """A process's resident MB now (``idle``) and, while the block runs, its highest (``peak``),
+    sampled every 20 ms from /proc (the SuperLink's memory under hostile uploads)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.done = pid, threading.Event()
+        self.idle = self.peak = self.now()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def now(self) -> float:
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+    def _sample(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.02)
+
+    def __enter__(self) -> PeakRss:
+        self.sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.sampler.join()
+
+
 @pytest.mark.deploy
 def test_node_facing_address_reads_no_body_before_it_knows_the_node(deployment):
     """Anonymous and oversized uploads cost the SuperLink nothing: 8 concurrent anonymous 50 MB
@@ -855,38 +882,19 @@ def test_node_facing_address_reads_no_body_before_it_knows_the_node(deployment):
     the nodes, which ran the fixture's deployment through the same checks."""
     import http.client
     import ssl
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     root, fleet = deployment.root, deployment.ports.fleet
     cafile = root / "certs" / "ca.crt"
-    pid = deployment.superlink.pid  # start-server.sh execs the SuperLink
-
-    def rss_mb() -> float:
-        status = Path(f"/proc/{pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
-
-    idle, peak, done = rss_mb(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_mb())
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     size = 50 * (1 << 20)
     calls = [("/v1/fleet/push-object", {}, i % 2 == 1) for i in range(8)]  # anonymous
     calls += [("/v1/fleet/push-object", node_headers(root / "keys" / "stranger"), False)] * 2  # unregistered
     calls += [("/v1/fleet/send-node-heartbeat", node_headers(root / "keys" / "node1"), chunked)
               for chunked in (False, True)]  # registered, but far beyond a heartbeat's size
-    try:
-        with ThreadPoolExecutor(len(calls)) as pool:
-            statuses = list(pool.map(lambda c: upload(fleet, cafile, c[0], size, c[1], c[2]), calls))
-    finally:
-        done.set()
-        sampler.join()
-    assert peak[0] - idle < 100, f"SuperLink RSS {idle:.0f} MB idle, {peak[0]:.0f} MB under the uploads"
+    # start-server.sh execs the SuperLink
+    with PeakRss(deployment.superlink.pid) as rss, ThreadPoolExecutor(len(calls)) as pool:
+        statuses = list(pool.map(lambda c: upload(fleet, cafile, c[0], size, c[1], c[2]), calls))
+    assert rss.peak - rss.idle < 100, f"SuperLink RSS {rss.idle:.0f} MB idle, {rss.peak:.0f} MB under the uploads"
     assert all(status in (0, 401) for status in statuses[:10]), statuses
     assert statuses[10:] == [413, 413], statuses
     log = deployment.superlink_log.read_text(errors="replace")
@@ -911,17 +919,12 @@ def test_one_node_cannot_make_the_superlink_hold_more_than_its_share(deployment,
     the others refused unread (503, Retry-After), and the SuperLink stays within 300 MB of idle
     and returns to it; 8 such bodies to the control address are refused there unread (403, the
     Fleet API is not served on it)."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from promptfcl.common.flower_internals import internal
 
-    root, pid = deployment.root, deployment.superlink.pid
+    root = deployment.root
     cafile = root / "certs" / "ca.crt"
-
-    def rss_mb() -> float:
-        status = Path(f"/proc/{pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
 
     request = internal("push_object_request")()
     request.node.node_id = hostile_node_id(deployment)
@@ -930,34 +933,22 @@ def test_one_node_cannot_make_the_superlink_hold_more_than_its_share(deployment,
     body = request.SerializeToString()
     headers = node_headers(root / "keys" / f"node{HOSTILE}")  # one signed timestamp, replayed 8 times
     before = deployment.superlink_log.read_text(errors="replace")
-    idle, peak, done = rss_mb(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_mb())
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with PeakRss(deployment.superlink.pid) as rss:
         with ThreadPoolExecutor(8) as pool:
             fleet = list(pool.map(lambda _: upload(deployment.ports.fleet, cafile, "/v1/fleet/push-object", 0,
                                                    headers, body=body), range(8)))
         with ThreadPoolExecutor(8) as pool:
             control = list(pool.map(lambda _: upload(deployment.ports.control, cafile, "/v1/fleet/push-object", 0,
                                                      headers, body=body), range(8)))
-    finally:
-        done.set()
-        sampler.join()
     after = []
     for _ in range(20):  # the SuperLink goes on serving its nodes meanwhile
         time.sleep(0.5)
-        after.append(rss_mb())
+        after.append(rss.now())
     with capsys.disabled():
-        print(f"\nSuperLink RSS: idle {idle:.0f} MB, {peak[0]:.0f} MB under one node's 8 x 50 MB pushes, "
+        print(f"\nSuperLink RSS: idle {rss.idle:.0f} MB, {rss.peak:.0f} MB under one node's 8 x 50 MB pushes, "
               f"{min(after):.0f} MB after; statuses {fleet} (node-facing), {control} (control)")
-    assert peak[0] - idle < 300, (idle, peak[0])
-    assert min(after) - idle < 60, (idle, after)
+    assert rss.peak - rss.idle < 300, (rss.idle, rss.peak)
+    assert min(after) - rss.idle < 60, (rss.idle, after)
     # each refused one is answered 503 (0: the answer was lost as the SuperLink closed the
     # connection on the unread body); Flower refuses the ones it read (no such push session)
     assert sum(status in (0, 503) for status in fleet) >= 4 and 200 not in fleet, fleet

@@ -136,18 +136,11 @@ def test_a_node_bounds_the_tokens_and_estimated_memory_a_run_asks_for(flower_ide
 
 
 def test_the_server_checks_a_runs_footprint_before_building_anything(tmp_path, monkeypatch):
-    import promptfcl.server.run as server_run
     from promptfcl.server.app import main
     from promptfcl.server.loopback import run_script, script_env
+    from tests.helpers import Built, refuse_to_build_the_server
 
-    class Built(Exception):
-        """What building the server's model would raise: it got past the check."""
-
-    def build(*args, **kwargs):
-        raise Built
-
-    monkeypatch.setattr(server_run, "initial_trainable_state", build)
-    monkeypatch.setattr(server_run, "get_runtime", build)
+    refuse_to_build_the_server(monkeypatch)
     for population in ({}, {"population": "nodes", "evaluation": "federated", "num-classes": 10}):
         huge = tiny_config(**{"image-size": 1024, "patch-size": 1, "out-dir": str(tmp_path / "out"), **population})
         ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=huge.to_dict())

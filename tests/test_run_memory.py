@@ -113,18 +113,11 @@ def test_a_4095_by_1024_pool_is_refused_up_front_with_its_figure_and_the_limit(m
 
 
 def test_the_serverapp_and_submit_run_refuse_the_huge_pool_before_building_anything(tmp_path, monkeypatch):
-    import promptfcl.server.run as server_run
     from promptfcl.server.app import main
     from promptfcl.server.loopback import run_script, script_env
+    from tests.helpers import Built, refuse_to_build_the_server
 
-    class Built(Exception):
-        """What building the server's model would raise: it got past the check."""
-
-    def build(*args, **kwargs):
-        raise Built
-
-    monkeypatch.setattr(server_run, "initial_trainable_state", build)
-    monkeypatch.setattr(server_run, "get_runtime", build)
+    refuse_to_build_the_server(monkeypatch)
     monkeypatch.setenv("PROMPTFCL_MAX_MEMORY_GB", "4")  # 1.6 GB of prompts at the tiny width, 2 clients a round
     huge = tiny_config(**{**HUGE_POOL, "num-tasks": 5, "out-dir": str(tmp_path / "out"), "population": "nodes",
                           "evaluation": "federated", "num-classes": 10})
