@@ -161,14 +161,14 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
     """
     cfg = strategy.cfg
     spent = Attempts()
-    for attempt in range(cfg.round_retries + 1):
+    for attempt in range(cfg.robustness.round_retries + 1):
         spent.count = attempt + 1
         t0 = time.perf_counter()
         config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
         exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
         if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
             tx = time.perf_counter()
-            answers = without_forged(send_and_receive(grid, exchange, cfg.round_timeout), exchange,
+            answers = without_forged(send_and_receive(grid, exchange, cfg.robustness.round_timeout), exchange,
                                      f"round {server_round} exchange")
             waited = time.perf_counter() - tx
             strategy.aggregate_exchange(server_round, answers)
@@ -178,7 +178,7 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         if before_aggregation is not None:
             before_aggregation.ask(messages)
         t1 = time.perf_counter()
-        replies = without_forged(send_and_receive(grid, messages, cfg.round_timeout), messages, f"round {server_round}")
+        replies = without_forged(send_and_receive(grid, messages, cfg.robustness.round_timeout), messages, f"round {server_round}")
         t2 = time.perf_counter()
         if before_aggregation is not None:
             before_aggregation.collect(messages, replies)
@@ -205,11 +205,11 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
             return outcome, spent, messages
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
                     len(outcome.accepted), len(messages),
-                    "; retrying with fresh clients" if attempt < cfg.round_retries else "")
+                    "; retrying with fresh clients" if attempt < cfg.robustness.round_retries else "")
     raise RoundFailed(
         f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
-        f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
-        f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
+        f"{cfg.robustness.min_replies} usable replies in {cfg.robustness.round_retries + 1} attempts; the last checkpoint "
+        f"in {cfg.output.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
 
 
 def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:

@@ -308,7 +308,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
-    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt))
+    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), CodaPrompt))
     shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
     backbone, _ = build_backbone(BackboneSpec.of(cfg))
     backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
@@ -537,7 +537,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     cfg = nodes_config(num_classes=10, class_names=names)
     full = node_data(cfg, {"data-dir": str(node)})
     assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
-    assert full.partition.whole and full.partition.own_data and not full.cfg.centralised  # its own data: all its share
+    assert full.partition.whole and full.partition.own_data and not full.cfg.federation.centralised  # its own data: all its share
     # a node that lacks some classes keeps the others' labels (matched by name, not position)
     import shutil
 
@@ -558,7 +558,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     nine = node_data(sorted_cfg, {"data-dir": str(node)})
     with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
         check_classes(nine.data.num_classes, original_names(nine.data, 0), "this node",
-                      sorted_cfg.num_classes or 10, sorted_cfg.class_name_list)
+                      sorted_cfg.data.num_classes or 10, sorted_cfg.data.class_name_list)
 
 
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():

@@ -95,7 +95,7 @@ def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
     # prototypes of 3 of task 1's 5 classes: the samples of the other two have none
     rng = np.random.default_rng(0)
     protos = ArrayRecord({"classes": Array(np.array([5, 6, 7])),
-                          "means": Array(rng.normal(size=(3, cfg.embed_dim)).astype(np.float32))})
+                          "means": Array(rng.normal(size=(3, cfg.model.embed_dim)).astype(np.float32))})
     content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
     whole = FPPLLearner(rt).fit(content, 1, 0, 0)
     try:
@@ -161,7 +161,7 @@ def test_node_config_keys_are_checked_and_a_refusal_names_them():
     with pytest.raises(NodeRefusal, match="memory-budget-mb"):
         apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
     plan = apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
-    assert plan.micro_batch == rt.cfg.batch_size and not rt.model.checkpointed
+    assert plan.micro_batch == rt.cfg.training.batch_size and not rt.model.checkpointed
     apply_plan(rt, NodePolicy.from_node_config({}))
     assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
 
@@ -261,7 +261,7 @@ def test_results_record_each_budgeted_nodes_plan_and_refuse_a_starved_node(tmp_p
     (record,) = results["rounds"]
     (plan,) = record["memory_plans"]  # node 1003 has no budget: nothing to report
     assert plan["node"] == 1001 and plan["memory-budget-mb"] == pytest.approx(budget)
-    assert plan["micro-batch"] == cfg.batch_size and plan["checkpointed-blocks"] == 0 and plan["backbone-bits"] == 32
+    assert plan["micro-batch"] == cfg.training.batch_size and plan["checkpointed-blocks"] == 0 and plan["backbone-bits"] == 32
     assert 0 < plan["peak-rss-mb"]
     assert record["clients_aggregated"] == 2
     (refused,) = record["rejected"]

@@ -185,7 +185,7 @@ def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
     reply = FPPLLearner(rt).fit(content, task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
-    for layer in cfg.layers:  # only task 1's prompt travels back: the frozen ones stay home
+    for layer in cfg.model.layers:  # only task 1's prompt travels back: the frozen ones stay home
         assert after[f"prompt.p{layer}"].shape == (1,) + before[f"prompt.p{layer}"].shape[1:]
         assert not np.array_equal(after[f"prompt.p{layer}"][0], before[f"prompt.p{layer}"][1])
     assert not np.array_equal(after["prompt.fusion"][:2], before["prompt.fusion"][:2])  # psi learns
@@ -217,7 +217,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
         cfg = fppl_config(augment=augment, **{"fppl.prototype-views": views})
         rt = get_runtime(cfg, FPPLPrompt)
         learner = FPPLLearner(rt, cfg.method_options("fppl"))
-        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
         record = learner.round_end(index, task=0)[LOCAL_PROTOTYPES]
@@ -225,7 +225,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
         np.testing.assert_array_equal(record["counts"].numpy(), np.bincount(rt.data.train.labels[index])[:5])
     np.testing.assert_allclose(protos["crop-flip", "stored"], protos["none", "augmented"], rtol=1e-5, atol=1e-6)
     assert not np.allclose(protos["crop-flip", "augmented"], protos["none", "augmented"], atol=1e-4)
-    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([cfg.seed, 3, 0, 1, 0x9207]))
+    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([cfg.run.seed, 3, 0, 1, 0x9207]))
     with torch.no_grad():
         x = rt.model.preprocess(torch.from_numpy(views))
         feats = rt.model.features(x, rt.model.query(x)).numpy()

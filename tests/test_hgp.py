@@ -428,7 +428,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
         cfg = tiny_config(strategy="hgp", augment=augment, **{"hgp.stats-augment": stats_augment})
         rt = get_runtime(cfg, HGPPrompt)
         learner = HGPLearner(rt, cfg.method_options("hgp"))
-        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
         feats[augment, stats_augment], _ = learner.prompted_features(index)

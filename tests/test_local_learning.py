@@ -34,8 +34,8 @@ def test_only_the_current_task_slice_and_its_head_rows_change():
     before = from_array_record(arrays)
     reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
-    per_task = cfg.pool_size // cfg.num_tasks
-    for layer in cfg.layers:
+    per_task = cfg.model.pool_size // cfg.data.num_tasks
+    for layer in cfg.model.layers:
         for kind in "pka":
             name = f"prompt.{kind}{layer}"
             np.testing.assert_array_equal(after[name][:per_task], before[name][:per_task])  # task 0 frozen
@@ -112,9 +112,9 @@ def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_i
     index = np.flatnonzero(np.isin(rt.data.train.labels, [0, 1, 2, 3, 4]))
     assert sum(len(x) for x in seen) == len(index)  # one query per training image and epoch
     # the first batch's queries were taken on exactly the augmented views the loop trained on
-    order = np.random.default_rng([cfg.seed, 0, 0, 0, 0xBA7C4]).permutation(len(index))
+    order = np.random.default_rng([cfg.run.seed, 0, 0, 0, 0xBA7C4]).permutation(len(index))
     views = augment_images(rt.data.train.images[index[order[:64]]], "crop-flip",
-                           np.random.default_rng([cfg.seed, 0, 0, 0, 0xA06]))
+                           np.random.default_rng([cfg.run.seed, 0, 0, 0, 0xA06]))
     torch.testing.assert_close(seen[0], rt.model.preprocess(torch.from_numpy(views)))
     assert not torch.equal(seen[0], rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[order[:64]]])))
     # seeded: the same fit gives the same result; another round sees other views
@@ -170,9 +170,9 @@ def rates_of_a_fit(cfg) -> list[list[float]]:
         reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     finally:
         hook.remove()
-    per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.batch_size)
-    assert len(steps) == cfg.local_epochs * per_epoch
-    return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(cfg.local_epochs)]
+    per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.training.batch_size)
+    assert len(steps) == cfg.training.local_epochs * per_epoch
+    return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(cfg.training.local_epochs)]
 
 
 @pytest.mark.parametrize(("epochs", "k"), [(5, 0), (3, 50)])

@@ -82,7 +82,7 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
         return record
 
     with flower_task_identity():
-        grid = WireGrid(cfg, cfg.clients_per_round)
+        grid = WireGrid(cfg, cfg.federation.clients_per_round)
         try:
             run = server_run.ExperimentRun(grid, cfg)  # type: ignore[arg-type]
             trainable = sum(len(run.arrays[k].data) for k in run.arrays.keys()) / 1e6
@@ -92,7 +92,7 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
             run.run()
         finally:
             grid.close()
-    return {"trainable_mb": trainable, "idle_mb": idle, "rounds": peaks, "clients_per_round": cfg.clients_per_round}
+    return {"trainable_mb": trainable, "idle_mb": idle, "rounds": peaks, "clients_per_round": cfg.federation.clients_per_round}
 
 
 # ---------------------------------------------------------------------------- a node's budget

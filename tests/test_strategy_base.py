@@ -109,7 +109,7 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
                                                              "switch-fraction": 0.5})
     strategy = FedAvgStrategy(cfg, 10)
     strategy.per_task = "in-flight" if per_task else "never"
-    pool = np.zeros((cfg.pool_size, 3), np.float32)
+    pool = np.zeros((cfg.model.pool_size, 3), np.float32)
     head = np.zeros((10, 3), np.float32)
     sent = to_array_record({"prompt.p0": pool, "head.weight": head})
     for server_round in range(1, 5):  # the first round with clients on both tasks

@@ -121,8 +121,8 @@ class FedCPromptLearner(LocalLearner):
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
         prompt = self.prompt
         known = as_int(config_of(content).get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
-        if not task < known <= self.cfg.num_tasks:
-            raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.num_tasks}")
+        if not task < known <= self.cfg.data.num_tasks:
+            raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.data.num_tasks}")
         prompt.known_tasks = known
         # The shared loop loaded the global arrays just before this hook: they are the model's values now.
         self.server_params = {name: p.detach().clone() for name, p in prompt.named_parameters()}

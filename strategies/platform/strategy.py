@@ -139,22 +139,22 @@ class PromptStrategy(Sampling, FedAvg):
         self.num_classes = num_classes
         self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
-        self.bounds = SampleBounds(nodes=cfg.population == "nodes")
-        self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
-        self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
+        self.bounds = SampleBounds(nodes=cfg.federation.population == "nodes")
+        self.schedule = task_schedule(cfg.data, cfg.federation, cfg.run.seed)  # that the method can follow it: checked before any loading
+        self.trust = resolve_trust(cfg.robustness.defences, cfg.federation.population, cfg.robustness.fault)
         # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
         # only where the run is defended; counts are capped only where the server cannot check them
-        weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
-                                                   cfg.max_client_weight if cfg.population == "nodes" else 0.0)
+        weighting, combiner = aggregation_policies(cfg.robustness.aggregation, cfg.robustness.trim_fraction,
+                                                   cfg.robustness.max_client_weight if cfg.federation.population == "nodes" else 0.0)
         screen = update_screen(self.trust.defended, privacy_options(cfg).noise_multiplier,
-                               norm_factor=cfg.update_norm_factor, max_norm=cfg.max_update_norm,
-                               clip=cfg.update_clip, clip_by_count=cfg.update_clip_by_count,
-                               strike_norm=cfg.update_strike_norm,
-                               min_cosine=cfg.update_min_cosine, reversed_norm=cfg.update_reversed_norm,
-                               strikes=cfg.update_strikes, mean_cosine=cfg.update_mean_cosine,
-                               mean_after=cfg.update_mean_cosine_after, norm_rounds=cfg.update_norm_rounds)
+                               norm_factor=cfg.robustness.update_norm_factor, max_norm=cfg.robustness.max_update_norm,
+                               clip=cfg.robustness.update_clip, clip_by_count=cfg.robustness.update_clip_by_count,
+                               strike_norm=cfg.robustness.update_strike_norm,
+                               min_cosine=cfg.robustness.update_min_cosine, reversed_norm=cfg.robustness.update_reversed_norm,
+                               strikes=cfg.robustness.update_strikes, mean_cosine=cfg.robustness.update_mean_cosine,
+                               mean_after=cfg.robustness.update_mean_cosine_after, norm_rounds=cfg.robustness.update_norm_rounds)
         self.policies = RunPolicies(weighting, combiner, screen,
-                                    StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
+                                    StatisticsBound(cfg.robustness.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -219,8 +219,8 @@ class PromptStrategy(Sampling, FedAvg):
         """Initialise the new task's prompt slice orthogonally to the earlier ones (CODA-P)."""
         state = array_views(arrays)  # read-only views: the prompt arrays are copied once, into the module
         prompt = self.prompt_from(state)
-        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, task, 0x0A7]).integers(2**31)))
-        prompt.init_task_slice(task, gen, orthogonal=self.cfg.ortho_init)
+        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.run.seed, task, 0x0A7]).integers(2**31)))
+        prompt.init_task_slice(task, gen, orthogonal=self.cfg.model.ortho_init)
         state.update({f"prompt.{k}": v.numpy() for k, v in prompt.state_dict().items()})
         return to_array_record(state)
 
@@ -284,7 +284,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
-                 self.name, self.clients_per_round, self.cfg.num_clients, self.opts.to_dict() or "{}")
+                 self.name, self.clients_per_round, self.cfg.federation.num_clients, self.opts.to_dict() or "{}")
         log.info("task arrival: %s", self.schedule.describe())
         log.info("%s", self.trust.describe())
 
@@ -315,9 +315,9 @@ class PromptStrategy(Sampling, FedAvg):
                      "model is unchanged", server_round, self._sent_round.skipped)
             return self._outcome(self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0}),
                                  accepted, rejected, counts, ratios)
-        if len(accepted) < self.cfg.min_replies:
+        if len(accepted) < self.cfg.robustness.min_replies:
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
-                        server_round, len(accepted), self.cfg.min_replies)
+                        server_round, len(accepted), self.cfg.robustness.min_replies)
             return self._outcome(None, None, accepted, rejected, counts, ratios)
         weights = self.policies.weighting([a.examples for a in accepted])
         for a, w in zip(accepted, weights):
@@ -399,7 +399,7 @@ class PromptStrategy(Sampling, FedAvg):
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
-                                  self.cfg.max_reply_bytes)
+                                  self.cfg.robustness.max_reply_bytes)
         if reason is not None or sent is None:  # no message matched: platform_problem said so
             return reason
         return self.check_records(reply, sent)
@@ -461,8 +461,8 @@ class PromptStrategy(Sampling, FedAvg):
         arrays = {k[7:]: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items() if k.startswith("prompt.")}
 
         def build() -> TrainableModule:
-            prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
-                                       self.cfg.num_tasks)
+            prompt = self.prompt_class(dim, self.cfg.model.layers, self.cfg.model.pool_size, self.cfg.model.prompt_length,
+                                       self.cfg.data.num_tasks)
             prompt.configure(self.cfg.method)
             return prompt
 
