@@ -117,9 +117,11 @@ def train(msg: Message, context: Context) -> Message:
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
     own_data = cfg.federation.population == "nodes"
-    evaluation = evaluate_received(runtime, msg.content, cfg.data.num_tasks, own_data) if EVALUATE_TASK in config else None
+    evaluation = evaluate_received(runtime, msg.content, cfg.data.num_tasks,
+                                   own_data) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator, cfg.federation.num_clients)
+    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
+                                         cfg.federation.num_clients)
     reply = learner.fit(msg.content, task, round_, client_id)
     dp = privacy_options(cfg)
     if dp.enabled:
@@ -180,7 +182,8 @@ def query(msg: Message, context: Context) -> Message:
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
-    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator, cfg.federation.num_clients)
+    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
+                                         cfg.federation.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
 
@@ -268,7 +271,8 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     sent = config.get("num-classes")
     if sent is not None:
         check_classes(node.data.num_classes, original_names(node.data, cfg.run.seed),
-                      f"this node's data ({node.data.name})", cfg.data.num_classes or as_int(sent), cfg.data.class_name_list)
+                      f"this node's data ({node.data.name})", cfg.data.num_classes or as_int(sent),
+                      cfg.data.class_name_list)
     return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
             node.client_id)
 

@@ -75,7 +75,8 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
         client, task, round_ = as_int(config["client-id"]), as_int(config["task"]), as_int(config["round"])
     except (KeyError, TypeError, ValueError):
         return call_next(msg, context)  # not a message the ClientApp can train on: it reports that itself
-    if not cfg.robustness.fault or not is_faulty(cfg.robustness.fault_client_ids, cfg.robustness.fault_rate, cfg.run.seed, client, task, round_):
+    if not cfg.robustness.fault or not is_faulty(cfg.robustness.fault_client_ids, cfg.robustness.fault_rate,
+                                                 cfg.run.seed, client, task, round_):
         return call_next(msg, context)
     if cfg.robustness.fault == "raise":
         raise InjectedFault(f"injected failure of client {client} (task {task}, round {round_})")
@@ -87,7 +88,8 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
         return reply
     sent = from_array_record(arrays_of(msg.content)) if ARRAYS in msg.content.array_records else {}
     specs = statistics_of(cfg.run.strategy) if cfg.robustness.fault in STATISTICS_ATTACKS else {}
-    return Message(content=corrupt(cfg.robustness.fault, reply.content, sent, cfg.robustness.update_norm_factor, specs), reply_to=msg)
+    return Message(content=corrupt(cfg.robustness.fault, reply.content, sent, cfg.robustness.update_norm_factor, specs),
+                   reply_to=msg)
 
 
 #: the factor each reversing attack multiplies the client's own update by (None: the norm filter's)

@@ -215,7 +215,8 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
         if spec.num_partitions != cfg.federation.num_clients:
             raise NodeDataError(
                 f"this node is partition {spec.partition_id} of {spec.num_partitions}, but the run has "
-                f"num-clients = {cfg.federation.num_clients} nodes: start the nodes with num-partitions={cfg.federation.num_clients}")
+                f"num-clients = {cfg.federation.num_clients} nodes: start the nodes with "
+                f"num-partitions={cfg.federation.num_clients}")
         full = load_source_cached(partition_source(run_source, spec), cfg.data.num_tasks)
         check_task_stream(TaskLayout.of(cfg, full.num_classes), full)
         check_classes(full.num_classes, original_names(full, cfg.run.seed), "the run's dataset", cfg.data.num_classes,

@@ -205,7 +205,8 @@ class NodePolicy:
         # message takes the trainable state four times over, its copies and the method's statistics
         try:
             size = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
-            problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf, "this node's limit")
+            problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf,
+                                        "this node's limit")
             if problem is None:
                 estimate = node_memory(cfg, sent_num_classes)
                 # the backbone and its activations are a GPU's, or a memory budget's to plan (client/memory.py)

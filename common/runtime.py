@@ -277,7 +277,8 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = Cod
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             built = (previous.model, previous.device, previous.weights_source)
         else:
-            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device, cfg.placement.threads,
+            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+                                 cfg.placement.threads,
                                  precision)
         _with_data[key] = _assemble(cfg, data, built, partition, precision)
     return _with_data[key]

@@ -337,7 +337,8 @@ def _real_images(rt: Runtime, label: int, client: int, max_real: int) -> np.ndar
     data, layout = rt.data, rt.layout
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
-    if client >= 0 and rt.cfg.federation.population == "virtual" and rt.partition.scheme != "stateless" and not layout.random:
+    virtual = rt.cfg.federation.population == "virtual"
+    if client >= 0 and virtual and rt.partition.scheme != "stateless" and not layout.random:
         task = layout.task_of(label)
         own = client_indices(labels, layout, rt.partition, client, task, 0)
         index = own[labels[own] == label]

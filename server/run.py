@@ -99,12 +99,14 @@ class ExperimentRun:
         self.schedule = self.strategy.schedule
         self.steps = self.schedule.steps()  # (nominal task, round within it) of every round
         self.last = min(len(self.steps), cfg.output.max_rounds) if cfg.output.max_rounds else len(self.steps)
-        self.plan = EvaluationPlan(cfg.evaluation.evaluate_every, cfg.evaluation.evaluate_with_train and cfg.evaluation.evaluation == "federated",
+        self.plan = EvaluationPlan(cfg.evaluation.evaluate_every, cfg.evaluation.evaluate_with_train
+                                   and cfg.evaluation.evaluation == "federated",
                                    self.last - 1)
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
-        self.trackers = RunTrackers(cfg.output.out_dir, cfg.output.tracker, self.last, done=self.server_round, config=cfg.to_dict())
+        self.trackers = RunTrackers(cfg.output.out_dir, cfg.output.tracker, self.last, done=self.server_round,
+                                    config=cfg.to_dict())
 
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
@@ -127,8 +129,9 @@ class ExperimentRun:
                  data.name, data.num_classes, cfg.data.num_tasks, len(data.train), len(data.test))
         if cfg.data.num_classes and cfg.data.num_classes != data.num_classes:
             raise ConfigError(f"num-classes = {cfg.data.num_classes} but {data.name} has {data.num_classes} classes")
-        strategy = build_strategy(cfg, data.num_classes)
-        if cfg.federation.population == "virtual":  # the server knows what each virtual client holds: counts are checked
+        strategy = build_strategy(cfg, data.num_classes, runtime)
+        # the server knows what each virtual client holds: counts are checked
+        if cfg.federation.population == "virtual":
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
             log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
@@ -222,7 +225,8 @@ class ExperimentRun:
         ending = self.schedule.task_ending(index)
         carried = self.carried
         ask = CarriedAsk(self.evaluator, carried) if carried is not None else None  # type: ignore[arg-type]
-        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask)
+        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask,
+                                              out_dir=cfg.output.out_dir)
         record = round_record(task, round_, self.server_round, outcome, spent, messages)
         new_arrays = outcome.arrays
         assert new_arrays is not None  # train_round returns an aggregated round or raises RoundFailed

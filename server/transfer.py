@@ -15,7 +15,6 @@ prompt capacity are measured against the same figures.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging

@@ -174,10 +174,11 @@ def method_options(strategy: str, options: dict[str, Any]) -> Any:
     return options_class(strategy).from_options(options)
 
 
-def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
-    """The run's server strategy, with its options parsed once."""
+def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None) -> Any:
+    """The run's server strategy, with its options parsed once (``runtime``: the server's own data
+    and backbone, where it has them)."""
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    return strategy_class(cfg.run.strategy)(cfg, num_classes, options)
+    return strategy_class(cfg.run.strategy)(cfg, num_classes, options, runtime)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:

@@ -261,7 +261,7 @@ def test_an_asynchronous_round_aggregates_each_task_over_the_replies_sent_that_t
     # component scope: identical histograms give each task's replies' mean, which this test reads
     s, arrays = strategy(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5,
                          **{"c2prompt.cpa-scope": "component"})
-    per_task, layers = s.layout.components_per_task, s.cfg.model.layers
+    per_task, layers = s.layout.components_per_task, s.model.layers
     shape = (len(layers), per_task, 5)
     h0, h1 = np.ones(shape), np.zeros(shape)
     h1[:, :, 0] = 1.0
@@ -284,7 +284,7 @@ def test_an_asynchronous_round_aggregates_each_task_over_the_replies_sent_that_t
 
 def test_without_cpa_prompts_are_the_platforms_average():
     s, arrays = strategy(**{"c2prompt.cpa": False})
-    shape = (len(s.cfg.model.layers), s.layout.components_per_task, 5)
+    shape = (len(s.model.layers), s.layout.components_per_task, 5)
     h0 = np.zeros(shape)
     h0[:, 0, 0] = 1.0
     h1 = np.zeros(shape)
@@ -293,14 +293,14 @@ def test_without_cpa_prompts_are_the_platforms_average():
     s.round_arrays = arrays
     out = from_array_record(s.aggregate(accepted_of(replies, tasks=0, weights=[2.0, 1.0])))
     base = from_array_record(arrays)
-    name = f"prompt.p{s.cfg.model.layers[0]}"
+    name = f"prompt.p{s.model.layers[0]}"
     np.testing.assert_allclose(out[name], base[name] + 2.0, rtol=1e-5)
 
 
 def test_statistics_are_asked_once_per_client_and_task_and_pooled_over_every_report():
     s, arrays = strategy()
     dim = from_array_record(arrays)["head.weight"].shape[1]
-    shape = (len(s.cfg.model.layers), s.layout.components_per_task, 5)
+    shape = (len(s.model.layers), s.layout.components_per_task, 5)
     rng = np.random.default_rng(3)
     samples = {(client, c): rng.normal(c, 1.0 + client, (3 + 5 * client + c, dim)) for client in range(3) for c in (0, 2)}
     replies = []

@@ -65,7 +65,7 @@ def keep_all_strategy():
 
 def test_keep_all_writes_each_clients_rows_of_w_times_p_into_its_part_of_the_slice():
     s, arrays = keep_all_strategy()
-    layers, base = s.cfg.model.layers, from_array_record(arrays)
+    layers, base = s.model.layers, from_array_record(arrays)
     # client 0 (part 0: rows 0-1) and client 1 (part 1: rows 2-3) hold P = 1, 2 and 4, 10 in every entry;
     # hand computation with uniform weights and cosine rows: W = [[1,0,1,1]/3, [0,1,0,0], [1,0,1,1]/3, [1,0,1,1]/3]
     hists = [np.zeros((len(layers), 2, 5)) for _ in range(2)]

@@ -122,9 +122,9 @@ def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions()
     """FPPL's 0.25 M parameters per round (ImageNet-R, 20 tasks, 5 blocks x 20 tokens, D = 768):
     one task prompt per block, psi, the head and a task's global prototypes = 253,640."""
     s, _ = strategy_at_task(0)
-    s.cfg = s.cfg.replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
-    s.num_classes = 200
-    s.layout = TaskLayout.of(s.cfg, 200)  # what the strategy counts with: 10 classes per task
+    wide = fppl_config().replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
+    s.data, s.model, s.num_classes = wide.data, wide.model, 200
+    s.layout = TaskLayout.of(wide, 200)  # what the strategy counts with: 10 classes per task
     d, t, length = 768, 20, 20
     state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
              "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),
@@ -442,7 +442,7 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
 
     tensors: dict = {}
     saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it
-    restored = FPPLStrategy(s.cfg, NUM_CLASSES, {})
+    restored = FPPLStrategy(fppl_config(), NUM_CLASSES, {})
     restored.load_state_dict(saved)
     for a, b in ((s.pool, restored.pool), (s.current, restored.current)):
         for field in ("classes", "means", "clients"):

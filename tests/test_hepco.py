@@ -60,10 +60,10 @@ class Scenario:
 
     def __init__(self, strategy: HePCoStrategy, seed: int = 0, clients: int = 3) -> None:
         g = torch.Generator().manual_seed(seed)
-        cfg = strategy.cfg
+        model, data = strategy.model, strategy.data
         self.mu = F.normalize(torch.randn(NUM_CLASSES, D, generator=g), dim=-1) * 4
         torch.manual_seed(seed)
-        prompt = HePCoPrompt(D, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length, cfg.data.num_tasks)
+        prompt = HePCoPrompt(D, model.layers, model.pool_size, model.prompt_length, data.num_tasks)
         for t in range(2):
             prompt.init_task_slice(t, g)
         base = {f"prompt.{k}": v.detach().numpy().copy() for k, v in prompt.state_dict().items()}
@@ -72,7 +72,7 @@ class Scenario:
         base |= {"head.weight": head_w.numpy().copy(), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
         strategy.on_task_end(0, to_array_record(base))  # previous task's final model
         strategy.task, strategy.round = 1, 0
-        per = cfg.model.pool_size // cfg.data.num_tasks
+        per = model.pool_size // data.num_tasks
         cur = slice(per, 2 * per)
         self.clients = []
         for _ in range(clients):
@@ -186,8 +186,8 @@ def test_gram_prompt_mse_equals_the_direct_computation(teacher_stop):
     s = make_strategy()
     sc = Scenario(s)
     states = sc.clients if teacher_stop == 4 else [s.previous]
-    teachers = Teachers.stack(states, s.cfg.model.layers, teacher_stop, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), torch.device("cpu"))
+    teachers = Teachers.stack(states, s.model.layers, teacher_stop, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     z_direct, y = sc.latents(range(5, 10), 6)
     z_direct.requires_grad_(True)
     z_gram = z_direct.detach().clone().requires_grad_(True)
@@ -207,13 +207,13 @@ def test_gram_distillation_matches_the_direct_one(teachers):
     s = make_strategy(**{"distill-epochs": 5, "distill-lr": 1e-2, "old-latent-teachers": teachers})
     sc = Scenario(s)
     cpu = torch.device("cpu")
-    clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, cpu)
-    prev = Teachers.stack([s.previous], s.cfg.model.layers, 2, cpu)
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, cpu)
+    prev = Teachers.stack([s.previous], s.model.layers, 2, cpu)
     torch.manual_seed(0)
     gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
     results = []
     for use_grams in (True, False):
-        student = LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), cpu)
+        student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), cpu)
         report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
                          torch.arange(10), torch.Generator().manual_seed(0), use_grams=use_grams)
         results.append((report, [p.detach().clone() for p in student.prompt_parameters()]))
@@ -239,7 +239,7 @@ def test_sums_over_clients_are_weighted_by_their_sample_counts(weighting):
     got = np.ones(3) if group.teachers.weights is None else group.teachers.weights.numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert group.share == pytest.approx(3.0)
-    cpu, layers = torch.device("cpu"), s.cfg.model.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
     z, y = sc.latents(range(5, 10), 6)
     classes = torch.arange(5, 10)
@@ -282,8 +282,8 @@ def test_generator_shapes_and_label_conditioning():
     s = make_strategy(ablate="kl,mse", **{"generator-lr": 1e-3})
     sc = Scenario(s)
     classes = torch.arange(5, 10)
-    clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     gen = LatentGenerator(NUM_CLASSES, D)
     train_generator(gen, classes, clients, student, s.opts, 150, torch.Generator().manual_seed(0))
     y = classes.repeat(40)
@@ -322,8 +322,8 @@ def _one_step(opts: HePCoOptions, student: LatentStudent, clients: Teachers, see
 def test_one_generator_step_increases_the_disagreement_it_maximises(term, options):
     s = make_strategy(**options)
     sc = Scenario(s)
-    clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     before, after, _ = _one_step(s.opts, student, clients)
     assert after[term] > before[term]
 
@@ -340,8 +340,8 @@ def test_ablated_disagreement_term_no_longer_steers_the_generator(ablate, pertur
                 is_head = name.startswith("head.")
                 if (perturb in ("head", "both") and is_head) or (perturb in ("prompts", "both") and not is_head):
                     prov[name] = prov[name] + 0.7
-        clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, torch.device("cpu"))
-        student = LatentStudent(prov, s.cfg.model.layers, slice(2, 4), torch.device("cpu"))
+        clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+        student = LatentStudent(prov, s.model.layers, slice(2, 4), torch.device("cpu"))
         *_, gen = _one_step(s.opts, student, clients)
         return [p.detach().clone() for p in gen.parameters()]
 
@@ -354,8 +354,8 @@ def test_ablated_disagreement_term_no_longer_steers_the_generator(ablate, pertur
     s = make_strategy(ablate=ablate)
     sc = Scenario(s)
     z, y = sc.latents(range(5, 10), 4)
-    parts = generator_losses(z, y, torch.arange(5, 10), Teachers.stack(sc.clients, s.cfg.model.layers, 4, torch.device("cpu")),
-                             LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), torch.device("cpu")),
+    parts = generator_losses(z, y, torch.arange(5, 10), Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu")),
+                             LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu")),
                              s.opts.use_kl, s.opts.use_mse)
     for term in ablate.split(","):
         assert float(parts[term]) == 0.0
@@ -376,7 +376,7 @@ def distilled():
 
 def test_distillation_moves_prompts_towards_the_teachers(distilled):
     sc, out = distilled
-    layers = sc.strategy.cfg.model.layers
+    layers = sc.strategy.model.layers
     z_new, _ = sc.latents(range(5, 10))
     z_old, _ = sc.latents(range(0, 5))
     before = prompt_mse(sc.provisional, sc.clients, z_new, layers, 4)
@@ -420,7 +420,7 @@ def _one_distillation(**options):
     latent batches both generators drew; returns what the checks below need."""
     s = make_strategy(**{"distill-epochs": 1, **options})
     sc = Scenario(s)
-    cpu, layers = torch.device("cpu"), s.cfg.model.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     clients = Teachers.stack(sc.clients, layers, 4, cpu)
     prev = Teachers.stack([s.previous], layers, 2, cpu)
     torch.manual_seed(0)
@@ -440,7 +440,7 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode, 
     ``previous`` (the authors' code): the clients teach the current-task latents only."""
     s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
         **{"old-prompt-mean": mode, "ablate": "classifier-distillation", "old-latent-teachers": teachers})
-    cpu, layers = torch.device("cpu"), s.cfg.model.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     (z_new, _), (z_old, _) = new_batches[0], old_batches[0]
     z = torch.cat([z_new, z_old])
     assert len(z_new) == 64 and len(z_old) == 32  # replay ratio 0.5
@@ -515,14 +515,14 @@ def test_distillation_samples_the_generators_in_the_chosen_batchnorm_mode(mode):
     s = make_strategy(**{"distill-epochs": 2, "distill-generator-mode": mode})
     sc = Scenario(s)
     cpu = torch.device("cpu")
-    clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, cpu)
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, cpu)
     torch.manual_seed(0)
     gen = LatentGenerator(NUM_CLASSES, D)
     gen.train()
     bn = next(m for m in gen.net if isinstance(m, torch.nn.BatchNorm1d))
     bn.running_mean.fill_(3.0)  # as if fitted: running statistics far from this batch's
     record = _recording(gen)
-    student = LatentStudent(sc.provisional, s.cfg.model.layers, slice(2, 4), cpu)
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), cpu)
     distill(student, s.opts, (gen, torch.arange(5, 10), clients), None, torch.arange(10), torch.Generator().manual_seed(0))
     z, labels = record[0]
     # eval: a latent depends on its own noise and label only (running statistics), not on its batch
@@ -545,7 +545,7 @@ def test_distillation_samples_the_generators_in_the_chosen_batchnorm_mode(mode):
 def test_teacher_accuracy_tells_recognisable_latents_from_noise():
     s = make_strategy()
     sc = Scenario(s)
-    clients = Teachers.stack(sc.clients, s.cfg.model.layers, 4, torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
     classes = torch.arange(5, 10)
     z, y = sc.latents(classes.tolist(), 20)
     acc = teacher_accuracy(clients, z, y, classes)
@@ -612,7 +612,7 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     assert s.opts.pool_training == "whole"
     from promptfcl.common.model import ModelSpec, initial_trainable_state
 
-    initial = initial_trainable_state(ModelSpec.of(s.cfg, NUM_CLASSES), HePCoPrompt)
+    initial = initial_trainable_state(ModelSpec.of(tiny_config(strategy="hepco"), NUM_CLASSES), HePCoPrompt)
     arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))
     state = from_array_record(arrays)
     assert state["prompt.whole_pool"].tolist() == [1.0]
@@ -623,12 +623,12 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     prompt.set_task(1)
     prompt.train()
     q = torch.randn(4, D)
-    prompt(q, s.cfg.model.layers[0]).pow(2).sum().backward()
-    grad = getattr(prompt, f"p{s.cfg.model.layers[0]}").grad
+    prompt(q, s.model.layers[0]).pow(2).sum().backward()
+    grad = getattr(prompt, f"p{s.model.layers[0]}").grad
     assert (grad.abs().sum(dim=(1, 2)) > 0).all()  # every component, task 0's included
-    assert s.components(0) == s.components(3) == s.cfg.model.pool_size
+    assert s.components(0) == s.components(3) == s.model.pool_size
     sliced = make_strategy(**SLICES)
-    assert sliced.components(0) == sliced.cfg.model.pool_size // sliced.cfg.data.num_tasks
+    assert sliced.components(0) == sliced.model.pool_size // sliced.data.num_tasks
     sliced_state = from_array_record(sliced.on_task_start(0, to_array_record(
         {k: v.numpy() for k, v in initial.items()})))
     assert sliced_state["prompt.whole_pool"].tolist() == [0.0]
@@ -770,13 +770,13 @@ def test_async_latents_follow_the_replies_and_each_client_teaches_its_own_task()
 
     sc = Scenario(make_strategy(), clients=4)
     cpu = torch.device("cpu")
-    behind = Teachers.stack(sc.clients[:1], sc.strategy.cfg.model.layers, 2, cpu)  # one client still on task 0
-    ahead = Teachers.stack(sc.clients[1:], sc.strategy.cfg.model.layers, 4, cpu)  # three on task 1
+    behind = Teachers.stack(sc.clients[:1], sc.strategy.model.layers, 2, cpu)  # one client still on task 0
+    ahead = Teachers.stack(sc.clients[1:], sc.strategy.model.layers, 4, cpu)  # three on task 1
     groups = [TaskTeachers(torch.arange(5), behind, 1), TaskTeachers(torch.arange(5, 10), ahead, 3)]
     labels = draw_labels(groups, 20_000, torch.Generator().manual_seed(0))
     assert abs(float((labels >= 5).double().mean()) - 0.75) < 0.02  # a task's share: its replies
     assert set(labels.tolist()) == set(range(10))
-    student = LatentStudent(sc.provisional, sc.strategy.cfg.model.layers, slice(0, 4), cpu)
+    student = LatentStudent(sc.provisional, sc.strategy.model.layers, slice(0, 4), cpu)
     z, y = sc.latents(range(10), n_per_class=8)
     both = group_generator_losses(z, y, groups, student)
     old, new = y < 5, y >= 5

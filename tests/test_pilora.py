@@ -234,7 +234,7 @@ def test_round_cosine_follows_the_authors_loop_round_by_round(runtime, rounds):
     trains round 0 at the base rate and round r >= 1 at (1 + cos((r - 1) pi / E)) / 2."""
     cfg, rt = runtime
     learner = PILoRALearner(rt, {})
-    learner.cfg = cfg.replace(rounds_per_task=rounds)
+    learner.federation = cfg.replace(rounds_per_task=rounds).federation
     ours = {"head.weight": [], "prompt.lora_q0_a": []}
     for round_ in range(rounds):
         learner.seed = [0, 0, 0, round_]

@@ -84,7 +84,7 @@ def test_resized_crop_views_are_seeded_per_fit():
         cfg = ExperimentConfig().replace(augment="resized-crop-flip", augment_crop_scale=0.05)
 
     learner = LocalLearner.__new__(LocalLearner)
-    learner.cfg, learner.seed = Stub.cfg, [0, 3, 1, 2]
+    learner.training, learner.seed = Stub.cfg.training, [0, 3, 1, 2]
     a, b = learner.augmentation(), learner.augmentation()
     np.testing.assert_array_equal(random_resized_crops(8, 32, 32, a, (0.05, 1)), random_resized_crops(8, 32, 32, b, (0.05, 1)))
     assert math.isclose(Stub.cfg.training.augment_crop_scale, 0.05)

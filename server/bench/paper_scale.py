@@ -126,7 +126,8 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             "stateful_parameters_per_exchange": results["communication"].get("stateful_parameters_per_exchange"),
             "extrapolated_round_seconds": round_seconds,
             "extrapolated_images_per_client": images,
-            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg.data, cfg.federation, cfg.run.seed).total_rounds,
+            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg.data, cfg.federation,
+                                                                                  cfg.run.seed).total_rounds,
             "device": r["placement"][0]["device"] if r.get("placement") else None,
         }
         (out_dir / "paper_dims.json").write_text(json.dumps(report, indent=2))

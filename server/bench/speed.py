@@ -71,7 +71,8 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         for _epoch in range(cfg.training.local_epochs):
             for s in range(0, len(index), cfg.training.batch_size):
                 with rt.autocast():
-                    feats = model.features(x_all[s : s + cfg.training.batch_size], q_all[s : s + cfg.training.batch_size])
+                    feats = model.features(x_all[s : s + cfg.training.batch_size],
+                                           q_all[s : s + cfg.training.batch_size])
                     logits = masked_logits(model.logits(feats), allowed)
                     loss = F.cross_entropy(logits, y_all[s : s + cfg.training.batch_size])
                 opt.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.config import ConfigError, ExperimentConfig
+from ...common.config import ConfigError, DataSection, ExperimentConfig, FederationSection, ModelSection
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 from ...common.privacy import privacy_options, privacy_refused
 
@@ -155,10 +155,10 @@ class C2PromptOptions(MethodOptions):
         """Tokens of a compensation prompt in a run whose prompts have ``prompt_length``."""
         return self.comp_length or prompt_length
 
-    def components_per_client(self, cfg: ExperimentConfig) -> int:
+    def components_per_client(self, model: ModelSection, data: DataSection, federation: FederationSection) -> int:
         """Components a client trains of its task's slice: all of it, or its part (``keep-all``)."""
-        per_task = max(cfg.model.pool_size // cfg.data.num_tasks, 1)
-        return per_task // cfg.federation.num_clients if self.cpa_pool == "keep-all" else per_task
+        per_task = max(model.pool_size // data.num_tasks, 1)
+        return per_task // federation.num_clients if self.cpa_pool == "keep-all" else per_task
 
     def check_run(self, cfg: ExperimentConfig) -> None:
         """Added compensation prompts have the discriminative prompts' shape; a prefix is split in
@@ -179,7 +179,7 @@ class C2PromptOptions(MethodOptions):
             raise ConfigError(f"c2prompt.cpa-pool = keep-all splits a task's {per_task} components into one part per "
                               f"client: pool-size / num-tasks must be a positive multiple of num-clients "
                               f"({cfg.federation.num_clients})")
-        own = self.components_per_client(cfg)
+        own = self.components_per_client(cfg.model, cfg.data, cfg.federation)
         if self.histogram == "top-k" and self.histogram_k > max(own, 1):
             raise ConfigError(f"c2prompt.histogram-k = {self.histogram_k} exceeds the {own} components a client "
                               "trains of its task's slice")

@@ -45,8 +45,10 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     cfg.validate()  # run when the configuration was built; again for one built by dataclasses.replace
     check_source(cfg.data.dataset)
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    schedule = _check_schedule(task_schedule(cfg.data, cfg.federation, cfg.run.seed), cfg.data.task_generator == "random", cfg.run.strategy, options)
-    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy, _privacy_refusal(options))
+    schedule = _check_schedule(task_schedule(cfg.data, cfg.federation, cfg.run.seed),
+                               cfg.data.task_generator == "random", cfg.run.strategy, options)
+    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
+                            _privacy_refusal(options))
     options.check_run(cfg)
     check_server_memory(cfg)  # the run's whole estimate against the server's ceilings (run_memory.py)
     return CheckedRun(options, schedule, privacy)
@@ -58,7 +60,8 @@ def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
     the server's); the method's strategy is not imported."""
     check_method(cfg.run.strategy)
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy, _privacy_refusal(options))
+    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
+                            _privacy_refusal(options))
     options.check_run(cfg)
     return privacy
 

@@ -90,7 +90,8 @@ def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
     import torch  # the method's module needs it; the checks that import this module need no more
 
     with torch.device("meta"):
-        prompt = prompt_class(cfg.run.strategy)(dim, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length, cfg.data.num_tasks)
+        prompt = prompt_class(cfg.run.strategy)(dim, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length,
+                                                cfg.data.num_tasks)
         prompt.configure(cfg.method)
     state = prompt.state_dict()
     head = TaskLayout.of(cfg, num_classes).head_size * (dim + 1)
@@ -103,8 +104,9 @@ def run_sizes(cfg: ExperimentConfig, sent_classes: int | None = None) -> RunSize
     dim = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length).width
     layout = TaskLayout.of(cfg, classes)
     per_task = max(1, layout.classes_per_task if layout.random else -(-classes // cfg.data.num_tasks))
-    return RunSizes(dim=dim, classes=classes, per_task=per_task, clients=max(cfg.federation.num_clients, cfg.federation.clients_per_round),
-                    per_round=cfg.federation.clients_per_round or max(1, round(cfg.federation.client_fraction * cfg.federation.num_clients)),
+    fed = cfg.federation
+    return RunSizes(dim=dim, classes=classes, per_task=per_task, clients=max(fed.num_clients, fed.clients_per_round),
+                    per_round=fed.clients_per_round or max(1, round(fed.client_fraction * fed.num_clients)),
                     trainable=trainable_bytes(cfg, dim, classes), layers=len(cfg.model.layers),
                     components=max(1, cfg.model.pool_size // cfg.data.num_tasks))
 

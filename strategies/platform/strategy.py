@@ -58,6 +58,7 @@ from ...common.records import (
     metrics_of,
     to_array_record,
 )
+from ...common.runtime import Runtime
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
@@ -85,12 +86,16 @@ class PromptStrategy(Sampling, FedAvg):
     Parameters
     ----------
     cfg : ExperimentConfig
-        The run's configuration (sampling, seed, prompt sizes).
+        The run's configuration, read once here: the strategy keeps the sections it reads
+        (``run``, ``data``, ``federation``, ``model``, ``robustness``, ``placement``), the run's
+        privacy options, its method settings and its digest, never the whole.
     num_classes : int
         Classes of the whole stream (size of the head).
     options : MethodOptions or mapping, optional
         The method's options, parsed (``options_class``); a mapping of ``<method>.*`` keys
         (prefix removed) is parsed here, None gives the defaults.
+    runtime : Runtime, optional
+        The server's own data and backbone, where it has them (central evaluation).
     """
 
     name = "fedavg"
@@ -132,29 +137,37 @@ class PromptStrategy(Sampling, FedAvg):
         return cls.options_class.from_options(options or {})
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int,
-                 options: Mapping[str, Any] | MethodOptions | None = None) -> None:
+                 options: Mapping[str, Any] | MethodOptions | None = None, runtime: Runtime | None = None) -> None:
         # Sampling is ours (seeded, see sampling.py); Flower's fraction settings are unused.
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
-        self.cfg = cfg
+        # read here once: the strategy keeps the sections its rounds and hooks read, never the whole
+        self.run, self.data, self.federation, self.model = cfg.run, cfg.data, cfg.federation, cfg.model
+        self.robustness, self.placement = cfg.robustness, cfg.placement
+        self.privacy = privacy_options(cfg)  # the run's dp.* options
+        self.method_settings = cfg.method  # the namespaced options a prompt module's ``configure`` reads
+        self.config_digest = cfg.digest()  # what every client's configuration must match
+        self.server_runtime = runtime  # the server's own data and backbone (central evaluation), or None
         self.num_classes = num_classes
         self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
-        self.bounds = SampleBounds(nodes=cfg.federation.population == "nodes")
-        self.schedule = task_schedule(cfg.data, cfg.federation, cfg.run.seed)  # that the method can follow it: checked before any loading
-        self.trust = resolve_trust(cfg.robustness.defences, cfg.federation.population, cfg.robustness.fault)
+        fed, rob = self.federation, self.robustness
+        nodes = fed.population == "nodes"
+        self.bounds = SampleBounds(nodes=nodes)
+        self.schedule = task_schedule(self.data, fed, self.run.seed)  # that the method can follow it: checked early
+        self.trust = resolve_trust(rob.defences, fed.population, rob.fault)
         # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
         # only where the run is defended; counts are capped only where the server cannot check them
-        weighting, combiner = aggregation_policies(cfg.robustness.aggregation, cfg.robustness.trim_fraction,
-                                                   cfg.robustness.max_client_weight if cfg.federation.population == "nodes" else 0.0)
-        screen = update_screen(self.trust.defended, privacy_options(cfg).noise_multiplier,
-                               norm_factor=cfg.robustness.update_norm_factor, max_norm=cfg.robustness.max_update_norm,
-                               clip=cfg.robustness.update_clip, clip_by_count=cfg.robustness.update_clip_by_count,
-                               strike_norm=cfg.robustness.update_strike_norm,
-                               min_cosine=cfg.robustness.update_min_cosine, reversed_norm=cfg.robustness.update_reversed_norm,
-                               strikes=cfg.robustness.update_strikes, mean_cosine=cfg.robustness.update_mean_cosine,
-                               mean_after=cfg.robustness.update_mean_cosine_after, norm_rounds=cfg.robustness.update_norm_rounds)
+        weighting, combiner = aggregation_policies(rob.aggregation, rob.trim_fraction,
+                                                   rob.max_client_weight if nodes else 0.0)
+        screen = update_screen(self.trust.defended, self.privacy.noise_multiplier,
+                               norm_factor=rob.update_norm_factor, max_norm=rob.max_update_norm,
+                               clip=rob.update_clip, clip_by_count=rob.update_clip_by_count,
+                               strike_norm=rob.update_strike_norm,
+                               min_cosine=rob.update_min_cosine, reversed_norm=rob.update_reversed_norm,
+                               strikes=rob.update_strikes, mean_cosine=rob.update_mean_cosine,
+                               mean_after=rob.update_mean_cosine_after, norm_rounds=rob.update_norm_rounds)
         self.policies = RunPolicies(weighting, combiner, screen,
-                                    StatisticsBound(cfg.robustness.stats_bound if self.trust.defended else 0.0))
+                                    StatisticsBound(rob.stats_bound if self.trust.defended else 0.0))
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -170,7 +183,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     # ------------------------------------------------------------------ hooks (defaults)
     def setup(self) -> None:
-        """The method's own state, made once the platform's is (``cfg``, ``layout``, ``opts``...).
+        """The method's own state, made once the platform's is (the sections, ``layout``, ``opts``...).
         A method never overrides ``__init__`` (sealed)."""
 
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
@@ -219,8 +232,8 @@ class PromptStrategy(Sampling, FedAvg):
         """Initialise the new task's prompt slice orthogonally to the earlier ones (CODA-P)."""
         state = array_views(arrays)  # read-only views: the prompt arrays are copied once, into the module
         prompt = self.prompt_from(state)
-        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.run.seed, task, 0x0A7]).integers(2**31)))
-        prompt.init_task_slice(task, gen, orthogonal=self.cfg.model.ortho_init)
+        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.run.seed, task, 0x0A7]).integers(2**31)))
+        prompt.init_task_slice(task, gen, orthogonal=self.model.ortho_init)
         state.update({f"prompt.{k}": v.numpy() for k, v in prompt.state_dict().items()})
         return to_array_record(state)
 
@@ -284,7 +297,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
-                 self.name, self.clients_per_round, self.cfg.federation.num_clients, self.opts.to_dict() or "{}")
+                 self.name, self.clients_per_round, self.federation.num_clients, self.opts.to_dict() or "{}")
         log.info("task arrival: %s", self.schedule.describe())
         log.info("%s", self.trust.describe())
 
@@ -315,9 +328,9 @@ class PromptStrategy(Sampling, FedAvg):
                      "model is unchanged", server_round, self._sent_round.skipped)
             return self._outcome(self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0}),
                                  accepted, rejected, counts, ratios)
-        if len(accepted) < self.cfg.robustness.min_replies:
+        if len(accepted) < self.robustness.min_replies:
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
-                        server_round, len(accepted), self.cfg.robustness.min_replies)
+                        server_round, len(accepted), self.robustness.min_replies)
             return self._outcome(None, None, accepted, rejected, counts, ratios)
         weights = self.policies.weighting([a.examples for a in accepted])
         for a, w in zip(accepted, weights):
@@ -399,7 +412,7 @@ class PromptStrategy(Sampling, FedAvg):
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
-                                  self.cfg.robustness.max_reply_bytes)
+                                  self.robustness.max_reply_bytes)
         if reason is not None or sent is None:  # no message matched: platform_problem said so
             return reason
         return self.check_records(reply, sent)
@@ -461,9 +474,9 @@ class PromptStrategy(Sampling, FedAvg):
         arrays = {k[7:]: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items() if k.startswith("prompt.")}
 
         def build() -> TrainableModule:
-            prompt = self.prompt_class(dim, self.cfg.model.layers, self.cfg.model.pool_size, self.cfg.model.prompt_length,
-                                       self.cfg.data.num_tasks)
-            prompt.configure(self.cfg.method)
+            prompt = self.prompt_class(dim, self.model.layers, self.model.pool_size, self.model.prompt_length,
+                                       self.data.num_tasks)
+            prompt.configure(self.method_settings)
             return prompt
 
         with torch.device("meta"):
