@@ -74,7 +74,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
         pass  # absent or unreadable: train it
     learner = LocalLearner(rt)
     initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
-    fresh = FedAvgStrategy(cfg, rt.data.num_classes)
+    fresh = FedAvgStrategy.of(cfg, rt.data.num_classes)
     per_task = cfg.model.pool_size // cfg.data.num_tasks
     out = np.full(cfg.data.num_tasks, np.nan)
     for task in range(cfg.data.num_tasks):

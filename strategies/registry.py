@@ -178,7 +178,7 @@ def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None)
     """The run's server strategy, with its options parsed once (``runtime``: the server's own data
     and backbone, where it has them)."""
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    return strategy_class(cfg.run.strategy)(cfg, num_classes, options, runtime)
+    return strategy_class(cfg.run.strategy).of(cfg, num_classes, options, runtime)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:

@@ -241,7 +241,7 @@ def test_lcdc_moves_the_compensated_features_toward_their_global_distribution(sc
 def strategy(**overrides):
     cfg = tiny_config(strategy="c2prompt", **overrides)
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
-    s = C2PromptStrategy(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
+    s = C2PromptStrategy.of(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(model.trainable_state())))
     return s, arrays
 

@@ -673,7 +673,7 @@ def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     grid = FakeGrid({11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: "node 13 crashed", 14: ([1], [1])})
     acc = FederatedEvaluator(grid, strategy)(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
     # (5 + 10) / 30 and (1 + 9) / 20; the crashed node and the malformed reply are left out
@@ -693,7 +693,7 @@ def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     head = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     honest = {11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: ([3, 3], [10, 10])}
     FederatedEvaluator(FakeGrid(honest), strategy)(head, 1)  # each node declares its sizes once
@@ -721,7 +721,7 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(clients_per_round=2, num_clients=3)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     grid = FakeGrid({30: "", 10: "", 20: ""})
     arrays = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     msgs = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), grid)
@@ -730,7 +730,7 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     assert chosen == strategy.sample_nodes([10, 20, 30], 0, 0)  # a pure function of the sorted ids
     assert all(m.content["config"]["num-classes"] == 10 for m in msgs)
     # fewer nodes than the population: the first round waits, then says how many came
-    strategy = FedAvgStrategy(nodes_config(num_clients=3, round_timeout=1.5), 10)
+    strategy = FedAvgStrategy.of(nodes_config(num_clients=3, round_timeout=1.5), 10)
     with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
         strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
 

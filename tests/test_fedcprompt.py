@@ -37,7 +37,7 @@ class NodeList:
 def start(cfg, tasks: int):
     """Runtime with Fed-CPrompt's prompt, strategy, and arrays with ``tasks`` slices initialised."""
     rt = get_runtime(cfg, FedCPromptPrompt)
-    s = FedCPromptStrategy(cfg, rt.data.num_classes)
+    s = FedCPromptStrategy.of(cfg, rt.data.num_classes)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(tasks):
         arrays = s.on_task_start(t, arrays)
@@ -65,7 +65,7 @@ def test_options_defaults_validation_and_registry():
         with pytest.raises(ConfigError, match="fedcprompt"):
             FedCPromptOptions.from_options(bad)
     with pytest.raises(ConfigError, match="unknown option fedcprompt.nope"):
-        FedCPromptStrategy(tiny_config(), 10, {"nope": 1})
+        FedCPromptStrategy.of(tiny_config(), 10, {"nope": 1})
     with pytest.raises(ConfigError, match="gamma"):
         FedCPromptStrategy.parse_options({"gamma": -1})  # what the CLI runs before any training
     assert FedCPromptStrategy.parse_options({"lambda": 0.5}).lambda_ == 0.5
@@ -279,8 +279,8 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     assert len(off.held_out(np.sort(everything))[1]) == 0
     # the held-out samples are not trained on, so they do not weigh in FedAvg
     assert reply[METRICS]["num-examples"] == len(trained)
-    assert FedCPromptStrategy(cfg, 10).trained_examples(len(everything)) == len(trained)
-    assert FedCPromptStrategy(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
+    assert FedCPromptStrategy.of(cfg, 10).trained_examples(len(everything)) == len(trained)
+    assert FedCPromptStrategy.of(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
 
 
 @pytest.mark.parametrize(("metric", "field"), [("loss", "val-loss"), ("accuracy", "val-correct")])
@@ -306,13 +306,13 @@ def test_task_scope_clients_report_the_received_models_validation_and_train_ever
     score = received.validation_loss(validation, 0) if metric == "loss" else received.correct(validation, 0)
     assert {k: metrics[k] for k in ("val-total", field)} == {field: score, "val-total": len(validation)}
     assert ({"val-loss", "val-correct"} - {field}).isdisjoint(metrics.keys())
-    server = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": metric})
+    server = FedCPromptStrategy.of(cfg, 10, {"early-stopping-metric": metric})
     assert server.check_records(Message(content=reply, dst_node_id=1, message_type="train"), None) is None
-    other = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": "accuracy" if metric == "loss" else "loss"})
+    other = FedCPromptStrategy.of(cfg, 10, {"early-stopping-metric": "accuracy" if metric == "loss" else "loss"})
     assert "this run's early stopping reads" in other.check_records(
         Message(content=reply, dst_node_id=1, message_type="train"), None)
     bad = RecordDict({METRICS: MetricRecord({"num-examples": 5, "val-correct": 3, "val-total": 2})})
-    assert "exceeds" in FedCPromptStrategy(cfg, 10, EARLIER_RULE).check_records(
+    assert "exceeds" in FedCPromptStrategy.of(cfg, 10, EARLIER_RULE).check_records(
         Message(content=bad, dst_node_id=1, message_type="train"), None)
 
 
@@ -352,7 +352,7 @@ def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(f
     assert list(s.configure_train(6, out, ConfigRecord({"task": 0, "round": 5}), NodeList(4))) == []
     arrays, metrics = s.aggregate_train(6, [])
     assert arrays is out and metrics["clients"] == 0
-    again = ScheduledStrategy(cfg, 6, EARLIER_RULE)
+    again = ScheduledStrategy.of(cfg, 6, EARLIER_RULE)
     again.load_state_dict(s.state_dict())
     assert again.stopped == {0} and again.best_score == s.best_score and again.stale == s.stale
     assert again.scored == s.scored == {0: 4, 1: 4}
@@ -522,7 +522,7 @@ class ScheduledStrategy(FedCPromptStrategy):
 def async_setup(num_tasks=3, known=2, options=None):
     cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
-    s = ScheduledStrategy(cfg, num_classes, options)
+    s = ScheduledStrategy.of(cfg, num_classes, options)
     shapes = {"prompt.p0": (cfg.model.pool_size, 4, 3), "prompt.k0": (cfg.model.pool_size, 3),
               "head.weight": (num_classes, 3), "head.bias": (num_classes,)}
     base = to_array_record({k: np.full(v, -1.0, np.float32) for k, v in shapes.items()})
@@ -615,7 +615,7 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
     assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
     with pytest.raises(RuntimeError, match="never initialised"):
         list(s.configure_train(2, arrays, ConfigRecord({"task": 2, "round": 0}), NodeList(2)))
-    again = FedCPromptStrategy(cfg, rt.data.num_classes)
+    again = FedCPromptStrategy.of(cfg, rt.data.num_classes)
     again.load_state_dict(s.state_dict())
     assert again.known_tasks == 2
 

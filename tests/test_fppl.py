@@ -44,7 +44,7 @@ def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) ->
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
-    s = FPPLStrategy(cfg, NUM_CLASSES, options or {})
+    s = FPPLStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
         if t:
@@ -179,7 +179,7 @@ def test_new_task_prompt_starts_as_a_copy_of_the_previous_one():
 def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     cfg = fppl_config(centralised=True, lr=0.01)
     rt = get_runtime(cfg, FPPLPrompt)
-    s = FPPLStrategy(cfg, rt.data.num_classes)
+    s = FPPLStrategy.of(cfg, rt.data.num_classes)
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
     before = from_array_record(arrays)
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
@@ -442,7 +442,7 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
 
     tensors: dict = {}
     saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it
-    restored = FPPLStrategy(fppl_config(), NUM_CLASSES, {})
+    restored = FPPLStrategy.of(fppl_config(), NUM_CLASSES, {})
     restored.load_state_dict(saved)
     for a, b in ((s.pool, restored.pool), (s.current, restored.current)):
         for field in ("classes", "means", "clients"):
@@ -488,7 +488,7 @@ def test_options_are_validated():
         with pytest.raises(ConfigError):
             FPPLOptions.from_options(bad)
     with pytest.raises(ConfigError):
-        FPPLStrategy(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
+        FPPLStrategy.of(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
     with pytest.raises(ConfigError, match="fppl.bogus"):
         FPPLStrategy.parse_options({"bogus": 1})  # what the CLI runs before any training
 

@@ -42,7 +42,7 @@ SLICES = {"pool-training": "task-slices"}  # CODA-P's task slices (the Scenario 
 
 def make_strategy(**options) -> HePCoStrategy:
     cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
-    return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    return HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
 
 
 def reply(state: dict[str, np.ndarray], n: int = 20) -> RecordDict:
@@ -639,7 +639,7 @@ def test_whole_pool_with_clients_on_two_tasks_averages_the_pool_over_everyone(fl
     prompt arrays average over all replies; a task's head rows over the replies that trained it."""
     cfg = tiny_config(strategy="hepco", switch_fraction=0.5, switch_every=1, rounds_per_task=2,
                       **{"hepco.averaging": "samples"})
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     shapes = {"prompt.p0": (cfg.model.pool_size, 2, D), "prompt.k0": (cfg.model.pool_size, D), "prompt.whole_pool": (1,),
               "head.weight": (NUM_CLASSES, D), "head.bias": (NUM_CLASSES,)}
     s.round_arrays = to_array_record({k: np.zeros(v, np.float32) for k, v in shapes.items()})
@@ -798,7 +798,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1,
                       switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3,
                                               "hepco.pool-training": "task-slices"})
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     per = cfg.model.pool_size // cfg.data.num_tasks
     g = torch.Generator().manual_seed(0)
     prompt = HePCoPrompt(D, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length, cfg.data.num_tasks)
@@ -884,7 +884,7 @@ def test_a_defended_round_gives_hepcos_server_step_the_screened_replies(flower_i
     from tests.helpers import NodeList
 
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, defences="on")
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     state = {"head.weight": np.zeros((NUM_CLASSES, D), np.float32), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
     msgs = list(s.configure_train(1, to_array_record(state), ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
     seen = {}

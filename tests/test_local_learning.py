@@ -21,7 +21,7 @@ from tests.conftest import tiny_config
 
 def start(cfg, task=0):
     rt = get_runtime(cfg)
-    s = FedAvgStrategy(cfg, rt.data.num_classes)
+    s = FedAvgStrategy.of(cfg, rt.data.num_classes)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(task + 1):
         arrays = s.on_task_start(t, arrays)

@@ -136,7 +136,7 @@ def train_message() -> tuple[str, dict[str, bytes], dict[str, Any]]:
     from tests.wire_grid import to_wire
 
     cfg = ExperimentConfig.from_dict({**LARGE_PROMPTS, "num-clients": 1, "clients-per-round": 1})
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     with flower_task_identity():
         arrays = strategy.on_task_start(0, to_array_record(initial_trainable_state(ModelSpec.of(cfg, 10),
                                                                                   strategy.prompt_class)))

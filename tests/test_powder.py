@@ -135,7 +135,7 @@ def strategy_with_pool(num_tasks=4, known=4, **options):
     """A strategy with ``known`` task slices initialised and task alphas giving a known G_task."""
     cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
-    s = PowderStrategy(cfg, num_classes, options)
+    s = PowderStrategy.of(cfg, num_classes, options)
     rng = np.random.default_rng(0)
     state = {"prompt.p0": rng.normal(size=(cfg.model.pool_size, 4, 6)).astype(np.float32),
              "prompt.k0": rng.normal(size=(cfg.model.pool_size, 6)).astype(np.float32),
@@ -435,7 +435,7 @@ def test_state_dict_round_trip():
     s.class_alpha[3] = 0.5
     s.class_measured[3] = True
     s.new_tasks_pending = True
-    again = PowderStrategy(cfg, s.num_classes)
+    again = PowderStrategy.of(cfg, s.num_classes)
     again.load_state_dict(s.state_dict())
     assert again.known_tasks == 4 and again.new_tasks_pending
     np.testing.assert_array_equal(again.task_alpha, s.task_alpha)
@@ -488,7 +488,7 @@ def client_setup(**options):
     """Runtime with Powder's prompt; a strategy with 2 known tasks; a message for task 1."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt = get_runtime(cfg, PowderPrompt)
-    s = PowderStrategy(cfg, rt.data.num_classes, options)
+    s = PowderStrategy.of(cfg, rt.data.num_classes, options)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(2):
         arrays = s.on_task_start(t, arrays)

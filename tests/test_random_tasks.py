@@ -295,10 +295,10 @@ def test_powders_single_task_reference_trains_its_local_pools_components(tmp_pat
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = random_config(strategy="powder", **{"powder.k": 3})
     per_task = cfg.model.pool_size // cfg.data.num_tasks
-    powder = PowderStrategy(cfg, 10, cfg.method_options("powder"))
+    powder = PowderStrategy.of(cfg, 10, cfg.method_options("powder"))
     assert powder.reference_components() == 3 * per_task
     cfg_slice = random_config(strategy="powder", **{"powder.reference": "task-slice"})
-    assert PowderStrategy(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
+    assert PowderStrategy.of(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
     built = []
     real = transfer.get_runtime
     monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.pool_size) or real(c, p))
@@ -376,7 +376,7 @@ def test_powder_scores_each_random_task_with_its_top_k_local_pool():
     from promptfcl.strategies.powder.strategy import PowderStrategy, first_step_aggregation
 
     cfg = random_config(strategy="powder")
-    s = PowderStrategy(cfg, 10, {"k": 2})
+    s = PowderStrategy.of(cfg, 10, {"k": 2})
     rng = np.random.default_rng(0)
     state = {"prompt.p0": rng.normal(size=(8, 4, 6)).astype(np.float32),
              "prompt.k0": rng.normal(size=(8, 6)).astype(np.float32),
@@ -389,8 +389,8 @@ def test_powder_scores_each_random_task_with_its_top_k_local_pool():
     expected = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)
     for name, value in from_array_record(arrays).items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-6)
-    assert PowderStrategy(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
-    stream = PowderStrategy(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
+    assert PowderStrategy.of(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
+    stream = PowderStrategy.of(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
     assert stream.evaluation_pools(to_array_record(state), 3) is None
 
 

@@ -91,7 +91,7 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     policy = NodePolicy.from_node_config({"memory-budget-mb": budget_mb, "backbone-precision": precision})
     learner = LocalLearner(runtime)
     plan = apply_plan(runtime, policy, learner)
-    strategy = FedAvgStrategy(cfg, runtime.data.num_classes)
+    strategy = FedAvgStrategy.of(cfg, runtime.data.num_classes)
     arrays = strategy.on_task_start(0, to_array_record(runtime.model.trainable_state()))
     started, cpu = time.perf_counter(), time.process_time()
     reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)

@@ -38,7 +38,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         run_cfg = cfg.replace(query_cache=cached)
         _runtime.cache_clear()
         rt = get_runtime(run_cfg)
-        arrays = FedAvgStrategy(run_cfg, rt.data.num_classes).on_task_start(
+        arrays = FedAvgStrategy.of(run_cfg, rt.data.num_classes).on_task_start(
             0, to_array_record(rt.model.trainable_state())
         )
         index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 0, 0)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -42,10 +42,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from ...common import config_sections as sections
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt, TrainableModule
 from ...common.options import MethodOptions, NoOptions
-from ...common.privacy import PrivateRecord, privacy_options
+from ...common.privacy import PrivacyOptions, PrivateRecord, privacy_options
 from ...common.records import (
     ARRAYS,
     CONFIG,
@@ -54,7 +55,6 @@ from ...common.records import (
     array_views,
     as_float,
     as_int,
-    config_of,
     metrics_of,
     to_array_record,
 )
@@ -62,35 +62,32 @@ from ...common.runtime import Runtime
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
-from .aggregation import aggregation_policies, average_replies
-from .checks import NO_EXAMPLES, SampleBounds, platform_problem
-from .defences import update_screen
+from .aggregation import average_replies
+from .checks import NO_EXAMPLES, SampleBounds, placement_of, platform_problem
 from .outcome import RoundOutcome
-from .policies import RunPolicies
+from .policies import run_policies
 from .replies import REPLY_METRICS, MetricSpec
 from .rounds import Accepted, Sent, SentRound
 from .sampling import Sampling
-from .statistics import Statistics, StatisticsBound
+from .statistics import Statistics
 
 log = logging.getLogger("promptfcl")
 
 #: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
 #: ``setup``): methods fill hooks instead
-SEALED = frozenset({"__init__", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
+SEALED = frozenset({"__init__", "of", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
                     "aggregate_exchange", "check_reply"})
 
 
 class PromptStrategy(Sampling, FedAvg):
     """Sample-weighted FedAvg over prompt and head parameters, aware of the task schedule.
 
+    Made by :meth:`of`; it takes what it reads, never the whole configuration: six sections, the
+    ``layout`` (its classes size the head), ``privacy`` (``dp.*``), the ``method_settings`` a prompt
+    module's ``configure`` reads and the ``config_digest`` every client's configuration must match.
+
     Parameters
     ----------
-    cfg : ExperimentConfig
-        The run's configuration, read once here: the strategy keeps the sections it reads
-        (``run``, ``data``, ``federation``, ``model``, ``robustness``, ``placement``), the run's
-        privacy options, its method settings and its digest, never the whole.
-    num_classes : int
-        Classes of the whole stream (size of the head).
     options : MethodOptions or mapping, optional
         The method's options, parsed (``options_class``); a mapping of ``<method>.*`` keys
         (prefix removed) is parsed here, None gives the defaults.
@@ -136,38 +133,33 @@ class PromptStrategy(Sampling, FedAvg):
             return options
         return cls.options_class.from_options(options or {})
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int,
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, num_classes: int, options: Mapping[str, Any] | MethodOptions | None = None,
+           runtime: Runtime | None = None) -> Self:
+        """The strategy of run ``cfg`` over ``num_classes`` classes (the one place it reads the whole)."""
+        return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model,
+                   robustness=cfg.robustness, placement=cfg.placement, layout=TaskLayout.of(cfg, num_classes),
+                   privacy=privacy_options(cfg), method_settings=cfg.method, config_digest=cfg.digest(),
+                   options=options, runtime=runtime)
+
+    def __init__(self, *, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection,
+                 model: sections.ModelSection, robustness: sections.RobustnessSection,
+                 placement: sections.PlacementSection, layout: TaskLayout,
+                 privacy: PrivacyOptions, method_settings: Mapping[str, Any], config_digest: str,
                  options: Mapping[str, Any] | MethodOptions | None = None, runtime: Runtime | None = None) -> None:
         # Sampling is ours (seeded, see sampling.py); Flower's fraction settings are unused.
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
-        # read here once: the strategy keeps the sections its rounds and hooks read, never the whole
-        self.run, self.data, self.federation, self.model = cfg.run, cfg.data, cfg.federation, cfg.model
-        self.robustness, self.placement = cfg.robustness, cfg.placement
-        self.privacy = privacy_options(cfg)  # the run's dp.* options
-        self.method_settings = cfg.method  # the namespaced options a prompt module's ``configure`` reads
-        self.config_digest = cfg.digest()  # what every client's configuration must match
+        self.run, self.data, self.federation, self.model = run, data, federation, model
+        self.robustness, self.placement, self.privacy = robustness, placement, privacy
+        self.method_settings, self.config_digest = method_settings, config_digest
         self.server_runtime = runtime  # the server's own data and backbone (central evaluation), or None
-        self.num_classes = num_classes
-        self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
+        self.layout, self.num_classes = layout, layout.num_classes  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
-        fed, rob = self.federation, self.robustness
-        nodes = fed.population == "nodes"
+        nodes = federation.population == "nodes"
         self.bounds = SampleBounds(nodes=nodes)
-        self.schedule = task_schedule(self.data, fed, self.run.seed)  # that the method can follow it: checked early
-        self.trust = resolve_trust(rob.defences, fed.population, rob.fault)
-        # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
-        # only where the run is defended; counts are capped only where the server cannot check them
-        weighting, combiner = aggregation_policies(rob.aggregation, rob.trim_fraction,
-                                                   rob.max_client_weight if nodes else 0.0)
-        screen = update_screen(self.trust.defended, self.privacy.noise_multiplier,
-                               norm_factor=rob.update_norm_factor, max_norm=rob.max_update_norm,
-                               clip=rob.update_clip, clip_by_count=rob.update_clip_by_count,
-                               strike_norm=rob.update_strike_norm,
-                               min_cosine=rob.update_min_cosine, reversed_norm=rob.update_reversed_norm,
-                               strikes=rob.update_strikes, mean_cosine=rob.update_mean_cosine,
-                               mean_after=rob.update_mean_cosine_after, norm_rounds=rob.update_norm_rounds)
-        self.policies = RunPolicies(weighting, combiner, screen,
-                                    StatisticsBound(rob.stats_bound if self.trust.defended else 0.0))
+        self.schedule = task_schedule(data, federation, run.seed)  # that the method can follow it: checked early
+        self.trust = resolve_trust(robustness.defences, federation.population, robustness.fault)
+        self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, nodes)
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -451,7 +443,7 @@ class PromptStrategy(Sampling, FedAvg):
             shares=tuple(a.weight / total for a in accepted) if total > 0 else (),
             nodes=tuple(self.node_label(a.sent.node) for a in accepted), clients=tuple(a.sent.client for a in accepted),
             update_norms=tuple(a.update_norm for a in accepted), update_cosines=tuple(a.cosine for a in accepted),
-            placements={a.reply.metadata.reply_to_message_id: _placement(a.content) for a in accepted
+            placements={a.reply.metadata.reply_to_message_id: placement_of(a.content) for a in accepted
                         if PLACEMENT in a.content},
             defences=dict(counts) if self.policies.defended else {}, stats_ratios=ratios,
             sample_rate=self._sent_round.sample_rate)
@@ -506,7 +498,3 @@ class PromptStrategy(Sampling, FedAvg):
         self.policies.screen.history.load(state.get("direction-history", {}))
         self.policies.screen.norm_history.load(state.get("norm-history", {}))
 
-
-def _placement(content: RecordDict) -> dict[str, str]:
-    """A reply's placement record (its fields are strings: checks.check_placement)."""
-    return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}
