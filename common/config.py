@@ -3,7 +3,9 @@
 Flower hands every ServerApp and ClientApp the same flat ``context.run_config``
 (``[tool.flwr.app.config]`` in pyproject.toml plus ``--run-config`` overrides).
 Keys are kebab-case (``num-tasks``); method-specific keys are namespaced by the
-strategy name (``hepco.lambda-kl``) and are validated by the strategy itself.
+strategy name (``hepco.lambda-kl``) and are validated by the strategy itself. Each key is a
+field of one section (common/config_sections.py); the flat keys exist only at the edges
+(``from_run_config``, ``from_dict``, ``to_dict``, ``replace``, the digest).
 """
 
 from __future__ import annotations
@@ -51,8 +53,6 @@ from .errors import ConfigError  # re-exported: the error of configurations
 from .options import coerce_value
 
 DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
-
-
 
 #: the flat keys in the order ``to_dict`` (results.json, checkpoints, splits.npz) has always listed
 #: them; tests/test_config.py checks it names every key of every section once

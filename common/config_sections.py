@@ -44,7 +44,6 @@ class RunSection:
         config_checks.check_run(self)
 
 
-
 @dataclass(frozen=True)
 class DataSection:
     """The dataset and the task stream drawn over it."""
@@ -202,7 +201,6 @@ class TrainingSection:
         config_checks.check_training(self)
 
 
-
 @dataclass(frozen=True)
 class ModelSection:
     """The backbone, the prompts and the head."""
@@ -271,7 +269,6 @@ class EvaluationSection:
 
     def __post_init__(self) -> None:
         config_checks.check_evaluation(self)
-
 
 
 @dataclass(frozen=True)
@@ -414,7 +411,6 @@ class OutputSection:
         config_checks.check_output(self)
 
 
-
 @dataclass(frozen=True)
 class CachingSection:
     """What is kept between processes and rounds."""
@@ -433,7 +429,6 @@ class CachingSection:
 
     def __post_init__(self) -> None:
         config_checks.check_caching(self)
-
 
 
 #: each section's class, by its name in ``SECTIONS``
