@@ -138,8 +138,8 @@ def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
     assert reply["metrics"]["num-examples"] == len(rt.data.train)  # both tasks: all 10 classes
     # the old task's head rows learn too (they compete in the CE), unlike incremental training
     assert not np.array_equal(after["head.weight"][:5], before["head.weight"][:5])
-    per_task = joint.pool_size // joint.num_tasks
-    for layer in joint.layers:  # the same model: earlier prompt slices stay frozen
+    per_task = joint.model.pool_size // joint.data.num_tasks
+    for layer in joint.model.layers:  # the same model: earlier prompt slices stay frozen
         np.testing.assert_array_equal(after[f"prompt.p{layer}"][:per_task], before[f"prompt.p{layer}"][:per_task])
     incremental = tiny_config(num_tasks=2, centralised=True, lr=0.01)
     inc_rt, _ = start(incremental, task=1)

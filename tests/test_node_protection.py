@@ -291,8 +291,8 @@ def test_resuming_a_run_stopped_at_max_rounds_goes_on(tmp_path):
     ckpt = make_ckpt(1)
     ckpt.config.update({"max-rounds": 1})
     checkpoint.save(ckpt, tmp_path)
-    assert _resume_config(str(tmp_path), []).max_rounds == 0
-    assert _resume_config(str(tmp_path), ["max-rounds=3"]).max_rounds == 3
+    assert _resume_config(str(tmp_path), []).output.max_rounds == 0
+    assert _resume_config(str(tmp_path), ["max-rounds=3"]).output.max_rounds == 3
 
 
 # ----------------------------------------------------------------------------- one weighting path

@@ -301,7 +301,7 @@ def test_powders_single_task_reference_trains_its_local_pools_components(tmp_pat
     assert PowderStrategy.of(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
     built = []
     real = transfer.get_runtime
-    monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.pool_size) or real(c, p))
+    monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.model.pool_size) or real(c, p))
     larger = transfer.single_task_accuracies(cfg, task_schedule(cfg.data, cfg.federation, cfg.run.seed), powder.reference_components())
     assert built == [3 * cfg.model.pool_size] and larger.shape == (cfg.data.num_tasks,)
     assert len(list((tmp_path / "single-task").glob("*.json"))) == 1  # cached apart from the one-slice reference
@@ -319,7 +319,7 @@ def test_single_task_reference_uses_the_methods_prompt_token_handling(tmp_path, 
         pass
 
     def capture(c, p):
-        built.append(c.prompt_tokens)
+        built.append(c.model.prompt_tokens)
         raise Built
 
     monkeypatch.setattr(transfer, "get_runtime", capture)
