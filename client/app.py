@@ -116,17 +116,19 @@ def train(msg: Message, context: Context) -> Message:
     plan = apply_plan(runtime, policy, learner)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
-    own_data = cfg.population == "nodes"
-    evaluation = evaluate_received(runtime, msg.content, cfg.num_tasks, own_data) if EVALUATE_TASK in config else None
+    own_data = cfg.federation.population == "nodes"
+    evaluation = evaluate_received(runtime, msg.content, cfg.data.num_tasks,
+                                   own_data) if EVALUATE_TASK in config else None
     evaluation_seconds = time.perf_counter() - evaluated
-    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
+    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
+                                         cfg.federation.num_clients)
     reply = learner.fit(msg.content, task, round_, client_id)
     dp = privacy_options(cfg)
     if dp.enabled:
         check_client_run(cfg)  # a method that cannot bound its upload never sends one
     # fresh OS entropy for the noise, never the run's seed (the server knows it)
     reply = private_upload(reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng(),
-                           dp, cfg.strategy)
+                           dp, cfg.run.strategy)
     if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
         reply.metric_records[METRICS]["setup-seconds"] = setup
         if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
@@ -180,7 +182,8 @@ def query(msg: Message, context: Context) -> Message:
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
     apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
-    task, round_, client_id = assignment(config, client_id, cfg.population, cfg.task_generator, cfg.num_clients)
+    task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
+                                         cfg.federation.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
 
 
@@ -201,7 +204,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     except KeyError:
         raise ValueError("evaluate message config lacks 'task'") from None
     pools = evaluation_pools(config, task, runtime.model.prompt.num_tasks)
-    metrics = evaluation_counts(runtime, arrays_of(msg.content), task, pools, cfg.population == "nodes")
+    metrics = evaluation_counts(runtime, arrays_of(msg.content), task, pools, cfg.federation.population == "nodes")
     report_process_cost(metrics)
     return Message(content=RecordDict({METRICS: metrics}), reply_to=msg)
 
@@ -251,24 +254,25 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     policy = NodePolicy.from_node_config(context.node_config)
     policy.check_run(cfg, config.get("num-classes"))
     # the node's own weights or its cache, never a file the run names
-    cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
-    method_prompt = prompt_class(cfg.strategy)
-    if cfg.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
+    cfg = cfg.replace(weights=policy.backbone_weights(cfg.model.backbone, cfg.model.weights))
+    method_prompt = prompt_class(cfg.run.strategy)
+    if cfg.placement.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
         # (Ray announces it will stop hiding them from such actors)
         cfg = cfg.replace(device="cpu")
-    if cfg.population == "virtual":
+    if cfg.federation.population == "virtual":
         if not policy.data_from_run:
             raise NodeRefusal("node refuses the run: population = virtual loads the run's own dataset "
-                              f"({cfg.dataset!r}), and this node reads only the data its node-config names; "
+                              f"({cfg.data.dataset!r}), and this node reads only the data its node-config names; "
                               "use population = nodes (or start the node with data-from-run=true)")
         return get_runtime(cfg, method_prompt, precision=policy.precision), -1
     with startup.phase("data"):
         node = node_data(cfg, context.node_config)
     sent = config.get("num-classes")
     if sent is not None:
-        check_classes(node.data.num_classes, original_names(node.data, cfg.seed),
-                      f"this node's data ({node.data.name})", cfg.num_classes or as_int(sent), cfg.class_name_list)
+        check_classes(node.data.num_classes, original_names(node.data, cfg.run.seed),
+                      f"this node's data ({node.data.name})", cfg.data.num_classes or as_int(sent),
+                      cfg.data.class_name_list)
     return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
             node.client_id)
 

@@ -75,19 +75,21 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
         client, task, round_ = as_int(config["client-id"]), as_int(config["task"]), as_int(config["round"])
     except (KeyError, TypeError, ValueError):
         return call_next(msg, context)  # not a message the ClientApp can train on: it reports that itself
-    if not cfg.fault or not is_faulty(cfg.fault_client_ids, cfg.fault_rate, cfg.seed, client, task, round_):
+    if not cfg.robustness.fault or not is_faulty(cfg.robustness.fault_client_ids, cfg.robustness.fault_rate,
+                                                 cfg.run.seed, client, task, round_):
         return call_next(msg, context)
-    if cfg.fault == "raise":
+    if cfg.robustness.fault == "raise":
         raise InjectedFault(f"injected failure of client {client} (task {task}, round {round_})")
-    if cfg.fault == "hang":
-        time.sleep(cfg.fault_hang_seconds)
+    if cfg.robustness.fault == "hang":
+        time.sleep(cfg.robustness.fault_hang_seconds)
         return call_next(msg, context)
     reply = call_next(msg, context)
     if reply.has_error():
         return reply
     sent = from_array_record(arrays_of(msg.content)) if ARRAYS in msg.content.array_records else {}
-    specs = statistics_of(cfg.strategy) if cfg.fault in STATISTICS_ATTACKS else {}
-    return Message(content=corrupt(cfg.fault, reply.content, sent, cfg.update_norm_factor, specs), reply_to=msg)
+    specs = statistics_of(cfg.run.strategy) if cfg.robustness.fault in STATISTICS_ATTACKS else {}
+    return Message(content=corrupt(cfg.robustness.fault, reply.content, sent, cfg.robustness.update_norm_factor, specs),
+                   reply_to=msg)
 
 
 #: the factor each reversing attack multiplies the client's own update by (None: the norm filter's)

@@ -77,7 +77,7 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
         held += mapped_tensor_mb(weights, cached) - mapped_mb(cached)
     device = "cpu" if runtime.device.type == "cpu" else "other"
     try:
-        plan = plan_training(policy.memory_budget_mb, step_sizes(model, runtime.cfg.batch_size), held,
+        plan = plan_training(policy.memory_budget_mb, step_sizes(model, runtime.cfg.training.batch_size), held,
                              runtime.precision, MIN_MICRO_BATCH[device],
                              after_mb=after_plan_mb(runtime) if policy.memory_budget_mb else 0.0)
     except BudgetError as exc:

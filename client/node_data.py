@@ -200,25 +200,26 @@ def node_data(cfg: ExperimentConfig, node_config: Mapping[str, Any]) -> NodeData
 
 
 def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
-    if cfg.splits:
-        raise NodeDataError(f"the run names a splits file ({cfg.splits!r}); a node does not open files the "
+    if cfg.data.splits:
+        raise NodeDataError(f"the run names a splits file ({cfg.data.splits!r}); a node does not open files the "
                             "server names (reuse splits in simulation)")
     node_cfg = cfg
     if spec.device:
-        node_cfg = dataclasses.replace(node_cfg, device=spec.device)
+        node_cfg = node_cfg.replace(device=spec.device)
     if spec.threads:
-        node_cfg = dataclasses.replace(node_cfg, threads=spec.threads)
+        node_cfg = node_cfg.replace(threads=spec.threads)
 
     run_source = DataSource.of(cfg)
-    run_names = cfg.class_name_list
+    run_names = cfg.data.class_name_list
     if spec.kind == "partition":
-        if spec.num_partitions != cfg.num_clients:
+        if spec.num_partitions != cfg.federation.num_clients:
             raise NodeDataError(
                 f"this node is partition {spec.partition_id} of {spec.num_partitions}, but the run has "
-                f"num-clients = {cfg.num_clients} nodes: start the nodes with num-partitions={cfg.num_clients}")
-        full = load_source_cached(partition_source(run_source, spec), cfg.num_tasks)
+                f"num-clients = {cfg.federation.num_clients} nodes: start the nodes with "
+                f"num-partitions={cfg.federation.num_clients}")
+        full = load_source_cached(partition_source(run_source, spec), cfg.data.num_tasks)
         check_task_stream(TaskLayout.of(cfg, full.num_classes), full)
-        check_classes(full.num_classes, original_names(full, cfg.seed), "the run's dataset", cfg.num_classes,
+        check_classes(full.num_classes, original_names(full, cfg.run.seed), "the run's dataset", cfg.data.num_classes,
                       run_names)
         # Held-out data: a disjoint shard of the test split, so the nodes' counts add up
         # to exactly the central evaluation over the whole test split.
@@ -231,13 +232,13 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     what = f"this node's data ({spec.dataset})"
     if spec.dataset.startswith("folder:"):
         data = load_folder(run_source, run_names, Path(spec.dataset[len("folder:"):]).expanduser())
-        check_classes(data.num_classes, original_names(data, cfg.seed), what, cfg.num_classes, run_names)
+        check_classes(data.num_classes, original_names(data, cfg.run.seed), what, cfg.data.num_classes, run_names)
     else:
         source = dataclasses.replace(run_source, dataset=spec.dataset, data_dir=spec.data_dir)  # never the run's
         try:
             data = read_source(source)
             # the run's classes first: the task stream's errors name classes, by then the run's own
-            check_classes(data.num_classes, original_names(data, cfg.seed), what, cfg.num_classes, run_names)
+            check_classes(data.num_classes, original_names(data, cfg.run.seed), what, cfg.data.num_classes, run_names)
             check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
         except ConfigError as exc:
             raise NodeDataError(f"{what}: {exc}") from exc
@@ -247,7 +248,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     # The node's data is all its own: every sample of a task's classes is its share (with random
     # tasks the node plays the schedule's client the server names, drawn as the run draws it)
     # (the runtime's data location is the node's own, never the run's)
-    node_cfg = dataclasses.replace(node_cfg, dataset=spec.dataset, data_dir=spec.data_dir)
+    node_cfg = node_cfg.replace(dataset=spec.dataset, data_dir=spec.data_dir)
     return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg).own())
 
 
@@ -448,16 +449,16 @@ def main(argv: list[str] | None = None) -> int:
         policy = NodePolicy.from_node_config(node_config)
         policy.check_run(cfg)
         # as the ClientApp will: the node's own weights or its cache
-        cfg = cfg.replace(weights=policy.backbone_weights(cfg.backbone, cfg.weights))
+        cfg = cfg.replace(weights=policy.backbone_weights(cfg.model.backbone, cfg.model.weights))
         loaded = node_data(cfg, node_config)
         check_weights(BackboneSpec.of(cfg))  # the backbone must be on this node (the server has none)
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     d = loaded.data
-    k = d.num_classes // cfg.num_tasks
-    per_task = [int(np.sum(d.train.labels // k == t)) for t in range(cfg.num_tasks)]
-    held = [int(np.sum(d.test.labels // k == t)) for t in range(cfg.num_tasks)]
+    k = d.num_classes // cfg.data.num_tasks
+    per_task = [int(np.sum(d.train.labels // k == t)) for t in range(cfg.data.num_tasks)]
+    held = [int(np.sum(d.test.labels // k == t)) for t in range(cfg.data.num_tasks)]
     print(f"ok: {d.name}: {d.num_classes} classes, {len(d.train)} train / {len(d.test)} held-out images; "
           f"train per task {per_task}, held-out per task {held}; client-id {loaded.client_id}")
     return 0

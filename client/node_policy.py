@@ -204,8 +204,9 @@ class NodePolicy:
         # each size may pass alone and their product still not fit (a million tokens per image), and a
         # message takes the trainable state four times over, its copies and the method's statistics
         try:
-            size = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
-            problem = footprint_problem(size, cfg.image_size, self.limits["tokens"], math.inf, "this node's limit")
+            size = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+            problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf,
+                                        "this node's limit")
             if problem is None:
                 estimate = node_memory(cfg, sent_num_classes)
                 # the backbone and its activations are a GPU's, or a memory budget's to plan (client/memory.py)
@@ -242,11 +243,11 @@ class NodePolicy:
 
 def trains_on_accelerator(cfg: ExperimentConfig) -> bool:
     """Whether this node trains ``cfg`` on a GPU (its backbone and activations then live there)."""
-    if cfg.device == "cpu":
+    if cfg.placement.device == "cpu":
         return False
     import torch  # the ClientApp has it loaded; the check itself needs none of it
 
-    return cfg.device != "auto" or torch.cuda.is_available()
+    return cfg.placement.device != "auto" or torch.cuda.is_available()
 
 
 def _env_number(name: str) -> Any:

@@ -96,24 +96,25 @@ class DataSource:
         Map decoded arrays from the machine's data cache (``data-cache``).
     """
 
-    dataset: str = "digits"
-    data_dir: str = ""
-    hf_revision: str = ""
-    seed: int = 0
-    test_fraction: float = 0.25
-    image_size: int = 32
-    resize_interpolation: str = "bilinear"
-    max_train_per_class: int = 0
-    max_test_per_class: int = 0
-    splits: str = ""
-    cache: bool = True
+    dataset: str
+    data_dir: str
+    hf_revision: str
+    seed: int
+    test_fraction: float
+    image_size: int
+    resize_interpolation: str
+    max_train_per_class: int
+    max_test_per_class: int
+    splits: str
+    cache: bool
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> DataSource:
         """The source run ``cfg`` reads."""
-        return cls(cfg.dataset, cfg.data_dir, cfg.hf_revision, cfg.seed, cfg.test_fraction, cfg.image_size,
-                   cfg.resize_interpolation, cfg.max_train_per_class, cfg.max_test_per_class, cfg.splits,
-                   cfg.data_cache)
+        data, model = cfg.data, cfg.model
+        return cls(data.dataset, data.data_dir, data.hf_revision, cfg.run.seed, data.test_fraction, model.image_size,
+                   model.resize_interpolation, data.max_train_per_class, data.max_test_per_class, data.splits,
+                   cfg.caching.data_cache)
 
     def as_recorded(self) -> DataSource:
         """This source with the data seed of its splits file, if it names one (the source split and
@@ -372,7 +373,7 @@ def check_source(dataset: str) -> None:
 
 def load_dataset(cfg: ExperimentConfig) -> Dataset:
     """Run ``cfg``'s dataset (:func:`read_source`), its task stream checked."""
-    check_source(cfg.dataset)
+    check_source(cfg.data.dataset)
     source = DataSource.of(cfg).as_recorded()
     data = read_source(source)
     # the stream checked with the seed the arrays were decoded with (a splits file's data seed)

@@ -144,7 +144,7 @@ _loaded: dict[str, Dataset] = {}
 
 def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
     """Run ``cfg``'s dataset (:func:`load_source_cached`), its task stream checked on every load."""
-    data = load_source_cached(DataSource.of(cfg), cfg.num_tasks)
+    data = load_source_cached(DataSource.of(cfg), cfg.data.num_tasks)
     check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
     return data
 

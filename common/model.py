@@ -390,9 +390,10 @@ class ModelSpec:
     def of(cls, cfg: ExperimentConfig, num_classes: int) -> ModelSpec:
         """The model of run ``cfg`` over a dataset of ``num_classes`` classes."""
 
-        return cls(BackboneSpec.of(cfg), cfg.seed, tuple(cfg.layers), cfg.pool_size, cfg.prompt_length, cfg.num_tasks,
-                   TaskLayout.of(cfg, num_classes).head_size, cfg.prompt_mode, cfg.input_norm,
-                   cfg.resize_interpolation, cfg.eval_crop, cfg.prompt_tokens, cfg.method)
+        m = cfg.model
+        return cls(BackboneSpec.of(cfg), cfg.run.seed, tuple(m.layers), m.pool_size, m.prompt_length,
+                   cfg.data.num_tasks, TaskLayout.of(cfg, num_classes).head_size, m.prompt_mode, m.input_norm,
+                   m.resize_interpolation, cfg.evaluation.eval_crop, m.prompt_tokens, cfg.method)
 
 
 def build_model(

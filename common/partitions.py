@@ -47,33 +47,34 @@ class Partition:
         Random tasks: which client owns a task (common/schedule.py ``RandomTaskSchedule``).
     """
 
-    scheme: str = "iid"
-    num_clients: int = 1
-    seed: int = 0
-    whole: bool = False
-    own_data: bool = False
-    splits: str = ""
-    scope: str = "task"
-    class_order: str = "original"
-    beta: float = 0.5
-    classes_per_client: int = 2
-    min_size: int = 0
-    balance: bool = False
-    category_ratio: float = 1.0
-    split_ratio: float = 1.0
-    imbalance_ratio: float = 1.0
-    rounds_per_task: int = 1
-    num_rounds: int = 0
-    switch_every: int = 0
-    switch_fraction: float = 1.0
+    scheme: str
+    num_clients: int
+    seed: int
+    whole: bool
+    own_data: bool
+    splits: str
+    scope: str
+    class_order: str
+    beta: float
+    classes_per_client: int
+    min_size: int
+    balance: bool
+    category_ratio: float
+    split_ratio: float
+    imbalance_ratio: float
+    rounds_per_task: int
+    num_rounds: int
+    switch_every: int
+    switch_fraction: float
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> Partition:
         """The partition run ``cfg`` draws over the run's dataset."""
-        return cls(cfg.partition, cfg.num_clients, cfg.seed, cfg.centralised, False, cfg.splits, cfg.partition_scope,
-                   cfg.partition_class_order, cfg.dirichlet_beta, cfg.classes_per_client, cfg.min_partition_size,
-                   cfg.dirichlet_balance, cfg.category_ratio, cfg.split_ratio, cfg.imbalance_ratio,
-                   cfg.rounds_per_task, cfg.num_rounds, cfg.switch_every, cfg.switch_fraction)
+        f, data = cfg.federation, cfg.data
+        return cls(f.partition, f.num_clients, cfg.run.seed, f.centralised, False, data.splits, f.partition_scope,
+                   f.partition_class_order, f.dirichlet_beta, f.classes_per_client, f.min_partition_size,
+                   f.dirichlet_balance, f.category_ratio, f.split_ratio, f.imbalance_ratio, f.rounds_per_task,
+                   data.num_rounds, f.switch_every, f.switch_fraction)
 
     def own(self) -> Partition:
         """This partition as a deployed node with data of its own holds it: every sample of its

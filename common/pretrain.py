@@ -39,8 +39,8 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     src_cfg = cfg.replace(dataset=source, num_tasks=1, pool_size=1, weights="random",
                           max_train_per_class=0, max_test_per_class=0, backbone_cache_disk="off")
     data = load_dataset(src_cfg)
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
+    rng = np.random.default_rng(cfg.run.seed)
     backbone, _ = build_backbone(BackboneSpec.of(src_cfg))
     for p in backbone.parameters():
         p.requires_grad_(True)

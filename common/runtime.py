@@ -157,9 +157,9 @@ class Runtime:
     def mixed_precision(self) -> bool:
         """Whether forward passes run under bfloat16 autocast (config ``precision``; decided once,
         not per batch)."""
-        if self.cfg.precision == "auto":
+        if self.cfg.run.precision == "auto":
             return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return self.cfg.precision == "bf16"
+        return self.cfg.run.precision == "bf16"
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 autocast on this device when ``mixed_precision``, else nothing."""
@@ -184,7 +184,7 @@ class Runtime:
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:
         """Cached queries for ``index`` (None when the cache is switched off, or the model's trainable
         module reads no query: adapters change every feature, q(x) is none of theirs)."""
-        if not self.cfg.query_cache or not self.model.prompt.uses_query:
+        if not self.cfg.caching.query_cache or not self.model.prompt.uses_query:
             return None
         with self.autocast():  # the cache stores float32 whatever the forward's precision
             return self.query_cache(split).get(self.model, index, self.device).to(self.device)
@@ -226,11 +226,11 @@ def _build_model(spec: ModelSpec, prompt_class: type[TrainableModule], device_na
 @functools.lru_cache(maxsize=2)
 def _runtime(fingerprint: str, prompt_class: type[TrainableModule], precision: str = "fp32") -> Runtime:
     cfg = ExperimentConfig.from_dict(json.loads(fingerprint))
-    configure_threads(cfg.threads)
+    configure_threads(cfg.placement.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _assemble(cfg, data, _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device,
-                                             cfg.threads, precision), None, precision)
+    return _assemble(cfg, data, _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+                                             cfg.placement.threads, precision), None, precision)
 
 
 def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, torch.device, str],
@@ -238,7 +238,7 @@ def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, to
     """The runtime of ``cfg`` over ``data`` with the model ``built`` (model, device, weights' source)
     and ``partition`` (None: the run's)."""
     model, device, source = built
-    disk_dir = query_disk_dir(cfg.query_cache, cfg.query_cache_disk, cfg.population)
+    disk_dir = query_disk_dir(cfg.caching.query_cache, cfg.caching.query_cache_disk, cfg.federation.population)
     return Runtime(cfg, data, model, device, source, partition or Partition.of(cfg), disk_dir=disk_dir,
                    precision=precision)
 
@@ -277,7 +277,8 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = Cod
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             built = (previous.model, previous.device, previous.weights_source)
         else:
-            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.device, cfg.threads,
+            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+                                 cfg.placement.threads,
                                  precision)
         _with_data[key] = _assemble(cfg, data, built, partition, precision)
     return _with_data[key]

@@ -32,7 +32,7 @@ import numpy as np
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from .config import ExperimentConfig
+    from .config_sections import DataSection, FederationSection
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:
@@ -297,16 +297,15 @@ class RandomTaskSchedule:
                 f"({self.num_rounds} rounds)")
 
 
-def task_schedule(cfg: ExperimentConfig) -> TaskSchedule | RandomTaskSchedule:
+def task_schedule(data: DataSection, federation: FederationSection, seed: int) -> TaskSchedule | RandomTaskSchedule:
     """The run's schedule (raises ConfigError for settings that cannot work)."""
-    if cfg.task_generator == "random":
-        return RandomTaskSchedule(
-            cfg.num_tasks, cfg.num_clients, cfg.num_rounds, cfg.switch_every, cfg.switch_fraction, cfg.seed
-        )
-    if cfg.centralised:  # one client holding all data: the upper bound sees the stream in order
-        return TaskSchedule(cfg.num_tasks, 1, cfg.rounds_per_task, seed=cfg.seed)
-    return TaskSchedule(cfg.num_tasks, cfg.num_clients, cfg.rounds_per_task, cfg.switch_every, cfg.switch_fraction,
-                        cfg.seed)
+    if data.random:
+        return RandomTaskSchedule(data.num_tasks, federation.num_clients, data.num_rounds, federation.switch_every,
+                                  federation.switch_fraction, seed)
+    if federation.centralised:  # one client holding all data: the upper bound sees the stream in order
+        return TaskSchedule(data.num_tasks, 1, federation.rounds_per_task, seed=seed)
+    return TaskSchedule(data.num_tasks, federation.num_clients, federation.rounds_per_task, federation.switch_every,
+                        federation.switch_fraction, seed)
 
 
 __all__ = ["RandomTaskSchedule", "TaskSchedule", "check_switching", "movers_per_switch", "task_schedule"]

@@ -45,21 +45,21 @@ class TaskLayout:
     num_classes: int
     classes_per_task: int
     pool_size: int
-    per_task_head: bool = False
-    random: bool = False
-    joint: bool = False
-    seed: int = 0
-    min_overlap: float = 0.0
-    task_data_fraction: float = 1.0
-    task_data_sharing: str = "disjoint"
+    per_task_head: bool
+    random: bool
+    joint: bool
+    seed: int
+    min_overlap: float
+    task_data_fraction: float
+    task_data_sharing: str
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, num_classes: int) -> TaskLayout:
         """The layout of run ``cfg`` over a dataset of ``num_classes`` classes."""
-        random = cfg.task_generator == "random"
-        return cls(cfg.num_tasks, num_classes, cfg.classes_per_task if random else num_classes // cfg.num_tasks,
-                   cfg.pool_size, cfg.per_task_head, random, cfg.centralised and cfg.centralised_mode == "joint",
-                   cfg.seed, cfg.min_overlap, cfg.task_data_fraction, cfg.task_data_sharing)
+        data = cfg.data
+        return cls(data.num_tasks, num_classes, data.classes_per_task if data.random else num_classes // data.num_tasks,
+                   cfg.model.pool_size, cfg.per_task_head, data.random, cfg.federation.joint, cfg.run.seed,
+                   data.min_overlap, data.task_data_fraction, data.task_data_sharing)
 
     @property
     def components_per_task(self) -> int:

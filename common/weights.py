@@ -50,20 +50,21 @@ class BackboneSpec:
     backbone: str
     weights: str
     image_size: int
-    patch_size: int = 0
-    embed_dim: int = 0
-    depth: int = 0
-    num_heads: int = 0
-    seed: int = 0
-    dataset: str = ""
-    cache_disk: bool = False
+    patch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    seed: int
+    dataset: str
+    cache_disk: bool
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> BackboneSpec:
         """The backbone run ``cfg`` names."""
-        on = cfg.backbone_cache_disk == "on" or (cfg.backbone_cache_disk == "auto" and cfg.population == "nodes")
-        return cls(cfg.backbone, cfg.weights, cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth,
-                   cfg.num_heads, cfg.seed, cfg.dataset, on)
+        disk, m = cfg.caching.backbone_cache_disk, cfg.model
+        on = disk == "on" or (disk == "auto" and cfg.federation.population == "nodes")
+        return cls(m.backbone, m.weights, m.image_size, m.patch_size, m.embed_dim, m.depth, m.num_heads, cfg.run.seed,
+                   cfg.data.dataset, on)
 
     def keys(self) -> dict[str, object]:
         """This spec's values by run-config key (kebab-case), for the identities keyed by them."""

@@ -29,8 +29,8 @@ def main(grid: Grid, context: Context) -> None:
     check_run(cfg)  # before any dataset or backbone is loaded
     with results_umask():  # results, plots and the run's logs: the group may read them, nobody else
         results = run_experiment(grid, cfg)
-        path = write_outputs(results, cfg.out_dir)
-        finish(cfg.out_dir, cfg.keep_checkpoint, results)
+        path = write_outputs(results, cfg.output.out_dir)
+        finish(cfg.output.out_dir, cfg.output.keep_checkpoint, results)
     print("\n" + table(results) + "\n")
     log.info("results written to %s", path)
 

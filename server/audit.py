@@ -337,7 +337,8 @@ def _real_images(rt: Runtime, label: int, client: int, max_real: int) -> np.ndar
     data, layout = rt.data, rt.layout
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
-    if client >= 0 and rt.cfg.population == "virtual" and rt.partition.scheme != "stateless" and not layout.random:
+    virtual = rt.cfg.federation.population == "virtual"
+    if client >= 0 and virtual and rt.partition.scheme != "stateless" and not layout.random:
         task = layout.task_of(label)
         own = client_indices(labels, layout, rt.partition, client, task, 0)
         index = own[labels[own] == label]
@@ -382,7 +383,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
                           "not classes")
     check_weights(BackboneSpec.of(cfg))
-    method = strategy_class(cfg.strategy)
+    method = strategy_class(cfg.run.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
     strategy = build_strategy(cfg, rt.data.num_classes)
@@ -400,13 +401,13 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     if classes is not None:
         missing = sorted(set(classes) - set(available))
         if missing:
-            raise ConfigError(f"classes {missing} have no target in this checkpoint ({cfg.strategy}, "
+            raise ConfigError(f"classes {missing} have no target in this checkpoint ({cfg.run.strategy}, "
                               f"after task {ckpt.task}); available: {available}")
         available = sorted(set(classes))
     if max_classes:
         available = available[:max_classes]
     if not available:
-        raise ConfigError(f"the checkpoint holds no {cfg.strategy} targets to invert")
+        raise ConfigError(f"the checkpoint holds no {cfg.run.strategy} targets to invert")
     if uploads is not None:  # again for the audited classes alone: the Gaussian draws follow the seed from there
         uploads = strategy.uploaded_features(available, settings.seed + 1)
     if uploads is None:
@@ -420,11 +421,11 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     channels, height, width = rt.data.train.images.shape[1:]
     shape = (int(channels), int(height), int(width))
     log.info("audit: %s run %s after task %d round %d: %d targets of %d classes, image %s, %d steps",
-             cfg.strategy, run, ckpt.task, ckpt.round, len(targets), len(available), "x".join(map(str, shape)),
+             cfg.run.strategy, run, ckpt.task, ckpt.round, len(targets), len(available), "x".join(map(str, shape)),
              settings.steps)
     records, images = audit_targets(_on_device(prompted_features(model), rt.device), targets, shape, settings)
     doc: dict[str, Any] = {
-        "run": str(run), "method": cfg.strategy, "task": ckpt.task, "round": ckpt.round,
+        "run": str(run), "method": cfg.run.strategy, "task": ckpt.task, "round": ckpt.round,
         "settings": asdict(settings), "classes": records, "means": summarise(records),
         "seconds": time.perf_counter() - started,
     }

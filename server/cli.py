@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _resume_config(args.dir, args.set)
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
-            _prepare_out_dir(cfg.out_dir, cfg.resume)
+            _prepare_out_dir(cfg.output.out_dir, cfg.output.resume)
         check_weights(BackboneSpec.of(cfg))
-        if cfg.evaluation == "central":
+        if cfg.evaluation.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the whole chain: the project's message (file, fix) and the low-level cause
         print(f"error: simulation failed: {error_chain(exc)}", file=sys.stderr)
         return 1
-    results = Path(cfg.out_dir) / "results.json"
+    results = Path(cfg.output.out_dir) / "results.json"
     if not results.is_file():
         print(f"error: the run ended without writing {results}", file=sys.stderr)
         return 1

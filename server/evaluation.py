@@ -145,12 +145,12 @@ class FederatedEvaluator:
     def _evaluate(self, arrays: ArrayRecord, task: int, carried: dict[int, tuple[np.ndarray, np.ndarray]],
                   carried_failed: list[dict[str, Any]]) -> np.ndarray:
 
-        cfg = self.strategy.cfg
         done = set(carried) | {f["node"] for f in carried_failed}
         # with counts in hand, no node need be waited for
-        nodes = [n for n in self.strategy.connected_nodes(self.grid, 0 if carried else 1, cfg.round_timeout)
+        nodes = [n for n in self.strategy.connected_nodes(self.grid, 0 if carried else 1,
+                                                          self.strategy.robustness.round_timeout)
                  if n not in done]
-        config = ConfigRecord({"task": task, "config-digest": cfg.digest(),
+        config = ConfigRecord({"task": task, "config-digest": self.strategy.config_digest,
                                "num-classes": self.strategy.num_classes})
         views = self.strategy.evaluation_pools(arrays, task)  # each task through its own slices (Powder)
         if views is not None:
@@ -158,7 +158,8 @@ class FederatedEvaluator:
             config.update({f"{POOL_PREFIX}{scored}": [int(s) for s in pool] for scored, pool in views[1].items()})
         content = RecordDict({ARRAYS: arrays, CONFIG: config})
         messages = [Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=n) for n in nodes]
-        replies = without_forged(send_and_receive(self.grid, messages, cfg.round_timeout), messages,
+        replies = without_forged(send_and_receive(self.grid, messages, self.strategy.robustness.round_timeout),
+                                 messages,
                                  f"evaluation of task {task + 1}") if messages else []
         sent_to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
         counts = dict(carried)
@@ -200,7 +201,7 @@ class FederatedEvaluator:
         if not ordered:
             log.warning("no node returned evaluation counts for task %d", task + 1)
             return accuracies(np.zeros(task + 1, np.int64), np.zeros(task + 1, np.int64))
-        return pooled_accuracies(ordered, cfg.max_client_weight)
+        return pooled_accuracies(ordered, self.strategy.robustness.max_client_weight)
 
 
 def same_arrays(a: ArrayRecord, b: ArrayRecord) -> bool:
@@ -274,9 +275,9 @@ def check_eval_metrics(m: MetricRecord, task: int, strategy: PromptStrategy,
         return "inconsistent counts (correct > total)"
     if m.get("num-examples") != int(t.sum()):
         return f"num-examples {m.get('num-examples')} is not the sum of the totals {int(t.sum())}"
-    if strategy.cfg.population == "nodes":
+    if strategy.federation.population == "nodes":
         # random tasks share classes, so a held-out image counts once per task holding its class
-        held_out = int(t.max()) if strategy.cfg.task_generator == "random" else int(t.sum())
+        held_out = int(t.max()) if strategy.data.task_generator == "random" else int(t.sum())
         reason = strategy.bounds.check_declared(node, m, test_total=held_out)
         if reason is not None:
             return reason

@@ -73,24 +73,24 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
         }
     else:  # federated evaluation: what the server knows of the nodes' data
 
-        names = cfg.class_name_list
-        backbone = f"{cfg.backbone} with weights {cfg.weights!r}, held by the nodes (not by the server)"
+        names = cfg.data.class_name_list
+        backbone = f"{cfg.model.backbone} with weights {cfg.model.weights!r}, held by the nodes (not by the server)"
         dataset = {
             "name": "the nodes' own data (federated evaluation)",
-            "num_classes": cfg.num_classes,
-            "class_order_names": [names[c] for c in class_order(cfg.num_classes, cfg.seed)] if names else None,
+            "num_classes": cfg.data.num_classes,
+            "class_order_names": [names[c] for c in class_order(cfg.data.num_classes, cfg.run.seed)] if names else None,
             "train_size": None,
             "test_size": getattr(evaluate, "last_total", None),  # held-out samples in the last evaluation
             "fingerprint": None,
             "split": "each node's own train/test (see the nodes' logs)",
             "splits_file": None,
         }
-    random_tasks = cfg.task_generator == "random"  # no task ends for everyone: no accuracy matrix
+    random_tasks = cfg.data.task_generator == "random"  # no task ends for everyone: no accuracy matrix
     return {
         "config": cfg.to_dict(),
         "config_digest": cfg.digest(),  # what every node's reply echoes (placement): the same run config
         # whether the hostile-client defences applied, and why (common/trust.py)
-        "defences": resolve_trust(cfg.defences, cfg.population, cfg.fault).to_dict(),
+        "defences": resolve_trust(cfg.robustness.defences, cfg.federation.population, cfg.robustness.fault).to_dict(),
         "backbone": backbone,
         "dataset": dataset,
         "accuracy_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in acc],

@@ -145,7 +145,7 @@ class Attempts:
 
 
 def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: int, round_: int, server_round: int,
-                before_aggregation: Any = None) -> tuple[RoundOutcome, Attempts, list]:
+                before_aggregation: Any = None, *, out_dir: str) -> tuple[RoundOutcome, Attempts, list]:
     """Configure, send, receive and aggregate one round, retrying with fresh clients while too few
     replies are usable. ``before_aggregation(messages, replies)`` sees each attempt's exchange
     (the federated evaluator reads the counts train replies carry; it may also mark the messages
@@ -159,16 +159,16 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
     RoundFailed
         Every attempt had fewer than ``min-replies`` usable replies (the last checkpoint is intact).
     """
-    cfg = strategy.cfg
+    robustness = strategy.robustness
     spent = Attempts()
-    for attempt in range(cfg.round_retries + 1):
+    for attempt in range(robustness.round_retries + 1):
         spent.count = attempt + 1
         t0 = time.perf_counter()
         config = ConfigRecord({"task": task, "round": round_, "attempt": attempt})
         exchange, waited = list(strategy.configure_exchange(server_round, arrays, config, grid)), 0.0
         if exchange:  # a step before training (Powder's measuring exchange); its bytes are the round's
             tx = time.perf_counter()
-            answers = without_forged(send_and_receive(grid, exchange, cfg.round_timeout), exchange,
+            answers = without_forged(send_and_receive(grid, exchange, robustness.round_timeout), exchange,
                                      f"round {server_round} exchange")
             waited = time.perf_counter() - tx
             strategy.aggregate_exchange(server_round, answers)
@@ -178,7 +178,8 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         if before_aggregation is not None:
             before_aggregation.ask(messages)
         t1 = time.perf_counter()
-        replies = without_forged(send_and_receive(grid, messages, cfg.round_timeout), messages, f"round {server_round}")
+        replies = without_forged(send_and_receive(grid, messages, robustness.round_timeout), messages,
+                                 f"round {server_round}")
         t2 = time.perf_counter()
         if before_aggregation is not None:
             before_aggregation.collect(messages, replies)
@@ -205,11 +206,11 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
             return outcome, spent, messages
         log.warning("round %d attempt %d: too few usable replies (%d of %d)%s", server_round, attempt + 1,
                     len(outcome.accepted), len(messages),
-                    "; retrying with fresh clients" if attempt < cfg.round_retries else "")
+                    "; retrying with fresh clients" if attempt < robustness.round_retries else "")
     raise RoundFailed(
         f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
-        f"{cfg.min_replies} usable replies in {cfg.round_retries + 1} attempts; the last checkpoint "
-        f"in {cfg.out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
+        f"{robustness.min_replies} usable replies in {robustness.round_retries + 1} attempts; the last checkpoint "
+        f"in {out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
 
 
 def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:

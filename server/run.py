@@ -92,43 +92,46 @@ class ExperimentRun:
         self.evaluator: CentralEvaluator | FederatedEvaluator
         self.strategy, arrays = self._set_up()
         self.arrays: ArrayRecord = arrays
-        self.matrix = metrics.empty_matrix(cfg.num_tasks)
+        self.matrix = metrics.empty_matrix(cfg.data.num_tasks)
         self.rounds: list[RoundRecord] = []
         self.server_round, self.elapsed_before = 0, 0.0
         self.carried: CarriedEvaluation | None = None  # a round evaluated with the next one's training
         self.schedule = self.strategy.schedule
         self.steps = self.schedule.steps()  # (nominal task, round within it) of every round
-        self.last = min(len(self.steps), cfg.max_rounds) if cfg.max_rounds else len(self.steps)
-        self.plan = EvaluationPlan(cfg.evaluate_every, cfg.evaluate_with_train and cfg.evaluation == "federated",
+        self.last = min(len(self.steps), cfg.output.max_rounds) if cfg.output.max_rounds else len(self.steps)
+        self.plan = EvaluationPlan(cfg.evaluation.evaluate_every, cfg.evaluation.evaluate_with_train
+                                   and cfg.evaluation.evaluation == "federated",
                                    self.last - 1)
         self._resume()
         self._write_splits()
         # rounds.jsonl, accuracy_matrix.csv, the optional tracker and the ETA, from here on
-        self.trackers = RunTrackers(cfg.out_dir, cfg.tracker, self.last, done=self.server_round, config=cfg.to_dict())
+        self.trackers = RunTrackers(cfg.output.out_dir, cfg.output.tracker, self.last, done=self.server_round,
+                                    config=cfg.to_dict())
 
     # ------------------------------------------------------------------ setting up
     def _set_up(self) -> tuple[PromptStrategy, ArrayRecord]:
         cfg = self.cfg
         # before any model is built: a run's sizes may multiply into more memory than the machine has
         check_server_memory(cfg)
-        method = strategy_class(cfg.strategy)
-        if cfg.evaluation == "federated":
+        method = strategy_class(cfg.run.strategy)
+        if cfg.evaluation.evaluation == "federated":
             # Deployment: the server holds neither data nor backbone; nodes evaluate (see deploy/README.md).
             log.info("federated evaluation: %d classes in %d tasks; the nodes hold the data and the backbone",
-                     cfg.num_classes, cfg.num_tasks)
-            strategy: PromptStrategy = build_strategy(cfg, cfg.num_classes)
+                     cfg.data.num_classes, cfg.data.num_tasks)
+            strategy: PromptStrategy = build_strategy(cfg, cfg.data.num_classes)
             self.evaluator = FederatedEvaluator(self.grid, strategy)
-            initial = initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), method.prompt_class)
+            initial = initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), method.prompt_class)
             return strategy, to_array_record(initial)
         runtime = self.runtime = get_runtime(cfg, method.prompt_class)
         log.info("backbone: %s", runtime.weights_source)
         data = runtime.data
         log.info("data: %s, %d classes in %d tasks, %d train / %d test images",
-                 data.name, data.num_classes, cfg.num_tasks, len(data.train), len(data.test))
-        if cfg.num_classes and cfg.num_classes != data.num_classes:
-            raise ConfigError(f"num-classes = {cfg.num_classes} but {data.name} has {data.num_classes} classes")
-        strategy = build_strategy(cfg, data.num_classes)
-        if cfg.population == "virtual":  # the server knows what each virtual client holds: counts are checked
+                 data.name, data.num_classes, cfg.data.num_tasks, len(data.train), len(data.test))
+        if cfg.data.num_classes and cfg.data.num_classes != data.num_classes:
+            raise ConfigError(f"num-classes = {cfg.data.num_classes} but {data.name} has {data.num_classes} classes")
+        strategy = build_strategy(cfg, data.num_classes, runtime)
+        # the server knows what each virtual client holds: counts are checked
+        if cfg.federation.population == "virtual":
             strategy.bounds.max_examples = len(data.train)
             labels = data.train.labels
             log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
@@ -140,17 +143,17 @@ class ExperimentRun:
     def _resume(self) -> None:
         """Continue just after the last checkpointed round (``resume``), or refuse to overwrite one."""
         cfg = self.cfg
-        saved = checkpoint.load(cfg.out_dir)
-        if saved is not None and not cfg.resume:
+        saved = checkpoint.load(cfg.output.out_dir)
+        if saved is not None and not cfg.output.resume:
             raise ConfigError(
-                f"{cfg.out_dir} already holds a checkpoint (task {saved.task + 1}, round {saved.round + 1}); "
+                f"{cfg.output.out_dir} already holds a checkpoint (task {saved.task + 1}, round {saved.round + 1}); "
                 "continue it with resume=true (simulation: `promptfcl resume DIR`; deployment: deploy/submit-run.sh "
                 "... --set resume=true) or choose another out-dir")
         self.pending_task_end: int | None = None
-        if not cfg.resume:
+        if not cfg.output.resume:
             return
         if saved is None:
-            raise ConfigError(f"resume=true but {cfg.out_dir} holds no checkpoint")
+            raise ConfigError(f"resume=true but {cfg.output.out_dir} holds no checkpoint")
         checkpoint.check_compatible(saved, cfg.to_dict())
         self.arrays = to_array_record(saved.arrays)
         self.strategy.load_state_dict(saved.strategy_state)
@@ -172,13 +175,13 @@ class ExperimentRun:
         if self.runtime is None:  # the nodes hold the data: each node draws from its own
             return
         data, cfg = self.runtime.data, self.cfg
-        if cfg.splits:  # exactly what this run reuses
-            reused = read_splits(cfg.splits)
+        if cfg.data.splits:  # exactly what this run reuses
+            reused = read_splits(cfg.data.splits)
             data_seed, order, shares = reused.data_seed, reused.class_order, reused.shares
         else:
-            data_seed, order = cfg.seed, class_order(data.num_classes, cfg.seed)
+            data_seed, order = cfg.run.seed, class_order(data.num_classes, cfg.run.seed)
             shares = drawn_shares(data.train.labels, self.runtime.layout, self.runtime.partition)
-        write_splits(Path(cfg.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
+        write_splits(Path(cfg.output.out_dir) / SPLITS_FILE, data_seed, order, data.train.labels, shares, cfg.to_dict())
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
@@ -222,7 +225,8 @@ class ExperimentRun:
         ending = self.schedule.task_ending(index)
         carried = self.carried
         ask = CarriedAsk(self.evaluator, carried) if carried is not None else None  # type: ignore[arg-type]
-        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask)
+        outcome, spent, messages = train_round(self.grid, strategy, self.arrays, task, round_, self.server_round, ask,
+                                              out_dir=cfg.output.out_dir)
         record = round_record(task, round_, self.server_round, outcome, spent, messages)
         new_arrays = outcome.arrays
         assert new_arrays is not None  # train_round returns an aggregated round or raises RoundFailed
@@ -279,7 +283,7 @@ class ExperimentRun:
             task_acc = self.evaluator(self.arrays, task)
         self.matrix[: task + 1, task] = task_acc
         self.trackers.task_end(task, self.matrix)
-        self.save(task, self.cfg.rounds_per_task - 1, finished=True)
+        self.save(task, self.cfg.federation.rounds_per_task - 1, finished=True)
         summary = metrics.summary(self.matrix, upto=task)
         bwt = summary["backward_transfer"]
         log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f, BWT %s", task + 1,
@@ -293,7 +297,7 @@ class ExperimentRun:
             platform_state=self.strategy.platform_state(), accuracy_matrix=self.matrix.copy(),
             rounds=[r.to_dict() for r in self.rounds], rng=checkpoint.capture_rng(),
             elapsed_seconds=self.elapsed_before + time.perf_counter() - self.started,
-        ), self.cfg.out_dir)
+        ), self.cfg.output.out_dir)
 
     def log_round(self, record: RoundRecord, privacy: dict[str, Any]) -> None:
         cfg = self.cfg
@@ -301,8 +305,8 @@ class ExperimentRun:
         clients_on = f" (clients on tasks {','.join(str(t + 1) for t in on_tasks)})"
         log.info(
             "%s | %s %s | S2C %s C2S %s | client %.2fs server %.3fs%s%s | %s",
-            f"round {record.server_round}/{len(self.steps)}{clients_on}" if cfg.task_generator == "random" else
-            f"task {record.task + 1}/{cfg.num_tasks} round {record.round + 1}/{cfg.rounds_per_task}"
+            f"round {record.server_round}/{len(self.steps)}{clients_on}" if cfg.data.task_generator == "random" else
+            f"task {record.task + 1}/{cfg.data.num_tasks} round {record.round + 1}/{cfg.federation.rounds_per_task}"
             + ("" if on_tasks == [record.task] else clients_on),
             "acc     -" if record.accuracy is None else f"acc {record.accuracy:5.1f}%",
             "evaluated with the next round" if record.eval_pending else
@@ -328,16 +332,16 @@ class ExperimentRun:
             results["communication"]["stateful_parameters_per_exchange"] = stateful
         if self.last < len(self.steps):
             log.info("max-rounds = %d: stopped after round %d of %d; the checkpoint stays (continue with "
-                     "`promptfcl resume %s --set max-rounds=0`)", cfg.max_rounds, self.last, len(self.steps),
-                     cfg.out_dir)
+                     "`promptfcl resume %s --set max-rounds=0`)", cfg.output.max_rounds, self.last, len(self.steps),
+                     cfg.output.out_dir)
             results["stopped_after_round"] = self.last
-            if cfg.task_generator == "random":  # section 5.1's metrics need the whole run
+            if cfg.data.task_generator == "random":  # section 5.1's metrics need the whole run
                 results.update({"accuracy_matrix": None, "average_accuracy_per_task": None,
                                 **dict.fromkeys(SUMMARY_KEYS)})
             return results
         if not schedule.synchronous:
-            results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.num_tasks)
-        if cfg.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
+            results["client_accuracy_by_round"] = client_accuracy_by_round(schedule, rounds, cfg.data.num_tasks)
+        if cfg.data.task_generator == "random":  # Powder's benchmark: section 5.1's metrics replace the matrix's
 
             single = (single_task_accuracies(cfg, schedule, self.strategy.reference_components(),
                                              self.strategy.prompt_class.prompt_tokens)

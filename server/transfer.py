@@ -15,7 +15,6 @@ prompt capacity are measured against the same figures.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -56,10 +55,10 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     """
 
     started = time.perf_counter()
-    if tokens is not None and cfg.prompt_tokens == "auto" and cfg.prompt_mode == "prompt":
-        cfg = dataclasses.replace(cfg, prompt_tokens=tokens)  # the method's own, resolved (and in the cache key)
-    if components is not None and components != cfg.pool_size // cfg.num_tasks:
-        cfg = dataclasses.replace(cfg, pool_size=components * cfg.num_tasks)  # slices of that size
+    if tokens is not None and cfg.model.prompt_tokens == "auto" and cfg.model.prompt_mode == "prompt":
+        cfg = cfg.replace(prompt_tokens=tokens)  # the method's own, resolved (and in the cache key)
+    if components is not None and components != cfg.model.pool_size // cfg.data.num_tasks:
+        cfg = cfg.replace(pool_size=components * cfg.data.num_tasks)  # slices of that size
     rt = get_runtime(cfg, CodaPrompt)
     relevant = {k: v for k, v in cfg.to_dict().items()
                 if k not in RESULT_NEUTRAL_KEYS and k != "strategy" and "." not in k}
@@ -68,20 +67,20 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
     path = cache_dir() / "single-task" / f"{key}.json"
     try:
         cached = json.loads(path.read_text())
-        if len(cached) == cfg.num_tasks:
+        if len(cached) == cfg.data.num_tasks:
             log.info("single-task reference from %s", path)
             return np.asarray(cached, dtype=np.float64)
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
     learner = LocalLearner(rt)
     initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
-    fresh = FedAvgStrategy(cfg, rt.data.num_classes)
-    per_task = cfg.pool_size // cfg.num_tasks
-    out = np.full(cfg.num_tasks, np.nan)
-    for task in range(cfg.num_tasks):
+    fresh = FedAvgStrategy.of(cfg, rt.data.num_classes)
+    per_task = cfg.model.pool_size // cfg.data.num_tasks
+    out = np.full(cfg.data.num_tasks, np.nan)
+    for task in range(cfg.data.num_tasks):
         state = from_array_record(fresh.on_task_start(task, initial))
         for name, value in state.items():
-            if name.startswith("prompt.") and value.shape[0] == cfg.pool_size:
+            if name.startswith("prompt.") and value.shape[0] == cfg.model.pool_size:
                 value[: task * per_task] = 0.0  # earlier slices silent: the task alone
         arrays = to_array_record(state)
         for round_ in range(schedule.finish(task) - schedule.start(task) + 1):

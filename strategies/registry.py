@@ -174,17 +174,18 @@ def method_options(strategy: str, options: dict[str, Any]) -> Any:
     return options_class(strategy).from_options(options)
 
 
-def build_strategy(cfg: ExperimentConfig, num_classes: int) -> Any:
-    """The run's server strategy, with its options parsed once."""
-    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
-    return strategy_class(cfg.strategy)(cfg, num_classes, options)
+def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None) -> Any:
+    """The run's server strategy, with its options parsed once (``runtime``: the server's own data
+    and backbone, where it has them)."""
+    options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
+    return strategy_class(cfg.run.strategy).of(cfg, num_classes, options, runtime)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
     """The run's local learner on ``runtime``, with the method's options parsed once (by the
     learner's ``options_class``, the strategy's: a client imports no strategy module)."""
-    learner = learner_class(cfg.strategy)
-    return learner(runtime, learner.options_class.from_options(cfg.method_options(cfg.strategy)))
+    learner = learner_class(cfg.run.strategy)
+    return learner(runtime, learner.options_class.from_options(cfg.method_options(cfg.run.strategy)))
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:

@@ -50,7 +50,7 @@ def simulate_in_process(out: Path, strategy: str = "fedavg", **overrides: Any) -
     pairs = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in settings.items()]
     cfg = load_config(None, pairs, strategy, str(out))
     with flower_task_identity():  # what Flower's run sets up around a ServerApp
-        run_in_process(cfg, nodes=cfg.clients_per_round)
+        run_in_process(cfg, nodes=cfg.federation.clients_per_round)
     return json.loads((out / "results.json").read_text())
 
 
@@ -174,8 +174,8 @@ def run_in_process(cfg: ExperimentConfig, nodes: int = 2, apps: dict[int, Client
 
     grid = (grid_class or InProcessGrid)(cfg, nodes, apps, node_configs=node_configs, dead=dead)
     results = run_experiment(grid, cfg)  # type: ignore[arg-type]
-    write_outputs(results, cfg.out_dir)
-    finish(cfg.out_dir, cfg.keep_checkpoint, results)
+    write_outputs(results, cfg.output.out_dir)
+    finish(cfg.output.out_dir, cfg.output.keep_checkpoint, results)
     return results
 
 

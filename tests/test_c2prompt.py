@@ -89,7 +89,7 @@ def test_the_learners_histogram_counts_its_images_among_its_tasks_slice():
     index = np.flatnonzero(rt.data.train.labels >= 5)[:40]
     labels = rt.data.train.labels[index]
     hist = from_array_record(learner.histogram(learner.queries_of(index), labels, 1))["hist"]
-    assert hist.shape == (len(cfg.layers), cfg.pool_size // cfg.num_tasks, 5)
+    assert hist.shape == (len(cfg.model.layers), cfg.model.pool_size // cfg.data.num_tasks, 5)
     for layer_hist in hist:  # every image selected k = 2 of the slice's 2 components
         np.testing.assert_array_equal(layer_hist.sum(0), np.bincount(labels - 5, minlength=5) * 2)
 
@@ -153,7 +153,7 @@ def test_an_added_zero_compensation_prompt_is_the_plain_forward_and_a_concatenat
     plain = model(x, q)
     prompt = model.prompt
     assert isinstance(prompt, C2PromptPrompt)
-    zeros = {layer: torch.zeros(3, cfg.prompt_length, model.embed_dim) for layer in cfg.layers}
+    zeros = {layer: torch.zeros(3, cfg.model.prompt_length, model.embed_dim) for layer in cfg.model.layers}
     prompt.attach = "add"
     with prompt.compensated(zeros, halves=False), torch.no_grad():
         torch.testing.assert_close(model(x, q), plain)
@@ -241,7 +241,7 @@ def test_lcdc_moves_the_compensated_features_toward_their_global_distribution(sc
 def strategy(**overrides):
     cfg = tiny_config(strategy="c2prompt", **overrides)
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
-    s = C2PromptStrategy(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
+    s = C2PromptStrategy.of(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(model.trainable_state())))
     return s, arrays
 
@@ -261,7 +261,7 @@ def test_an_asynchronous_round_aggregates_each_task_over_the_replies_sent_that_t
     # component scope: identical histograms give each task's replies' mean, which this test reads
     s, arrays = strategy(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5,
                          **{"c2prompt.cpa-scope": "component"})
-    per_task, layers = s.layout.components_per_task, s.cfg.layers
+    per_task, layers = s.layout.components_per_task, s.model.layers
     shape = (len(layers), per_task, 5)
     h0, h1 = np.ones(shape), np.zeros(shape)
     h1[:, :, 0] = 1.0
@@ -284,7 +284,7 @@ def test_an_asynchronous_round_aggregates_each_task_over_the_replies_sent_that_t
 
 def test_without_cpa_prompts_are_the_platforms_average():
     s, arrays = strategy(**{"c2prompt.cpa": False})
-    shape = (len(s.cfg.layers), s.layout.components_per_task, 5)
+    shape = (len(s.model.layers), s.layout.components_per_task, 5)
     h0 = np.zeros(shape)
     h0[:, 0, 0] = 1.0
     h1 = np.zeros(shape)
@@ -293,14 +293,14 @@ def test_without_cpa_prompts_are_the_platforms_average():
     s.round_arrays = arrays
     out = from_array_record(s.aggregate(accepted_of(replies, tasks=0, weights=[2.0, 1.0])))
     base = from_array_record(arrays)
-    name = f"prompt.p{s.cfg.layers[0]}"
+    name = f"prompt.p{s.model.layers[0]}"
     np.testing.assert_allclose(out[name], base[name] + 2.0, rtol=1e-5)
 
 
 def test_statistics_are_asked_once_per_client_and_task_and_pooled_over_every_report():
     s, arrays = strategy()
     dim = from_array_record(arrays)["head.weight"].shape[1]
-    shape = (len(s.cfg.layers), s.layout.components_per_task, 5)
+    shape = (len(s.model.layers), s.layout.components_per_task, 5)
     rng = np.random.default_rng(3)
     samples = {(client, c): rng.normal(c, 1.0 + client, (3 + 5 * client + c, dim)) for client in range(3) for c in (0, 2)}
     replies = []

@@ -65,7 +65,7 @@ def keep_all_strategy():
 
 def test_keep_all_writes_each_clients_rows_of_w_times_p_into_its_part_of_the_slice():
     s, arrays = keep_all_strategy()
-    layers, base = s.cfg.layers, from_array_record(arrays)
+    layers, base = s.model.layers, from_array_record(arrays)
     # client 0 (part 0: rows 0-1) and client 1 (part 1: rows 2-3) hold P = 1, 2 and 4, 10 in every entry;
     # hand computation with uniform weights and cosine rows: W = [[1,0,1,1]/3, [0,1,0,0], [1,0,1,1]/3, [1,0,1,1]/3]
     hists = [np.zeros((len(layers), 2, 5)) for _ in range(2)]
@@ -112,12 +112,12 @@ def test_a_keep_all_client_trains_and_weighs_only_its_part_and_evaluation_reads_
     x = torch.rand(4, 3, 16, 16)
     q = model.query(x)
     prompt.eval()
-    assert prompt.weights(q, cfg.layers[0]).shape == (4, 8)  # tasks 0 and 1, every part
+    assert prompt.weights(q, cfg.model.layers[0]).shape == (4, 8)  # tasks 0 and 1, every part
     prompt.train()
     prompt.restrict(slice(6, 8))  # client 1's part of task 1's slice (rows 4-7)
-    assert prompt.weights(q, cfg.layers[0]).shape == (4, 6) and prompt.task_columns() == slice(4, 6)
+    assert prompt.weights(q, cfg.model.layers[0]).shape == (4, 6) and prompt.task_columns() == slice(4, 6)
     model.features(x, q).square().sum().backward()
-    grad = getattr(prompt, f"p{cfg.layers[0]}").grad
+    grad = getattr(prompt, f"p{cfg.model.layers[0]}").grad
     assert grad[6:8].abs().sum() > 0
     assert grad[:6].abs().sum() == 0  # task 0 (detached) and client 0's part of task 1
     prompt.restrict(None)

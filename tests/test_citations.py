@@ -84,7 +84,7 @@ def test_citation_cff_names_the_project_its_license_and_version():
 def test_the_backbone_model_card_states_the_default_architecture():
     card = (ROOT / "docs" / "backbone.md").read_text()
     cfg = ExperimentConfig()
-    assert cfg.weights == "pretrained:fashion-mnist" and f"`{cfg.backbone}`" in card
-    for text in (f"{cfg.image_size} x {cfg.image_size} inputs", f"{cfg.patch_size} x {cfg.patch_size} patches",
-                 f"width {cfg.embed_dim}", f"{cfg.depth} blocks", f"{cfg.num_heads} heads"):
+    assert cfg.model.weights == "pretrained:fashion-mnist" and f"`{cfg.model.backbone}`" in card
+    for text in (f"{cfg.model.image_size} x {cfg.model.image_size} inputs", f"{cfg.model.patch_size} x {cfg.model.patch_size} patches",
+                 f"width {cfg.model.embed_dim}", f"{cfg.model.depth} blocks", f"{cfg.model.num_heads} heads"):
         assert text in card, text

@@ -106,7 +106,7 @@ def test_config_files_flatten_method_tables(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('num-tasks = 10\npool-size = 100\n[hepco]\nlambda-kl = 0.5\n')
     cfg = load_config(str(f), ["seed=3"], "fedavg", None)
-    assert cfg.num_tasks == 10 and cfg.seed == 3 and cfg.method_options("hepco") == {"lambda-kl": 0.5}
+    assert cfg.data.num_tasks == 10 and cfg.run.seed == 3 and cfg.method_options("hepco") == {"lambda-kl": 0.5}
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "none.toml"), [], None, None)
     with pytest.raises(ConfigError, match="unknown strategy"):
@@ -118,21 +118,20 @@ def test_resources_and_cluster_keys_do_not_change_what_a_run_computes():
     placed = ExperimentConfig.from_dict({"client-gpus": 0.25, "client-cpus": 4, "ray-address": "10.0.0.1:6379",
                                          "max-rounds": 1})
     assert placed.digest() == plain.digest()  # a run resumes (and clients agree) on another cluster
-    assert (placed.client_gpus_value, placed.client_cpus_value) == (0.25, 4.0)
-    assert (plain.client_gpus_value, plain.client_cpus_value) == (None, None)
-    assert ExperimentConfig.from_dict({"ray-address": "ray://head:10001"}).ray_address == "ray://head:10001"
+    assert (placed.placement.client_gpus_value, placed.placement.client_cpus_value) == (0.25, 4.0)
+    assert (plain.placement.client_gpus_value, plain.placement.client_cpus_value) == (None, None)
+    assert ExperimentConfig.from_dict({"ray-address": "ray://head:10001"}).placement.ray_address == "ray://head:10001"
 
 
 def test_every_key_has_a_section_and_the_derived_key_sets_follow_from_them():
     """The run config is split into sections; what a key enters (the digest, a decoded dataset, a
     node's folder cache, the backbone's identity, a client's data location) is declared on the key
     itself, so no list elsewhere has to change with a new key."""
-    from dataclasses import fields
+    from promptfcl.common.config import FLAT_ORDER, IDENTITIES, RESULT_NEUTRAL_KEYS, SECTIONS, keys_in, keys_of
 
-    from promptfcl.common.config import IDENTITIES, RESULT_NEUTRAL_KEYS, SECTIONS, keys_in, keys_of
-
-    keys = [f.name.replace("_", "-") for f in fields(ExperimentConfig) if f.name != "method"]
-    assert sorted(k for s in SECTIONS for k in keys_in(s)) == sorted(keys)  # each key in exactly one section
+    keys = [k for s in SECTIONS for k in keys_in(s)]
+    assert len(keys) == len(set(keys))  # each key in exactly one section
+    assert sorted(FLAT_ORDER) == sorted(keys) and list(ExperimentConfig().to_dict()) == list(FLAT_ORDER)
     assert all(keys_of(i) for i in IDENTITIES)
     base = ExperimentConfig()
     for key in keys_in("placement") + keys_in("output"):  # where and how a run goes: never what it computes
@@ -142,3 +141,30 @@ def test_every_key_has_a_section_and_the_derived_key_sets_follow_from_them():
     # the decoded dataset depends on its source and preprocessing, not on training
     assert {"dataset", "data-dir", "image-size", "seed"} <= set(keys_of("dataset")) and "lr" not in keys_of("dataset")
     assert set(keys_of("architecture")) < set(keys_of("backbone")) and "weights" in keys_of("backbone")
+
+
+def test_the_configuration_is_frozen_sections_each_checking_itself():
+    """A run configuration is its sections: frozen values, each refusing its own bad values when made,
+    the whole refusing values of different sections that cannot go together; flat keys change it
+    only through ``replace``, which checks again."""
+    import dataclasses
+
+    from promptfcl.common.config import DataSection, ModelSection, TrainingSection
+
+    cfg = ExperimentConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training.lr = 0.5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.training = TrainingSection(lr=0.5)  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        TrainingSection(lr=0.0)
+    with pytest.raises(ConfigError, match="num-tasks must be >= 1"):
+        DataSection(num_tasks=0)
+    ModelSection(pool_size=7)  # alone a pool of 7 is fine; over 5 tasks it is not:
+    with pytest.raises(ConfigError, match="pool-size"):
+        cfg.replace(model=ModelSection(pool_size=7))
+    changed = cfg.replace(lr=0.5, num_tasks=4, pool_size=8)
+    assert (changed.training.lr, changed.data.num_tasks, changed.model.pool_size) == (0.5, 4, 8)
+    assert cfg.training.lr == 1e-2 and changed.replace(training=cfg.training).training.lr == 1e-2
+    with pytest.raises(ConfigError, match="unknown configuration key 'learning-rate'"):
+        cfg.replace(learning_rate=0.5)

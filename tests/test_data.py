@@ -24,7 +24,7 @@ def digits():
 
 
 def shares(data, cfg, task, round_=0):
-    return [client_indices(data.train.labels, TaskLayout.of(cfg, data.num_classes), Partition.of(cfg), c, task, round_) for c in range(cfg.num_clients)]
+    return [client_indices(data.train.labels, TaskLayout.of(cfg, data.num_classes), Partition.of(cfg), c, task, round_) for c in range(cfg.federation.num_clients)]
 
 
 def test_class_order_is_a_seeded_permutation():
@@ -132,8 +132,8 @@ def test_dirichlet_as_niid_bench_min_size_balance_and_dataset_scope():
 
 
 def _empty_clients_per_task(cfg, labels, num_classes=100):
-    return np.array([sum(len(client_indices(labels, TaskLayout.of(cfg, num_classes), Partition.of(cfg), c, t, 0)) == 0 for c in range(cfg.num_clients))
-                     for t in range(cfg.num_tasks)])
+    return np.array([sum(len(client_indices(labels, TaskLayout.of(cfg, num_classes), Partition.of(cfg), c, t, 0)) == 0 for c in range(cfg.federation.num_clients))
+                     for t in range(cfg.data.num_tasks)])
 
 
 def test_balanced_dirichlet_cuts_classes_in_original_order_so_no_task_is_favoured():

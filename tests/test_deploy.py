@@ -308,7 +308,7 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
-    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt))
+    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), CodaPrompt))
     shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
     backbone, _ = build_backbone(BackboneSpec.of(cfg))
     backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
@@ -537,7 +537,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     cfg = nodes_config(num_classes=10, class_names=names)
     full = node_data(cfg, {"data-dir": str(node)})
     assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
-    assert full.partition.whole and full.partition.own_data and not full.cfg.centralised  # its own data: all its share
+    assert full.partition.whole and full.partition.own_data and not full.cfg.federation.centralised  # its own data: all its share
     # a node that lacks some classes keeps the others' labels (matched by name, not position)
     import shutil
 
@@ -558,7 +558,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
     nine = node_data(sorted_cfg, {"data-dir": str(node)})
     with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
         check_classes(nine.data.num_classes, original_names(nine.data, 0), "this node",
-                      sorted_cfg.num_classes or 10, sorted_cfg.class_name_list)
+                      sorted_cfg.data.num_classes or 10, sorted_cfg.data.class_name_list)
 
 
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
@@ -673,7 +673,7 @@ def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     grid = FakeGrid({11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: "node 13 crashed", 14: ([1], [1])})
     acc = FederatedEvaluator(grid, strategy)(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
     # (5 + 10) / 30 and (1 + 9) / 20; the crashed node and the malformed reply are left out
@@ -693,7 +693,7 @@ def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     head = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     honest = {11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: ([3, 3], [10, 10])}
     FederatedEvaluator(FakeGrid(honest), strategy)(head, 1)  # each node declares its sizes once
@@ -721,7 +721,7 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 
     cfg = nodes_config(clients_per_round=2, num_clients=3)
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     grid = FakeGrid({30: "", 10: "", 20: ""})
     arrays = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
     msgs = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), grid)
@@ -730,7 +730,7 @@ def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity
     assert chosen == strategy.sample_nodes([10, 20, 30], 0, 0)  # a pure function of the sorted ids
     assert all(m.content["config"]["num-classes"] == 10 for m in msgs)
     # fewer nodes than the population: the first round waits, then says how many came
-    strategy = FedAvgStrategy(nodes_config(num_clients=3, round_timeout=1.5), 10)
+    strategy = FedAvgStrategy.of(nodes_config(num_clients=3, round_timeout=1.5), 10)
     with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
         strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
 

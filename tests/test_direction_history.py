@@ -93,18 +93,18 @@ def test_off_it_remembers_nothing_and_under_dp_noise_it_is_not_applied(caplog):
 
 def test_the_history_survives_a_resume():
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on")
-    s = FedAvgStrategy(cfg, 10)
+    s = FedAvgStrategy.of(cfg, 10)
     assert s.policies.screen.history == DirectionHistory(0.0, 3)  # on where defended, by default
     for hostile, honest in zip(HOSTILE[:2], HONEST[:2]):
         _round(s.policies.screen, hostile, honest)
-    restored = FedAvgStrategy(cfg, 10)
+    restored = FedAvgStrategy.of(cfg, 10)
     restored.load_platform_state(s.platform_state())
     out = _round(restored.policies.screen, HOSTILE[2], HONEST[2])  # its third reply, after the resume
     assert out.excluded[4][0] == DIRECTION
-    again = FedAvgStrategy(cfg, 10)
+    again = FedAvgStrategy.of(cfg, 10)
     again.load_platform_state(restored.platform_state())
     assert again.policies.screen.history.excluded == {4}
-    assert FedAvgStrategy(tiny_config(defences="off"), 10).policies.screen.history.active is False
+    assert FedAvgStrategy.of(tiny_config(defences="off"), 10).policies.screen.history.active is False
 
 
 @pytest.mark.parametrize("key,bad", [("update_mean_cosine", 1.0), ("update_mean_cosine", -1.5),

@@ -67,7 +67,7 @@ def count_checkpoints(monkeypatch):
 def test_a_budgeted_round_uploads_the_arrays_of_the_unbudgeted_one(count_checkpoints):
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=2, batch_size=32)
     rt = get_runtime(cfg)
-    s = FedAvgStrategy(cfg, rt.data.num_classes)
+    s = FedAvgStrategy.of(cfg, rt.data.num_classes)
     arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
     content = RecordDict({ARRAYS: arrays})
     whole = LocalLearner(rt).fit(content, 0, 0, 0)
@@ -90,12 +90,12 @@ def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
     cfg = tiny_config(strategy="fppl", num_tasks=2, centralised=True, lr=0.01, batch_size=32,
                       prompt_mode="prompt", pool_size=2)
     rt = get_runtime(cfg, FPPLPrompt)
-    s = FPPLStrategy(cfg, rt.data.num_classes)
+    s = FPPLStrategy.of(cfg, rt.data.num_classes)
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
     # prototypes of 3 of task 1's 5 classes: the samples of the other two have none
     rng = np.random.default_rng(0)
     protos = ArrayRecord({"classes": Array(np.array([5, 6, 7])),
-                          "means": Array(rng.normal(size=(3, cfg.embed_dim)).astype(np.float32))})
+                          "means": Array(rng.normal(size=(3, cfg.model.embed_dim)).astype(np.float32))})
     content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
     whole = FPPLLearner(rt).fit(content, 1, 0, 0)
     try:
@@ -161,7 +161,7 @@ def test_node_config_keys_are_checked_and_a_refusal_names_them():
     with pytest.raises(NodeRefusal, match="memory-budget-mb"):
         apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
     plan = apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
-    assert plan.micro_batch == rt.cfg.batch_size and not rt.model.checkpointed
+    assert plan.micro_batch == rt.cfg.training.batch_size and not rt.model.checkpointed
     apply_plan(rt, NodePolicy.from_node_config({}))
     assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
 
@@ -221,7 +221,7 @@ def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
     kinds = {type(m).__name__ for m in low.model.backbone.modules()}
     assert {"Int8Linear": "int8", "Bf16Linear": "bf16"}.keys() & kinds == {f"{precision.title()}Linear"}
     assert "Linear" not in kinds  # every frozen linear layer converted
-    s = FedAvgStrategy(cfg, fp32.data.num_classes)
+    s = FedAvgStrategy.of(cfg, fp32.data.num_classes)
     arrays = s.on_task_start(0, to_array_record(fp32.model.trainable_state()))
     a = from_array_record(LocalLearner(fp32).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
     b = from_array_record(LocalLearner(low).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
@@ -261,7 +261,7 @@ def test_results_record_each_budgeted_nodes_plan_and_refuse_a_starved_node(tmp_p
     (record,) = results["rounds"]
     (plan,) = record["memory_plans"]  # node 1003 has no budget: nothing to report
     assert plan["node"] == 1001 and plan["memory-budget-mb"] == pytest.approx(budget)
-    assert plan["micro-batch"] == cfg.batch_size and plan["checkpointed-blocks"] == 0 and plan["backbone-bits"] == 32
+    assert plan["micro-batch"] == cfg.training.batch_size and plan["checkpointed-blocks"] == 0 and plan["backbone-bits"] == 32
     assert 0 < plan["peak-rss-mb"]
     assert record["clients_aggregated"] == 2
     (refused,) = record["rejected"]

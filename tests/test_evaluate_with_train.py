@@ -98,7 +98,7 @@ def test_an_evaluation_the_node_cannot_do_never_costs_its_update(flower_identity
 
     cfg = tiny_config()
     content = RecordDict({"arrays": to_array_record({"x": np.zeros(1)}), "config": ConfigRecord({"evaluate-task": 7})})
-    assert evaluate_received(None, content, cfg.num_tasks, False) is None  # type: ignore[arg-type]  (refused before the runtime)
+    assert evaluate_received(None, content, cfg.data.num_tasks, False) is None  # type: ignore[arg-type]  (refused before the runtime)
     assert "evaluate-task 7 names no task" in caplog.text
 
 

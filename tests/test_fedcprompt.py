@@ -37,7 +37,7 @@ class NodeList:
 def start(cfg, tasks: int):
     """Runtime with Fed-CPrompt's prompt, strategy, and arrays with ``tasks`` slices initialised."""
     rt = get_runtime(cfg, FedCPromptPrompt)
-    s = FedCPromptStrategy(cfg, rt.data.num_classes)
+    s = FedCPromptStrategy.of(cfg, rt.data.num_classes)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(tasks):
         arrays = s.on_task_start(t, arrays)
@@ -65,7 +65,7 @@ def test_options_defaults_validation_and_registry():
         with pytest.raises(ConfigError, match="fedcprompt"):
             FedCPromptOptions.from_options(bad)
     with pytest.raises(ConfigError, match="unknown option fedcprompt.nope"):
-        FedCPromptStrategy(tiny_config(), 10, {"nope": 1})
+        FedCPromptStrategy.of(tiny_config(), 10, {"nope": 1})
     with pytest.raises(ConfigError, match="gamma"):
         FedCPromptStrategy.parse_options({"gamma": -1})  # what the CLI runs before any training
     assert FedCPromptStrategy.parse_options({"lambda": 0.5}).lambda_ == 0.5
@@ -78,12 +78,12 @@ def test_paper_scale_config_loads():
     from promptfcl.server.cli import load_config
 
     cfg = load_config(str(ROOT / "configs/fedcprompt-cifar100.toml"), [], None, None)
-    assert cfg.strategy == "fedcprompt" and cfg.dataset == "hf:cifar100" and cfg.num_tasks == 10
-    assert (cfg.num_clients, cfg.clients_per_round, cfg.rounds_per_task, cfg.local_epochs) == (10, 10, 40, 5)
-    assert (cfg.lr, cfg.batch_size, cfg.pool_size, cfg.prompt_length) == (1e-4, 128, 100, 8)
-    assert cfg.layers == [0, 1, 2, 3, 4] and cfg.prompt_mode == "prefix" and cfg.weights == "timm"
-    assert (cfg.partition, cfg.dirichlet_beta) == ("dirichlet", 0.5)
-    assert cfg.augment == "resized-crop-flip" and cfg.input_norm == "unit"  # CODA-P's code
+    assert cfg.run.strategy == "fedcprompt" and cfg.data.dataset == "hf:cifar100" and cfg.data.num_tasks == 10
+    assert (cfg.federation.num_clients, cfg.federation.clients_per_round, cfg.federation.rounds_per_task, cfg.training.local_epochs) == (10, 10, 40, 5)
+    assert (cfg.training.lr, cfg.training.batch_size, cfg.model.pool_size, cfg.model.prompt_length) == (1e-4, 128, 100, 8)
+    assert cfg.model.layers == [0, 1, 2, 3, 4] and cfg.model.prompt_mode == "prefix" and cfg.model.weights == "timm"
+    assert (cfg.federation.partition, cfg.federation.dirichlet_beta) == ("dirichlet", 0.5)
+    assert cfg.training.augment == "resized-crop-flip" and cfg.model.input_norm == "unit"  # CODA-P's code
     opts = FedCPromptOptions.from_options(cfg.method_options("fedcprompt"))
     assert opts == FedCPromptOptions()  # the file spells out the defaults
 
@@ -160,14 +160,14 @@ def test_c2l_in_the_learner_uses_the_server_prompts_of_this_round():
     losses = []
     for step in (1.0, 2.0, 3.0):
         with torch.no_grad():
-            for layer in cfg.layers:
+            for layer in cfg.model.layers:
                 getattr(rt.model.prompt, f"p{layer}")[s] += 1.0
         losses.append(learner.c2l(1).item())
     assert losses[-1] > 0 and losses == sorted(losses) and losses[-1] > losses[-2]
     # only the task's own slice gets the C2L gradient
     rt.model.prompt.zero_grad()
     learner.c2l(1).backward()
-    for layer in cfg.layers:
+    for layer in cfg.model.layers:
         g = getattr(rt.model.prompt, f"p{layer}").grad
         assert g[s].abs().sum() > 0
         assert g[: s.start].abs().sum() == 0 and g[s.stop :].abs().sum() == 0
@@ -212,15 +212,15 @@ def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
     reply = learner.fit(train_content(arrays, 1, 3), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
     assert learner.last_c2l is not None and learner.last_c2l > 0
-    per_task = cfg.pool_size // cfg.num_tasks
+    per_task = cfg.model.pool_size // cfg.data.num_tasks
     mine = slice(per_task, 2 * per_task)
-    for layer in cfg.layers:
+    for layer in cfg.model.layers:
         for kind in "pka":
             name = f"prompt.{kind}{layer}"
             np.testing.assert_array_equal(after[name][: mine.start], before[name][: mine.start])  # past
             np.testing.assert_array_equal(after[name][mine.stop :], before[name][mine.stop :])  # future
             assert not np.array_equal(after[name][mine], before[name][mine])
-    k = rt.data.num_classes // cfg.num_tasks
+    k = rt.data.num_classes // cfg.data.num_tasks
     other_rows = np.r_[0:k, 2 * k : rt.data.num_classes]
     np.testing.assert_array_equal(after["head.weight"][other_rows], before["head.weight"][other_rows])
     assert not np.array_equal(after["head.weight"][k : 2 * k], before["head.weight"][k : 2 * k])
@@ -240,7 +240,7 @@ def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
     for name in plain:  # synchronous, C2L and early stopping off: FedAvg-Prompt's client
         np.testing.assert_array_equal(off[name], plain[name])
     drift = lambda st: sum(np.linalg.norm(st[f"prompt.p{l}"] - from_array_record(arrays)[f"prompt.p{l}"])  # noqa: E731
-                           for l in cfg.layers)
+                           for l in cfg.model.layers)
     assert drift(on) < drift(plain)  # C2L restrains the drift from the previous round
 
 
@@ -273,14 +273,14 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     trained, validation = seen[0]
     everything = np.concatenate([trained, validation])
     assert len(np.intersect1d(trained, validation)) == 0 and len(validation) == round(0.1 * len(everything))
-    learner.seed = [cfg.seed, 0, 0, 7]  # another round of the same client and task: the same share
+    learner.seed = [cfg.run.seed, 0, 0, 7]  # another round of the same client and task: the same share
     np.testing.assert_array_equal(FedCPromptLearner.held_out(learner, np.sort(everything))[1], validation)
     off = FedCPromptLearner(rt, {"early-stopping": False})
     assert len(off.held_out(np.sort(everything))[1]) == 0
     # the held-out samples are not trained on, so they do not weigh in FedAvg
     assert reply[METRICS]["num-examples"] == len(trained)
-    assert FedCPromptStrategy(cfg, 10).trained_examples(len(everything)) == len(trained)
-    assert FedCPromptStrategy(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
+    assert FedCPromptStrategy.of(cfg, 10).trained_examples(len(everything)) == len(trained)
+    assert FedCPromptStrategy.of(cfg, 10, {"early-stopping": False}).trained_examples(len(everything)) == len(everything)
 
 
 @pytest.mark.parametrize(("metric", "field"), [("loss", "val-loss"), ("accuracy", "val-correct")])
@@ -306,13 +306,13 @@ def test_task_scope_clients_report_the_received_models_validation_and_train_ever
     score = received.validation_loss(validation, 0) if metric == "loss" else received.correct(validation, 0)
     assert {k: metrics[k] for k in ("val-total", field)} == {field: score, "val-total": len(validation)}
     assert ({"val-loss", "val-correct"} - {field}).isdisjoint(metrics.keys())
-    server = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": metric})
+    server = FedCPromptStrategy.of(cfg, 10, {"early-stopping-metric": metric})
     assert server.check_records(Message(content=reply, dst_node_id=1, message_type="train"), None) is None
-    other = FedCPromptStrategy(cfg, 10, {"early-stopping-metric": "accuracy" if metric == "loss" else "loss"})
+    other = FedCPromptStrategy.of(cfg, 10, {"early-stopping-metric": "accuracy" if metric == "loss" else "loss"})
     assert "this run's early stopping reads" in other.check_records(
         Message(content=reply, dst_node_id=1, message_type="train"), None)
     bad = RecordDict({METRICS: MetricRecord({"num-examples": 5, "val-correct": 3, "val-total": 2})})
-    assert "exceeds" in FedCPromptStrategy(cfg, 10, EARLIER_RULE).check_records(
+    assert "exceeds" in FedCPromptStrategy.of(cfg, 10, EARLIER_RULE).check_records(
         Message(content=bad, dst_node_id=1, message_type="train"), None)
 
 
@@ -352,7 +352,7 @@ def test_server_stops_a_task_after_patience_rounds_and_restores_its_best_model(f
     assert list(s.configure_train(6, out, ConfigRecord({"task": 0, "round": 5}), NodeList(4))) == []
     arrays, metrics = s.aggregate_train(6, [])
     assert arrays is out and metrics["clients"] == 0
-    again = ScheduledStrategy(cfg, 6, EARLIER_RULE)
+    again = ScheduledStrategy.of(cfg, 6, EARLIER_RULE)
     again.load_state_dict(s.state_dict())
     assert again.stopped == {0} and again.best_score == s.best_score and again.stale == s.stale
     assert again.scored == s.scored == {0: 4, 1: 4}
@@ -522,8 +522,8 @@ class ScheduledStrategy(FedCPromptStrategy):
 def async_setup(num_tasks=3, known=2, options=None):
     cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
-    s = ScheduledStrategy(cfg, num_classes, options)
-    shapes = {"prompt.p0": (cfg.pool_size, 4, 3), "prompt.k0": (cfg.pool_size, 3),
+    s = ScheduledStrategy.of(cfg, num_classes, options)
+    shapes = {"prompt.p0": (cfg.model.pool_size, 4, 3), "prompt.k0": (cfg.model.pool_size, 3),
               "head.weight": (num_classes, 3), "head.bias": (num_classes,)}
     base = to_array_record({k: np.full(v, -1.0, np.float32) for k, v in shapes.items()})
     s.known_tasks = known  # as if on_task_start had run for tasks 0..known-1 (values irrelevant here)
@@ -615,7 +615,7 @@ def test_known_tasks_travel_and_survive_a_checkpoint(flower_identity):
     assert all(m.content[CONFIG][KNOWN_TASKS] == 2 for m in msgs)
     with pytest.raises(RuntimeError, match="never initialised"):
         list(s.configure_train(2, arrays, ConfigRecord({"task": 2, "round": 0}), NodeList(2)))
-    again = FedCPromptStrategy(cfg, rt.data.num_classes)
+    again = FedCPromptStrategy.of(cfg, rt.data.num_classes)
     again.load_state_dict(s.state_dict())
     assert again.known_tasks == 2
 

@@ -44,7 +44,7 @@ def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) ->
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
-    s = FPPLStrategy(cfg, NUM_CLASSES, options or {})
+    s = FPPLStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
         if t:
@@ -122,9 +122,9 @@ def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions()
     """FPPL's 0.25 M parameters per round (ImageNet-R, 20 tasks, 5 blocks x 20 tokens, D = 768):
     one task prompt per block, psi, the head and a task's global prototypes = 253,640."""
     s, _ = strategy_at_task(0)
-    s.cfg = s.cfg.replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
-    s.num_classes = 200
-    s.layout = TaskLayout.of(s.cfg, 200)  # what the strategy counts with: 10 classes per task
+    wide = fppl_config().replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
+    s.data, s.model, s.num_classes = wide.data, wide.model, 200
+    s.layout = TaskLayout.of(wide, 200)  # what the strategy counts with: 10 classes per task
     d, t, length = 768, 20, 20
     state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
              "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),
@@ -179,13 +179,13 @@ def test_new_task_prompt_starts_as_a_copy_of_the_previous_one():
 def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     cfg = fppl_config(centralised=True, lr=0.01)
     rt = get_runtime(cfg, FPPLPrompt)
-    s = FPPLStrategy(cfg, rt.data.num_classes)
+    s = FPPLStrategy.of(cfg, rt.data.num_classes)
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
     before = from_array_record(arrays)
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
     reply = FPPLLearner(rt).fit(content, task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
-    for layer in cfg.layers:  # only task 1's prompt travels back: the frozen ones stay home
+    for layer in cfg.model.layers:  # only task 1's prompt travels back: the frozen ones stay home
         assert after[f"prompt.p{layer}"].shape == (1,) + before[f"prompt.p{layer}"].shape[1:]
         assert not np.array_equal(after[f"prompt.p{layer}"][0], before[f"prompt.p{layer}"][1])
     assert not np.array_equal(after["prompt.fusion"][:2], before["prompt.fusion"][:2])  # psi learns
@@ -217,7 +217,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
         cfg = fppl_config(augment=augment, **{"fppl.prototype-views": views})
         rt = get_runtime(cfg, FPPLPrompt)
         learner = FPPLLearner(rt, cfg.method_options("fppl"))
-        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
         record = learner.round_end(index, task=0)[LOCAL_PROTOTYPES]
@@ -225,7 +225,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
         np.testing.assert_array_equal(record["counts"].numpy(), np.bincount(rt.data.train.labels[index])[:5])
     np.testing.assert_allclose(protos["crop-flip", "stored"], protos["none", "augmented"], rtol=1e-5, atol=1e-6)
     assert not np.allclose(protos["crop-flip", "augmented"], protos["none", "augmented"], atol=1e-4)
-    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([cfg.seed, 3, 0, 1, 0x9207]))
+    views = augment_images(rt.data.train.images[index], "crop-flip", np.random.default_rng([cfg.run.seed, 3, 0, 1, 0x9207]))
     with torch.no_grad():
         x = rt.model.preprocess(torch.from_numpy(views))
         feats = rt.model.features(x, rt.model.query(x)).numpy()
@@ -442,7 +442,7 @@ def test_pool_and_global_prototypes_survive_a_checkpoint():
 
     tensors: dict = {}
     saved = _join(_split(s.state_dict(), "strategy", tensors), tensors)  # as a checkpoint stores it
-    restored = FPPLStrategy(s.cfg, NUM_CLASSES, {})
+    restored = FPPLStrategy.of(fppl_config(), NUM_CLASSES, {})
     restored.load_state_dict(saved)
     for a, b in ((s.pool, restored.pool), (s.current, restored.current)):
         for field in ("classes", "means", "clients"):
@@ -488,7 +488,7 @@ def test_options_are_validated():
         with pytest.raises(ConfigError):
             FPPLOptions.from_options(bad)
     with pytest.raises(ConfigError):
-        FPPLStrategy(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
+        FPPLStrategy.of(fppl_config(), NUM_CLASSES, {"debias": "sometimes"})
     with pytest.raises(ConfigError, match="fppl.bogus"):
         FPPLStrategy.parse_options({"bogus": 1})  # what the CLI runs before any training
 

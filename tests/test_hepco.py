@@ -42,7 +42,7 @@ SLICES = {"pool-training": "task-slices"}  # CODA-P's task slices (the Scenario 
 
 def make_strategy(**options) -> HePCoStrategy:
     cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
-    return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    return HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
 
 
 def reply(state: dict[str, np.ndarray], n: int = 20) -> RecordDict:
@@ -60,10 +60,10 @@ class Scenario:
 
     def __init__(self, strategy: HePCoStrategy, seed: int = 0, clients: int = 3) -> None:
         g = torch.Generator().manual_seed(seed)
-        cfg = strategy.cfg
+        model, data = strategy.model, strategy.data
         self.mu = F.normalize(torch.randn(NUM_CLASSES, D, generator=g), dim=-1) * 4
         torch.manual_seed(seed)
-        prompt = HePCoPrompt(D, cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+        prompt = HePCoPrompt(D, model.layers, model.pool_size, model.prompt_length, data.num_tasks)
         for t in range(2):
             prompt.init_task_slice(t, g)
         base = {f"prompt.{k}": v.detach().numpy().copy() for k, v in prompt.state_dict().items()}
@@ -72,7 +72,7 @@ class Scenario:
         base |= {"head.weight": head_w.numpy().copy(), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
         strategy.on_task_end(0, to_array_record(base))  # previous task's final model
         strategy.task, strategy.round = 1, 0
-        per = cfg.pool_size // cfg.num_tasks
+        per = model.pool_size // data.num_tasks
         cur = slice(per, 2 * per)
         self.clients = []
         for _ in range(clients):
@@ -186,8 +186,8 @@ def test_gram_prompt_mse_equals_the_direct_computation(teacher_stop):
     s = make_strategy()
     sc = Scenario(s)
     states = sc.clients if teacher_stop == 4 else [s.previous]
-    teachers = Teachers.stack(states, s.cfg.layers, teacher_stop, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    teachers = Teachers.stack(states, s.model.layers, teacher_stop, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     z_direct, y = sc.latents(range(5, 10), 6)
     z_direct.requires_grad_(True)
     z_gram = z_direct.detach().clone().requires_grad_(True)
@@ -207,13 +207,13 @@ def test_gram_distillation_matches_the_direct_one(teachers):
     s = make_strategy(**{"distill-epochs": 5, "distill-lr": 1e-2, "old-latent-teachers": teachers})
     sc = Scenario(s)
     cpu = torch.device("cpu")
-    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, cpu)
-    prev = Teachers.stack([s.previous], s.cfg.layers, 2, cpu)
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, cpu)
+    prev = Teachers.stack([s.previous], s.model.layers, 2, cpu)
     torch.manual_seed(0)
     gen, old_gen = LatentGenerator(NUM_CLASSES, D), LatentGenerator(NUM_CLASSES, D)
     results = []
     for use_grams in (True, False):
-        student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), cpu)
+        student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), cpu)
         report = distill(student, s.opts, (gen, torch.arange(5, 10), clients), (old_gen, torch.arange(5), prev),
                          torch.arange(10), torch.Generator().manual_seed(0), use_grams=use_grams)
         results.append((report, [p.detach().clone() for p in student.prompt_parameters()]))
@@ -239,7 +239,7 @@ def test_sums_over_clients_are_weighted_by_their_sample_counts(weighting):
     got = np.ones(3) if group.teachers.weights is None else group.teachers.weights.numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert group.share == pytest.approx(3.0)
-    cpu, layers = torch.device("cpu"), s.cfg.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     student = LatentStudent(sc.provisional, layers, slice(2, 4), cpu)
     z, y = sc.latents(range(5, 10), 6)
     classes = torch.arange(5, 10)
@@ -282,8 +282,8 @@ def test_generator_shapes_and_label_conditioning():
     s = make_strategy(ablate="kl,mse", **{"generator-lr": 1e-3})
     sc = Scenario(s)
     classes = torch.arange(5, 10)
-    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     gen = LatentGenerator(NUM_CLASSES, D)
     train_generator(gen, classes, clients, student, s.opts, 150, torch.Generator().manual_seed(0))
     y = classes.repeat(40)
@@ -322,8 +322,8 @@ def _one_step(opts: HePCoOptions, student: LatentStudent, clients: Teachers, see
 def test_one_generator_step_increases_the_disagreement_it_maximises(term, options):
     s = make_strategy(**options)
     sc = Scenario(s)
-    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
-    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu"))
     before, after, _ = _one_step(s.opts, student, clients)
     assert after[term] > before[term]
 
@@ -340,8 +340,8 @@ def test_ablated_disagreement_term_no_longer_steers_the_generator(ablate, pertur
                 is_head = name.startswith("head.")
                 if (perturb in ("head", "both") and is_head) or (perturb in ("prompts", "both") and not is_head):
                     prov[name] = prov[name] + 0.7
-        clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
-        student = LatentStudent(prov, s.cfg.layers, slice(2, 4), torch.device("cpu"))
+        clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
+        student = LatentStudent(prov, s.model.layers, slice(2, 4), torch.device("cpu"))
         *_, gen = _one_step(s.opts, student, clients)
         return [p.detach().clone() for p in gen.parameters()]
 
@@ -354,8 +354,8 @@ def test_ablated_disagreement_term_no_longer_steers_the_generator(ablate, pertur
     s = make_strategy(ablate=ablate)
     sc = Scenario(s)
     z, y = sc.latents(range(5, 10), 4)
-    parts = generator_losses(z, y, torch.arange(5, 10), Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu")),
-                             LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), torch.device("cpu")),
+    parts = generator_losses(z, y, torch.arange(5, 10), Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu")),
+                             LatentStudent(sc.provisional, s.model.layers, slice(2, 4), torch.device("cpu")),
                              s.opts.use_kl, s.opts.use_mse)
     for term in ablate.split(","):
         assert float(parts[term]) == 0.0
@@ -376,7 +376,7 @@ def distilled():
 
 def test_distillation_moves_prompts_towards_the_teachers(distilled):
     sc, out = distilled
-    layers = sc.strategy.cfg.layers
+    layers = sc.strategy.model.layers
     z_new, _ = sc.latents(range(5, 10))
     z_old, _ = sc.latents(range(0, 5))
     before = prompt_mse(sc.provisional, sc.clients, z_new, layers, 4)
@@ -420,7 +420,7 @@ def _one_distillation(**options):
     latent batches both generators drew; returns what the checks below need."""
     s = make_strategy(**{"distill-epochs": 1, **options})
     sc = Scenario(s)
-    cpu, layers = torch.device("cpu"), s.cfg.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     clients = Teachers.stack(sc.clients, layers, 4, cpu)
     prev = Teachers.stack([s.previous], layers, 2, cpu)
     torch.manual_seed(0)
@@ -440,7 +440,7 @@ def test_old_task_prompt_term_is_weighted_as_eq6_over_the_composite_batch(mode, 
     ``previous`` (the authors' code): the clients teach the current-task latents only."""
     s, sc, clients, prev, student, new_batches, old_batches, report = _one_distillation(
         **{"old-prompt-mean": mode, "ablate": "classifier-distillation", "old-latent-teachers": teachers})
-    cpu, layers = torch.device("cpu"), s.cfg.layers
+    cpu, layers = torch.device("cpu"), s.model.layers
     (z_new, _), (z_old, _) = new_batches[0], old_batches[0]
     z = torch.cat([z_new, z_old])
     assert len(z_new) == 64 and len(z_old) == 32  # replay ratio 0.5
@@ -515,14 +515,14 @@ def test_distillation_samples_the_generators_in_the_chosen_batchnorm_mode(mode):
     s = make_strategy(**{"distill-epochs": 2, "distill-generator-mode": mode})
     sc = Scenario(s)
     cpu = torch.device("cpu")
-    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, cpu)
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, cpu)
     torch.manual_seed(0)
     gen = LatentGenerator(NUM_CLASSES, D)
     gen.train()
     bn = next(m for m in gen.net if isinstance(m, torch.nn.BatchNorm1d))
     bn.running_mean.fill_(3.0)  # as if fitted: running statistics far from this batch's
     record = _recording(gen)
-    student = LatentStudent(sc.provisional, s.cfg.layers, slice(2, 4), cpu)
+    student = LatentStudent(sc.provisional, s.model.layers, slice(2, 4), cpu)
     distill(student, s.opts, (gen, torch.arange(5, 10), clients), None, torch.arange(10), torch.Generator().manual_seed(0))
     z, labels = record[0]
     # eval: a latent depends on its own noise and label only (running statistics), not on its batch
@@ -545,7 +545,7 @@ def test_distillation_samples_the_generators_in_the_chosen_batchnorm_mode(mode):
 def test_teacher_accuracy_tells_recognisable_latents_from_noise():
     s = make_strategy()
     sc = Scenario(s)
-    clients = Teachers.stack(sc.clients, s.cfg.layers, 4, torch.device("cpu"))
+    clients = Teachers.stack(sc.clients, s.model.layers, 4, torch.device("cpu"))
     classes = torch.arange(5, 10)
     z, y = sc.latents(classes.tolist(), 20)
     acc = teacher_accuracy(clients, z, y, classes)
@@ -574,7 +574,7 @@ def test_diagnostics_need_the_servers_central_data():
 
 def test_real_data_probe_measures_distance_and_accuracy():
     cfg = tiny_config(strategy="hepco")
-    probe = RealDataProbe(get_runtime(cfg, HePCoPrompt), cfg.seed, per_class=6)
+    probe = RealDataProbe(get_runtime(cfg, HePCoPrompt), cfg.run.seed, per_class=6)
     model = probe.rt.model
     state = {k: v.detach().numpy().copy() for k, v in model.trainable_state().items()}
     seen, old = np.arange(10), np.arange(5)
@@ -612,7 +612,7 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     assert s.opts.pool_training == "whole"
     from promptfcl.common.model import ModelSpec, initial_trainable_state
 
-    initial = initial_trainable_state(ModelSpec.of(s.cfg, NUM_CLASSES), HePCoPrompt)
+    initial = initial_trainable_state(ModelSpec.of(tiny_config(strategy="hepco"), NUM_CLASSES), HePCoPrompt)
     arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))
     state = from_array_record(arrays)
     assert state["prompt.whole_pool"].tolist() == [1.0]
@@ -623,12 +623,12 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     prompt.set_task(1)
     prompt.train()
     q = torch.randn(4, D)
-    prompt(q, s.cfg.layers[0]).pow(2).sum().backward()
-    grad = getattr(prompt, f"p{s.cfg.layers[0]}").grad
+    prompt(q, s.model.layers[0]).pow(2).sum().backward()
+    grad = getattr(prompt, f"p{s.model.layers[0]}").grad
     assert (grad.abs().sum(dim=(1, 2)) > 0).all()  # every component, task 0's included
-    assert s.components(0) == s.components(3) == s.cfg.pool_size
+    assert s.components(0) == s.components(3) == s.model.pool_size
     sliced = make_strategy(**SLICES)
-    assert sliced.components(0) == sliced.cfg.pool_size // sliced.cfg.num_tasks
+    assert sliced.components(0) == sliced.model.pool_size // sliced.data.num_tasks
     sliced_state = from_array_record(sliced.on_task_start(0, to_array_record(
         {k: v.numpy() for k, v in initial.items()})))
     assert sliced_state["prompt.whole_pool"].tolist() == [0.0]
@@ -639,8 +639,8 @@ def test_whole_pool_with_clients_on_two_tasks_averages_the_pool_over_everyone(fl
     prompt arrays average over all replies; a task's head rows over the replies that trained it."""
     cfg = tiny_config(strategy="hepco", switch_fraction=0.5, switch_every=1, rounds_per_task=2,
                       **{"hepco.averaging": "samples"})
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
-    shapes = {"prompt.p0": (cfg.pool_size, 2, D), "prompt.k0": (cfg.pool_size, D), "prompt.whole_pool": (1,),
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    shapes = {"prompt.p0": (cfg.model.pool_size, 2, D), "prompt.k0": (cfg.model.pool_size, D), "prompt.whole_pool": (1,),
               "head.weight": (NUM_CLASSES, D), "head.bias": (NUM_CLASSES,)}
     s.round_arrays = to_array_record({k: np.zeros(v, np.float32) for k, v in shapes.items()})
     contents = [reply({k: np.full(v, float(i + 1), np.float32) for k, v in shapes.items()}, n)
@@ -758,7 +758,7 @@ def test_simulation_end_to_end(tmp_path):
     assert 0.0 <= last["real-old-acc-distilled"] <= 100.0
     # What travels: prompts and keys (no attention vectors), the head, and the pool-training switch.
     cfg = tiny_config()
-    n = len(cfg.layers) * cfg.pool_size * (cfg.prompt_length * D + D) + NUM_CLASSES * (D + 1) + 1
+    n = len(cfg.model.layers) * cfg.model.pool_size * (cfg.model.prompt_length * D + D) + NUM_CLASSES * (D + 1) + 1
     assert results["communication"]["trainable_parameters"] == n
     assert 4 * n <= results["communication"]["bytes_per_client_exchange"] <= 4 * n * 1.05 + 4096
 
@@ -770,13 +770,13 @@ def test_async_latents_follow_the_replies_and_each_client_teaches_its_own_task()
 
     sc = Scenario(make_strategy(), clients=4)
     cpu = torch.device("cpu")
-    behind = Teachers.stack(sc.clients[:1], sc.strategy.cfg.layers, 2, cpu)  # one client still on task 0
-    ahead = Teachers.stack(sc.clients[1:], sc.strategy.cfg.layers, 4, cpu)  # three on task 1
+    behind = Teachers.stack(sc.clients[:1], sc.strategy.model.layers, 2, cpu)  # one client still on task 0
+    ahead = Teachers.stack(sc.clients[1:], sc.strategy.model.layers, 4, cpu)  # three on task 1
     groups = [TaskTeachers(torch.arange(5), behind, 1), TaskTeachers(torch.arange(5, 10), ahead, 3)]
     labels = draw_labels(groups, 20_000, torch.Generator().manual_seed(0))
     assert abs(float((labels >= 5).double().mean()) - 0.75) < 0.02  # a task's share: its replies
     assert set(labels.tolist()) == set(range(10))
-    student = LatentStudent(sc.provisional, sc.strategy.cfg.layers, slice(0, 4), cpu)
+    student = LatentStudent(sc.provisional, sc.strategy.model.layers, slice(0, 4), cpu)
     z, y = sc.latents(range(10), n_per_class=8)
     both = group_generator_losses(z, y, groups, student)
     old, new = y < 5, y >= 5
@@ -798,10 +798,10 @@ def test_async_server_step_over_several_rounds(flower_identity):
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1,
                       switch_fraction=0.5, **{"hepco.generator-epochs": 3, "hepco.distill-epochs": 3,
                                               "hepco.pool-training": "task-slices"})
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
-    per = cfg.pool_size // cfg.num_tasks
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    per = cfg.model.pool_size // cfg.data.num_tasks
     g = torch.Generator().manual_seed(0)
-    prompt = HePCoPrompt(D, cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+    prompt = HePCoPrompt(D, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length, cfg.data.num_tasks)
     state = {f"prompt.{k}": v.detach().numpy().copy() for k, v in prompt.state_dict().items()}
     state |= {"head.weight": 0.1 * torch.randn(NUM_CLASSES, D, generator=g).numpy(),
               "head.bias": np.zeros(NUM_CLASSES, np.float32)}
@@ -850,7 +850,7 @@ def test_async_server_step_over_several_rounds(flower_identity):
     # task 0's nominal end (round 2): the server model then is the past teacher from now on
     s.on_task_end(0, arrays)
     frozen = {k: v.copy() for k, v in s.previous.items()}
-    assert set(frozen) == {f"prompt.{k}{l}" for l in cfg.layers for k in "pk"} | {"head.weight", "head.bias"}
+    assert set(frozen) == {f"prompt.{k}{l}" for l in cfg.model.layers for k in "pk"} | {"head.weight", "head.bias"}
     np.testing.assert_array_equal(frozen["prompt.p0"], after["prompt.p0"][:per])
     for server_round in (3, 4):
         arrays, metrics, tasks = round_(server_round, arrays)
@@ -884,7 +884,7 @@ def test_a_defended_round_gives_hepcos_server_step_the_screened_replies(flower_i
     from tests.helpers import NodeList
 
     cfg = tiny_config(strategy="hepco", num_clients=4, clients_per_round=4, defences="on")
-    s = HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    s = HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
     state = {"head.weight": np.zeros((NUM_CLASSES, D), np.float32), "head.bias": np.zeros(NUM_CLASSES, np.float32)}
     msgs = list(s.configure_train(1, to_array_record(state), ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
     seen = {}
@@ -901,5 +901,5 @@ def test_a_defended_round_gives_hepcos_server_step_the_screened_replies(flower_i
                           for v, m in zip(scales, msgs)])
     assert outcome.defences["clip"] == 1
     longest = np.abs(seen["teachers"][3]).max()
-    assert longest == pytest.approx(cfg.update_clip * 1.0, rel=1e-5)  # 3 x the lower median (1.0)
+    assert longest == pytest.approx(cfg.robustness.update_clip * 1.0, rel=1e-5)  # 3 x the lower median (1.0)
     np.testing.assert_allclose(seen["provisional"], np.mean(seen["teachers"], axis=0), rtol=1e-5)

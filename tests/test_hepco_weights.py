@@ -100,7 +100,7 @@ def counts_reply(state: dict[str, np.ndarray], labels: list[int]) -> RecordDict:
 
 def strategy(**options) -> HePCoStrategy:
     cfg = tiny_config(strategy="hepco", **{f"hepco.{k}": v for k, v in options.items()})
-    return HePCoStrategy(cfg, NUM_CLASSES, cfg.method_options("hepco"))
+    return HePCoStrategy.of(cfg, NUM_CLASSES, cfg.method_options("hepco"))
 
 
 def test_class_count_weights_give_each_client_its_share_of_the_class():

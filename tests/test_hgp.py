@@ -27,7 +27,7 @@ from tests.helpers import accepted_of
 # ---------------------------------------------------------------------------- helpers
 def make_strategy(num_classes: int = 4, num_tasks: int = 2, task: int = 0, **options) -> HGPStrategy:
     cfg = tiny_config(**{"num-tasks": num_tasks, "strategy": "hgp"})
-    strategy = HGPStrategy(cfg, num_classes, {k.replace("_", "-"): v for k, v in options.items()})
+    strategy = HGPStrategy.of(cfg, num_classes, {k.replace("_", "-"): v for k, v in options.items()})
     strategy.task = task
     return strategy
 
@@ -102,7 +102,7 @@ def test_score_normalisation_is_an_option_every_builder_of_the_model_reads(norm)
     cos = torch.nn.functional.cosine_similarity(q[:, None, :], p.k0[: 2 * p.per_task][None], dim=-1)
     expected = {"l1": cos / cos.abs().sum(1, keepdim=True), "softmax": cos.softmax(1), "none": cos}[norm]
     torch.testing.assert_close(p.weights(q, p.layers[0]), expected)
-    s = HGPStrategy(cfg, 10)
+    s = HGPStrategy.of(cfg, 10)
     assert s.prompt_from({k: v.numpy() for k, v in model.trainable_state().items()}).score_norm == norm
     with pytest.raises(ConfigError, match="score-norm"):
         HGPOptions.from_options({"score-norm": "l2"})
@@ -115,7 +115,7 @@ def test_stateful_count_is_the_papers_current_slice_up_and_whole_head_down(cov_t
     prefix blocks, L = 8, D = 768): down, the task's slice of components and keys and the whole
     rebalanced head; up, the slice and the task's 10 head rows; the class statistics apart."""
     cfg = tiny_config(strategy="hgp", num_tasks=10, pool_size=100, prompt_length=8, prompt_layers="0,1,2,3,4")
-    s = HGPStrategy(cfg, 100, {"cov-type": cov_type})
+    s = HGPStrategy.of(cfg, 100, {"cov-type": cov_type})
     d = 768
     state = {**{f"prompt.p{layer}": np.zeros((100, 8, d), np.float32) for layer in range(5)},
              **{f"prompt.k{layer}": np.zeros((100, d), np.float32) for layer in range(5)},
@@ -428,7 +428,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
         cfg = tiny_config(strategy="hgp", augment=augment, **{"hgp.stats-augment": stats_augment})
         rt = get_runtime(cfg, HGPPrompt)
         learner = HGPLearner(rt, cfg.method_options("hgp"))
-        learner.seed = [cfg.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
+        learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
         feats[augment, stats_augment], _ = learner.prompted_features(index)
@@ -463,7 +463,7 @@ def async_strategy(**options) -> HGPStrategy:
     """4 clients, 2 tasks of 2 classes, 2 rounds per task; every round 2 clients move on."""
     cfg = tiny_config(**{"num-tasks": 2, "num-clients": 4, "clients-per-round": 4, "rounds-per-task": 2,
                          "switch-every": 1, "switch-fraction": 0.5, "strategy": "hgp"})
-    return HGPStrategy(cfg, 4, {k.replace("_", "-"): v for k, v in options.items()})
+    return HGPStrategy.of(cfg, 4, {k.replace("_", "-"): v for k, v in options.items()})
 
 
 def client_stats(client: int, classes: list[int], dim: int = 6):

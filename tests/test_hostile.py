@@ -52,7 +52,7 @@ def one_round(method: str):
     cfg = method_config(method, defences="on")
     cls = strategy_class(method)
     rt = get_runtime(cfg, cls.prompt_class)
-    strategy = cls(cfg, rt.data.num_classes, cfg.method_options(method))
+    strategy = cls.of(cfg, rt.data.num_classes, cfg.method_options(method))
     strategy.bounds.max_examples = len(rt.data.train)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
     grid = InProcessGrid(cfg, 3)

@@ -21,7 +21,7 @@ from tests.conftest import tiny_config
 
 def start(cfg, task=0):
     rt = get_runtime(cfg)
-    s = FedAvgStrategy(cfg, rt.data.num_classes)
+    s = FedAvgStrategy.of(cfg, rt.data.num_classes)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(task + 1):
         arrays = s.on_task_start(t, arrays)
@@ -34,8 +34,8 @@ def test_only_the_current_task_slice_and_its_head_rows_change():
     before = from_array_record(arrays)
     reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
-    per_task = cfg.pool_size // cfg.num_tasks
-    for layer in cfg.layers:
+    per_task = cfg.model.pool_size // cfg.data.num_tasks
+    for layer in cfg.model.layers:
         for kind in "pka":
             name = f"prompt.{kind}{layer}"
             np.testing.assert_array_equal(after[name][:per_task], before[name][:per_task])  # task 0 frozen
@@ -112,9 +112,9 @@ def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_i
     index = np.flatnonzero(np.isin(rt.data.train.labels, [0, 1, 2, 3, 4]))
     assert sum(len(x) for x in seen) == len(index)  # one query per training image and epoch
     # the first batch's queries were taken on exactly the augmented views the loop trained on
-    order = np.random.default_rng([cfg.seed, 0, 0, 0, 0xBA7C4]).permutation(len(index))
+    order = np.random.default_rng([cfg.run.seed, 0, 0, 0, 0xBA7C4]).permutation(len(index))
     views = augment_images(rt.data.train.images[index[order[:64]]], "crop-flip",
-                           np.random.default_rng([cfg.seed, 0, 0, 0, 0xA06]))
+                           np.random.default_rng([cfg.run.seed, 0, 0, 0, 0xA06]))
     torch.testing.assert_close(seen[0], rt.model.preprocess(torch.from_numpy(views)))
     assert not torch.equal(seen[0], rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[order[:64]]])))
     # seeded: the same fit gives the same result; another round sees other views
@@ -138,8 +138,8 @@ def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
     assert reply["metrics"]["num-examples"] == len(rt.data.train)  # both tasks: all 10 classes
     # the old task's head rows learn too (they compete in the CE), unlike incremental training
     assert not np.array_equal(after["head.weight"][:5], before["head.weight"][:5])
-    per_task = joint.pool_size // joint.num_tasks
-    for layer in joint.layers:  # the same model: earlier prompt slices stay frozen
+    per_task = joint.model.pool_size // joint.data.num_tasks
+    for layer in joint.model.layers:  # the same model: earlier prompt slices stay frozen
         np.testing.assert_array_equal(after[f"prompt.p{layer}"][:per_task], before[f"prompt.p{layer}"][:per_task])
     incremental = tiny_config(num_tasks=2, centralised=True, lr=0.01)
     inc_rt, _ = start(incremental, task=1)
@@ -170,9 +170,9 @@ def rates_of_a_fit(cfg) -> list[list[float]]:
         reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     finally:
         hook.remove()
-    per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.batch_size)
-    assert len(steps) == cfg.local_epochs * per_epoch
-    return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(cfg.local_epochs)]
+    per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.training.batch_size)
+    assert len(steps) == cfg.training.local_epochs * per_epoch
+    return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(cfg.training.local_epochs)]
 
 
 @pytest.mark.parametrize(("epochs", "k"), [(5, 0), (3, 50)])

@@ -123,7 +123,7 @@ def test_task_merge_one_task_keeps_its_delta_and_disjoint_tasks_keep_their_colum
 def strategy_and_model(**overrides):
     cfg = tiny_config(strategy="lorm", **{"prompt-layers": "0,1", **overrides})
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), LoRMAdapters)
-    return LoRMStrategy(cfg, NUM_CLASSES, cfg.method_options("lorm")), model.double().eval()
+    return LoRMStrategy.of(cfg, NUM_CLASSES, cfg.method_options("lorm")), model.double().eval()
 
 
 def test_task_hooks_set_the_filler_then_the_regmean_weights_and_the_model_computes_them():
@@ -251,7 +251,7 @@ def test_alternation_schedule_resets_each_task():
 def test_a_fit_trains_one_factor_uploads_it_alone_and_restores_the_shared_model(round_):
     cfg = tiny_config(strategy="lorm", centralised=True, lr=0.01, **{"prompt-layers": "0,1"})
     rt = get_runtime(cfg, LoRMAdapters)
-    s = LoRMStrategy(cfg, rt.data.num_classes, cfg.method_options("lorm"))
+    s = LoRMStrategy.of(cfg, rt.data.num_classes, cfg.method_options("lorm"))
     arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
     before = from_array_record(arrays)
     with torch.no_grad():  # a non-zero B, so that an A-round has a gradient

@@ -82,7 +82,7 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
         return record
 
     with flower_task_identity():
-        grid = WireGrid(cfg, cfg.clients_per_round)
+        grid = WireGrid(cfg, cfg.federation.clients_per_round)
         try:
             run = server_run.ExperimentRun(grid, cfg)  # type: ignore[arg-type]
             trainable = sum(len(run.arrays[k].data) for k in run.arrays.keys()) / 1e6
@@ -92,7 +92,7 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
             run.run()
         finally:
             grid.close()
-    return {"trainable_mb": trainable, "idle_mb": idle, "rounds": peaks, "clients_per_round": cfg.clients_per_round}
+    return {"trainable_mb": trainable, "idle_mb": idle, "rounds": peaks, "clients_per_round": cfg.federation.clients_per_round}
 
 
 # ---------------------------------------------------------------------------- a node's budget
@@ -136,7 +136,7 @@ def train_message() -> tuple[str, dict[str, bytes], dict[str, Any]]:
     from tests.wire_grid import to_wire
 
     cfg = ExperimentConfig.from_dict({**LARGE_PROMPTS, "num-clients": 1, "clients-per-round": 1})
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     with flower_task_identity():
         arrays = strategy.on_task_start(0, to_array_record(initial_trainable_state(ModelSpec.of(cfg, 10),
                                                                                   strategy.prompt_class)))

@@ -59,7 +59,7 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
                                              "data-dir": str(tmp_path / "run-chose-this")})
     spec = parse_node_config({"dataset": "digits"})
     assert spec.data_dir == "" and not spec.data_from_run
-    assert node_data(run, {"dataset": "digits"}).cfg.data_dir == ""
+    assert node_data(run, {"dataset": "digits"}).cfg.data.data_dir == ""
     with pytest.raises(NodeDataError, match="data-from-run must be true or false|must be true or false"):
         parse_node_config({"dataset": "digits", "data-from-run": "yes"})
 
@@ -70,7 +70,7 @@ def message(cfg, **config) -> Message:
     from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({
-        "arrays": to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.num_classes), CodaPrompt)),
+        "arrays": to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), CodaPrompt)),
         "config": ConfigRecord({"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), **config})}),
         dst_node_id=1, message_type=MessageType.TRAIN)
 
@@ -274,11 +274,11 @@ def test_resume_takes_where_to_run_from_the_command_line_not_the_checkpoint(tmp_
     checkpoint.save(ckpt, tmp_path)
     with caplog.at_level("INFO", logger="promptfcl"):
         cfg = _resume_config(str(tmp_path), [])
-    assert (cfg.ray_address, cfg.device, cfg.client_cpus, cfg.client_gpus) == ("", "auto", "auto", "auto")
-    assert cfg.threads == 7  # kept: a thread count can change what the rest of the run computes
+    assert (cfg.placement.ray_address, cfg.placement.device, cfg.placement.client_cpus, cfg.placement.client_gpus) == ("", "auto", "auto", "auto")
+    assert cfg.placement.threads == 7  # kept: a thread count can change what the rest of the run computes
     assert any("ray-address = ''" in m and "203.0.113.9:6379" in m for m in caplog.messages)
     cfg = _resume_config(str(tmp_path), ["ray-address=auto", "threads=2"])
-    assert cfg.ray_address == "auto" and cfg.threads == 2
+    assert cfg.placement.ray_address == "auto" and cfg.placement.threads == 2
 
 
 def test_resuming_a_run_stopped_at_max_rounds_goes_on(tmp_path):
@@ -291,8 +291,8 @@ def test_resuming_a_run_stopped_at_max_rounds_goes_on(tmp_path):
     ckpt = make_ckpt(1)
     ckpt.config.update({"max-rounds": 1})
     checkpoint.save(ckpt, tmp_path)
-    assert _resume_config(str(tmp_path), []).max_rounds == 0
-    assert _resume_config(str(tmp_path), ["max-rounds=3"]).max_rounds == 3
+    assert _resume_config(str(tmp_path), []).output.max_rounds == 0
+    assert _resume_config(str(tmp_path), ["max-rounds=3"]).output.max_rounds == 3
 
 
 # ----------------------------------------------------------------------------- one weighting path
@@ -340,7 +340,7 @@ def test_every_method_caps_one_nodes_share_of_a_round(tmp_path, flower_identity,
         assert record["clients_aggregated"] == nodes, record["rejected"]
         shares = record["reply_shares"]
         assert len(shares) == nodes and sum(shares) == pytest.approx(1.0)
-        assert max(shares) == pytest.approx(cfg.max_client_weight)  # the greedy node, capped
+        assert max(shares) == pytest.approx(cfg.robustness.max_client_weight)  # the greedy node, capped
         placed = [p["node"] for p in record["placement"]]
         assert shares[placed.index(str(greedy))] == pytest.approx(0.5), (placed, shares)
 
@@ -371,7 +371,7 @@ def test_logs_and_records_name_nodes_as_their_operator_registered_them(tmp_path,
                           dead={1004: "silent"})
     with caplog.at_level("INFO", logger="promptfcl"):
         results = run_experiment(grid, cfg)  # type: ignore[arg-type]
-    write_outputs(results, cfg.out_dir)
+    write_outputs(results, cfg.output.out_dir)
     record = results["rounds"][0]
     fingerprint = hashlib.sha256(b"pk-2").hexdigest()[:12]
     assert sorted(record["reply_nodes"]) == sorted(["node 1001 (clinic)", f"node 1002 (key {fingerprint})",
@@ -472,7 +472,7 @@ def test_the_backbone_comes_from_the_nodes_config_or_cache_unless_it_trusts_the_
     from promptfcl.client.node_policy import NodePolicy
 
     own = NodePolicy.from_node_config({})
-    backbone = tiny_config().backbone
+    backbone = tiny_config().model.backbone
     for weights in ("random", "pretrained:fashion-mnist"):  # the node's cache: nothing the server names is opened
         assert own.backbone_weights(backbone, weights) == weights
     for weights in ("timm", "/etc/shadow", "~/.ssh/id_rsa.pt", "ckpt.pt"):

@@ -70,15 +70,15 @@ def test_the_history_is_per_task_and_bounded_and_a_lone_reply_is_not_compared_wi
 
 def test_the_norm_history_survives_a_resume():
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on")
-    s = FedAvgStrategy(cfg, 10)
+    s = FedAvgStrategy.of(cfg, 10)
     assert s.policies.screen.norm_history.rounds == 3  # on where defended, by default
     for norms in HONEST_ROUNDS:
         _play(s.policies.screen, norms)
-    restored = FedAvgStrategy(cfg, 10)
+    restored = FedAvgStrategy.of(cfg, 10)
     restored.load_platform_state(s.platform_state())
     assert restored.policies.screen.norm_history.kept == s.policies.screen.norm_history.kept
     assert set(_play(restored.policies.screen, HOSTILE_ROUND, clients=[0, 1, 9]).excluded) == {0, 1}
-    assert FedAvgStrategy(tiny_config(defences="off"), 10).policies.screen.norm_history.rounds == 1
+    assert FedAvgStrategy.of(tiny_config(defences="off"), 10).policies.screen.norm_history.rounds == 1
 
 
 def test_bad_settings_are_refused():

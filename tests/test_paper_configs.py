@@ -128,42 +128,42 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     cfg = load_config(str(CONFIGS / name), [], None, None)
     for key, value in EXPECTED.get(name, {}).items():
         assert cfg.to_dict()[key] == value, f"{name}: {key}"
-    assert cfg.weights == "timm" and cfg.backbone == BACKBONES[name]
-    assert cfg.precision == "fp32", f"{name}: every paper trains in fp32"
-    assert not resolve_trust(cfg.defences, cfg.population, cfg.fault).defended, \
+    assert cfg.model.weights == "timm" and cfg.model.backbone == BACKBONES[name]
+    assert cfg.run.precision == "fp32", f"{name}: every paper trains in fp32"
+    assert not resolve_trust(cfg.robustness.defences, cfg.federation.population, cfg.robustness.fault).defended, \
         f"{name}: a paper configuration computes the paper's method, every client honest"
     for key, value in PIPELINE[name].items():
         assert cfg.to_dict()[key] == value, f"{name}: {key}"
-    assert cfg.method_options(cfg.strategy), "method options should be spelled out"
+    assert cfg.method_options(cfg.run.strategy), "method options should be spelled out"
 
     # stand-in: same class count and task split, tiny images, random tiny backbone
-    n_classes = CLASSES[cfg.dataset]
+    n_classes = CLASSES[cfg.data.dataset]
     # the stand-in's tasks hold about 8 images per class: a per-task minimum of 10 for 10 clients cannot fit
     small = cfg.replace(dataset=f"folder:{stand_in(n_classes)}", test_fraction=0.34,
                         weights="random", image_size=16, embed_dim=48, depth=2, num_heads=2, patch_size=4,
-                        min_partition_size=min(cfg.min_partition_size, 6))
+                        min_partition_size=min(cfg.federation.min_partition_size, 6))
     data = load_dataset(small)
     assert data.num_classes == n_classes
     classes = set(TaskLayout.of(cfg, n_classes).classes(0).tolist())
-    if cfg.task_generator == "random":  # Powder: tasks of random classes, each held by one client
+    if cfg.data.task_generator == "random":  # Powder: tasks of random classes, each held by one client
         from promptfcl.common.schedule import task_schedule
 
-        schedule = task_schedule(small)
+        schedule = task_schedule(small.data, small.federation, small.run.seed)
         assert len(schedule.switch_rounds) == 4 and schedule.movers == 2
-        for g in range(cfg.num_tasks):
+        for g in range(cfg.data.num_tasks):
             idx = client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), schedule.owner(g), g, 0)
             assert set(data.train.labels[idx].tolist()) == set(TaskLayout.of(cfg, n_classes).classes(g).tolist())
-            assert len(set(TaskLayout.of(cfg, n_classes).classes(g).tolist())) == cfg.classes_per_task
+            assert len(set(TaskLayout.of(cfg, n_classes).classes(g).tolist())) == cfg.data.classes_per_task
         return
-    assert len(classes) == n_classes // cfg.num_tasks
+    assert len(classes) == n_classes // cfg.data.num_tasks
     shares = [client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), c, 0, 0)
-              for c in range(min(cfg.num_clients, 20))]
+              for c in range(min(cfg.federation.num_clients, 20))]
     for idx in shares:
         assert set(data.train.labels[idx].tolist()) <= classes
-    if cfg.partition == "stateless":
+    if cfg.federation.partition == "stateless":
         for idx in shares:
-            assert len(np.unique(data.train.labels[idx])) == round(cfg.category_ratio * len(classes))
-    elif cfg.partition in ("dirichlet", "iid", "quantity-skew"):
+            assert len(np.unique(data.train.labels[idx])) == round(cfg.federation.category_ratio * len(classes))
+    elif cfg.federation.partition in ("dirichlet", "iid", "quantity-skew"):
         union = np.concatenate(shares)
         assert len(union) == len(np.unique(union))  # disjoint across clients
 
@@ -178,17 +178,17 @@ def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
     words = shlex.split(line.lstrip("# "))
     overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     cfg = load_config(str(CONFIGS / "fedcprompt-cifar100.toml"), overrides, None, None)
-    assert (cfg.partition, cfg.dirichlet_beta, cfg.min_partition_size) == ("quantity-skew", 0.5, 10)
+    assert (cfg.federation.partition, cfg.federation.dirichlet_beta, cfg.federation.min_partition_size) == ("quantity-skew", 0.5, 10)
     # CIFAR-100's training labels: 10 tasks of 10 classes, 500 images per class (5,000 per task)
     labels = np.repeat(np.arange(100), 500)
     classes = TaskLayout.of(cfg, 100).classes(0)
     pool = np.flatnonzero(np.isin(labels, classes))
-    shares = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(cfg.num_clients)]
+    shares = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(cfg.federation.num_clients)]
     sizes = np.array([len(s) for s in shares])
     assert sizes.sum() == len(pool) and sizes.std() / sizes.mean() > 0.4
     # each task is partitioned on its own (Appendix D.1): at least 10 of every task's samples per client
     per_task = [[len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, t, 0))
-                 for c in range(cfg.num_clients)] for t in range(10)]
+                 for c in range(cfg.federation.num_clients)] for t in range(10)]
     assert min(min(sizes) for sizes in per_task) >= 10 and all(sum(sizes) == 5000 for sizes in per_task)
     task_hist = np.bincount(labels[pool], minlength=100)[classes] / len(pool)
     for share in shares:
@@ -210,8 +210,8 @@ def test_fed_mammoth_configs_give_every_client_six_images_of_every_task(name):
         cfg = load_config(str(CONFIGS / name), ["dirichlet-beta=0.05", "seed=1", *overrides], None, None)
         layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
         smallest = []
-        for task in range(cfg.num_tasks):
-            shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.num_clients)]
+        for task in range(cfg.data.num_tasks):
+            shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.federation.num_clients)]
             union = np.concatenate(shares)
             assert len(union) == len(np.unique(union)) == 5000  # the task's images, each held once
             assert set(labels[union].tolist()) == set(layout.classes(task).tolist())
@@ -245,16 +245,16 @@ def test_fedcprompt_label_skew_partitions_each_task_as_the_authors_code():
     cfg = load_config(str(CONFIGS / "fedcprompt-cifar100.toml"), [], None, None)
     labels = np.repeat(np.arange(100), 500)  # CIFAR-100's training labels, remapped: task t = 10t..10t+9
     layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
-    for task in range(cfg.num_tasks):
-        shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.num_clients)]
+    for task in range(cfg.data.num_tasks):
+        shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.federation.num_clients)]
         union = np.concatenate(shares)
         assert len(union) == len(np.unique(union)) == 5000  # disjoint, the whole task
         assert set(labels[union].tolist()) == set(layout.classes(task).tolist())
         assert min(len(s) for s in shares) >= 10
         assert min(len(np.unique(labels[s])) for s in shares) < 10  # label skew: classes missing
-    assert balancing_cap_held_per_task(labels, layout, partition, cfg.num_clients)
+    assert balancing_cap_held_per_task(labels, layout, partition, cfg.federation.num_clients)
     whole = cfg.replace(partition_scope="dataset", partition_class_order="original")
-    assert not balancing_cap_held_per_task(labels, TaskLayout.of(whole, 100), Partition.of(whole), cfg.num_clients)
+    assert not balancing_cap_held_per_task(labels, TaskLayout.of(whole, 100), Partition.of(whole), cfg.federation.num_clients)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -284,9 +284,9 @@ def test_hgp_config_feeds_the_authors_code_range_of_minus_one_to_one():
     from promptfcl.common.preprocess import InputPipeline
 
     cfg = load_config(str(CONFIGS / "hgp-cifar100.toml"), [], None, None)
-    weights = get_pretrained_cfg(cfg.backbone.split(":")[-1])
-    assert cfg.input_norm == "backbone" and tuple(weights.mean) == tuple(weights.std) == (0.5, 0.5, 0.5)
-    pipeline = InputPipeline(224, 3, tuple(weights.mean), tuple(weights.std), cfg.input_norm, "bicubic", 1.0)
+    weights = get_pretrained_cfg(cfg.model.backbone.split(":")[-1])
+    assert cfg.model.input_norm == "backbone" and tuple(weights.mean) == tuple(weights.std) == (0.5, 0.5, 0.5)
+    pipeline = InputPipeline(224, 3, tuple(weights.mean), tuple(weights.std), cfg.model.input_norm, "bicubic", 1.0)
     images = torch.zeros(2, 3, 224, 224, dtype=torch.uint8)
     images[1] = 255
     x = pipeline(images, None, True)
@@ -322,11 +322,11 @@ def test_fppl_fedcodap_row_runs_coda_p_as_published_at_tables_comm():
     cfg = load_config(str(CONFIGS / "fppl-imagenet-r.toml"), overrides, words[words.index("--strategy") + 1], None)
 
     def comm(c) -> int:
-        prompt = CodaPrompt(768, c.layers, c.pool_size, c.prompt_length, c.num_tasks)  # ViT-B/16 width
-        return sum(p.numel() for p in prompt.parameters()) // c.num_tasks + 200 * (768 + 1)
+        prompt = CodaPrompt(768, c.model.layers, c.model.pool_size, c.model.prompt_length, c.data.num_tasks)  # ViT-B/16 width
+        return sum(p.numel() for p in prompt.parameters()) // c.data.num_tasks + 200 * (768 + 1)
 
-    assert (cfg.strategy, cfg.prompt_mode, cfg.prompt_length, cfg.pool_size) == ("fedavg", "prefix", 8, 100)
-    assert cfg.layers == [0, 1, 2, 3, 4] and cfg.lr_schedule == "constant"  # sec. V-A: constant for prompt methods
+    assert (cfg.run.strategy, cfg.model.prompt_mode, cfg.model.prompt_length, cfg.model.pool_size) == ("fedavg", "prefix", 8, 100)
+    assert cfg.model.layers == [0, 1, 2, 3, 4] and cfg.training.lr_schedule == "constant"  # sec. V-A: constant for prompt methods
     assert comm(cfg) == 345_800
     inherited = cfg.replace(prompt_mode="prompt", prompt_length=20)
     assert comm(inherited) == 576_200

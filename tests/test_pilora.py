@@ -165,7 +165,7 @@ def one_batch(rt, task: int, softmax_over: str):
 @pytest.mark.parametrize("softmax_over", ["all", "task"])
 def test_the_loss_is_the_four_terms_and_trains_only_the_current_set_and_prototypes(runtime, softmax_over):
     cfg, rt = runtime
-    strategy = PILoRAStrategy(cfg, NUM_CLASSES)
+    strategy = PILoRAStrategy.of(cfg, NUM_CLASSES)
     arrays = strategy.on_task_start(1, strategy.on_task_start(0, to_array_record(rt.model.trainable_state())))
     state = {k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()}
     rt.model.load_trainable_state(state)
@@ -234,7 +234,7 @@ def test_round_cosine_follows_the_authors_loop_round_by_round(runtime, rounds):
     trains round 0 at the base rate and round r >= 1 at (1 + cos((r - 1) pi / E)) / 2."""
     cfg, rt = runtime
     learner = PILoRALearner(rt, {})
-    learner.cfg = cfg.replace(rounds_per_task=rounds)
+    learner.federation = cfg.replace(rounds_per_task=rounds).federation
     ours = {"head.weight": [], "prompt.lora_q0_a": []}
     for round_ in range(rounds):
         learner.seed = [0, 0, 0, round_]
@@ -260,7 +260,7 @@ class Recording(PILoRALearner):
 
 def test_class_means_are_the_means_of_the_features_of_every_training_batch(runtime):
     cfg, rt = runtime
-    strategy = PILoRAStrategy(cfg, NUM_CLASSES)
+    strategy = PILoRAStrategy.of(cfg, NUM_CLASSES)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
     learner = Recording(rt, {"lora-lr": 1e-2})  # the adapters move: the features of each epoch differ
     learner.seen = []
@@ -283,7 +283,7 @@ def test_class_means_are_the_means_of_the_features_of_every_training_batch(runti
 
 def test_separate_pass_class_means_are_the_trained_models_features(runtime):
     cfg, rt = runtime
-    strategy = PILoRAStrategy(cfg, NUM_CLASSES)
+    strategy = PILoRAStrategy.of(cfg, NUM_CLASSES)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
     reply = PILoRALearner(rt, {"class-means": "separate-pass"}).fit(
         RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})}), 0, 0, 0)
@@ -336,7 +336,7 @@ def test_identical_prototypes_come_back_unchanged_and_degenerate_cases_are_unifo
 def strategy_at(task: int = 0, options: dict | None = None, **overrides):
     cfg = pilora_config(**{"num-clients": 3, "clients-per-round": 3, **PLAIN_MEAN, **overrides})
     model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), PILoRAAdapters)
-    s = PILoRAStrategy(cfg, NUM_CLASSES, options or {})
+    s = PILoRAStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
         arrays = s.on_task_start(t, arrays)
@@ -491,7 +491,7 @@ def test_rank_option_shapes_the_sets_and_the_stateful_count_is_the_current_set_a
     assert model.prompt.lora_q0_a.shape == (3, 2, model.embed_dim)
     # ViT-B/16, r = 4, 10 classes a task: 4 x 4 x 768 (A and B of q and v) + 10 x 768
     cfg = pilora_config(**{"num-tasks": 10})
-    s = PILoRAStrategy(cfg, 100)
+    s = PILoRAStrategy.of(cfg, 100)
     state = {"prompt.lora_q0_a": np.zeros((10, 4, 768)), "prompt.lora_q0_b": np.zeros((10, 768, 4)),
              "prompt.lora_q0_w": np.zeros((10, 768)), "prompt.lora_v0_a": np.zeros((10, 4, 768)),
              "prompt.lora_v0_b": np.zeros((10, 768, 4)), "prompt.lora_v0_w": np.zeros((10, 768)),

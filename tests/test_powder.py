@@ -135,11 +135,11 @@ def strategy_with_pool(num_tasks=4, known=4, **options):
     """A strategy with ``known`` task slices initialised and task alphas giving a known G_task."""
     cfg = tiny_config(num_tasks=num_tasks, num_clients=4, clients_per_round=4, pool_size=2 * num_tasks, **PLAIN_MEAN)
     num_classes = 2 * num_tasks
-    s = PowderStrategy(cfg, num_classes, options)
+    s = PowderStrategy.of(cfg, num_classes, options)
     rng = np.random.default_rng(0)
-    state = {"prompt.p0": rng.normal(size=(cfg.pool_size, 4, 6)).astype(np.float32),
-             "prompt.k0": rng.normal(size=(cfg.pool_size, 6)).astype(np.float32),
-             "prompt.a0": rng.normal(size=(cfg.pool_size, 6)).astype(np.float32),
+    state = {"prompt.p0": rng.normal(size=(cfg.model.pool_size, 4, 6)).astype(np.float32),
+             "prompt.k0": rng.normal(size=(cfg.model.pool_size, 6)).astype(np.float32),
+             "prompt.a0": rng.normal(size=(cfg.model.pool_size, 6)).astype(np.float32),
              "head.weight": rng.normal(size=(num_classes, 6)).astype(np.float32),
              "head.bias": rng.normal(size=(num_classes,)).astype(np.float32)}
     s.known_tasks = known
@@ -162,7 +162,7 @@ def test_payload_holds_only_the_top_k_tasks_aggregated_and_is_smaller(flower_ide
     msgs = list(s.configure_train(7, arrays, ConfigRecord({"task": 0, "round": 2}), NodeList(4)))
     g = s.task_correlation()
     assert select_tasks(g[0], 0, 4, 2) == [0, 2] and g[0, 2] > g[0, 1] > g[0, 3] == 0
-    hat = first_step_aggregation(state, g, 4, cfg.pool_size, cfg.num_tasks)
+    hat = first_step_aggregation(state, g, 4, cfg.model.pool_size, cfg.data.num_tasks)
     full_bytes = payload_bytes(RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"task": 0})}))
     for m in msgs:
         config, sent = m.content[CONFIG], from_array_record(m.content[ARRAYS])
@@ -230,7 +230,7 @@ def test_measuring_exchange_updates_g_before_the_round_trains_with_top_k(flower_
     for m in ex:
         m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
     assert len(ex) == 4 and all(m.metadata.message_type == "query" for m in ex)
-    hat = first_step_aggregation(state, s.mixing_matrix(), 4, cfg.pool_size, cfg.num_tasks)
+    hat = first_step_aggregation(state, s.mixing_matrix(), 4, cfg.model.pool_size, cfg.data.num_tasks)
     for m, x in zip(ex, s._exchange_round.sent):
         assert m.content[CONFIG][MEASURE] is True and list(m.content[CONFIG][LOCAL_TASKS]) == [0, 1, 2, 3]
         sent = from_array_record(m.content[ARRAYS])
@@ -435,7 +435,7 @@ def test_state_dict_round_trip():
     s.class_alpha[3] = 0.5
     s.class_measured[3] = True
     s.new_tasks_pending = True
-    again = PowderStrategy(cfg, s.num_classes)
+    again = PowderStrategy.of(cfg, s.num_classes)
     again.load_state_dict(s.state_dict())
     assert again.known_tasks == 4 and again.new_tasks_pending
     np.testing.assert_array_equal(again.task_alpha, s.task_alpha)
@@ -488,7 +488,7 @@ def client_setup(**options):
     """Runtime with Powder's prompt; a strategy with 2 known tasks; a message for task 1."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt = get_runtime(cfg, PowderPrompt)
-    s = PowderStrategy(cfg, rt.data.num_classes, options)
+    s = PowderStrategy.of(cfg, rt.data.num_classes, options)
     arrays = to_array_record(rt.model.trainable_state())
     for t in range(2):
         arrays = s.on_task_start(t, arrays)
@@ -508,12 +508,12 @@ def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity)
     assert set(reply.keys()) == {ARRAYS, METRICS, ALPHA}
     assert learner.last_distillation is not None and learner.last_distillation > 0
     out, sent = from_array_record(reply[ARRAYS]), from_array_record(msg.content[ARRAYS])
-    assert out["prompt.p0"].shape[0] == cfg.pool_size // cfg.num_tasks  # its own slice only
+    assert out["prompt.p0"].shape[0] == cfg.model.pool_size // cfg.data.num_tasks  # its own slice only
     assert not np.allclose(out["prompt.p0"], sent["prompt.p0"][2:4])  # trained
     assert out["head.weight"].shape[0] == rt.data.num_classes // 2
     alpha = {k: v.numpy() for k, v in reply[ALPHA].items()}
     assert alpha["tasks"].tolist() == [1, 0]  # current and just-finished task
-    assert alpha["task-alpha"].shape == (2, len(cfg.layers) * cfg.pool_size)
+    assert alpha["task-alpha"].shape == (2, len(cfg.model.layers) * cfg.model.pool_size)
     assert sorted(alpha["classes"].tolist()) == list(range(rt.data.num_classes))
     assert s.check_reply(reply_from(100, reply)) is None
     arrays2, metrics = s.aggregate_train(1, [reply_from(100, reply)])

@@ -73,7 +73,7 @@ def test_normalisation_interpolation_and_evaluation_crop():
                                         ("eval_crop", 0.0), ("augment", "autoaugment"), ("augment_crop_scale", 1.5)])
 def test_bad_pipeline_settings_are_refused(key, value):
     with pytest.raises(ConfigError, match=key.replace("_", "-")):
-        ExperimentConfig(**{key: value}).validate()
+        ExperimentConfig().replace(**{key: value})
 
 
 def test_resized_crop_views_are_seeded_per_fit():
@@ -81,10 +81,10 @@ def test_resized_crop_views_are_seeded_per_fit():
     from promptfcl.strategies.platform.learner import LocalLearner
 
     class Stub:
-        cfg = ExperimentConfig(augment="resized-crop-flip", augment_crop_scale=0.05)
+        cfg = ExperimentConfig().replace(augment="resized-crop-flip", augment_crop_scale=0.05)
 
     learner = LocalLearner.__new__(LocalLearner)
-    learner.cfg, learner.seed = Stub.cfg, [0, 3, 1, 2]
+    learner.training, learner.seed = Stub.cfg.training, [0, 3, 1, 2]
     a, b = learner.augmentation(), learner.augmentation()
     np.testing.assert_array_equal(random_resized_crops(8, 32, 32, a, (0.05, 1)), random_resized_crops(8, 32, 32, b, (0.05, 1)))
-    assert math.isclose(Stub.cfg.augment_crop_scale, 0.05)
+    assert math.isclose(Stub.cfg.training.augment_crop_scale, 0.05)

@@ -157,9 +157,9 @@ def _backbones_in_use() -> list[str]:
 
     from promptfcl.common.config import ExperimentConfig
 
-    names = {ExperimentConfig().backbone}
+    names = {ExperimentConfig().model.backbone}
     for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
-        names.add(tomllib.loads(path.read_text()).get("backbone", ExperimentConfig().backbone))
+        names.add(tomllib.loads(path.read_text()).get("backbone", ExperimentConfig().model.backbone))
     return sorted(names)
 
 
@@ -171,11 +171,11 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
     from promptfcl.common.model import build_backbone
     from promptfcl.common.vit import block_forward as _block_forward
 
-    small = backbone == ExperimentConfig().backbone
+    small = backbone == ExperimentConfig().model.backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
                                                              "depth": 0, "num-heads": 0}))
     model, _ = build_backbone(BackboneSpec.of(cfg))
-    x = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, cfg.model.image_size, cfg.model.image_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
         for block in model.blocks:
@@ -197,8 +197,8 @@ def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
     old = backbone.blocks[1]
     backbone.blocks[1] = OtherBlock(old.attn.qkv.in_features, old.attn.num_heads)
     with pytest.raises(ConfigError, match="block 1 of this backbone"):
-        PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0, 1], 4, 4, 2), 10)
-    PromptedViT(backbone, CodaPrompt(cfg.embed_dim, [0], 4, 4, 2), 10)  # block 1 unprompted: fine
+        PromptedViT(backbone, CodaPrompt(cfg.model.embed_dim, [0, 1], 4, 4, 2), 10)
+    PromptedViT(backbone, CodaPrompt(cfg.model.embed_dim, [0], 4, 4, 2), 10)  # block 1 unprompted: fine
 
 
 @pytest.mark.parametrize("tokens", ["truncate", "accumulate"])

@@ -60,8 +60,8 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     cfg = random_config()
     data = load_dataset(cfg)
     labels, tasks = data.train.labels, TaskLayout.of(cfg, 10).random_tasks()
-    schedule = task_schedule(cfg)
-    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.num_tasks)]
+    schedule = task_schedule(cfg.data, cfg.federation, cfg.run.seed)
+    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
     for g, share in enumerate(shares):
         assert set(np.unique(labels[share]).tolist()) == set(tasks[g].tolist())
         for y in tasks[g]:  # a quarter of the class's images, rounded down
@@ -82,7 +82,7 @@ def test_too_many_shares_of_a_class_is_a_clear_error_unless_shares_are_independe
     cfg = random_config(task_data_fraction=0.6, min_overlap=1.0, task_data_sharing="independent")
     labels = load_dataset(cfg).train.labels
     tasks = TaskLayout.of(cfg, 10).random_tasks()
-    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.num_tasks)]
+    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
     for g, share in enumerate(shares):
         for y in tasks[g]:
             assert np.sum(labels[share] == y) == int(0.6 * np.sum(labels == y))
@@ -249,7 +249,7 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     assert start["head.weight"].shape[0] == (12 if head == "per-task" else 10)
     g = 3
     out = from_array_record(LocalLearner(rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
-                                                 0, task_schedule(cfg).owner(g))[ARRAYS])
+                                                 0, task_schedule(cfg.data, cfg.federation, cfg.run.seed).owner(g))[ARRAYS])
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
     assert moved.tolist() == sorted(TaskLayout.of(cfg, 10).head_rows(g).tolist())
     # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
@@ -277,13 +277,13 @@ def test_single_task_reference_is_cached_and_reused(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = random_config()
-    first = single_task_accuracies(cfg, task_schedule(cfg))
+    first = single_task_accuracies(cfg, task_schedule(cfg.data, cfg.federation, cfg.run.seed))
     assert first.shape == (4,) and np.all((first >= 0) & (first <= 100))
     files = list((tmp_path / "single-task").glob("*.json"))
     assert len(files) == 1
     files[0].write_text("[1, 2, 3, 4]")  # what is read back is the file, not a recomputation
-    assert single_task_accuracies(cfg.replace(strategy="powder"), task_schedule(cfg)).tolist() == [1, 2, 3, 4]
-    assert single_task_accuracies(cfg.replace(lr=0.5), task_schedule(cfg)).tolist() != [1, 2, 3, 4]
+    assert single_task_accuracies(cfg.replace(strategy="powder"), task_schedule(cfg.data, cfg.federation, cfg.run.seed)).tolist() == [1, 2, 3, 4]
+    assert single_task_accuracies(cfg.replace(lr=0.5), task_schedule(cfg.data, cfg.federation, cfg.run.seed)).tolist() != [1, 2, 3, 4]
 
 
 def test_powders_single_task_reference_trains_its_local_pools_components(tmp_path, monkeypatch):
@@ -294,16 +294,16 @@ def test_powders_single_task_reference_trains_its_local_pools_components(tmp_pat
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = random_config(strategy="powder", **{"powder.k": 3})
-    per_task = cfg.pool_size // cfg.num_tasks
-    powder = PowderStrategy(cfg, 10, cfg.method_options("powder"))
+    per_task = cfg.model.pool_size // cfg.data.num_tasks
+    powder = PowderStrategy.of(cfg, 10, cfg.method_options("powder"))
     assert powder.reference_components() == 3 * per_task
     cfg_slice = random_config(strategy="powder", **{"powder.reference": "task-slice"})
-    assert PowderStrategy(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
+    assert PowderStrategy.of(cfg_slice, 10, cfg_slice.method_options("powder")).reference_components() == per_task
     built = []
     real = transfer.get_runtime
-    monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.pool_size) or real(c, p))
-    larger = transfer.single_task_accuracies(cfg, task_schedule(cfg), powder.reference_components())
-    assert built == [3 * cfg.pool_size] and larger.shape == (cfg.num_tasks,)
+    monkeypatch.setattr(transfer, "get_runtime", lambda c, p: built.append(c.model.pool_size) or real(c, p))
+    larger = transfer.single_task_accuracies(cfg, task_schedule(cfg.data, cfg.federation, cfg.run.seed), powder.reference_components())
+    assert built == [3 * cfg.model.pool_size] and larger.shape == (cfg.data.num_tasks,)
     assert len(list((tmp_path / "single-task").glob("*.json"))) == 1  # cached apart from the one-slice reference
 
 
@@ -319,16 +319,16 @@ def test_single_task_reference_uses_the_methods_prompt_token_handling(tmp_path, 
         pass
 
     def capture(c, p):
-        built.append(c.prompt_tokens)
+        built.append(c.model.prompt_tokens)
         raise Built
 
     monkeypatch.setattr(transfer, "get_runtime", capture)
     cfg = random_config(prompt_mode="prompt")
     for tokens in ("accumulate", None):
         with pytest.raises(Built):
-            transfer.single_task_accuracies(cfg, task_schedule(cfg), None, tokens)
+            transfer.single_task_accuracies(cfg, task_schedule(cfg.data, cfg.federation, cfg.run.seed), None, tokens)
     with pytest.raises(Built):
-        transfer.single_task_accuracies(cfg.replace(prompt_tokens="truncate"), task_schedule(cfg), None, "accumulate")
+        transfer.single_task_accuracies(cfg.replace(prompt_tokens="truncate"), task_schedule(cfg.data, cfg.federation, cfg.run.seed), None, "accumulate")
     assert built == ["accumulate", "auto", "truncate"]
 
 
@@ -348,7 +348,7 @@ def test_end_to_end_on_random_tasks(tmp_path, strategy, head, monkeypatch):
     head_rows = 4 * 3 if head == "per-task" else 10  # a block per task, or a row per class
     assert results["communication"]["trainable_parameters"] == prompt_params + head_rows * (48 + 1)
     cfg = random_config()
-    schedule = task_schedule(cfg)
+    schedule = task_schedule(cfg.data, cfg.federation, cfg.run.seed)
     rounds = results["rounds"]
     assert len(rounds) == 4
     for r, record in enumerate(rounds):
@@ -376,7 +376,7 @@ def test_powder_scores_each_random_task_with_its_top_k_local_pool():
     from promptfcl.strategies.powder.strategy import PowderStrategy, first_step_aggregation
 
     cfg = random_config(strategy="powder")
-    s = PowderStrategy(cfg, 10, {"k": 2})
+    s = PowderStrategy.of(cfg, 10, {"k": 2})
     rng = np.random.default_rng(0)
     state = {"prompt.p0": rng.normal(size=(8, 4, 6)).astype(np.float32),
              "prompt.k0": rng.normal(size=(8, 6)).astype(np.float32),
@@ -389,8 +389,8 @@ def test_powder_scores_each_random_task_with_its_top_k_local_pool():
     expected = first_step_aggregation(state, s.mixing_matrix(), 4, 8, 4)
     for name, value in from_array_record(arrays).items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-6)
-    assert PowderStrategy(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
-    stream = PowderStrategy(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
+    assert PowderStrategy.of(cfg, 10, {"evaluation": "global"}).evaluation_pools(to_array_record(state), 3) is None
+    stream = PowderStrategy.of(tiny_config(strategy="powder", num_tasks=4, pool_size=8), 8, {})
     assert stream.evaluation_pools(to_array_record(state), 3) is None
 
 

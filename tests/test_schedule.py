@@ -77,7 +77,7 @@ def test_every_method_takes_asynchronous_arrival_on_the_stream():
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
     for name in ("fedavg", "fedcprompt", "powder", "hepco", "fppl", "hgp", "c2prompt"):
-        assert not strategy_class(name)(cfg, 10).schedule.synchronous
+        assert not strategy_class(name).of(cfg, 10).schedule.synchronous
 
 
 @pytest.mark.parametrize("name", ["hepco", "fppl", "hgp", "lorm"])
@@ -97,7 +97,7 @@ def test_each_client_is_sent_its_own_task(flower_identity):
     from tests.helpers import NodeList
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, rounds_per_task=2, switch_every=1, switch_fraction=0.5)
-    strategy = strategy_class("fedavg")(cfg, 10)
+    strategy = strategy_class("fedavg").of(cfg, 10)
     from promptfcl.common.records import to_array_record
 
     arrays = to_array_record({"w": np.zeros(2, np.float32)})

@@ -30,17 +30,17 @@ def test_weighted_average_uses_sample_counts():
 
 
 def test_sampling_is_seeded_and_independent_of_node_ids():
-    s = FedAvgStrategy(tiny_config(num_clients=50, clients_per_round=5), 10)
+    s = FedAvgStrategy.of(tiny_config(num_clients=50, clients_per_round=5), 10)
     a, b = s.sample_clients(1, 2), s.sample_clients(1, 2)
     assert a == b and len(set(a)) == 5 and all(0 <= c < 50 for c in a)
     assert s.sample_clients(1, 3) != a
-    other_seed = FedAvgStrategy(tiny_config(num_clients=50, clients_per_round=5, seed=9), 10)
+    other_seed = FedAvgStrategy.of(tiny_config(num_clients=50, clients_per_round=5, seed=9), 10)
     assert other_seed.sample_clients(1, 2) != a
 
 
 def test_configure_train_assigns_clients_to_nodes(flower_identity):
     cfg = tiny_config(num_clients=50, clients_per_round=3)
-    s = FedAvgStrategy(cfg, 10)
+    s = FedAvgStrategy.of(cfg, 10)
     arrays = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
     msgs = list(s.configure_train(7, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(4)))
     assert [m.metadata.dst_node_id for m in msgs] == [100, 101, 102]
@@ -53,7 +53,7 @@ def test_configure_train_assigns_clients_to_nodes(flower_identity):
 
 
 def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
-    s = FedAvgStrategy(tiny_config(num_clients=7, clients_per_round=7, **PLAIN_MEAN), 10)
+    s = FedAvgStrategy.of(tiny_config(num_clients=7, clients_per_round=7, **PLAIN_MEAN), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(7)))
     nan = content(1.0, 5)
     nan[ARRAYS] = to_array_record({"head.weight": np.full((3, 2), np.nan, np.float32)})
@@ -78,7 +78,7 @@ def test_bad_replies_are_excluded_and_the_rest_averaged(flower_identity):
 
 
 def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
-    s = FedAvgStrategy(tiny_config(), 10)
+    s = FedAvgStrategy.of(tiny_config(), 10)
     assert s.aggregate_train(1, [reply_from(1, error="x")]) == (None, None)
 
 
@@ -87,7 +87,7 @@ def test_task_start_initialises_only_the_new_slice_orthogonally():
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
     model, _ = build_model(ModelSpec.of(cfg, 10))
-    s = FedAvgStrategy(cfg, 10)
+    s = FedAvgStrategy.of(cfg, 10)
     a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
     a1 = s.on_task_start(1, a0)
     p0, p1 = from_array_record(a0)["prompt.k0"], from_array_record(a1)["prompt.k0"]
@@ -107,9 +107,9 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **PLAIN_MEAN, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     strategy.per_task = "in-flight" if per_task else "never"
-    pool = np.zeros((cfg.pool_size, 3), np.float32)
+    pool = np.zeros((cfg.model.pool_size, 3), np.float32)
     head = np.zeros((10, 3), np.float32)
     sent = to_array_record({"prompt.p0": pool, "head.weight": head})
     for server_round in range(1, 5):  # the first round with clients on both tasks
@@ -161,7 +161,7 @@ def test_a_reply_beyond_the_strike_norm_is_excluded_not_clipped(flower_identity)
 def _one_reversed_and_scaled_round(**keys):
     """Four honest clients move every weight by +1; one sends its update reversed and ten times
     longer (exactly at the norm filter's threshold, so the filter lets it through)."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-1.0,
+    s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-1.0,
                                    update_reversed_norm=0.0, **keys), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(-10.0, 10)]
@@ -174,7 +174,7 @@ def test_the_clip_reads_each_replys_sample_count(by_count, flower_identity):
     holding most of a class) moves them by +3.5, in the same direction. With update-clip-by-count
     its bound is 3 x sqrt(40 / 10) = 6 x the lower median and it is kept whole; with one bound for
     all it is clipped to 3 x, and the mean moves less than the clients' data say."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=3.0,
+    s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_clip=3.0,
                                    update_clip_by_count=by_count), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [content(1.0, 10) for _ in range(4)] + [content(3.5, 40)]
@@ -203,7 +203,7 @@ def test_update_min_cosine_excludes_a_sign_flipped_update_of_honest_length(min_c
     cannot see it; the direction check (cosine with the round's median update below 0) excludes
     it and only it, and what is averaged is then exactly the honest clients' mean (update-strikes
     0: a flag excludes at once, with no history; the strikes have their own tests)."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=min_cosine,
+    s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=min_cosine,
                                    update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [_non_iid_update(c) for c in range(4)] + [_non_iid_update(4, sign=-1.0)]
@@ -233,7 +233,7 @@ def test_update_clip_reads_its_bound_before_the_direction_check(flower_identity)
         return RecordDict({ARRAYS: to_array_record({"head.weight": w}),
                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0, "train-seconds": 0.1})})
 
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
+    s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0,
                                    update_clip=1.0, update_reversed_norm=0.0, update_strikes=0), 10)
     msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     contents = [reply(v) for v in honest + [hostile, hostile]]
@@ -273,7 +273,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
 
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0, update_strikes=0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
-    strategy = FedAvgStrategy(cfg, 10)
+    strategy = FedAvgStrategy.of(cfg, 10)
     head = np.zeros((10, 3), np.float32)
     sent = to_array_record({"head.weight": head})
     for server_round in range(1, 5):
@@ -304,9 +304,9 @@ def test_direction_check_is_not_applied_under_client_side_dp_noise():
     """With dp.noise-multiplier > 0 every honest update carries Gaussian noise much longer than its
     signal, so its cosine with the median is near 0 either way: the check would exclude honest
     clients at random, and it is not applied (clipping alone, without noise, keeps it)."""
-    noisy = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0,
+    noisy = FedAvgStrategy.of(tiny_config(defences="on", update_min_cosine=0.0,
                                        **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
-    clipped = FedAvgStrategy(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
+    clipped = FedAvgStrategy.of(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
     assert (noisy.policies.screen.direction.active, clipped.policies.screen.direction.active) == (False, True)
 
 
@@ -318,7 +318,7 @@ def test_a_long_reversed_update_is_excluded_a_short_skewed_one_kept(flower_ident
     honest = [base + np.array([0, 0, 0.2 * i, 0]) for i in range(3)]
     skewed = np.array([-0.3, -0.3, 0.0, 1.2])  # cosine about -0.4 with the median, honest length
     for extra, excluded in ((skewed, False), (skewed * 5 / np.linalg.norm(skewed) * np.linalg.norm(base), True)):
-        s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences="on"), 10)
+        s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences="on"), 10)
         msgs = list(s.configure_train(1, content(0.0, 1)[ARRAYS], ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
         replies = []
         for v, m in zip(honest + [base, extra], msgs):

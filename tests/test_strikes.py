@@ -174,7 +174,7 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
     struck out (one warning naming it); a strategy restored from the checkpoint's platform state
     excludes it from its first round on."""
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-0.6)
-    s = FedAvgStrategy(cfg, 10)
+    s = FedAvgStrategy.of(cfg, 10)
     assert s.policies.screen.strikes.limit == 2
     with caplog.at_level("WARNING", logger="promptfcl"):
         for server_round in (1, 2):
@@ -185,7 +185,7 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
         "(update-strikes = 2); its replies are excluded from now on"]
     state = s.platform_state()
     assert state["strikes"] == {"3": 2}
-    restored = FedAvgStrategy(cfg, 10)
+    restored = FedAvgStrategy.of(cfg, 10)
     restored.load_platform_state(state)
     outcome = restored.aggregate_round(3, _replies(restored, 3, reversed_client=-1))  # it plays honest now
     arrays = outcome.arrays

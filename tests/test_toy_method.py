@@ -224,7 +224,7 @@ def test_a_new_methods_statistics_are_bounded_by_the_platform(toy_method, flower
     seen = {}
     for defences in ("on", "off"):
         cfg = tiny_config(num_clients=4, clients_per_round=4, defences=defences, strategy="toy")
-        strategy = strategy_class("toy")(cfg, 10)
+        strategy = strategy_class("toy").of(cfg, 10)
         head = to_array_record({"head.weight": np.zeros((10, 48), np.float32)})
         msgs = list(strategy.configure_train(1, head, ConfigRecord({"task": 0, "round": 0}), NodeList(4)))
         replies = [Message(RecordDict({ARRAYS: head, "toy-stats": to_array_record(

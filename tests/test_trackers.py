@@ -26,7 +26,7 @@ def expected_rounds(results: dict, key: str) -> list[tuple[int, float]]:
 
 
 def test_tracker_values_are_checked_and_a_missing_package_names_its_extra(tmp_path, monkeypatch):
-    assert tiny_config(tracker="mlflow").tracker == "mlflow" and tiny_config(tracker="wandb").tracker == "wandb"
+    assert tiny_config(tracker="mlflow").output.tracker == "mlflow" and tiny_config(tracker="wandb").output.tracker == "wandb"
     with pytest.raises(ConfigError, match="tracker must be one of"):
         tiny_config(tracker="neptune")
     for name in ("mlflow", "mlflow.exceptions", "mlflow.tracking", "wandb"):

@@ -35,7 +35,7 @@ def test_a_bad_defences_value_stops_the_run_before_anything_loads():
 
 def _round(defences: str, **extra) -> FedAvgStrategy:
     """Four honest replies moving every weight by +1 and one reversed x10: aggregated once."""
-    s = FedAvgStrategy(tiny_config(num_clients=5, clients_per_round=5, defences=defences, **extra), 10)
+    s = FedAvgStrategy.of(tiny_config(num_clients=5, clients_per_round=5, defences=defences, **extra), 10)
     sent = to_array_record({"head.weight": np.zeros((3, 2), np.float32)})
     msgs = list(s.configure_train(1, sent, ConfigRecord({"task": 0, "round": 0}), NodeList(5)))
     replies = [Message(RecordDict({ARRAYS: to_array_record({"head.weight": np.full((3, 2), v, np.float32)}),

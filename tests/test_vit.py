@@ -64,7 +64,7 @@ def test_our_vit_computes_exactly_what_timms_does(mode):
     models = []
     for backbone in (theirs, ours):
         torch.manual_seed(0)
-        prompt = CodaPrompt(cfg.embed_dim, cfg.layers, 4, 4, 2)
+        prompt = CodaPrompt(cfg.model.embed_dim, cfg.model.layers, 4, 4, 2)
         prompt.init_task_slice(0, torch.Generator().manual_seed(2))
         models.append(PromptedViT(backbone, prompt, 10, mode).eval())
     models[1].load_trainable_state(models[0].trainable_state())

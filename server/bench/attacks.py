@@ -53,7 +53,7 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
     nobody attacks; ``clean`` False: attacks only, against clean runs measured elsewhere); writes
     ``robustness.{json,md}``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    population = int(ExperimentConfig.from_dict(base).num_clients)
+    population = int(ExperimentConfig.from_dict(base).federation.num_clients)
     hostile = max(1, round(share * population))
     fault_clients = ",".join(str(c) for c in range(hostile))
     rows: list[dict[str, Any]] = []

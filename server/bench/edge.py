@@ -91,7 +91,7 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     policy = NodePolicy.from_node_config({"memory-budget-mb": budget_mb, "backbone-precision": precision})
     learner = LocalLearner(runtime)
     plan = apply_plan(runtime, policy, learner)
-    strategy = FedAvgStrategy(cfg, runtime.data.num_classes)
+    strategy = FedAvgStrategy.of(cfg, runtime.data.num_classes)
     arrays = strategy.on_task_start(0, to_array_record(runtime.model.trainable_state()))
     started, cpu = time.perf_counter(), time.process_time()
     reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
@@ -199,9 +199,9 @@ def final_accuracy(run_dir: Path, precision: str) -> float | None:
     if ckpt is None:
         return None
     cfg = ExperimentConfig.from_dict(ckpt.config)
-    runtime = get_runtime(cfg, prompt_class(cfg.strategy), precision=precision)
+    runtime = get_runtime(cfg, prompt_class(cfg.run.strategy), precision=precision)
     runtime.model.load_trainable_state({k: torch.from_numpy(np.array(v)) for k, v in ckpt.arrays.items()})
-    return float(np.mean(accuracies(*correct_counts(runtime, cfg.num_tasks - 1))))
+    return float(np.mean(accuracies(*correct_counts(runtime, cfg.data.num_tasks - 1))))
 
 
 def merge_report(out_dir: Path, part: dict[str, Any]) -> dict[str, Any]:

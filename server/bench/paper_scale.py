@@ -84,32 +84,32 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
     report: dict[str, Any] = {"machine": _machine(), "methods": {}}
     for path in configs:
         cfg = load_config(str(path), [], None, None)
-        if cfg.dataset not in PAPER_DATASETS:
-            raise ValueError(f"{path.name}: no stand-in known for dataset {cfg.dataset!r}")
-        classes, train_per_class, test_per_class = PAPER_DATASETS[cfg.dataset]
+        if cfg.data.dataset not in PAPER_DATASETS:
+            raise ValueError(f"{path.name}: no stand-in known for dataset {cfg.data.dataset!r}")
+        classes, train_per_class, test_per_class = PAPER_DATASETS[cfg.data.dataset]
         stand_in = write_stand_in(out_dir / "stand-in" / f"classes-{classes}", classes, per_class=6)
         run_dir = out_dir / "runs" / path.stem
         if run_dir.exists():  # a stopped run keeps its checkpoint; start afresh
             shutil.rmtree(run_dir)
-        log.info("paper dimensions: %s (%s, %d classes) ...", path.name, cfg.strategy, classes)
+        log.info("paper dimensions: %s (%s, %d classes) ...", path.name, cfg.run.strategy, classes)
         settings = paper_dims_settings(cfg.to_dict(), stand_in)
-        results = run_simulation_subprocess(settings, run_dir, strategy=cfg.strategy, watch_memory=True)
+        results = run_simulation_subprocess(settings, run_dir, strategy=cfg.run.strategy, watch_memory=True)
         r = results["rounds"][0]
         replies = max(r["clients_aggregated"], 1)
         s2c, c2s = r["bytes_s2c"] / max(r["clients_sampled"], 1), r["bytes_c2s"] / replies
         per_image = r["client_seconds"] * replies / max(r["examples"], 1)  # one local epoch per image
         # one full-size round on this hardware: each client's share of a task, local-epochs passes,
         # clients in waves of the parallel actors, plus this round's server time
-        if cfg.task_generator == "random":
-            images = cfg.classes_per_task * train_per_class * cfg.task_data_fraction
+        if cfg.data.task_generator == "random":
+            images = cfg.data.classes_per_task * train_per_class * cfg.data.task_data_fraction
         else:
-            images = classes / cfg.num_tasks * train_per_class / cfg.num_clients
-        sampled = cfg.sampled_per_round
+            images = classes / cfg.data.num_tasks * train_per_class / cfg.federation.num_clients
+        sampled = cfg.federation.sampled_per_round
         waves = math.ceil(sampled / max(1, min(cpus, sampled)))
-        round_seconds = waves * images * cfg.local_epochs * per_image + r["server_seconds"]
-        report["methods"][cfg.strategy] = {
+        round_seconds = waves * images * cfg.training.local_epochs * per_image + r["server_seconds"]
+        report["methods"][cfg.run.strategy] = {
             "config": path.name,
-            "dataset": cfg.dataset,
+            "dataset": cfg.data.dataset,
             "classes": classes,
             "trainable_parameters": results["communication"]["trainable_parameters"],
             "bytes_s2c_per_client": s2c,
@@ -121,12 +121,13 @@ def paper_dims(out_dir: Path, configs: Sequence[Path], cpus: int | None = None) 
             "client_seconds_per_image": per_image,
             "server_seconds": r["server_seconds"],
             "eval_seconds": r["eval_seconds"],
-            "paper_communication": PAPER_COMMUNICATION.get(cfg.strategy, ""),
+            "paper_communication": PAPER_COMMUNICATION.get(cfg.run.strategy, ""),
             # what one exchange would carry if clients kept what they hold (FPPL's count), else None
             "stateful_parameters_per_exchange": results["communication"].get("stateful_parameters_per_exchange"),
             "extrapolated_round_seconds": round_seconds,
             "extrapolated_images_per_client": images,
-            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg).total_rounds,
+            "run_bytes_total_extrapolated": (s2c + c2s) * sampled * task_schedule(cfg.data, cfg.federation,
+                                                                                  cfg.run.seed).total_rounds,
             "device": r["placement"][0]["device"] if r.get("placement") else None,
         }
         (out_dir / "paper_dims.json").write_text(json.dumps(report, indent=2))

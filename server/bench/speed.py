@@ -38,11 +38,11 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         run_cfg = cfg.replace(query_cache=cached)
         _runtime.cache_clear()
         rt = get_runtime(run_cfg)
-        arrays = FedAvgStrategy(run_cfg, rt.data.num_classes).on_task_start(
+        arrays = FedAvgStrategy.of(run_cfg, rt.data.num_classes).on_task_start(
             0, to_array_record(rt.model.trainable_state())
         )
         index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 0, 0)
-        n_images = len(index) * run_cfg.local_epochs
+        n_images = len(index) * run_cfg.training.local_epochs
         learner = LocalLearner(rt)
         timings = []
         for r in range(repeats + 1):  # the first call fills the query cache (cold)
@@ -63,17 +63,18 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         q_all = model.query(x_all).float()
     y_all = torch.as_tensor(rt.data.train.labels[index]).to(rt.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=cfg.lr)
+    opt = torch.optim.Adam(params, lr=cfg.training.lr)
     model.train()
     timings = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        for _epoch in range(cfg.local_epochs):
-            for s in range(0, len(index), cfg.batch_size):
+        for _epoch in range(cfg.training.local_epochs):
+            for s in range(0, len(index), cfg.training.batch_size):
                 with rt.autocast():
-                    feats = model.features(x_all[s : s + cfg.batch_size], q_all[s : s + cfg.batch_size])
+                    feats = model.features(x_all[s : s + cfg.training.batch_size],
+                                           q_all[s : s + cfg.training.batch_size])
                     logits = masked_logits(model.logits(feats), allowed)
-                    loss = F.cross_entropy(logits, y_all[s : s + cfg.batch_size])
+                    loss = F.cross_entropy(logits, y_all[s : s + cfg.training.batch_size])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -84,8 +85,8 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
     t = time.perf_counter()
     with torch.no_grad(), rt.autocast():
         for _ in range(repeats):
-            for s in range(0, len(index), cfg.batch_size):
-                model.query(x_all[s : s + cfg.batch_size])
+            for s in range(0, len(index), cfg.training.batch_size):
+                model.query(x_all[s : s + cfg.training.batch_size])
     out["query_pass_images_per_s"] = repeats * len(index) / (time.perf_counter() - t)
     out["framework_over_bound"] = out["compute_bound_images_per_s"] / out["framework_cached_images_per_s"]
     out["query_cache_speedup"] = out["framework_cached_images_per_s"] / out["framework_uncached_images_per_s"]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from ...common.partitions import client_indices
-from ...common.privacy import clip_rows, privacy_options
+from ...common.privacy import clip_rows
 from ...common.records import METRICS, arrays_of, as_int, config_of, from_array_record, to_array_record
 from ..platform.learner import Batch, LocalLearner
 from ..powder.learner import classic_distillation, dual_distillation
@@ -132,16 +132,16 @@ class C2PromptLearner(LocalLearner):
 
     def part_rows(self, part: int, task: int) -> slice:
         """Rows of part ``part`` of ``task``'s slice (keep-all)."""
-        n = self.opts.components_per_client(self.cfg)
-        if not 0 <= part < self.cfg.num_clients:
-            raise ValueError(f"{PART} {part} names no part of the {self.cfg.num_clients} of a task's slice")
+        n = self.opts.components_per_client(self.model, self.data, self.federation)
+        if not 0 <= part < self.federation.num_clients:
+            raise ValueError(f"{PART} {part} names no part of the {self.federation.num_clients} of a task's slice")
         start = self.prompt.slice_of(task).start
         return slice(start + part * n, start + (part + 1) * n)
 
     def statistics(self, queries: torch.Tensor, labels: np.ndarray) -> ArrayRecord:
         """Count, mean and diagonal variance of q(x) per class (q(x) clipped first under ``dp.*``)."""
         q = queries.double().cpu().numpy()
-        dp = privacy_options(self.cfg)
+        dp = self.privacy
         if dp.enabled:  # bounded queries bound the statistics (records.py says how)
             q = clip_rows(q, dp.clip)
         return class_statistics(q, labels)
@@ -158,7 +158,7 @@ class C2PromptLearner(LocalLearner):
         rows = attach.nonzero().flatten().to(batch.images.device)
         chosen = positions[attach]
         model = self.rt.model
-        with self.prompt.compensated(self.attached(chosen, batch.images.device), self.cfg.prompt_mode == "prefix"):
+        with self.prompt.compensated(self.attached(chosen, batch.images.device), self.model.prompt_mode == "prefix"):
             logits = model.logits(model.features(batch.images[rows], batch.query[rows]))
         allowed = torch.isfinite(batch.logits[0])
         logits = logits.masked_fill(~allowed[None, :], float("-inf"))
@@ -230,10 +230,10 @@ class C2PromptLearner(LocalLearner):
         (run seed, client, task), on the client's round-0 share: a function of the task, the
         client and the distributions sent, not of the round. ``"every-round"``: seeded by the fit,
         on its share, with the round's discriminative prompts attached."""
-        rt, cfg, model, prompt = self.rt, self.cfg, self.rt.model, self.prompt
+        rt, model, prompt = self.rt, self.rt.model, self.prompt
         once = self.opts.comp_schedule == "once"
-        seed = [cfg.seed, self.seed[1], task, 0] if once else list(self.seed)
-        length = self.opts.compensation_length(cfg.prompt_length)
+        seed = [self.run.seed, self.seed[1], task, 0] if once else list(self.seed)
+        length = self.opts.compensation_length(self.model.prompt_length)
         gen = torch.Generator().manual_seed(int(np.random.default_rng(seed + [0xC2C]).integers(2**31)))
         scale = 0.0 if self.opts.comp_attach == "add" else 0.02  # "add" starts from the plain prompt
         comps = {layer: torch.nn.Parameter((scale * torch.randn(len(self.classes), length, model.embed_dim,
@@ -249,18 +249,18 @@ class C2PromptLearner(LocalLearner):
         frozen = [p for p in model.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
-        optimizer = torch.optim.Adam(list(comps.values()), lr=self.opts.comp_lr or cfg.lr)
+        optimizer = torch.optim.Adam(list(comps.values()), lr=self.opts.comp_lr or self.training.lr)
         rng = np.random.default_rng(seed + [0xC2D])
         # the platform's augmentation() is seeded by the fit; "once" needs the task's round-0 views
-        augment = None if cfg.augment == "none" else np.random.default_rng(seed + [0xC2E])
+        augment = None if self.training.augment == "none" else np.random.default_rng(seed + [0xC2E])
         queries = rt.queries("train", index) if augment is None and not once else None
         var = None if self.opts.global_stats == "mean-only" else self.global_var
         model.eval()  # the discriminative prompts fixed: no training-mode detaching needed
         try:
             for _ in range(self.opts.comp_epochs):
                 order = rng.permutation(len(index))
-                for start in range(0, len(order), cfg.batch_size):
-                    pos = order[start : start + cfg.batch_size]
+                for start in range(0, len(order), self.training.batch_size):
+                    pos = order[start : start + self.training.batch_size]
                     x = self.inputs(rt.data.train.images[index[pos]], augment)
                     which = torch.from_numpy(positions[pos])
                     optimizer.zero_grad(set_to_none=True)
@@ -269,7 +269,7 @@ class C2PromptLearner(LocalLearner):
                         q = torch.zeros(len(pos), model.embed_dim, device=x.device) if once else \
                             queries[pos] if queries is not None else model.query(x)
                         with prompt.compensated({layer: c[which.to(c.device)] for layer, c in comps.items()},
-                                                cfg.prompt_mode == "prefix", alone=once):
+                                                self.model.prompt_mode == "prefix", alone=once):
                             feats = model.features(x, q)
                     loss = compensation_loss(feats, self.global_means[which].to(rt.device),
                                              None if var is None else var[which].to(rt.device), self.opts.comp_loss,

@@ -204,7 +204,8 @@ class C2PromptStrategy(PromptStrategy):
         if reason is not None:
             return reason
         hist = from_array_record(arrays_of(content, HISTOGRAM))
-        shape = (len(self.cfg.layers), self.opts.components_per_client(self.cfg), len(self.layout.classes(sent.task)))
+        shape = (len(self.model.layers), self.opts.components_per_client(self.model, self.data, self.federation),
+                 len(self.layout.classes(sent.task)))
         if set(hist) != {"hist"} or hist["hist"].shape != shape:
             return f"the histogram must be one array 'hist' of shape {shape}"
         if not np.issubdtype(hist["hist"].dtype, np.floating) or not np.isfinite(hist["hist"]).all():
@@ -256,7 +257,7 @@ class C2PromptStrategy(PromptStrategy):
             weights = np.array([a.weight if self.opts.cpa_weighting == "samples" else 1.0 for a in group])
             hists = np.stack([from_array_record(arrays_of(a.content, HISTOGRAM))["hist"] for a in group])
             replies = [from_array_record(arrays_of(a.content)) for a in group]
-            for i, layer in enumerate(self.cfg.layers):
+            for i, layer in enumerate(self.model.layers):
                 matrix = cpa_matrix(hists[:, i], weights, self.opts.cpa_scope, self.opts.cpa_similarity,
                                     self.opts.cpa_tau)
                 kept.append(np.diag(matrix).mean())
@@ -277,7 +278,7 @@ class C2PromptStrategy(PromptStrategy):
         whole = self.layout.slice_of(task)
         if self.opts.cpa_pool != "keep-all":
             return [whole] * len(group)
-        n = self.opts.components_per_client(self.cfg)
+        n = self.opts.components_per_client(self.model, self.data, self.federation)
         parts = [as_int(a.sent.config[PART]) for a in group]
         if len(set(parts)) != len(parts):  # the virtual population's slots are its client ids
             raise RuntimeError(f"task {task}: two replies trained the same part of its slice ({parts})")

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from ...common.privacy import privacy_options
 from ...common.records import CONFIG, as_int, config_of
 from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
@@ -121,8 +120,8 @@ class FedCPromptLearner(LocalLearner):
         """Known tasks from the server; the incoming global prompt as the C2L/FedProx reference."""
         prompt = self.prompt
         known = as_int(config_of(content).get(KNOWN_TASKS, task + 1)) if CONFIG in content.config_records else task + 1
-        if not task < known <= self.cfg.num_tasks:
-            raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.cfg.num_tasks}")
+        if not task < known <= self.data.num_tasks:
+            raise ValueError(f"known-tasks = {known} is inconsistent with task {task} of {self.data.num_tasks}")
         prompt.known_tasks = known
         # The shared loop loaded the global arrays just before this hook: they are the model's values now.
         self.server_params = {name: p.detach().clone() for name, p in prompt.named_parameters()}
@@ -161,7 +160,7 @@ class FedCPromptLearner(LocalLearner):
         if not self.opts.early_stopping or len(index) < 2:
             return index, index[:0]
         trained, validation = split_held_out(index, self.opts.validation_fraction, self.seed[:3])
-        if self.task_scope and len(validation) and not privacy_options(self.cfg).enabled:
+        if self.task_scope and len(validation) and not self.privacy.enabled:
             task = self.rt.model.prompt.task
             score: dict[str, int | float] = (
                 {"val-loss": self.validation_loss(validation, task)} if self.opts.early_stopping_metric == "loss"

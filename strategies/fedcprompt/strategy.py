@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.privacy import privacy_options
 from ...common.records import METRICS, as_int, from_array_record, to_array_record
 from ..platform.replies import REPLY_METRICS, MetricSpec
 from ..platform.rounds import Accepted, Sent
@@ -202,7 +201,7 @@ class FedCPromptStrategy(PromptStrategy):
 
     def summary(self) -> None:
         super().summary()
-        if self.task_scope and privacy_options(self.cfg).enabled:
+        if self.task_scope and self.privacy.enabled:
             log.info("fedcprompt: task-level early stopping needs the clients' validation scores, which "
                      "differential privacy does not release: every task runs all its rounds")
 

@@ -161,7 +161,7 @@ class FPPLLearner(LocalLearner):
         """Every array but the frozen prompts of the other tasks: of each ``prompt.p<layer>``
         (T, L, D) only row ``task`` (1, L, D), the one this client trained."""
         rows = self.rt.model.prompt.slice_of(task)
-        return {name: value[rows] if name in task_prompt_names(self.cfg.layers) else value
+        return {name: value[rows] if name in task_prompt_names(self.model.layers) else value
                 for name, value in state.items()}
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class FPPLStrategy(PromptStrategy):
     def summary(self) -> None:
         super().summary()
         log.info("fppl: options %s (one prompt per task: pool-size %d is not used)",
-                 self.opts.to_dict(), self.cfg.pool_size)
+                 self.opts.to_dict(), self.model.pool_size)
 
     # ------------------------------------------------------------------ task hooks
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -142,7 +142,7 @@ class FPPLStrategy(PromptStrategy):
 
     @property
     def _task_prompts(self) -> set[str]:
-        return task_prompt_names(self.cfg.layers)
+        return task_prompt_names(self.model.layers)
 
     def _own_prompt(self, task: int) -> Rows:
         """What a reply holds of each array: of a task prompt array the row of ``task``, others whole."""
@@ -246,7 +246,7 @@ class FPPLStrategy(PromptStrategy):
         state["head.weight"], state["head.bias"] = debias_head(
             state["head.weight"], state["head.bias"], data.means, data.classes,
             epochs=self.opts.server_epochs, lr=self.opts.server_lr, batch_size=self.opts.server_batch_size,
-            seed=[self.cfg.seed, server_round, 0xDEB1A5])
+            seed=[self.run.seed, server_round, 0xDEB1A5])
         return to_array_record(state)
 
     # ------------------------------------------------------------------ checkpoint

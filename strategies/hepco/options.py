@@ -213,6 +213,6 @@ class HePCoOptions(MethodOptions):
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
 
     def check_run(self, cfg: ExperimentConfig) -> None:
-        if self.diagnostics and (cfg.evaluation != "central" or cfg.population != "virtual"):
+        if self.diagnostics and (cfg.evaluation.evaluation != "central" or cfg.federation.population != "virtual"):
             raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
                               "evaluation = central and population = virtual (simulation)")

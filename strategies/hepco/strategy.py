@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 
+from ...common.errors import ConfigError
 from ...common.model import resolve_device
 from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
@@ -86,7 +87,7 @@ class HePCoStrategy(PromptStrategy):
     def setup(self) -> None:
         if self.opts.client_weights == "class-counts":
             self.reply_records = frozenset({ARRAYS, METRICS, CLASS_COUNTS})
-        self.device = resolve_device(self.cfg.device)
+        self.device = resolve_device(self.placement.device)
         self.task, self.round = 0, 0
         self.previous: dict[str, np.ndarray] | None = None  # previous task's final P, K (seen slices), head
         self.previous_task = -1
@@ -106,7 +107,7 @@ class HePCoStrategy(PromptStrategy):
     def components(self, task: int) -> int:
         """Components of the pool in use up to ``task``: its CODA-P slices, or the whole pool."""
         if self.opts.pool_training == "whole":
-            return self.cfg.pool_size
+            return self.model.pool_size
         return (task + 1) * self.layout.components_per_task
 
     def on_task_start(self, task: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -127,7 +128,7 @@ class HePCoStrategy(PromptStrategy):
     def consolidate(self, server_round: int, arrays: ArrayRecord, accepted: list[Accepted]) -> ArrayRecord:
         """Provisional average -> generators -> latent distillation; returns the new global arrays."""
         started = time.perf_counter()
-        opts, cfg, task = self.opts, self.cfg, self.task
+        opts, task = self.opts, self.task
         provisional = from_array_record(arrays)  # the platform's average, weighted as ``averaging`` says
         if not (opts.distill_prompts or opts.distill_head):
             self.last_report = {"consolidation-seconds": time.perf_counter() - started}
@@ -142,13 +143,13 @@ class HePCoStrategy(PromptStrategy):
         low, high = int(groups[0].classes[0]) // k, int(groups[-1].classes[-1]) // k
         classes = torch.arange(low * k, (high + 1) * k, device=dev)
         seen = torch.arange((high + 1) * k, device=dev)
-        seed = int(np.random.default_rng([cfg.seed, task, self.round, 0x4EC0]).integers(2**31 - 1))
+        seed = int(np.random.default_rng([self.run.seed, task, self.round, 0x4EC0]).integers(2**31 - 1))
         rng = torch.Generator(device=dev).manual_seed(seed)
 
         clients = groups[0].teachers if len(groups) == 1 else groups
-        trainable = (slice(0, cfg.pool_size) if opts.pool_training == "whole"
+        trainable = (slice(0, self.model.pool_size) if opts.pool_training == "whole"
                      else slice(low * per_task, (high + 1) * per_task))
-        student = LatentStudent(provisional, cfg.layers, trainable, dev)
+        student = LatentStudent(provisional, self.model.layers, trainable, dev)
         dim = int(student.head_w.shape[1])
         report: dict[str, float] = {}
 
@@ -164,7 +165,7 @@ class HePCoStrategy(PromptStrategy):
         past = None
         if past_gen is not None:
             old_classes = torch.arange(task * k, device=dev)
-            prev = Teachers.stack([self.previous], cfg.layers, self.components(task - 1), dev)  # type: ignore[list-item]
+            prev = Teachers.stack([self.previous], self.model.layers, self.components(task - 1), dev)  # type: ignore[list-item]
             steps = opts.generator_epochs + opts.past_generator_epochs_per_task * task
             parts = train_generator(past_gen, old_classes, prev, student, opts, steps, rng)
             report.update({f"past-gen-{name}": v for name, v in parts.items()})
@@ -197,7 +198,7 @@ class HePCoStrategy(PromptStrategy):
             w = None if weights is None else weights[mine]
             share = (len(mine) if w is None else float(samples[mine].sum()) if w.ndim == 2 else float(w.sum()))
             groups.append(TaskTeachers(torch.as_tensor(self.layout.classes(t), device=self.device),
-                                       Teachers.stack(states, self.cfg.layers, self.components(t), self.device, w),
+                                       Teachers.stack(states, self.model.layers, self.components(t), self.device, w),
                                        share))
         return groups
 
@@ -284,10 +285,9 @@ class HePCoStrategy(PromptStrategy):
                 out[f"{prefix}-{name}-acc"] = float(teacher_accuracy(head, z, y, seen)[0])
         if opts.diagnostics:
             if self._probe is None:
-                from ...common.runtime import get_runtime  # the server's own data and backbone: diagnostics only
-
-                self._probe = RealDataProbe(get_runtime(self.cfg, HePCoPrompt), self.cfg.seed,
-                                            opts.diagnostics_per_class)
+                if self.server_runtime is None:  # check_run refuses diagnostics without central evaluation
+                    raise ConfigError("hepco.diagnostics needs the server's own data (evaluation = central)")
+                self._probe = RealDataProbe(self.server_runtime, self.run.seed, opts.diagnostics_per_class)
             old = np.arange(int(classes[0]))  # the stream's earlier tasks hold the classes below
             out.update(self._probe.measure(provisional, distilled, self.task, seen.cpu().numpy(), old, latents))
         return out
@@ -309,7 +309,7 @@ class HePCoStrategy(PromptStrategy):
         stop = self.components(task)
         state = from_array_record(arrays)
         kept = {}
-        for l in self.cfg.layers:
+        for l in self.model.layers:
             for kind in "pk":
                 kept[f"prompt.{kind}{l}"] = np.array(state[f"prompt.{kind}{l}"][:stop], copy=True)
         kept["head.weight"] = np.array(state["head.weight"], copy=True)

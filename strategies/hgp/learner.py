@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from ...common.privacy import clip_rows, privacy_options
+from ...common.privacy import clip_rows
 from ..platform.learner import LocalLearner
 from .gaussians import class_statistics
 from .options import HGPOptions
@@ -62,7 +62,7 @@ class HGPLearner(LocalLearner):
     def round_end(self, index: np.ndarray, task: int) -> dict[str, ArrayRecord]:
         """Upload the generative prototypes of this client's classes."""
         features, labels = self.prompted_features(index)
-        dp = privacy_options(self.cfg)
+        dp = self.privacy
         if dp.enabled:  # bounded features bound the statistics (HGPStrategy.private_records says how)
             features = torch.from_numpy(clip_rows(features.numpy(), dp.clip))
         return {STATS: class_statistics(features, labels, self.opts)}

@@ -189,7 +189,7 @@ class HGPStrategy(PromptStrategy):
         mixtures = self.rebalance_mixtures(in_flight)
         if not mixtures:
             return arrays
-        seed = int(np.random.default_rng([self.cfg.seed, server_round, 0x46B]).integers(2**31))
+        seed = int(np.random.default_rng([self.run.seed, server_round, 0x46B]).integers(2**31))
         gen = torch.Generator().manual_seed(seed)
         weights = class_weights(mixtures, self.opts.class_weights)
         n = self.opts.samples_per_class * len(mixtures)

@@ -74,7 +74,7 @@ class LoRMStrategy(PromptStrategy):
     def summary(self) -> None:
         super().summary()
         log.info("lorm: rank %d adapters on %s of blocks %s; rounds train %s; merge %s, task merge %s",
-                 self.opts.rank, ",".join(LoRMAdapters.targets), self.cfg.layers, self.opts.train_matrix,
+                 self.opts.rank, ",".join(LoRMAdapters.targets), self.model.layers, self.opts.train_matrix,
                  self.opts.merge, self.opts.task_merge)
 
     @staticmethod
@@ -141,9 +141,10 @@ class LoRMStrategy(PromptStrategy):
         record = from_array_record(arrays_of(content, GRAMS))
         state = from_array_record(sent.arrays) if sent.arrays is not None else {}
         dim = int(state["head.weight"].shape[1])
-        widths = {t: int(state[f"prompt.lora_{t}{self.cfg.layers[0]}_a"].shape[-1]) for t in LoRMAdapters.targets}
-        expected = {BLOCKS: (len(self.cfg.layers),), SAMPLES: (1,), TOKENS: (1,), HEAD_GRAM: (1, dim * (dim + 1) // 2),
-                    **{diagonal_name(t): (len(self.cfg.layers), w) for t, w in widths.items()}}
+        widths = {t: int(state[f"prompt.lora_{t}{self.model.layers[0]}_a"].shape[-1]) for t in LoRMAdapters.targets}
+        expected = {BLOCKS: (len(self.model.layers),), SAMPLES: (1,), TOKENS: (1,), HEAD_GRAM: (1,
+                                                                                                dim * (dim + 1) // 2),
+                    **{diagonal_name(t): (len(self.model.layers), w) for t, w in widths.items()}}
         if set(record) != set(expected):
             return f"{GRAMS} holds {sorted(record)}, expected {sorted(expected)}"
         for name, shape in expected.items():
@@ -151,8 +152,8 @@ class LoRMStrategy(PromptStrategy):
                 return f"{GRAMS} {name} has shape {record[name].shape}, expected {shape}"
             if not np.isfinite(record[name]).all():
                 return f"{GRAMS} {name} has non-finite values"
-        if record[BLOCKS].tolist() != list(self.cfg.layers):
-            return f"{GRAMS} blocks {record[BLOCKS].tolist()}, the run adapts {list(self.cfg.layers)}"
+        if record[BLOCKS].tolist() != list(self.model.layers):
+            return f"{GRAMS} blocks {record[BLOCKS].tolist()}, the run adapts {list(self.model.layers)}"
         samples, tokens = int(record[SAMPLES][0]), int(record[TOKENS][0])
         # (a node may claim more examples than it sums, within what it declared: its Gram weighs by its
         # capped claim, as its factors do; a Gram of more samples than claimed is refused)
@@ -187,7 +188,7 @@ class LoRMStrategy(PromptStrategy):
                         "(a least-squares solve has no robust form); the task merge still uses the Grams",
                         self.policies.combiner.mode)
             self._warned_combiner = True
-        rows = {layer: i for i, layer in enumerate(self.cfg.layers)}
+        rows = {layer: i for i, layer in enumerate(self.model.layers)}
         self.round_grams = {}
         for key, layer, target in self.adapters(state):
             diagonals = [n * np.asarray(g[diagonal_name(target)][rows[layer]], np.float64)

@@ -98,7 +98,7 @@ class PILoRALearner(LocalLearner):
             return None
         if self.opts.round_schedule == "cosine":
             round_ = self.seed[3] if len(self.seed) > 3 else 0
-            base *= round_cosine(round_, self.cfg.rounds_per_task)
+            base *= round_cosine(round_, self.federation.rounds_per_task)
         return base
 
     def extra_loss(self, batch: Batch, task: int) -> torch.Tensor | None:

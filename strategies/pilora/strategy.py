@@ -60,7 +60,7 @@ class PILoRAStrategy(PromptStrategy):
     def summary(self) -> None:
         super().summary()
         log.info("pilora: LoRA rank %d on q, v of blocks %s (%s), prototypes as the head's rows, re-weighting %s",
-                 self.opts.rank, self.cfg.layers, "sets 0..t" if self.opts.lora_sum else "task t's set",
+                 self.opts.rank, self.model.layers, "sets 0..t" if self.opts.lora_sum else "task t's set",
                  self.opts.reweight)
 
     # ------------------------------------------------------------------ tasks
@@ -69,9 +69,9 @@ class PILoRAStrategy(PromptStrategy):
         drawn ``0.1 N(0, I)`` from their task's seeded stream; the bias zero."""
         state = from_array_record(super().on_task_start(task, arrays))
         weight = np.array(state["head.weight"], copy=True)
-        for later in range(task, self.cfg.num_tasks):
+        for later in range(task, self.data.num_tasks):
             rows = self.layout.head_rows(later)
-            draw = np.random.default_rng([self.cfg.seed, later, 0x9107]).standard_normal((len(rows), weight.shape[1]))
+            draw = np.random.default_rng([self.run.seed, later, 0x9107]).standard_normal((len(rows), weight.shape[1]))
             weight[rows] = (PROTOTYPE_SCALE * draw).astype(weight.dtype)
         state["head.weight"] = weight
         state["head.bias"] = np.zeros_like(state["head.bias"])

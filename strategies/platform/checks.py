@@ -25,6 +25,7 @@ from ...common.records import (
     array_view,
     arrays_of,
     as_int,
+    config_of,
     metrics_of,
     payload_bytes,
 )
@@ -81,6 +82,11 @@ def check_placement(content: RecordDict) -> str | None:
         if not isinstance(value, str) or len(value) > 256:
             return f"{PLACEMENT}.{key} must be a string of at most 256 characters"
     return None
+
+
+def placement_of(content: RecordDict) -> dict[str, str]:
+    """A reply's placement record (its fields are strings: :func:`check_placement`)."""
+    return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}
 
 
 @dataclass

@@ -46,6 +46,7 @@ from ...common.model import masked_logits
 from ...common.options import MethodOptions, NoOptions
 from ...common.partitions import client_indices
 from ...common.preprocess import random_resized_crops
+from ...common.privacy import privacy_options
 from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
 from ...common.runtime import Runtime
 
@@ -96,10 +97,13 @@ class LocalLearner:
 
     def __init__(self, runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None) -> None:
         self.rt = runtime
-        self.cfg = runtime.cfg
+        cfg = runtime.cfg  # read here once: the learner keeps the sections its loop and hooks read
+        self.run, self.data, self.federation, self.model = cfg.run, cfg.data, cfg.federation, cfg.model
+        self.training, self.evaluation = cfg.training, cfg.evaluation
+        self.privacy = privacy_options(cfg)  # the run's dp.* options
         self.opts: Any = options if isinstance(options, MethodOptions) else \
             self.options_class.from_options(options or {})
-        self.seed: list[int] = [self.cfg.seed]  # [seed, client, task, round] of the current fit (set by fit)
+        self.seed: list[int] = [self.run.seed]  # [seed, client, task, round] of the current fit (set by fit)
         self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -188,11 +192,11 @@ class LocalLearner:
 
     def _train(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """The fit but its cleanup (:meth:`fit`)."""
-        cfg, rt, model = self.cfg, self.rt, self.rt.model
+        rt, model = self.rt, self.rt.model
         started = time.perf_counter()
         index = client_indices(rt.data.train.labels, rt.layout, rt.partition, client_id, task, round_)
 
-        self.seed = [cfg.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
+        self.seed = [self.run.seed, client_id, task, round_]  # seeds this fit's randomness (hooks may use it)
         model.load_trainable_state(to_torch(self.received(content, task, round_, client_id)))
         model.prompt.set_task(task)
         self.round_start(content, task)
@@ -202,7 +206,8 @@ class LocalLearner:
 
         # the CE's rows: the task's (its own block with a per-task head); every seen class's
         # for the joint upper bound (stream tasks only, one row per class)
-        rows = rt.layout.training_classes(task) if cfg.centralised_mode == "joint" else rt.layout.head_rows(task)
+        joint = self.federation.centralised_mode == "joint"
+        rows = rt.layout.training_classes(task) if joint else rt.layout.head_rows(task)
         allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
         allowed[rows] = True
         seed = self.seed
@@ -210,16 +215,16 @@ class LocalLearner:
         rng = np.random.default_rng(seed + [0xBA7C4])
         augment = self.augmentation()
 
-        optimizer = torch.optim.Adam(self._parameter_groups(task), lr=cfg.lr)
+        optimizer = torch.optim.Adam(self._parameter_groups(task), lr=self.training.lr)
         trained, validation = self.held_out(index)
-        steps = cfg.local_epochs * math.ceil(len(trained) / cfg.batch_size)
+        steps = self.training.local_epochs * math.ceil(len(trained) / self.training.batch_size)
         scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-                     if cfg.lr_schedule == "cosine" else None)
+                     if self.training.lr_schedule == "cosine" else None)
         # CODA-P's schedule steps once per epoch: each group's rate is its base (the learning_rate
         # hook's) times the factor, re-made every fit as CODA-P's code re-makes it every task
-        epochs_k = cfg.lr_schedule_epochs or cfg.local_epochs
+        epochs_k = self.training.lr_schedule_epochs or self.training.local_epochs
         per_epoch = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: codap_cosine(e, epochs_k))
-                     if cfg.lr_schedule == "codap-cosine" else None)
+                     if self.training.lr_schedule == "codap-cosine" else None)
         # (n, D) on device, or None: computed per batch. An augmented image has its own q(x),
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
@@ -228,10 +233,10 @@ class LocalLearner:
 
         model.train()
         losses: list[float] = []
-        for epoch in range(cfg.local_epochs):
+        for epoch in range(self.training.local_epochs):
             order = rng.permutation(len(trained))
-            for start in range(0, len(order), cfg.batch_size):
-                pos = order[start : start + cfg.batch_size]
+            for start in range(0, len(order), self.training.batch_size):
+                pos = order[start : start + self.training.batch_size]
                 x = self.inputs(images[trained[pos]], augment)
                 y = labels[pos].to(rt.device)
                 optimizer.zero_grad(set_to_none=True)
@@ -254,7 +259,7 @@ class LocalLearner:
         for name, param in self.rt.model.named_parameters():
             if param.requires_grad:
                 rate = self.learning_rate(name, task)
-                groups.setdefault(self.cfg.lr if rate is None else float(rate), []).append(param)
+                groups.setdefault(self.training.lr if rate is None else float(rate), []).append(param)
         return [{"params": params, "lr": rate} for rate, params in groups.items()]
 
     def step(self, x: torch.Tensor, y: torch.Tensor, queries: torch.Tensor | None, allowed: torch.Tensor,
@@ -322,13 +327,13 @@ class LocalLearner:
                            batch_size: int) -> Iterator[tuple[slice, torch.Tensor]]:
         """(positions in ``index``, float32 logits masked to ``allowed_rows``) per batch of training
         samples ``index``, each image preprocessed as evaluation preprocesses a test image."""
-        rt, cfg, model = self.rt, self.cfg, self.rt.model
+        rt, model = self.rt, self.rt.model
         model.eval()
         allowed = torch.zeros(rt.layout.head_size, dtype=torch.bool)
         allowed[allowed_rows] = True
         # the training split's query cache holds the uncropped images' q(x): valid while the
         # evaluation takes the whole image
-        queries = rt.queries("train", index) if cfg.eval_crop >= 1.0 else None
+        queries = rt.queries("train", index) if self.evaluation.eval_crop >= 1.0 else None
         for start in range(0, len(index), batch_size):
             images = rt.data.train.images[index[start : start + batch_size]]
             x = model.preprocess(torch.from_numpy(images).to(rt.device), evaluation=True)
@@ -344,18 +349,18 @@ class LocalLearner:
         that needs views of its own, such as HGP's statistics pass, takes another stream), so
         the same fit sees the same views in any process.
         """
-        if self.cfg.augment == "none":
+        if self.training.augment == "none":
             return None
         return np.random.default_rng(list(self.seed) + [stream])
 
     def inputs(self, images: np.ndarray, augment: np.random.Generator | None) -> torch.Tensor:
         """Preprocessed model inputs of a uint8 batch, augmented first when ``augment`` is given."""
         crops = None
-        if augment is not None and self.cfg.augment == "resized-crop-flip":  # cropped on the device
+        if augment is not None and self.training.augment == "resized-crop-flip":  # cropped on the device
             crops = torch.from_numpy(random_resized_crops(len(images), images.shape[-2], images.shape[-1], augment,
-                                                          scale=(self.cfg.augment_crop_scale, 1.0)))
+                                                          scale=(self.training.augment_crop_scale, 1.0)))
         elif augment is not None:
-            images = augment_images(images, self.cfg.augment, augment)
+            images = augment_images(images, self.training.augment, augment)
         return self.rt.model.preprocess(torch.from_numpy(images).to(self.rt.device), crops)
 
     def _reply(self, index: np.ndarray, task: int, started: float, losses: list[float],

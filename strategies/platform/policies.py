@@ -1,5 +1,5 @@
-"""The run's policies on a round's replies, chosen once from the run config (by ``PromptStrategy``'s
-constructor: ``aggregation_policies``, ``update_screen``), applied by the platform.
+"""The run's policies on a round's replies, chosen once from the run's robustness section (by
+``PromptStrategy``'s constructor: :func:`run_policies`), applied by the platform.
 
 ``PromptStrategy`` holds one :class:`RunPolicies` and applies its members in this order to the
 replies that passed the record checks, so no method screens, weighs, bounds or combines replies
@@ -18,10 +18,14 @@ The defences (1 and 3) are off where the run is not defended (``defences``, comm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .aggregation import Combiner, Weighting
-from .defences import UpdateScreen
+from .aggregation import Combiner, Weighting, aggregation_policies
+from .defences import UpdateScreen, update_screen
 from .statistics import StatisticsBound
+
+if TYPE_CHECKING:
+    from ...common.config import RobustnessSection
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,18 @@ class RunPolicies:
         """Whether any defence applies (the round's record then counts what each did)."""
         return self.screen.active or self.stats_bound.active
 
+
+
+def run_policies(rob: RobustnessSection, defended: bool, noise_multiplier: float, nodes: bool) -> RunPolicies:
+    """The policies of a run with robustness section ``rob``: the screen and the statistics bound only
+    where the run is ``defended``; counts capped only where the server cannot check them (``nodes``)."""
+    weighting, combiner = aggregation_policies(rob.aggregation, rob.trim_fraction,
+                                               rob.max_client_weight if nodes else 0.0)
+    screen = update_screen(defended, noise_multiplier,
+                           norm_factor=rob.update_norm_factor, max_norm=rob.max_update_norm,
+                           clip=rob.update_clip, clip_by_count=rob.update_clip_by_count,
+                           strike_norm=rob.update_strike_norm,
+                           min_cosine=rob.update_min_cosine, reversed_norm=rob.update_reversed_norm,
+                           strikes=rob.update_strikes, mean_cosine=rob.update_mean_cosine,
+                           mean_after=rob.update_mean_cosine_after, norm_rounds=rob.update_norm_rounds)
+    return RunPolicies(weighting, combiner, screen, StatisticsBound(rob.stats_bound if defended else 0.0))

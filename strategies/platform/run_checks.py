@@ -40,13 +40,15 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     the method's own checks of its options against the run (its options' ``check_run``); the
     run's memory against the server's ceilings (run_memory.py: the backbone, and a round's
     replies, copies and method state)."""
-    check_method(cfg.strategy)
+    check_method(cfg.run.strategy)
     check_namespaces(cfg.method)
     cfg.validate()  # run when the configuration was built; again for one built by dataclasses.replace
-    check_source(cfg.dataset)
-    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
-    schedule = _check_schedule(task_schedule(cfg), cfg.task_generator == "random", cfg.strategy, options)
-    privacy = check_privacy(privacy_options(cfg), cfg.num_clients, cfg.strategy, _privacy_refusal(options))
+    check_source(cfg.data.dataset)
+    options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
+    schedule = _check_schedule(task_schedule(cfg.data, cfg.federation, cfg.run.seed),
+                               cfg.data.task_generator == "random", cfg.run.strategy, options)
+    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
+                            _privacy_refusal(options))
     options.check_run(cfg)
     check_server_memory(cfg)  # the run's whole estimate against the server's ceilings (run_memory.py)
     return CheckedRun(options, schedule, privacy)
@@ -56,9 +58,10 @@ def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
     """What a client checks of a run before it uploads: the method is known, ``dp.*`` against
     what the method supports, and the method's own checks (the schedule and the dataset are
     the server's); the method's strategy is not imported."""
-    check_method(cfg.strategy)
-    options = method_options(cfg.strategy, cfg.method_options(cfg.strategy))
-    privacy = check_privacy(privacy_options(cfg), cfg.num_clients, cfg.strategy, _privacy_refusal(options))
+    check_method(cfg.run.strategy)
+    options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
+    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
+                            _privacy_refusal(options))
     options.check_run(cfg)
     return privacy
 

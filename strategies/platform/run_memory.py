@@ -81,7 +81,7 @@ class RunSizes:
 def run_classes(cfg: ExperimentConfig, sent: int | None = None) -> int:
     """The head's classes: the run's ``num-classes``, the server's message's (``sent``), or the
     built-in dataset's; else one per task (a dataset read later may have more)."""
-    return max(cfg.num_classes, sent or 0) or KNOWN_CLASSES.get(cfg.dataset, cfg.num_tasks)
+    return max(cfg.data.num_classes, sent or 0) or KNOWN_CLASSES.get(cfg.data.dataset, cfg.data.num_tasks)
 
 
 def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
@@ -90,7 +90,8 @@ def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
     import torch  # the method's module needs it; the checks that import this module need no more
 
     with torch.device("meta"):
-        prompt = prompt_class(cfg.strategy)(dim, cfg.layers, cfg.pool_size, cfg.prompt_length, cfg.num_tasks)
+        prompt = prompt_class(cfg.run.strategy)(dim, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length,
+                                                cfg.data.num_tasks)
         prompt.configure(cfg.method)
     state = prompt.state_dict()
     head = TaskLayout.of(cfg, num_classes).head_size * (dim + 1)
@@ -100,13 +101,14 @@ def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
 def run_sizes(cfg: ExperimentConfig, sent_classes: int | None = None) -> RunSizes:
     """The sizes of ``cfg`` (``sent_classes``: the head size a message names)."""
     classes = run_classes(cfg, sent_classes)
-    dim = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length).width
+    dim = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length).width
     layout = TaskLayout.of(cfg, classes)
-    per_task = max(1, layout.classes_per_task if layout.random else -(-classes // cfg.num_tasks))
-    return RunSizes(dim=dim, classes=classes, per_task=per_task, clients=max(cfg.num_clients, cfg.clients_per_round),
-                    per_round=cfg.clients_per_round or max(1, round(cfg.client_fraction * cfg.num_clients)),
-                    trainable=trainable_bytes(cfg, dim, classes), layers=len(cfg.layers),
-                    components=max(1, cfg.pool_size // cfg.num_tasks))
+    per_task = max(1, layout.classes_per_task if layout.random else -(-classes // cfg.data.num_tasks))
+    fed = cfg.federation
+    return RunSizes(dim=dim, classes=classes, per_task=per_task, clients=max(fed.num_clients, fed.clients_per_round),
+                    per_round=fed.clients_per_round or max(1, round(fed.client_fraction * fed.num_clients)),
+                    trainable=trainable_bytes(cfg, dim, classes), layers=len(cfg.model.layers),
+                    components=max(1, cfg.model.pool_size // cfg.data.num_tasks))
 
 
 # ------------------------------------------------------------------ what each method adds
@@ -187,17 +189,17 @@ def _declared(s: RunSizes, strategy: str) -> tuple[float, float]:
 
 def method_memory(cfg: ExperimentConfig, sizes: RunSizes) -> tuple[float, float]:
     """(bytes of one reply's statistics, bytes of the server's method state) of ``cfg``'s method."""
-    estimate = METHOD_MEMORY.get(cfg.strategy)
+    estimate = METHOD_MEMORY.get(cfg.run.strategy)
     if estimate is None:
-        return _declared(sizes, cfg.strategy)
-    return estimate(sizes, method_options(cfg.strategy, cfg.method_options(cfg.strategy)))
+        return _declared(sizes, cfg.run.strategy)
+    return estimate(sizes, method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy)))
 
 
 # ------------------------------------------------------------------ the two sides
 def node_memory(cfg: ExperimentConfig, sent_classes: int | None = None) -> MemoryEstimate:
     """What a node's message process needs for one training message of ``cfg``."""
     sizes = run_sizes(cfg, sent_classes)
-    backbone = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
+    backbone = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
     upload, _ = method_memory(cfg, sizes)
     t = sizes.trainable
     return MemoryEstimate((
@@ -221,11 +223,11 @@ def server_memory(cfg: ExperimentConfig) -> MemoryEstimate:
         ("aggregate and its temporaries x2", 2 * t),
         ("method state", state),
     ]
-    if cfg.evaluation != "federated":  # the server evaluates: the backbone, a pass, the evaluated model
-        backbone = footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length)
-        sequence = backbone.tokens + 1 + cfg.prompt_length
+    if cfg.evaluation.evaluation != "federated":  # the server evaluates: the backbone, a pass, the evaluated model
+        backbone = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+        sequence = backbone.tokens + 1 + cfg.model.prompt_length
         parts += [(BACKBONE, backbone.parameters * F32),
-                  (ACTIVATIONS, cfg.batch_size * sequence * NO_GRAD_FLOATS * backbone.width * F32),
+                  (ACTIVATIONS, cfg.training.batch_size * sequence * NO_GRAD_FLOATS * backbone.width * F32),
                   ("evaluated model's trainable state", t)]
     return MemoryEstimate(tuple(parts), accelerated=frozenset({BACKBONE, ACTIVATIONS}))
 
@@ -240,7 +242,7 @@ def check_server_memory(cfg: ExperimentConfig) -> None:
     ConfigError
         Naming the estimate, its largest parts and the limit it exceeds.
     """
-    check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
+    check_server_footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length, cfg.model.image_size)
     _, max_memory_gb = server_ceilings()
     # the backbone and its activations (central evaluation) are the backbone ceiling's: this machine's
     # memory bounds the server's own copies

@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from ...common.config import ExperimentConfig
+from ...common.config import DataSection, FederationSection, RobustnessSection, RunSection
 from ...common.node_identity import grid_names, node_label
 from ...common.records import as_int
 from .rounds import Sent, SentRound
@@ -83,7 +83,11 @@ class Sampling:
     """The platform's sampling and messages (``PromptStrategy`` mixes it in): who trains in a round,
     each client's config, and the round's messages made by a method's payload hook."""
 
-    cfg: ExperimentConfig
+    run: RunSection
+    data: DataSection
+    federation: FederationSection
+    robustness: RobustnessSection
+    config_digest: str
     num_classes: int
     schedule: Any
     _schedule_slots: dict[int, int]
@@ -95,12 +99,12 @@ class Sampling:
 
     @property
     def clients_per_round(self) -> int:
-        return self.cfg.sampled_per_round
+        return self.federation.sampled_per_round
 
     @property
     def population_size(self) -> int:
         """How many clients a round samples from (centralised: the one client with all data)."""
-        return 1 if self.cfg.centralised else self.cfg.num_clients
+        return 1 if self.federation.centralised else self.federation.num_clients
 
     @property
     def sample_rate(self) -> float:
@@ -109,15 +113,15 @@ class Sampling:
         return min(1.0, self.clients_per_round / self.population_size)
 
     def sample_clients(self, task: int, round_: int, attempt: int = 0) -> list[int]:
-        return sample_clients(self.cfg.seed, self.population_size, self.clients_per_round, task, round_,
+        return sample_clients(self.run.seed, self.population_size, self.clients_per_round, task, round_,
                                        attempt)
 
     def sample_nodes(self, nodes: list[int], task: int, round_: int, attempt: int = 0) -> list[int]:
-        return sample_nodes(self.cfg.seed, nodes, self.clients_per_round, task, round_, attempt)
+        return sample_nodes(self.run.seed, nodes, self.clients_per_round, task, round_, attempt)
 
     def connected_nodes(self, grid: Grid, minimum: int, timeout: float) -> list[int]:
         nodes = connected_nodes(grid, minimum, timeout)
-        if self.cfg.population == "nodes":  # a node connected now may be new: learn its registered name
+        if self.federation.population == "nodes":  # a node connected now may be new: learn its registered name
             self._node_names.update(grid_names(grid))
         return nodes
 
@@ -136,10 +140,10 @@ class Sampling:
         at sampling time, so a node that dropped out raises it (differential privacy's accountant
         composes each round at its own rate, server/results.py)."""
         task, round_, attempt = as_int(config["task"]), as_int(config["round"]), as_int(config.get("attempt", 0))
-        if self.cfg.population == "nodes":  # every connected node is one client with its own data
+        if self.federation.population == "nodes":  # every connected node is one client with its own data
             # before the first round, wait for the whole population; later, for enough to aggregate
-            minimum = self.cfg.num_clients if not self._nodes_ready else self.cfg.min_replies
-            nodes = self.connected_nodes(grid, minimum, self.cfg.round_timeout)
+            minimum = self.federation.num_clients if not self._nodes_ready else self.robustness.min_replies
+            nodes = self.connected_nodes(grid, minimum, self.robustness.round_timeout)
             self._nodes_ready = True
             sampled = self.sample_nodes(nodes, task, round_, attempt)
             # a node's place in the sorted connected ids is its turn in the task schedule
@@ -177,14 +181,14 @@ class Sampling:
         client_config = ConfigRecord(dict(config))
         client_config["client-id"] = client_id
         client_config["server-round"] = server_round
-        client_config["config-digest"] = self.cfg.digest()
+        client_config["config-digest"] = self.config_digest
         turn = slot % self.schedule.num_clients
         self._schedule_slots[client_id] = turn
         if not self.schedule.synchronous:
             client_config["task"], client_config["round"] = self.schedule.assignment(turn, server_round - 1)
-        if self.cfg.task_generator == "random":  # a deployed node plays the schedule's client of its turn
+        if self.data.task_generator == "random":  # a deployed node plays the schedule's client of its turn
             client_config["schedule-slot"] = turn
-        if self.cfg.population == "nodes":
+        if self.federation.population == "nodes":
             client_config["num-classes"] = self.num_classes
         return client_config
 

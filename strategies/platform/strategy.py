@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -42,10 +42,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from ...common import config_sections as sections
 from ...common.config import ExperimentConfig
 from ...common.model import CodaPrompt, TrainableModule
 from ...common.options import MethodOptions, NoOptions
-from ...common.privacy import PrivateRecord, privacy_options
+from ...common.privacy import PrivacyOptions, PrivateRecord, privacy_options
 from ...common.records import (
     ARRAYS,
     CONFIG,
@@ -54,43 +55,44 @@ from ...common.records import (
     array_views,
     as_float,
     as_int,
-    config_of,
     metrics_of,
     to_array_record,
 )
+from ...common.runtime import Runtime
 from ...common.schedule import task_schedule
 from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
-from .aggregation import aggregation_policies, average_replies
-from .checks import NO_EXAMPLES, SampleBounds, platform_problem
-from .defences import update_screen
+from .aggregation import average_replies
+from .checks import NO_EXAMPLES, SampleBounds, placement_of, platform_problem
 from .outcome import RoundOutcome
-from .policies import RunPolicies
+from .policies import run_policies
 from .replies import REPLY_METRICS, MetricSpec
 from .rounds import Accepted, Sent, SentRound
 from .sampling import Sampling
-from .statistics import Statistics, StatisticsBound
+from .statistics import Statistics
 
 log = logging.getLogger("promptfcl")
 
 #: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
 #: ``setup``): methods fill hooks instead
-SEALED = frozenset({"__init__", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
+SEALED = frozenset({"__init__", "of", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
                     "aggregate_exchange", "check_reply"})
 
 
 class PromptStrategy(Sampling, FedAvg):
     """Sample-weighted FedAvg over prompt and head parameters, aware of the task schedule.
 
+    Made by :meth:`of`; it takes what it reads, never the whole configuration: six sections, the
+    ``layout`` (its classes size the head), ``privacy`` (``dp.*``), the ``method_settings`` a prompt
+    module's ``configure`` reads and the ``config_digest`` every client's configuration must match.
+
     Parameters
     ----------
-    cfg : ExperimentConfig
-        The run's configuration (sampling, seed, prompt sizes).
-    num_classes : int
-        Classes of the whole stream (size of the head).
     options : MethodOptions or mapping, optional
         The method's options, parsed (``options_class``); a mapping of ``<method>.*`` keys
         (prefix removed) is parsed here, None gives the defaults.
+    runtime : Runtime, optional
+        The server's own data and backbone, where it has them (central evaluation).
     """
 
     name = "fedavg"
@@ -131,30 +133,33 @@ class PromptStrategy(Sampling, FedAvg):
             return options
         return cls.options_class.from_options(options or {})
 
-    def __init__(self, cfg: ExperimentConfig, num_classes: int,
-                 options: Mapping[str, Any] | MethodOptions | None = None) -> None:
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, num_classes: int, options: Mapping[str, Any] | MethodOptions | None = None,
+           runtime: Runtime | None = None) -> Self:
+        """The strategy of run ``cfg`` over ``num_classes`` classes (the one place it reads the whole)."""
+        return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model,
+                   robustness=cfg.robustness, placement=cfg.placement, layout=TaskLayout.of(cfg, num_classes),
+                   privacy=privacy_options(cfg), method_settings=cfg.method, config_digest=cfg.digest(),
+                   options=options, runtime=runtime)
+
+    def __init__(self, *, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection,
+                 model: sections.ModelSection, robustness: sections.RobustnessSection,
+                 placement: sections.PlacementSection, layout: TaskLayout,
+                 privacy: PrivacyOptions, method_settings: Mapping[str, Any], config_digest: str,
+                 options: Mapping[str, Any] | MethodOptions | None = None, runtime: Runtime | None = None) -> None:
         # Sampling is ours (seeded, see sampling.py); Flower's fraction settings are unused.
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
-        self.cfg = cfg
-        self.num_classes = num_classes
-        self.layout = TaskLayout.of(cfg, num_classes)  # the run's tasks, classes, pool and head
+        self.run, self.data, self.federation, self.model = run, data, federation, model
+        self.robustness, self.placement, self.privacy = robustness, placement, privacy
+        self.method_settings, self.config_digest = method_settings, config_digest
+        self.server_runtime = runtime  # the server's own data and backbone (central evaluation), or None
+        self.layout, self.num_classes = layout, layout.num_classes  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
-        self.bounds = SampleBounds(nodes=cfg.population == "nodes")
-        self.schedule = task_schedule(cfg)  # that the method can follow it: checked before any loading
-        self.trust = resolve_trust(cfg.defences, cfg.population, cfg.fault)
-        # the run's policies (policies.py): weighting, combiner; the screen and the statistics bound
-        # only where the run is defended; counts are capped only where the server cannot check them
-        weighting, combiner = aggregation_policies(cfg.aggregation, cfg.trim_fraction,
-                                                   cfg.max_client_weight if cfg.population == "nodes" else 0.0)
-        screen = update_screen(self.trust.defended, privacy_options(cfg).noise_multiplier,
-                               norm_factor=cfg.update_norm_factor, max_norm=cfg.max_update_norm,
-                               clip=cfg.update_clip, clip_by_count=cfg.update_clip_by_count,
-                               strike_norm=cfg.update_strike_norm,
-                               min_cosine=cfg.update_min_cosine, reversed_norm=cfg.update_reversed_norm,
-                               strikes=cfg.update_strikes, mean_cosine=cfg.update_mean_cosine,
-                               mean_after=cfg.update_mean_cosine_after, norm_rounds=cfg.update_norm_rounds)
-        self.policies = RunPolicies(weighting, combiner, screen,
-                                    StatisticsBound(cfg.stats_bound if self.trust.defended else 0.0))
+        nodes = federation.population == "nodes"
+        self.bounds = SampleBounds(nodes=nodes)
+        self.schedule = task_schedule(data, federation, run.seed)  # that the method can follow it: checked early
+        self.trust = resolve_trust(robustness.defences, federation.population, robustness.fault)
+        self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, nodes)
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training
@@ -170,7 +175,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     # ------------------------------------------------------------------ hooks (defaults)
     def setup(self) -> None:
-        """The method's own state, made once the platform's is (``cfg``, ``layout``, ``opts``...).
+        """The method's own state, made once the platform's is (the sections, ``layout``, ``opts``...).
         A method never overrides ``__init__`` (sealed)."""
 
     def round_start(self, server_round: int, task: int, round_: int, arrays: ArrayRecord) -> None:
@@ -219,8 +224,8 @@ class PromptStrategy(Sampling, FedAvg):
         """Initialise the new task's prompt slice orthogonally to the earlier ones (CODA-P)."""
         state = array_views(arrays)  # read-only views: the prompt arrays are copied once, into the module
         prompt = self.prompt_from(state)
-        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.cfg.seed, task, 0x0A7]).integers(2**31)))
-        prompt.init_task_slice(task, gen, orthogonal=self.cfg.ortho_init)
+        gen = torch.Generator().manual_seed(int(np.random.default_rng([self.run.seed, task, 0x0A7]).integers(2**31)))
+        prompt.init_task_slice(task, gen, orthogonal=self.model.ortho_init)
         state.update({f"prompt.{k}": v.numpy() for k, v in prompt.state_dict().items()})
         return to_array_record(state)
 
@@ -284,7 +289,7 @@ class PromptStrategy(Sampling, FedAvg):
 
     def summary(self) -> None:
         log.info("strategy %s: %s clients per round out of %d, options %s",
-                 self.name, self.clients_per_round, self.cfg.num_clients, self.opts.to_dict() or "{}")
+                 self.name, self.clients_per_round, self.federation.num_clients, self.opts.to_dict() or "{}")
         log.info("task arrival: %s", self.schedule.describe())
         log.info("%s", self.trust.describe())
 
@@ -315,9 +320,9 @@ class PromptStrategy(Sampling, FedAvg):
                      "model is unchanged", server_round, self._sent_round.skipped)
             return self._outcome(self.round_arrays, MetricRecord({"num-examples": 0, "clients": 0, "train-loss": 0.0}),
                                  accepted, rejected, counts, ratios)
-        if len(accepted) < self.cfg.min_replies:
+        if len(accepted) < self.robustness.min_replies:
             log.warning("round %d: %d usable replies, fewer than min-replies = %d; the global model is unchanged",
-                        server_round, len(accepted), self.cfg.min_replies)
+                        server_round, len(accepted), self.robustness.min_replies)
             return self._outcome(None, None, accepted, rejected, counts, ratios)
         weights = self.policies.weighting([a.examples for a in accepted])
         for a, w in zip(accepted, weights):
@@ -399,7 +404,7 @@ class PromptStrategy(Sampling, FedAvg):
     def _problem(self, reply: Message, sent: Sent | None) -> str | None:
         expected = None if sent is None else (sent.expected if sent.expected is not None else sent.arrays)
         reason = platform_problem(reply, sent, expected, self.reply_records, self.reply_metrics, self.bounds,
-                                  self.cfg.max_reply_bytes)
+                                  self.robustness.max_reply_bytes)
         if reason is not None or sent is None:  # no message matched: platform_problem said so
             return reason
         return self.check_records(reply, sent)
@@ -438,7 +443,7 @@ class PromptStrategy(Sampling, FedAvg):
             shares=tuple(a.weight / total for a in accepted) if total > 0 else (),
             nodes=tuple(self.node_label(a.sent.node) for a in accepted), clients=tuple(a.sent.client for a in accepted),
             update_norms=tuple(a.update_norm for a in accepted), update_cosines=tuple(a.cosine for a in accepted),
-            placements={a.reply.metadata.reply_to_message_id: _placement(a.content) for a in accepted
+            placements={a.reply.metadata.reply_to_message_id: placement_of(a.content) for a in accepted
                         if PLACEMENT in a.content},
             defences=dict(counts) if self.policies.defended else {}, stats_ratios=ratios,
             sample_rate=self._sent_round.sample_rate)
@@ -461,9 +466,9 @@ class PromptStrategy(Sampling, FedAvg):
         arrays = {k[7:]: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items() if k.startswith("prompt.")}
 
         def build() -> TrainableModule:
-            prompt = self.prompt_class(dim, self.cfg.layers, self.cfg.pool_size, self.cfg.prompt_length,
-                                       self.cfg.num_tasks)
-            prompt.configure(self.cfg.method)
+            prompt = self.prompt_class(dim, self.model.layers, self.model.pool_size, self.model.prompt_length,
+                                       self.data.num_tasks)
+            prompt.configure(self.method_settings)
             return prompt
 
         with torch.device("meta"):
@@ -493,7 +498,3 @@ class PromptStrategy(Sampling, FedAvg):
         self.policies.screen.history.load(state.get("direction-history", {}))
         self.policies.screen.norm_history.load(state.get("norm-history", {}))
 
-
-def _placement(content: RecordDict) -> dict[str, str]:
-    """A reply's placement record (its fields are strings: checks.check_placement)."""
-    return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}

@@ -169,7 +169,7 @@ class PowderLearner(LocalLearner):
     def read_message(self, config: ConfigRecord, task: int, round_: int, client_id: int) -> None:
         """This round's local pool, mixing weights, measuring request and class correlations."""
         local = [as_int(t) for t in as_list(config[LOCAL_TASKS])]
-        if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.cfg.num_tasks:
+        if task not in local or local != sorted(set(local)) or not 0 <= local[0] <= local[-1] < self.data.num_tasks:
             raise ValueError(f"local pool {local} is not a sorted set of tasks holding task {task}")
         self.local_tasks, self.client_id, self.round_ = local, client_id, round_
         weights = None if config.get(OWN_WEIGHTS) is None else as_list(config[OWN_WEIGHTS])
@@ -178,7 +178,7 @@ class PowderLearner(LocalLearner):
         self.own_weights = None if weights is None else dict(zip(local, (as_float(w) for w in weights)))
         self.measure = bool(config.get(MEASURE, False))
         self.previous = as_int(config.get(PREVIOUS, -1))
-        if not -1 <= self.previous < self.cfg.num_tasks or self.previous == task:
+        if not -1 <= self.previous < self.data.num_tasks or self.previous == task:
             raise ValueError(f"{PREVIOUS} = {self.previous} is not a task other than {task}")
         # indexed like the logits (head rows), as the batches' labels are
         total = torch.ones(self.rt.layout.head_size)
@@ -240,7 +240,7 @@ class PowderLearner(LocalLearner):
         laid out over every pool row of every prompted block (zeros for rows not in the pool)."""
         rt, prompt = self.rt, self.prompt
         rows = prompt.pool_rows()
-        width = len(prompt.layers) * self.cfg.pool_size
+        width = len(prompt.layers) * self.model.pool_size
         labels_all = rt.data.train.labels
         out: dict[str, list[Any]] = {"tasks": [], "task-alpha": [], "task-count": [], "classes": [], "class-alpha": [],
                                      "class-count": []}
@@ -265,7 +265,7 @@ class PowderLearner(LocalLearner):
                         q = rt.model.query(x)
                     for li, layer in enumerate(prompt.layers):
                         w = prompt.weights(q, layer).double().cpu().numpy()
-                        alphas[start : start + len(q), li * self.cfg.pool_size + rows] = w
+                        alphas[start : start + len(q), li * self.model.pool_size + rows] = w
                 out["tasks"].append(t)
                 out["task-alpha"].append(alphas.mean(axis=0))
                 out["task-count"].append(len(index))

@@ -133,17 +133,18 @@ class PowderStrategy(PromptStrategy):
         }}
 
     def setup(self) -> None:
-        cfg, num_classes = self.cfg, self.num_classes
-        self.width = len(cfg.layers) * cfg.pool_size  # alpha: selection weights of every pool row, per layer
+        num_classes = self.num_classes
+        # alpha: selection weights of every pool row, per layer
+        self.width = len(self.model.layers) * self.model.pool_size
         self.known_tasks = 0
-        self.task_alpha = np.zeros((cfg.num_tasks, self.width))
-        self.task_measured = np.zeros(cfg.num_tasks, dtype=bool)
+        self.task_alpha = np.zeros((self.data.num_tasks, self.width))
+        self.task_measured = np.zeros(self.data.num_tasks, dtype=bool)
         self.class_alpha = np.zeros((num_classes, self.width))
         self.class_measured = np.zeros(num_classes, dtype=bool)
         self.new_tasks_pending = False  # a task started since the last aggregation: every client measures
         self.global_arrays: ArrayRecord | None = None  # P_g at the start of this round
         self.aggregated: dict[str, np.ndarray] = {}  # P_hat of this round (sent, never stored back)
-        self.mixing = np.eye(cfg.num_tasks)  # the first step's matrix of this round
+        self.mixing = np.eye(self.data.num_tasks)  # the first step's matrix of this round
         self.measured_before = 0  # tasks measured in this round's exchange
         self.measured_in_training = 0  # tasks measured by this round's train replies
 
@@ -151,7 +152,7 @@ class PowderStrategy(PromptStrategy):
         """The single-task reference trains as many components as a client's local pool (k slices),
         or one task's slice (``reference = "task-slice"``)."""
         per_task = self.layout.components_per_task
-        return per_task * (min(self.opts.k, self.cfg.num_tasks) if self.opts.reference == "local-pool" else 1)
+        return per_task * (min(self.opts.k, self.data.num_tasks) if self.opts.reference == "local-pool" else 1)
 
     def summary(self) -> None:
         super().summary()
@@ -169,7 +170,7 @@ class PowderStrategy(PromptStrategy):
     def mixing_matrix(self) -> np.ndarray:
         """The matrix of the first step: G_task (optionally sparsified), or identity (w/o FUS)."""
         if not self.opts.first_step:
-            return np.eye(self.cfg.num_tasks)
+            return np.eye(self.data.num_tasks)
         g = self.task_correlation()
         if self.opts.row_top > 0:  # sparsify among the known tasks only
             k = self.known_tasks
@@ -207,7 +208,7 @@ class PowderStrategy(PromptStrategy):
         if measure:
             local = list(range(self.known_tasks))  # P_hat whole (Algorithm 1 line 8)
         else:
-            rng = np.random.default_rng([self.cfg.seed, as_int(sent.config.get("server-round", 0)), sent.client, 0x50D])
+            rng = np.random.default_rng([self.run.seed, as_int(sent.config.get("server-round", 0)), sent.client, 0x50D])
             local = select_tasks(self.task_correlation()[task], task, self.known_tasks, self.opts.k,
                                  self.opts.selection, rng)
         classes = self.layout.classes(task)
@@ -269,12 +270,12 @@ class PowderStrategy(PromptStrategy):
     def evaluation_pools(self, arrays: ArrayRecord, upto: int) -> tuple[ArrayRecord, dict[int, list[int]]] | None:
         """Random tasks: every task scored with its local pool, the k slices of P_hat selected for it
         (eq. 3-4 on this round's P_g and G_task), as the paper evaluates each client task."""
-        if self.cfg.task_generator != "random" or self.opts.evaluation != "local":
+        if self.data.task_generator != "random" or self.opts.evaluation != "local":
             return None
         known = upto + 1
-        mixed = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), known, self.cfg.pool_size,
-                                       self.cfg.num_tasks)
-        rng = np.random.default_rng([self.cfg.seed, known, 0xE7A1])  # the w/o SEL ablation's random pools
+        mixed = first_step_aggregation(from_array_record(arrays), self.mixing_matrix(), known, self.model.pool_size,
+                                       self.data.num_tasks)
+        rng = np.random.default_rng([self.run.seed, known, 0xE7A1])  # the w/o SEL ablation's random pools
         correlation = self.task_correlation()
         pools = {g: select_tasks(correlation[g], g, known, self.opts.k, self.opts.selection, rng) for g in range(known)}
         return to_array_record(mixed), pools
@@ -285,7 +286,7 @@ class PowderStrategy(PromptStrategy):
         self.global_arrays = arrays
         self.mixing = self.mixing_matrix()
         self.aggregated = first_step_aggregation(from_array_record(arrays), self.mixing, self.known_tasks,
-                                                 self.cfg.pool_size, self.cfg.num_tasks)
+                                                 self.model.pool_size, self.data.num_tasks)
 
     def state_dict(self) -> dict[str, Any]:
         return {
