@@ -37,10 +37,12 @@ flwr-run: $(STAMP)
 # such as the deployment tests' federation, are set up once). The deployment tests spend much
 # of their time waiting on fresh ClientApp processes and polls, so the other worker runs the
 # rest meanwhile. (loadgroup would be finer, but pytest-xdist 3.8 ignores xdist_group marks
-# under pytest 9.2: pytest-dev/pytest-xdist#1386.) PYTEST_WORKERS=0 runs it all in one process.
+# under pytest 9.2: pytest-dev/pytest-xdist#1386.) --no-loadscope-reorder keeps the order of
+# tests/conftest.py (the longest files first; xdist would order files by their number of tests).
+# PYTEST_WORKERS=0 runs it all in one process.
 PYTEST_WORKERS ?= 2
 test: lint typecheck
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # ruff and mypy, configured in pyproject.toml
 lint: $(STAMP)

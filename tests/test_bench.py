@@ -134,6 +134,7 @@ def test_quantity_skew_is_a_heterogeneity_setting():
 
 
 def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypatch):
+    import signal
     import subprocess
 
     import pytest
@@ -143,8 +144,13 @@ def test_a_run_past_its_timeout_is_stopped_not_left_training(tmp_path, monkeypat
     started = []
     real_popen = subprocess.Popen
 
+    def sigint_default() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     def slow(args, **kwargs):  # stands in for a simulation that takes too long
-        started.append(real_popen(["sleep", "60"], **kwargs))
+        # with SIGINT at its default: a suite started in the background inherits SIGINT ignored,
+        # which left the stand-in to the kill that follows 60 s after the SIGINT
+        started.append(real_popen(["sleep", "60"], preexec_fn=sigint_default, **kwargs))
         return started[-1]
 
     monkeypatch.setattr(bench.subprocess, "Popen", slow)

@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import simulate
-from tests.test_simulation_e2e import fedavg_run  # noqa: F401  (the module-scoped single-node run, reused)
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.simulation]
 
@@ -100,7 +99,7 @@ def _wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float 
     raise AssertionError(f"the Ray head did not open port {port}:\n{log.read_text()[-2000:]}")
 
 
-def test_gpu_shares_reach_the_client_actors_on_the_worker(cluster, fedavg_run, tmp_path):  # noqa: F811
+def test_gpu_shares_reach_the_client_actors_on_the_worker(cluster, fedavg_run, tmp_path):
     address, worker = cluster
     single_node, _ = fedavg_run  # the same configuration on a local single-node Ray
     results = simulate(tmp_path / "gpu", lr=0.01, **{"ray-address": address, "client-gpus": "auto"})
@@ -114,7 +113,7 @@ def test_gpu_shares_reach_the_client_actors_on_the_worker(cluster, fedavg_run, t
     assert results["accuracy_matrix"] == single_node["accuracy_matrix"]
 
 
-def test_no_gpu_share_hides_the_gpu_and_results_match(cluster, fedavg_run, tmp_path):  # noqa: F811
+def test_no_gpu_share_hides_the_gpu_and_results_match(cluster, fedavg_run, tmp_path):
     address, worker = cluster
     single_node, _ = fedavg_run
     results = simulate(tmp_path / "cpu", lr=0.01, **{"ray-address": address, "client-gpus": 0})

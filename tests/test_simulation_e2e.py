@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-from tests.helpers import simulate
 
 pytestmark = pytest.mark.simulation
 
 
-@pytest.fixture(scope="module")
-def fedavg_run(tmp_path_factory) -> tuple[dict, Path]:
-    out = tmp_path_factory.mktemp("fedavg")
-    return simulate(out, lr=0.01), out
+# fedavg_run: tests/conftest.py (one Ray run per suite, shared with test_ray_cluster.py)
 
 
 def test_results_have_every_promised_key(fedavg_run):

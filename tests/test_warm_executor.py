@@ -4,7 +4,8 @@ of its own, forked from one zygote; failures and restarts; the zygote's memory o
 These run a real zygote (a real ``python -m promptfcl.client.zygote`` importing torch, Flower
 and promptfcl) whose children run stand-in tasks from tests/zygote_runner.py instead of
 Flower's ClientApp runner; the deployed tests (tests/test_deploy.py) run Flower's runner itself
-through it.
+through it, and the last test here deploys one run twice, with and without it (a file of its
+own for pytest's loadfile: it does not share test_deploy.py's federation).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from promptfcl.client.warm_executor import ForkingExecutor
@@ -193,3 +195,30 @@ def test_supernode_waits_are_shortened_only_where_flower_waits_idle(monkeypatch)
     assert waits.monotonic is supernode.time.monotonic  # everything else is the time module's
     loop_time = internal("supernode_loop_time")
     assert loop_time is supernode.time  # the name deploy/supernode.py rebinds exists in this Flower
+
+
+# ----------------------------------------------------------------------------- deployed, against the stock executor
+@pytest.mark.deploy
+def test_warm_executor_trains_exactly_what_the_stock_executor_trains(tmp_path):
+    """The same run deployed twice: nodes with the warm forking executor (deploy/start-client.sh's
+    default) and with Flower's stock one (--no-warm) reach the same accuracy matrix; only the
+    stock path's messages pay the imports (a fresh interpreter each), the warm one's never do."""
+    from promptfcl.server.loopback import run_deployed
+    from tests.test_deploy import RUN
+
+    run = {**RUN, "num-clients": 2, "clients-per-round": 2, "out-dir": "runs/warm-vs-stock"}
+    warm = run_deployed(tmp_path / "warm", run, 2)
+    stock = run_deployed(tmp_path / "stock", run, 2, warm=False)
+    assert warm["accuracy_matrix"] == stock["accuracy_matrix"]
+    assert warm["config_digest"] == stock["config_digest"]
+    warm_imports = [r["client_startup"].get("imports", 0.0) for r in warm["rounds"]]
+    stock_imports = [r["client_startup"].get("imports", 0.0) for r in stock["rounds"]]
+    assert all(s > 0.5 for s in stock_imports), stock_imports
+    assert all(w == 0.0 for w in warm_imports), warm_imports
+    # ... yet each warm message is still a process of its own, whose start-up is measured
+    assert all(r["client_overhead_seconds"] > 0.0 for r in warm["rounds"])
+    node_log = (tmp_path / "warm" / "node1.log").read_text(errors="replace")
+    assert "warm zygote" in node_log and "Start `flwr-clientapp` process" not in node_log
+    print(f"\nper-message overhead (median over rounds): warm "
+          f"{np.median([r['client_overhead_seconds'] for r in warm['rounds']]):.2f} s, stock "
+          f"{np.median([r['client_overhead_seconds'] for r in stock['rounds']]):.2f} s")
