@@ -137,9 +137,12 @@ def stop_run(proc: subprocess.Popen[str], mark: str, grace: float = 30.0) -> Non
     deadline = time.monotonic() + min(grace, 10.0)
     while (left := marked_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.2)  # Ray's processes end on their own once their driver is gone
-    for pid in marked_processes(mark):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    for _ in range(2):  # twice: a Ray daemon killed in the first pass may have just started a worker
+        for pid in marked_processes(mark):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            time.sleep(0.5)
     if left:
         log.info("stopped %d leftover process(es) of the run in pid %d", len(left), proc.pid)
 
