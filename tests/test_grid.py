@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -99,12 +100,13 @@ def test_a_rerun_skips_finished_runs_and_reruns_a_missing_one(parallel_grid, tmp
     assert "| default | hgp | 2 |" in (out / "compare.md").read_text()
 
 
-def marked(mark: str) -> list[tuple[int, str]]:
-    """Live processes whose environment holds this test's mark (every descendant of the grid inherits it)."""
+def marked(needle: str) -> list[tuple[int, str]]:
+    """Live processes whose environment holds ``needle`` (a variable and value, or its start)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and f"GRID_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+            if entry.name.isdigit() and any(v.startswith(needle.encode())
+                                            for v in (entry / "environ").read_bytes().split(b"\0")):
                 if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()))
         except (OSError, IndexError):
@@ -112,31 +114,58 @@ def marked(mark: str) -> list[tuple[int, str]]:
     return found
 
 
-def test_sigterm_to_the_grid_stops_every_run_and_its_ray(tmp_path):
-    mark = uuid.uuid4().hex
-    env = {**os.environ, "GRID_TEST_MARK": mark}
-    with open(tmp_path / "grid.log", "w") as log:
-        grid = subprocess.Popen(grid_command(tmp_path / "grid", "--parallel", "2"), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+def interrupt_when_running(args: list[str], env: dict[str, str], needle: str, log_path: Path) -> int:
+    """Start a grid, SIGTERM it (it alone, as `kill PID` does) once two runs and their Rays are up
+    (processes with ``needle`` in their environment); its exit status."""
+    with open(log_path, "w") as log:
+        grid = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:  # both runs started and their Rays up (a raylet each)
-            procs = marked(mark)
+            procs = marked(needle)
             if sum("simulate" in c for _, c in procs) >= 2 and sum("raylet" in c for _, c in procs) >= 2:
                 break
-            assert grid.poll() is None and time.monotonic() < deadline, (tmp_path / "grid.log").read_text()[-3000:]
+            assert grid.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(1)
-        grid.send_signal(signal.SIGTERM)  # to the grid alone, as `kill PID` does
-        assert grid.wait(timeout=180) == 128 + signal.SIGTERM
+        grid.send_signal(signal.SIGTERM)
+        return grid.wait(timeout=240)
     finally:
         if grid.poll() is None:
             os.killpg(grid.pid, signal.SIGKILL)
-    left = marked(mark)
+
+
+def assert_none_left(needle: str) -> None:
+    left = marked(needle)
     for pid, _ in left:  # leave the machine clean even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert left == [], left
+
+
+def test_sigterm_to_the_grid_stops_every_run_and_its_ray(tmp_path):
+    needle = f"GRID_TEST_MARK={uuid.uuid4().hex}"  # every descendant of the grid inherits it
+    env = {**os.environ, "GRID_TEST_MARK": needle.split("=")[1]}
+    status = interrupt_when_running(grid_command(tmp_path / "grid", "--parallel", "2"), env, needle,
+                                    tmp_path / "grid.log")
+    assert_none_left(needle)
+    assert status == 128 + signal.SIGTERM
     text = (tmp_path / "grid.log").read_text()
-    assert "grid interrupted: 0 of 4 runs done" in text and "not done: fedavg, default, seed 0" in text
+    assert "grid interrupted: 0 of 4 runs done" in text and "not done: fedavg, default, seed 0; " in text
+    assert "FAILED" not in text  # stopped runs are not failures
+
+
+@pytest.mark.ray_cluster
+def test_sigterm_to_a_grid_on_a_ray_cluster_stops_its_tasks_runs(cluster, tmp_path):  # noqa: F811
+    """The runs live under the cluster's workers, not under the grid: their processes carry the
+    grid's mark (server/bench/grid_ray.py), and none may outlive the interrupted grid."""
+    address, _ = cluster
+    needle = "PROMPTFCL_BENCH_GRID="
+    assert marked(needle) == []  # no other cluster grid runs on this machine
+    status = interrupt_when_running(grid_command(tmp_path / "grid", "--ray-address", address), dict(os.environ),
+                                    needle, tmp_path / "grid.log")
+    assert_none_left(needle)
+    assert status == 128 + signal.SIGTERM, (tmp_path / "grid.log").read_text()[-3000:]
+    assert "grid interrupted: 0 of 4 runs done" in (tmp_path / "grid.log").read_text()
+    assert not list(Path(tempfile.gettempdir()).glob("promptfcl-grid-*"))  # the runs' folders on the node
 
 
 @pytest.mark.ray_cluster

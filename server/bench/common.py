@@ -134,22 +134,33 @@ def stop_run(proc: subprocess.Popen[str], mark: str, grace: float = 30.0) -> Non
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    deadline = time.monotonic() + min(grace, 10.0)
-    while (left := marked_processes(mark)) and time.monotonic() < deadline:
-        time.sleep(0.2)  # Ray's processes end on their own once their driver is gone
-    for _ in range(2):  # twice: a Ray daemon killed in the first pass may have just started a worker
-        for pid in marked_processes(mark):
+    left = kill_marked(mark, RUN_MARK, wait=min(grace, 10.0))
+    if left:
+        log.info("stopped %d leftover process(es) of the run in pid %d", left, proc.pid)
+
+
+def kill_marked(mark: str, variable: str, wait: float) -> int:
+    """Give the processes marked ``variable=mark`` ``wait`` seconds to end on their own (Ray's end
+    once their driver is gone), then kill them until two scans half a second apart find none (a
+    Ray daemon may start a process while it is being killed); returns how many were killed."""
+    deadline = time.monotonic() + wait
+    while marked_processes(mark, variable) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed, quiet, deadline = set(), 0, time.monotonic() + 10.0
+    while quiet < 2 and time.monotonic() < deadline:
+        found = marked_processes(mark, variable)
+        for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        if left:
-            time.sleep(0.5)
-    if left:
-        log.info("stopped %d leftover process(es) of the run in pid %d", len(left), proc.pid)
+        killed.update(found)
+        quiet = 0 if found else quiet + 1
+        time.sleep(0.5)
+    return len(killed)
 
 
-def marked_processes(mark: str) -> list[int]:
-    """Live processes whose environment carries ``RUN_MARK=mark`` (Linux /proc; zombies left out)."""
-    needle = f"{RUN_MARK}={mark}".encode()
+def marked_processes(mark: str, variable: str = RUN_MARK) -> list[int]:
+    """Live processes whose environment carries ``variable=mark`` (Linux /proc; zombies left out)."""
+    needle = f"{variable}={mark}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -57,6 +57,9 @@ class GridInterrupted(Exception):
     """SIGTERM reached the grid (Ctrl-C is KeyboardInterrupt)."""
 
 
+#: set while an interrupted grid stops its runs: their ends are not failures
+_stopping = threading.Event()
+
 #: a finished run's results, or None with the error of a failed one
 Outcome = tuple[dict[str, Any] | None, str | None]
 
@@ -102,7 +105,7 @@ def run_grid(runs: Sequence[GridRun], placement: Placement,
         missing = [runs[i].name for i in range(len(runs)) if i not in outcomes or outcomes[i][1] is not None]
         log.error("grid interrupted: %d of %d runs done, every run stopped; the same command again goes on "
                   "(unfinished runs resume from their checkpoints)\n  done: %s\n  not done: %s",
-                  len(done), len(runs), ", ".join(done) or "-", ", ".join(missing) or "-")
+                  len(done), len(runs), "; ".join(done) or "-", "; ".join(missing) or "-")
         raise
     return outcomes
 
@@ -145,7 +148,10 @@ def attempt(run: GridRun, settings: dict[str, Any], env: dict[str, str] | None =
     try:
         return run_simulation_subprocess(settings, out or run.run_dir, strategy=run.strategy, env=env), None
     except Exception as exc:  # noqa: BLE001 (one broken run must not cost the others)
-        log.error("%s FAILED; going on with the rest:\n%s", run.name, str(exc)[-1500:])
+        if _stopping.is_set():  # stopped by the grid's interruption, not broken
+            log.info("%s stopped", run.name)
+        else:
+            log.error("%s FAILED; going on with the rest:\n%s", run.name, str(exc)[-1500:])
         return None, f"{type(exc).__name__}: {str(exc)[-300:]}"
 
 
@@ -175,9 +181,10 @@ def _run_here(runs: Sequence[GridRun], todo: list[int], parallel: int) -> Genera
             slots.put(slot)
 
     pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="grid")
+    _stopping.clear()
     futures: dict[Future[Outcome], int] = {pool.submit(one, i): i for i in todo}
+    pending = set(futures)
     try:
-        pending = set(futures)
         while pending:
             # a short wait, so that the main thread sees Ctrl-C and SIGTERM between waits
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -186,19 +193,19 @@ def _run_here(runs: Sequence[GridRun], todo: list[int], parallel: int) -> Genera
     finally:
         for future in futures:
             future.cancel()
-        # the running children: each worker thread is in run_simulation_subprocess's wait; stop them
-        # from here (a thread cannot be interrupted), then let the threads see their child gone
-        _stop_children()
+        if pending:  # interrupted: each worker thread is in run_simulation_subprocess's wait; stop the
+            _stop_children()  # children from here (a thread cannot be interrupted), the threads then see them gone
         pool.shutdown(wait=True)
 
 
 def _stop_children(grace: float = 30.0) -> None:
     """SIGINT every live run this process started (the simulation shuts its Ray down, then
     run_simulation_subprocess reaps what is left of it), SIGKILL to the process group of one still
-    there after ``grace`` seconds; nothing where the grid ended normally. A second SIGTERM or
+    there after ``grace`` seconds. A second SIGTERM or
     Ctrl-C meanwhile is ignored: the stop must not be cut short."""
     from .common import RUN_MARK
 
+    _stopping.set()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -10,7 +10,9 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from .. import checkpoint
 from ..report import write_json_atomic
 from ..simulation import connect_ray
+from .common import kill_marked
 from .grid import GridRun, Outcome, Placement, attempt, slot_settings
 
 log = logging.getLogger("promptfcl")
@@ -29,16 +32,21 @@ RETURNED = ("results.json", "simulate.log", checkpoint.FILENAME)
 CANCEL_GRACE = 60.0
 
 
-def run_remote(run: GridRun, settings: dict[str, Any], saved: bytes | None) -> dict[str, Any]:
+#: the environment variable that marks every process of a cluster grid's runs (with the grid's token)
+GRID_MARK = "PROMPTFCL_BENCH_GRID"
+
+
+def run_remote(run: GridRun, settings: dict[str, Any], saved: bytes | None, grid: str) -> dict[str, Any]:
     """The body of one run's Ray task, on whichever node Ray chose: the run in a temporary folder
-    (resumed from ``saved``, a checkpoint, if given), sized to the CPUs Ray gave the task; returns
-    its outcome and files."""
+    (resumed from ``saved``, a checkpoint, if given), sized to the CPUs Ray gave the task, its
+    processes marked with the ``grid`` token (:func:`reap`); returns its outcome and files."""
     import ray
 
     cores = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
     # the run starts a Ray of its own on this node: nothing of this worker's Ray may leak into it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    with tempfile.TemporaryDirectory(prefix="promptfcl-grid-") as tmp:
+    env[GRID_MARK] = grid
+    with tempfile.TemporaryDirectory(prefix=f"promptfcl-grid-{grid}-") as tmp:
         out = Path(tmp) / run.run_dir.name
         out.mkdir()
         if saved is not None:
@@ -67,10 +75,10 @@ def run_on_cluster(runs: Sequence[GridRun], todo: list[int],
         log.info("grid on the Ray cluster at %s (%g CPUs, %g GPUs): %d runs as Ray tasks of %g CPU(s) and "
                  "%g GPU(s)", placement.ray_address, cluster_cpus, cluster_gpus, len(todo), cpus, gpus)
         task = ray.remote(run_remote).options(num_cpus=cpus, num_gpus=gpus, max_retries=2)
-        refs = {}
+        grid, refs = uuid.uuid4().hex[:16], {}
         for i in todo:
             saved = runs[i].run_dir / checkpoint.FILENAME
-            refs[task.remote(runs[i], runs[i].settings, saved.read_bytes() if saved.is_file() else None)] = i
+            refs[task.remote(runs[i], runs[i].settings, saved.read_bytes() if saved.is_file() else None, grid)] = i
         pending = list(refs)
         try:
             while pending:
@@ -78,7 +86,8 @@ def run_on_cluster(runs: Sequence[GridRun], todo: list[int],
                 for ref in done:
                     yield refs[ref], _collect(runs[refs[ref]], ref)
         finally:
-            _cancel(pending)
+            if pending:
+                _cancel(pending, grid)
     finally:
         ray.shutdown()
 
@@ -107,16 +116,28 @@ def _collect(run: GridRun, ref: Any) -> Outcome:
     return reply["results"], reply["error"]
 
 
-def _cancel(pending: list[Any]) -> None:
-    """Stop the tasks still going: a cancel first (the task's run stops its simulation and its Ray,
-    keeping its checkpoint), Ray's kill of the worker for those that do not end in time."""
+def _cancel(pending: list[Any], grid: str) -> None:
+    """Stop the tasks still going: a cancel (the task's run stops its simulation and its Ray), then,
+    on every node, a task that ends whatever process of this grid is left (a cancelled task's
+    worker may be killed before its run has finished stopping) and removes its temporary folders."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if not pending:
-        return
     log.info("stopping %d run(s) on the cluster", len(pending))
     for ref in pending:
         ray.cancel(ref)
-    _, left = ray.wait(pending, num_returns=len(pending), timeout=CANCEL_GRACE)
-    for ref in left:
-        ray.cancel(ref, force=True)
+    ray.wait(pending, num_returns=len(pending), timeout=CANCEL_GRACE)
+    reaper = ray.remote(reap)
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    reaped = ray.get([reaper.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                      .remote(grid) for node in nodes], timeout=CANCEL_GRACE)
+    log.info("stopped; %d leftover process(es) of the grid ended on %d node(s)", sum(reaped), len(nodes))
+
+
+def reap(grid: str) -> int:
+    """On this node: give a cancelled run's processes (marked with ``grid``) a few seconds to end,
+    kill those left, remove the grid's temporary folders; returns how many were killed."""
+    killed = kill_marked(grid, GRID_MARK, wait=10.0)
+    for folder in Path(tempfile.gettempdir()).glob(f"promptfcl-grid-{grid}-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    return killed
