@@ -100,14 +100,27 @@ def run_grid(runs: Sequence[GridRun], placement: Placement,
                     on_result(dict(outcomes))
             finally:
                 execute.close()  # stops the runs still going when the grid is interrupted
-    except (KeyboardInterrupt, GridInterrupted):
+    except BaseException as exc:
+        if not _interruption(exc):
+            raise
         done = [runs[i].name for i in sorted(outcomes) if outcomes[i][1] is None]
         missing = [runs[i].name for i in range(len(runs)) if i not in outcomes or outcomes[i][1] is not None]
         log.error("grid interrupted: %d of %d runs done, every run stopped; the same command again goes on "
                   "(unfinished runs resume from their checkpoints)\n  done: %s\n  not done: %s",
                   len(done), len(runs), "; ".join(done) or "-", "; ".join(missing) or "-")
-        raise
+        if isinstance(exc, (KeyboardInterrupt, GridInterrupted)):
+            raise
+        raise GridInterrupted(str(exc)) from exc  # Ray wraps a signal that reached its wait
     return outcomes
+
+
+def _interruption(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was caused by, Ctrl-C or SIGTERM (Ray re-raises them wrapped)."""
+    while exc is not None:
+        if isinstance(exc, (KeyboardInterrupt, GridInterrupted)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def slot_settings(settings: dict[str, Any], cores: int, ray_cpus: int) -> dict[str, Any]:
@@ -248,15 +261,23 @@ def _sigterm_raises() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupted(signum: int, frame: object) -> None:
-        raise GridInterrupted(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupted)
+    previous = signal.getsignal(signal.SIGTERM)
+    raise_on_sigterm()
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def raise_on_sigterm() -> None:
+    """(Again) make SIGTERM raise :class:`GridInterrupted` in the main thread: ``ray.init`` replaces
+    the handler with one that exits at once, which would leave a cluster grid's tasks running."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise GridInterrupted(f"signal {signum}")
 
 
 class _Progress:

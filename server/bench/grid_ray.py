@@ -21,7 +21,7 @@ from .. import checkpoint
 from ..report import write_json_atomic
 from ..simulation import connect_ray
 from .common import kill_marked
-from .grid import GridRun, Outcome, Placement, attempt, slot_settings
+from .grid import GridRun, Outcome, Placement, attempt, raise_on_sigterm, slot_settings
 
 log = logging.getLogger("promptfcl")
 
@@ -66,6 +66,7 @@ def run_on_cluster(runs: Sequence[GridRun], todo: list[int],
     if not todo:
         return
     nodes = connect_ray(placement.ray_address)
+    raise_on_sigterm()
     try:
         cluster_cpus, cluster_gpus = sum(n.cpus for n in nodes), sum(n.gpus for n in nodes)
         largest = max((n.cpus for n in nodes), default=0.0)
