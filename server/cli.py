@@ -6,6 +6,7 @@ promptfcl pretrain [--source fashion-mnist] [--epochs 2] [--set key=value ...]
 promptfcl resume DIR                   continue a run that was stopped (checkpoint in DIR)
 promptfcl bench perf [--out DIR]       speed against the compute bound, scale, memory, bytes
 promptfcl bench compare [--methods ..] every method on identical splits, seeds, heterogeneity
+                                       (--parallel N: N runs at once; --ray-address ADDR: on a Ray cluster)
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
 promptfcl bench edge [--out DIR]       one client round at ViT-B/16 dimensions within a node's memory budget
 promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
@@ -22,6 +23,7 @@ import glob
 import json
 import logging
 import shutil
+import signal
 import sys
 import time as _time
 from pathlib import Path
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rob.add_argument("--seeds", default="0,1")
     rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
     rob.add_argument("--no-clean", action="store_true", help="attacks only (the clean runs measured in another --out)")
+    _grid_arguments(rob)
     cmp_ = bench_sub.add_parser(
         "compare",
         help="every method + FedAvg-Prompt + the centralised references (incremental and joint) on identical splits",
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out the centralised references upper-bound-incremental and upper-bound-joint "
         "(they ignore the partition: one run per seed each)",
     )
+    _grid_arguments(cmp_)
     show = sub.add_parser("show", help="print the result table of a finished run")
     show.add_argument("dir")
     sub.add_parser("strategies", help="list the available methods")
@@ -297,7 +301,32 @@ def _prepare_out_dir(out_dir: str, resume: bool) -> None:
         log.info("moved the previous results in %s to %s", out, archive)
 
 
+def _grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a grid benchmark's runs compute (server/bench/grid.py); none changes a run's results."""
+    parser.add_argument("--parallel", type=int, default=1, metavar="N",
+                        help="runs at once, each its own process with 1/N of the cores (client-cpus, threads) and "
+                        "of the GPUs; with --ray-address: runs at once on the cluster (default there: one CPU each)")
+    parser.add_argument("--ray-address", default="", metavar="ADDR",
+                        help="submit the runs as Ray tasks to the running Ray cluster at ADDR (HOST:PORT or auto); "
+                        "each run's files come back into --out")
+
+
+def _placement(args: argparse.Namespace) -> bench.Placement:
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
+    return bench.Placement(args.parallel, args.ray_address)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    try:
+        return _bench_command(args)
+    except KeyboardInterrupt:  # the grid stopped its runs and said what is done (server/bench/grid.py)
+        return 130
+    except bench.GridInterrupted:
+        return 128 + signal.SIGTERM
+
+
+def _bench_command(args: argparse.Namespace) -> int:
     try:
         if args.bench == "edge":
             wanted = [v for v in args.rows.split(",") if v]
@@ -363,6 +392,7 @@ def _bench(args: argparse.Namespace) -> int:
                 [int(v) for v in args.seeds.split(",")],
                 args.share,
                 clean=not args.no_clean,
+                placement=_placement(args),
             )
         elif args.bench == "perf":
             pops = tuple(int(v) for v in args.populations.split(","))
@@ -373,7 +403,8 @@ def _bench(args: argparse.Namespace) -> int:
             upper_bound = not args.no_upper_bound and base.get("task-generator") != "random"  # no centralised form
             if base.get("task-generator") == "random" and settings != [{}]:  # the partition plays no part
                 raise ConfigError("task-generator = random: partitions do not apply; use --settings default")
-            bench.compare(Path(args.out), base, chosen, seeds, settings, upper_bound=upper_bound)
+            bench.compare(Path(args.out), base, chosen, seeds, settings, upper_bound=upper_bound,
+                          placement=_placement(args))
     except (ConfigError, DataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

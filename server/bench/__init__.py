@@ -9,7 +9,9 @@ These print figures; they are not tests. ``perf`` measures
 * bytes per round per method against the size of a full ViT-B/16.
 ``compare`` runs every method plus FedAvg-Prompt and the centralised references on
 identical task orders and client splits, for several seeds and heterogeneity levels,
-and writes a Markdown and CSV table with plots. ``data-memory`` measures a client's peak
+and writes a Markdown and CSV table with plots; it and ``robustness`` run their grid through
+``grid.run_grid`` (one after another, ``--parallel N`` at once, or on a Ray cluster).
+``data-memory`` measures a client's peak
 memory and first round on synthetic 224-px datasets of two sizes, with the memory-mapped
 data cache and without. ``paper-dims`` runs one round of every
 paper configuration at the papers' model dimensions (ViT-B/16 with random weights) on a
@@ -32,8 +34,10 @@ from .comparison import compare, finished_run, parse_method, summary_table
 from .data_memory import data_memory
 from .deploy import deploy_overhead
 from .edge import edge_rounds
+from .grid import GridInterrupted, Placement
 from .paper_scale import paper_dims
 from .speed import perf
 
-__all__ = ["DEFENCES", "compare", "data_memory", "deploy_overhead", "edge_rounds", "finished_run", "paper_dims",
-           "parse_method", "perf", "robustness", "run_simulation_subprocess", "summary_table"]
+__all__ = ["DEFENCES", "GridInterrupted", "Placement", "compare", "data_memory", "deploy_overhead", "edge_rounds",
+           "finished_run", "paper_dims", "parse_method", "perf", "robustness", "run_simulation_subprocess",
+           "summary_table"]

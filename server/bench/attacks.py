@@ -14,8 +14,8 @@ from ...client.faults import STATISTICS_ATTACKS
 from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, METRICS
 from ...strategies.registry import strategy_class
-from .common import run_simulation_subprocess
 from .comparison import finished_run, parse_method
+from .grid import SEQUENTIAL, GridRun, Outcome, Placement, run_grid
 
 log = logging.getLogger("promptfcl")
 
@@ -46,19 +46,20 @@ DEFENCES: dict[str, dict[str, Any]] = {
 
 def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], attacks: Sequence[str],
                defences: Sequence[str], seeds: Sequence[int], share: float = 0.2,
-               clean: bool = True) -> list[dict[str, Any]]:
+               clean: bool = True, placement: Placement = SEQUENTIAL) -> list[dict[str, Any]]:
     """A_N of each method when a fixed ``share`` of the client population is hostile (``fault`` =
     each attack, ``fault-clients`` = that many client ids), under each defence, and of the
     clean run under each defence ("off": each paper's aggregation; what a defence costs when
     nobody attacks; ``clean`` False: attacks only, against clean runs measured elsewhere); writes
-    ``robustness.{json,md}``."""
+    ``robustness.{json,md}``; the runs where ``placement`` says (:func:`.grid.run_grid`), a failed
+    run named in robustness.md and left out of the tables."""
     out_dir.mkdir(parents=True, exist_ok=True)
     population = int(ExperimentConfig.from_dict(base).federation.num_clients)
     hostile = max(1, round(share * population))
     fault_clients = ",".join(str(c) for c in range(hostile))
-    rows: list[dict[str, Any]] = []
     # attacks meet every defence but "off" (undefended, a reply reversed x10 is taken as it is)
     cases = [("clean", d) for d in defences if clean] + [(a, d) for a in attacks for d in defences if d != "off"]
+    cells, runs = [], []
     for method in methods:
         for attack, defence in cases:
             if attack in STATISTICS_ATTACKS and not uploads_statistics(method):
@@ -67,28 +68,41 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
                 settings = {**base, **DEFENCES[defence], "seed": seed}
                 if attack != "clean":
                     settings.update({"fault": attack, "fault-clients": fault_clients})
-                run_dir = out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"
-                results = finished_run(run_dir, {**settings, "strategy": method})
-                if results is None:
-                    log.info("%s, attack %s, defence %s, seed %d", method, attack, defence, seed)
-                    results = run_simulation_subprocess(settings, run_dir, strategy=method)
-                rounds = results["rounds"]
-                rows.append({"method": method, "attack": attack, "defence": defence, "seed": seed,
-                             "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
-                             "replies_excluded": sum(1 for r in rounds for x in r["rejected"]
-                                                     if x["reason"] != "no training examples"),
-                             "replies_aggregated": sum(r["clients_aggregated"] for r in rounds),
-                             # what each defence did over the run (defended runs): replies excluded by
-                             # the norm filter and the direction check, replies clipped, statistics rows bounded
-                             "defences": {k: sum(r.get("defences", {}).get(k, 0) for r in rounds)
-                                          for k in ("norm-filter", "direction", "struck-out", "clip", "stats")}})
-                (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
+                cells.append((method, attack, defence, seed))
+                runs.append(GridRun(f"{method}, attack {attack}, defence {defence}, seed {seed}", method, settings,
+                                    out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"))
+
+    def write(outcomes: dict[int, Outcome]) -> list[dict[str, Any]]:
+        rows = [_row(*cells[i], outcomes[i][0]) for i in sorted(outcomes)  # type: ignore[arg-type]
+                if outcomes[i][0] is not None]
+        (out_dir / "robustness.json").write_text(json.dumps(rows, indent=1))
+        return rows
+
+    outcomes = run_grid(runs, placement, lambda run: finished_run(run.run_dir, {**run.settings,
+                                                                               "strategy": run.strategy}),
+                        on_result=write)
+    rows = write(outcomes)
+    failed = [f"{runs[i].name} (log: {runs[i].run_dir})" for i in sorted(outcomes) if outcomes[i][0] is None]
     table = robustness_table(rows, f"{hostile} of {population} clients")
     for defence in (d for d in defences if d != "off"):
         table += "\n\n" + robustness_summary(rows, defence)
-    (out_dir / "robustness.md").write_text(table + "\n")
-    print(table)
+    failures = "".join(f"\n* failed, left out: {f}" for f in failed)
+    (out_dir / "robustness.md").write_text(table + "\n" + failures + ("\n" if failed else ""))
+    print(table + failures)
     return rows
+
+
+def _row(method: str, attack: str, defence: str, seed: int, results: dict[str, Any]) -> dict[str, Any]:
+    """A run's line of robustness.json."""
+    rounds = results["rounds"]
+    return {"method": method, "attack": attack, "defence": defence, "seed": seed,
+            "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
+            "replies_excluded": sum(1 for r in rounds for x in r["rejected"] if x["reason"] != "no training examples"),
+            "replies_aggregated": sum(r["clients_aggregated"] for r in rounds),
+            # what each defence did over the run (defended runs): replies excluded by the norm filter
+            # and the direction check, replies clipped, statistics rows bounded
+            "defences": {k: sum(r.get("defences", {}).get(k, 0) for r in rounds)
+                         for k in ("norm-filter", "direction", "struck-out", "clip", "stats")}}
 
 
 def uploads_statistics(method: str) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 from ...common.config import ExperimentConfig
 from ...common.config_files import parse_overrides
 from ...strategies.registry import check_method, methods
-from .common import run_simulation_subprocess
+from .grid import SEQUENTIAL, GridRun, Outcome, Placement, run_grid
 
 log = logging.getLogger("promptfcl")
 
@@ -27,16 +26,17 @@ UPPER_BOUNDS = {"upper-bound-incremental": "incremental", "upper-bound-joint": "
 
 
 def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list[int],
-            settings: list[dict[str, Any]], upper_bound: bool = True) -> list[dict[str, Any]]:
+            settings: list[dict[str, Any]], upper_bound: bool = True,
+            placement: Placement = SEQUENTIAL) -> list[dict[str, Any]]:
     """Every method (+ the two centralised references, ``UPPER_BOUNDS``) x heterogeneity setting x seed,
-    each computed as its paper defines it: ``defences = "off"`` unless ``base`` says otherwise."""
+    each computed as its paper defines it: ``defences = "off"`` unless ``base`` says otherwise; the
+    runs where ``placement`` says (:func:`.grid.run_grid`), the tables from their results in grid order."""
     base = {"defences": "off", **base}
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[dict[str, Any]] = []
-    failed: list[str] = []
     references = list(UPPER_BOUNDS) if upper_bound else []
-    runs = [(m, s, h) for h in settings for m in methods + references for s in seeds]
-    for i, (method, seed, setting) in enumerate(runs, 1):
+    cells = [(m, s, h) for h in settings for m in methods + references for s in seeds]
+    runs = []
+    for method, seed, setting in cells:
         label = _setting_label(setting)
         strategy, options = parse_method(method)
         run_settings = {**base, **setting, **options, "seed": seed}
@@ -45,38 +45,42 @@ def compare(out_dir: Path, base: dict[str, Any], methods: list[str], seeds: list
             strategy = "fedavg"
             run_settings = {**base, "seed": seed, "centralised": True, "centralised-mode": UPPER_BOUNDS[method]}
             run_dir = out_dir / "runs" / f"{method}-seed{seed}"
-        results = finished_run(run_dir, {**run_settings, "strategy": strategy})
-        if results is not None:
-            log.info("[%d/%d] %s, %s, seed %d: reusing %s", i, len(runs), method, label, seed, run_dir)
-        else:
-            log.info("[%d/%d] %s, %s, seed %d", i, len(runs), method, label, seed)
-            try:
-                results = run_simulation_subprocess(run_settings, run_dir, strategy=strategy)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one broken run must not cost the others
-                log.error("[%d/%d] %s, %s, seed %d FAILED; going on with the rest:\n%s",
-                          i, len(runs), method, label, seed, str(exc)[-1500:])
-                failed.append(f"{method}, {label}, seed {seed} (log: {run_dir})")
-                _write_compare(out_dir, rows, failed)
-                continue
-        comm, timing = results["communication"], results["timing"]
-        rows.append({
-            "method": method, "setting": label, "seed": seed,
-            "A_N": results["final_average_accuracy"], "AIA": results["average_incremental_accuracy"],
-            "forgetting": results["average_forgetting"],
-            "bytes_s2c_per_round": comm["bytes_s2c_per_round"], "bytes_c2s_per_round": comm["bytes_c2s_per_round"],
-            "client_seconds_per_round": timing["client_seconds_per_round"],
-            "server_seconds_per_round": timing["server_seconds_per_round"],
-        })
-        if results.get("asynchronous"):  # random tasks: Powder's section 5.1 metrics
-            a = results["asynchronous"]
-            rows[-1].update({"FM": a["forgetting_measure"], "FT": a.get("forward_transfer", np.nan),
-                             "BT": a["backward_transfer"], "CT": a.get("combined_transfer", np.nan),
-                             "bytes_s2c_total": comm["bytes_s2c_total"], "bytes_c2s_total": comm["bytes_c2s_total"]})
+        runs.append(GridRun(f"{method}, {label}, seed {seed}", strategy, run_settings, run_dir))
+
+    def tables(outcomes: dict[int, Outcome]) -> tuple[list[dict[str, Any]], list[str]]:
+        rows = [_row(method, _setting_label(setting), seed, outcomes[i][0])  # type: ignore[arg-type]
+                for i, (method, seed, setting) in enumerate(cells) if i in outcomes and outcomes[i][0] is not None]
+        failed = [f"{runs[i].name} (log: {runs[i].run_dir})" for i in sorted(outcomes) if outcomes[i][0] is None]
         _write_compare(out_dir, rows, failed)
+        return rows, failed
+
+    outcomes = run_grid(runs, placement, lambda run: finished_run(run.run_dir, {**run.settings,
+                                                                               "strategy": run.strategy}),
+                        on_result=tables)
+    rows, failed = tables(outcomes)
     print(summary_table(rows))
     if failed:
         print("failed runs (left out of the table):\n  " + "\n  ".join(failed))
     return rows
+
+
+def _row(method: str, label: str, seed: int, results: dict[str, Any]) -> dict[str, Any]:
+    """A run's line of the comparison table."""
+    comm, timing = results["communication"], results["timing"]
+    row = {
+        "method": method, "setting": label, "seed": seed,
+        "A_N": results["final_average_accuracy"], "AIA": results["average_incremental_accuracy"],
+        "forgetting": results["average_forgetting"],
+        "bytes_s2c_per_round": comm["bytes_s2c_per_round"], "bytes_c2s_per_round": comm["bytes_c2s_per_round"],
+        "client_seconds_per_round": timing["client_seconds_per_round"],
+        "server_seconds_per_round": timing["server_seconds_per_round"],
+    }
+    if results.get("asynchronous"):  # random tasks: Powder's section 5.1 metrics
+        a = results["asynchronous"]
+        row.update({"FM": a["forgetting_measure"], "FT": a.get("forward_transfer", np.nan),
+                    "BT": a["backward_transfer"], "CT": a.get("combined_transfer", np.nan),
+                    "bytes_s2c_total": comm["bytes_s2c_total"], "bytes_c2s_total": comm["bytes_c2s_total"]})
+    return row
 
 
 def finished_run(run_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
