@@ -53,7 +53,7 @@ def test_a_failing_run_is_reported_and_the_comparison_goes_on(tmp_path, monkeypa
                 "average_forgetting": 5.0, "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
                 "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
 
-    monkeypatch.setattr("promptfcl.server.bench.grid.run_simulation_subprocess", fake_run)
+    monkeypatch.setattr("promptfcl.server.bench.grid_parts.run_simulation_subprocess", fake_run)
     rows = bench.compare(tmp_path, dict(TINY), ["fedavg", "hgp"], [0, 1], [{"partition": "iid"}], upper_bound=False)
     assert [(r["method"], r["seed"]) for r in rows] == [("fedavg", 0), ("fedavg", 1)]
     md = (tmp_path / "compare.md").read_text()
@@ -114,7 +114,7 @@ def test_compare_reports_the_incremental_and_the_joint_upper_bound(tmp_path, mon
                 "communication": {"bytes_s2c_per_round": 1.0, "bytes_c2s_per_round": 1.0},
                 "timing": {"client_seconds_per_round": 0.1, "server_seconds_per_round": 0.01}}
 
-    monkeypatch.setattr("promptfcl.server.bench.grid.run_simulation_subprocess", fake_run)
+    monkeypatch.setattr("promptfcl.server.bench.grid_parts.run_simulation_subprocess", fake_run)
     rows = bench.compare(tmp_path, dict(TINY), ["fedavg"], [0], [{"partition": "iid"},
                                                                  {"partition": "quantity-skew", "dirichlet-beta": 0.5}])
     assert {(r["method"], r["setting"]) for r in rows} == {

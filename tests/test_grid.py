@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from promptfcl.server.bench.grid import gpu_slots, slot_settings
+from promptfcl.server.bench.grid_parts import gpu_slots, slot_settings
 from tests.conftest import TINY
 from tests.test_ray_cluster import cluster  # noqa: F401  (the two-node loopback Ray cluster, reused)
 
@@ -220,7 +220,7 @@ def test_robustness_runs_its_grid_through_the_runner_in_any_order(tmp_path, monk
         return {"final_average_accuracy": 40.0 + settings["seed"], "average_forgetting": 1.0,
                 "rounds": [{"rejected": [], "clients_aggregated": 2}]}
 
-    monkeypatch.setattr("promptfcl.server.bench.grid.run_simulation_subprocess", fake_run)
+    monkeypatch.setattr("promptfcl.server.bench.grid_parts.run_simulation_subprocess", fake_run)
     rows = bench.robustness(tmp_path, dict(TINY), ["fedavg", "hgp"], [], ["off"], [0, 1],
                             placement=bench.Placement(parallel=2))
     assert order[0] != ("fedavg", 0)  # the first run finished after others

@@ -34,7 +34,7 @@ from .comparison import compare, finished_run, parse_method, summary_table
 from .data_memory import data_memory
 from .deploy import deploy_overhead
 from .edge import edge_rounds
-from .grid import GridInterrupted, Placement
+from .grid_parts import GridInterrupted, Placement
 from .paper_scale import paper_dims
 from .speed import perf
 

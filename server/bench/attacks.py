@@ -15,7 +15,8 @@ from ...common.config import ExperimentConfig
 from ...common.records import ARRAYS, METRICS
 from ...strategies.registry import strategy_class
 from .comparison import finished_run, parse_method
-from .grid import SEQUENTIAL, GridRun, Outcome, Placement, run_grid
+from .grid import run_grid
+from .grid_parts import SEQUENTIAL, GridRun, Outcome, Placement
 
 log = logging.getLogger("promptfcl")
 

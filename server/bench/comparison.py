@@ -15,7 +15,8 @@ import numpy as np
 from ...common.config import ExperimentConfig
 from ...common.config_files import parse_overrides
 from ...strategies.registry import check_method, methods
-from .grid import SEQUENTIAL, GridRun, Outcome, Placement, run_grid
+from .grid import run_grid
+from .grid_parts import SEQUENTIAL, GridRun, Outcome, Placement
 
 log = logging.getLogger("promptfcl")
 

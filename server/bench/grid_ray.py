@@ -21,7 +21,7 @@ from .. import checkpoint
 from ..report import write_json_atomic
 from ..simulation import connect_ray
 from .common import kill_marked
-from .grid import GridRun, Outcome, Placement, attempt, raise_on_sigterm, slot_settings
+from .grid_parts import GridRun, Outcome, Placement, attempt, raise_on_sigterm, slot_settings
 
 log = logging.getLogger("promptfcl")
 
