@@ -55,11 +55,11 @@ def slot_settings(settings: dict[str, Any], cores: int, ray_cpus: int) -> dict[s
     sized so that at most ``cores`` train at once (``client-cpus``), each with its share of torch
     threads (``threads``); a value the user chose is kept."""
     cfg = ExperimentConfig.from_dict(settings)
-    actors = max(1, min(cores, cfg.sampled_per_round))
+    actors = max(1, min(cores, cfg.federation.sampled_per_round))
     extra: dict[str, Any] = {}
-    if cfg.client_cpus == "auto":
+    if cfg.placement.client_cpus == "auto":
         extra["client-cpus"] = str(int(ray_cpus / actors * 1e4) / 1e4)
-    if cfg.threads == 0:
+    if cfg.placement.threads == 0:
         extra["threads"] = max(1, cores // actors)
     return {**settings, **extra}
 
