@@ -63,7 +63,8 @@ src, dst, *sets = sys.argv[1:]
 try:
     cfg = load_config(src, sets, None, None)
     # what the ServerApp checks before it builds anything, checked before sending
-    check_server_footprint(BackboneSpec.of(cfg), cfg.batch_size, cfg.prompt_length, cfg.image_size)
+    check_server_footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length,
+                           cfg.model.image_size)
     wanted = load_config(src, [], None, None).to_dict()
     wanted.update(parse_overrides(sets))
 except ConfigError as exc:
@@ -73,9 +74,9 @@ except ConfigError as exc:
 # that chose a backbone of their own (deploy/README.md): asked of such a node, the others of a
 # node started without one. Said once, here (not also as the node's log line).
 logging.getLogger("promptfcl").addHandler(logging.NullHandler())
-node = NodePolicy(limits={}, weights="timm" if cfg.weights == "timm" else None)
+node = NodePolicy(limits={}, weights="timm" if cfg.model.weights == "timm" else None)
 try:
-    node.backbone_weights(cfg.backbone, cfg.weights)
+    node.backbone_weights(cfg.model.backbone, cfg.model.weights)
 except NodeRefusal as exc:
     sys.exit(f"error: the run was not submitted: {exc}. A deployed node never opens a weights file or backbone "
              "source the run names: one started with weights of its own (start-client.sh --node "
@@ -89,8 +90,9 @@ keys = [k for k in final if k in wanted and (k not in defaults or final[k] != de
 with open(dst, "w") as fh:
     for k in keys:
         fh.write(f'"{k}" = {toml_value(final[k])}\n')
-print(f"run config: {cfg.population} population, {cfg.evaluation} evaluation, strategy {cfg.strategy}, "
-      f"{cfg.num_tasks} tasks x {cfg.rounds_per_task} rounds, {cfg.num_clients} nodes", file=sys.stderr)
+print(f"run config: {cfg.federation.population} population, {cfg.evaluation.evaluation} evaluation, "
+      f"strategy {cfg.run.strategy}, "
+      f"{cfg.data.num_tasks} tasks x {cfg.federation.rounds_per_task} rounds, {cfg.federation.num_clients} nodes", file=sys.stderr)
 EOF
 
 write_connection promptfcl "$superlink" "$ca" "$insecure"
