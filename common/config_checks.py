@@ -11,19 +11,8 @@ from .files import class_name_problem
 from .schedule import task_schedule
 
 if TYPE_CHECKING:
+    from . import config_sections as sections
     from .config import ExperimentConfig
-    from .config_sections import (
-        CachingSection,
-        DataSection,
-        EvaluationSection,
-        FederationSection,
-        ModelSection,
-        OutputSection,
-        PlacementSection,
-        RobustnessSection,
-        RunSection,
-        TrainingSection,
-    )
 
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
@@ -64,11 +53,11 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def check_run(r: RunSection) -> None:
+def check_run(r: sections.RunSection) -> None:
     need(r.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {r.precision!r}")
 
 
-def check_data(d: DataSection) -> None:
+def check_data(d: sections.DataSection) -> None:
     need(d.num_tasks >= 1, f"num-tasks must be >= 1, got {d.num_tasks}")
     need(d.task_generator in TASK_GENERATORS,
          f"task-generator must be one of {TASK_GENERATORS}, got {d.task_generator!r}")
@@ -100,7 +89,7 @@ def check_data(d: DataSection) -> None:
          f"class-names lists {len(names)} classes but num-classes = {d.num_classes}")
 
 
-def check_federation(f: FederationSection) -> None:
+def check_federation(f: sections.FederationSection) -> None:
     need(f.rounds_per_task >= 1, f"rounds-per-task must be >= 1, got {f.rounds_per_task}")
     need(f.num_clients >= 1, f"num-clients must be >= 1, got {f.num_clients}")
     need(f.clients_per_round >= 0, "clients-per-round must be >= 0")
@@ -130,7 +119,7 @@ def check_federation(f: FederationSection) -> None:
     need(f.population in POPULATIONS, f"population must be one of {POPULATIONS}, got {f.population!r}")
 
 
-def check_training(t: TrainingSection) -> None:
+def check_training(t: sections.TrainingSection) -> None:
     need(t.local_epochs >= 1, "local-epochs must be >= 1")
     need(t.batch_size >= 1, "batch-size must be >= 1")
     need(t.lr > 0, "lr must be > 0")
@@ -147,7 +136,7 @@ def check_training(t: TrainingSection) -> None:
     need(0.0 < t.augment_crop_scale <= 1.0, f"augment-crop-scale must be in (0, 1], got {t.augment_crop_scale}")
 
 
-def check_model(m: ModelSection) -> None:
+def check_model(m: sections.ModelSection) -> None:
     need(m.head in HEADS, f"head must be one of {HEADS}, got {m.head!r}")
     need(m.input_norm in INPUT_NORMS, f"input-norm must be one of {INPUT_NORMS}, got {m.input_norm!r}")
     need(m.prompt_tokens in PROMPT_TOKENS, f"prompt-tokens must be one of {PROMPT_TOKENS}, got {m.prompt_tokens!r}")
@@ -169,13 +158,13 @@ def check_model(m: ModelSection) -> None:
     need(m.image_size >= 8, "image-size must be >= 8")
 
 
-def check_evaluation(e: EvaluationSection) -> None:
+def check_evaluation(e: sections.EvaluationSection) -> None:
     need(0.0 < e.eval_crop <= 1.0, f"eval-crop must be in (0, 1], got {e.eval_crop}")
     need(e.evaluation in EVALUATIONS, f"evaluation must be one of {EVALUATIONS}, got {e.evaluation!r}")
     need(e.evaluate_every >= 1, f"evaluate-every must be >= 1, got {e.evaluate_every}")
 
 
-def check_robustness(r: RobustnessSection) -> None:
+def check_robustness(r: sections.RobustnessSection) -> None:
     need(r.round_timeout > 0, "round-timeout must be > 0")
     need(r.min_replies >= 1, "min-replies must be >= 1")
     need(r.round_retries >= 0, "round-retries must be >= 0")
@@ -214,7 +203,7 @@ def check_robustness(r: RobustnessSection) -> None:
     need(r.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
 
 
-def check_placement(p: PlacementSection) -> None:
+def check_placement(p: sections.PlacementSection) -> None:
     need(p.device in DEVICES, f"device must be one of {DEVICES}, got {p.device!r}")
     need(p.threads >= 0, "threads must be >= 0")
     for key, raw in (("client-cpus", p.client_cpus), ("client-gpus", p.client_gpus)):
@@ -232,12 +221,12 @@ def check_placement(p: PlacementSection) -> None:
          f"got {p.ray_address!r}")
 
 
-def check_output(o: OutputSection) -> None:
+def check_output(o: sections.OutputSection) -> None:
     need(o.tracker in TRACKERS, f"tracker must be one of {TRACKERS}, got {o.tracker!r}")
     need(o.max_rounds >= 0, f"max-rounds must be >= 0 (0: run to the end), got {o.max_rounds}")
 
 
-def check_caching(c: CachingSection) -> None:
+def check_caching(c: sections.CachingSection) -> None:
     need(c.query_cache_disk in ("auto", "on", "off"),
          f"query-cache-disk must be 'auto', 'on' or 'off', got {c.query_cache_disk!r}")
     need(c.backbone_cache_disk in ("auto", "on", "off"),
