@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
+    bench.common.interruptible_when_benchmarked()
     try:
         run_simulation(cfg, supernodes=args.supernodes, verbose=args.verbose)
     except ConfigError as exc:  # the cluster cannot host the clients as configured

@@ -228,3 +228,32 @@ def test_statistics_attacks_run_only_against_methods_that_upload_statistics():
     from promptfcl.strategies.registry import methods
 
     assert {m for m in methods() if uploads_statistics(m)} == {"hgp", "fppl", "powder", "c2prompt", "lorm", "pilora"}
+
+
+def test_a_benchmarked_simulation_started_with_sigint_ignored_still_stops_on_sigint():
+    """A benchmark run in the background hands its simulation SIGINT ignored; the simulation
+    takes it back (only where a benchmark marked it), so stop_run's SIGINT stops it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from promptfcl.server.bench.common import RUN_MARK
+
+    child = ("import os, signal, time\n"
+             "from promptfcl.server.bench.common import interruptible_when_benchmarked as restore\n"
+             "print(restore(), flush=True)\n"
+             "try:\n    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('kept-going')\n"
+             "except KeyboardInterrupt:\n    print('interrupted')\n")
+
+    def ignored() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def run(env: dict[str, str]) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", child], env=env, preexec_fn=ignored, capture_output=True,
+                             text=True, check=True)
+        return out.stdout.split()
+
+    env = {k: v for k, v in os.environ.items() if k != RUN_MARK}
+    assert run({**env, RUN_MARK: "x"}) == ["True", "interrupted"]
+    assert run(env) == ["False", "kept-going"]  # not a benchmark's child: left as its parent set it

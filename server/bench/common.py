@@ -123,6 +123,17 @@ def run_simulation_subprocess(settings: dict[str, Any], out: Path, strategy: str
     return results
 
 
+def interruptible_when_benchmarked() -> bool:
+    """In a simulation a benchmark started (it carries :data:`RUN_MARK`), take SIGINT as Ctrl-C
+    even if it arrived ignored: a benchmark started in the background (``&``, ``nohup``) hands its
+    children SIGINT ignored, and :func:`stop_run` stops a run with SIGINT first (so that Ray shuts
+    down and the checkpoint is kept) before its SIGKILL. Returns whether it restored it."""
+    if RUN_MARK not in os.environ or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return True
+
+
 def stop_run(proc: subprocess.Popen[str], mark: str, grace: float = 30.0) -> None:
     """Stop a simulation child and every process carrying its ``mark``: SIGINT first (Ray shuts
     down, the run keeps its checkpoint), SIGKILL for whatever is left after ``grace`` seconds."""
