@@ -21,6 +21,7 @@ from promptfcl.common.records import (
     to_torch,
 )
 from promptfcl.common.runtime import get_runtime
+from promptfcl.strategies.platform.distillation import classic_distillation, dual_distillation
 from promptfcl.strategies.platform.learner import LocalLearner
 from promptfcl.strategies.powder.correlation import (
     correlation_matrix,
@@ -28,7 +29,7 @@ from promptfcl.strategies.powder.correlation import (
     select_tasks,
     sparsify_rows,
 )
-from promptfcl.strategies.powder.learner import PowderLearner, classic_distillation, dual_distillation, sample_weights
+from promptfcl.strategies.powder.learner import PowderLearner, sample_weights
 from promptfcl.strategies.powder.options import PowderOptions
 from promptfcl.strategies.powder.prompt import PowderPrompt
 from promptfcl.strategies.powder.records import ALPHA, CLASS_CORR, LOCAL_TASKS, MEASURE

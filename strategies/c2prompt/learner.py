@@ -43,8 +43,8 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from ...common.partitions import client_indices
 from ...common.privacy import clip_rows
 from ...common.records import METRICS, arrays_of, as_int, config_of, from_array_record, to_array_record
+from ..platform.distillation import classic_distillation, dual_distillation
 from ..platform.learner import Batch, LocalLearner
-from ..powder.learner import classic_distillation, dual_distillation
 from .cpa import selection_histogram
 from .distributions import class_statistics, compensation_loss, empty_statistics
 from .options import C2PromptOptions
