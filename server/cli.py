@@ -40,6 +40,7 @@ from ..strategies.registry import methods
 from . import bench, checkpoint
 from .app import setup_logging
 from .audit import AuditSettings, audit_run
+from .bench.common import interruptible_when_benchmarked
 from .bench.edge import ROWS, accuracy
 from .report import table
 from .simulation import run_simulation
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     log.info("configuration: %s", json.dumps(cfg.to_dict(), sort_keys=True))
-    bench.common.interruptible_when_benchmarked()
+    interruptible_when_benchmarked()
     try:
         run_simulation(cfg, supernodes=args.supernodes, verbose=args.verbose)
     except ConfigError as exc:  # the cluster cannot host the clients as configured
