@@ -241,8 +241,10 @@ def start_node(
     data: str,
     run_toml: Path,
     extra: list[str] | None = None,
+    wait: bool = True,
 ) -> subprocess.Popen:
-    """A SuperNode started with deploy/start-client.sh, once it has its node id."""
+    """A SuperNode started with deploy/start-client.sh, once it has its node id (``wait`` False:
+    at once; :func:`wait_for_node` then waits, so that several nodes start side by side)."""
     args = [
         "bash",
         str(DEPLOY / "start-client.sh"),
@@ -263,8 +265,14 @@ def start_node(
         *(extra or []),
     ]
     node = procs.start(args, root / f"{name}.log", env, cwd=root)
-    wait_for_log(root / f"{name}.log", "SuperNode ID", node, timeout=180)
+    if wait:
+        wait_for_node(root, name, node)
     return node
+
+
+def wait_for_node(root: Path, name: str, node: subprocess.Popen) -> None:
+    """Until SuperNode ``name`` (started by :func:`start_node`) has its node id."""
+    wait_for_log(root / f"{name}.log", "SuperNode ID", node, timeout=240)
 
 
 def submit(
@@ -297,10 +305,12 @@ def run_deployed(
     try:
         ports = Ports.free()
         start_superlink(root, procs, env, ports)
-        for i, name in enumerate(names):
+        for name in names:
             register_node(root, env, ports.control, name)
-            # the machine's own cache (PROMPTFCL_CACHE or ~/.cache/promptfcl): weights, decoded
-            # images and queries, as a node that has run before has them
+        # the nodes start side by side, as on separate machines (each start-up is mostly imports);
+        # the machine's own cache (PROMPTFCL_CACHE or ~/.cache/promptfcl): weights, decoded
+        # images and queries, as a node that has run before has them
+        started = [
             start_node(
                 root,
                 procs,
@@ -310,7 +320,12 @@ def run_deployed(
                 f"data/node{i}",
                 run_toml,
                 ["--threads", str(threads)] + ([] if warm else ["--no-warm"]) + (node_args or {}).get(i + 1, []),
+                wait=False,
             )
+            for i, name in enumerate(names)
+        ]
+        for name, node in zip(names, started):
+            wait_for_node(root, name, node)
         done = submit(root, env, ports.control, run_toml, timeout=timeout)
         procs.remember_descendants()
         checked(done, "submit-run.sh")

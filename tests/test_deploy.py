@@ -50,6 +50,7 @@ from promptfcl.server.loopback import (
     start_superlink,
     submit,
     toml_file,
+    wait_for_node,
 )
 from tests.conftest import TINY, tiny_config
 from tests.helpers import PushPullGrid
@@ -115,12 +116,16 @@ def deployment(tmp_path_factory) -> Deployment:
         tap = WireTap(("127.0.0.1", ports.fleet), str(root / "certs/server.pem"), str(root / "certs/server.key"),
                       str(root / "certs/ca.crt"))
         tap_port = tap.start()
+        nodes = []
         for i in range(1, NUM_NODES + 1):
             node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"),
                                   PROMPTFCL_TEST_HOSTILE="1" if i == HOSTILE else "0")
             data = f"data/node{i - 1}" if i != HOSTILE else "data/node0"  # a copy of someone's data
             extra = ["--threads", "1"] + (["--device", "cpu"] if i == 1 else [])  # the others: device auto
-            start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml, extra)
+            nodes.append(start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml,
+                                    extra, wait=False))
+        for i, node in enumerate(nodes, start=1):
+            wait_for_node(root, f"node{i}", node)
 
         forged: dict = {}
         forger = forge_during_the_run(root, ports.fleet, forged)
