@@ -1,3 +1,3 @@
 """Methods: one folder per method (``fedavg``, ``fedcprompt``, ``fppl``, ``hepco``, ``hgp``,
-``powder``), each filling the hooks of the shared platform (``platform/``); ``registry.py`` finds
-them (and methods other distributions register)."""
+``powder``, ``c2prompt``, ``lorm``, ``pilora``), each filling the hooks of the shared platform
+(``platform/``); ``registry.py`` finds them (and methods other distributions register)."""

@@ -52,7 +52,7 @@ class FPPLOptions(MethodOptions):
         every client in every round, where the two are the same; with partial participation
         False builds the pool from the task's last round alone, which can leave a class out
         of it for good (on the offline benchmark, 5 of 10 clients per round, Dirichlet 0.05:
-        A_N 53.9 with True against 49.4; at 0.5 they tie, 58.9 and 59.8; README, FPPL).
+        A_N 53.9 with True against 49.4; at 0.5 they tie, 58.9 and 59.8).
     prototype_views : str
         The images the local prototypes (eq. 3) average over when ``augment`` is on:
         "augmented" (default; the paper is silent, the authors' code averages over one pass of

@@ -64,7 +64,7 @@ class HGPOptions(MethodOptions):
     # With augment = crop-flip: class statistics over the stored images (false), the features the
     # head is scored on, or over one augmented view of each image (true: the augmenting training
     # pipeline's views, wider covariances and shifted means). The paper does not say; on the
-    # offline benchmark true costs 26 points of A_N (README, HGP). No effect with augment = none.
+    # offline benchmark true costs 26 points of A_N (docs/methods.md, HGP). No effect with augment = none.
     stats_augment: bool = False
     # How the prompt keys' cosine scores are "then normalized" (sec. 3.2.1; the paper does not say
     # how, the authors' public code has no keys): "l1" (the project's reading: s / sum |s|),
