@@ -72,7 +72,7 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
             return np.asarray(cached, dtype=np.float64)
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
-    learner = LocalLearner(rt)
+    learner = LocalLearner.of(cfg, rt)
     initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
     fresh = FedAvgStrategy.of(cfg, rt.data.num_classes)
     per_task = cfg.model.pool_size // cfg.data.num_tasks

@@ -83,7 +83,7 @@ def test_histograms_sum_to_images_times_selected_components_and_match_a_hand_cou
 def test_the_learners_histogram_counts_its_images_among_its_tasks_slice():
     cfg = tiny_config(strategy="c2prompt", centralised=True)
     rt = get_runtime(cfg, C2PromptPrompt)
-    learner = C2PromptLearner(rt, {"histogram-k": 2})
+    learner = C2PromptLearner.of(cfg, rt, {"histogram-k": 2})
     learner.classes = rt.layout.classes(1)
     rt.model.prompt.set_task(1)
     index = np.flatnonzero(rt.data.train.labels >= 5)[:40]
@@ -184,7 +184,7 @@ def _learner_with_compensation(options: dict):
                       **{f"c2prompt.{k}": v for k, v in options.items()})
     rt = get_runtime(cfg, C2PromptPrompt)
     rt.model.prompt.configure(cfg.method)
-    learner = C2PromptLearner(rt, options)
+    learner = C2PromptLearner.of(cfg, rt, options)
     learner.seed = [0, 0, 0, 0]
     rt.model.prompt.set_task(0)
     learner.round_start(global_content(rt.model.embed_dim), 0)

@@ -144,7 +144,7 @@ def test_round_0_is_a_statistics_only_exchange_and_the_first_training_round_carr
     # the client's answer: its class statistics of q(x) over its share of the task, nothing else
     cfg = tiny_config(strategy="c2prompt")
     rt = get_runtime(cfg, C2PromptPrompt)
-    learner = C2PromptLearner(rt, {})
+    learner = C2PromptLearner.of(cfg, rt, {})
     answers = [learner.answer(s.exchange_payload(sent_to(c), arrays), 0, 0, c) for c in (0, 1)]
     index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 1, 0, 0)
     assert set(answers[1].keys()) == {CLASS_STATS, METRICS}

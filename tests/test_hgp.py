@@ -402,7 +402,7 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag"})
     rt = get_runtime(cfg, HGPPrompt)
-    learner = HGPLearner(rt, cfg.method_options("hgp"))
+    learner = HGPLearner.of(cfg, rt, cfg.method_options("hgp"))
     index = np.flatnonzero(rt.data.train.labels < 5)[:50]
     rt.model.prompt.set_task(0)
     record = learner.round_end(index, task=0)[STATS]
@@ -427,7 +427,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     for augment, stats_augment in (("none", True), ("crop-flip", False), ("crop-flip", True)):
         cfg = tiny_config(strategy="hgp", augment=augment, **{"hgp.stats-augment": stats_augment})
         rt = get_runtime(cfg, HGPPrompt)
-        learner = HGPLearner(rt, cfg.method_options("hgp"))
+        learner = HGPLearner.of(cfg, rt, cfg.method_options("hgp"))
         learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)

@@ -261,7 +261,7 @@ def test_a_fit_trains_one_factor_uploads_it_alone_and_restores_the_shared_model(
     arrays = to_array_record({**before, **{f"prompt.{k}": v.detach().numpy() for k, v in
                                            rt.model.prompt.named_parameters() if k.endswith("_b")}})
     before = from_array_record(arrays)
-    learner = LoRMLearner(rt, cfg.method_options("lorm"))
+    learner = LoRMLearner.of(cfg, rt, cfg.method_options("lorm"))
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0, "round": round_})})
     out = learner.fit(content, task=0, round_=round_, client_id=0)
     after = from_array_record(out[ARRAYS])

@@ -248,7 +248,7 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     start = {k: v.detach().clone() for k, v in rt.model.trainable_state().items()}
     assert start["head.weight"].shape[0] == (12 if head == "per-task" else 10)
     g = 3
-    out = from_array_record(LocalLearner(rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
+    out = from_array_record(LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
                                                  0, task_schedule(cfg.data, cfg.federation, cfg.run.seed).owner(g))[ARRAYS])
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
     assert moved.tolist() == sorted(TaskLayout.of(cfg, 10).head_rows(g).tolist())
