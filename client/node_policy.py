@@ -204,7 +204,8 @@ class NodePolicy:
         # each size may pass alone and their product still not fit (a million tokens per image), and a
         # message takes the trainable state four times over, its copies and the method's statistics
         try:
-            size = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+            backbone = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+            size = footprint(backbone, cfg.training.batch_size, cfg.model.prompt_length)
             problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf,
                                         "this node's limit")
             if problem is None:

@@ -224,7 +224,7 @@ def _runtime(fingerprint: str, prompt_class: type[TrainableModule], precision: s
     configure_threads(cfg.placement.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _assemble(cfg, data, _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+    return _assemble(cfg, data, _build_model(model_spec(cfg, data.num_classes), prompt_class, cfg.placement.device,
                                              cfg.placement.threads, precision), None, precision)
 
 
@@ -234,9 +234,30 @@ def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, to
     and ``partition`` (None: the run's)."""
     model, device, source = built
     disk_dir = query_disk_dir(cfg.caching.query_cache, cfg.caching.query_cache_disk, cfg.federation.population)
-    return Runtime(data, model, device, source, partition or Partition.of(cfg), TaskLayout.of(cfg, data.num_classes),
-                   BackboneSpec.of(cfg), uses_bf16(cfg.run.precision, device), cfg.caching.query_cache,
-                   _model_settings(cfg.to_dict()), disk_dir=disk_dir, precision=precision)
+    return Runtime(data, model, device, source, partition or partition_of(cfg),
+                   layout_of(cfg, data.num_classes), backbone_of(cfg), uses_bf16(cfg.run.precision, device),
+                   cfg.caching.query_cache, _model_settings(cfg.to_dict()), disk_dir=disk_dir, precision=precision)
+
+
+def partition_of(cfg: ExperimentConfig) -> Partition:
+    """How run ``cfg`` shares the run's dataset among its clients."""
+    return Partition.of(cfg.run, cfg.data, cfg.federation)
+
+
+def layout_of(cfg: ExperimentConfig, num_classes: int) -> TaskLayout:
+    """The tasks, classes, prompt pool and head of run ``cfg`` over ``num_classes`` classes."""
+    return TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes)
+
+
+def backbone_of(cfg: ExperimentConfig) -> BackboneSpec:
+    """The backbone run ``cfg`` names."""
+    return BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+
+
+def model_spec(cfg: ExperimentConfig, num_classes: int) -> ModelSpec:
+    """The model of run ``cfg`` over a dataset of ``num_classes`` classes."""
+    return ModelSpec.of(backbone_of(cfg), layout_of(cfg, num_classes), cfg.run, cfg.model, cfg.evaluation,
+                        cfg.method)
 
 
 def uses_bf16(setting: str, device: torch.device) -> bool:
@@ -280,7 +301,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = Cod
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             built = (previous.model, previous.device, previous.weights_source)
         else:
-            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+            built = _build_model(model_spec(cfg, data.num_classes), prompt_class, cfg.placement.device,
                                  cfg.placement.threads,
                                  precision)
         _with_data[key] = _assemble(cfg, data, built, partition, precision)

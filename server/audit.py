@@ -381,7 +381,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     if cfg.per_task_head:
         raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
                           "not classes")
-    check_weights(BackboneSpec.of(cfg))
+    check_weights(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching))
     method = strategy_class(cfg.run.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model, masked_logits
+from promptfcl.common.model import build_model, masked_logits
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import (
     class_aware_aggregate,
     collapse_weights,
@@ -146,7 +146,7 @@ def test_collapse_weighs_each_clients_copy_by_its_use_of_the_component():
 # ---------------------------------------------------------------------------- compensation prompts
 def test_an_added_zero_compensation_prompt_is_the_plain_forward_and_a_concatenated_one_is_not():
     cfg = tiny_config(strategy="c2prompt", prompt_mode="prompt")
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     model.eval()
     x = torch.rand(3, 3, 16, 16)
     q = model.query(x)
@@ -240,7 +240,7 @@ def test_lcdc_moves_the_compensated_features_toward_their_global_distribution(sc
 # ---------------------------------------------------------------------------- server
 def strategy(**overrides):
     cfg = tiny_config(strategy="c2prompt", **overrides)
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     s = C2PromptStrategy.of(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(model.trainable_state())))
     return s, arrays

@@ -13,10 +13,10 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.partitions import client_indices
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import cpa_matrix
 from promptfcl.strategies.c2prompt.distributions import class_statistics
 from promptfcl.strategies.c2prompt.learner import C2PromptLearner
@@ -105,7 +105,7 @@ def test_keep_all_writes_each_clients_rows_of_w_times_p_into_its_part_of_the_sli
 def test_a_keep_all_client_trains_and_weighs_only_its_part_and_evaluation_reads_every_part():
     cfg = tiny_config(strategy="c2prompt", num_clients=2, pool_size=8, prompt_mode="prompt",
                       **{"c2prompt.cpa-pool": "keep-all"})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     prompt = model.prompt
     assert isinstance(prompt, C2PromptPrompt)
     prompt.set_task(1)

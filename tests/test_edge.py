@@ -23,8 +23,7 @@ from promptfcl.common.memory_plan import (
     resident_mb,
 )
 from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.weights import BackboneSpec
+from promptfcl.common.runtime import backbone_of, get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -235,10 +234,10 @@ def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
 def test_the_backbone_is_read_through_a_shared_mapping_of_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = tiny_config(backbone_cache_disk="on", embed_dim=96, depth=2, image_size=32)
-    build_backbone(BackboneSpec.of(cfg))  # a miss: built and written
-    path = backbone_cache_path(BackboneSpec.of(cfg))
+    build_backbone(backbone_of(cfg))  # a miss: built and written
+    path = backbone_cache_path(backbone_of(cfg))
     assert path is not None and path.is_file()
-    backbone, _ = build_backbone(BackboneSpec.of(cfg))  # read from the cache: mapped, not copied
+    backbone, _ = build_backbone(backbone_of(cfg))  # read from the cache: mapped, not copied
     with torch.no_grad():
         backbone(torch.zeros(1, 3, 32, 32))  # touch every weight
     before = mapped_mb(path)

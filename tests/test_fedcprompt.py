@@ -12,8 +12,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of
 from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
 from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
@@ -601,7 +600,7 @@ def test_aggregate_per_task_averages_other_arrays_over_everyone():
     base = {"prompt.p0": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.float32)}
     updates = [(0, {"prompt.p0": np.ones((4, 2)), "extra": np.full(3, 2.0)}, 1.0),
                (1, {"prompt.p0": np.full((4, 2), 3.0), "extra": np.full(3, 4.0)}, 3.0)]
-    out = aggregate_per_task(TaskLayout.of(tiny_config(num_tasks=2, pool_size=4), 2), base, updates)
+    out = aggregate_per_task(layout_of(tiny_config(num_tasks=2, pool_size=4), 2), base, updates)
     np.testing.assert_allclose(out["prompt.p0"], [[1, 1], [1, 1], [3, 3], [3, 3]])
     np.testing.assert_allclose(out["extra"], 3.5)
     assert out["extra"].dtype == np.float32 and out["prompt.p0"].dtype == np.float32

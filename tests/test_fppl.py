@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of, model_spec
 from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -43,7 +42,7 @@ def fppl_config(**overrides):
 def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) -> tuple[FPPLStrategy, object]:
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), FPPLPrompt)
     s = FPPLStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
@@ -124,7 +123,7 @@ def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions()
     s, _ = strategy_at_task(0)
     wide = fppl_config().replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
     s.data, s.model, s.num_classes = wide.data, wide.model, 200
-    s.layout = TaskLayout.of(wide, 200)  # what the strategy counts with: 10 classes per task
+    s.layout = layout_of(wide, 200)  # what the strategy counts with: 10 classes per task
     d, t, length = 768, 20, 20
     state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
              "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),

@@ -258,8 +258,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common import MessageType
 from promptfcl.client.app import train
 from promptfcl.common.records import to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of
 from promptfcl.strategies.registry import prompt_class
 from tests.conftest import flower_task_identity, tiny_config
 
@@ -270,7 +269,7 @@ for method, settings in json.loads(sys.argv[1]).items():
     state = {k: v.numpy().copy() for k, v in runtime.model.trainable_state().items()}
     config = {"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), "num-classes": classes}
     if method == "powder":  # what Powder's server sends: the local pool's slices and the task's head rows
-        rows = {k: TaskLayout.of(cfg, classes).task_rows(k, v, 0) for k, v in state.items()}
+        rows = {k: layout_of(cfg, classes).task_rows(k, v, 0) for k, v in state.items()}
         state = {k: v if rows[k] is None else v[rows[k]] for k, v in state.items()}
         config["powder-tasks"] = [0]
     node = {"data-from-run": True, "weights-from-run": True}

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.pilora.learner import PILoRALearner
 from promptfcl.strategies.pilora.options import PILoRAOptions
 from promptfcl.strategies.pilora.prompt import (
@@ -43,7 +43,7 @@ def pilora_config(**overrides):
 
 def model_of(tasks: int = 3, **options):
     cfg = pilora_config(**{"num-tasks": tasks, **{f"pilora.{k}": v for k, v in options.items()}})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES if tasks in (2, 5) else 9), PILoRAAdapters)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES if tasks in (2, 5) else 9), PILoRAAdapters)
     return model.double().eval()
 
 
@@ -335,7 +335,7 @@ def test_identical_prototypes_come_back_unchanged_and_degenerate_cases_are_unifo
 
 def strategy_at(task: int = 0, options: dict | None = None, **overrides):
     cfg = pilora_config(**{"num-clients": 3, "clients-per-round": 3, **PLAIN_MEAN, **overrides})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), PILoRAAdapters)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), PILoRAAdapters)
     s = PILoRAStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):

@@ -33,8 +33,7 @@ from ...common.data import ArraySplit, Dataset
 from ...common.evaluation import accuracies, correct_counts
 from ...common.memory_plan import resident_mb
 from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
-from ...common.runtime import get_runtime
-from ...common.weights import BackboneSpec
+from ...common.runtime import backbone_of, get_runtime
 from ...strategies.fedavg.strategy import FedAvgStrategy
 from ...strategies.platform.learner import LocalLearner
 from ...strategies.registry import prompt_class
@@ -251,7 +250,7 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-        build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
+        build_backbone(backbone_of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return
     figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
                               int(spec["threads"]), Path(spec["arrays"]))
