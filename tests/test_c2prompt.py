@@ -26,6 +26,7 @@ from promptfcl.strategies.c2prompt.prompt import C2PromptPrompt
 from promptfcl.strategies.c2prompt.records import CLASS_STATS, GLOBAL_STATS, HISTOGRAM, UPLOAD_STATS
 from promptfcl.strategies.c2prompt.strategy import C2PromptStrategy
 from promptfcl.strategies.platform.learner import Batch
+from promptfcl.strategies.platform.run_checks import check_options
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 
@@ -341,12 +342,12 @@ def test_options_are_validated_and_checked_against_the_run():
     with pytest.raises(ConfigError, match="global-stats"):
         C2PromptOptions.from_options({"global-stats": "full"})
     with pytest.raises(ConfigError, match="comp-length"):
-        C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3, "comp-schedule": "every-round"}
-                                     ).check_run(tiny_config())
+        check_options(C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3,
+                                                    "comp-schedule": "every-round"}), tiny_config())
     with pytest.raises(ConfigError, match="comp-schedule = every-round"):  # "once" trains the tokens alone
         C2PromptOptions.from_options({"comp-attach": "add"})
     with pytest.raises(ConfigError, match="even"):
-        C2PromptOptions.from_options({"comp-length": 3}).check_run(tiny_config(prompt_mode="prefix"))
+        check_options(C2PromptOptions.from_options({"comp-length": 3}), tiny_config(prompt_mode="prefix"))
 
 
 # ---------------------------------------------------------------------------- end to end

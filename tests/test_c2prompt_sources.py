@@ -24,6 +24,7 @@ from promptfcl.strategies.c2prompt.options import C2PromptOptions
 from promptfcl.strategies.c2prompt.prompt import C2PromptPrompt
 from promptfcl.strategies.c2prompt.records import CLASS_STATS, GLOBAL_STATS, PART, UPLOAD_STATS
 from promptfcl.strategies.platform.rounds import Sent
+from promptfcl.strategies.platform.run_checks import check_options
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 from tests.test_c2prompt import NUM_CLASSES, _batch, _learner_with_compensation, global_content, reply, strategy
@@ -124,10 +125,10 @@ def test_a_keep_all_client_trains_and_weighs_only_its_part_and_evaluation_reads_
     with pytest.raises(ValueError, match="not part"):
         prompt.restrict(slice(2, 4))  # task 0's rows while on task 1
     with pytest.raises(ConfigError, match="multiple of num-clients"):
-        C2PromptOptions.from_options({"cpa-pool": "keep-all"}).check_run(tiny_config(num_clients=3, pool_size=8))
+        check_options(C2PromptOptions.from_options({"cpa-pool": "keep-all"}), tiny_config(num_clients=3, pool_size=8))
     with pytest.raises(ConfigError, match="virtual population"):
-        C2PromptOptions.from_options({"cpa-pool": "keep-all"}).check_run(tiny_config(population="nodes", num_clients=2,
-                                                                                     pool_size=8))
+        check_options(C2PromptOptions.from_options({"cpa-pool": "keep-all"}),
+                      tiny_config(population="nodes", num_clients=2, pool_size=8))
 
 
 # ---------------------------------------------------------------------------- round 0 and frozen compensation
@@ -215,8 +216,8 @@ def test_compensation_prompts_trained_once_are_the_same_in_every_round_of_the_ta
 def test_dp_runs_report_statistics_in_the_training_reply():
     dp = {"dp.clip": 1.0, "dp.noise-multiplier": 1.0}
     with pytest.raises(ConfigError, match="stats-round = first-training"):
-        C2PromptOptions.from_options({}).check_run(tiny_config(**dp))
-    C2PromptOptions.from_options({"stats-round": "first-training"}).check_run(tiny_config(**dp))
+        check_options(C2PromptOptions.from_options({}), tiny_config(**dp))
+    check_options(C2PromptOptions.from_options({"stats-round": "first-training"}), tiny_config(**dp))
     s, arrays = strategy(**{"c2prompt.stats-round": "first-training"})
     assert not s.uses_exchange() and s.payload(sent_to(0), arrays)[CONFIG][UPLOAD_STATS] is True
 

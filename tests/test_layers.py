@@ -201,6 +201,25 @@ def test_every_method_is_one_folder_laid_out_alike():
                                                                 "node_policy", "warm_executor", "zygote"}
 
 
+def test_no_method_reads_the_whole_configuration():
+    """A method's code sees the sections the platform hands its strategy and learner (their ``of``
+    reads the configuration once), never the whole ``ExperimentConfig``; a runtime carries none."""
+    import dataclasses
+
+    from promptfcl.common.runtime import Runtime
+    from promptfcl.strategies.registry import methods
+
+    for name in methods():
+        for path in (ROOT / "strategies" / name).glob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            named = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                     | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                     | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+                     | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)})
+            assert not {"ExperimentConfig", "cfg"} & named, path
+    assert not {f.name for f in dataclasses.fields(Runtime)} & {"cfg", "config"}
+
+
 def test_no_method_overrides_the_platforms_contract():
     """The platform owns configure/aggregate and the reply checks; a method that tries is refused."""
     import pytest
