@@ -113,7 +113,7 @@ def train(msg: Message, context: Context) -> Message:
     setup = time.perf_counter() - started
     policy = NodePolicy.from_node_config(context.node_config)
     learner = build_learner(cfg, runtime)
-    plan = apply_plan(runtime, policy, learner)  # the node's memory budget, before anything big runs
+    plan = apply_plan(cfg, runtime, policy, learner)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
     own_data = cfg.federation.population == "nodes"
@@ -181,7 +181,7 @@ def query(msg: Message, context: Context) -> Message:
     check_same_config(cfg.digest(), config)
     runtime, client_id = client_runtime(cfg, context, config)
     learner = build_learner(cfg, runtime)
-    apply_plan(runtime, NodePolicy.from_node_config(context.node_config), learner)
+    apply_plan(cfg, runtime, NodePolicy.from_node_config(context.node_config), learner)
     task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
                                          cfg.federation.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
@@ -198,7 +198,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = config_of(msg.content)
     check_same_config(cfg.digest(), config)
     runtime, _ = client_runtime(cfg, context, config)
-    apply_plan(runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
+    apply_plan(cfg, runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
     try:
         task = as_int(config["task"])
     except KeyError:

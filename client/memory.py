@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..common.backbone import backbone_cache_path
+from ..common.config import ExperimentConfig
 from ..common.memory_plan import (
     MIN_MICRO_BATCH,
     BudgetError,
@@ -31,7 +32,6 @@ from ..common.memory_plan import (
 from ..common.model import PromptedViT
 from ..common.privacy import privacy_options
 from ..common.runtime import Runtime
-from ..common.weights import BackboneSpec
 from ..strategies.platform.learner import LocalLearner
 from ..strategies.platform.run_memory import method_memory, run_sizes
 from .node_policy import NodePolicy, NodeRefusal
@@ -53,8 +53,9 @@ def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
                      input_floats=int(backbone.patch_embed.proj.in_channels) * int(size[0]) * int(size[1]))
 
 
-def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | None = None) -> TrainingPlan:
-    """Plan this message within the node's budget and set the plan on the model (and ``learner``).
+def apply_plan(cfg: ExperimentConfig, runtime: Runtime, policy: NodePolicy,
+               learner: LocalLearner | None = None) -> TrainingPlan:
+    """Plan a message of run ``cfg`` within the node's budget and set the plan on the model (and ``learner``).
 
     What the process holds is measured now, with the frozen weights still to be read from the
     node's mapped cache counted as if read. Without a budget the plan is the default (whole
@@ -71,15 +72,15 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
         return_freed_memory()  # before anything large is allocated: freed activations leave the process
         release_library_pages()  # library pages a CPU never runs again (torch's CUDA libraries) leave it too
     held = resident_mb()
-    cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
+    cached = backbone_cache_path(runtime.backbone)
     if policy.memory_budget_mb and cached is not None:
         weights = [*model.backbone.parameters(), *model.backbone.buffers()]
         held += mapped_tensor_mb(weights, cached) - mapped_mb(cached)
     device = "cpu" if runtime.device.type == "cpu" else "other"
     try:
-        plan = plan_training(policy.memory_budget_mb, step_sizes(model, runtime.cfg.training.batch_size), held,
+        plan = plan_training(policy.memory_budget_mb, step_sizes(model, cfg.training.batch_size), held,
                              runtime.precision, MIN_MICRO_BATCH[device],
-                             after_mb=after_plan_mb(runtime) if policy.memory_budget_mb else 0.0)
+                             after_mb=after_plan_mb(cfg, runtime) if policy.memory_budget_mb else 0.0)
     except BudgetError as exc:
         raise NodeRefusal(str(exc)) from None
     first = min(model.prompt.layers, default=0)
@@ -90,11 +91,11 @@ def apply_plan(runtime: Runtime, policy: NodePolicy, learner: LocalLearner | Non
     return plan
 
 
-def after_plan_mb(runtime: Runtime) -> float:
+def after_plan_mb(cfg: ExperimentConfig, runtime: Runtime) -> float:
     """MB the round adds after the plan besides its activations (common/memory_plan.py's
     ``round_after_mb``), from the built model: its trainable parameters' gradients and Adam's
     moments, the reply's arrays, the method's statistics (strategies/platform/run_memory.py)."""
-    model, cfg = runtime.model, runtime.cfg
+    model = runtime.model
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     sent = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
     statistics, _ = method_memory(cfg, run_sizes(cfg, runtime.data.num_classes))
@@ -112,7 +113,7 @@ def plan_metrics(plan: TrainingPlan, runtime: Runtime) -> dict[str, int | float]
         log.warning("this round's process peaked at %.0f MB, above memory-budget-mb = %g by %.0f MB (micro-batch %d, "
                     "%d blocks recomputed): the plan's margin did not cover it", peak, plan.budget_mb,
                     peak - plan.budget_mb, plan.micro_batch, plan.checkpointed)
-    cached = backbone_cache_path(BackboneSpec.of(runtime.cfg))
+    cached = backbone_cache_path(runtime.backbone)
     metrics["backbone-mapped-mb"] = mapped_mb(cached) if cached is not None else 0.0
     return metrics
 

@@ -209,7 +209,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     if spec.threads:
         node_cfg = node_cfg.replace(threads=spec.threads)
 
-    run_source = DataSource.of(cfg)
+    run_source = DataSource.of(cfg.run, cfg.data, cfg.model, cfg.caching)
     run_names = cfg.data.class_name_list
     if spec.kind == "partition":
         if spec.num_partitions != cfg.federation.num_clients:
@@ -218,7 +218,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
                 f"num-clients = {cfg.federation.num_clients} nodes: start the nodes with "
                 f"num-partitions={cfg.federation.num_clients}")
         full = load_source_cached(partition_source(run_source, spec), cfg.data.num_tasks)
-        check_task_stream(TaskLayout.of(cfg, full.num_classes), full)
+        check_task_stream(TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, full.num_classes), full)
         check_classes(full.num_classes, original_names(full, cfg.run.seed), "the run's dataset", cfg.data.num_classes,
                       run_names)
         # Held-out data: a disjoint shard of the test split, so the nodes' counts add up
@@ -227,7 +227,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
         test = ArraySplit(full.test.images[shard], full.test.labels[shard])
         fp = hashlib.sha1(f"{full.fingerprint} test {spec.partition_id}/{spec.num_partitions}".encode())
         data = dataclasses.replace(full, test=test, fingerprint=fp.hexdigest()[:16])
-        return NodeData(spec, data, node_cfg, spec.partition_id, Partition.of(cfg))
+        return NodeData(spec, data, node_cfg, spec.partition_id, Partition.of(cfg.run, cfg.data, cfg.federation))
 
     what = f"this node's data ({spec.dataset})"
     if spec.dataset.startswith("folder:"):
@@ -239,7 +239,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
             data = read_source(source)
             # the run's classes first: the task stream's errors name classes, by then the run's own
             check_classes(data.num_classes, original_names(data, cfg.run.seed), what, cfg.data.num_classes, run_names)
-            check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
+            check_task_stream(TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, data.num_classes), data)
         except ConfigError as exc:
             raise NodeDataError(f"{what}: {exc}") from exc
     if len(data.train) == 0:
@@ -249,7 +249,7 @@ def _load(cfg: ExperimentConfig, spec: NodeSpec) -> NodeData:
     # tasks the node plays the schedule's client the server names, drawn as the run draws it)
     # (the runtime's data location is the node's own, never the run's)
     node_cfg = node_cfg.replace(dataset=spec.dataset, data_dir=spec.data_dir)
-    return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg).own())
+    return NodeData(spec, data, node_cfg, client_id, Partition.of(cfg.run, cfg.data, cfg.federation).own())
 
 
 def partition_source(run_source: DataSource, spec: NodeSpec) -> DataSource:
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         # as the ClientApp will: the node's own weights or its cache
         cfg = cfg.replace(weights=policy.backbone_weights(cfg.model.backbone, cfg.model.weights))
         loaded = node_data(cfg, node_config)
-        check_weights(BackboneSpec.of(cfg))  # the backbone must be on this node (the server has none)
+        # the backbone must be on this node (the server has none)
+        check_weights(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching))
     except (ConfigError, DataError, NodeRefusal) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

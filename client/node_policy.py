@@ -54,7 +54,7 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from ..common.config import ConfigError, ExperimentConfig
+from ..common.config import ConfigError, ExperimentConfig, PlacementSection
 from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint, footprint_problem, memory_problem
 from ..common.low_precision import PRECISIONS
 from ..common.memory_plan import BUDGET_KEY, MARGIN_MB, release_library_pages, resident_mb, round_after_mb
@@ -204,13 +204,14 @@ class NodePolicy:
         # each size may pass alone and their product still not fit (a million tokens per image), and a
         # message takes the trainable state four times over, its copies and the method's statistics
         try:
-            size = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+            backbone = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+            size = footprint(backbone, cfg.training.batch_size, cfg.model.prompt_length)
             problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf,
                                         "this node's limit")
             if problem is None:
                 estimate = node_memory(cfg, sent_num_classes)
                 # the backbone and its activations are a GPU's, or a memory budget's to plan (client/memory.py)
-                planned = self.memory_budget_mb > 0 or trains_on_accelerator(cfg)
+                planned = self.memory_budget_mb > 0 or trains_on_accelerator(cfg.placement)
                 problem = memory_problem(estimate, self.limits["memory-gb"], "this node's limit",
                                          "its operator's node-config", on_accelerator=planned,
                                          machine_gb=None if self.machine_ceiling else 0.0)
@@ -241,13 +242,13 @@ class NodePolicy:
                 "prompts (pool-size, prompt-length)")
 
 
-def trains_on_accelerator(cfg: ExperimentConfig) -> bool:
-    """Whether this node trains ``cfg`` on a GPU (its backbone and activations then live there)."""
-    if cfg.placement.device == "cpu":
+def trains_on_accelerator(placement: PlacementSection) -> bool:
+    """Whether this node trains on a GPU with ``placement`` (its backbone and activations then live there)."""
+    if placement.device == "cpu":
         return False
     import torch  # the ClientApp has it loaded; the check itself needs none of it
 
-    return cfg.placement.device != "auto" or torch.cuda.is_available()
+    return placement.device != "auto" or torch.cuda.is_available()
 
 
 def _env_number(name: str) -> Any:

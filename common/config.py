@@ -107,7 +107,7 @@ class ExperimentConfig:
     @property
     def per_task_head(self) -> bool:
         """Whether the head has a block of rows per task (``head``; "auto": with random tasks)."""
-        return self.model.head == "per-task" or (self.model.head == "auto" and self.data.random)
+        return self.model.per_task_head(self.data)
 
     def method_options(self, name: str) -> dict[str, Any]:
         """Options namespaced ``name.*`` with the prefix removed (keys kebab-case)."""

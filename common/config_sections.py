@@ -239,6 +239,11 @@ class ModelSection:
     def __post_init__(self) -> None:
         config_checks.check_model(self)
 
+    def per_task_head(self, data: DataSection) -> bool:
+        """Whether the head has a block of rows per task over ``data``'s tasks (``head``; "auto":
+        with random tasks)."""
+        return self.head == "per-task" or (self.head == "auto" and data.random)
+
     @property
     def layers(self) -> list[int]:
         """``prompt-layers`` as block indices."""

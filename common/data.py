@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from . import config_sections as sections
 from .config import ConfigError, ExperimentConfig
 from .errors import DataError  # re-exported: the error of datasets
 from .images import (
@@ -109,12 +110,12 @@ class DataSource:
     cache: bool
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig) -> DataSource:
-        """The source run ``cfg`` reads."""
-        data, model = cfg.data, cfg.model
-        return cls(data.dataset, data.data_dir, data.hf_revision, cfg.run.seed, data.test_fraction, model.image_size,
+    def of(cls, run: sections.RunSection, data: sections.DataSection, model: sections.ModelSection,
+           caching: sections.CachingSection) -> DataSource:
+        """The source a run of these sections reads."""
+        return cls(data.dataset, data.data_dir, data.hf_revision, run.seed, data.test_fraction, model.image_size,
                    model.resize_interpolation, data.max_train_per_class, data.max_test_per_class, data.splits,
-                   cfg.caching.data_cache)
+                   caching.data_cache)
 
     def as_recorded(self) -> DataSource:
         """This source with the data seed of its splits file, if it names one (the source split and
@@ -374,10 +375,11 @@ def check_source(dataset: str) -> None:
 def load_dataset(cfg: ExperimentConfig) -> Dataset:
     """Run ``cfg``'s dataset (:func:`read_source`), its task stream checked."""
     check_source(cfg.data.dataset)
-    source = DataSource.of(cfg).as_recorded()
+    source = DataSource.of(cfg.run, cfg.data, cfg.model, cfg.caching).as_recorded()
     data = read_source(source)
     # the stream checked with the seed the arrays were decoded with (a splits file's data seed)
-    check_task_stream(dataclasses.replace(TaskLayout.of(cfg, data.num_classes), seed=source.seed), data)
+    layout = TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, data.num_classes)
+    check_task_stream(dataclasses.replace(layout, seed=source.seed), data)
     return data
 
 

@@ -144,8 +144,8 @@ _loaded: dict[str, Dataset] = {}
 
 def load_dataset_cached(cfg: ExperimentConfig) -> Dataset:
     """Run ``cfg``'s dataset (:func:`load_source_cached`), its task stream checked on every load."""
-    data = load_source_cached(DataSource.of(cfg), cfg.data.num_tasks)
-    check_task_stream(TaskLayout.of(cfg, data.num_classes), data)
+    data = load_source_cached(DataSource.of(cfg.run, cfg.data, cfg.model, cfg.caching), cfg.data.num_tasks)
+    check_task_stream(TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, data.num_classes), data)
     return data
 
 

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import config_sections as sections
 from .adapters import LowRankAdapters
 from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
-from .config import ConfigError, ExperimentConfig
+from .config import ConfigError
 from .low_precision import lower_precision
 from .preprocess import InputPipeline
 from .tasks import TaskLayout
@@ -387,13 +388,14 @@ class ModelSpec:
     method: Mapping[str, Any]
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig, num_classes: int) -> ModelSpec:
-        """The model of run ``cfg`` over a dataset of ``num_classes`` classes."""
-
-        m = cfg.model
-        return cls(BackboneSpec.of(cfg), cfg.run.seed, tuple(m.layers), m.pool_size, m.prompt_length,
-                   cfg.data.num_tasks, TaskLayout.of(cfg, num_classes).head_size, m.prompt_mode, m.input_norm,
-                   m.resize_interpolation, cfg.evaluation.eval_crop, m.prompt_tokens, cfg.method)
+    def of(cls, backbone: BackboneSpec, layout: TaskLayout, run: sections.RunSection, model: sections.ModelSection,
+           evaluation: sections.EvaluationSection, method: Mapping[str, Any]) -> ModelSpec:
+        """The model of a run of these sections: ``backbone``, a head for ``layout``, ``method``: the
+        run's namespaced method options."""
+        m = model
+        return cls(backbone, run.seed, tuple(m.layers), m.pool_size, m.prompt_length, layout.num_tasks,
+                   layout.head_size, m.prompt_mode, m.input_norm, m.resize_interpolation, evaluation.eval_crop,
+                   m.prompt_tokens, method)
 
 
 def build_model(

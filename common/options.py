@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # config parses its values through this module; no import back at run time
-    from .config import ExperimentConfig
+    from .config_sections import DataSection, EvaluationSection, FederationSection, ModelSection
+    from .privacy import PrivacyOptions
 
 # What a run may ask of a method (a method's ``COMPATIBILITY`` lists those it supports, as in
 # Mammoth's ``COMPATIBILITY``); strategies/platform/run_checks.py refuses a run that asks for more.
@@ -100,9 +101,11 @@ class MethodOptions:
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
 
-    def check_run(self, cfg: ExperimentConfig) -> None:
-        """Raise ConfigError where these options cannot work with the run ``cfg`` (beyond
-        ``COMPATIBILITY``); called once before anything is loaded. Default: no such check."""
+    def check_run(self, *, data: DataSection, federation: FederationSection, model: ModelSection,
+                  evaluation: EvaluationSection, privacy: PrivacyOptions) -> None:
+        """Raise ConfigError where these options cannot work with a run of these sections and
+        ``privacy`` (its ``dp.*``) (beyond ``COMPATIBILITY``); called once before anything is loaded.
+        An override names the inputs it reads and takes the others as ``**_``. Default: no such check."""
 
     def to_dict(self) -> dict[str, Any]:
         """The options as run-config keys (prefix removed)."""

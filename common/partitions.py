@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError, ExperimentConfig
+from . import config_sections as sections
+from .config import ConfigError
 from .splits import ANY_ROUND, check_matches, read_splits
 from .tasks import TaskLayout, class_order
 
@@ -68,10 +69,11 @@ class Partition:
     switch_fraction: float
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig) -> Partition:
-        """The partition run ``cfg`` draws over the run's dataset."""
-        f, data = cfg.federation, cfg.data
-        return cls(f.partition, f.num_clients, cfg.run.seed, f.centralised, False, data.splits, f.partition_scope,
+    def of(cls, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection
+           ) -> Partition:
+        """The partition a run of these sections draws over the run's dataset."""
+        f = federation
+        return cls(f.partition, f.num_clients, run.seed, f.centralised, False, data.splits, f.partition_scope,
                    f.partition_class_order, f.dirichlet_beta, f.classes_per_client, f.min_partition_size,
                    f.dirichlet_balance, f.category_ratio, f.split_ratio, f.imbalance_ratio, f.rounds_per_task,
                    data.num_rounds, f.switch_every, f.switch_fraction)

@@ -41,7 +41,8 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
     data = load_dataset(src_cfg)
     torch.manual_seed(cfg.run.seed)
     rng = np.random.default_rng(cfg.run.seed)
-    backbone, _ = build_backbone(BackboneSpec.of(src_cfg))
+    backbone, _ = build_backbone(BackboneSpec.of(src_cfg.run, src_cfg.data, src_cfg.federation, src_cfg.model,
+                                                 src_cfg.caching))
     for p in backbone.parameters():
         p.requires_grad_(True)
     backbone.train()
@@ -77,7 +78,7 @@ def pretrain(cfg: ExperimentConfig, source: str, epochs: int = 2, batch_size: in
             x = wrapper.preprocess(torch.from_numpy(data.test.images[start : start + 512]))
             correct += int((head(backbone(x)).argmax(1).numpy() == data.test.labels[start : start + 512]).sum())
     accuracy = 100.0 * correct / len(data.test)
-    spec = BackboneSpec.of(cfg)
+    spec = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
     path = checkpoint_path(spec, source)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"source": source, "epochs": epochs, "source_test_accuracy": accuracy,

@@ -137,29 +137,24 @@ class QueryCache:
 
 @dataclass
 class Runtime:
-    cfg: ExperimentConfig
+    """What a process trains and evaluates with; none of the run's configuration but what it
+    decided here (the learner and strategy get their sections from the configuration itself)."""
+
     data: Dataset
     model: PromptedViT
     device: torch.device
     weights_source: str
     # how the clients share this process's data (a node with data of its own: all of it its own)
     partition: Partition
+    layout: TaskLayout  # the run's tasks, classes, prompt pool and head over this runtime's data
+    backbone: BackboneSpec  # the backbone the model was built with (names its disk caches)
+    mixed_precision: bool  # forward passes under bfloat16 autocast (config ``precision``; decided once)
+    query_cache_on: bool  # config ``query-cache``: stored images' q(x) computed once
+    # the run's settings apart from where the data is (whether this model serves another run: _same_model)
+    model_settings: str
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
     precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/low_precision.py)
-
-    @functools.cached_property
-    def layout(self) -> TaskLayout:
-        """The run's tasks, classes, prompt pool and head over this runtime's data."""
-        return TaskLayout.of(self.cfg, self.data.num_classes)
-
-    @functools.cached_property
-    def mixed_precision(self) -> bool:
-        """Whether forward passes run under bfloat16 autocast (config ``precision``; decided once,
-        not per batch)."""
-        if self.cfg.run.precision == "auto":
-            return self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return self.cfg.run.precision == "bf16"
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 autocast on this device when ``mixed_precision``, else nothing."""
@@ -173,7 +168,7 @@ class Runtime:
             if self.disk_dir is not None:
                 inputs = self.model.inputs.identity(evaluation=split == "test")
                 # a lower-precision backbone's queries differ: a file of their own
-                backbone = disk_backbone_id(BackboneSpec.of(self.cfg))
+                backbone = disk_backbone_id(self.backbone)
                 backbone += "" if self.precision == "fp32" else f"-{self.precision}"
                 path = self.disk_dir / f"{backbone}-{self.data.fingerprint}-{inputs}-{split}.npz"
             with startup.phase("query_cache"):  # reads the node's disk cache, if there is one
@@ -184,7 +179,7 @@ class Runtime:
     def queries(self, split: str, index: np.ndarray) -> torch.Tensor | None:
         """Cached queries for ``index`` (None when the cache is switched off, or the model's trainable
         module reads no query: adapters change every feature, q(x) is none of theirs)."""
-        if not self.cfg.caching.query_cache or not self.model.prompt.uses_query:
+        if not self.query_cache_on or not self.model.prompt.uses_query:
             return None
         with self.autocast():  # the cache stores float32 whatever the forward's precision
             return self.query_cache(split).get(self.model, index, self.device).to(self.device)
@@ -229,7 +224,7 @@ def _runtime(fingerprint: str, prompt_class: type[TrainableModule], precision: s
     configure_threads(cfg.placement.threads)
     with startup.phase("data"):
         data = load_dataset_cached(cfg)
-    return _assemble(cfg, data, _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+    return _assemble(cfg, data, _build_model(model_spec(cfg, data.num_classes), prompt_class, cfg.placement.device,
                                              cfg.placement.threads, precision), None, precision)
 
 
@@ -239,8 +234,37 @@ def _assemble(cfg: ExperimentConfig, data: Dataset, built: tuple[PromptedViT, to
     and ``partition`` (None: the run's)."""
     model, device, source = built
     disk_dir = query_disk_dir(cfg.caching.query_cache, cfg.caching.query_cache_disk, cfg.federation.population)
-    return Runtime(cfg, data, model, device, source, partition or Partition.of(cfg), disk_dir=disk_dir,
-                   precision=precision)
+    return Runtime(data, model, device, source, partition or partition_of(cfg),
+                   layout_of(cfg, data.num_classes), backbone_of(cfg), uses_bf16(cfg.run.precision, device),
+                   cfg.caching.query_cache, _model_settings(cfg.to_dict()), disk_dir=disk_dir, precision=precision)
+
+
+def partition_of(cfg: ExperimentConfig) -> Partition:
+    """How run ``cfg`` shares the run's dataset among its clients."""
+    return Partition.of(cfg.run, cfg.data, cfg.federation)
+
+
+def layout_of(cfg: ExperimentConfig, num_classes: int) -> TaskLayout:
+    """The tasks, classes, prompt pool and head of run ``cfg`` over ``num_classes`` classes."""
+    return TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes)
+
+
+def backbone_of(cfg: ExperimentConfig) -> BackboneSpec:
+    """The backbone run ``cfg`` names."""
+    return BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+
+
+def model_spec(cfg: ExperimentConfig, num_classes: int) -> ModelSpec:
+    """The model of run ``cfg`` over a dataset of ``num_classes`` classes."""
+    return ModelSpec.of(backbone_of(cfg), layout_of(cfg, num_classes), cfg.run, cfg.model, cfg.evaluation,
+                        cfg.method)
+
+
+def uses_bf16(setting: str, device: torch.device) -> bool:
+    """Whether forward passes run under bfloat16 autocast: config ``precision`` (``setting``) on ``device``."""
+    if setting == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return setting == "bf16"
 
 
 # Runtimes over data a caller loaded itself (a node's own data), keyed by config, data and precision.
@@ -277,7 +301,7 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = Cod
             # another node's data in this process (simulated nodes share Ray actors): keep the model
             built = (previous.model, previous.device, previous.weights_source)
         else:
-            built = _build_model(ModelSpec.of(cfg, data.num_classes), prompt_class, cfg.placement.device,
+            built = _build_model(model_spec(cfg, data.num_classes), prompt_class, cfg.placement.device,
                                  cfg.placement.threads,
                                  precision)
         _with_data[key] = _assemble(cfg, data, built, partition, precision)
@@ -288,11 +312,13 @@ def get_runtime(cfg: ExperimentConfig, prompt_class: type[TrainableModule] = Cod
 _DATA_LOCATION_KEYS = frozenset(keys_of("data-location"))
 
 
+def _model_settings(settings: dict[str, Any]) -> str:
+    """Run ``settings`` (``to_dict``) apart from where the data is, as one comparable string."""
+    return json.dumps({k: v for k, v in settings.items() if k not in _DATA_LOCATION_KEYS}, sort_keys=True)
+
+
 def _same_model(rt: Runtime, settings: dict[str, Any], data: Dataset, prompt_class: type[TrainableModule]) -> bool:
     """Whether ``rt``'s model serves run ``settings`` (``to_dict``) on ``data``: the same prompt
     module, classes and settings apart from where the data is."""
-    def model_part(values: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in values.items() if k not in _DATA_LOCATION_KEYS}
-
     return (type(rt.model.prompt) is prompt_class and rt.data.num_classes == data.num_classes
-            and model_part(rt.cfg.to_dict()) == model_part(settings))
+            and rt.model_settings == _model_settings(settings))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError, ExperimentConfig
+from . import config_sections as sections
+from .config import ConfigError
 
 
 def class_order(num_classes: int, seed: int) -> np.ndarray:
@@ -54,11 +55,11 @@ class TaskLayout:
     task_data_sharing: str
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig, num_classes: int) -> TaskLayout:
-        """The layout of run ``cfg`` over a dataset of ``num_classes`` classes."""
-        data = cfg.data
+    def of(cls, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection,
+           model: sections.ModelSection, num_classes: int) -> TaskLayout:
+        """The layout a run of these sections has over a dataset of ``num_classes`` classes."""
         return cls(data.num_tasks, num_classes, data.classes_per_task if data.random else num_classes // data.num_tasks,
-                   cfg.model.pool_size, cfg.per_task_head, data.random, cfg.federation.joint, cfg.run.seed,
+                   model.pool_size, model.per_task_head(data), data.random, federation.joint, run.seed,
                    data.min_overlap, data.task_data_fraction, data.task_data_sharing)
 
     @property

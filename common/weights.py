@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .config import ConfigError, ExperimentConfig, keys_of
+from . import config_sections as sections
+from .config import ConfigError, keys_of
 
 ARCH_KEYS = keys_of("architecture")
 # Keys that decide the backbone's output; a change in any of them invalidates queries.
@@ -59,12 +60,13 @@ class BackboneSpec:
     cache_disk: bool
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig) -> BackboneSpec:
-        """The backbone run ``cfg`` names."""
-        disk, m = cfg.caching.backbone_cache_disk, cfg.model
-        on = disk == "on" or (disk == "auto" and cfg.federation.population == "nodes")
-        return cls(m.backbone, m.weights, m.image_size, m.patch_size, m.embed_dim, m.depth, m.num_heads, cfg.run.seed,
-                   cfg.data.dataset, on)
+    def of(cls, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection,
+           model: sections.ModelSection, caching: sections.CachingSection) -> BackboneSpec:
+        """The backbone a run of these sections names."""
+        disk, m = caching.backbone_cache_disk, model
+        on = disk == "on" or (disk == "auto" and federation.population == "nodes")
+        return cls(m.backbone, m.weights, m.image_size, m.patch_size, m.embed_dim, m.depth, m.num_heads, run.seed,
+                   data.dataset, on)
 
     def keys(self) -> dict[str, object]:
         """This spec's values by run-config key (kebab-case), for the identities keyed by them."""

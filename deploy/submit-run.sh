@@ -63,8 +63,8 @@ src, dst, *sets = sys.argv[1:]
 try:
     cfg = load_config(src, sets, None, None)
     # what the ServerApp checks before it builds anything, checked before sending
-    check_server_footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length,
-                           cfg.model.image_size)
+    backbone = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+    check_server_footprint(backbone, cfg.training.batch_size, cfg.model.prompt_length, cfg.model.image_size)
     wanted = load_config(src, [], None, None).to_dict()
     wanted.update(parse_overrides(sets))
 except ConfigError as exc:

@@ -327,17 +327,16 @@ def prompted_features(model: Any) -> Features:
     return features
 
 
-def _real_images(rt: Runtime, label: int, client: int, max_real: int) -> np.ndarray:
+def _real_images(rt: Runtime, label: int, client: int, max_real: int, virtual: bool) -> np.ndarray:
     """The class's training images held by ``client`` for the class's task, at most ``max_real``.
 
     Every training image of the class where one client's share is not known here: ``client`` -1
-    (a head row), deployed nodes (their own data), stateless shares (they change every round)
-    and random tasks."""
+    (a head row), deployed nodes (their own data; ``virtual``: the run's clients are simulated),
+    stateless shares (they change every round) and random tasks."""
 
     data, layout = rt.data, rt.layout
     labels = data.train.labels
     index = np.flatnonzero(labels == label)
-    virtual = rt.cfg.federation.population == "virtual"
     if client >= 0 and virtual and rt.partition.scheme != "stateless" and not layout.random:
         task = layout.task_of(label)
         own = client_indices(labels, layout, rt.partition, client, task, 0)
@@ -382,7 +381,7 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
     if cfg.per_task_head:
         raise ConfigError("runs with a head block per task (random tasks) are not audited: their head rows are "
                           "not classes")
-    check_weights(BackboneSpec.of(cfg))
+    check_weights(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching))
     method = strategy_class(cfg.run.strategy)
     started = time.perf_counter()
     rt = get_runtime(cfg, method.prompt_class)
@@ -410,13 +409,14 @@ def audit_run(run: str | Path, settings: AuditSettings, classes: list[int] | Non
         raise ConfigError(f"the checkpoint holds no {cfg.run.strategy} targets to invert")
     if uploads is not None:  # again for the audited classes alone: the Gaussian draws follow the seed from there
         uploads = strategy.uploaded_features(available, settings.seed + 1)
+    virtual = cfg.federation.population == "virtual"  # a client's own share is known here
     if uploads is None:
         weight = model.head.weight.detach().cpu().numpy()
-        targets = [Target(c, "head-row", weight[c], "logit", _real_images(rt, c, -1, settings.max_real))
+        targets = [Target(c, "head-row", weight[c], "logit", _real_images(rt, c, -1, settings.max_real, virtual))
                    for c in available]
     else:
         targets = [Target(u["class"], u["kind"], np.asarray(u["vector"]), settings.distance,
-                          _real_images(rt, u["class"], u["client"], settings.max_real), u["client"],
+                          _real_images(rt, u["class"], u["client"], settings.max_real, virtual), u["client"],
                           u["meta"]) for u in uploads]
     channels, height, width = rt.data.train.images.shape[1:]
     shape = (int(channels), int(height), int(width))

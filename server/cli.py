@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = load_config(args.config, args.set, args.strategy, args.out)
             _prepare_out_dir(cfg.output.out_dir, cfg.output.resume)
-        check_weights(BackboneSpec.of(cfg))
+        check_weights(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching))
         if cfg.evaluation.evaluation == "central":
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
@@ -362,7 +362,9 @@ def _bench_command(args: argparse.Namespace) -> int:
             return 0
         short = ["num-tasks=2", "rounds-per-task=3"] if args.bench == "deploy" else []  # a short run unless --set
         base = load_config(None, short + args.set, None, None).to_dict()
-        check_weights(BackboneSpec.of(ExperimentConfig.from_dict(base)))
+        base_cfg = ExperimentConfig.from_dict(base)
+        check_weights(BackboneSpec.of(base_cfg.run, base_cfg.data, base_cfg.federation, base_cfg.model,
+                                      base_cfg.caching))
         chosen = (
             [base["strategy"]]
             if args.bench == "deploy"
@@ -456,7 +458,7 @@ def _audit(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.set, None, None)
-        path = checkpoint_path(BackboneSpec.of(cfg), args.source)
+        path = checkpoint_path(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching), args.source)
         if path.is_file() and not args.force:
             log.info("backbone pretrained on %s already cached at %s", args.source, path)
             return 0

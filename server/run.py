@@ -21,11 +21,11 @@ from flwr.serverapp import Grid
 from ..common import metrics
 from ..common.config import ConfigError, ExperimentConfig
 from ..common.memory_plan import return_freed_memory
-from ..common.model import ModelSpec, initial_trainable_state
+from ..common.model import initial_trainable_state
 from ..common.partitions import client_indices, drawn_shares, partition_summary
 from ..common.privacy import privacy_options
 from ..common.records import array_views, to_array_record
-from ..common.runtime import Runtime, get_runtime
+from ..common.runtime import Runtime, get_runtime, model_spec
 from ..common.splits import FILE_NAME as SPLITS_FILE
 from ..common.splits import read_splits, write_splits
 from ..common.tasks import class_order
@@ -120,7 +120,7 @@ class ExperimentRun:
                      cfg.data.num_classes, cfg.data.num_tasks)
             strategy: PromptStrategy = build_strategy(cfg, cfg.data.num_classes)
             self.evaluator = FederatedEvaluator(self.grid, strategy)
-            initial = initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), method.prompt_class)
+            initial = initial_trainable_state(model_spec(cfg, cfg.data.num_classes), method.prompt_class)
             return strategy, to_array_record(initial)
         runtime = self.runtime = get_runtime(cfg, method.prompt_class)
         log.info("backbone: %s", runtime.weights_source)

@@ -35,7 +35,7 @@ from typing import Any
 from flwr.app import Context, RecordDict
 
 from ..client.app import app as client_app
-from ..common.config import ConfigError, ExperimentConfig
+from ..common.config import ConfigError, ExperimentConfig, FederationSection, PlacementSection
 from ..common.config_files import toml_value
 from ..common.flower_internals import internal
 from .app import app as server_app
@@ -97,9 +97,10 @@ def _fits(available: float, each: float) -> int:
     return int(available / each + 1e-6)
 
 
-def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int | None = None,
-                    address: str = "") -> SimulationPlan:
-    """Size the client actors for ``nodes`` (the Ray cluster's schedulable resources).
+def plan_simulation(federation: FederationSection, placement: PlacementSection, nodes: list[RayNode],
+                    supernodes: int | None = None, address: str = "") -> SimulationPlan:
+    """Size the client actors of a run (its ``federation`` and ``placement``) for ``nodes`` (the Ray
+    cluster's schedulable resources).
 
     The population is virtual (clients are ids the server assigns), so only as many
     Flower nodes as clients sampled per round are needed and per-round cost does not grow
@@ -111,16 +112,16 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
         GPUs asked for where Ray sees none, ``device = "cuda"`` without a GPU share, or a
         client actor that fits on no node.
     """
-    sampled = cfg.federation.sampled_per_round
-    count = supernodes or (cfg.federation.num_clients if cfg.federation.population == "nodes" else sampled)
+    sampled = federation.sampled_per_round
+    count = supernodes or (federation.num_clients if federation.population == "nodes" else sampled)
     total_cpus = sum(n.cpus for n in nodes)
     total_gpus = sum(n.gpus for n in nodes)
     largest = max((n.cpus for n in nodes), default=0.0)
-    cpus = cfg.placement.client_cpus_value
+    cpus = placement.client_cpus_value
     if cpus is None:  # the cores shared by the clients that train at once, whole cores, one node's worth at most
         parallel = max(1, min(int(total_cpus), sampled))
         cpus = float(max(1, min(int(total_cpus) // parallel, int(largest))))
-    gpus = cfg.placement.client_gpus_value
+    gpus = placement.client_gpus_value
     if gpus is None:
         if total_gpus == 0:
             gpus = 0.0
@@ -131,9 +132,9 @@ def plan_simulation(cfg: ExperimentConfig, nodes: list[RayNode], supernodes: int
     plan = SimulationPlan(count, cpus, gpus, tuple(nodes), address)
     where = f"the Ray cluster at {address}" if address else "this machine's Ray"
     if gpus > 0 and total_gpus == 0:
-        raise ConfigError(f"client-gpus = {cfg.placement.client_gpus} but {where} has no GPU "
+        raise ConfigError(f"client-gpus = {placement.client_gpus} but {where} has no GPU "
                           f"({total_cpus:g} CPUs, 0 GPUs); set client-gpus = 0 or add GPU nodes")
-    if cfg.placement.device == "cuda" and gpus == 0:
+    if placement.device == "cuda" and gpus == 0:
         raise ConfigError("device = cuda, but the client actors get no GPU (client-gpus = 0 or no GPU found): "
                           "Ray hides GPUs from actors that ask for none")
     if plan.parallel_clients == 0:
@@ -217,7 +218,8 @@ def run_simulation(cfg: ExperimentConfig, supernodes: int | None = None, verbose
     import ray
 
     try:
-        plan = plan_simulation(cfg, connect_ray(cfg.placement.ray_address), supernodes, cfg.placement.ray_address)
+        plan = plan_simulation(cfg.federation, cfg.placement, connect_ray(cfg.placement.ray_address), supernodes,
+                               cfg.placement.ray_address)
         log.info("Flower simulation: %s", plan.describe())
         with tempfile.TemporaryDirectory(prefix="promptfcl-app-") as tmp:
             app_dir = write_app_dir(cfg.to_dict(), Path(tmp))

@@ -28,9 +28,9 @@ from ..common import metrics
 from ..common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
 from ..common.evaluation import accuracies, correct_counts
 from ..common.files import write_atomic
-from ..common.model import CodaPrompt, ModelSpec, initial_trainable_state
+from ..common.model import CodaPrompt, initial_trainable_state
 from ..common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from ..common.runtime import get_runtime
+from ..common.runtime import get_runtime, model_spec
 from ..common.schedule import RandomTaskSchedule
 from ..common.weights import cache_dir
 from ..strategies.fedavg.strategy import FedAvgStrategy
@@ -72,8 +72,8 @@ def single_task_accuracies(cfg: ExperimentConfig, schedule: RandomTaskSchedule,
             return np.asarray(cached, dtype=np.float64)
     except (OSError, ValueError):
         pass  # absent or unreadable: train it
-    learner = LocalLearner(rt)
-    initial = to_array_record(initial_trainable_state(ModelSpec.of(cfg, rt.data.num_classes), CodaPrompt))
+    learner = LocalLearner.of(cfg, rt)
+    initial = to_array_record(initial_trainable_state(model_spec(cfg, rt.data.num_classes), CodaPrompt))
     fresh = FedAvgStrategy.of(cfg, rt.data.num_classes)
     per_task = cfg.model.pool_size // cfg.data.num_tasks
     out = np.full(cfg.data.num_tasks, np.nan)

@@ -185,7 +185,7 @@ def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
     """The run's local learner on ``runtime``, with the method's options parsed once (by the
     learner's ``options_class``, the strategy's: a client imports no strategy module)."""
     learner = learner_class(cfg.run.strategy)
-    return learner(runtime, learner.options_class.from_options(cfg.method_options(cfg.run.strategy)))
+    return learner.of(cfg, runtime, learner.options_class.from_options(cfg.method_options(cfg.run.strategy)))
 
 
 def check_namespaces(method_keys: dict[str, Any]) -> None:

@@ -9,8 +9,8 @@ import torch
 
 from promptfcl.common.adapters import LowRankAdapters
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.model import build_model
+from promptfcl.common.runtime import layout_of, model_spec
 from tests.conftest import tiny_config
 
 
@@ -26,7 +26,7 @@ class CurrentOnly(LowRankAdapters):
 
 def adapted_model(adapters=LowRankAdapters, tasks=3):
     cfg = tiny_config(**{"num-tasks": tasks, "prompt-layers": "0,1"})
-    model, _ = build_model(ModelSpec.of(cfg, 10), adapters)
+    model, _ = build_model(model_spec(cfg, 10), adapters)
     return model.double().eval()
 
 
@@ -138,7 +138,7 @@ def test_current_only_training_leaves_earlier_sets_out_of_the_forward():
 def test_adapters_read_no_query_and_their_sets_are_task_rows():
     model = adapted_model()
     assert model.query(torch.randn(4, 3, 16, 16, dtype=torch.float64)).shape == (4, 0)
-    layout = TaskLayout.of(tiny_config(**{"num-tasks": 3}), 10)
+    layout = layout_of(tiny_config(**{"num-tasks": 3}), 10)
     state = model.trainable_state()
     name = "prompt.lora_fc1" + "1_b"
     assert layout.task_rows(name, state[name].numpy(), 2) == slice(2, 3)

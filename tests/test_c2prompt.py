@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model, masked_logits
+from promptfcl.common.model import build_model, masked_logits
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import (
     class_aware_aggregate,
     collapse_weights,
@@ -26,6 +26,7 @@ from promptfcl.strategies.c2prompt.prompt import C2PromptPrompt
 from promptfcl.strategies.c2prompt.records import CLASS_STATS, GLOBAL_STATS, HISTOGRAM, UPLOAD_STATS
 from promptfcl.strategies.c2prompt.strategy import C2PromptStrategy
 from promptfcl.strategies.platform.learner import Batch
+from promptfcl.strategies.platform.run_checks import check_options
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 
@@ -83,7 +84,7 @@ def test_histograms_sum_to_images_times_selected_components_and_match_a_hand_cou
 def test_the_learners_histogram_counts_its_images_among_its_tasks_slice():
     cfg = tiny_config(strategy="c2prompt", centralised=True)
     rt = get_runtime(cfg, C2PromptPrompt)
-    learner = C2PromptLearner(rt, {"histogram-k": 2})
+    learner = C2PromptLearner.of(cfg, rt, {"histogram-k": 2})
     learner.classes = rt.layout.classes(1)
     rt.model.prompt.set_task(1)
     index = np.flatnonzero(rt.data.train.labels >= 5)[:40]
@@ -146,7 +147,7 @@ def test_collapse_weighs_each_clients_copy_by_its_use_of_the_component():
 # ---------------------------------------------------------------------------- compensation prompts
 def test_an_added_zero_compensation_prompt_is_the_plain_forward_and_a_concatenated_one_is_not():
     cfg = tiny_config(strategy="c2prompt", prompt_mode="prompt")
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     model.eval()
     x = torch.rand(3, 3, 16, 16)
     q = model.query(x)
@@ -184,7 +185,7 @@ def _learner_with_compensation(options: dict):
                       **{f"c2prompt.{k}": v for k, v in options.items()})
     rt = get_runtime(cfg, C2PromptPrompt)
     rt.model.prompt.configure(cfg.method)
-    learner = C2PromptLearner(rt, options)
+    learner = C2PromptLearner.of(cfg, rt, options)
     learner.seed = [0, 0, 0, 0]
     rt.model.prompt.set_task(0)
     learner.round_start(global_content(rt.model.embed_dim), 0)
@@ -240,7 +241,7 @@ def test_lcdc_moves_the_compensated_features_toward_their_global_distribution(sc
 # ---------------------------------------------------------------------------- server
 def strategy(**overrides):
     cfg = tiny_config(strategy="c2prompt", **overrides)
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     s = C2PromptStrategy.of(cfg, NUM_CLASSES, cfg.method_options("c2prompt"))
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(model.trainable_state())))
     return s, arrays
@@ -341,12 +342,12 @@ def test_options_are_validated_and_checked_against_the_run():
     with pytest.raises(ConfigError, match="global-stats"):
         C2PromptOptions.from_options({"global-stats": "full"})
     with pytest.raises(ConfigError, match="comp-length"):
-        C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3, "comp-schedule": "every-round"}
-                                     ).check_run(tiny_config())
+        check_options(C2PromptOptions.from_options({"comp-attach": "add", "comp-length": 3,
+                                                    "comp-schedule": "every-round"}), tiny_config())
     with pytest.raises(ConfigError, match="comp-schedule = every-round"):  # "once" trains the tokens alone
         C2PromptOptions.from_options({"comp-attach": "add"})
     with pytest.raises(ConfigError, match="even"):
-        C2PromptOptions.from_options({"comp-length": 3}).check_run(tiny_config(prompt_mode="prefix"))
+        check_options(C2PromptOptions.from_options({"comp-length": 3}), tiny_config(prompt_mode="prefix"))
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -13,10 +13,10 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.partitions import client_indices
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import cpa_matrix
 from promptfcl.strategies.c2prompt.distributions import class_statistics
 from promptfcl.strategies.c2prompt.learner import C2PromptLearner
@@ -24,6 +24,7 @@ from promptfcl.strategies.c2prompt.options import C2PromptOptions
 from promptfcl.strategies.c2prompt.prompt import C2PromptPrompt
 from promptfcl.strategies.c2prompt.records import CLASS_STATS, GLOBAL_STATS, PART, UPLOAD_STATS
 from promptfcl.strategies.platform.rounds import Sent
+from promptfcl.strategies.platform.run_checks import check_options
 from tests.conftest import PLAIN_MEAN, tiny_config
 from tests.helpers import accepted_of
 from tests.test_c2prompt import NUM_CLASSES, _batch, _learner_with_compensation, global_content, reply, strategy
@@ -105,7 +106,7 @@ def test_keep_all_writes_each_clients_rows_of_w_times_p_into_its_part_of_the_sli
 def test_a_keep_all_client_trains_and_weighs_only_its_part_and_evaluation_reads_every_part():
     cfg = tiny_config(strategy="c2prompt", num_clients=2, pool_size=8, prompt_mode="prompt",
                       **{"c2prompt.cpa-pool": "keep-all"})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), C2PromptPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), C2PromptPrompt)
     prompt = model.prompt
     assert isinstance(prompt, C2PromptPrompt)
     prompt.set_task(1)
@@ -124,10 +125,10 @@ def test_a_keep_all_client_trains_and_weighs_only_its_part_and_evaluation_reads_
     with pytest.raises(ValueError, match="not part"):
         prompt.restrict(slice(2, 4))  # task 0's rows while on task 1
     with pytest.raises(ConfigError, match="multiple of num-clients"):
-        C2PromptOptions.from_options({"cpa-pool": "keep-all"}).check_run(tiny_config(num_clients=3, pool_size=8))
+        check_options(C2PromptOptions.from_options({"cpa-pool": "keep-all"}), tiny_config(num_clients=3, pool_size=8))
     with pytest.raises(ConfigError, match="virtual population"):
-        C2PromptOptions.from_options({"cpa-pool": "keep-all"}).check_run(tiny_config(population="nodes", num_clients=2,
-                                                                                     pool_size=8))
+        check_options(C2PromptOptions.from_options({"cpa-pool": "keep-all"}),
+                      tiny_config(population="nodes", num_clients=2, pool_size=8))
 
 
 # ---------------------------------------------------------------------------- round 0 and frozen compensation
@@ -144,7 +145,7 @@ def test_round_0_is_a_statistics_only_exchange_and_the_first_training_round_carr
     # the client's answer: its class statistics of q(x) over its share of the task, nothing else
     cfg = tiny_config(strategy="c2prompt")
     rt = get_runtime(cfg, C2PromptPrompt)
-    learner = C2PromptLearner(rt, {})
+    learner = C2PromptLearner.of(cfg, rt, {})
     answers = [learner.answer(s.exchange_payload(sent_to(c), arrays), 0, 0, c) for c in (0, 1)]
     index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 1, 0, 0)
     assert set(answers[1].keys()) == {CLASS_STATS, METRICS}
@@ -215,8 +216,8 @@ def test_compensation_prompts_trained_once_are_the_same_in_every_round_of_the_ta
 def test_dp_runs_report_statistics_in_the_training_reply():
     dp = {"dp.clip": 1.0, "dp.noise-multiplier": 1.0}
     with pytest.raises(ConfigError, match="stats-round = first-training"):
-        C2PromptOptions.from_options({}).check_run(tiny_config(**dp))
-    C2PromptOptions.from_options({"stats-round": "first-training"}).check_run(tiny_config(**dp))
+        check_options(C2PromptOptions.from_options({}), tiny_config(**dp))
+    check_options(C2PromptOptions.from_options({"stats-round": "first-training"}), tiny_config(**dp))
     s, arrays = strategy(**{"c2prompt.stats-round": "first-training"})
     assert not s.uses_exchange() and s.payload(sent_to(0), arrays)[CONFIG][UPLOAD_STATS] is True
 

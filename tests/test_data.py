@@ -13,8 +13,9 @@ import pytest
 from promptfcl.common.augment import augment_images
 from promptfcl.common.config import ConfigError
 from promptfcl.common.data import DataError, load_dataset
-from promptfcl.common.partitions import Partition, client_indices
-from promptfcl.common.tasks import TaskLayout, class_order
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.runtime import layout_of, partition_of
+from promptfcl.common.tasks import class_order
 from tests.conftest import tiny_config
 
 
@@ -24,7 +25,7 @@ def digits():
 
 
 def shares(data, cfg, task, round_=0):
-    return [client_indices(data.train.labels, TaskLayout.of(cfg, data.num_classes), Partition.of(cfg), c, task, round_) for c in range(cfg.federation.num_clients)]
+    return [client_indices(data.train.labels, layout_of(cfg, data.num_classes), partition_of(cfg), c, task, round_) for c in range(cfg.federation.num_clients)]
 
 
 def test_class_order_is_a_seeded_permutation():
@@ -36,8 +37,8 @@ def test_class_order_is_a_seeded_permutation():
 def test_labels_are_remapped_so_tasks_own_contiguous_classes(digits):
     assert digits.num_classes == 10
     five = tiny_config(num_tasks=5)
-    assert list(TaskLayout.of(five, 10).classes(2)) == [4, 5]
-    assert list(TaskLayout.of(five, 10).seen(2)) == list(range(6))
+    assert list(layout_of(five, 10).classes(2)) == [4, 5]
+    assert list(layout_of(five, 10).seen(2)) == list(range(6))
     # the remapping follows the class order: remapped label j holds original class order[j]
     order = class_order(10, 0)
     assert digits.class_names == [str(c) for c in order]
@@ -58,9 +59,9 @@ def test_static_partitions_cover_the_task_disjointly(digits, partition):
     parts = shares(digits, cfg, task=1)
     union = np.concatenate(parts)
     assert len(union) == len(np.unique(union)), "a sample was given to two clients"
-    task_pool = np.flatnonzero(np.isin(digits.train.labels, TaskLayout.of(cfg, 10).classes(1)))
+    task_pool = np.flatnonzero(np.isin(digits.train.labels, layout_of(cfg, 10).classes(1)))
     assert set(union.tolist()) == set(task_pool.tolist()), "a sample of the task was given to no client"
-    assert set(np.unique(digits.train.labels[union])) <= set(TaskLayout.of(cfg, 10).classes(1).tolist())
+    assert set(np.unique(digits.train.labels[union])) <= set(layout_of(cfg, 10).classes(1).tolist())
     # pure function of (seed, client, task): recomputed identically
     again = shares(digits, cfg, task=1)
     assert all(np.array_equal(x, y) for x, y in zip(parts, again))
@@ -85,23 +86,23 @@ def test_quantity_partition_holds_every_class_of_every_task():
         for seed in range(5):
             cfg = tiny_config(num_tasks=10, num_clients=10, partition="quantity", classes_per_client=k, seed=seed)
             for task in range(10):
-                parts = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, task, 0) for c in range(10)]
+                parts = [client_indices(labels, layout_of(cfg, 100), partition_of(cfg), c, task, 0) for c in range(10)]
                 assert [len(np.unique(labels[p])) for p in parts] == [k] * 10
                 union = np.concatenate(parts)
                 assert len(union) == len(np.unique(union)) == 5000  # every sample of the task, once
     # NIID-Bench's assignment when clients >= classes: client i holds the task's class i mod K first
     cfg = tiny_config(num_tasks=10, num_clients=25, partition="quantity", classes_per_client=1, seed=3)
-    task_cls = TaskLayout.of(cfg, 100).classes(2)
+    task_cls = layout_of(cfg, 100).classes(2)
     for c in range(25):
-        assert set(labels[client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 2, 0)]) == {task_cls[c % 10]}
+        assert set(labels[client_indices(labels, layout_of(cfg, 100), partition_of(cfg), c, 2, 0)]) == {task_cls[c % 10]}
 
 
 def test_quantity_partition_refuses_when_clients_cannot_hold_every_class():
     cfg = tiny_config(num_tasks=10, num_clients=4, partition="quantity", classes_per_client=2)
     with pytest.raises(ConfigError, match="4 clients x classes-per-client 2 = 8 < its 10 classes"):
-        client_indices(_stream_labels(), TaskLayout.of(cfg, 100), Partition.of(cfg), 0, 0, 0)
+        client_indices(_stream_labels(), layout_of(cfg, 100), partition_of(cfg), 0, 0, 0)
     cfg = cfg.replace(classes_per_client=3)  # 12 >= 10: every class held, some by two clients
-    parts = [client_indices(_stream_labels(), TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(4)]
+    parts = [client_indices(_stream_labels(), layout_of(cfg, 100), partition_of(cfg), c, 0, 0) for c in range(4)]
     assert len(np.unique(_stream_labels()[np.concatenate(parts)])) == 10
 
 
@@ -113,11 +114,11 @@ def test_dirichlet_as_niid_bench_min_size_balance_and_dataset_scope():
     base = tiny_config(num_tasks=10, num_clients=100, partition="dirichlet", dirichlet_beta=0.05, min_partition_size=0)
 
     def task_sizes(cfg, task=0):
-        return np.array([len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, task, 0)) for c in range(100)])
+        return np.array([len(client_indices(labels, layout_of(cfg, 100), partition_of(cfg), c, task, 0)) for c in range(100)])
 
     assert (task_sizes(base) == 0).sum() >= 2  # beta 0.05 leaves clients empty without a minimum
     few = base.replace(num_clients=20, min_partition_size=10)  # (100 clients cannot all reach 10 in one task)
-    assert min(len(client_indices(labels, TaskLayout.of(few, 100), Partition.of(few), c, 0, 0)) for c in range(20)) >= 10
+    assert min(len(client_indices(labels, layout_of(few, 100), partition_of(few), c, 0, 0)) for c in range(20)) >= 10
     whole = base.replace(partition_scope="dataset", min_partition_size=10)
     totals = sum(task_sizes(whole, t) for t in range(10))
     assert totals.min() >= 10 and totals.sum() == len(labels)
@@ -126,13 +127,13 @@ def test_dirichlet_as_niid_bench_min_size_balance_and_dataset_scope():
     assert balanced.max() < totals.max() and balanced.std() < totals.std()  # the cap at N / clients
     # scope dataset: the same client's shares of two tasks come from one draw, and differ from
     # the per-task draws
-    assert not np.array_equal(client_indices(labels, TaskLayout.of(whole, 100), Partition.of(whole), 7, 3, 0), client_indices(labels, TaskLayout.of(base, 100), Partition.of(base), 7, 3, 0))
+    assert not np.array_equal(client_indices(labels, layout_of(whole, 100), partition_of(whole), 7, 3, 0), client_indices(labels, layout_of(base, 100), partition_of(base), 7, 3, 0))
     with pytest.raises(ConfigError, match="min-partition-size"):
         task_sizes(base.replace(min_partition_size=60))  # 100 x 60 > the task's 5000 samples
 
 
 def _empty_clients_per_task(cfg, labels, num_classes=100):
-    return np.array([sum(len(client_indices(labels, TaskLayout.of(cfg, num_classes), Partition.of(cfg), c, t, 0)) == 0 for c in range(cfg.federation.num_clients))
+    return np.array([sum(len(client_indices(labels, layout_of(cfg, num_classes), partition_of(cfg), c, t, 0)) == 0 for c in range(cfg.federation.num_clients))
                      for t in range(cfg.data.num_tasks)])
 
 
@@ -156,8 +157,8 @@ def test_balanced_dirichlet_cuts_classes_in_original_order_so_no_task_is_favoure
     plain = fppl.replace(dirichlet_balance=False)
     for task in (0, 19):
         for c in range(10):
-            assert np.array_equal(client_indices(labels, TaskLayout.of(plain, 200), Partition.of(plain), c, task, 0),
-                                  client_indices(labels, TaskLayout.of(plain.replace(partition_class_order="task"), 200), Partition.of(plain.replace(partition_class_order="task")), c, task, 0))
+            assert np.array_equal(client_indices(labels, layout_of(plain, 200), partition_of(plain), c, task, 0),
+                                  client_indices(labels, layout_of(plain.replace(partition_class_order="task"), 200), partition_of(plain.replace(partition_class_order="task")), c, task, 0))
 
 
 def test_dirichlet_skew_grows_as_beta_shrinks(digits):
@@ -186,7 +187,7 @@ def _label_distance(labels, part, pool):
 
 def test_quantity_skew_skews_sizes_and_keeps_each_clients_labels_like_the_tasks(digits):
     """NIID-Bench's quantity skew: sizes from Dir(beta) over clients, labels IID (not k classes each)."""
-    pool = np.flatnonzero(np.isin(digits.train.labels, TaskLayout.of(tiny_config(num_tasks=2), 10).classes(0)))
+    pool = np.flatnonzero(np.isin(digits.train.labels, layout_of(tiny_config(num_tasks=2), 10).classes(0)))
 
     def split(beta, seed=0, partition="quantity-skew"):
         cfg = tiny_config(num_tasks=2, num_clients=10, partition=partition, dirichlet_beta=beta, seed=seed)
@@ -243,11 +244,11 @@ def test_joint_centralised_client_holds_every_seen_task(digits):
 
     joint = tiny_config(num_tasks=5, centralised=True, centralised_mode="joint")
     incremental = tiny_config(num_tasks=5, centralised=True)
-    idx = client_indices(digits.train.labels, TaskLayout.of(joint, 10), Partition.of(joint), 0, 2, 0)
+    idx = client_indices(digits.train.labels, layout_of(joint, 10), partition_of(joint), 0, 2, 0)
     assert set(np.unique(digits.train.labels[idx]).tolist()) == set(range(6))  # tasks 0..2
     assert len(idx) == np.isin(digits.train.labels, range(6)).sum()
-    assert list(TaskLayout.of(joint, 10).training_classes(2)) == list(range(6))
-    assert list(TaskLayout.of(incremental, 10).training_classes(2)) == [4, 5]
+    assert list(layout_of(joint, 10).training_classes(2)) == list(range(6))
+    assert list(layout_of(incremental, 10).training_classes(2)) == [4, 5]
     with pytest.raises(ConfigError, match="centralised-mode = joint"):
         tiny_config(centralised_mode="joint")  # the joint reference is centralised
 
@@ -261,9 +262,9 @@ def test_partitions_differ_by_seed_and_task(digits):
 def test_stateless_population_draws_afresh_each_round(digits):
     cfg = tiny_config(num_tasks=2, num_clients=1000, partition="stateless", category_ratio=0.6,
                       split_ratio=0.1, imbalance_ratio=0.1)
-    a = client_indices(digits.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), 17, 0, 0)
-    b = client_indices(digits.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), 17, 0, 0)
-    c = client_indices(digits.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), 17, 0, 1)
+    a = client_indices(digits.train.labels, layout_of(cfg, 10), partition_of(cfg), 17, 0, 0)
+    b = client_indices(digits.train.labels, layout_of(cfg, 10), partition_of(cfg), 17, 0, 0)
+    c = client_indices(digits.train.labels, layout_of(cfg, 10), partition_of(cfg), 17, 0, 1)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     labels = digits.train.labels[a]
     classes = np.unique(labels)
@@ -276,7 +277,7 @@ def test_stateless_population_draws_afresh_each_round(digits):
 
 def test_centralised_client_holds_the_whole_task(digits):
     cfg = tiny_config(num_tasks=5, centralised=True)
-    idx = client_indices(digits.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), 0, 3, 0)
+    idx = client_indices(digits.train.labels, layout_of(cfg, 10), partition_of(cfg), 0, 3, 0)
     assert len(idx) == np.isin(digits.train.labels, [6, 7]).sum()
 
 
@@ -386,7 +387,7 @@ def test_task_rows_locate_a_tasks_pool_slice_and_head_rows():
 
     pool, head, other = np.zeros((12, 4, 3)), np.zeros((10, 3)), np.zeros((5, 3))
     four, five = tiny_config(num_tasks=4, pool_size=12), tiny_config(num_tasks=5, pool_size=10)
-    assert TaskLayout.of(four, 10).task_rows("prompt.p0", pool, 2) == slice(6, 9)
-    assert TaskLayout.of(five, 10).task_rows("head.weight", head, 1).tolist() == [2, 3]
-    assert TaskLayout.of(five, 10).task_rows("prompt.fusion", other, 1) is None  # not pool-sized
-    assert TaskLayout.of(five, 10).task_rows("head.weight", np.zeros((7, 3)), 1) is None  # not class-sized
+    assert layout_of(four, 10).task_rows("prompt.p0", pool, 2) == slice(6, 9)
+    assert layout_of(five, 10).task_rows("head.weight", head, 1).tolist() == [2, 3]
+    assert layout_of(five, 10).task_rows("prompt.fusion", other, 1) is None  # not pool-sized
+    assert layout_of(five, 10).task_rows("head.weight", np.zeros((7, 3)), 1) is None  # not class-sized

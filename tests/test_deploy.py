@@ -307,15 +307,15 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
 
-    from promptfcl.common.model import CodaPrompt, ModelSpec, build_backbone, initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, build_backbone, initial_trainable_state
     from promptfcl.common.records import to_array_record
-    from promptfcl.common.weights import BackboneSpec
+    from promptfcl.common.runtime import backbone_of, model_spec
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
-    trainable = to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), CodaPrompt))
+    trainable = to_array_record(initial_trainable_state(model_spec(cfg, cfg.data.num_classes), CodaPrompt))
     shapes = {name: tuple(trainable[name].shape) for name in trainable.keys()}
-    backbone, _ = build_backbone(BackboneSpec.of(cfg))
+    backbone, _ = build_backbone(backbone_of(cfg))
     backbone_bytes = {np.ascontiguousarray(t.detach().numpy()).tobytes() for t in backbone.state_dict().values()
                       if t.numel() > 8}
     messages = wire_messages(deployment.exchanges)

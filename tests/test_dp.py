@@ -97,7 +97,7 @@ def fit_and_release(strategy: str, clip: float, **options):
 
     cfg = tiny_config(strategy=strategy, **{"dp.clip": clip, **options})
     rt = get_runtime(cfg, prompt_class(strategy))
-    learner = learner_class(strategy)(rt, cfg.method_options(strategy))
+    learner = learner_class(strategy).of(cfg, rt, cfg.method_options(strategy))
     received = to_array_record(rt.model.trainable_state())
     content = RecordDict({ARRAYS: received, CONFIG: ConfigRecord({"task": 0, "round": 0, "client-id": 0})})
     raw = learner.fit(content, task=0, round_=0, client_id=0)

@@ -23,8 +23,7 @@ from promptfcl.common.memory_plan import (
     resident_mb,
 )
 from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.weights import BackboneSpec
+from promptfcl.common.runtime import backbone_of, get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -70,11 +69,11 @@ def test_a_budgeted_round_uploads_the_arrays_of_the_unbudgeted_one(count_checkpo
     s = FedAvgStrategy.of(cfg, rt.data.num_classes)
     arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
     content = RecordDict({ARRAYS: arrays})
-    whole = LocalLearner(rt).fit(content, 0, 0, 0)
+    whole = LocalLearner.of(cfg, rt).fit(content, 0, 0, 0)
     assert not count_checkpoints
     try:
-        micro = budgeted(LocalLearner(rt), 5, 2).fit(content, 0, 0, 0)
-        plain_micro = budgeted(LocalLearner(rt), 7, 0).fit(content, 0, 0, 0)
+        micro = budgeted(LocalLearner.of(cfg, rt), 5, 2).fit(content, 0, 0, 0)
+        plain_micro = budgeted(LocalLearner.of(cfg, rt), 7, 0).fit(content, 0, 0, 0)
     finally:
         rt.model.checkpointed = frozenset()
     assert count_checkpoints  # the blocks were recomputed, not kept
@@ -97,9 +96,9 @@ def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
     protos = ArrayRecord({"classes": Array(np.array([5, 6, 7])),
                           "means": Array(rng.normal(size=(3, cfg.model.embed_dim)).astype(np.float32))})
     content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
-    whole = FPPLLearner(rt).fit(content, 1, 0, 0)
+    whole = FPPLLearner.of(cfg, rt).fit(content, 1, 0, 0)
     try:
-        micro = budgeted(FPPLLearner(rt), 3, 1).fit(content, 1, 0, 0)
+        micro = budgeted(FPPLLearner.of(cfg, rt), 3, 1).fit(content, 1, 0, 0)
     finally:
         rt.model.checkpointed = frozenset()
     assert_same_upload(whole, micro)
@@ -113,9 +112,9 @@ def test_powder_dual_distillation_weights_the_steps_samples_not_the_micro_batchs
     msg = message_for(s, arrays, 1, 1)  # a round with a teacher: dual distillation on
     from promptfcl.strategies.powder.learner import PowderLearner
 
-    whole = PowderLearner(rt, {}).fit(msg.content, 1, 1, 0)
+    whole = PowderLearner.of(cfg, rt, {}).fit(msg.content, 1, 1, 0)
     try:
-        learner = budgeted(PowderLearner(rt, {}), 4, 2)
+        learner = budgeted(PowderLearner.of(cfg, rt, {}), 4, 2)
         micro = learner.fit(msg.content, 1, 1, 0)
     finally:
         rt.model.checkpointed = frozenset()
@@ -157,12 +156,13 @@ def test_node_config_keys_are_checked_and_a_refusal_names_them():
         NodePolicy.from_node_config({"memory-budget-mb": "lots"})
     with pytest.raises(NodeRefusal, match="backbone-precision"):
         NodePolicy.from_node_config({"backbone-precision": "fp8"})
-    rt = get_runtime(tiny_config())
+    cfg = tiny_config()
+    rt = get_runtime(cfg)
     with pytest.raises(NodeRefusal, match="memory-budget-mb"):
-        apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
-    plan = apply_plan(rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
-    assert plan.micro_batch == rt.cfg.training.batch_size and not rt.model.checkpointed
-    apply_plan(rt, NodePolicy.from_node_config({}))
+        apply_plan(cfg, rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
+    plan = apply_plan(cfg, rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
+    assert plan.micro_batch == cfg.training.batch_size and not rt.model.checkpointed
+    apply_plan(cfg, rt, NodePolicy.from_node_config({}))
     assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
 
 
@@ -223,8 +223,8 @@ def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
     assert "Linear" not in kinds  # every frozen linear layer converted
     s = FedAvgStrategy.of(cfg, fp32.data.num_classes)
     arrays = s.on_task_start(0, to_array_record(fp32.model.trainable_state()))
-    a = from_array_record(LocalLearner(fp32).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
-    b = from_array_record(LocalLearner(low).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
+    a = from_array_record(LocalLearner.of(cfg, fp32).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
+    b = from_array_record(LocalLearner.of(cfg, low).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)[ARRAYS])
     sent = from_array_record(arrays)
     # not the same update, but the same direction: the head's change agrees in cosine
     da, db = (a["head.weight"] - sent["head.weight"]).ravel(), (b["head.weight"] - sent["head.weight"]).ravel()
@@ -234,10 +234,10 @@ def test_a_lower_precision_backbone_trains_near_the_float_one(precision):
 def test_the_backbone_is_read_through_a_shared_mapping_of_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path))
     cfg = tiny_config(backbone_cache_disk="on", embed_dim=96, depth=2, image_size=32)
-    build_backbone(BackboneSpec.of(cfg))  # a miss: built and written
-    path = backbone_cache_path(BackboneSpec.of(cfg))
+    build_backbone(backbone_of(cfg))  # a miss: built and written
+    path = backbone_cache_path(backbone_of(cfg))
     assert path is not None and path.is_file()
-    backbone, _ = build_backbone(BackboneSpec.of(cfg))  # read from the cache: mapped, not copied
+    backbone, _ = build_backbone(backbone_of(cfg))  # read from the cache: mapped, not copied
     with torch.no_grad():
         backbone(torch.zeros(1, 3, 32, 32))  # touch every weight
     before = mapped_mb(path)

@@ -12,8 +12,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of
 from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
 from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt
@@ -138,11 +137,11 @@ def test_first_task_c2l_is_a_drift_penalty_or_off():
     rt, _, arrays = start(cfg, tasks=1)
     results = {}
     for mode in ("drift", "off"):
-        learner = FedCPromptLearner(rt, {"c2l-first-task": mode})
+        learner = FedCPromptLearner.of(cfg, rt, {"c2l-first-task": mode})
         reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
         results[mode] = (learner.last_c2l, reply[ARRAYS]["prompt.p0"].numpy())
     assert results["drift"][0] > 0.5 and results["off"][0] == 0.0
-    plain = FedCPromptLearner(rt, {"c2l": False}).fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
+    plain = FedCPromptLearner.of(cfg, rt, {"c2l": False}).fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
     np.testing.assert_array_equal(results["off"][1], plain[ARRAYS]["prompt.p0"].numpy())
     assert not np.array_equal(results["drift"][1], results["off"][1])
 
@@ -150,7 +149,7 @@ def test_first_task_c2l_is_a_drift_penalty_or_off():
 def test_c2l_in_the_learner_uses_the_server_prompts_of_this_round():
     cfg = tiny_config(num_tasks=5, centralised=True)
     rt, _, arrays = start(cfg, tasks=3)
-    learner = FedCPromptLearner(rt, {"gamma": 1.0, "alpha": 0.5})
+    learner = FedCPromptLearner.of(cfg, rt, {"gamma": 1.0, "alpha": 0.5})
     rt.model.load_trainable_state({k: torch.from_numpy(v.copy()) for k, v in from_array_record(arrays).items()})
     rt.model.prompt.set_task(1)
     learner.round_start(train_content(arrays, 1, 3), 1)
@@ -207,7 +206,7 @@ def test_frozen_past_and_future_slices_get_no_gradient():
 def test_fit_trains_only_its_slice_and_head_rows_with_future_slices_known():
     cfg = tiny_config(num_tasks=5, centralised=True, lr=0.05, local_epochs=2)
     rt, _, arrays = start(cfg, tasks=3)  # tasks 3 and 4 not known yet
-    learner = FedCPromptLearner(rt, {"alpha": 1.0, "gamma": 0.05, "prox-mu": 0.01})  # C2L active from the start
+    learner = FedCPromptLearner.of(cfg, rt, {"alpha": 1.0, "gamma": 0.05, "prox-mu": 0.01})  # C2L active from the start
     before = from_array_record(arrays)
     reply = learner.fit(train_content(arrays, 1, 3), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
@@ -233,9 +232,9 @@ def test_c2l_changes_training_and_off_switch_matches_fedavg_prompt():
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05)
     rt, _, arrays = start(cfg, tasks=2)
     content = train_content(arrays, 1, 2)
-    plain = from_array_record(LocalLearner(rt).fit(content, 1, 0, 0)[ARRAYS])
-    off = from_array_record(FedCPromptLearner(rt, {"c2l": False, "early-stopping": False}).fit(content, 1, 0, 0)[ARRAYS])
-    on = from_array_record(FedCPromptLearner(rt, {"gamma": 0.05, "alpha": 1.0, "early-stopping": False}).fit(
+    plain = from_array_record(LocalLearner.of(cfg, rt).fit(content, 1, 0, 0)[ARRAYS])
+    off = from_array_record(FedCPromptLearner.of(cfg, rt, {"c2l": False, "early-stopping": False}).fit(content, 1, 0, 0)[ARRAYS])
+    on = from_array_record(FedCPromptLearner.of(cfg, rt, {"gamma": 0.05, "alpha": 1.0, "early-stopping": False}).fit(
         content, 1, 0, 0)[ARRAYS])
     for name in plain:  # synchronous, C2L and early stopping off: FedAvg-Prompt's client
         np.testing.assert_array_equal(off[name], plain[name])
@@ -260,7 +259,7 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     carries the parameters of the best epoch."""
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=5)
     rt, _, arrays = start(cfg, tasks=1)
-    learner = ScriptedValidation(rt, {"c2l": False, "early-stopping-scope": "local", **EARLIER_RULE})
+    learner = ScriptedValidation.of(cfg, rt, {"c2l": False, "early-stopping-scope": "local", **EARLIER_RULE})
     learner.states, learner.script = [], [0.5, 0.7, 0.6, 0.65, 0.9]
     seen = []
     learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
@@ -275,7 +274,7 @@ def test_early_stopping_holds_out_a_fixed_share_and_replies_with_the_best_epoch(
     assert len(np.intersect1d(trained, validation)) == 0 and len(validation) == round(0.1 * len(everything))
     learner.seed = [cfg.run.seed, 0, 0, 7]  # another round of the same client and task: the same share
     np.testing.assert_array_equal(FedCPromptLearner.held_out(learner, np.sort(everything))[1], validation)
-    off = FedCPromptLearner(rt, {"early-stopping": False})
+    off = FedCPromptLearner.of(cfg, rt, {"early-stopping": False})
     assert len(off.held_out(np.sort(everything))[1]) == 0
     # the held-out samples are not trained on, so they do not weigh in FedAvg
     assert reply[METRICS]["num-examples"] == len(trained)
@@ -292,14 +291,14 @@ def test_task_scope_clients_report_the_received_models_validation_and_train_ever
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.05, local_epochs=3)
     rt, _, arrays = start(cfg, tasks=1)
     options = {"c2l": False, "early-stopping-metric": metric}
-    learner = FedCPromptLearner(rt, options)
+    learner = FedCPromptLearner.of(cfg, rt, options)
     seen = []
     learner.held_out = lambda index, f=learner.held_out: seen.append(f(index)) or seen[-1]
     reply = learner.fit(train_content(arrays, 0, 1), task=0, round_=0, client_id=0)
     trained, validation = seen[0]
     assert learner.epochs_run == 3 and len(validation) and reply[METRICS]["num-examples"] == len(trained)
     metrics = reply[METRICS]
-    received = FedCPromptLearner(rt, options)
+    received = FedCPromptLearner.of(cfg, rt, options)
     rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
     rt.model.prompt.set_task(0)
     rt.model.prompt.known_tasks = 1
@@ -469,7 +468,7 @@ def test_the_earlier_rule_stops_on_accuracy_after_two_rounds_and_restores_the_be
 def test_validation_accuracy_is_the_models_on_the_tasks_rows():
     cfg = tiny_config(num_tasks=2, centralised=True)
     rt, _, arrays = start(cfg, tasks=1)
-    learner = FedCPromptLearner(rt)
+    learner = FedCPromptLearner.of(cfg, rt)
     rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(arrays).items()})
     rt.model.prompt.set_task(0)
     index = np.flatnonzero(rt.data.train.labels < 5)[:40]
@@ -495,7 +494,7 @@ def test_validation_takes_each_image_as_evaluation_does(monkeypatch):
     calls = []
     real = rt.model.preprocess
     monkeypatch.setattr(rt.model, "preprocess", lambda *a, **k: calls.append(k.get("evaluation")) or real(*a, **k))
-    assert FedCPromptLearner(rt).correct(index, 0) == expected
+    assert FedCPromptLearner.of(cfg, rt).correct(index, 0) == expected
     assert calls and all(calls)
 
 
@@ -601,7 +600,7 @@ def test_aggregate_per_task_averages_other_arrays_over_everyone():
     base = {"prompt.p0": np.zeros((4, 2), np.float32), "extra": np.zeros(3, np.float32)}
     updates = [(0, {"prompt.p0": np.ones((4, 2)), "extra": np.full(3, 2.0)}, 1.0),
                (1, {"prompt.p0": np.full((4, 2), 3.0), "extra": np.full(3, 4.0)}, 3.0)]
-    out = aggregate_per_task(TaskLayout.of(tiny_config(num_tasks=2, pool_size=4), 2), base, updates)
+    out = aggregate_per_task(layout_of(tiny_config(num_tasks=2, pool_size=4), 2), base, updates)
     np.testing.assert_allclose(out["prompt.p0"], [[1, 1], [1, 1], [3, 3], [3, 3]])
     np.testing.assert_allclose(out["extra"], 3.5)
     assert out["extra"].dtype == np.float32 and out["prompt.p0"].dtype == np.float32

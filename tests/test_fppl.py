@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of, model_spec
 from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -43,7 +42,7 @@ def fppl_config(**overrides):
 def strategy_at_task(task: int = 0, options: dict | None = None, **overrides) -> tuple[FPPLStrategy, object]:
     """An FPPL strategy and the global arrays after ``on_task_start`` of tasks 0..task."""
     cfg = fppl_config(**overrides)
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), FPPLPrompt)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), FPPLPrompt)
     s = FPPLStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):
@@ -124,7 +123,7 @@ def test_stateful_count_is_the_papers_quarter_million_at_imagenet_r_dimensions()
     s, _ = strategy_at_task(0)
     wide = fppl_config().replace(num_tasks=20, pool_size=20, prompt_layers="0,1,2,3,4")
     s.data, s.model, s.num_classes = wide.data, wide.model, 200
-    s.layout = TaskLayout.of(wide, 200)  # what the strategy counts with: 10 classes per task
+    s.layout = layout_of(wide, 200)  # what the strategy counts with: 10 classes per task
     d, t, length = 768, 20, 20
     state = {**{f"prompt.p{layer}": np.zeros((t, length, d), np.float32) for layer in range(5)},
              "prompt.fusion": np.zeros((t, d), np.float32), "prompt.fusion_scale": np.ones(1, np.float32),
@@ -183,7 +182,7 @@ def test_local_training_freezes_finished_prompts_and_uploads_prototypes():
     arrays = s.on_task_start(1, s.on_task_start(0, to_array_record(rt.model.trainable_state())))
     before = from_array_record(arrays)
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})})
-    reply = FPPLLearner(rt).fit(content, task=1, round_=0, client_id=0)
+    reply = FPPLLearner.of(cfg, rt).fit(content, task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
     for layer in cfg.model.layers:  # only task 1's prompt travels back: the frozen ones stay home
         assert after[f"prompt.p{layer}"].shape == (1,) + before[f"prompt.p{layer}"].shape[1:]
@@ -216,7 +215,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
     for augment, views in (("none", "augmented"), ("crop-flip", "stored"), ("crop-flip", "augmented")):
         cfg = fppl_config(augment=augment, **{"fppl.prototype-views": views})
         rt = get_runtime(cfg, FPPLPrompt)
-        learner = FPPLLearner(rt, cfg.method_options("fppl"))
+        learner = FPPLLearner.of(cfg, rt, cfg.method_options("fppl"))
         learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
@@ -292,8 +291,9 @@ def test_global_prototypes_are_the_per_class_mean_over_holders_and_reach_every_c
 
 
 def test_learner_uses_the_global_prototypes_of_the_current_task_only():
-    rt = get_runtime(fppl_config(), FPPLPrompt)
-    learner = FPPLLearner(rt)
+    cfg = fppl_config()
+    rt = get_runtime(cfg, FPPLPrompt)
+    learner = FPPLLearner.of(cfg, rt)
     d = rt.model.embed_dim
     record = to_array_record({"classes": np.array([3, 5, 6], np.int64), "means": np.ones((3, d), np.float32)})
     learner.round_start(RecordDict({GLOBAL_PROTOTYPES: record}), task=1)
@@ -370,12 +370,13 @@ def test_debias_head_touches_only_classes_with_prototypes():
 
 # ---------------------------------------------------------------------------- ablation switches
 def test_without_unified_loss_no_prototypes_are_sent_and_no_loss_is_added(flower_identity):
-    rt = get_runtime(fppl_config(), FPPLPrompt)
+    cfg = fppl_config()
+    rt = get_runtime(cfg, FPPLPrompt)
     d = rt.model.embed_dim
     record = to_array_record({"classes": np.arange(5, 10), "means": np.ones((5, d), np.float32)})
     batch = type("B", (), {"features": torch.randn(4, d), "labels": torch.tensor([5, 6, 7, 8]), "share": 1.0,
                            "step_labels": None, "rows": None})()
-    on, off = FPPLLearner(rt), FPPLLearner(rt, {"unified-loss": False})
+    on, off = FPPLLearner.of(cfg, rt), FPPLLearner.of(cfg, rt, {"unified-loss": False})
     for learner in (on, off):
         learner.round_start(RecordDict({GLOBAL_PROTOTYPES: record}), task=1)
     assert on.extra_loss(batch, 1) is not None

@@ -9,6 +9,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.runtime import model_spec
 from promptfcl.strategies.hgp.gaussians import (
     build_mixture,
     class_statistics,
@@ -90,10 +91,10 @@ def test_prompt_weights_are_normalised_cosines_with_keys_only():
 def test_score_normalisation_is_an_option_every_builder_of_the_model_reads(norm):
     """hgp.score-norm: l1 (the project's reading, default), softmax, or none (CODA-P's plain
     cosine); build_model and the server's prompt_from both configure the prompt from the run."""
-    from promptfcl.common.model import ModelSpec, build_model
+    from promptfcl.common.model import build_model
 
     cfg = tiny_config(strategy="hgp", **{"hgp.score-norm": norm})
-    model, _ = build_model(ModelSpec.of(cfg, 10), HGPPrompt)
+    model, _ = build_model(model_spec(cfg, 10), HGPPrompt)
     p = model.prompt
     assert p.score_norm == norm
     p.eval()
@@ -402,7 +403,7 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag"})
     rt = get_runtime(cfg, HGPPrompt)
-    learner = HGPLearner(rt, cfg.method_options("hgp"))
+    learner = HGPLearner.of(cfg, rt, cfg.method_options("hgp"))
     index = np.flatnonzero(rt.data.train.labels < 5)[:50]
     rt.model.prompt.set_task(0)
     record = learner.round_end(index, task=0)[STATS]
@@ -427,7 +428,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     for augment, stats_augment in (("none", True), ("crop-flip", False), ("crop-flip", True)):
         cfg = tiny_config(strategy="hgp", augment=augment, **{"hgp.stats-augment": stats_augment})
         rt = get_runtime(cfg, HGPPrompt)
-        learner = HGPLearner(rt, cfg.method_options("hgp"))
+        learner = HGPLearner.of(cfg, rt, cfg.method_options("hgp"))
         learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)

@@ -201,6 +201,25 @@ def test_every_method_is_one_folder_laid_out_alike():
                                                                 "node_policy", "warm_executor", "zygote"}
 
 
+def test_no_method_reads_the_whole_configuration():
+    """A method's code sees the sections the platform hands its strategy and learner (their ``of``
+    reads the configuration once), never the whole ``ExperimentConfig``; a runtime carries none."""
+    import dataclasses
+
+    from promptfcl.common.runtime import Runtime
+    from promptfcl.strategies.registry import methods
+
+    for name in methods():
+        for path in (ROOT / "strategies" / name).glob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            named = ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                     | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                     | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+                     | {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)})
+            assert not {"ExperimentConfig", "cfg"} & named, path
+    assert not {f.name for f in dataclasses.fields(Runtime)} & {"cfg", "config"}
+
+
 def test_no_method_overrides_the_platforms_contract():
     """The platform owns configure/aggregate and the reply checks; a method that tries is refused."""
     import pytest
@@ -258,8 +277,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common import MessageType
 from promptfcl.client.app import train
 from promptfcl.common.records import to_array_record
-from promptfcl.common.runtime import get_runtime
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.runtime import get_runtime, layout_of
 from promptfcl.strategies.registry import prompt_class
 from tests.conftest import flower_task_identity, tiny_config
 
@@ -270,7 +288,7 @@ for method, settings in json.loads(sys.argv[1]).items():
     state = {k: v.numpy().copy() for k, v in runtime.model.trainable_state().items()}
     config = {"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), "num-classes": classes}
     if method == "powder":  # what Powder's server sends: the local pool's slices and the task's head rows
-        rows = {k: TaskLayout.of(cfg, classes).task_rows(k, v, 0) for k, v in state.items()}
+        rows = {k: layout_of(cfg, classes).task_rows(k, v, 0) for k, v in state.items()}
         state = {k: v if rows[k] is None else v[rows[k]] for k, v in state.items()}
         config["powder-tasks"] = [0]
     node = {"data-from-run": True, "weights-from-run": True}

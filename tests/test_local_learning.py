@@ -32,7 +32,7 @@ def test_only_the_current_task_slice_and_its_head_rows_change():
     cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01)
     rt, arrays = start(cfg, task=1)
     before = from_array_record(arrays)
-    reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
+    reply = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
     per_task = cfg.model.pool_size // cfg.data.num_tasks
     for layer in cfg.model.layers:
@@ -51,8 +51,8 @@ def test_training_is_deterministic_and_learns_the_task():
     rt, arrays = start(cfg)
     rt.model.load_trainable_state(to_torch(arrays))
     chance_level = accuracies(*correct_counts(rt, 0))[0]
-    a = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
-    b = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    a = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    b = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     for k in a[ARRAYS].keys():
         np.testing.assert_array_equal(a[ARRAYS][k].numpy(), b[ARRAYS][k].numpy())
     rt.model.load_trainable_state(to_torch(a[ARRAYS]))
@@ -85,11 +85,12 @@ def test_bfloat16_autocast_trains_float32_parameters_and_still_learns():
     assert rt.mixed_precision
     rt.model.load_trainable_state(to_torch(arrays))
     chance_level = accuracies(*correct_counts(rt, 0))[0]
-    reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    reply = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     assert all(reply[ARRAYS][k].numpy().dtype == np.float32 for k in reply[ARRAYS].keys())
     assert np.isfinite(reply["metrics"]["train-loss"])
-    fp32_rt, _ = start(tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=3))
-    fp32 = LocalLearner(fp32_rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    fp32_cfg = tiny_config(num_tasks=2, centralised=True, lr=0.01, local_epochs=3)
+    fp32_rt, _ = start(fp32_cfg)
+    fp32 = LocalLearner.of(fp32_cfg, fp32_rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     assert not np.array_equal(reply[ARRAYS]["head.weight"].numpy(), fp32[ARRAYS]["head.weight"].numpy())
     rt.model.load_trainable_state(to_torch(reply[ARRAYS]))
     assert accuracies(*correct_counts(rt, 0))[0] > max(chance_level, 20.0) + 15
@@ -106,7 +107,7 @@ def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_i
     seen: list[torch.Tensor] = []
     real_query = rt.model.query
     monkeypatch.setattr(rt.model, "query", lambda x: seen.append(x.clone()) or real_query(x))
-    learner = LocalLearner(rt)
+    learner = LocalLearner.of(cfg, rt)
     a = learner.fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
     assert cache.computed == computed  # the cache was not asked (nor filled) by the loop
     index = np.flatnonzero(np.isin(rt.data.train.labels, [0, 1, 2, 3, 4]))
@@ -119,12 +120,13 @@ def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_i
     assert not torch.equal(seen[0], rt.model.preprocess(torch.from_numpy(rt.data.train.images[index[order[:64]]])))
     # seeded: the same fit gives the same result; another round sees other views
     monkeypatch.setattr(rt.model, "query", real_query)
-    b = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
-    c = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=1, client_id=0)
+    b = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
+    c = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=1, client_id=0)
     np.testing.assert_array_equal(a[ARRAYS]["head.weight"].numpy(), b[ARRAYS]["head.weight"].numpy())
     assert not np.array_equal(a[ARRAYS]["head.weight"].numpy(), c[ARRAYS]["head.weight"].numpy())
-    plain_rt, _ = start(tiny_config(num_tasks=2, centralised=True, local_epochs=1, batch_size=64))
-    plain = LocalLearner(plain_rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
+    plain_cfg = tiny_config(num_tasks=2, centralised=True, local_epochs=1, batch_size=64)
+    plain_rt, _ = start(plain_cfg)
+    plain = LocalLearner.of(plain_cfg, plain_rt).fit(RecordDict({ARRAYS: arrays}), task=0, round_=0, client_id=0)
     assert not np.array_equal(a[ARRAYS]["head.weight"].numpy(), plain[ARRAYS]["head.weight"].numpy())
 
 
@@ -133,7 +135,7 @@ def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
     joint = tiny_config(num_tasks=2, centralised=True, centralised_mode="joint", lr=0.01)
     rt, arrays = start(joint, task=1)
     before = from_array_record(arrays)
-    reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
+    reply = LocalLearner.of(joint, rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     after = from_array_record(reply[ARRAYS])
     assert reply["metrics"]["num-examples"] == len(rt.data.train)  # both tasks: all 10 classes
     # the old task's head rows learn too (they compete in the CE), unlike incremental training
@@ -143,7 +145,7 @@ def test_joint_upper_bound_trains_once_on_the_union_of_the_seen_tasks():
         np.testing.assert_array_equal(after[f"prompt.p{layer}"][:per_task], before[f"prompt.p{layer}"][:per_task])
     incremental = tiny_config(num_tasks=2, centralised=True, lr=0.01)
     inc_rt, _ = start(incremental, task=1)
-    inc = LocalLearner(inc_rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
+    inc = LocalLearner.of(incremental, inc_rt).fit(RecordDict({ARRAYS: arrays}), task=1, round_=0, client_id=0)
     assert inc["metrics"]["num-examples"] == np.isin(rt.data.train.labels, range(5, 10)).sum()
     np.testing.assert_array_equal(from_array_record(inc[ARRAYS])["head.weight"][:5], before["head.weight"][:5])
 
@@ -167,7 +169,7 @@ def rates_of_a_fit(cfg) -> list[list[float]]:
     steps: list[float] = []
     hook = register_optimizer_step_pre_hook(lambda opt, args, kwargs: steps.append(opt.param_groups[0]["lr"]))
     try:
-        reply = LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+        reply = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     finally:
         hook.remove()
     per_epoch = math.ceil(reply["metrics"]["num-examples"] / cfg.training.batch_size)

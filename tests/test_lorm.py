@@ -10,9 +10,9 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.lorm.learner import LoRMLearner
 from promptfcl.strategies.lorm.merge import merge_a, merge_b, pack_triu, regmean_head, regularised, task_weights
 from promptfcl.strategies.lorm.options import LoRMOptions, trained_factor
@@ -122,7 +122,7 @@ def test_task_merge_one_task_keeps_its_delta_and_disjoint_tasks_keep_their_colum
 
 def strategy_and_model(**overrides):
     cfg = tiny_config(strategy="lorm", **{"prompt-layers": "0,1", **overrides})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), LoRMAdapters)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), LoRMAdapters)
     return LoRMStrategy.of(cfg, NUM_CLASSES, cfg.method_options("lorm")), model.double().eval()
 
 
@@ -261,7 +261,7 @@ def test_a_fit_trains_one_factor_uploads_it_alone_and_restores_the_shared_model(
     arrays = to_array_record({**before, **{f"prompt.{k}": v.detach().numpy() for k, v in
                                            rt.model.prompt.named_parameters() if k.endswith("_b")}})
     before = from_array_record(arrays)
-    learner = LoRMLearner(rt, cfg.method_options("lorm"))
+    learner = LoRMLearner.of(cfg, rt, cfg.method_options("lorm"))
     content = RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0, "round": round_})})
     out = learner.fit(content, task=0, round_=round_, client_id=0)
     after = from_array_record(out[ARRAYS])

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from promptfcl.common.memory_plan import proc_status_kb
+from promptfcl.common.runtime import backbone_of, model_spec
 
 REPO = Path(__file__).resolve().parents[1]
 #: a tiny backbone (96 wide, 3 blocks, 16 px) under large prompts: the pool is the run's memory
@@ -101,10 +102,9 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
 def test_a_node_with_a_budget_trains_the_150_mb_prompt_run_within_it_or_refuses_it(tmp_path, monkeypatch):
     from promptfcl.common.backbone import build_backbone
     from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.weights import BackboneSpec
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))  # the node's cache: its backbone built once
-    build_backbone(BackboneSpec.of(ExperimentConfig.from_dict(LARGE_PROMPTS)))
+    build_backbone(backbone_of(ExperimentConfig.from_dict(LARGE_PROMPTS)))
     message = tmp_path / "message.pkl"
     message.write_bytes(pickle.dumps(train_message()))
     replies = {budget: child("node", str(message), str(budget)) for budget in (1400, 1900)}
@@ -129,7 +129,7 @@ def train_message() -> tuple[str, dict[str, bytes], dict[str, Any]]:
     from flwr.app import ConfigRecord
 
     from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.model import ModelSpec, initial_trainable_state
+    from promptfcl.common.model import initial_trainable_state
     from promptfcl.common.records import to_array_record
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
     from tests.conftest import flower_task_identity
@@ -139,7 +139,7 @@ def train_message() -> tuple[str, dict[str, bytes], dict[str, Any]]:
     cfg = ExperimentConfig.from_dict({**LARGE_PROMPTS, "num-clients": 1, "clients-per-round": 1})
     strategy = FedAvgStrategy.of(cfg, 10)
     with flower_task_identity():
-        arrays = strategy.on_task_start(0, to_array_record(initial_trainable_state(ModelSpec.of(cfg, 10),
+        arrays = strategy.on_task_start(0, to_array_record(initial_trainable_state(model_spec(cfg, 10),
                                                                                   strategy.prompt_class)))
         (msg,) = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0, "attempt": 0}),
                                           NodeList(1))  # type: ignore[arg-type]

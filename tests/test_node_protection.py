@@ -19,6 +19,7 @@ from promptfcl.client.node_policy import LIMITS, NodePolicy, NodeRefusal
 from promptfcl.common.config import ConfigError
 from promptfcl.common.errors import DataError
 from promptfcl.common.files import class_folder
+from promptfcl.common.runtime import model_spec
 from tests.conftest import tiny_config
 from tests.helpers import client_app, run_in_process
 
@@ -66,11 +67,11 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
 
 def message(cfg, **config) -> Message:
     """A train message of ``cfg``'s first round for client 0, with the initial prompts and head."""
-    from promptfcl.common.model import CodaPrompt, ModelSpec, initial_trainable_state
+    from promptfcl.common.model import CodaPrompt, initial_trainable_state
     from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({
-        "arrays": to_array_record(initial_trainable_state(ModelSpec.of(cfg, cfg.data.num_classes), CodaPrompt)),
+        "arrays": to_array_record(initial_trainable_state(model_spec(cfg, cfg.data.num_classes), CodaPrompt)),
         "config": ConfigRecord({"task": 0, "round": 0, "client-id": 0, "config-digest": cfg.digest(), **config})}),
         dst_node_id=1, message_type=MessageType.TRAIN)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from promptfcl.common.data import load_dataset
-from promptfcl.common.partitions import Partition, client_indices
-from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.runtime import layout_of, partition_of
 from promptfcl.common.trust import resolve_trust
 from promptfcl.server.cli import load_config
 
@@ -144,19 +144,19 @@ def test_paper_config_parses_and_partitions(name, stand_in):
                         min_partition_size=min(cfg.federation.min_partition_size, 6))
     data = load_dataset(small)
     assert data.num_classes == n_classes
-    classes = set(TaskLayout.of(cfg, n_classes).classes(0).tolist())
+    classes = set(layout_of(cfg, n_classes).classes(0).tolist())
     if cfg.data.task_generator == "random":  # Powder: tasks of random classes, each held by one client
         from promptfcl.common.schedule import task_schedule
 
         schedule = task_schedule(small.data, small.federation, small.run.seed)
         assert len(schedule.switch_rounds) == 4 and schedule.movers == 2
         for g in range(cfg.data.num_tasks):
-            idx = client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), schedule.owner(g), g, 0)
-            assert set(data.train.labels[idx].tolist()) == set(TaskLayout.of(cfg, n_classes).classes(g).tolist())
-            assert len(set(TaskLayout.of(cfg, n_classes).classes(g).tolist())) == cfg.data.classes_per_task
+            idx = client_indices(data.train.labels, layout_of(small, n_classes), partition_of(small), schedule.owner(g), g, 0)
+            assert set(data.train.labels[idx].tolist()) == set(layout_of(cfg, n_classes).classes(g).tolist())
+            assert len(set(layout_of(cfg, n_classes).classes(g).tolist())) == cfg.data.classes_per_task
         return
     assert len(classes) == n_classes // cfg.data.num_tasks
-    shares = [client_indices(data.train.labels, TaskLayout.of(small, n_classes), Partition.of(small), c, 0, 0)
+    shares = [client_indices(data.train.labels, layout_of(small, n_classes), partition_of(small), c, 0, 0)
               for c in range(min(cfg.federation.num_clients, 20))]
     for idx in shares:
         assert set(data.train.labels[idx].tolist()) <= classes
@@ -181,13 +181,13 @@ def test_fedcprompt_quantity_skew_setting_is_niid_bench_quantity_skew():
     assert (cfg.federation.partition, cfg.federation.dirichlet_beta, cfg.federation.min_partition_size) == ("quantity-skew", 0.5, 10)
     # CIFAR-100's training labels: 10 tasks of 10 classes, 500 images per class (5,000 per task)
     labels = np.repeat(np.arange(100), 500)
-    classes = TaskLayout.of(cfg, 100).classes(0)
+    classes = layout_of(cfg, 100).classes(0)
     pool = np.flatnonzero(np.isin(labels, classes))
-    shares = [client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, 0, 0) for c in range(cfg.federation.num_clients)]
+    shares = [client_indices(labels, layout_of(cfg, 100), partition_of(cfg), c, 0, 0) for c in range(cfg.federation.num_clients)]
     sizes = np.array([len(s) for s in shares])
     assert sizes.sum() == len(pool) and sizes.std() / sizes.mean() > 0.4
     # each task is partitioned on its own (Appendix D.1): at least 10 of every task's samples per client
-    per_task = [[len(client_indices(labels, TaskLayout.of(cfg, 100), Partition.of(cfg), c, t, 0))
+    per_task = [[len(client_indices(labels, layout_of(cfg, 100), partition_of(cfg), c, t, 0))
                  for c in range(cfg.federation.num_clients)] for t in range(10)]
     assert min(min(sizes) for sizes in per_task) >= 10 and all(sum(sizes) == 5000 for sizes in per_task)
     task_hist = np.bincount(labels[pool], minlength=100)[classes] / len(pool)
@@ -208,7 +208,7 @@ def test_fed_mammoth_configs_give_every_client_six_images_of_every_task(name):
 
     def smallest_shares(overrides: list[str]) -> list[int]:
         cfg = load_config(str(CONFIGS / name), ["dirichlet-beta=0.05", "seed=1", *overrides], None, None)
-        layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
+        layout, partition = layout_of(cfg, 100), partition_of(cfg)
         smallest = []
         for task in range(cfg.data.num_tasks):
             shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.federation.num_clients)]
@@ -244,7 +244,7 @@ def test_fedcprompt_label_skew_partitions_each_task_as_the_authors_code():
     caps a client's share of the dataset instead, so within a task it breaks the task's cap."""
     cfg = load_config(str(CONFIGS / "fedcprompt-cifar100.toml"), [], None, None)
     labels = np.repeat(np.arange(100), 500)  # CIFAR-100's training labels, remapped: task t = 10t..10t+9
-    layout, partition = TaskLayout.of(cfg, 100), Partition.of(cfg)
+    layout, partition = layout_of(cfg, 100), partition_of(cfg)
     for task in range(cfg.data.num_tasks):
         shares = [client_indices(labels, layout, partition, c, task, 0) for c in range(cfg.federation.num_clients)]
         union = np.concatenate(shares)
@@ -254,7 +254,7 @@ def test_fedcprompt_label_skew_partitions_each_task_as_the_authors_code():
         assert min(len(np.unique(labels[s])) for s in shares) < 10  # label skew: classes missing
     assert balancing_cap_held_per_task(labels, layout, partition, cfg.federation.num_clients)
     whole = cfg.replace(partition_scope="dataset", partition_class_order="original")
-    assert not balancing_cap_held_per_task(labels, TaskLayout.of(whole, 100), Partition.of(whole), cfg.federation.num_clients)
+    assert not balancing_cap_held_per_task(labels, layout_of(whole, 100), partition_of(whole), cfg.federation.num_clients)
 
 
 @pytest.mark.parametrize("name", FILES)

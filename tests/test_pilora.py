@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
+from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.pilora.learner import PILoRALearner
 from promptfcl.strategies.pilora.options import PILoRAOptions
 from promptfcl.strategies.pilora.prompt import (
@@ -43,7 +43,7 @@ def pilora_config(**overrides):
 
 def model_of(tasks: int = 3, **options):
     cfg = pilora_config(**{"num-tasks": tasks, **{f"pilora.{k}": v for k, v in options.items()}})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES if tasks in (2, 5) else 9), PILoRAAdapters)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES if tasks in (2, 5) else 9), PILoRAAdapters)
     return model.double().eval()
 
 
@@ -172,7 +172,7 @@ def test_the_loss_is_the_four_terms_and_trains_only_the_current_set_and_prototyp
     with torch.no_grad():  # every set non-zero, so each term has a gradient to give
         for name, p in rt.model.prompt.named_parameters():
             p.add_(0.01 * torch.randn(p.shape))
-    learner = PILoRALearner(rt, {"softmax-over": softmax_over, "weight-decay": 0.0})
+    learner = PILoRALearner.of(cfg, rt, {"softmax-over": softmax_over, "weight-decay": 0.0})
     learner.round_start(RecordDict({"config": ConfigRecord({"client-id": 0})}), 1)
     rt.model.zero_grad()
     batch, ce_task = one_batch(rt, 1, softmax_over)
@@ -208,12 +208,12 @@ def test_the_loss_is_the_four_terms_and_trains_only_the_current_set_and_prototyp
 
 def test_learning_rates_are_the_authors_per_part_rates_with_their_round_cosine(runtime):
     cfg, rt = runtime
-    learner = PILoRALearner(rt, {})
+    learner = PILoRALearner.of(cfg, rt, {})
     learner.seed = [0, 0, 0, 0]
     assert learner.learning_rate("head.weight", 0) == pytest.approx(2e-3)
     assert learner.learning_rate("prompt.lora_q0_a", 0) == pytest.approx(1e-5)
     assert learner.learning_rate("head.bias", 0) is None
-    flat = PILoRALearner(rt, {"round-schedule": "none", "prototype-lr": 0.02})
+    flat = PILoRALearner.of(cfg, rt, {"round-schedule": "none", "prototype-lr": 0.02})
     flat.seed = [0, 0, 0, 3]
     assert flat.learning_rate("head.weight", 0) == pytest.approx(0.02)
 
@@ -233,7 +233,7 @@ def test_round_cosine_follows_the_authors_loop_round_by_round(runtime, rounds):
     """Issue 58: the project's cosine ran one round ahead (1, 0.75, 0.25 at 3 rounds); the authors' loop
     trains round 0 at the base rate and round r >= 1 at (1 + cos((r - 1) pi / E)) / 2."""
     cfg, rt = runtime
-    learner = PILoRALearner(rt, {})
+    learner = PILoRALearner.of(cfg, rt, {})
     learner.federation = cfg.replace(rounds_per_task=rounds).federation
     ours = {"head.weight": [], "prompt.lora_q0_a": []}
     for round_ in range(rounds):
@@ -262,7 +262,7 @@ def test_class_means_are_the_means_of_the_features_of_every_training_batch(runti
     cfg, rt = runtime
     strategy = PILoRAStrategy.of(cfg, NUM_CLASSES)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
-    learner = Recording(rt, {"lora-lr": 1e-2})  # the adapters move: the features of each epoch differ
+    learner = Recording.of(cfg, rt, {"lora-lr": 1e-2})  # the adapters move: the features of each epoch differ
     learner.seen = []
     reply = learner.fit(RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})}), 0, 0, 0)
     feats = torch.cat([f for f, _ in learner.seen])
@@ -276,7 +276,7 @@ def test_class_means_are_the_means_of_the_features_of_every_training_batch(runti
     first, last = learner.seen[0][0], learner.seen[-1][0]
     assert len(first) and len(last)  # the epochs' features differ (the LoRA trained)
     # min-class-count above every class's row count: nothing uploaded
-    none = PILoRALearner(rt, {"min-class-count": 10**6}).fit(
+    none = PILoRALearner.of(cfg, rt, {"min-class-count": 10**6}).fit(
         RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})}), 0, 0, 0)
     assert from_array_record(none[CLASS_MEANS])["means"].shape == (0, rt.model.embed_dim)
 
@@ -285,7 +285,7 @@ def test_separate_pass_class_means_are_the_trained_models_features(runtime):
     cfg, rt = runtime
     strategy = PILoRAStrategy.of(cfg, NUM_CLASSES)
     arrays = strategy.on_task_start(0, to_array_record(rt.model.trainable_state()))
-    reply = PILoRALearner(rt, {"class-means": "separate-pass"}).fit(
+    reply = PILoRALearner.of(cfg, rt, {"class-means": "separate-pass"}).fit(
         RecordDict({ARRAYS: arrays, "config": ConfigRecord({"client-id": 0})}), 0, 0, 0)
     rec = from_array_record(reply[CLASS_MEANS])
     rt.model.load_trainable_state({k: torch.from_numpy(v) for k, v in from_array_record(reply[ARRAYS]).items()})
@@ -335,7 +335,7 @@ def test_identical_prototypes_come_back_unchanged_and_degenerate_cases_are_unifo
 
 def strategy_at(task: int = 0, options: dict | None = None, **overrides):
     cfg = pilora_config(**{"num-clients": 3, "clients-per-round": 3, **PLAIN_MEAN, **overrides})
-    model, _ = build_model(ModelSpec.of(cfg, NUM_CLASSES), PILoRAAdapters)
+    model, _ = build_model(model_spec(cfg, NUM_CLASSES), PILoRAAdapters)
     s = PILoRAStrategy.of(cfg, NUM_CLASSES, options or {})
     arrays = to_array_record(model.trainable_state())
     for t in range(task + 1):

@@ -504,7 +504,7 @@ def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity)
     cfg, rt, s, arrays = client_setup(measuring="in-training")
     msg = message_for(s, arrays, 1, 0)  # new tasks pending: a measuring round, whole pool
     assert msg.content[CONFIG][MEASURE] is True
-    learner = PowderLearner(rt, {})
+    learner = PowderLearner.of(cfg, rt, {})
     reply = learner.fit(msg.content, 1, 0, 0)
     assert set(reply.keys()) == {ARRAYS, METRICS, ALPHA}
     assert learner.last_distillation is not None and learner.last_distillation > 0
@@ -529,7 +529,7 @@ def test_client_trains_its_slice_replies_it_and_measures_alphas(flower_identity)
 
 def test_client_answers_the_measuring_exchange_with_the_alphas_it_would_measure_in_training(flower_identity):
     cfg, rt, s, arrays = client_setup(measuring="in-training")
-    learner = PowderLearner(rt, {})
+    learner = PowderLearner.of(cfg, rt, {})
     in_training = learner.fit(message_for(s, arrays, 1, 0).content, 1, 0, 0)[ALPHA]
     _, _, s, arrays = client_setup()
     ex = s.configure_exchange(1, arrays, ConfigRecord({"task": 1, "round": 0}), NodeList(1))
@@ -541,7 +541,7 @@ def test_client_answers_the_measuring_exchange_with_the_alphas_it_would_measure_
     assert s.check_exchange(reply_from(100, answer), s._exchange_round.sent[0]) is None
     assert rt.model.prompt.local_tasks is None
     with pytest.raises(NotImplementedError):
-        LocalLearner(rt).answer(ex[0].content, 1, 0, 0)
+        LocalLearner.of(cfg, rt).answer(ex[0].content, 1, 0, 0)
 
 
 def test_distillation_switches_change_local_training(flower_identity):
@@ -551,7 +551,7 @@ def test_distillation_switches_change_local_training(flower_identity):
     runs = {}
     for label, opts in {"dual": {}, "off": {"dual": False}, "classic": {"distillation": "classic"},
                         "lambda0": {"lambda": 0.0}}.items():
-        learner = PowderLearner(rt, opts)
+        learner = PowderLearner.of(cfg, rt, opts)
         runs[label] = from_array_record(learner.fit(msg.content, 1, 1, 0)[ARRAYS])
         if label in ("off", "lambda0"):
             assert learner.last_distillation is None
@@ -560,12 +560,12 @@ def test_distillation_switches_change_local_training(flower_identity):
     differs = lambda a, b: any(not np.allclose(runs[a][n], runs[b][n]) for n in runs[a])  # noqa: E731
     assert differs("dual", "off") and differs("dual", "classic")
     # w/o DUAL is the platform's CE-only learner on the same local pool
-    helper = PowderLearner(rt, {})
+    helper = PowderLearner.of(cfg, rt, {})
     helper.local_tasks = [int(t) for t in msg.content[CONFIG][LOCAL_TASKS]]
     full = helper.expand(msg.content[ARRAYS], 1)
     rt.model.prompt.local_tasks = helper.local_tasks
     try:
-        plain = LocalLearner(rt).fit(RecordDict({ARRAYS: full, CONFIG: msg.content[CONFIG]}), 1, 1, 0)
+        plain = LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: full, CONFIG: msg.content[CONFIG]}), 1, 1, 0)
     finally:
         rt.model.prompt.local_tasks = None
     for name, value in helper.uploaded(to_torch(plain[ARRAYS]), 1).items():

@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from promptfcl.common.model import ModelSpec, build_model
+from promptfcl.common.model import build_model
+from promptfcl.common.runtime import model_spec
 from promptfcl.common.vit import block_forward
 from tests.conftest import tiny_config
 
@@ -50,7 +51,7 @@ def coda_prefix_block(block, x: torch.Tensor, prompt: torch.Tensor) -> torch.Ten
 
 @pytest.mark.parametrize("length", [2, 8])
 def test_a_prefixed_block_computes_coda_prompts_attention(length):
-    model, _ = build_model(ModelSpec.of(tiny_config(), 10))
+    model, _ = build_model(model_spec(tiny_config(), 10))
     block = model.backbone.blocks[0]
     assert block.attn.num_heads > 1 and block.mlp.act.approximate == "none"  # what the reference assumes
     g = torch.Generator().manual_seed(0)
@@ -70,7 +71,7 @@ def test_a_prefixed_block_computes_coda_prompts_attention(length):
 def test_prefixed_features_chain_coda_prompts_blocks():
     """The whole prefix-mode forward: each prompted block gets its own composed prompt
     (CodaPrompt's weighted sum, first half keys), the others run unprompted."""
-    model, _ = build_model(ModelSpec.of(tiny_config(prompt_layers="0", prompt_length=6), 10))
+    model, _ = build_model(model_spec(tiny_config(prompt_layers="0", prompt_length=6), 10))
     assert model.mode == "prefix"
     model.prompt.init_task_slice(0, torch.Generator().manual_seed(1))
     model.eval()

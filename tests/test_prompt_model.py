@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import CodaPrompt, ModelSpec, build_model, gram_schmidt_rows, masked_logits
+from promptfcl.common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
+from promptfcl.common.runtime import backbone_of, model_spec
 from promptfcl.common.vit import block_forward as _block_forward
-from promptfcl.common.weights import BackboneSpec
 from tests.conftest import tiny_config
 
 
@@ -87,7 +87,7 @@ def test_reinitialising_a_slice_leaves_others_untouched():
 @pytest.mark.parametrize("mode", ["prefix", "prompt"])
 def test_backbone_never_gets_gradients_and_never_travels(mode):
     cfg = tiny_config(prompt_mode=mode)
-    model, source = build_model(ModelSpec.of(cfg, 10))
+    model, source = build_model(model_spec(cfg, 10))
     assert "RANDOMLY INITIALISED" in source
     x = model.preprocess(torch.randint(0, 255, (4, 1, 8, 8), dtype=torch.uint8))
     model.train()
@@ -103,7 +103,7 @@ def test_backbone_never_gets_gradients_and_never_travels(mode):
 
 
 def test_prefix_path_matches_timm_block_without_prompt():
-    model, _ = build_model(ModelSpec.of(tiny_config(), 10))
+    model, _ = build_model(model_spec(tiny_config(), 10))
     b = model.backbone
     x = model.preprocess(torch.randint(0, 255, (2, 1, 8, 8), dtype=torch.uint8))
     tokens = b.norm_pre(b._pos_embed(b.patch_embed(x)))
@@ -111,7 +111,7 @@ def test_prefix_path_matches_timm_block_without_prompt():
 
 
 def test_prompt_changes_the_features():
-    model, _ = build_model(ModelSpec.of(tiny_config(), 10))
+    model, _ = build_model(model_spec(tiny_config(), 10))
     model.prompt.init_task_slice(0, torch.Generator().manual_seed(0))
     model.eval()
     x = model.preprocess(torch.randint(0, 255, (2, 1, 8, 8), dtype=torch.uint8))
@@ -124,7 +124,7 @@ def test_prompt_changes_the_features():
 
 
 def test_query_equals_plain_backbone_cls():
-    model, _ = build_model(ModelSpec.of(tiny_config(), 10))
+    model, _ = build_model(model_spec(tiny_config(), 10))
     x = model.preprocess(torch.randint(0, 255, (3, 1, 8, 8), dtype=torch.uint8))
     torch.testing.assert_close(model.query(x), model.backbone(x))  # num_classes=0: pooled CLS
 
@@ -137,13 +137,13 @@ def test_masked_logits_restrict_the_competition():
 
 def test_bad_prompt_layers_rejected():
     with pytest.raises(ConfigError, match="do not exist"):
-        build_model(ModelSpec.of(tiny_config(prompt_layers="0,7"), 10))
+        build_model(model_spec(tiny_config(prompt_layers="0,7"), 10))
 
 
 def test_same_seed_builds_identical_models():
-    a, _ = build_model(ModelSpec.of(tiny_config(seed=3), 10))
-    b, _ = build_model(ModelSpec.of(tiny_config(seed=3), 10))
-    c, _ = build_model(ModelSpec.of(tiny_config(seed=4), 10))
+    a, _ = build_model(model_spec(tiny_config(seed=3), 10))
+    b, _ = build_model(model_spec(tiny_config(seed=3), 10))
+    c, _ = build_model(model_spec(tiny_config(seed=4), 10))
     for (n, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(pa, pb), n
     assert not torch.equal(a.backbone.pos_embed, c.backbone.pos_embed)
@@ -174,7 +174,7 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
     small = backbone == ExperimentConfig().model.backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
                                                              "depth": 0, "num-heads": 0}))
-    model, _ = build_backbone(BackboneSpec.of(cfg))
+    model, _ = build_backbone(backbone_of(cfg))
     x = torch.randn(2, 3, cfg.model.image_size, cfg.model.image_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
@@ -193,7 +193,7 @@ def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
         pass
 
     cfg = tiny_config()
-    backbone, _ = build_backbone(BackboneSpec.of(cfg))
+    backbone, _ = build_backbone(backbone_of(cfg))
     old = backbone.blocks[1]
     backbone.blocks[1] = OtherBlock(old.attn.qkv.in_features, old.attn.num_heads)
     with pytest.raises(ConfigError, match="block 1 of this backbone"):
@@ -207,7 +207,7 @@ def test_prompt_tuning_truncates_or_accumulates_the_prompt_tokens(tokens):
     "accumulate" keeps them through every later block, each prompted block adding its own
     (Powder's code), and drops them only before the final norm."""
     cfg = tiny_config(prompt_mode="prompt", prompt_layers="0,1", prompt_tokens=tokens)
-    model, _ = build_model(ModelSpec.of(cfg, 10))
+    model, _ = build_model(model_spec(cfg, 10))
     assert model.tokens == tokens
     model.prompt.init_task_slice(0, torch.Generator().manual_seed(0))
     model.eval()
@@ -238,9 +238,9 @@ def test_prompt_tokens_default_to_the_methods_own_choice():
     from promptfcl.strategies.powder.prompt import PowderPrompt
 
     cfg = tiny_config(prompt_mode="prompt")
-    assert build_model(ModelSpec.of(cfg, 10))[0].tokens == "truncate"
-    assert build_model(ModelSpec.of(cfg, 10), PowderPrompt)[0].tokens == "accumulate"
-    assert build_model(ModelSpec.of(cfg.replace(prompt_tokens="truncate"), 10), PowderPrompt)[0].tokens == "truncate"
+    assert build_model(model_spec(cfg, 10))[0].tokens == "truncate"
+    assert build_model(model_spec(cfg, 10), PowderPrompt)[0].tokens == "accumulate"
+    assert build_model(model_spec(cfg.replace(prompt_tokens="truncate"), 10), PowderPrompt)[0].tokens == "truncate"
     with pytest.raises(ConfigError, match="prompt-tokens"):
         tiny_config(prompt_tokens="accumulate")  # prefix-tuning adds no tokens
     with pytest.raises(ConfigError, match="prompt-tokens"):

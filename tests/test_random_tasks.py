@@ -11,9 +11,9 @@ import pytest
 from promptfcl.common import metrics
 from promptfcl.common.config import ConfigError
 from promptfcl.common.data import load_dataset
-from promptfcl.common.partitions import Partition, client_indices
+from promptfcl.common.partitions import client_indices
+from promptfcl.common.runtime import layout_of, partition_of
 from promptfcl.common.schedule import RandomTaskSchedule, task_schedule
-from promptfcl.common.tasks import TaskLayout
 from tests.conftest import tiny_config
 
 RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
@@ -30,7 +30,7 @@ def random_config(**overrides):
 def test_every_later_task_reuses_at_least_tau_of_its_classes(tau):
     cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
                         num_tasks=22, classes_per_task=4, min_overlap=tau, task_data_fraction=0.01, pool_size=44)
-    tasks = TaskLayout.of(cfg, 50).random_tasks()
+    tasks = layout_of(cfg, 50).random_tasks()
     assert len(tasks) == 22 and all(len(t) == 4 == len(set(t.tolist())) for t in tasks)
     seen = set(tasks[0].tolist())
     for t in tasks[1:]:
@@ -43,25 +43,25 @@ def test_every_later_task_reuses_at_least_tau_of_its_classes(tau):
 
 
 def test_random_tasks_are_a_function_of_the_seed():
-    a, b = TaskLayout.of(random_config(), 10).random_tasks(), TaskLayout.of(random_config(), 10).random_tasks()
-    c = TaskLayout.of(random_config(seed=1), 10).random_tasks()
+    a, b = layout_of(random_config(), 10).random_tasks(), layout_of(random_config(), 10).random_tasks()
+    c = layout_of(random_config(seed=1), 10).random_tasks()
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
 
 def test_task_classes_and_seen_classes_follow_the_random_tasks():
     cfg = random_config()
-    tasks = TaskLayout.of(cfg, 10).random_tasks()
-    assert TaskLayout.of(cfg, 10).classes(2).tolist() == tasks[2].tolist()
-    assert TaskLayout.of(cfg, 10).seen(1).tolist() == sorted(set(tasks[0].tolist()) | set(tasks[1].tolist()))
+    tasks = layout_of(cfg, 10).random_tasks()
+    assert layout_of(cfg, 10).classes(2).tolist() == tasks[2].tolist()
+    assert layout_of(cfg, 10).seen(1).tolist() == sorted(set(tasks[0].tolist()) | set(tasks[1].tolist()))
 
 
 def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
     cfg = random_config()
     data = load_dataset(cfg)
-    labels, tasks = data.train.labels, TaskLayout.of(cfg, 10).random_tasks()
+    labels, tasks = data.train.labels, layout_of(cfg, 10).random_tasks()
     schedule = task_schedule(cfg.data, cfg.federation, cfg.run.seed)
-    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
+    shares = [layout_of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
     for g, share in enumerate(shares):
         assert set(np.unique(labels[share]).tolist()) == set(tasks[g].tolist())
         for y in tasks[g]:  # a quarter of the class's images, rounded down
@@ -71,18 +71,18 @@ def test_tasks_sharing_a_class_hold_disjoint_shares_of_its_images():
             assert not set(shares[g].tolist()) & set(shares[h].tolist()), f"tasks {h} and {g} share an image"
 
     owner = schedule.owner(3)
-    assert np.array_equal(client_indices(labels, TaskLayout.of(cfg, 10), Partition.of(cfg), owner, 3, 0), shares[3])
+    assert np.array_equal(client_indices(labels, layout_of(cfg, 10), partition_of(cfg), owner, 3, 0), shares[3])
     with pytest.raises(ValueError, match="belongs to client"):
-        client_indices(labels, TaskLayout.of(cfg, 10), Partition.of(cfg), (owner + 1) % 3, 3, 0)
+        client_indices(labels, layout_of(cfg, 10), partition_of(cfg), (owner + 1) % 3, 3, 0)
 
 
 def test_too_many_shares_of_a_class_is_a_clear_error_unless_shares_are_independent():
     with pytest.raises(ConfigError, match="task-data-sharing = independent"):
-        TaskLayout.of(random_config(task_data_fraction=1.0, min_overlap=1.0), 10).random_tasks()
+        layout_of(random_config(task_data_fraction=1.0, min_overlap=1.0), 10).random_tasks()
     cfg = random_config(task_data_fraction=0.6, min_overlap=1.0, task_data_sharing="independent")
     labels = load_dataset(cfg).train.labels
-    tasks = TaskLayout.of(cfg, 10).random_tasks()
-    shares = [TaskLayout.of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
+    tasks = layout_of(cfg, 10).random_tasks()
+    shares = [layout_of(cfg, 10).random_task_indices(labels, g) for g in range(cfg.data.num_tasks)]
     for g, share in enumerate(shares):
         for y in tasks[g]:
             assert np.sum(labels[share] == y) == int(0.6 * np.sum(labels == y))
@@ -93,7 +93,7 @@ def test_overlap_reuses_the_least_reused_classes_first():
     cfg = random_config(num_clients=10, clients_per_round=5, num_rounds=12, switch_every=3, switch_fraction=0.4,
                         num_tasks=22, classes_per_task=20, min_overlap=0.9, task_data_fraction=0.01, pool_size=44)
     holders = np.zeros(200, dtype=int)
-    for j, task in enumerate(TaskLayout.of(cfg, 200).random_tasks()):
+    for j, task in enumerate(layout_of(cfg, 200).random_tasks()):
         if j:  # 18 of the task's classes were seen before, none used more often than a seen class left out
             seen = set(np.flatnonzero(holders).tolist())
             reused = sorted(holders[sorted(seen & set(task.tolist()))])
@@ -192,12 +192,12 @@ def test_a_head_row_shared_by_two_tasks_averages_both():
     from promptfcl.strategies.platform.aggregation import aggregate_per_task
 
     cfg = random_config(head="per-class")
-    tasks = TaskLayout.of(cfg, 10).random_tasks()
+    tasks = layout_of(cfg, 10).random_tasks()
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist())
                  and set(tasks[g].tolist()) != set(tasks[h].tolist()))
     base = {"head.weight": np.zeros((10, 2), np.float32)}
     updates = [(h, {"head.weight": np.ones((10, 2))}, 1.0), (g, {"head.weight": np.full((10, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(TaskLayout.of(cfg, 10), base, updates)["head.weight"]
+    out = aggregate_per_task(layout_of(cfg, 10), base, updates)["head.weight"]
     for y in range(10):  # rows of both tasks: (1 + 3 x 4) / 4; of one: its value; of neither: the base
         in0, in3 = y in tasks[h], y in tasks[g]
         expected = (1.0 * in0 + 12.0 * in3) / (1.0 * in0 + 3.0 * in3) if in0 or in3 else 0.0
@@ -209,23 +209,23 @@ def test_a_per_task_head_gives_every_task_its_own_block():
 
     cfg = random_config(head="per-task")
     per_class = random_config(head="per-class")
-    tasks = TaskLayout.of(cfg, 10).random_tasks()
-    assert TaskLayout.of(cfg, 10).head_size == 4 * 3 and TaskLayout.of(per_class, 10).head_size == 10
+    tasks = layout_of(cfg, 10).random_tasks()
+    assert layout_of(cfg, 10).head_size == 4 * 3 and layout_of(per_class, 10).head_size == 10
     assert random_config().per_task_head and not tiny_config().per_task_head  # auto: per task on random tasks
     head = np.zeros((12, 2), np.float32)
     for g in range(4):
-        assert TaskLayout.of(cfg, 10).head_rows(g).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
-        assert TaskLayout.of(cfg, 10).head_targets(g, tasks[g][::-1]).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
-        assert TaskLayout.of(cfg, 10).task_rows("head.weight", head, g).tolist() == TaskLayout.of(cfg, 10).head_rows(g).tolist()
-        assert TaskLayout.of(per_class, 10).head_rows(g).tolist() == tasks[g].tolist()  # per-class: the classes' rows
+        assert layout_of(cfg, 10).head_rows(g).tolist() == [3 * g, 3 * g + 1, 3 * g + 2]
+        assert layout_of(cfg, 10).head_targets(g, tasks[g][::-1]).tolist() == [3 * g + 2, 3 * g + 1, 3 * g]  # class order
+        assert layout_of(cfg, 10).task_rows("head.weight", head, g).tolist() == layout_of(cfg, 10).head_rows(g).tolist()
+        assert layout_of(per_class, 10).head_rows(g).tolist() == tasks[g].tolist()  # per-class: the classes' rows
     with pytest.raises(ValueError, match="outside task"):
-        TaskLayout.of(cfg, 10).head_targets(0, np.setdiff1d(np.arange(10), tasks[0])[:1])
+        layout_of(cfg, 10).head_targets(0, np.setdiff1d(np.arange(10), tasks[0])[:1])
     # two tasks sharing a class: with a per-task head each keeps its own rows (per-class: averaged, above)
     g, h = next((g, h) for g in range(4) for h in range(g) if set(tasks[g].tolist()) & set(tasks[h].tolist()))
     updates = [(h, {"head.weight": np.ones((12, 2))}, 1.0), (g, {"head.weight": np.full((12, 2), 4.0)}, 3.0)]
-    out = aggregate_per_task(TaskLayout.of(cfg, 10), {"head.weight": head}, updates)["head.weight"]
-    np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(h)], 1.0)
-    np.testing.assert_array_equal(out[TaskLayout.of(cfg, 10).head_rows(g)], 4.0)
+    out = aggregate_per_task(layout_of(cfg, 10), {"head.weight": head}, updates)["head.weight"]
+    np.testing.assert_array_equal(out[layout_of(cfg, 10).head_rows(h)], 1.0)
+    np.testing.assert_array_equal(out[layout_of(cfg, 10).head_rows(g)], 4.0)
     with pytest.raises(ConfigError, match="head = per-task applies to task-generator = random only"):
         tiny_config(head="per-task")
     with pytest.raises(ConfigError, match="head must be one of"):
@@ -248,19 +248,19 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     start = {k: v.detach().clone() for k, v in rt.model.trainable_state().items()}
     assert start["head.weight"].shape[0] == (12 if head == "per-task" else 10)
     g = 3
-    out = from_array_record(LocalLearner(rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
+    out = from_array_record(LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: to_array_record(start)}), g,
                                                  0, task_schedule(cfg.data, cfg.federation, cfg.run.seed).owner(g))[ARRAYS])
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
-    assert moved.tolist() == sorted(TaskLayout.of(cfg, 10).head_rows(g).tolist())
+    assert moved.tolist() == sorted(layout_of(cfg, 10).head_rows(g).tolist())
     # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
     from promptfcl.common.evaluation import correct_counts
 
     state = {k: v.clone() for k, v in start.items()}
     state["head.weight"].zero_()
     state["head.bias"].zero_()
-    tasks = TaskLayout.of(cfg, 10).random_tasks()
+    tasks = layout_of(cfg, 10).random_tasks()
     for i in range(4):
-        state["head.bias"][int(TaskLayout.of(cfg, 10).head_rows(i)[1])] += 10.0 * (i + 1)  # task i: always its second class
+        state["head.bias"][int(layout_of(cfg, 10).head_rows(i)[1])] += 10.0 * (i + 1)  # task i: always its second class
     rt.model.load_trainable_state(state)
     correct, total = correct_counts(rt, 3)
     labels = rt.data.test.labels

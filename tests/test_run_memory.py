@@ -14,8 +14,9 @@ from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common.config import ConfigError, ExperimentConfig
 from promptfcl.common.footprint import MemoryEstimate, machine_memory_gb, memory_problem
 from promptfcl.common.memory_plan import process_memory_mb, processes_line, round_after_mb
-from promptfcl.common.model import ModelSpec, initial_trainable_state
+from promptfcl.common.model import initial_trainable_state
 from promptfcl.common.records import array_view, array_views, to_array, to_array_record
+from promptfcl.common.runtime import model_spec
 from promptfcl.strategies.platform import replies
 from promptfcl.strategies.platform.replies import Update, combine, median_cosines, update_norm
 from promptfcl.strategies.platform.run_checks import load_config
@@ -43,7 +44,7 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
 @pytest.mark.parametrize("strategy", sorted(methods()))
 def test_the_trainable_state_is_counted_as_the_model_allocates_it(strategy):
     cfg = tiny_config(strategy=strategy, **{k.replace("-", "_"): v for k, v in MODERATE.items()})
-    built = initial_trainable_state(ModelSpec.of(cfg, 12), prompt_class(strategy))  # the real prompt and head
+    built = initial_trainable_state(model_spec(cfg, 12), prompt_class(strategy))  # the real prompt and head
     assert trainable_bytes(cfg, 64, 12) == nbytes(built)
     estimate = node_memory(cfg)
     assert estimate.part_gb("trainable state x4 (parameters, gradients, Adam's moments)") * 1e9 == 4 * nbytes(built)
@@ -54,7 +55,7 @@ def test_the_trainable_state_is_counted_as_the_model_allocates_it(strategy):
 
 def test_the_gradients_and_optimiser_moments_are_what_adam_allocates():
     cfg = tiny_config(**{k.replace("-", "_"): v for k, v in MODERATE.items()})
-    params = [torch.nn.Parameter(t.clone()) for t in initial_trainable_state(ModelSpec.of(cfg, 12)).values()]
+    params = [torch.nn.Parameter(t.clone()) for t in initial_trainable_state(model_spec(cfg, 12)).values()]
     optimiser = torch.optim.Adam(params)
     sum(p.sum() for p in params).backward()
     optimiser.step()

@@ -13,9 +13,10 @@ import pytest
 
 from promptfcl.common.config import ConfigError
 from promptfcl.common.data import DataError, load_dataset
-from promptfcl.common.partitions import Partition, client_indices, drawn_indices, drawn_shares
+from promptfcl.common.partitions import client_indices, drawn_indices, drawn_shares
+from promptfcl.common.runtime import layout_of, partition_of
 from promptfcl.common.splits import read_splits
-from promptfcl.common.tasks import TaskLayout, class_order
+from promptfcl.common.tasks import class_order
 from tests.conftest import tiny_config
 from tests.helpers import simulate_in_process
 
@@ -111,7 +112,7 @@ def test_every_run_writes_its_splits_and_another_run_reuses_them_exactly(tmp_pat
     assert recorded.class_order.tolist() == class_order(10, 0).tolist()
     assert sorted(recorded.shares) == [(c, t, -1) for c in range(3) for t in range(2)]
     for (client, task, _), share in recorded.shares.items():
-        assert share.tolist() == client_indices(data.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), client, task, 0).tolist()
+        assert share.tolist() == client_indices(data.train.labels, layout_of(cfg, 10), partition_of(cfg), client, task, 0).tolist()
 
     # seed 1 draws another class order and other shares ...
     drawn = simulate_in_process(tmp_path / "b", partition="dirichlet", seed=1)
@@ -129,9 +130,9 @@ def test_every_run_writes_its_splits_and_another_run_reuses_them_exactly(tmp_pat
 def test_per_round_draws_are_recorded_per_round():
     cfg = tiny_config(partition="stateless", num_clients=4, rounds_per_task=3)
     digits = load_dataset(cfg)
-    shares = drawn_shares(digits.train.labels, TaskLayout.of(cfg, digits.num_classes), Partition.of(cfg))
+    shares = drawn_shares(digits.train.labels, layout_of(cfg, digits.num_classes), partition_of(cfg))
     assert len(shares) == 4 * 2 * 3 and (1, 1, 2) in shares
-    assert shares[(1, 1, 2)].tolist() == drawn_indices(digits.train.labels, TaskLayout.of(cfg, 10), Partition.of(cfg), 1, 1, 2).tolist()
+    assert shares[(1, 1, 2)].tolist() == drawn_indices(digits.train.labels, layout_of(cfg, 10), partition_of(cfg), 1, 1, 2).tolist()
     assert shares[(1, 1, 2)].tolist() != shares[(1, 1, 1)].tolist()
 
 
@@ -142,9 +143,9 @@ def test_a_wrong_or_corrupt_splits_file_is_a_clear_error(tmp_path):
         load_dataset(tiny_config(splits=str(path), max_train_per_class=20))  # fewer training images
     data = load_dataset(tiny_config(splits=str(path)))
     with pytest.raises(DataError, match="holds no share for client 4, task 1"):  # a larger population
-        client_indices(data.train.labels, TaskLayout.of(tiny_config(splits=str(path), num_clients=5), 10), Partition.of(tiny_config(splits=str(path), num_clients=5)), 4, 1, 0)
+        client_indices(data.train.labels, layout_of(tiny_config(splits=str(path), num_clients=5), 10), partition_of(tiny_config(splits=str(path), num_clients=5)), 4, 1, 0)
     with pytest.raises(ConfigError, match="outside the task"):  # another task stream over the same data
-        client_indices(data.train.labels, TaskLayout.of(tiny_config(splits=str(path), num_tasks=5), 10), Partition.of(tiny_config(splits=str(path), num_tasks=5)), 0, 0, 0)
+        client_indices(data.train.labels, layout_of(tiny_config(splits=str(path), num_tasks=5), 10), partition_of(tiny_config(splits=str(path), num_tasks=5)), 0, 0, 0)
     bad = tmp_path / "bad.npz"
     bad.write_bytes(path.read_bytes()[:200])
     with pytest.raises(DataError, match="splits file .*bad.npz unreadable"):

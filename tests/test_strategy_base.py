@@ -8,6 +8,7 @@ import torch
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
+from promptfcl.common.runtime import layout_of, model_spec
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.aggregation import weighted_average
 from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
@@ -83,10 +84,10 @@ def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from promptfcl.common.model import ModelSpec, build_model
+    from promptfcl.common.model import build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
-    model, _ = build_model(ModelSpec.of(cfg, 10))
+    model, _ = build_model(model_spec(cfg, 10))
     s = FedAvgStrategy.of(cfg, 10)
     a0 = s.on_task_start(0, to_array_record(model.trainable_state()))
     a1 = s.on_task_start(1, a0)
@@ -103,7 +104,6 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     """Asynchronous arrival, 2 of 4 clients a task ahead: with per_task = "in-flight", task 1's slice
     and head rows are the mean of the two ahead clients' values (not diluted by the two others'
     untouched copies), task 0's the mean of the others'; without, everything is the plain mean."""
-    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=4, clients_per_round=4, **PLAIN_MEAN, **{"rounds-per-task": 4, "switch-every": 2,
                                                              "switch-fraction": 0.5})
@@ -123,8 +123,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for i, (msg, task) in enumerate(zip(msgs, tasks)):
         value = float(i + 1)  # each client writes its own value into its own task's rows only
         p, h = pool.copy(), head.copy()
-        p[TaskLayout.of(cfg, 10).task_rows("prompt.p0", p, task)] = value
-        h[TaskLayout.of(cfg, 10).task_rows("head.weight", h, task)] = value
+        p[layout_of(cfg, 10).task_rows("prompt.p0", p, task)] = value
+        h[layout_of(cfg, 10).task_rows("head.weight", h, task)] = value
         replies.append(Message(RecordDict({ARRAYS: to_array_record({"prompt.p0": p, "head.weight": h}),
                                            METRICS: MetricRecord({"num-examples": 10, "train-loss": 1.0,
                                                                   "train-seconds": 0.1})}), reply_to=msg))
@@ -133,8 +133,8 @@ def test_with_tasks_in_flight_a_slice_is_averaged_over_the_clients_on_its_task(p
     for task in (0, 1):
         on_it = [i + 1.0 for i, t in enumerate(tasks) if t == task]
         expected = np.mean(on_it) if per_task else sum(on_it) / 4  # diluted by the two untouched copies
-        np.testing.assert_allclose(out["prompt.p0"][TaskLayout.of(cfg, 10).task_rows("prompt.p0", pool, task)], expected, rtol=1e-6)
-        np.testing.assert_allclose(out["head.weight"][TaskLayout.of(cfg, 10).task_rows("head.weight", head, task)], expected,
+        np.testing.assert_allclose(out["prompt.p0"][layout_of(cfg, 10).task_rows("prompt.p0", pool, task)], expected, rtol=1e-6)
+        np.testing.assert_allclose(out["head.weight"][layout_of(cfg, 10).task_rows("head.weight", head, task)], expected,
                                    rtol=1e-6)
 
 
@@ -269,7 +269,6 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
     whose update (its own task's rows up, task 0's head rows down, as a client learning new
     classes does) points against task 0's median. The reversed client is excluded; the one
     ahead is alone on its task, so nothing judges it and it is kept."""
-    from promptfcl.common.tasks import TaskLayout
 
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=0.0, update_strikes=0,
                       **{"rounds-per-task": 5, "switch-every": 1, "switch-fraction": 0.2})
@@ -283,7 +282,7 @@ def test_direction_check_judges_each_update_against_the_clients_on_its_own_task(
         if len(set(tasks)) > 1:
             break
     assert sorted(tasks) == [0, 0, 0, 0, 1]
-    rows = {t: TaskLayout.of(cfg, 10).task_rows("head.weight", head, t) for t in (0, 1)}
+    rows = {t: layout_of(cfg, 10).task_rows("head.weight", head, t) for t in (0, 1)}
     replies, on_task_0 = [], 0
     for msg, task in zip(msgs, tasks):
         h = head.copy()

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.model import CodaPrompt, ModelSpec, PromptedViT, backbone_cache_path, build_backbone, build_model
+from promptfcl.common.model import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
+from promptfcl.common.runtime import backbone_of, model_spec
 from promptfcl.common.vit import VisionTransformer, from_timm
-from promptfcl.common.weights import BackboneSpec
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def images(n: int = 3, size: int = 32) -> torch.Tensor:
 
 def timm_reference(cfg: ExperimentConfig) -> torch.nn.Module:
     """The backbone ``cfg`` names, built by timm (no cache)."""
-    backbone, _ = build_backbone(BackboneSpec.of(cfg.replace(backbone_cache_disk="off")))
+    backbone, _ = build_backbone(backbone_of(cfg.replace(backbone_cache_disk="off")))
     assert type(backbone).__module__.startswith("timm.")
     return backbone
 
@@ -98,7 +98,13 @@ import json, sys, torch
 from promptfcl.common import startup
 from promptfcl.common.config import ExperimentConfig
 from promptfcl.common.model import ModelSpec, build_model
-model, source = build_model(ModelSpec.of(ExperimentConfig.from_dict(json.loads(sys.argv[1])), 10))
+from promptfcl.common.tasks import TaskLayout
+from promptfcl.common.weights import BackboneSpec
+cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
+spec = ModelSpec.of(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching),
+                    TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, 10), cfg.run, cfg.model,
+                    cfg.evaluation, cfg.method)
+model, source = build_model(spec)
 torch.save(model.query(torch.load(sys.argv[2])), sys.argv[3])
 print(json.dumps({"timm": "timm" in sys.modules, "backbone": type(model.backbone).__module__,
                   "phases": sorted(startup.take()), "source": source}))
@@ -107,8 +113,8 @@ print(json.dumps({"timm": "timm" in sys.modules, "backbone": type(model.backbone
 
 def test_a_fresh_process_reads_the_cached_backbone_without_timm(cache, tmp_path):
     cfg = config(population="nodes")  # backbone-cache-disk = auto: on for deployed nodes
-    model, source = build_model(ModelSpec.of(cfg, 10))
-    path = backbone_cache_path(BackboneSpec.of(cfg))
+    model, source = build_model(model_spec(cfg, 10))
+    path = backbone_cache_path(backbone_of(cfg))
     assert path is not None and path.is_file() and path.parent == cache / "backbones"
     x = images()
     torch.save(x, tmp_path / "x.pt")
@@ -148,12 +154,12 @@ def _other_identity(path: Path, cfg: ExperimentConfig) -> None:  # what a digest
                          ids=["garbage", "arch-against-config", "arch-against-state", "format", "identity"])
 def test_an_unusable_cache_file_is_rebuilt_with_timm_and_rewritten(cache, caplog, damage):
     cfg = config(backbone_cache_disk="on")
-    build_backbone(BackboneSpec.of(cfg))
-    path = backbone_cache_path(BackboneSpec.of(cfg))
+    build_backbone(backbone_of(cfg))
+    path = backbone_cache_path(backbone_of(cfg))
     damage(path, cfg)
 
     with caplog.at_level(logging.WARNING, logger="promptfcl"):
-        backbone, _ = build_backbone(BackboneSpec.of(cfg))
+        backbone, _ = build_backbone(backbone_of(cfg))
     assert any(str(path) in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)
     x = images()
     assert torch.equal(query(backbone, x), query(timm_reference(cfg), x))
@@ -164,8 +170,8 @@ def test_an_unusable_cache_file_is_rebuilt_with_timm_and_rewritten(cache, caplog
 def test_a_vit_outside_the_standard_one_stays_on_timm_and_is_not_cached(cache, caplog):
     cfg = config(backbone="vit_betwixt_patch16_reg4_gap_256", backbone_cache_disk="on")
     with caplog.at_level(logging.WARNING, logger="promptfcl"):
-        first, _ = build_backbone(BackboneSpec.of(cfg))
-        second, _ = build_backbone(BackboneSpec.of(cfg))
+        first, _ = build_backbone(backbone_of(cfg))
+        second, _ = build_backbone(backbone_of(cfg))
     assert type(first).__module__.startswith("timm.") and type(second).__module__.startswith("timm.")
     assert [r.getMessage() for r in caplog.records if "register tokens" in r.getMessage()]  # logged ...
     assert len([r for r in caplog.records if "not cached on disk" in r.getMessage()]) == 1  # ... once
@@ -176,7 +182,7 @@ def test_an_unwritable_cache_dir_only_warns(tmp_path, monkeypatch, caplog):
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "file"))  # mkdir under a file fails
     with caplog.at_level(logging.WARNING, logger="promptfcl"):
-        backbone, _ = build_backbone(BackboneSpec.of(config(backbone_cache_disk="on")))
+        backbone, _ = build_backbone(backbone_of(config(backbone_cache_disk="on")))
     assert isinstance(backbone, VisionTransformer)
     assert any("cannot write built backbone cache" in r.getMessage() for r in caplog.records)
 
@@ -185,8 +191,8 @@ def test_an_unwritable_cache_dir_only_warns(tmp_path, monkeypatch, caplog):
                                        {"backbone-cache-disk": "auto", "population": "virtual"}])
 def test_with_the_cache_off_nothing_is_written(cache, overrides):
     cfg = config(**overrides)
-    assert backbone_cache_path(BackboneSpec.of(cfg)) is None
-    backbone, _ = build_backbone(BackboneSpec.of(cfg))
+    assert backbone_cache_path(backbone_of(cfg)) is None
+    backbone, _ = build_backbone(backbone_of(cfg))
     assert type(backbone).__module__.startswith("timm.")
     assert not cache.exists()
 

@@ -131,7 +131,7 @@ def _run_step(step: str, settings: dict[str, Any]) -> dict[str, Any]:
     rt = get_runtime(cfg)
     arrays = FedAvgStrategy.of(cfg, data.num_classes).on_task_start(0, to_array_record(rt.model.trainable_state()))
     share = len(client_indices(data.train.labels, rt.layout, rt.partition, 0, 0, 0))
-    LocalLearner(rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    LocalLearner.of(cfg, rt).fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
     return {"seconds": time.perf_counter() - started, "rss_mb": _peak_rss_mb(), "share": share,
             "decode_seconds": decode_seconds}
 

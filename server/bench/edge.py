@@ -33,8 +33,7 @@ from ...common.data import ArraySplit, Dataset
 from ...common.evaluation import accuracies, correct_counts
 from ...common.memory_plan import resident_mb
 from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
-from ...common.runtime import get_runtime
-from ...common.weights import BackboneSpec
+from ...common.runtime import backbone_of, get_runtime
 from ...strategies.fedavg.strategy import FedAvgStrategy
 from ...strategies.platform.learner import LocalLearner
 from ...strategies.registry import prompt_class
@@ -89,8 +88,8 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
     policy = NodePolicy.from_node_config({"memory-budget-mb": budget_mb, "backbone-precision": precision})
-    learner = LocalLearner(runtime)
-    plan = apply_plan(runtime, policy, learner)
+    learner = LocalLearner.of(cfg, runtime)
+    plan = apply_plan(cfg, runtime, policy, learner)
     strategy = FedAvgStrategy.of(cfg, runtime.data.num_classes)
     arrays = strategy.on_task_start(0, to_array_record(runtime.model.trainable_state()))
     started, cpu = time.perf_counter(), time.process_time()
@@ -251,7 +250,7 @@ def main() -> None:
     """The child: ``python -m promptfcl.server.bench.edge '<spec json>'``; prints its figures as one JSON line."""
     spec = json.loads(sys.argv[1])
     if spec.get("prepare"):
-        build_backbone(BackboneSpec.of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
+        build_backbone(backbone_of(edge_config(int(spec["batch_size"]), int(spec["threads"]))))
         return
     figures = train_one_round(spec["precision"], float(spec["budget_mb"]), int(spec["batch_size"]),
                               int(spec["threads"]), Path(spec["arrays"]))

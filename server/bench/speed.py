@@ -43,7 +43,7 @@ def local_training_speed(cfg: ExperimentConfig, repeats: int = 3) -> dict[str, f
         )
         index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 0, 0)
         n_images = len(index) * run_cfg.training.local_epochs
-        learner = LocalLearner(rt)
+        learner = LocalLearner.of(run_cfg, rt)
         timings = []
         for r in range(repeats + 1):  # the first call fills the query cache (cold)
             t = time.perf_counter()

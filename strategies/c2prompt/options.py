@@ -13,10 +13,11 @@ table lists the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ...common.config import ConfigError, DataSection, ExperimentConfig, FederationSection, ModelSection
+from ...common.config import ConfigError, DataSection, FederationSection, ModelSection
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
-from ...common.privacy import privacy_options, privacy_refused
+from ...common.privacy import PrivacyOptions, privacy_refused
 
 GLOBAL_STATS = ("gaussian-diag", "mean-only")
 COMP_LOSSES = ("nll", "mse", "kl")
@@ -160,30 +161,31 @@ class C2PromptOptions(MethodOptions):
         per_task = max(model.pool_size // data.num_tasks, 1)
         return per_task // federation.num_clients if self.cpa_pool == "keep-all" else per_task
 
-    def check_run(self, cfg: ExperimentConfig) -> None:
+    def check_run(self, *, data: DataSection, federation: FederationSection, model: ModelSection,
+                  privacy: PrivacyOptions, **_: Any) -> None:
         """Added compensation prompts have the discriminative prompts' shape; a prefix is split in
         halves (keys, values), so a concatenated one has an even length; keep-all splits a task's
         slice evenly over the clients; the exchange's answers are not privatised."""
-        length = self.compensation_length(cfg.model.prompt_length)
-        if self.comp_attach == "add" and length != cfg.model.prompt_length:
+        length = self.compensation_length(model.prompt_length)
+        if self.comp_attach == "add" and length != model.prompt_length:
             raise ConfigError(f"c2prompt.comp-attach = add sums the compensation prompt onto the prompt: comp-length "
-                              f"must be 0 or prompt-length ({cfg.model.prompt_length}), got {length}")
-        if cfg.model.prompt_mode == "prefix" and length % 2:
+                              f"must be 0 or prompt-length ({model.prompt_length}), got {length}")
+        if model.prompt_mode == "prefix" and length % 2:
             raise ConfigError(f"c2prompt.comp-length must be even with prompt-mode = prefix (key and value halves), "
                               f"got {length}")
-        per_task = cfg.model.pool_size // cfg.data.num_tasks
-        if self.cpa_pool == "keep-all" and cfg.federation.population != "virtual":
+        per_task = model.pool_size // data.num_tasks
+        if self.cpa_pool == "keep-all" and federation.population != "virtual":
             raise ConfigError("c2prompt.cpa-pool = keep-all gives each client of the virtual population its own part "
                               "of a task's slice; deployed nodes (population = nodes) have no fixed part")
-        if self.cpa_pool == "keep-all" and (per_task % cfg.federation.num_clients or not per_task):
+        if self.cpa_pool == "keep-all" and (per_task % federation.num_clients or not per_task):
             raise ConfigError(f"c2prompt.cpa-pool = keep-all splits a task's {per_task} components into one part per "
                               f"client: pool-size / num-tasks must be a positive multiple of num-clients "
-                              f"({cfg.federation.num_clients})")
-        own = self.components_per_client(cfg.model, cfg.data, cfg.federation)
+                              f"({federation.num_clients})")
+        own = self.components_per_client(model, data, federation)
         if self.histogram == "top-k" and self.histogram_k > max(own, 1):
             raise ConfigError(f"c2prompt.histogram-k = {self.histogram_k} exceeds the {own} components a client "
                               "trains of its task's slice")
-        if self.stats_round == "exchange" and privacy_options(cfg).enabled:
+        if self.stats_round == "exchange" and privacy.enabled:
             raise privacy_refused(self.prefix, "c2prompt.stats-round = exchange answers a statistics-only message "
                                                "before training, which the client does not privatise (only train "
                                                "replies are); use c2prompt.stats-round = first-training")

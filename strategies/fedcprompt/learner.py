@@ -35,7 +35,6 @@ import torch
 from flwr.app import RecordDict
 
 from ...common.records import CONFIG, as_int, config_of
-from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from .options import FedCPromptOptions, improves, split_held_out
 from .prompt import FedCPromptPrompt
@@ -82,8 +81,8 @@ class FedCPromptLearner(LocalLearner):
     options_class = FedCPromptOptions
     opts: FedCPromptOptions
 
-    def __init__(self, runtime: Runtime, options: Any = None) -> None:
-        super().__init__(runtime, options)
+    def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
+        super().__init__(**inputs)
         self.server_params: dict[str, torch.Tensor] = {}  # the incoming global trainable parameters
         self.previous: torch.Tensor | None = None  # P_s^m(r-1), flattened
         self.others: torch.Tensor | None = None  # P_s^i, i != m known, (n, V)

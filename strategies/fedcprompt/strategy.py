@@ -63,10 +63,6 @@ class FedCPromptStrategy(PromptStrategy):
 
     Parameters
     ----------
-    cfg : ExperimentConfig
-        The run's configuration.
-    num_classes : int
-        Classes of the whole stream.
     options : FedCPromptOptions, optional
         ``fedcprompt.*`` options (the clients read the loss options).
     """

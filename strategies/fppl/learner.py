@@ -117,8 +117,8 @@ class FPPLLearner(LocalLearner):
     options_class = FPPLOptions
     opts: FPPLOptions
 
-    def __init__(self, runtime: Runtime, options: Any = None) -> None:
-        super().__init__(runtime, options)
+    def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
+        super().__init__(**inputs)
         self.proto_classes: torch.Tensor | None = None
         self.proto_means: torch.Tensor | None = None
         self.client_id = -1

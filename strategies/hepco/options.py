@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ...common.config import ConfigError, ExperimentConfig
+from ...common.config import ConfigError, EvaluationSection, FederationSection
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 
 #: Table 3 rows, as names for ``hepco.ablate`` (comma-separated, composable).
@@ -212,7 +213,7 @@ class HePCoOptions(MethodOptions):
              f"client-weights must be 'class-counts', 'samples' or 'uniform', got {self.client_weights!r}")
         need(self.diagnostics_per_class >= 1, "diagnostics-per-class must be >= 1")
 
-    def check_run(self, cfg: ExperimentConfig) -> None:
-        if self.diagnostics and (cfg.evaluation.evaluation != "central" or cfg.federation.population != "virtual"):
+    def check_run(self, *, federation: FederationSection, evaluation: EvaluationSection, **_: Any) -> None:
+        if self.diagnostics and (evaluation.evaluation != "central" or federation.population != "virtual"):
             raise ConfigError("hepco.diagnostics measures against the server's central data: it needs "
                               "evaluation = central and population = virtual (simulation)")

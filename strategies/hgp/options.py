@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ...common.config import ConfigError, ExperimentConfig
+from ...common.config import ConfigError
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
-from ...common.privacy import privacy_options, privacy_refused
+from ...common.privacy import PrivacyOptions, privacy_refused
 
 COV_TYPES = ("full", "diag", "lowrank")
 COV_DTYPES = ("float32", "float16")
@@ -97,9 +98,9 @@ class HGPOptions(MethodOptions):
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
         need(self.score_norm in SCORE_NORMS, f"score-norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
 
-    def check_run(self, cfg: ExperimentConfig) -> None:
+    def check_run(self, *, privacy: PrivacyOptions, **_: Any) -> None:
         """Low-rank covariances are refused under ``dp.*``: noise on SVD factors is not noise on a bounded
         covariance."""
-        if self.cov_type == "lowrank" and privacy_options(cfg).enabled:
+        if self.cov_type == "lowrank" and privacy.enabled:
             raise privacy_refused(self.prefix, "hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of "
                                                "the covariance; use cov-type full or diag")

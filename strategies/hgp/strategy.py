@@ -76,10 +76,6 @@ class HGPStrategy(PromptStrategy):
 
     Parameters
     ----------
-    cfg : ExperimentConfig
-        The run's configuration.
-    num_classes : int
-        Classes of the whole stream.
     options : HGPOptions, optional
         ``hgp.*`` options.
     """

@@ -38,8 +38,8 @@ class LoRMLearner(LocalLearner):
     options_class = LoRMOptions
     opts: LoRMOptions
 
-    def __init__(self, runtime: Any, options: Any = None) -> None:
-        super().__init__(runtime, options)
+    def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
+        super().__init__(**inputs)
         self.factor = "b"  # the factor the current fit trains (set by ``received``)
 
     def received(self, content: RecordDict, task: int, round_: int, client_id: int) -> ArrayRecord:

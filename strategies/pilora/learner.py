@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from flwr.app import RecordDict
 
 from ...common.records import CONFIG, as_int, to_array_record
-from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from .options import PILoRAOptions
 from .prompt import PILoRAAdapters, l1_loss, orthogonality_loss, paired_distances, prototype_logits
@@ -73,8 +72,8 @@ class PILoRALearner(LocalLearner):
     options_class = PILoRAOptions
     opts: PILoRAOptions
 
-    def __init__(self, runtime: Runtime, options: Any = None) -> None:
-        super().__init__(runtime, options)
+    def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
+        super().__init__(**inputs)
         self.class_sums = ClassSums()
         self.client_id = -1
 

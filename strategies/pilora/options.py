@@ -9,8 +9,9 @@ PILoRA row of LoRM's paper) is the other reading where the two differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from ...common.config import ConfigError, ExperimentConfig
+from ...common.config import ConfigError, DataSection, ModelSection
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 
 SOFTMAX_SCOPES = ("all", "task")
@@ -118,7 +119,7 @@ class PILoRAOptions(MethodOptions):
                                      ("round-schedule", self.round_schedule, ROUND_SCHEDULES)):
             need(choice in allowed, f"pilora.{key} must be one of {allowed}, got {choice!r}")
 
-    def check_run(self, cfg: ExperimentConfig) -> None:
-        if cfg.per_task_head:
+    def check_run(self, *, data: DataSection, model: ModelSection, **_: Any) -> None:
+        if model.per_task_head(data):
             raise ConfigError("pilora holds one prototype per class in the head's rows: it needs head = "
                               "\"per-class\"")

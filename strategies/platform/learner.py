@@ -33,20 +33,22 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from ...common import config_sections as sections
 from ...common.augment import augment_images
+from ...common.config import ExperimentConfig
 from ...common.memory_plan import TrainingPlan
 from ...common.model import masked_logits
 from ...common.options import MethodOptions, NoOptions
 from ...common.partitions import client_indices
 from ...common.preprocess import random_resized_crops
-from ...common.privacy import privacy_options
+from ...common.privacy import PrivacyOptions, privacy_options
 from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
 from ...common.runtime import Runtime
 
@@ -83,6 +85,9 @@ class Batch:
 class LocalLearner:
     """FedAvg-Prompt local learning (CODA-P prompts + linear head, CE on the current task).
 
+    Made by :meth:`of`; it takes what it reads, never the whole configuration: six sections,
+    ``privacy`` (``dp.*``) and the process's ``runtime`` (data, model, device, query cache).
+
     Parameters
     ----------
     runtime : Runtime
@@ -95,12 +100,21 @@ class LocalLearner:
     #: the method's options dataclass (the same as its strategy's)
     options_class: type[MethodOptions] = NoOptions
 
-    def __init__(self, runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None) -> None:
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, runtime: Runtime,
+           options: MethodOptions | Mapping[str, Any] | None = None) -> Self:
+        """The learner of run ``cfg`` on ``runtime`` (the one place it reads the whole configuration)."""
+        return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model, training=cfg.training,
+                   evaluation=cfg.evaluation, privacy=privacy_options(cfg), runtime=runtime, options=options)
+
+    def __init__(self, *, run: sections.RunSection, data: sections.DataSection,
+                 federation: sections.FederationSection, model: sections.ModelSection,
+                 training: sections.TrainingSection, evaluation: sections.EvaluationSection, privacy: PrivacyOptions,
+                 runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None) -> None:
         self.rt = runtime
-        cfg = runtime.cfg  # read here once: the learner keeps the sections its loop and hooks read
-        self.run, self.data, self.federation, self.model = cfg.run, cfg.data, cfg.federation, cfg.model
-        self.training, self.evaluation = cfg.training, cfg.evaluation
-        self.privacy = privacy_options(cfg)  # the run's dp.* options
+        self.run, self.data, self.federation, self.model = run, data, federation, model
+        self.training, self.evaluation = training, evaluation
+        self.privacy = privacy  # the run's dp.* options
         self.opts: Any = options if isinstance(options, MethodOptions) else \
             self.options_class.from_options(options or {})
         self.seed: list[int] = [self.run.seed]  # [seed, client, task, round] of the current fit (set by fit)

@@ -49,7 +49,7 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
                                cfg.data.task_generator == "random", cfg.run.strategy, options)
     privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
                             _privacy_refusal(options))
-    options.check_run(cfg)
+    check_options(options, cfg, privacy)
     check_server_memory(cfg)  # the run's whole estimate against the server's ceilings (run_memory.py)
     return CheckedRun(options, schedule, privacy)
 
@@ -62,8 +62,15 @@ def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
     privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
                             _privacy_refusal(options))
-    options.check_run(cfg)
+    check_options(options, cfg, privacy)
     return privacy
+
+
+def check_options(options: MethodOptions, cfg: ExperimentConfig, privacy: PrivacyOptions | None = None) -> None:
+    """The method's own checks of its ``options`` against run ``cfg`` (its options' ``check_run``,
+    given the sections it reads; ``privacy``: the run's ``dp.*``, read from ``cfg`` when None)."""
+    options.check_run(data=cfg.data, federation=cfg.federation, model=cfg.model, evaluation=cfg.evaluation,
+                      privacy=privacy_options(cfg) if privacy is None else privacy)
 
 
 def load_config(config_file: str | None, overrides: list[str], strategy: str | None = None,

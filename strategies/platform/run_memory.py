@@ -36,6 +36,7 @@ from typing import Any
 from ...common.config import ConfigError, ExperimentConfig
 from ...common.footprint import (
     MAX_MEMORY_ENV,
+    Footprint,
     MemoryEstimate,
     check_server_footprint,
     footprint,
@@ -94,15 +95,21 @@ def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
                                                 cfg.data.num_tasks)
         prompt.configure(cfg.method)
     state = prompt.state_dict()
-    head = TaskLayout.of(cfg, num_classes).head_size * (dim + 1)
+    head = TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes).head_size * (dim + 1)
     return sum(t.numel() * t.element_size() for t in state.values()) + head * F32
+
+
+def _backbone_footprint(cfg: ExperimentConfig) -> Footprint:
+    """The footprint of ``cfg``'s backbone at its batch size and prompt length."""
+    backbone = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+    return footprint(backbone, cfg.training.batch_size, cfg.model.prompt_length)
 
 
 def run_sizes(cfg: ExperimentConfig, sent_classes: int | None = None) -> RunSizes:
     """The sizes of ``cfg`` (``sent_classes``: the head size a message names)."""
     classes = run_classes(cfg, sent_classes)
-    dim = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length).width
-    layout = TaskLayout.of(cfg, classes)
+    dim = _backbone_footprint(cfg).width
+    layout = TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, classes)
     per_task = max(1, layout.classes_per_task if layout.random else -(-classes // cfg.data.num_tasks))
     fed = cfg.federation
     return RunSizes(dim=dim, classes=classes, per_task=per_task, clients=max(fed.num_clients, fed.clients_per_round),
@@ -199,7 +206,7 @@ def method_memory(cfg: ExperimentConfig, sizes: RunSizes) -> tuple[float, float]
 def node_memory(cfg: ExperimentConfig, sent_classes: int | None = None) -> MemoryEstimate:
     """What a node's message process needs for one training message of ``cfg``."""
     sizes = run_sizes(cfg, sent_classes)
-    backbone = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+    backbone = _backbone_footprint(cfg)
     upload, _ = method_memory(cfg, sizes)
     t = sizes.trainable
     return MemoryEstimate((
@@ -224,7 +231,7 @@ def server_memory(cfg: ExperimentConfig) -> MemoryEstimate:
         ("method state", state),
     ]
     if cfg.evaluation.evaluation != "federated":  # the server evaluates: the backbone, a pass, the evaluated model
-        backbone = footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length)
+        backbone = _backbone_footprint(cfg)
         sequence = backbone.tokens + 1 + cfg.model.prompt_length
         parts += [(BACKBONE, backbone.parameters * F32),
                   (ACTIVATIONS, cfg.training.batch_size * sequence * NO_GRAD_FLOATS * backbone.width * F32),
@@ -242,7 +249,8 @@ def check_server_memory(cfg: ExperimentConfig) -> None:
     ConfigError
         Naming the estimate, its largest parts and the limit it exceeds.
     """
-    check_server_footprint(BackboneSpec.of(cfg), cfg.training.batch_size, cfg.model.prompt_length, cfg.model.image_size)
+    backbone = BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching)
+    check_server_footprint(backbone, cfg.training.batch_size, cfg.model.prompt_length, cfg.model.image_size)
     _, max_memory_gb = server_ceilings()
     # the backbone and its activations (central evaluation) are the backbone ceiling's: this machine's
     # memory bounds the server's own copies

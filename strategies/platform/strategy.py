@@ -138,7 +138,8 @@ class PromptStrategy(Sampling, FedAvg):
            runtime: Runtime | None = None) -> Self:
         """The strategy of run ``cfg`` over ``num_classes`` classes (the one place it reads the whole)."""
         return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model,
-                   robustness=cfg.robustness, placement=cfg.placement, layout=TaskLayout.of(cfg, num_classes),
+                   robustness=cfg.robustness, placement=cfg.placement,
+                   layout=TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes),
                    privacy=privacy_options(cfg), method_settings=cfg.method, config_digest=cfg.digest(),
                    options=options, runtime=runtime)
 

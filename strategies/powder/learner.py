@@ -43,7 +43,6 @@ from ...common.records import (
     to_array_record,
     to_torch,
 )
-from ...common.runtime import Runtime
 from ..platform.distillation import classic_distillation, dual_distillation
 from ..platform.learner import Batch, LocalLearner
 from ..platform.partial import Rows, completed
@@ -71,8 +70,8 @@ class PowderLearner(LocalLearner):
     options_class = PowderOptions
     opts: PowderOptions
 
-    def __init__(self, runtime: Runtime, options: Any = None) -> None:
-        super().__init__(runtime, options)
+    def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
+        super().__init__(**inputs)
         self.local_tasks: list[int] = []
         self.own_weights: dict[int, float] | None = None  # G_task[s, task] per local task s (None: not sent)
         self.measure = False

@@ -106,10 +106,6 @@ class PowderStrategy(PromptStrategy):
 
     Parameters
     ----------
-    cfg : ExperimentConfig
-        The run's configuration.
-    num_classes : int
-        Classes of the whole stream.
     options : PowderOptions, optional
         ``powder.*`` options (the clients read the loss options).
     """
