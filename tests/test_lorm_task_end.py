@@ -121,6 +121,10 @@ def test_a_run_resumed_between_the_last_round_and_the_merge_equals_the_uninterru
     resumed = simulate(tmp_path / "split", strategy="lorm", **SETTINGS, **PASS, resume=True)
     assert resumed["accuracy_matrix"] == whole["accuracy_matrix"]
     assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in whole["rounds"]]
-    assert [r.get("task_end_exchange", {}).get("bytes_c2s") for r in resumed["rounds"]] == \
-        [r.get("task_end_exchange", {}).get("bytes_c2s") for r in whole["rounds"]]
-    assert resumed["communication"]["bytes_c2s_total"] == whole["communication"]["bytes_c2s_total"]
+    # the pass is made once, after the resume, with the same clients and bytes (a round's own bytes
+    # may differ by a fresh process's start-up metrics, so the totals are not compared)
+    def passes(results):
+        return [{k: r["task_end_exchange"][k] for k in ("clients", "answers", "bytes_s2c", "bytes_c2s", "rejected")}
+                for r in results["rounds"] if "task_end_exchange" in r]
+
+    assert passes(resumed) == passes(whole) and len(passes(whole)) == 2
