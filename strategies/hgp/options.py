@@ -16,6 +16,7 @@ CLASS_WEIGHTS = ("counts", "uniform")
 SCHEDULES = ("cosine", "cosine-epoch", "constant")
 LOGIT_SETS = ("seen", "sampled")
 SCORE_NORMS = ("l1", "softmax", "none")
+PROMPT_DESIGNS = ("pool", "lab-prefix")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,12 @@ class HGPOptions(MethodOptions):
     # how, the authors' public code has no keys): "l1" (the project's reading: s / sum |s|),
     # "softmax", or "none" (CODA-P's plain cosine). See prompt.py.
     score_norm: str = "l1"
+    # The prompt module: "pool" (the paper, sec. 3.2.1: key-matched prompts, a slice per task, earlier
+    # slices frozen) or "lab-prefix" (the authors' lab code, fed-mammoth `VitHGP` with n_prompts = 1,
+    # prompt_pool = False: one keyless prompt of prompt-length tokens per prompted block, half prefix
+    # keys and half prefix values, the same for every image, shared by every task and never frozen;
+    # its configuration: configs/hgp-cifar100-lab.toml, 200 tokens at blocks 0-4). See prompt.py.
+    prompt_design: str = "pool"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -98,10 +105,16 @@ class HGPOptions(MethodOptions):
         need(self.loss in LOSSES, f"loss must be one of {LOSSES}, got {self.loss!r}")
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
         need(self.score_norm in SCORE_NORMS, f"score-norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
+        need(self.prompt_design in PROMPT_DESIGNS,
+             f"prompt-design must be one of {PROMPT_DESIGNS}, got {self.prompt_design!r}")
 
     def check_run(self, cfg: ExperimentConfig) -> None:
         """Low-rank covariances are refused under ``dp.*``: noise on SVD factors is not noise on a bounded
-        covariance."""
+        covariance. The lab prefix is a prefix of keys and values: prefix mode, an even length."""
+        if self.prompt_design == "lab-prefix" and (cfg.model.prompt_mode != "prefix" or cfg.model.prompt_length % 2):
+            raise ConfigError(f"hgp.prompt-design = lab-prefix prepends half its tokens to the keys and half to the "
+                              f"values: it needs prompt-mode = prefix and an even prompt-length, got "
+                              f"{cfg.model.prompt_mode} and {cfg.model.prompt_length}")
         if self.cov_type == "lowrank" and privacy_options(cfg).enabled:
             raise privacy_refused(self.prefix, "hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of "
                                                "the covariance; use cov-type full or diag")
