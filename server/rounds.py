@@ -236,7 +236,7 @@ def task_end_exchange(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, 
                  for m in unanswered(messages, answers)]
     return {"clients": len(messages), "answers": strategy.exchange_accepted,
             "bytes_s2c": message_bytes(messages), "bytes_c2s": message_bytes([m for m in answers if not m.has_error()]),
-            "seconds": time.perf_counter() - t0, "rejected": rejected}
+            "seconds": time.perf_counter() - t0, "stats_bounded": strategy.exchange_bounded, "rejected": rejected}
 
 
 def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:

@@ -128,3 +128,44 @@ def test_a_run_resumed_between_the_last_round_and_the_merge_equals_the_uninterru
                 for r in results["rounds"] if "task_end_exchange" in r]
 
     assert passes(resumed) == passes(whole) and len(passes(whole)) == 2
+
+
+def test_task_end_answers_are_checked_as_replies_are_and_weighed_by_their_samples(flower_identity):
+    """The platform's task-end exchange on its own: QUERY messages to the clients named, with the
+    task's last round in their config; an answer claiming more samples than its client holds is
+    excluded (as a train reply would be), the other's Grams become the task's, times its samples."""
+    import uuid
+
+    from flwr.app import Message
+
+    from promptfcl.common.records import CONFIG, METRICS
+    from tests.conftest import tiny_config
+    from tests.helpers import NodeList
+
+    cfg = tiny_config(strategy="lorm", **PASS)
+    rt = get_runtime(cfg, LoRMAdapters)
+    s = LoRMStrategy.of(cfg, rt.data.num_classes, cfg.method_options("lorm"))
+    held = {c: client_indices(rt.data.train.labels, rt.layout, rt.partition, c, 0, 0) for c in (0, 2)}
+    s.bounds.examples_of = lambda client, task, round_: len(held[client])  # what the server's loop sets
+    arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
+    messages = s.configure_task_end_exchange(3, 0, arrays, [0, 2], NodeList(2))
+    for m in messages:
+        m.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+    assert [m.metadata.message_type for m in messages] == ["query", "query"]
+    assert [(m.content[CONFIG]["client-id"], m.content[CONFIG]["exchange"], m.content[CONFIG]["round"])
+            for m in messages] == [(0, "task-end", 0), (2, "task-end", 0)]
+    learner = LoRMLearner(rt, cfg.method_options("lorm"))
+    good = learner.answer(messages[0].content, 0, 0, 0)
+    forged = learner.answer(messages[1].content, 0, 0, 2)
+    forged[METRICS]["num-examples"] = len(held[2]) + 1
+    s.aggregate_exchange(3, [Message(content=good, reply_to=messages[0]),
+                             Message(content=forged, reply_to=messages[1])])
+    assert s.exchange_accepted == 1 and len(s.exchange_rejected) == 1
+    assert "num-examples" in s.exchange_rejected[0][1]
+    grams = from_array_record(good[GRAMS])
+    rows = {layer: i for i, layer in enumerate(cfg.model.layers)}
+    for key, layer, target in LoRMStrategy.adapters(from_array_record(arrays)):
+        np.testing.assert_array_equal(s.round_grams[key],
+                                      len(held[0]) * grams[diagonal_name(target)][rows[layer]].astype(np.float64))
+    default = LoRMStrategy.of(cfg, rt.data.num_classes, {})
+    assert default.configure_task_end_exchange(3, 0, arrays, [0, 2], NodeList(2)) == []

@@ -78,6 +78,11 @@ class Exchanges:
         """(node id, reason) of the last exchange's answers left out."""
         return list(self._exchange_rejected)
 
+    @property
+    def exchange_bounded(self) -> int:
+        """Statistics rows of the last exchange's answers the run's bound changed (defended runs)."""
+        return self._exchange_bounded
+
     def _reset_exchange(self, phase: str) -> None:
         self._exchange_round, self._exchange_rejected, self._exchange_bounded = SentRound(), [], 0
         self._exchange_ratios = {}  # a round without an exchange reports none, not the last one's
