@@ -231,12 +231,13 @@ def task_end_exchange(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, 
     answers = without_forged(send_and_receive(grid, messages, strategy.robustness.round_timeout), messages,
                              f"task {task + 1} end exchange")
     strategy.aggregate_exchange(server_round, answers)
-    rejected = [strategy.named({"node": int(n), "reason": r}) for n, r in strategy.exchange_rejected]
+    accepted, excluded, bounded = strategy.exchange_outcome
+    rejected = [strategy.named({"node": int(n), "reason": r}) for n, r in excluded]
     rejected += [strategy.named({"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout"})
                  for m in unanswered(messages, answers)]
-    return {"clients": len(messages), "answers": strategy.exchange_accepted,
+    return {"clients": len(messages), "answers": accepted,
             "bytes_s2c": message_bytes(messages), "bytes_c2s": message_bytes([m for m in answers if not m.has_error()]),
-            "seconds": time.perf_counter() - t0, "stats_bounded": strategy.exchange_bounded, "rejected": rejected}
+            "seconds": time.perf_counter() - t0, "stats_bounded": bounded, "rejected": rejected}
 
 
 def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:

@@ -160,8 +160,8 @@ def test_task_end_answers_are_checked_as_replies_are_and_weighed_by_their_sample
     forged[METRICS]["num-examples"] = len(held[2]) + 1
     s.aggregate_exchange(3, [Message(content=good, reply_to=messages[0]),
                              Message(content=forged, reply_to=messages[1])])
-    assert s.exchange_accepted == 1 and len(s.exchange_rejected) == 1
-    assert "num-examples" in s.exchange_rejected[0][1]
+    accepted, rejected, _ = s.exchange_outcome
+    assert accepted == 1 and len(rejected) == 1 and "num-examples" in rejected[0][1]
     grams = from_array_record(good[GRAMS])
     rows = {layer: i for i, layer in enumerate(cfg.model.layers)}
     for key, layer, target in LoRMStrategy.adapters(from_array_record(arrays)):

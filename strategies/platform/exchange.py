@@ -55,7 +55,7 @@ class Exchanges:
     federation: Any
     round_arrays: ArrayRecord | None
     exchange_phase: str
-    exchange_accepted: int = 0  # answers of the last exchange handed to ``use_exchange``
+    _exchange_accepted = 0  # answers of the last exchange handed to ``use_exchange``
     _exchange_round: SentRound
     _exchange_rejected: list[tuple[int, str]]
     _exchange_bounded: int
@@ -74,14 +74,10 @@ class Exchanges:
     connected_nodes: Callable[[Grid, int, float], list[int]]
 
     @property
-    def exchange_rejected(self) -> list[tuple[int, str]]:
-        """(node id, reason) of the last exchange's answers left out."""
-        return list(self._exchange_rejected)
-
-    @property
-    def exchange_bounded(self) -> int:
-        """Statistics rows of the last exchange's answers the run's bound changed (defended runs)."""
-        return self._exchange_bounded
+    def exchange_outcome(self) -> tuple[int, list[tuple[int, str]], int]:
+        """The last exchange's answers handed to ``use_exchange``, the (node id, reason) of those left
+        out, and the statistics rows the run's bound changed (defended runs)."""
+        return self._exchange_accepted, list(self._exchange_rejected), self._exchange_bounded
 
     def _reset_exchange(self, phase: str) -> None:
         self._exchange_round, self._exchange_rejected, self._exchange_bounded = SentRound(), [], 0
@@ -111,10 +107,10 @@ class Exchanges:
         config = ConfigRecord({"task": task, "round": round_, "attempt": 0, EXCHANGE: TASK_END})
         self.round_start(server_round, task, round_, arrays)
         self._exchange_round = self._send(server_round, arrays, config, grid, self.exchange_payload, MessageType.QUERY,
-                                          targets=self.task_end_targets(clients, grid))
+                                          targets=self._task_end_targets(clients, grid))
         return self._exchange_round.messages
 
-    def task_end_targets(self, clients: Sequence[int], grid: Grid) -> tuple[list[tuple[int, int, int]], float]:
+    def _task_end_targets(self, clients: Sequence[int], grid: Grid) -> tuple[list[tuple[int, int, int]], float]:
         """(client id, node id, schedule slot) of each of ``clients`` still reachable, and the share of
         them reached. Virtual clients are spread over the connected nodes in turn, as a round spreads
         them; with ``population = "nodes"`` a client is its node, and a node gone is skipped (logged)."""
@@ -155,7 +151,7 @@ class Exchanges:
         if self.exchange_phase == TASK_END:
             for a, w in zip(answers, self.policies.weighting([a.examples for a in answers])):
                 a.weight = float(w)
-        self.exchange_accepted = len(answers)
+        self._exchange_accepted = len(answers)
         self._exchange_ratios = {}
         self._exchange_bounded = self.policies.stats_bound.apply(answers, self.statistics, self._exchange_ratios)
         self.use_exchange(server_round, answers)
