@@ -88,10 +88,15 @@ class RoundRecord:
     # nodes with a memory budget or their own backbone precision: each accepted reply's node and what
     # it chose (micro-batch, checkpointing, backbone bits) and used (peak resident MB); client/memory.py
     memory_plans: list[dict[str, Any]] = field(default_factory=list)
+    # a task's last round, where the method has a task-end exchange (LoRM's Gram pass): its clients,
+    # answers, bytes (also in bytes_s2c / bytes_c2s), seconds and rejections; absent otherwise
+    task_end_exchange: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("evaluation", "eval_pending", "epsilon", "private")}
+               if f.name not in ("evaluation", "eval_pending", "epsilon", "private", "task_end_exchange")}
+        if self.task_end_exchange:
+            out["task_end_exchange"] = self.task_end_exchange
         out.update(self.evaluation)
         if self.eval_pending:
             out["eval_pending"] = True
@@ -211,6 +216,28 @@ def train_round(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: 
         f"round {server_round} (task {task + 1}, round {round_ + 1}) had fewer than min-replies = "
         f"{robustness.min_replies} usable replies in {robustness.round_retries + 1} attempts; the last checkpoint "
         f"in {out_dir} is intact. Reasons: {sorted({r['reason'][:120] for r in spent.rejected})[:5]}")
+
+
+def task_end_exchange(grid: Any, strategy: PromptStrategy, arrays: ArrayRecord, task: int, server_round: int,
+                      clients: Sequence[int]) -> dict[str, Any]:
+    """The method's task-end exchange (``uses_task_end_exchange``; strategies/platform/exchange.py): QUERY
+    messages to ``clients`` (those that trained ``task``) with ``arrays`` (the task's last aggregate),
+    their answers checked and handed to the method, before its ``on_task_end``. What it cost and
+    received, for the task's last round's record (empty where the method has none)."""
+    t0 = time.perf_counter()
+    messages = list(strategy.configure_task_end_exchange(server_round, task, arrays, clients, grid))
+    if not messages:
+        return {}
+    answers = without_forged(send_and_receive(grid, messages, strategy.robustness.round_timeout), messages,
+                             f"task {task + 1} end exchange")
+    strategy.aggregate_exchange(server_round, answers)
+    accepted, excluded, bounded = strategy.exchange_outcome
+    rejected = [strategy.named({"node": int(n), "reason": r}) for n, r in excluded]
+    rejected += [strategy.named({"node": int(m.metadata.dst_node_id), "reason": "no reply before round-timeout"})
+                 for m in unanswered(messages, answers)]
+    return {"clients": len(messages), "answers": accepted,
+            "bytes_s2c": message_bytes(messages), "bytes_c2s": message_bytes([m for m in answers if not m.has_error()]),
+            "seconds": time.perf_counter() - t0, "stats_bounded": bounded, "rejected": rejected}
 
 
 def memory_plans(accepted: Sequence[Accepted]) -> list[dict[str, Any]]:

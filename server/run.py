@@ -36,7 +36,7 @@ from . import checkpoint
 from .evaluation import CarriedEvaluation, CentralEvaluator, FederatedEvaluator
 from .progress import RunTrackers
 from .results import SUMMARY_KEYS, build_results, human_bytes, log_placement, privacy_so_far
-from .rounds import RoundRecord, round_record, train_round
+from .rounds import RoundRecord, round_record, task_end_exchange, train_round
 from .transfer import asynchronous_results, client_accuracy_by_round, single_task_accuracies
 
 log = logging.getLogger("promptfcl")
@@ -275,7 +275,9 @@ class ExperimentRun:
                  record.evaluation["eval_carried"], record.evaluation["eval_nodes"])
 
     def end_task(self, task: int) -> None:
-        """The strategy's task-end step, then the task's accuracy-matrix column."""
+        """The method's task-end exchange (if it has one) and step, then the task's accuracy-matrix column."""
+        if self.strategy.uses_task_end_exchange():
+            self.exchange_at_end(task)
         end_arrays = self.strategy.on_task_end(task, self.arrays)
         task_acc = np.array(self.rounds[-1].task_accuracies)
         if end_arrays is not self.arrays:
@@ -289,6 +291,22 @@ class ExperimentRun:
         log.info("after task %d: A_t %.2f, AIA %.2f, forgetting %.2f, BWT %s", task + 1,
                  summary["final_average_accuracy"], summary["average_incremental_accuracy"],
                  summary["average_forgetting"], "-" if bwt is None else f"{bwt:.2f}")
+
+    def exchange_at_end(self, task: int) -> None:
+        """The task-end exchange with the clients whose replies the task's rounds accepted (read from the
+        rounds' records, so a run resumed between the task's last round and its end asks the same
+        ones); its cost is the task's last round's (that round's checkpoint was saved without it)."""
+        record = self.rounds[-1]
+        clients = sorted({c for r in self.rounds if r.task == task for c in r.reply_clients})
+        spent = task_end_exchange(self.grid, self.strategy, self.arrays, task, self.server_round, clients)
+        if not spent:
+            return
+        record.task_end_exchange = spent
+        record.bytes_s2c += spent["bytes_s2c"]
+        record.bytes_c2s += spent["bytes_c2s"]
+        log.info("task %d end exchange: %d of %d clients answered (S2C %s C2S %s, %.2fs)%s", task + 1,
+                 spent["answers"], spent["clients"], human_bytes(spent["bytes_s2c"]), human_bytes(spent["bytes_c2s"]),
+                 spent["seconds"], f", {len(spent['rejected'])} excluded" if spent["rejected"] else "")
 
     def save(self, task: int, round_: int, finished: bool) -> None:
         checkpoint.save(checkpoint.Checkpoint(

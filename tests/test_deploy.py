@@ -1103,7 +1103,9 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     assert not (out / checkpoint.FILENAME).exists()
 
 
-NEWER_METHOD_ROUNDS = {"lorm": 2, "pilora": 1, "c2prompt": 2}
+NEWER_METHOD_ROUNDS = {"lorm": 2, "pilora": 1, "c2prompt": 2, "lorm-task-end-pass": 2}
+#: a variant's method and options: LoRM with the platform's task-end exchange (its Gram pass)
+VARIANTS = {"lorm-task-end-pass": ("lorm", {"lorm.task-grams": "task-end-pass"})}
 
 
 @pytest.mark.deploy
@@ -1119,15 +1121,25 @@ def test_the_newer_methods_run_deployed(deployment, method):
     # from its first (LoRM trains B, then A; C2Prompt's exchange is its first round's only), one
     # for PILoRA (every round of a task carries the same records)
     rounds = NEWER_METHOD_ROUNDS[method]
-    run = {**RUN, "strategy": method, "num-tasks": 2, "rounds-per-task": rounds, "out-dir": f"runs/{method}"}
+    strategy, options = VARIANTS.get(method, (method, {}))
+    run = {**RUN, "strategy": strategy, **options, "num-tasks": 2, "rounds-per-task": rounds,
+           "out-dir": f"runs/{method}"}
     done = submit(root, env, deployment.ports.control, toml_file(root / f"{method}.toml", run), root / "app")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((root / "server" / "runs" / method / "results.json").read_text())
-    assert results["config"]["strategy"] == method
+    assert results["config"]["strategy"] == strategy
     assert [r["task"] for r in results["rounds"]] == [t for t in (0, 1) for _ in range(rounds)]
-    for record in results["rounds"]:
+    for index, record in enumerate(results["rounds"]):
         assert record["clients_aggregated"] == NUM_HONEST, record["rejected"]
         assert record["eval_nodes"] >= NUM_HONEST
+        # the task-end exchange (QUERY messages after a task's last round): every honest node that
+        # trained the task answers, and every answer passes the checks; none for the other methods
+        exchange = record.get("task_end_exchange")
+        if options and index % rounds == rounds - 1:
+            assert exchange is not None and exchange["clients"] == exchange["answers"] == NUM_HONEST, exchange
+            assert not exchange["rejected"]
+        else:
+            assert exchange is None
     matrix = results["accuracy_matrix"]
     assert all(v is not None and 0 <= v <= 100 for row in matrix for v in row if v is not None)
     assert results["final_average_accuracy"] is not None

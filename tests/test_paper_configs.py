@@ -28,6 +28,11 @@ EXPECTED = {
                              "lr": 1e-3, "prompt-mode": "prompt"},
     "hgp-cifar100.toml": {"strategy": "hgp", "dataset": "hf:cifar100", "num-tasks": 10, "num-clients": 10,
                           "clients-per-round": 10, "rounds-per-task": 5, "local-epochs": 5},
+    # the authors' lab network (fed-mammoth VitHGP): one 200-token prefix at blocks 0-4
+    "hgp-cifar100-lab.toml": {"strategy": "hgp", "dataset": "hf:cifar100", "num-tasks": 10, "num-clients": 10,
+                              "clients-per-round": 10, "rounds-per-task": 5, "local-epochs": 5,
+                              "prompt-length": 200, "prompt-layers": "0,1,2,3,4", "prompt-mode": "prefix",
+                              "hgp.prompt-design": "lab-prefix"},
     "fedcprompt-cifar100.toml": {"strategy": "fedcprompt", "dataset": "hf:cifar100", "num-tasks": 10,
                                  "num-clients": 10, "rounds-per-task": 40, "local-epochs": 5, "lr": 1e-4,
                                  "batch-size": 128, "pool-size": 100, "prompt-length": 8},
@@ -74,6 +79,8 @@ PIPELINE = {
     "hgp-cifar100.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
                           "eval-crop": 1.0, "prompt-layers": "0,1,2,3,4",  # Appendix B.1
                           "min-partition-size": 6, "partition-scope": "task"},  # the authors' code (_split_fcil)
+    "hgp-cifar100-lab.toml": {"augment": "crop-flip", "resize-interpolation": "bicubic", "input-norm": "backbone",
+                              "eval-crop": 1.0, "min-partition-size": 6, "partition-scope": "task"},
     "lorm-cifar100.toml": {"augment": "resized-crop-flip", "augment-crop-scale": 0.08, "resize-interpolation": "bicubic",
                            "input-norm": "backbone", "eval-crop": 0.875, "min-partition-size": 6},  # the authors' code
     # the authors' Resize(224) and NIID-Bench Dirichlet; their flip + colour
@@ -90,6 +97,7 @@ BACKBONES = {
     "fedcprompt-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # code: vit_base_patch16_224_in21k
     "powder-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (Appendix B)
     "hgp-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # "ImageNet-21K" (sec. 4.1)
+    "hgp-cifar100-lab.toml": "vit_base_patch16_224.augreg_in21k",  # the lab code's (vit_prompt_hgp.py)
     "c2prompt-imagenet-r.toml": "vit_base_patch16_224.augreg_in21k",  # Powder's (the paper's: unread)
     "lorm-cifar100.toml": "vit_base_patch16_224.augreg_in21k",  # the authors' code (_networks/vit.py)
     "pilora-cifar100.toml": "vit_base_patch16_224.dino",  # code: timm 0.6.7's vit_base_patch16_224_dino

@@ -360,9 +360,11 @@ def rebalance_head(weight: torch.Tensor, bias: torch.Tensor, draw: Callable[[int
     optimizer = torch.optim.SGD([w, b], lr=opts.rebalance_lr, momentum=opts.rebalance_momentum)
     feats, labels = draw(0)
     steps_per_epoch = math.ceil(len(labels) / opts.rebalance_batch_size)
+    per_epoch = opts.rebalance_schedule == "cosine-epoch"  # the lab code's stepping (options.py)
     scheduler = (
-        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=opts.rebalance_epochs * steps_per_epoch)
-        if opts.rebalance_schedule == "cosine"
+        torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, T_max=opts.rebalance_epochs * (1 if per_epoch else steps_per_epoch))
+        if opts.rebalance_schedule in ("cosine", "cosine-epoch")
         else None
     )
     for epoch in range(opts.rebalance_epochs):
@@ -379,8 +381,10 @@ def rebalance_head(weight: torch.Tensor, bias: torch.Tensor, draw: Callable[[int
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            if scheduler is not None:
+            if scheduler is not None and not per_epoch:
                 scheduler.step()
+        if scheduler is not None and per_epoch:
+            scheduler.step()
     return w.detach(), b.detach()
 
 

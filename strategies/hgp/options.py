@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError
+from ...common.config import ConfigError, ModelSection
 from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 from ...common.privacy import PrivacyOptions, privacy_refused
 
@@ -14,9 +14,10 @@ COV_DTYPES = ("float32", "float16")
 COV_SHRINKAGES = ("none", "ledoit-wolf")
 LOSSES = ("ce", "logit-norm")
 CLASS_WEIGHTS = ("counts", "uniform")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "cosine-epoch", "constant")
 LOGIT_SETS = ("seen", "sampled")
 SCORE_NORMS = ("l1", "softmax", "none")
+PROMPT_DESIGNS = ("pool", "lab-prefix")
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ class HGPOptions(MethodOptions):
     rebalance_lr: float = 0.01  # (code: 0.01; blank in our copy of the paper)
     rebalance_momentum: float = 0.9  # (code: 0.9; blank in our copy of the paper)
     rebalance_batch_size: int = 256  # (code: 256)
-    # "cosine" (the paper, Appendix B.1; the authors' code too: CosineAnnealingLR, T_max 5, stepped per
-    # epoch, 0.01 .. 0.000955; here stepped per batch over all epochs) or "constant" (the project's ablation)
+    # "cosine" (the paper, Appendix B.1, which does not say how often it steps; the project steps it per
+    # batch over all epochs), "cosine-epoch" (the lab code, fed-mammoth: CosineAnnealingLR with T_max =
+    # the epochs, stepped once per epoch: 0.01, 0.009045, 0.006545, 0.003455, 0.000955 over 5) or
+    # "constant" (the project's ablation)
     rebalance_schedule: str = "cosine"
     resample_each_epoch: bool = False  # a fresh synthetic set every epoch (authors' code)
     loss: str = "ce"  # "ce" (paper) or "logit-norm" (authors' code: logits / ||logits|| / T)
@@ -71,6 +74,12 @@ class HGPOptions(MethodOptions):
     # how, the authors' public code has no keys): "l1" (the project's reading: s / sum |s|),
     # "softmax", or "none" (CODA-P's plain cosine). See prompt.py.
     score_norm: str = "l1"
+    # The prompt module: "pool" (the paper, sec. 3.2.1: key-matched prompts, a slice per task, earlier
+    # slices frozen) or "lab-prefix" (the authors' lab code, fed-mammoth `VitHGP` with n_prompts = 1,
+    # prompt_pool = False: one keyless prompt of prompt-length tokens per prompted block, half prefix
+    # keys and half prefix values, the same for every image, shared by every task and never frozen;
+    # its configuration: configs/hgp-cifar100-lab.toml, 200 tokens at blocks 0-4). See prompt.py.
+    prompt_design: str = "pool"
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -97,10 +106,16 @@ class HGPOptions(MethodOptions):
         need(self.loss in LOSSES, f"loss must be one of {LOSSES}, got {self.loss!r}")
         need(self.logit_temperature > 0, "logit-temperature must be > 0")
         need(self.score_norm in SCORE_NORMS, f"score-norm must be one of {SCORE_NORMS}, got {self.score_norm!r}")
+        need(self.prompt_design in PROMPT_DESIGNS,
+             f"prompt-design must be one of {PROMPT_DESIGNS}, got {self.prompt_design!r}")
 
-    def check_run(self, *, privacy: PrivacyOptions, **_: Any) -> None:
+    def check_run(self, *, model: ModelSection, privacy: PrivacyOptions, **_: Any) -> None:
         """Low-rank covariances are refused under ``dp.*``: noise on SVD factors is not noise on a bounded
-        covariance."""
+        covariance. The lab prefix is a prefix of keys and values: prefix mode, an even length."""
+        if self.prompt_design == "lab-prefix" and (model.prompt_mode != "prefix" or model.prompt_length % 2):
+            raise ConfigError(f"hgp.prompt-design = lab-prefix prepends half its tokens to the keys and half to the "
+                              f"values: it needs prompt-mode = prefix and an even prompt-length, got "
+                              f"{model.prompt_mode} and {model.prompt_length}")
         if self.cov_type == "lowrank" and privacy.enabled:
             raise privacy_refused(self.prefix, "hgp.cov-type = lowrank uploads SVD factors, a nonlinear function of "
                                                "the covariance; use cov-type full or diag")

@@ -124,6 +124,11 @@ class HGPStrategy(PromptStrategy):
         self.task = task
         return super().on_task_start(task, arrays)
 
+    def averaged_over_all(self, name: str) -> bool:
+        """The lab prefix (``prompt-design = "lab-prefix"``) over every reply, whatever task each is on:
+        every reply trained all of it."""
+        return self.opts.prompt_design == "lab-prefix" and name.startswith("prompt.")
+
     def stateful_parameters(self, arrays: ArrayRecord) -> dict[str, int]:
         """The exchange as the paper counts it (section 3.2.1, "each client sends its prompts and
         classification head of the current task"; Appendix A, Figure 5: the rebalanced, whole
@@ -135,7 +140,8 @@ class HGPStrategy(PromptStrategy):
         task uploads on top (classes, counts, means and the ``cov-type`` encoding), which the
         paper's figure does not break out."""
         state = from_array_record(arrays)
-        per_task = self.layout.components_per_task
+        # the lab prefix is one prompt every task trains: all of it goes both ways
+        per_task = 1 if self.opts.prompt_design == "lab-prefix" else self.layout.components_per_task
         prompts = sum(per_task * int(np.prod(v.shape[1:])) for k, v in state.items() if k.startswith("prompt."))
         head = sum(int(np.prod(v.shape)) for k, v in state.items() if k.startswith("head."))
         dim = int(state["head.weight"].shape[1])

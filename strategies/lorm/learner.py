@@ -11,6 +11,10 @@ Per round (the authors' code, ``LoRM.begin_round_client`` / ``observe`` / ``end_
    Gram over every token, and the head's full input Gram (``round_end``);
 4. it uploads the trained factor's row of the current task, the head and the Grams (``uploaded``:
    the untrained factor and the other tasks' sets do not travel).
+
+With ``lorm.task-grams = "task-end-pass"`` it also answers the platform's task-end exchange
+(``answer``; the code's ``LoRM.end_task_client``): the same Gram pass over its samples of the task,
+through the server's final set and head, no training, on a view stream of its own.
 """
 
 from __future__ import annotations
@@ -19,17 +23,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from ...common.records import to_array_record
+from ...common.partitions import client_indices
+from ...common.records import METRICS, arrays_of, config_of, to_array_record, to_torch
+from ..platform.exchange import EXCHANGE, TASK_END
 from ..platform.learner import LocalLearner
 from .merge import pack_triu
 from .options import LoRMOptions, trained_factor
 from .prompt import LoRMAdapters
 from .records import BLOCKS, GRAMS, HEAD_GRAM, SAMPLES, TOKENS, diagonal_name, factor_of
 
-#: the augmentation stream of the Gram pass's views (the training batches use another)
-GRAM_STREAM = 0x6A4
+#: the augmentation stream of the Gram pass's views (the training batches use another), and of the
+#: task-end pass's (its own views, as the code's extra round draws its own)
+GRAM_STREAM, TASK_END_STREAM = 0x6A4, 0x6A5
 
 
 class LoRMLearner(LocalLearner):
@@ -76,8 +83,8 @@ class LoRMLearner(LocalLearner):
         return out
 
     @torch.no_grad()
-    def gram_pass(self, index: np.ndarray, batch_size: int = 256) -> tuple[dict[tuple[int, str], torch.Tensor],
-                                                                            torch.Tensor, int]:
+    def gram_pass(self, index: np.ndarray, batch_size: int = 256,
+                  stream: int = GRAM_STREAM) -> tuple[dict[tuple[int, str], torch.Tensor], torch.Tensor, int]:
         """Sums over ``lorm.gram-passes`` passes of the samples ``index``: per (block, projection) the
         Gram diagonal of its input, the head's input Gram (D x D), and the tokens per row.
 
@@ -92,7 +99,7 @@ class LoRMLearner(LocalLearner):
         model.eval()
         if self.opts.gram_model == "trained":
             adapters.train()  # the adapters' training forward; the frozen backbone stays in eval mode
-        augment = self.augmentation(GRAM_STREAM) if self.opts.gram_views == "augmented" else None
+        augment = self.augmentation(stream) if self.opts.gram_views == "augmented" else None
         head = torch.zeros(model.embed_dim, model.embed_dim, dtype=torch.float64, device=rt.device)
         try:
             with adapters.recording() as recorder:
@@ -108,9 +115,31 @@ class LoRMLearner(LocalLearner):
         return recorder.sums, head, tokens
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
+        """The round's Gram record (:meth:`gram_record`)."""
+        return {GRAMS: self.gram_record(index)}
+
+    def answer(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+        """The task-end Gram pass (``lorm.task-grams = "task-end-pass"``): the Gram record of this
+        client's samples of ``task`` through the arrays received (the server's final set and head)."""
+        if config_of(content).get(EXCHANGE) != TASK_END:
+            raise ValueError("LoRM answers only the task-end exchange (a query without exchange = 'task-end')")
+        rt = self.rt
+        self.seed = [self.run.seed, client_id, task, round_]
+        rt.model.load_trainable_state(to_torch(arrays_of(content)))
+        rt.model.prompt.set_task(task)
+        index = client_indices(rt.data.train.labels, rt.layout, rt.partition, client_id, task, round_)
+        metrics = MetricRecord({"num-examples": int(len(index))})
+        if self.federation.population == "nodes":  # a node's counts are checked against its declaration
+            metrics["train-size"], metrics["test-size"] = len(rt.data.train), len(rt.data.test)
+        reply = RecordDict({METRICS: metrics})
+        if len(index):
+            reply[GRAMS] = self.gram_record(index, TASK_END_STREAM)
+        return reply
+
+    def gram_record(self, index: np.ndarray, stream: int = GRAM_STREAM) -> ArrayRecord:
         """The Gram record (records.py): per-sample diagonals of every adapted projection, the head's
         packed Gram, the samples and the tokens."""
-        sums, head, tokens = self.gram_pass(index)
+        sums, head, tokens = self.gram_pass(index, stream=stream)
         adapters = self.rt.model.prompt
         assert isinstance(adapters, LoRMAdapters)
         views = len(index) * self.opts.gram_passes
@@ -121,4 +150,4 @@ class LoRMLearner(LocalLearner):
             rows = [sums[(layer, target)].cpu().numpy() / views for layer in adapters.layers]
             record[diagonal_name(target)] = np.stack(rows).astype(np.float32)
         record[HEAD_GRAM] = pack_triu(head.cpu().numpy() / views)[None, :].astype(np.float32)
-        return {GRAMS: to_array_record(record)}
+        return to_array_record(record)

@@ -19,6 +19,7 @@ MERGES = ("closed-form", "fedavg")
 TASK_MERGES = ("regmean", "running-mean", "sum")
 GRAM_MODELS = ("code", "trained")
 GRAM_VIEWS = ("augmented", "stored")
+TASK_GRAMS = ("last-round", "task-end-pass")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class LoRMOptions(MethodOptions):
     gram_views: str = "augmented"
     # passes over the client's data for the Grams (code regmean_rounds: 1 for CIFAR-100, 2 for ImageNet-R)
     gram_passes: int = 1
+    # the Grams of the task merge: "last-round" (the project's: the task's last round's, summed over its
+    # clients) or "task-end-pass" (the authors' code, utils/training.py after the round loop,
+    # LoRM.end_task_client: one more exchange at the task's end, no training, each client that trained
+    # the task passing its data through the server's final factors and head, as gram-model,
+    # gram-views and gram-passes say). The paper's text could not be read here.
+    task_grams: str = "last-round"
     # learning rates of A and B (code lr_A, lr_B); -1: the run's lr (code default)
     lr_a: float = -1.0
     lr_b: float = -1.0
@@ -83,6 +90,7 @@ class LoRMOptions(MethodOptions):
         need(self.task_merge in TASK_MERGES, f"task-merge must be one of {TASK_MERGES}, got {self.task_merge!r}")
         need(self.gram_model in GRAM_MODELS, f"gram-model must be one of {GRAM_MODELS}, got {self.gram_model!r}")
         need(self.gram_views in GRAM_VIEWS, f"gram-views must be one of {GRAM_VIEWS}, got {self.gram_views!r}")
+        need(self.task_grams in TASK_GRAMS, f"task-grams must be one of {TASK_GRAMS}, got {self.task_grams!r}")
         need(self.gram_passes >= 1, f"gram-passes must be >= 1, got {self.gram_passes}")
         for key, value in (("lr-a", self.lr_a), ("lr-b", self.lr_b)):
             need(value == -1.0 or value > 0, f"{key} must be > 0 or -1 (the run's lr), got {value}")

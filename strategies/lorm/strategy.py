@@ -18,10 +18,12 @@ Per task (``on_task_start`` / ``on_task_end``):
   ``w_tau = d_tau / sum d`` (merge.py: ``task_weights``), and the server loop evaluates the merged
   model (server/run.py: ``end_task`` scores the arrays ``on_task_end`` returns), so A_N reads it.
 
-The task's Grams are those of its last round, summed over its clients: the project's choice. The
-authors' code runs one more Gram round at each task's end through the server's final set
-(``LoRM.end_task_client``); that is a round of its own, which this platform's task hooks do not
-send, and its Grams differ from the last round's only by the clients' last local update.
+The task's Grams are those of its last round, summed over its clients (``lorm.task-grams =
+"last-round"``: the project's choice), or (``"task-end-pass"``: the authors' code,
+``LoRM.end_task_client`` / ``end_task_server``) those of the platform's task-end exchange: after
+the task's last round is merged and before ``on_task_end``, each client that trained the task
+answers with the Grams of its data through the server's final set and head, no training
+(learner.py: ``answer``); they differ from the last round's by the clients' last local update.
 
 A robust combiner (``aggregation`` = median or trimmed mean) replaces the closed form of the round
 (a weighted least-squares solve has no median form): the factors and the head are then the run's
@@ -36,7 +38,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ...common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ..platform.exchange import TASK_END
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
 from .merge import merge_a, merge_b, regmean_head, task_weights, unpack_triu
@@ -135,7 +138,42 @@ class LoRMStrategy(PromptStrategy):
 
     def check_records(self, reply: Message, sent: Sent) -> str | None:
         """A finite, non-negative Gram record of the run's blocks, of no more samples than the reply claims."""
-        content = reply.content
+        return self.gram_problem(reply.content, sent)
+
+    # ------------------------------------------------------------------ the task-end Gram pass
+    def uses_task_end_exchange(self) -> bool:
+        return self.opts.task_grams == "task-end-pass"
+
+    def exchange_payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict | None:
+        """The task's final set and head (every array: the pass runs the client's evaluation forward)."""
+        return RecordDict({ARRAYS: arrays, CONFIG: sent.config})
+
+    def check_exchange(self, reply: Message, sent: Sent) -> str | None:
+        """A task-end answer: exactly the Gram record and the metrics, the Grams as a round's."""
+        if self.exchange_phase != TASK_END:
+            return "LoRM has no exchange before training"
+        if set(reply.content.keys()) != {GRAMS, METRICS}:
+            return f"records {sorted(reply.content.keys())}, expected {sorted({GRAMS, METRICS})}"
+        return self.gram_problem(reply.content, sent)
+
+    def use_exchange(self, server_round: int, answers: list[Accepted]) -> None:
+        """The task's Grams become the pass's, summed over its answers (each per-sample row times the
+        answer's weight: its samples, capped where the run caps them); with no usable answer the last
+        round's stay, said in the log."""
+        if not answers:
+            log.warning("lorm: no usable answer to task %d's end Gram pass; its merge uses the last round's Grams",
+                        self.task + 1)
+            return
+        rows = {layer: i for i, layer in enumerate(self.model.layers)}
+        grams = [from_array_record(arrays_of(a.content, GRAMS)) for a in answers]
+        assert self.round_arrays is not None
+        self.round_grams = {
+            key: np.sum([a.weight * np.asarray(g[diagonal_name(target)][rows[layer]], np.float64)
+                         for g, a in zip(grams, answers)], axis=0)
+            for key, layer, target in self.adapters(from_array_record(self.round_arrays))}
+
+    def gram_problem(self, content: RecordDict, sent: Sent) -> str | None:
+        """Why a Gram record (a round's reply or a task-end answer) cannot be used (None: it can)."""
         if GRAMS not in content.array_records:
             return f"{GRAMS!r} is not an array record"
         record = from_array_record(arrays_of(content, GRAMS))

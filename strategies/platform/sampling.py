@@ -160,9 +160,12 @@ class Sampling:
         return [(client, nodes[i % len(nodes)], client) for i, client in enumerate(clients)], rate
 
     def _send(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid,
-              make: Callable[[Sent, ArrayRecord], RecordDict | None], kind: str) -> SentRound:
-        """The round's messages: each sampled client's config, then the method's content for it."""
-        clients, rate = self._clients(config, grid)
+              make: Callable[[Sent, ArrayRecord], RecordDict | None], kind: str,
+              targets: tuple[list[tuple[int, int, int]], float] | None = None) -> SentRound:
+        """The round's messages: each sampled client's config, then the method's content for it.
+        ``targets``: (client id, node id, slot) of each client and their rate, where not the round's
+        sample (a task-end exchange)."""
+        clients, rate = self._clients(config, grid) if targets is None else targets
         out = SentRound(sample_rate=rate)
         for client, node, slot in clients:
             client_config = self._client_config(config, client, slot, server_round)

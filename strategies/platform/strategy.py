@@ -16,8 +16,9 @@ averages replies its own way:
   ``averaged_over_all`` adjust it)
 * ``consolidate(server_round, arrays, accepted)``  a server step after averaging
 * ``round_metrics(accepted)``  the method's figures for the round's record
-* ``on_task_start`` / ``on_task_end``; ``uses_exchange`` / ``exchange_payload`` /
-  ``check_exchange`` / ``use_exchange`` (a query before training, Powder's measuring step);
+* ``on_task_start`` / ``on_task_end``; ``uses_exchange`` / ``uses_task_end_exchange`` /
+  ``exchange_payload`` / ``check_exchange`` / ``use_exchange`` (a query before training, Powder's
+  measuring step, or at a task's end, LoRM's Gram pass: exchange.py);
   ``evaluation_pools``; ``state_dict`` / ``load_state_dict``; ``uploaded_features``, ``audit_notes``
 
 Each accepted reply arrives as an :class:`~promptfcl.strategies.platform.rounds.Accepted`:
@@ -64,6 +65,7 @@ from ...common.tasks import TaskLayout
 from ...common.trust import resolve_trust
 from .aggregation import average_replies
 from .checks import NO_EXAMPLES, SampleBounds, placement_of, platform_problem
+from .exchange import ROUND, Exchanges
 from .outcome import RoundOutcome
 from .policies import run_policies
 from .replies import REPLY_METRICS, MetricSpec
@@ -76,10 +78,10 @@ log = logging.getLogger("promptfcl")
 #: Flower's contract, the platform's round logic and its constructor (a method's own state goes in
 #: ``setup``): methods fill hooks instead
 SEALED = frozenset({"__init__", "of", "configure_train", "aggregate_train", "aggregate_round", "configure_exchange",
-                    "aggregate_exchange", "check_reply"})
+                    "configure_task_end_exchange", "aggregate_exchange", "check_reply"})
 
 
-class PromptStrategy(Sampling, FedAvg):
+class PromptStrategy(Sampling, Exchanges, FedAvg):
     """Sample-weighted FedAvg over prompt and head parameters, aware of the task schedule.
 
     Made by :meth:`of`; it takes what it reads, never the whole configuration: six sections, the
@@ -163,7 +165,8 @@ class PromptStrategy(Sampling, FedAvg):
         self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, nodes)
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
-        self._exchange_round = SentRound()  # this round's exchange before training
+        self._exchange_round = SentRound()  # this round's exchange before training, or the task-end one
+        self.exchange_phase = ROUND  # which of the two the exchange hooks answer (exchange.py)
         self._exchange_rejected: list[tuple[int, str]] = []  # (node id, reason) of its answers left out
         self._exchange_bounded = 0  # statistics rows of this round's exchange answers bounded
         self._exchange_ratios: dict[str, float] = {}  # per statistics array: largest row scale / its reference
@@ -236,6 +239,11 @@ class PromptStrategy(Sampling, FedAvg):
 
     def uses_exchange(self) -> bool:
         """Whether the round starts with an exchange (QUERY messages) before training."""
+        return False
+
+    def uses_task_end_exchange(self) -> bool:
+        """Whether each task's end starts with an exchange (QUERY messages, the same hooks, with
+        ``exchange_phase = "task-end"``) to the clients that trained it, before ``on_task_end``."""
         return False
 
     def exchange_payload(self, sent: Sent, arrays: ArrayRecord) -> RecordDict | None:
@@ -340,40 +348,6 @@ class PromptStrategy(Sampling, FedAvg):
         for key, value in self.round_metrics(accepted).items():
             metrics[key] = value
         return self._outcome(arrays, metrics, accepted, rejected, counts, ratios)
-
-    def configure_exchange(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> list[Message]:
-        """The exchange before training (QUERY messages to the round's sampled clients), if the method has one."""
-        self._exchange_round, self._exchange_rejected, self._exchange_bounded = SentRound(), [], 0
-        self._exchange_ratios = {}  # a round without an exchange reports none, not the last one's
-        if not self.uses_exchange():
-            return []
-        self.round_arrays = arrays
-        self.round_start(server_round, as_int(config["task"]), as_int(config["round"]), arrays)
-        self._exchange_round = self._send(server_round, arrays, config, grid, self.exchange_payload, MessageType.QUERY)
-        return self._exchange_round.messages
-
-    def aggregate_exchange(self, server_round: int, replies: list[Message]) -> None:
-        """Check the exchange's answers (``check_exchange``), bound their statistics, and hand the
-        good ones to ``use_exchange``."""
-        answers = []
-        for reply in replies:
-            sent = self._exchange_round.match(reply)
-            if reply.has_error():
-                reason: str | None = f"client error: {reply.error.reason}"
-            elif sent is None:
-                reason = "cannot tell which message this reply answers (no matching message sent this round)"
-            else:
-                reason = self._safely(self.check_exchange, reply, sent)
-            if reason is None and sent is not None:
-                answers.append(Accepted(sent, reply))
-                continue
-            node = self._exchange_round.sender(reply)
-            self._exchange_rejected.append((node, f"exchange: {reason}"))
-            log.warning("exchange reply from %s excluded: %s", self.node_label(node), reason)
-        self._exchange_ratios = {}
-        self._exchange_bounded = self.policies.stats_bound.apply(answers, self.statistics, self._exchange_ratios)
-        self.use_exchange(server_round, answers)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
