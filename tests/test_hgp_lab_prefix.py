@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from promptfcl.common.config import ConfigError
-from promptfcl.common.model import ModelSpec, build_model, initial_trainable_state
+from promptfcl.common.model import build_model, initial_trainable_state
 from promptfcl.common.records import from_array_record, to_array_record
+from promptfcl.common.runtime import model_spec
 from promptfcl.server.cli import load_config
 from promptfcl.strategies.hgp.prompt import HGPPrompt
 from promptfcl.strategies.hgp.strategy import HGPStrategy
@@ -26,14 +27,14 @@ def test_the_lab_configuration_builds_one_200_token_prefix_at_blocks_0_to_4():
     """The configuration's network on a small stand-in backbone (its prompt as configured)."""
     cfg = load_config(str(CONFIG), ["weights=\"random\"", "image-size=16", "patch-size=4", "embed-dim=48",
                                     "depth=6", "num-heads=2"], None, None)
-    state = initial_trainable_state(ModelSpec.of(cfg, 100), HGPPrompt)
+    state = initial_trainable_state(model_spec(cfg, 100), HGPPrompt)
     prompts = {k: tuple(v.shape) for k, v in state.items() if k.startswith("prompt.")}
     assert prompts == {f"prompt.p{layer}": (1, 200, 48) for layer in range(5)}  # no keys, no pool
 
 
 def test_the_prefix_is_the_same_for_every_image_and_trains_in_every_task():
     cfg = tiny_config(strategy="hgp", **LAB)
-    model, _ = build_model(ModelSpec.of(cfg, 10), HGPPrompt)
+    model, _ = build_model(model_spec(cfg, 10), HGPPrompt)
     prompt = model.prompt
     assert set(dict(prompt.named_parameters())) == {"p0", "p1"} and not prompt.uses_query
     x = torch.rand(3, 3, 16, 16)
@@ -52,7 +53,7 @@ def test_the_prefix_is_the_same_for_every_image_and_trains_in_every_task():
 def test_a_new_task_keeps_the_prefix_and_the_wrong_mode_is_refused():
     cfg = tiny_config(strategy="hgp", **LAB)
     s = HGPStrategy.of(cfg, 10, cfg.method_options("hgp"))
-    arrays = to_array_record(initial_trainable_state(ModelSpec.of(cfg, 10), HGPPrompt))
+    arrays = to_array_record(initial_trainable_state(model_spec(cfg, 10), HGPPrompt))
     before = from_array_record(arrays)
     after = from_array_record(s.on_task_start(1, s.on_task_start(0, arrays)))
     for name in before:

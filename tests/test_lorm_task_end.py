@@ -62,7 +62,7 @@ def test_the_task_merge_uses_the_grams_of_the_task_end_pass_and_the_matrix_reads
     cfg = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in settings.items()],
                       "lorm", str(tmp_path / "x"))
     rt = get_runtime(cfg, LoRMAdapters)
-    learner = LoRMLearner(rt, cfg.method_options("lorm"))
+    learner = LoRMLearner.of(cfg, rt, cfg.method_options("lorm"))
     rows = {layer: i for i, layer in enumerate(cfg.model.layers)}
     last_round = cfg.federation.rounds_per_task - 1
     for task in range(cfg.data.num_tasks):
@@ -154,7 +154,7 @@ def test_task_end_answers_are_checked_as_replies_are_and_weighed_by_their_sample
     assert [m.metadata.message_type for m in messages] == ["query", "query"]
     assert [(m.content[CONFIG]["client-id"], m.content[CONFIG]["exchange"], m.content[CONFIG]["round"])
             for m in messages] == [(0, "task-end", 0), (2, "task-end", 0)]
-    learner = LoRMLearner(rt, cfg.method_options("lorm"))
+    learner = LoRMLearner.of(cfg, rt, cfg.method_options("lorm"))
     good = learner.answer(messages[0].content, 0, 0, 0)
     forged = learner.answer(messages[1].content, 0, 0, 2)
     forged[METRICS]["num-examples"] = len(held[2]) + 1
