@@ -189,3 +189,33 @@ def test_a_colluding_attack_is_refused_on_deployed_nodes():
     ExperimentConfig.from_dict({"fault": "label-flip", "population": "nodes", "fault-clients": "0"})  # its own data
     with pytest.raises(ConfigError, match="fault-knowledge"):
         tiny_config(**{"fault-knowledge": "everyone"})
+
+
+def test_a_forged_lorm_gram_passes_the_record_checks_and_pulls_the_closed_form_merge(flower_identity):
+    """LoRM's Grams are second moments (strategies/lorm/records.py), so ``cov-inflate`` forges them:
+    the hostile client's Grams x 100, well-formed (the round excludes nobody), make its B dominate
+    the closed-form merge of an undefended round."""
+    from promptfcl.client.faults import forge_statistics
+    from promptfcl.strategies.lorm.records import GRAMS, STATISTICS
+    from tests.conftest import PLAIN_MEAN
+    from tests.test_lorm import reply, strategy_and_model
+
+    s, model = strategy_and_model(**PLAIN_MEAN, **{"num-clients": 3, "clients-per-round": 3})
+    arrays = s.on_task_start(0, to_array_record(model.float().trainable_state()))
+    sent = from_array_record(arrays)
+    distance = {}
+    for round_, forged in enumerate((False, True), start=1):
+        contents = [reply(sent, 0, "b", 10, 0.0, i) for i in range(3)]
+        if forged:
+            grams = forge_statistics("cov-inflate", from_array_record(contents[0][GRAMS]), STATISTICS[GRAMS])
+            assert not np.array_equal(grams["diag-qkv"], from_array_record(contents[0][GRAMS])["diag-qkv"])
+            contents[0][GRAMS] = to_array_record(grams)
+        msgs = list(s.configure_train(round_, arrays, ConfigRecord({"task": 0, "round": 0}), NodeList(3)))
+        by_client = {int(m.content["config"]["client-id"]): m for m in msgs}
+        outcome = s.aggregate_round(round_, [Message(c, reply_to=by_client[i]) for i, c in enumerate(contents)])
+        assert outcome.rejected == () and len(outcome.accepted) == 3  # the forged Grams pass every check
+        merged = from_array_record(outcome.arrays)
+        hostile = from_array_record(contents[0][ARRAYS])
+        names = [n for n in hostile if n.startswith("prompt.lora_") and n.endswith("_b")]
+        distance[forged] = sum(float(np.linalg.norm(merged[n][0] - hostile[n][0])) for n in names)
+    assert distance[True] < 0.5 * distance[False]  # the hostile client's B now dominates the merge
