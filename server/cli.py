@@ -10,8 +10,8 @@ promptfcl bench compare [--methods ..] every method on identical splits, seeds, 
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
 promptfcl bench edge [--out DIR]       one client round at ViT-B/16 dimensions within a node's memory budget
 promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
-promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (the defaults, norm filter,
-                                       median, trimmed mean)
+promptfcl bench robustness [--share ..] A_N with hostile clients under each defence (the defaults, norm filter,
+                                       median, trimmed mean, Krum, Bulyan); worst case over the attacks per share
 promptfcl show DIR                     print the result table of a finished run
 promptfcl strategies                   list the available methods
 """

@@ -122,3 +122,26 @@ def test_the_worst_case_is_the_lowest_mean_over_the_attacks_per_method_share_and
     assert worst[1]["clean_A_N"] == 49.5 and worst[1]["clean_off_A_N"] == 50.5 and worst[0]["clean_A_N"] is None
     table = worst_case_table(worst).splitlines()
     assert table[3] == "| fedavg | 0.2 | on | 50.5 | 49.5 | 44.0 (-5.5) | ipm | 40.0, 48.0 |"
+
+
+@pytest.mark.simulation
+def test_bench_robustness_runs_a_colluding_attack_at_each_share_and_writes_the_worst_case(tmp_path):
+    """One tiny real run of IPM through ``bench robustness`` (a list of shares): the simulation's
+    server replaces the hostile client's reply in every round (its log says so), and the worst
+    case names the attack."""
+    import json
+
+    from promptfcl.server import bench
+    from tests.conftest import TINY
+
+    base = {**TINY, "num-clients": 3, "clients-per-round": 3}
+    rows = bench.robustness(tmp_path, base, ["fedavg"], ["ipm"], ["on"], [0], share=[0.3], clean=False)
+    assert [(r["attack"], r["share"], r["defence"]) for r in rows] == [("ipm", 0.3, "on")]
+    run = tmp_path / "runs" / "fedavg-ipm-on-seed0"
+    results = json.loads((run / "results.json").read_text())
+    assert results["config"]["fault"] == "ipm" and results["config"]["fault-clients"] == "0"
+    replaced = (run / "simulate.log").read_text().count("fault ipm: 1 replies of colluding clients replaced")
+    assert replaced == len(results["rounds"]) == 2 and all(0 in r["reply_clients"] for r in results["rounds"])
+    worst = json.loads((tmp_path / "worst-case.json").read_text())
+    assert [(w["method"], w["share"], w["defence"], w["attack"]) for w in worst] == [("fedavg", 0.3, "on", "ipm")]
+    assert "| fedavg | 0.3 | on |" in (tmp_path / "robustness.md").read_text()
