@@ -206,6 +206,9 @@ def check_robustness(r: sections.RobustnessSection) -> None:
     need(r.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
     need(math.isfinite(r.fault_z) and r.fault_z >= 0, f"fault-z must be >= 0 (0: ALIE's formula), got {r.fault_z}")
     need(math.isfinite(r.fault_epsilon) and r.fault_epsilon > 0, f"fault-epsilon must be > 0, got {r.fault_epsilon}")
+    need(r.fault not in COLLUDING_FAULTS or bool(r.fault_clients.strip()),
+         f"fault = {r.fault!r} is a colluding attack: name its colluders with fault-clients (a fault-rate "
+         "chooses no fixed clients to collude)")
     need(r.fault_knowledge in FAULT_KNOWLEDGE,
          f"fault-knowledge must be one of {FAULT_KNOWLEDGE}, got {r.fault_knowledge!r}")
     need(r.byzantine_clients >= 0, f"byzantine-clients must be >= 0 (0: from the run's hostile share), "

@@ -187,6 +187,8 @@ def test_a_colluding_attack_is_refused_on_deployed_nodes():
 
         validate_config(tiny_config(fault="alie", population="nodes", **{"fault-clients": "0"}))
     ExperimentConfig.from_dict({"fault": "label-flip", "population": "nodes", "fault-clients": "0"})  # its own data
+    with pytest.raises(ConfigError, match="name its colluders with fault-clients"):
+        tiny_config(fault="min-max", **{"fault-rate": 0.2})
     with pytest.raises(ConfigError, match="fault-knowledge"):
         tiny_config(**{"fault-knowledge": "everyone"})
 
