@@ -54,7 +54,7 @@ from ..common.weights import cache_dir
 from ..strategies.platform.learner import read_task_round
 from ..strategies.platform.run_checks import check_client_run
 from ..strategies.registry import build_learner, private_records, prompt_class
-from .faults import inject_faults
+from .faults import flips_labels, inject_faults
 from .memory import apply_plan, plan_metrics
 from .node_data import NodeDataError, check_classes, node_data, original_names
 from .node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
@@ -122,6 +122,7 @@ def train(msg: Message, context: Context) -> Message:
     evaluation_seconds = time.perf_counter() - evaluated
     task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
                                          cfg.federation.num_clients)
+    learner.flip_labels = flips_labels(cfg, context.node_config, client_id, task, round_)
     reply = learner.fit(msg.content, task, round_, client_id)
     dp = privacy_options(cfg)
     if dp.enabled:

@@ -19,7 +19,11 @@ they are sampled (a fixed hostile share of the population). The mod sits between
   client's length), ``nan-metrics`` (a NaN training loss), and on the statistics a reply
   carries (:data:`STATISTICS_ATTACKS`, :func:`forge_statistics`: what the method declares its
   records hold, ``strategies.registry.statistics_of``), in training replies and in
-  the answers to an exchange before training (query messages: Powder's measured alphas).
+  the answers to an exchange before training (query messages: Powder's measured alphas);
+* ``label-flip``: the client trains on its images with its task's classes reversed
+  (:func:`flips_labels`); the colluding attacks (``alie``, ``ipm``, ``mimic``, ``min-max``,
+  ``min-sum``) reply what they trained, and the server of the simulation replaces those replies
+  by the attack computed from the colluders' updates (strategies/platform/attack_policy.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 
 from ..common.config import ExperimentConfig
 from ..common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
+from ..strategies.platform.collusion import COLLUDING_ATTACKS
 from ..strategies.platform.statistics import Statistics
 from ..strategies.registry import statistics_of
 from .node_policy import NodePolicy
@@ -58,7 +63,8 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     """The mod: pass every message through, and make the chosen train messages misbehave (on a node
     that enabled fault injection)."""
     kind = msg.metadata.message_type
-    if kind not in (MessageType.TRAIN, MessageType.QUERY) or not context.run_config.get("fault"):
+    if kind not in (MessageType.TRAIN, MessageType.QUERY) or not context.run_config.get("fault") \
+            or context.run_config.get("fault") in HONEST_REPLIES:
         return call_next(msg, context)
     # an exchange before training (Powder's measured alphas) carries statistics, not a model
     if kind == MessageType.QUERY and context.run_config.get("fault") not in STATISTICS_ATTACKS:
@@ -90,6 +96,21 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     specs = statistics_of(cfg.run.strategy) if cfg.robustness.fault in STATISTICS_ATTACKS else {}
     return Message(content=corrupt(cfg.robustness.fault, reply.content, sent, cfg.robustness.update_norm_factor, specs),
                    reply_to=msg)
+
+
+#: fault kinds whose hostile clients reply what they trained: the colluding attacks (the server of a
+#: simulation replaces their replies: strategies/platform/attack_policy.py) and label flipping
+#: (the client's data: :func:`flips_labels`)
+HONEST_REPLIES = (*COLLUDING_ATTACKS, "label-flip")
+
+
+def flips_labels(cfg: ExperimentConfig, node_config: Mapping[str, object], client: int, task: int,
+                 round_: int) -> bool:
+    """Whether this fit of ``client`` trains on flipped labels: ``fault = "label-flip"``, on a node
+    that enabled fault injection, for a client the fault chose (:func:`is_faulty`)."""
+    rob = cfg.robustness
+    return rob.fault == "label-flip" and NodePolicy.from_node_config(node_config).fault_injection and \
+        is_faulty(rob.fault_client_ids, rob.fault_rate, cfg.run.seed, client, task, round_)
 
 
 #: the factor each reversing attack multiplies the client's own update by (None: the norm filter's)
@@ -175,4 +196,5 @@ def forge_statistics(kind: str, arrays: dict[str, np.ndarray], spec: Statistics)
     return out
 
 
-__all__ = ["STATISTICS_ATTACKS", "InjectedFault", "corrupt", "forge_statistics", "inject_faults", "is_faulty"]
+__all__ = ["HONEST_REPLIES", "STATISTICS_ATTACKS", "InjectedFault", "corrupt", "flips_labels",
+           "forge_statistics", "inject_faults", "is_faulty"]

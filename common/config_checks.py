@@ -26,14 +26,17 @@ INTERPOLATIONS = ("bilinear", "bicubic")
 CENTRALISED_MODES = ("incremental", "joint")
 FAULTS = ("", "raise", "hang", "nan", "shape", "extra-record", "missing-record", "huge-count", "huge-values",
           "poison", "sign-flip", "poison-under-filter", "nan-metrics", "stats-scale", "stats-shift", "cov-inflate",
-          "hist-forge")
+          "hist-forge", "alie", "ipm", "mimic", "min-max", "min-sum", "label-flip")
+#: the fault kinds whose hostile clients collude (strategies/platform/collusion.py): simulation only
+COLLUDING_FAULTS = ("alie", "ipm", "mimic", "min-max", "min-sum")
+FAULT_KNOWLEDGE = ("colluders", "all")
 PROMPT_MODES = ("prefix", "prompt")
 TASK_GENERATORS = ("stream", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "bf16")
 POPULATIONS = ("virtual", "nodes")  # deployment: see deploy/README.md
 EVALUATIONS = ("central", "federated")
-AGGREGATIONS = ("mean", "median", "trimmed-mean")
+AGGREGATIONS = ("mean", "median", "trimmed-mean", "krum", "multikrum", "bulyan")
 # where a run reports while it goes, besides rounds.jsonl (server/progress.py, server/trackers.py)
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 DEFENCES = ("auto", "on", "off")  # trust as a run setting: common/trust.py
@@ -201,6 +204,15 @@ def check_robustness(r: sections.RobustnessSection) -> None:
     need(r.fault in FAULTS, f"fault must be one of {FAULTS}, got {r.fault!r}")
     need(0.0 <= r.fault_rate <= 1.0, f"fault-rate must be in [0, 1], got {r.fault_rate}")
     need(r.fault_hang_seconds >= 0, "fault-hang-seconds must be >= 0")
+    need(math.isfinite(r.fault_z) and r.fault_z >= 0, f"fault-z must be >= 0 (0: ALIE's formula), got {r.fault_z}")
+    need(math.isfinite(r.fault_epsilon) and r.fault_epsilon > 0, f"fault-epsilon must be > 0, got {r.fault_epsilon}")
+    need(r.fault not in COLLUDING_FAULTS or bool(r.fault_clients.strip()),
+         f"fault = {r.fault!r} is a colluding attack: name its colluders with fault-clients (a fault-rate "
+         "chooses no fixed clients to collude)")
+    need(r.fault_knowledge in FAULT_KNOWLEDGE,
+         f"fault-knowledge must be one of {FAULT_KNOWLEDGE}, got {r.fault_knowledge!r}")
+    need(r.byzantine_clients >= 0, f"byzantine-clients must be >= 0 (0: from the run's hostile share), "
+                                   f"got {r.byzantine_clients}")
 
 
 def check_placement(p: sections.PlacementSection) -> None:
@@ -260,6 +272,10 @@ def validate_config(cfg: ExperimentConfig) -> None:
     need(all(0 <= c < fed.num_clients for c in hostile),
          f"fault-clients must be comma-separated client ids below num-clients ({fed.num_clients}), "
          f"got {rob.fault_clients!r}")
+    need(rob.fault not in COLLUDING_FAULTS or fed.population == "virtual",
+         f"fault = {rob.fault!r} is a colluding attack, computed by the server of a simulation from the "
+         "hostile clients' honest updates (strategies/platform/attack_policy.py); deployed nodes "
+         "(population = nodes) cannot collude this way: use it in a simulation")
     ev = cfg.evaluation
     need(ev.evaluate_every == 1 or data.task_generator == "stream",
          "evaluate-every > 1 needs task-generator = stream (random tasks are scored every round: "

@@ -351,6 +351,17 @@ class RobustnessSection:
     # the population); "" with fault-rate: a seeded share of all replies
     fault_clients: str = key("", ("results",))
     fault_hang_seconds: float = key(30.0, ("results",))
+    # The colluding attacks (alie, ipm, mimic, min-max, min-sum; strategies/platform/collusion.py):
+    # ALIE's z (0: the paper's formula for the round's clients), IPM's epsilon (the paper's small
+    # one), and what the colluders know: their own honest updates ("colluders") or every
+    # reply of the round ("all")
+    fault_z: float = key(0.0, ("results",))
+    fault_epsilon: float = key(0.5, ("results",))
+    fault_knowledge: str = key("colluders", ("results",))
+    # aggregation = krum | multikrum | bulyan: the malicious replies they assume among a row's
+    # (0: the run's hostile share, fault-clients of num-clients or fault-rate, of the row's
+    # replies rounded up, at least 1); too few replies for it and a row is the median
+    byzantine_clients: int = key(0, ("results",))
 
     def __post_init__(self) -> None:
         config_checks.check_robustness(self)

@@ -245,6 +245,16 @@ INTERNALS: dict[str, Internal] = {
         "flwr.server.strategy.aggregate", "aggregate_trimmed_avg",
         "aggregation = \"trimmed-mean\": the trimmed mean of prompts and head",
         "a robust aggregation function of the Message API", new_module="flwr.compat.server.strategy.aggregate"),
+    "aggregate_krum": Internal(
+        "flwr.server.strategy.aggregate", "aggregate_krum",
+        "aggregation = \"krum\" / \"multikrum\" and Bulyan's selection (strategies/platform/byzantine.py)",
+        "a robust aggregation function of the Message API", uses=("results", "num_malicious", "to_keep"),
+        new_module="flwr.compat.server.strategy.aggregate"),
+    "aggregate_bulyan": Internal(
+        "flwr.server.strategy.aggregate", "aggregate_bulyan",
+        "aggregation = \"bulyan\": Flower's Bulyan over Krum (strategies/platform/byzantine.py)",
+        "a robust aggregation function of the Message API", uses=("results", "num_malicious", "aggregation_rule"),
+        new_module="flwr.compat.server.strategy.aggregate"),
 }
 
 

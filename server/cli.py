@@ -10,8 +10,8 @@ promptfcl bench compare [--methods ..] every method on identical splits, seeds, 
 promptfcl bench paper-dims [--out DIR] one round per paper configuration at ViT-B/16 dimensions
 promptfcl bench edge [--out DIR]       one client round at ViT-B/16 dimensions within a node's memory budget
 promptfcl bench data-memory [--sizes ..] a client's peak memory as the dataset grows (data cache)
-promptfcl bench robustness [--attacks ..] A_N with hostile clients under each defence (the defaults, norm filter,
-                                       median, trimmed mean)
+promptfcl bench robustness [--share ..] A_N with hostile clients under each defence (the defaults, norm filter,
+                                       median, trimmed mean, Krum, Bulyan); worst case over the attacks per share
 promptfcl show DIR                     print the result table of a finished run
 promptfcl strategies                   list the available methods
 """
@@ -128,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                      "upload statistics")
     rob.add_argument("--defences", default="off,on",
                      help="of: on (defended, the configured parameters), off (clean runs only: the undefended "
-                     "reference), none, norm-filter, directed-clip1, median, trimmed-mean (server/bench/attacks.py)")
+                     "reference), none, norm-filter, directed-clip1, median, trimmed-mean, krum, multikrum, bulyan "
+                     "(server/bench/attacks.py)")
     rob.add_argument("--seeds", default="0,1")
-    rob.add_argument("--share", type=float, default=0.2, help="share of the client population that is hostile")
+    rob.add_argument("--share", default="0.2", help="shares of the client population that are hostile, "
+                     "comma-separated (each a run per attack; the worst case over the attacks per share)")
     rob.add_argument("--no-clean", action="store_true", help="attacks only (the clean runs measured in another --out)")
     _grid_arguments(rob)
     cmp_ = bench_sub.add_parser(
@@ -313,6 +315,17 @@ def _grid_arguments(parser: argparse.ArgumentParser) -> None:
                         "each run's files come back into --out")
 
 
+def _shares(text: str) -> list[float]:
+    """``--share``: comma-separated hostile shares, each in (0, 1)."""
+    try:
+        shares = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        shares = []
+    if not shares or not all(0 < s < 1 for s in shares):
+        raise ConfigError(f"--share must be comma-separated shares in (0, 1), got {text!r}")
+    return shares
+
+
 def _placement(args: argparse.Namespace) -> bench.Placement:
     if args.parallel < 1:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
@@ -394,7 +407,7 @@ def _bench_command(args: argparse.Namespace) -> int:
                 attacks,
                 defences,
                 [int(v) for v in args.seeds.split(",")],
-                args.share,
+                _shares(args.share),
                 clean=not args.no_clean,
                 placement=_placement(args),
             )

@@ -17,6 +17,7 @@ from ...strategies.registry import strategy_class
 from .comparison import finished_run, parse_method
 from .grid import run_grid
 from .grid_parts import SEQUENTIAL, GridRun, Outcome, Placement
+from .worst_case import worst_case_table, worst_cases
 
 log = logging.getLogger("promptfcl")
 
@@ -42,36 +43,46 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "directed-clip1": {**_NORM_FILTER, "update-clip": 1.0, "stats-bound": 3.0, "update-min-cosine": 0.0},
     "median": {**_NONE, "aggregation": "median"},
     "trimmed-mean": {**_NONE, "aggregation": "trimmed-mean"},
+    # Flower's Byzantine-robust aggregators (strategies/platform/byzantine.py), f from the hostile share
+    "krum": {**_NONE, "aggregation": "krum"},
+    "multikrum": {**_NONE, "aggregation": "multikrum"},
+    "bulyan": {**_NONE, "aggregation": "bulyan"},
 }
 
 
 def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], attacks: Sequence[str],
-               defences: Sequence[str], seeds: Sequence[int], share: float = 0.2,
+               defences: Sequence[str], seeds: Sequence[int], share: float | Sequence[float] = 0.2,
                clean: bool = True, placement: Placement = SEQUENTIAL) -> list[dict[str, Any]]:
     """A_N of each method when a fixed ``share`` of the client population is hostile (``fault`` =
-    each attack, ``fault-clients`` = that many client ids), under each defence, and of the
-    clean run under each defence ("off": each paper's aggregation; what a defence costs when
-    nobody attacks; ``clean`` False: attacks only, against clean runs measured elsewhere); writes
-    ``robustness.{json,md}``; the runs where ``placement`` says (:func:`.grid.run_grid`), a failed
-    run named in robustness.md and left out of the tables."""
+    each attack, ``fault-clients`` = that many client ids; several shares: each), under each
+    defence, and of the clean run under each defence ("off": each paper's aggregation; what a
+    defence costs when nobody attacks; ``clean`` False: attacks only, against clean runs measured
+    elsewhere); writes ``robustness.{json,md}`` with the worst case over the attacks of each
+    method, share and defence (:mod:`.worst_case`); the runs where ``placement`` says
+    (:func:`.grid.run_grid`), a failed run named in robustness.md and left out of the tables."""
     out_dir.mkdir(parents=True, exist_ok=True)
     population = int(ExperimentConfig.from_dict(base).federation.num_clients)
-    hostile = max(1, round(share * population))
-    fault_clients = ",".join(str(c) for c in range(hostile))
-    # attacks meet every defence but "off" (undefended, a reply reversed x10 is taken as it is)
-    cases = [("clean", d) for d in defences if clean] + [(a, d) for a in attacks for d in defences if d != "off"]
+    shares = [float(share)] if isinstance(share, (int, float)) else [float(s) for s in share]
+    hostile = {s: max(1, round(s * population)) for s in shares}
+    # attacks meet every defence but "off" (undefended, a reply reversed x10 is taken as it is); the
+    # clean runs once (no hostile share), each attack at each share
+    cases = [("clean", d, 0.0) for d in defences if clean] + [(a, d, s) for s in shares for a in attacks
+                                                            for d in defences if d != "off"]
     cells, runs = [], []
     for method in methods:
-        for attack, defence in cases:
+        for attack, defence, s in cases:
             if attack in STATISTICS_ATTACKS and not uploads_statistics(method):
                 continue  # nothing for the attack to forge
             for seed in seeds:
                 settings = {**base, **DEFENCES[defence], "seed": seed}
+                name, folder = f"{method}, attack {attack}, defence {defence}", f"{method}-{attack}-{defence}"
                 if attack != "clean":
-                    settings.update({"fault": attack, "fault-clients": fault_clients})
-                cells.append((method, attack, defence, seed))
-                runs.append(GridRun(f"{method}, attack {attack}, defence {defence}, seed {seed}", method, settings,
-                                    out_dir / "runs" / f"{method}-{attack}-{defence}-seed{seed}"))
+                    settings.update({"fault": attack, "fault-clients": ",".join(map(str, range(hostile[s])))})
+                    if len(shares) > 1:
+                        name, folder = f"{name}, share {s:g}", f"{folder}-share{s:g}"
+                cells.append((method, attack, defence, seed, s))
+                runs.append(GridRun(f"{name}, seed {seed}", method, settings,
+                                    out_dir / "runs" / f"{folder}-seed{seed}"))
 
     def write(outcomes: dict[int, Outcome]) -> list[dict[str, Any]]:
         rows = [_row(*cells[i], outcomes[i][0]) for i in sorted(outcomes)  # type: ignore[arg-type]
@@ -83,20 +94,24 @@ def robustness(out_dir: Path, base: dict[str, Any], methods: Sequence[str], atta
                                                                                "strategy": run.strategy}),
                         on_result=write)
     rows = write(outcomes)
+    worst = worst_cases(rows)
+    (out_dir / "worst-case.json").write_text(json.dumps(worst, indent=1))
     failed = [f"{runs[i].name} (log: {runs[i].run_dir})" for i in sorted(outcomes) if outcomes[i][0] is None]
-    table = robustness_table(rows, f"{hostile} of {population} clients")
+    label = ", ".join(f"{hostile[s]} of {population}" for s in shares)
+    table = robustness_table(rows, f"{label} clients")
     for defence in (d for d in defences if d != "off"):
-        table += "\n\n" + robustness_summary(rows, defence)
+        table += "\n\n" + robustness_summary([r for r in rows if r["share"] in (0.0, shares[0])], defence)
+    table += "\n\n" + worst_case_table(worst)
     failures = "".join(f"\n* failed, left out: {f}" for f in failed)
     (out_dir / "robustness.md").write_text(table + "\n" + failures + ("\n" if failed else ""))
     print(table + failures)
     return rows
 
 
-def _row(method: str, attack: str, defence: str, seed: int, results: dict[str, Any]) -> dict[str, Any]:
-    """A run's line of robustness.json."""
+def _row(method: str, attack: str, defence: str, seed: int, share: float, results: dict[str, Any]) -> dict[str, Any]:
+    """A run's line of robustness.json (``share``: of hostile clients, 0 for a clean run)."""
     rounds = results["rounds"]
-    return {"method": method, "attack": attack, "defence": defence, "seed": seed,
+    return {"method": method, "attack": attack, "defence": defence, "seed": seed, "share": share,
             "A_N": results["final_average_accuracy"], "forgetting": results["average_forgetting"],
             "replies_excluded": sum(1 for r in rounds for x in r["rejected"] if x["reason"] != "no training examples"),
             "replies_aggregated": sum(r["clients_aggregated"] for r in rounds),

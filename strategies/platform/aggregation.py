@@ -5,9 +5,10 @@ Two policies every method's aggregation goes through, chosen once from the run c
 replies its own way:
 
 * **weighting**: sample counts (FedAvg), each capped at ``max-client-weight`` of the round
-  where counts cannot be verified (``population = "nodes"``, from 2 replies on);
-* **combining**: the weighted mean, or the coordinate-wise median or trimmed mean
-  (``aggregation``) with Flower's own aggregation functions.
+  where counts cannot be verified or clients are not trusted (``population = "nodes"``, or a
+  defended simulation: "defended" means "untrusted"; from 2 replies on);
+* **combining**: the weighted mean, or the coordinate-wise median or trimmed mean, or Krum,
+  Multi-Krum or Bulyan (``aggregation``) with Flower's own aggregation functions.
 
 :func:`aggregate_per_task` applies them per task slice (clients on different tasks in one
 round, asynchronous arrival and random tasks); :func:`average_replies` is the platform's default
@@ -26,6 +27,7 @@ from flwr.app import ArrayRecord
 from ...common.config import AGGREGATIONS
 from ...common.records import array_view, array_views, to_array_record
 from ...common.tasks import TaskLayout
+from .byzantine import SELECTIONS, assumed_malicious, select
 from .replies import capped_weights, combine
 
 
@@ -47,23 +49,30 @@ class Weighting:
 @dataclass(frozen=True)
 class Combiner:
     """One array from the replies' arrays: ``mode`` "mean" (weighted), "median" or "trimmed-mean"
-    (coordinate-wise, unweighted, ``trim`` cut at each end)."""
+    (coordinate-wise, unweighted, ``trim`` cut at each end), or Flower's "krum", "multikrum" and
+    "bulyan" (strategies/platform/byzantine.py) assuming ``byzantine`` malicious replies (0: the
+    run's ``hostile_share`` of them)."""
 
     mode: str = "mean"
     trim: float = 0.2
+    byzantine: int = 0
+    hostile_share: float = 0.0
 
     def __call__(self, values: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+        if self.mode in SELECTIONS:
+            return select(values, weights, self.mode, assumed_malicious(self.byzantine, self.hostile_share,
+                                                                        len(values)))
         return combine(values, weights, self.mode, self.trim)
 
 
-def aggregation_policies(aggregation: str, trim_fraction: float,
-                         client_weight_cap: float) -> tuple[Weighting, Combiner]:
-    """The run's weighting and combining (``aggregation``, ``trim-fraction``): counts capped at
-    ``client_weight_cap`` of the round (the run's ``max-client-weight`` where the server cannot
-    check them, ``population = "nodes"``; 0: uncapped)."""
+def aggregation_policies(aggregation: str, trim_fraction: float, client_weight_cap: float,
+                         byzantine: int = 0, hostile_share: float = 0.0) -> tuple[Weighting, Combiner]:
+    """The run's weighting and combining (``aggregation``, ``trim-fraction``, ``byzantine-clients``
+    or else ``hostile_share``): counts capped at ``client_weight_cap`` of the round (the run's
+    ``max-client-weight`` where the server cannot check them or the run is defended; 0: uncapped)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; one of {AGGREGATIONS}")
-    return Weighting(client_weight_cap), Combiner(aggregation, trim_fraction)
+    return Weighting(client_weight_cap), Combiner(aggregation, trim_fraction, byzantine, hostile_share)
 
 
 def combine_records(records: list[ArrayRecord], weights: np.ndarray, combiner: Combiner = Combiner()) -> ArrayRecord:
@@ -125,7 +134,7 @@ def aggregate_per_task(
     Each row is the weighted average over the replies whose task owns it, so a head row shared
     by two tasks (random tasks of overlapping classes) averages both. Any array that is not
     task-structured is combined over all replies. With a median or trimmed-mean combiner, each
-    row is instead the coordinate-wise median (trimmed mean) over the replies whose task owns it.
+    row is instead the coordinate-wise median (trimmed mean, Krum, ...) over the replies whose task owns it.
     """
     all_weights = np.array([w for _, _, w in updates], dtype=np.float64)
     out: dict[str, np.ndarray] = {}

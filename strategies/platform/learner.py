@@ -51,6 +51,7 @@ from ...common.preprocess import random_resized_crops
 from ...common.privacy import PrivacyOptions, privacy_options
 from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
 from ...common.runtime import Runtime
+from .collusion import flipped_labels
 
 log = logging.getLogger("promptfcl")
 
@@ -119,6 +120,7 @@ class LocalLearner:
             self.options_class.from_options(options or {})
         self.seed: list[int] = [self.run.seed]  # [seed, client, task, round] of the current fit (set by fit)
         self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
+        self.flip_labels = False  # fault = "label-flip" on this fit: train on the task's classes reversed
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -243,7 +245,9 @@ class LocalLearner:
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
         images = rt.data.train.images
-        labels = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[trained]))
+        true = rt.data.train.labels[trained]
+        labels = torch.as_tensor(rt.layout.head_targets(task, flipped_labels(true, rt.layout.classes(task))
+                                                        if self.flip_labels else true))
 
         model.train()
         losses: list[float] = []

@@ -21,11 +21,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .aggregation import Combiner, Weighting, aggregation_policies
+from .attack_policy import ColludingAttack
 from .defences import UpdateScreen, update_screen
 from .statistics import StatisticsBound
 
 if TYPE_CHECKING:
-    from ...common.config import RobustnessSection
+    from collections.abc import Callable, Mapping, Sequence
+
+    import numpy as np
+
+    from ...common.config import FederationSection, RobustnessSection
+    from .rounds import Accepted, Sent
 
 
 @dataclass(frozen=True)
@@ -36,19 +42,32 @@ class RunPolicies:
     combiner: Combiner
     screen: UpdateScreen  # its strikes are the run's history (kept in the checkpoint)
     stats_bound: StatisticsBound
+    attack: ColludingAttack = ColludingAttack()  # a simulation's colluding hostile clients (fault injection)
 
     @property
     def defended(self) -> bool:
         """Whether any defence applies (the round's record then counts what each did)."""
         return self.screen.active or self.stats_bound.active
 
+    def screen_replies(self, replies: Sequence[Accepted], start_of: Callable[[Sent], Mapping[str, np.ndarray] | None]
+                       ) -> tuple[list[Accepted], list[tuple[Accepted, str]], dict[str, int]]:
+        """The replies that passed the record checks, the colluders' first replaced by their attack
+        (a simulation with a colluding fault), then screened (:meth:`UpdateScreen.apply`)."""
+        self.attack.apply(replies, start_of)
+        return self.screen.apply(replies, start_of)
 
 
-def run_policies(rob: RobustnessSection, defended: bool, noise_multiplier: float, nodes: bool) -> RunPolicies:
-    """The policies of a run with robustness section ``rob``: the screen and the statistics bound only
-    where the run is ``defended``; counts capped only where the server cannot check them (``nodes``)."""
+def run_policies(rob: RobustnessSection, defended: bool, noise_multiplier: float,
+                 federation: FederationSection) -> RunPolicies:
+    """The policies of a run with robustness section ``rob`` and ``federation``: the screen and the
+    statistics bound only where the run is ``defended``; counts capped where the server cannot
+    check them (deployed nodes) or does not trust them (``defended``: an honest simulation is
+    computed as its paper defines it, uncapped); a simulation's colluding attack."""
+    nodes, hostile = federation.population == "nodes", rob.fault_client_ids
+    share = (len(hostile) / federation.num_clients if hostile else rob.fault_rate) if rob.fault else 0.0
     weighting, combiner = aggregation_policies(rob.aggregation, rob.trim_fraction,
-                                               rob.max_client_weight if nodes else 0.0)
+                                               rob.max_client_weight if nodes or defended else 0.0,
+                                               rob.byzantine_clients, share)
     screen = update_screen(defended, noise_multiplier,
                            norm_factor=rob.update_norm_factor, max_norm=rob.max_update_norm,
                            clip=rob.update_clip, clip_by_count=rob.update_clip_by_count,
@@ -56,4 +75,6 @@ def run_policies(rob: RobustnessSection, defended: bool, noise_multiplier: float
                            min_cosine=rob.update_min_cosine, reversed_norm=rob.update_reversed_norm,
                            strikes=rob.update_strikes, mean_cosine=rob.update_mean_cosine,
                            mean_after=rob.update_mean_cosine_after, norm_rounds=rob.update_norm_rounds)
-    return RunPolicies(weighting, combiner, screen, StatisticsBound(rob.stats_bound if defended else 0.0))
+    attack = ColludingAttack(rob.fault if not nodes else "", hostile, rob.fault_knowledge, rob.fault_z,
+                             rob.fault_epsilon)
+    return RunPolicies(weighting, combiner, screen, StatisticsBound(rob.stats_bound if defended else 0.0), attack)

@@ -269,8 +269,8 @@ def combine(values: Sequence[np.ndarray], weights: np.ndarray, mode: str = "mean
     trimmed mean (unweighted, Flower's ``aggregate_median`` / ``aggregate_trimmed_avg``),
     computed in float64 and cast back to the first array's dtype, a chunk of elements at a time
     (each element's arithmetic is the whole array's: the result is the same)."""
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {mode!r}; one of {AGGREGATIONS}")
+    if mode not in AGGREGATIONS or mode in ("krum", "multikrum", "bulyan"):  # those: aggregation.Combiner
+        raise ValueError(f"unknown coordinate-wise aggregation {mode!r}; one of mean, median, trimmed-mean")
     first = np.asarray(values[0])
     flat = [np.ravel(np.asarray(v)) for v in values]
     out = np.empty(first.size, dtype=first.dtype)

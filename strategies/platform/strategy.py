@@ -162,7 +162,7 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         self.bounds = SampleBounds(nodes=nodes)
         self.schedule = task_schedule(data, federation, run.seed)  # that the method can follow it: checked early
         self.trust = resolve_trust(robustness.defences, federation.population, robustness.fault)
-        self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, nodes)
+        self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, federation)
         self.round_arrays: ArrayRecord | None = None  # the arrays this round started from
         self._sent_round = SentRound()  # this round's train messages
         self._exchange_round = SentRound()  # this round's exchange before training, or the task-end one
@@ -368,7 +368,7 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
                 kept.append(Accepted(sent, reply))
             else:  # (a reply matching no message sent always has a reason: platform_problem)
                 rejected.append(self._rejection(reply, reason or "no matching message sent this round"))
-        accepted, excluded, counts = self.policies.screen.apply(kept, self._update_start)
+        accepted, excluded, counts = self.policies.screen_replies(kept, self._update_start)
         rejected += [self._rejection(a.reply, reason, level=logging.DEBUG) for a, reason in excluded]
         return accepted, rejected, counts
 

@@ -1,0 +1,69 @@
+"""Flower's Byzantine-robust aggregators as combiners: Krum, Multi-Krum and Bulyan.
+
+``aggregation = "krum" | "multikrum" | "bulyan"`` combine a round's replies with Flower's own
+functions (``flwr.server.strategy.aggregate``: ``aggregate_krum``, ``aggregate_bulyan``, reached
+through common/flower_internals.py), not rewritten; per array and per task row like the median
+(strategies/platform/aggregation.py), so each row group is chosen among the replies that
+trained it. Their assumption, f malicious replies among n ("Machine learning with adversaries:
+Byzantine tolerant gradient descent", Blanchard et al. 2017, Section 4: Krum needs n > 2f + 2;
+"The hidden vulnerability of distributed learning in Byzantium", El Mhamdi et al. 2018,
+Section 4: Bulyan n >= 4f + 3) is the run's ``byzantine-clients`` (:func:`assumed_malicious`);
+where a row has too few replies for it, the row falls back to the coordinate-wise median,
+logged once per (aggregator, n, f) with why. Multi-Krum keeps n - f replies (Blanchard et al.'s
+m) and averages them weighted by their sample counts, as Flower's ``aggregate_krum`` does;
+Bulyan selects with Krum, as Flower's ``Bulyan`` strategy does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+log = logging.getLogger("promptfcl")
+
+#: the aggregations that select replies by their distances (Flower's)
+SELECTIONS = ("krum", "multikrum", "bulyan")
+_warned: set[tuple[str, int, int]] = set()
+
+
+def assumed_malicious(byzantine_clients: int, hostile_share: float, replies: int) -> int:
+    """f for a row of ``replies``: ``byzantine_clients`` where set (> 0), else the run's hostile
+    share of the population (``fault-clients`` over ``num-clients``, or ``fault-rate``) of the
+    row's replies rounded up, at least 1 (the aggregators' minimal assumption)."""
+    if byzantine_clients > 0:
+        return byzantine_clients
+    return max(1, math.ceil(hostile_share * replies - 1e-9))
+
+
+def minimum_replies(mode: str, f: int) -> int:
+    """The fewest replies ``mode`` tolerates ``f`` malicious ones among (Krum: n > 2f + 2; Bulyan: n >= 4f + 3)."""
+    return 4 * f + 3 if mode == "bulyan" else 2 * f + 3
+
+
+def select(values: Sequence[np.ndarray], weights: np.ndarray, mode: str, f: int) -> np.ndarray:
+    """One array from the replies' ``values`` by Flower's ``mode`` aggregator assuming ``f``
+    malicious ones (the median, logged, where there are too few), in the first value's dtype."""
+    from ...common.flower_internals import internal  # Flower's legacy helpers, moving to flwr.compat
+
+    first = np.asarray(values[0])
+    layers = [([np.asarray(v, dtype=np.float64)], float(w)) for v, w in zip(values, weights)]
+    n = len(layers)
+    if n < minimum_replies(mode, f):
+        if (mode, n, f) not in _warned:
+            _warned.add((mode, n, f))
+            log.info("aggregation %s: %d replies on a row, fewer than the %d it needs to tolerate %d malicious "
+                     "(byzantine-clients); that row is the coordinate-wise median", mode, n,
+                     minimum_replies(mode, f), f)
+        out = internal("aggregate_median")([(v, 1) for v, _ in layers])[0]
+    elif mode == "bulyan":
+        krum = internal("aggregate_krum")
+        out = internal("aggregate_bulyan")(list(layers), f, krum, to_keep=0)[0]
+    else:
+        out = internal("aggregate_krum")(layers, f, n - f if mode == "multikrum" else 0)[0]
+    return np.asarray(out).astype(first.dtype).reshape(first.shape)
+
+
+__all__ = ["SELECTIONS", "assumed_malicious", "minimum_replies", "select"]
