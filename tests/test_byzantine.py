@@ -64,11 +64,12 @@ def _round(strategy, arrays, updates, counts, flower_identity=None):
 
 
 def _strategy(**overrides):
-    from promptfcl.common.model import ModelSpec, build_model
+    from promptfcl.common.model import build_model
+    from promptfcl.common.runtime import model_spec
     from promptfcl.strategies.registry import prompt_class, strategy_class
 
     cfg = tiny_config(**{"num-tasks": 1, "pool-size": 2, **overrides})
-    model, _ = build_model(ModelSpec.of(cfg, 10), prompt_class("fedavg"))
+    model, _ = build_model(model_spec(cfg, 10), prompt_class("fedavg"))
     s = strategy_class("fedavg").of(cfg, 10)
     return s, s.on_task_start(0, to_array_record(model.trainable_state()))
 

@@ -153,12 +153,13 @@ def test_the_server_replaces_only_the_colluders_replies_computed_from_their_hone
 def test_a_colluding_attack_reaches_the_platforms_round_before_the_screens(flower_identity):
     """A defended fedavg round with fault = ipm: the hostile client's reply is the attack, and the
     screen sees (and judges) that, not what it trained."""
-    from promptfcl.common.model import ModelSpec, build_model
+    from promptfcl.common.model import build_model
+    from promptfcl.common.runtime import model_spec
     from promptfcl.strategies.registry import prompt_class, strategy_class
 
     cfg = tiny_config(fault="ipm", **{"fault-clients": "0", "num-clients": 4, "clients-per-round": 4,
                                       "num-tasks": 1, "pool-size": 2})
-    model, _ = build_model(ModelSpec.of(cfg, 10), prompt_class("fedavg"))
+    model, _ = build_model(model_spec(cfg, 10), prompt_class("fedavg"))
     s = strategy_class("fedavg").of(cfg, 10)
     arrays = s.on_task_start(0, to_array_record(model.trainable_state()))
     start = from_array_record(arrays)
