@@ -31,9 +31,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..common import startup
-from ..common.config import ExperimentConfig
-from ..common.evaluation import correct_counts, pooled_counts
+from ..common.config.experiment import ExperimentConfig
+from ..common.model.evaluation import correct_counts, pooled_counts
+from ..common.model.runtime import Runtime, get_runtime
+from ..common.model.weights import cache_dir
+from ..common.node import startup
 from ..common.privacy import PrivacyOptions, privacy_options, privatise_reply
 from ..common.records import (
     ARRAYS,
@@ -48,9 +50,7 @@ from ..common.records import (
     metrics_of,
     to_torch,
 )
-from ..common.runtime import Runtime, get_runtime
 from ..common.text import escape_log_args, printable, without_paths
-from ..common.weights import cache_dir
 from ..strategies.platform.learner import read_task_round
 from ..strategies.platform.run_checks import check_client_run
 from ..strategies.registry import build_learner, private_records, prompt_class
@@ -308,7 +308,7 @@ def declare_sizes(own_data: bool, runtime: Runtime, metrics: MetricRecord) -> No
 
 def report_process_cost(metrics: MetricRecord) -> None:
     """This message's process cost, for the server's deployment-overhead figures: the process's
-    age now and, in a fresh process's first message, its start-up phases (common/startup.py)."""
+    age now and, in a fresh process's first message, its start-up phases (common/node/startup.py)."""
     metrics["process-seconds"] = process_age()
     for name, seconds in startup.take().items():
         metrics[startup.metric_name(name)] = seconds

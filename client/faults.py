@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from ..common.config import ExperimentConfig
+from ..common.config.experiment import ExperimentConfig
 from ..common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..strategies.platform.collusion import COLLUDING_ATTACKS
 from ..strategies.platform.statistics import Statistics

@@ -2,7 +2,7 @@
 
 The node's operator sets ``memory-budget-mb`` (and ``backbone-precision``) in its node config
 (client/node_policy.py); before a message trains or evaluates, the node measures what its process
-holds and plans the rest (common/memory_plan.py), the round's gradients, optimiser moments, reply
+holds and plans the rest (common/node/memory_plan.py), the round's gradients, optimiser moments, reply
 and statistics counted from the model's own sizes. The reply's metrics say what it chose and what
 it used: the budget, the micro-batch, checkpointing, the backbone's bits, the process's peak
 resident memory, by how much that peak passed the budget (``over-budget-mb``, also a warning in the
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 
-from ..common.backbone import backbone_cache_path
-from ..common.config import ExperimentConfig
-from ..common.memory_plan import (
+from ..common.config.experiment import ExperimentConfig
+from ..common.model.backbone import backbone_cache_path
+from ..common.model.prompted import PromptedViT
+from ..common.model.runtime import Runtime
+from ..common.node.memory_plan import (
     MIN_MICRO_BATCH,
     BudgetError,
     StepSizes,
@@ -29,9 +31,7 @@ from ..common.memory_plan import (
     return_freed_memory,
     round_after_mb,
 )
-from ..common.model import PromptedViT
 from ..common.privacy import privacy_options
-from ..common.runtime import Runtime
 from ..strategies.platform.learner import LocalLearner
 from ..strategies.platform.run_memory import method_memory, run_sizes
 from .node_policy import NodePolicy, NodeRefusal
@@ -92,7 +92,7 @@ def apply_plan(cfg: ExperimentConfig, runtime: Runtime, policy: NodePolicy,
 
 
 def after_plan_mb(cfg: ExperimentConfig, runtime: Runtime) -> float:
-    """MB the round adds after the plan besides its activations (common/memory_plan.py's
+    """MB the round adds after the plan besides its activations (common/node/memory_plan.py's
     ``round_after_mb``), from the built model: its trainable parameters' gradients and Adam's
     moments, the reply's arrays, the method's statistics (strategies/platform/run_memory.py)."""
     model = runtime.model

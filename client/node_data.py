@@ -49,8 +49,11 @@ from typing import Any
 
 import numpy as np
 
-from ..common.config import DEVICES, ConfigError, ExperimentConfig, keys_of
-from ..common.data import (
+from ..common.config.experiment import DEVICES, ConfigError, ExperimentConfig, keys_of
+from ..common.data.cache import code_identity, load_source_cached, mapped_dataset
+from ..common.data.images import IMAGE_EXTENSIONS, image_listing
+from ..common.data.partitions import Partition
+from ..common.data.sources import (
     ArraySplit,
     DataError,
     Dataset,
@@ -60,13 +63,10 @@ from ..common.data import (
     read_class_folders,
     read_source,
 )
-from ..common.data_cache import code_identity, load_source_cached, mapped_dataset
+from ..common.data.tasks import TaskLayout, class_order
 from ..common.flower_internals import internal
-from ..common.images import IMAGE_EXTENSIONS, image_listing
-from ..common.partitions import Partition
-from ..common.tasks import TaskLayout, class_order
+from ..common.model.weights import BackboneSpec, cache_dir, check_weights
 from ..common.text import escape_log_args
-from ..common.weights import BackboneSpec, cache_dir, check_weights
 from ..strategies.platform.run_checks import load_config
 from .node_policy import POLICY_KEYS, NodePolicy, NodeRefusal
 
@@ -301,7 +301,7 @@ def check_classes(num_classes: int, names: list[str], what: str, run_num_classes
 # ---------------------------------------------------------------------------- folder data
 def load_folder(source: DataSource, class_names: list[str], root: Path) -> Dataset:
     """A node's image folder as a Dataset in the run's class order (decoded once per machine,
-    then mapped from the data cache: common/data_cache.py), decoded as the run's ``source`` is.
+    then mapped from the data cache: common/data/cache.py), decoded as the run's ``source`` is.
 
     Layout ``root/<class>/*`` or ``root/{train,test}/<class>/*``; classes are matched by
     folder name to ``class_names`` (the run's ``class-names``) when set, else taken as the

@@ -54,13 +54,19 @@ from typing import Any
 
 from flwr.app import Context, Message
 
-from ..common.config import ConfigError, ExperimentConfig, PlacementSection
-from ..common.footprint import DEFAULT_MAX_MEMORY_GB, DEFAULT_MAX_TOKENS, footprint, footprint_problem, memory_problem
-from ..common.low_precision import PRECISIONS
-from ..common.memory_plan import BUDGET_KEY, MARGIN_MB, release_library_pages, resident_mb, round_after_mb
+from ..common.config.experiment import ConfigError, ExperimentConfig, PlacementSection
+from ..common.model.low_precision import PRECISIONS
+from ..common.model.weights import BackboneSpec
+from ..common.node.footprint import (
+    DEFAULT_MAX_MEMORY_GB,
+    DEFAULT_MAX_TOKENS,
+    footprint,
+    footprint_problem,
+    memory_problem,
+)
+from ..common.node.memory_plan import BUDGET_KEY, MARGIN_MB, release_library_pages, resident_mb, round_after_mb
 from ..common.privacy import privacy_options
 from ..common.text import printable
-from ..common.weights import BackboneSpec
 from ..strategies.platform.run_memory import method_memory, node_memory, run_sizes
 
 log = logging.getLogger("promptfcl")
@@ -79,7 +85,7 @@ LIMITS: dict[str, int] = {
     "num-heads": 256,
     "local-epochs": 1000,  # time, not memory: a message may not keep the node busy for ever
 }
-#: ceilings on what the run's sizes add up to (common/footprint.py): tokens per image,
+#: ceilings on what the run's sizes add up to (common/node/footprint.py): tokens per image,
 #: (image-size / patch-size)^2, and a message's estimated memory in GB (node-config ``max-<key>``;
 #: strategies/platform/run_memory.py)
 FOOTPRINT_LIMITS: dict[str, int] = {"tokens": DEFAULT_MAX_TOKENS, "memory-gb": DEFAULT_MAX_MEMORY_GB}
@@ -226,7 +232,7 @@ class NodePolicy:
         """Refuse (:class:`NodeRefusal`) a run whose round cannot fit ``memory-budget-mb`` whatever the
         plan: what this process holds now (the message received) and what the round adds besides its
         activations (the trainable state's gradients and Adam's moments, the reply, the statistics;
-        common/memory_plan.py), before the runtime is built. The plan (client/memory.py) checks the
+        common/node/memory_plan.py), before the runtime is built. The plan (client/memory.py) checks the
         rest once the backbone, the data and the model are there."""
         sizes = run_sizes(cfg, sent_num_classes)
         statistics, _ = method_memory(cfg, sizes)

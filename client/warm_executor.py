@@ -28,7 +28,7 @@ from logging import ERROR, INFO, WARNING
 from typing import Any
 
 from ..common.flower_internals import internal, replace_internal
-from ..common.memory_plan import processes_line
+from ..common.node.memory_plan import processes_line
 from .zygote import BLAS_THREADS_ENV, DEFAULT_RUNNER, installed_fingerprint
 
 # Flower's logger: these lines appear with the SuperExec's own, in the node's log

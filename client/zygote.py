@@ -89,8 +89,8 @@ def preload() -> None:
     import torch
     import torch._dynamo  # noqa: F401  (torch.optim imports it on a process's first optimiser: 2 s)
 
-    from ..common import startup
     from ..common.flower_internals import internal, set_internal_default
+    from ..common.node import startup
     from ..strategies.registry import methods
     from . import app  # noqa: F401  (the ClientApp and, through it, the project)
 
@@ -180,7 +180,7 @@ def _child(runner: Callable[[dict[str, Any]], None], spec: dict[str, Any], chann
 
         np.random.seed()
         restore_blas_threads()
-        from ..common import startup
+        from ..common.node import startup
 
         # this message's process imported nothing (the zygote did, once): its start-up is
         # Flower's task pull, the model build and the data, which the reply reports as usual

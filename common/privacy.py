@@ -65,8 +65,8 @@ from typing import Any, ClassVar
 import numpy as np
 from flwr.app import ArrayRecord, RecordDict
 
-from .config import DP_NAMESPACE, ConfigError, ExperimentConfig
-from .options import MethodOptions
+from .config.experiment import DP_NAMESPACE, ConfigError, ExperimentConfig
+from .config.options import MethodOptions
 from .records import ARRAYS, METRICS, arrays_of, from_array_record, to_array_record
 
 NAMESPACE = DP_NAMESPACE

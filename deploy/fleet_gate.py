@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from promptfcl.common.flower_internals import internal
-from promptfcl.common.node_identity import ACTIVATE, REJOIN_PROBE, key_fingerprint
+from promptfcl.common.node.identity import ACTIVATE, REJOIN_PROBE, key_fingerprint
 from promptfcl.common.text import printable
 from promptfcl.deploy.fleet_rules import label_of, message_refusal, rejoin_decision
 

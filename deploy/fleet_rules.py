@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from promptfcl.common.flower_internals import internal
-from promptfcl.common.node_identity import STILL_ONLINE, node_label
+from promptfcl.common.node.identity import STILL_ONLINE, node_label
 from promptfcl.common.text import printable
 
 #: added to the longest heartbeat gap of a live SuperNode before its session is taken as ended

@@ -13,7 +13,7 @@
 #                   `flwr` is on PATH only with the venv active)
 #
 # The merged configuration is validated here first (unknown keys, bad values, a backbone
-# beyond the server's token or memory ceiling, common/footprint.py, and weights or a backbone
+# beyond the server's token or memory ceiling, common/node/footprint.py, and weights or a backbone
 # source that the nodes refuse to open, client/node_policy.py, stop before anything is sent).
 # Results are written on the SuperLink machine, in its --state directory (or at out-dir if that
 # is an absolute path). Exit status 0: the run completed; 1: it failed or was stopped (`flwr
@@ -52,10 +52,10 @@ merged="$work/run.toml"  # `flwr run -c` recognises a file by its .toml suffix
 (cd "$REPO_DIR" && "$PYTHON" - "$config" "$merged" ${sets[@]+"${sets[@]}"}) <<'EOF'
 import logging
 import sys
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import parse_overrides, toml_value
-from promptfcl.common.footprint import check_server_footprint
-from promptfcl.common.weights import BackboneSpec
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.config.files import parse_overrides, toml_value
+from promptfcl.common.node.footprint import check_server_footprint
+from promptfcl.common.model.weights import BackboneSpec
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.server.cli import load_config
 

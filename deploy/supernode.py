@@ -67,7 +67,7 @@ def rejoin_refusal(superlink: str, key_file: str, root_certificates: str | None,
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
     from promptfcl.common.flower_internals import internal
-    from promptfcl.common.node_identity import ACTIVATE, REJOIN_PROBE, STILL_ONLINE
+    from promptfcl.common.node.identity import ACTIVATE, REJOIN_PROBE, STILL_ONLINE
 
     key = load_ssh_private_key(Path(key_file).expanduser().read_bytes(), password=None)
     stamp = datetime.datetime.now(datetime.UTC).isoformat()

@@ -8,7 +8,7 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from ..common.config import ExperimentConfig
+from ..common.config.experiment import ExperimentConfig
 from ..common.files import results_umask
 from ..common.text import escape_log_args
 from ..strategies.platform.run_checks import check_run

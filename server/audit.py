@@ -52,11 +52,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..common.config import ConfigError, ExperimentConfig
+from ..common.config.experiment import ConfigError, ExperimentConfig
+from ..common.data.partitions import client_indices
 from ..common.files import write_atomic
-from ..common.partitions import client_indices
-from ..common.runtime import Runtime, get_runtime
-from ..common.weights import BackboneSpec, check_weights
+from ..common.model.runtime import Runtime, get_runtime
+from ..common.model.weights import BackboneSpec, check_weights
 from ..strategies.registry import build_strategy, strategy_class
 from . import checkpoint
 

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..common.config import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
+from ..common.config.experiment import RESULT_NEUTRAL_KEYS, ConfigError, ExperimentConfig
 from ..common.files import write_atomic
 
 FILENAME = "checkpoint.safetensors"

@@ -29,12 +29,12 @@ import time as _time
 from pathlib import Path
 from typing import Any
 
-from ..common.config import FAULTS, ConfigError, ExperimentConfig
-from ..common.config_files import parse_overrides
-from ..common.data import DataError
-from ..common.low_precision import PRECISIONS
-from ..common.pretrain import pretrain
-from ..common.weights import BackboneSpec, check_weights, checkpoint_path
+from ..common.config.experiment import FAULTS, ConfigError, ExperimentConfig
+from ..common.config.files import parse_overrides
+from ..common.data.sources import DataError
+from ..common.model.low_precision import PRECISIONS
+from ..common.model.pretrain import pretrain
+from ..common.model.weights import BackboneSpec, check_weights, checkpoint_path
 from ..strategies.platform.run_checks import check_run, load_config
 from ..strategies.registry import methods
 from . import bench, checkpoint
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             # the data loads here, before Ray starts, so a missing or broken dataset or a class count
             # that does not split into the tasks is reported at once; the ServerApp (this same
             # process) reuses what was loaded
-            from ..common.data_cache import load_dataset_cached
+            from ..common.data.cache import load_dataset_cached
 
             load_dataset_cached(cfg)
     except (ConfigError, DataError) as exc:

@@ -18,7 +18,9 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from ..common.evaluation import accuracies, correct_counts, pooled_counts
+from ..common.model.evaluation import accuracies, correct_counts, pooled_counts
+from ..common.model.runtime import Runtime
+from ..common.node.startup import metric_name
 from ..common.records import (
     ARRAYS,
     CONFIG,
@@ -32,8 +34,6 @@ from ..common.records import (
     metrics_of,
     to_torch,
 )
-from ..common.runtime import Runtime
-from ..common.startup import metric_name
 from ..strategies.platform.replies import DECLARED_SIZES, PROCESS_METRICS, MetricSpec, capped_weights
 from ..strategies.platform.rounds import without_forged
 from ..strategies.platform.strategy import PromptStrategy

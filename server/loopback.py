@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..client.node_data import export_digits
-from ..common.config_files import toml_value
+from ..common.config.files import toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..common.config import ConfigError
-from ..common.config_checks import TRACKERS
+from ..common.config.checks import TRACKERS
+from ..common.config.experiment import ConfigError
 from ..common.files import write_atomic
 from .report import json_safe
 from .trackers import MLflowTracker, WandbTracker, final_metrics, round_metrics, task_metrics

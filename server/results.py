@@ -10,12 +10,12 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from ..common import metrics
-from ..common.config import ExperimentConfig
+from ..common.config.experiment import ExperimentConfig
+from ..common.config.trust import resolve_trust
+from ..common.data.splits import FILE_NAME as SPLITS_FILE
+from ..common.data.tasks import class_order
+from ..common.model.runtime import Runtime
 from ..common.privacy import PrivacyOptions, privacy_report
-from ..common.runtime import Runtime
-from ..common.splits import FILE_NAME as SPLITS_FILE
-from ..common.tasks import class_order
-from ..common.trust import resolve_trust
 from ..strategies.platform.strategy import PromptStrategy
 from .rounds import RoundRecord
 
@@ -69,7 +69,7 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
             "test_size": len(runtime.data.test),
             "fingerprint": runtime.data.fingerprint,
             "split": runtime.data.split,
-            "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/splits.py)
+            "splits_file": SPLITS_FILE,  # class order and every client's share per task (common/data/splits.py)
         }
     else:  # federated evaluation: what the server knows of the nodes' data
 
@@ -89,7 +89,7 @@ def build_results(cfg: ExperimentConfig, runtime: Runtime | None, acc: np.ndarra
     return {
         "config": cfg.to_dict(),
         "config_digest": cfg.digest(),  # what every node's reply echoes (placement): the same run config
-        # whether the hostile-client defences applied, and why (common/trust.py)
+        # whether the hostile-client defences applied, and why (common/config/trust.py)
         "defences": resolve_trust(cfg.robustness.defences, cfg.federation.population, cfg.robustness.fault).to_dict(),
         "backbone": backbone,
         "dataset": dataset,

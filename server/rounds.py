@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 
+from ..common.node.startup import PHASES, metric_name
 from ..common.records import CONFIG, METRICS, as_float, as_int
-from ..common.startup import PHASES, metric_name
 from ..strategies.platform.outcome import RoundOutcome
 from ..strategies.platform.replies import PLAN_METRICS
 from ..strategies.platform.rounds import Accepted, without_forged
@@ -45,7 +45,7 @@ class RoundRecord:
     client_seconds_max: float
     client_process_seconds_max: float
     # deployment: median time a client process spent before training, and per start-up phase
-    # over the fresh processes of the round (common/startup.py; empty when warm)
+    # over the fresh processes of the round (common/node/startup.py; empty when warm)
     client_overhead_seconds: float
     client_startup: dict[str, float]
     client_device_peak_mb: float
@@ -137,7 +137,7 @@ class Attempts:
         # deployment: a message's whole cost on a node (fresh process: imports, data, backbone)
         self.process_secs += [as_float(m.get("process-seconds", 0.0)) for m in used]
         # a fresh process (every deployed message; an actor's first in simulation): its time before
-        # the first training step, and per phase (common/startup.py)
+        # the first training step, and per phase (common/node/startup.py)
         fresh = [m for m in used if metric_name("imports") in m and "process-seconds" in m]
         self.overheads += [as_float(m["process-seconds"]) - as_float(m["train-seconds"])
                            - as_float(m.get("evaluation-seconds", 0.0))  # evaluate-with-train: work, not start-up

@@ -19,16 +19,16 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
 from ..common import metrics
-from ..common.config import ConfigError, ExperimentConfig
-from ..common.memory_plan import return_freed_memory
-from ..common.model import initial_trainable_state
-from ..common.partitions import client_indices, drawn_shares, partition_summary
+from ..common.config.experiment import ConfigError, ExperimentConfig
+from ..common.data.partitions import client_indices, drawn_shares, partition_summary
+from ..common.data.splits import FILE_NAME as SPLITS_FILE
+from ..common.data.splits import read_splits, write_splits
+from ..common.data.tasks import class_order
+from ..common.model.prompted import initial_trainable_state
+from ..common.model.runtime import Runtime, get_runtime, model_spec
+from ..common.node.memory_plan import return_freed_memory
 from ..common.privacy import privacy_options
 from ..common.records import array_views, to_array_record
-from ..common.runtime import Runtime, get_runtime, model_spec
-from ..common.splits import FILE_NAME as SPLITS_FILE
-from ..common.splits import read_splits, write_splits
-from ..common.tasks import class_order
 from ..strategies.platform.run_memory import check_server_memory
 from ..strategies.platform.strategy import PromptStrategy
 from ..strategies.registry import build_strategy, strategy_class
@@ -171,7 +171,7 @@ class ExperimentRun:
 
     def _write_splits(self) -> None:
         """splits.npz beside results.json: the class order and every client's share per task
-        (common/splits.py), written before the first round so a crashed run has it too."""
+        (common/data/splits.py), written before the first round so a crashed run has it too."""
         if self.runtime is None:  # the nodes hold the data: each node draws from its own
             return
         data, cfg = self.runtime.data, self.cfg

@@ -35,8 +35,8 @@ from typing import Any
 from flwr.app import Context, RecordDict
 
 from ..client.app import app as client_app
-from ..common.config import ConfigError, ExperimentConfig, FederationSection, PlacementSection
-from ..common.config_files import toml_value
+from ..common.config.experiment import ConfigError, ExperimentConfig, FederationSection, PlacementSection
+from ..common.config.files import toml_value
 from ..common.flower_internals import internal
 from .app import app as server_app
 

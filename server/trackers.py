@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..common.config import ConfigError
+from ..common.config.experiment import ConfigError
 from ..common.metrics import backward_transfer
 from .results import SUMMARY_KEYS
 

@@ -25,14 +25,14 @@ import numpy as np
 from flwr.app import RecordDict
 
 from ..common import metrics
-from ..common.config import RESULT_NEUTRAL_KEYS, ExperimentConfig
-from ..common.evaluation import accuracies, correct_counts
+from ..common.config.experiment import RESULT_NEUTRAL_KEYS, ExperimentConfig
+from ..common.data.schedule import RandomTaskSchedule
 from ..common.files import write_atomic
-from ..common.model import CodaPrompt, initial_trainable_state
+from ..common.model.evaluation import accuracies, correct_counts
+from ..common.model.prompted import CodaPrompt, initial_trainable_state
+from ..common.model.runtime import get_runtime, model_spec
+from ..common.model.weights import cache_dir
 from ..common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from ..common.runtime import get_runtime, model_spec
-from ..common.schedule import RandomTaskSchedule
-from ..common.weights import cache_dir
 from ..strategies.fedavg.strategy import FedAvgStrategy
 from ..strategies.platform.learner import LocalLearner
 

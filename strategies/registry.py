@@ -28,9 +28,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..common.config import ConfigError, ExperimentConfig
-from ..common.config_files import toml_value
-from ..common.options import MethodOptions, NoOptions
+from ..common.config.experiment import ConfigError, ExperimentConfig
+from ..common.config.files import toml_value
+from ..common.config.options import MethodOptions, NoOptions
 from ..common.privacy import NAMESPACE as DP_NAMESPACE
 from ..common.privacy import PrivacyOptions, PrivateRecord
 

@@ -11,9 +11,9 @@ import pytest
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from promptfcl.common.config import ExperimentConfig  # noqa: E402
+from promptfcl.common.config.experiment import ExperimentConfig  # noqa: E402
 
-#: the hostile-client defences off, as in any simulation without fault injection (common/trust.py),
+#: the hostile-client defences off, as in any simulation without fault injection (common/config/trust.py),
 #: said explicitly by tests of averaging itself, whose expected values are plain weighted means
 PLAIN_MEAN: dict[str, Any] = {"defences": "off"}
 

@@ -19,7 +19,7 @@ from typing import Any
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config.experiment import ExperimentConfig
 
 #: a Flower mod: (message, context, call_next) -> reply
 Mod = Callable[[Message, Context, Callable[[Message, Context], Message]], Message]

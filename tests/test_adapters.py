@@ -1,4 +1,4 @@
-"""Low-rank adapters (common/adapters.py): the adapted forward equals the dense weight it stands for,
+"""Low-rank adapters (common/model/adapters.py): the adapted forward equals the dense weight it stands for,
 sets per task, which sets train, the server's column weights, and what the runtime skips."""
 
 import copy
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from promptfcl.common.adapters import LowRankAdapters
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
-from promptfcl.common.runtime import layout_of, model_spec
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.adapters import LowRankAdapters
+from promptfcl.common.model.prompted import build_model
+from promptfcl.common.model.runtime import layout_of, model_spec
 from tests.conftest import tiny_config
 
 

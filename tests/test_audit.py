@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.server.audit import AuditSettings, Target, audit_run, audit_targets
 
 

@@ -14,7 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _write_results(run_dir, settings):
-    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.config.experiment import ExperimentConfig
 
     run_dir.mkdir(parents=True)
     cfg = ExperimentConfig.from_dict({**settings, "out-dir": str(run_dir)})
@@ -208,7 +208,7 @@ def test_a_chatty_failing_run_with_memory_watched_does_not_hang(tmp_path, monkey
 
 def test_every_robustness_defence_and_attack_is_a_valid_configuration():
     from promptfcl.client.faults import STATISTICS_ATTACKS
-    from promptfcl.common.config import FAULTS, ExperimentConfig
+    from promptfcl.common.config.experiment import FAULTS, ExperimentConfig
     from promptfcl.server.bench.attacks import DEFENCES, robustness_table
 
     for defence in DEFENCES.values():

@@ -64,8 +64,8 @@ def _round(strategy, arrays, updates, counts, flower_identity=None):
 
 
 def _strategy(**overrides):
-    from promptfcl.common.model import build_model
-    from promptfcl.common.runtime import model_spec
+    from promptfcl.common.model.prompted import build_model
+    from promptfcl.common.model.runtime import model_spec
     from promptfcl.strategies.registry import prompt_class, strategy_class
 
     cfg = tiny_config(**{"num-tasks": 1, "pool-size": 2, **overrides})

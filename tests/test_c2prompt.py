@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model, masked_logits
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.prompted import build_model, masked_logits
+from promptfcl.common.model.runtime import get_runtime, model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import (
     class_aware_aggregate,
     collapse_weights,

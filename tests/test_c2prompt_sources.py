@@ -12,11 +12,11 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
-from promptfcl.common.partitions import client_indices
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data.partitions import client_indices
+from promptfcl.common.model.prompted import build_model
+from promptfcl.common.model.runtime import get_runtime, model_spec
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.c2prompt.cpa import cpa_matrix
 from promptfcl.strategies.c2prompt.distributions import class_statistics
 from promptfcl.strategies.c2prompt.learner import C2PromptLearner

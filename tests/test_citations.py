@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config.experiment import ExperimentConfig
 from promptfcl.strategies.registry import Method, cite, methods
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.platform.attack_policy import ColludingAttack
 from promptfcl.strategies.platform.collusion import (
@@ -89,7 +89,7 @@ def test_label_flip_changes_the_labels_a_hostile_client_trains_on_and_only_its()
     """Through the learner's data path: the hostile client's steps see its task's classes
     reversed; an honest client's (and a client of a node that did not enable fault injection) the true ones."""
     from promptfcl.client.faults import flips_labels
-    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.model.runtime import get_runtime
     from promptfcl.strategies.registry import build_learner, prompt_class
 
     cfg = tiny_config(fault="label-flip", **{"fault-clients": "0"})
@@ -114,7 +114,7 @@ def test_label_flip_changes_the_labels_a_hostile_client_trains_on_and_only_its()
         seen[client] = labels
     classes = rt.layout.classes(1)
     assert set(seen[1]) <= set(classes.tolist()) and seen[0] and seen[1]
-    from promptfcl.common.partitions import client_indices
+    from promptfcl.common.data.partitions import client_indices
 
     index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 1, 0)
     true = np.bincount(rt.data.train.labels[index], minlength=10)
@@ -153,8 +153,8 @@ def test_the_server_replaces_only_the_colluders_replies_computed_from_their_hone
 def test_a_colluding_attack_reaches_the_platforms_round_before_the_screens(flower_identity):
     """A defended fedavg round with fault = ipm: the hostile client's reply is the attack, and the
     screen sees (and judges) that, not what it trained."""
-    from promptfcl.common.model import build_model
-    from promptfcl.common.runtime import model_spec
+    from promptfcl.common.model.prompted import build_model
+    from promptfcl.common.model.runtime import model_spec
     from promptfcl.strategies.registry import prompt_class, strategy_class
 
     cfg = tiny_config(fault="ipm", **{"fault-clients": "0", "num-clients": 4, "clients-per-round": 4,
@@ -184,7 +184,7 @@ def test_a_colluding_attack_reaches_the_platforms_round_before_the_screens(flowe
 
 def test_a_colluding_attack_is_refused_on_deployed_nodes():
     with pytest.raises(ConfigError, match="cannot collude"):
-        from promptfcl.common.config_checks import validate_config
+        from promptfcl.common.config.checks import validate_config
 
         validate_config(tiny_config(fault="alie", population="nodes", **{"fault-clients": "0"}))
     ExperimentConfig.from_dict({"fault": "label-flip", "population": "nodes", "fault-clients": "0"})  # its own data

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.config_files import parse_overrides
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.config.files import parse_overrides
 from promptfcl.server.cli import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,14 @@ def test_every_key_has_a_section_and_the_derived_key_sets_follow_from_them():
     """The run config is split into sections; what a key enters (the digest, a decoded dataset, a
     node's folder cache, the backbone's identity, a client's data location) is declared on the key
     itself, so no list elsewhere has to change with a new key."""
-    from promptfcl.common.config import FLAT_ORDER, IDENTITIES, RESULT_NEUTRAL_KEYS, SECTIONS, keys_in, keys_of
+    from promptfcl.common.config.experiment import (
+        FLAT_ORDER,
+        IDENTITIES,
+        RESULT_NEUTRAL_KEYS,
+        SECTIONS,
+        keys_in,
+        keys_of,
+    )
 
     keys = [k for s in SECTIONS for k in keys_in(s)]
     assert len(keys) == len(set(keys))  # each key in exactly one section
@@ -149,7 +156,7 @@ def test_the_configuration_is_frozen_sections_each_checking_itself():
     only through ``replace``, which checks again."""
     import dataclasses
 
-    from promptfcl.common.config import DataSection, ModelSection, TrainingSection
+    from promptfcl.common.config.experiment import DataSection, ModelSection, TrainingSection
 
     cfg = ExperimentConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.augment import augment_images
-from promptfcl.common.config import ConfigError
-from promptfcl.common.data import DataError, load_dataset
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.runtime import layout_of, partition_of
-from promptfcl.common.tasks import class_order
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data.augment import augment_images
+from promptfcl.common.data.partitions import client_indices
+from promptfcl.common.data.sources import DataError, load_dataset
+from promptfcl.common.data.tasks import class_order
+from promptfcl.common.model.runtime import layout_of, partition_of
 from tests.conftest import tiny_config
 
 
@@ -369,7 +369,7 @@ def test_hf_source_is_read_through_the_datasets_library(tmp_path):
             for i in range(count):
                 Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(
                     tmp_path / "images" / split / name / f"{i}.png")
-    code = ("import json, sys\nfrom promptfcl.common.data import load_dataset\nfrom tests.conftest import tiny_config\n"
+    code = ("import json, sys\nfrom promptfcl.common.data.sources import load_dataset\nfrom tests.conftest import tiny_config\n"
             "d = load_dataset(tiny_config(dataset='hf:' + sys.argv[1], num_tasks=1))\n"
             "print(json.dumps({'names': d.class_names, 'train': list(d.train.images.shape), 'test': len(d.test),\n"
             "  'labels': sorted(set(d.train.labels.tolist())), 'split': d.split}))\n")

@@ -1,4 +1,4 @@
-"""The machine's memory-mapped data cache (common/data_cache.py): decoded once, mapped by all."""
+"""The machine's memory-mapped data cache (common/data/cache.py): decoded once, mapped by all."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common import data_cache
-from promptfcl.common.config import ConfigError
-from promptfcl.common.data import load_dataset
-from promptfcl.common.row_file import RowFile
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data import cache as data_cache
+from promptfcl.common.data.rows import RowFile
+from promptfcl.common.data.sources import load_dataset
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_processes_started_together_decode_once(cache, tmp_path):
     folder = _image_folder(tmp_path / "images")
     code = ("import logging, sys\n"
             "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
-            "from promptfcl.common.data_cache import load_dataset_cached\n"
+            "from promptfcl.common.data.cache import load_dataset_cached\n"
             "from tests.conftest import tiny_config\n"
             f"d = load_dataset_cached(tiny_config(dataset='folder:{folder}', num_tasks=2, image_size=12))\n"
             "print(type(d.train.images).__name__, len(d.train), d.fingerprint)\n")
@@ -127,8 +127,8 @@ def test_the_query_table_holds_only_the_rows_asked_for():
     """A client asks for its share: the q(x) table grows with the share, not the dataset."""
     import torch
 
-    from promptfcl.common.data import ArraySplit
-    from promptfcl.common.runtime import QueryCache
+    from promptfcl.common.data.sources import ArraySplit
+    from promptfcl.common.model.runtime import QueryCache
 
     class Model:
         def preprocess(self, x, evaluation=False):

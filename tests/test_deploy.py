@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.startup import PHASES, metric_name
-from promptfcl.common.tasks import class_order
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.data.tasks import class_order
+from promptfcl.common.node.startup import PHASES, metric_name
 from promptfcl.server.loopback import (
     DEPLOY,
     ROOT,
@@ -307,9 +307,9 @@ def test_only_prompts_heads_and_statistics_cross_the_wire(deployment):
     """Decode every message the nodes received and sent; fail on any backbone tensor or raw input."""
     import torch
 
-    from promptfcl.common.model import CodaPrompt, build_backbone, initial_trainable_state
+    from promptfcl.common.model.prompted import CodaPrompt, build_backbone, initial_trainable_state
+    from promptfcl.common.model.runtime import backbone_of, model_spec
     from promptfcl.common.records import to_array_record
-    from promptfcl.common.runtime import backbone_of, model_spec
     from tests.wiretap import fab_files, wire_messages, wire_objects
 
     cfg = ExperimentConfig.from_dict(RUN)
@@ -569,7 +569,7 @@ def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch
 def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
     cfg = nodes_config()
     shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3, "dataset": "digits"}).data.test for i in range(3)]
-    from promptfcl.common.data_cache import load_dataset_cached
+    from promptfcl.common.data.cache import load_dataset_cached
 
     full = load_dataset_cached(cfg).test
     assert sum(len(s) for s in shards) == len(full)
@@ -581,7 +581,7 @@ import json, sys, time
 t0 = time.perf_counter()
 from flwr.app import ConfigRecord, Context, RecordDict
 from promptfcl.client.app import client_runtime
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config.experiment import ExperimentConfig
 cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
 ctx = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
 t1 = time.perf_counter()
@@ -618,8 +618,8 @@ def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
 def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_path):
     import torch
 
-    from promptfcl.common.data import ArraySplit
-    from promptfcl.common.runtime import QueryCache
+    from promptfcl.common.data.sources import ArraySplit
+    from promptfcl.common.model.runtime import QueryCache
 
     class Model:  # q(x) = mean pixel, enough to tell entries apart
         def preprocess(self, x, evaluation=False):

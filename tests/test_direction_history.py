@@ -110,7 +110,7 @@ def test_the_history_survives_a_resume():
 @pytest.mark.parametrize("key,bad", [("update_mean_cosine", 1.0), ("update_mean_cosine", -1.5),
                                      ("update_mean_cosine_after", 0)])
 def test_bad_settings_are_refused(key, bad):
-    from promptfcl.common.config import ConfigError
+    from promptfcl.common.config.experiment import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace("_", "-")):
         tiny_config(**{key: bad})

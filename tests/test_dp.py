@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from promptfcl.client.app import private_upload
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.common.privacy import (
     PrivacyOptions,
     PrivateRecord,
@@ -93,7 +93,7 @@ def test_noiseless_mechanism_is_the_identity_inside_the_bounds():
 def fit_and_release(strategy: str, clip: float, **options):
     """One real client fit (task 0, client 0, tiny configuration) and its upload through the
     ClientApp's shared DP path with no noise: (raw reply, released reply, received arrays)."""
-    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.model.runtime import get_runtime
 
     cfg = tiny_config(strategy=strategy, **{"dp.clip": clip, **options})
     rt = get_runtime(cfg, prompt_class(strategy))

@@ -10,10 +10,11 @@ from torch import nn
 
 from promptfcl.client.memory import apply_plan, step_sizes
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
-from promptfcl.common import model as model_module
-from promptfcl.common.backbone import backbone_cache_path, build_backbone
-from promptfcl.common.low_precision import Bf16Linear, Int8Linear, lower_precision
-from promptfcl.common.memory_plan import (
+from promptfcl.common.model import prompted as model_module
+from promptfcl.common.model.backbone import backbone_cache_path, build_backbone
+from promptfcl.common.model.low_precision import Bf16Linear, Int8Linear, lower_precision
+from promptfcl.common.model.runtime import backbone_of, get_runtime
+from promptfcl.common.node.memory_plan import (
     MARGIN_MB,
     BudgetError,
     StepSizes,
@@ -23,7 +24,6 @@ from promptfcl.common.memory_plan import (
     resident_mb,
 )
 from promptfcl.common.records import ARRAYS, CONFIG, from_array_record, to_array_record
-from promptfcl.common.runtime import backbone_of, get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt

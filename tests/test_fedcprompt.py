@@ -10,9 +10,9 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.runtime import get_runtime, layout_of
 from promptfcl.common.records import ARRAYS, CONFIG, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime, layout_of
 from promptfcl.strategies.fedcprompt.learner import FedCPromptLearner, c2l_loss
 from promptfcl.strategies.fedcprompt.options import FedCPromptOptions
 from promptfcl.strategies.fedcprompt.prompt import FedCPromptPrompt

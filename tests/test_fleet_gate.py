@@ -391,7 +391,7 @@ def test_a_node_pushes_only_its_own_replies_to_messages_sent_to_it(federation, c
 
 # ----------------------------------------------------------------------------- rejoin after a crash
 def test_a_restarted_node_rejoins_once_its_last_heartbeat_is_older_than_a_live_node_leaves(federation, caplog):
-    from promptfcl.common.node_identity import REJOIN_PROBE
+    from promptfcl.common.node.identity import REJOIN_PROBE
     from promptfcl.deploy.fleet_rules import live_gap
 
     f = federation

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from flwr.app import Array, ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.prompted import build_model
+from promptfcl.common.model.runtime import get_runtime, layout_of, model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime, layout_of, model_spec
 from promptfcl.strategies.fppl.learner import FPPLLearner, unified_representation_loss
 from promptfcl.strategies.fppl.options import FPPLOptions
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
@@ -209,7 +209,7 @@ def test_prototypes_average_over_augmented_views_by_default_as_the_authors_code(
     """augment on: the local prototypes are the per-class means over one seeded augmented view
     of each image (q(x) on the view; the authors' code averages over its training loader);
     fppl.prototype-views = "stored" takes the stored images; without augmentation both agree."""
-    from promptfcl.common.augment import augment_images
+    from promptfcl.common.data.augment import augment_images
 
     protos = {}
     for augment, views in (("none", "augmented"), ("crop-flip", "stored"), ("crop-flip", "augmented")):

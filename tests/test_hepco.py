@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.runtime import get_runtime, model_spec
 from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.hepco.diagnostics import RealDataProbe, teacher_accuracy
 from promptfcl.strategies.hepco.distill import distill, generator_losses, train_generator
 from promptfcl.strategies.hepco.latents import LatentGenerator, LatentStudent, PromptGrams, Teachers
@@ -610,7 +610,7 @@ def test_whole_pool_training_trains_every_component_on_every_task():
     prompt's buffer to clients and evaluators. ``task-slices``: CODA-P's slices."""
     s = make_strategy()
     assert s.opts.pool_training == "whole"
-    from promptfcl.common.model import initial_trainable_state
+    from promptfcl.common.model.prompted import initial_trainable_state
 
     initial = initial_trainable_state(model_spec(tiny_config(strategy="hepco"), NUM_CLASSES), HePCoPrompt)
     arrays = s.on_task_start(0, to_array_record({k: v.numpy() for k, v in initial.items()}))

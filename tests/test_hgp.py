@@ -7,9 +7,9 @@ import pytest
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.runtime import model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import model_spec
 from promptfcl.strategies.hgp.gaussians import (
     build_mixture,
     class_statistics,
@@ -91,7 +91,7 @@ def test_prompt_weights_are_normalised_cosines_with_keys_only():
 def test_score_normalisation_is_an_option_every_builder_of_the_model_reads(norm):
     """hgp.score-norm: l1 (the project's reading, default), softmax, or none (CODA-P's plain
     cosine); build_model and the server's prompt_from both configure the prompt from the run."""
-    from promptfcl.common.model import build_model
+    from promptfcl.common.model.prompted import build_model
 
     cfg = tiny_config(strategy="hgp", **{"hgp.score-norm": norm})
     model, _ = build_model(model_spec(cfg, 10), HGPPrompt)
@@ -398,7 +398,7 @@ def test_state_dict_restores_every_mixture():
 
 # ---------------------------------------------------------------------------- client and end to end
 def test_learner_uploads_the_statistics_of_its_prompted_features():
-    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.model.runtime import get_runtime
     from promptfcl.strategies.hgp.learner import HGPLearner
 
     cfg = tiny_config(strategy="hgp", **{"hgp.cov-type": "diag"})
@@ -419,8 +419,8 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
 def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
     """augment = crop-flip: hgp.stats-augment takes each image through one augmented view (q(x) on
     the view); stats-augment = false, or augment = none, uses the stored images."""
-    from promptfcl.common.augment import augment_images
-    from promptfcl.common.runtime import get_runtime
+    from promptfcl.common.data.augment import augment_images
+    from promptfcl.common.model.runtime import get_runtime
     from promptfcl.strategies.hgp.learner import HGPLearner
 
     index = None

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model, initial_trainable_state
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.prompted import build_model, initial_trainable_state
+from promptfcl.common.model.runtime import model_spec
 from promptfcl.common.records import from_array_record, to_array_record
-from promptfcl.common.runtime import model_spec
 from promptfcl.server.cli import load_config
 from promptfcl.strategies.hgp.prompt import HGPPrompt
 from promptfcl.strategies.hgp.strategy import HGPStrategy

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.model.runtime import get_runtime
 from promptfcl.common.records import ARRAYS, METRICS, PLACEMENT, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.platform.replies import capped_weights
 from promptfcl.strategies.registry import check_namespaces, strategy_class
 from tests.conftest import tiny_config
@@ -301,7 +301,7 @@ def test_a_run_with_nan_metrics_is_written_and_resumed(tmp_path, flower_identity
 
 
 def test_non_finite_values_are_written_as_null_and_counted(tmp_path):
-    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.config.experiment import ExperimentConfig
     from promptfcl.server.report import write_outputs
 
     results = {"config": ExperimentConfig().to_dict(), "accuracy_matrix": [[50.0]],

@@ -1,11 +1,11 @@
-"""Chunked decoding (common/images.py): the same arrays as decoding everything at once."""
+"""Chunked decoding (common/data/images.py): the same arrays as decoding everything at once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from promptfcl.common import images
+from promptfcl.common.data import images
 
 
 def _grey(h, w, v):
@@ -67,7 +67,7 @@ def test_mixed_sizes_evaluate_exactly_as_torchvision_resize_256_centre_crop_224(
     from PIL import Image
     from torchvision import transforms
 
-    from promptfcl.common.preprocess import InputPipeline
+    from promptfcl.common.model.preprocess import InputPipeline
 
     sizes = [(300, 200), (200, 333), (375, 500), (481, 257), (256, 256), (123, 171)]
     photos = [Image.fromarray(_photo(h, w, i)) for i, (h, w) in enumerate(sizes)]
@@ -88,7 +88,7 @@ def test_mixed_sizes_evaluate_exactly_as_torchvision_resize_256_centre_crop_224(
 
 
 def test_unreadable_file_names_it(tmp_path):
-    from promptfcl.common.data import DataError
+    from promptfcl.common.data.sources import DataError
 
     bad = tmp_path / "x.png"
     bad.write_bytes(b"not an image")

@@ -156,8 +156,8 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
-    from promptfcl.common.adapters import LowRankAdapters
-    from promptfcl.common.model import CodaPrompt
+    from promptfcl.common.model.adapters import LowRankAdapters
+    from promptfcl.common.model.prompted import CodaPrompt
     from promptfcl.strategies.platform.learner import LocalLearner
     from promptfcl.strategies.platform.strategy import PromptStrategy
     from promptfcl.strategies.registry import (
@@ -206,7 +206,7 @@ def test_no_method_reads_the_whole_configuration():
     reads the configuration once), never the whole ``ExperimentConfig``; a runtime carries none."""
     import dataclasses
 
-    from promptfcl.common.runtime import Runtime
+    from promptfcl.common.model.runtime import Runtime
     from promptfcl.strategies.registry import methods
 
     for name in methods():
@@ -277,7 +277,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common import MessageType
 from promptfcl.client.app import train
 from promptfcl.common.records import to_array_record
-from promptfcl.common.runtime import get_runtime, layout_of
+from promptfcl.common.model.runtime import get_runtime, layout_of
 from promptfcl.strategies.registry import prompt_class
 from tests.conftest import flower_task_identity, tiny_config
 

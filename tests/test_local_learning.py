@@ -10,10 +10,10 @@ import torch
 from flwr.app import RecordDict
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.evaluation import accuracies, correct_counts
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.evaluation import accuracies, correct_counts
+from promptfcl.common.model.runtime import get_runtime
 from promptfcl.common.records import ARRAYS, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.learner import LocalLearner, codap_cosine
 from tests.conftest import tiny_config
@@ -98,7 +98,7 @@ def test_bfloat16_autocast_trains_float32_parameters_and_still_learns():
 
 def test_augmented_training_bypasses_the_query_cache_and_queries_the_augmented_images(monkeypatch):
     """augment = crop-flip: q(x) is computed on each augmented batch, never read from the cache."""
-    from promptfcl.common.augment import augment_images
+    from promptfcl.common.data.augment import augment_images
 
     cfg = tiny_config(num_tasks=2, centralised=True, augment="crop-flip", local_epochs=1, batch_size=64)
     rt, arrays = start(cfg)

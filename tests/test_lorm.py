@@ -9,10 +9,10 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import build_model
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.prompted import build_model
+from promptfcl.common.model.runtime import get_runtime, model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import get_runtime, model_spec
 from promptfcl.strategies.lorm.learner import LoRMLearner
 from promptfcl.strategies.lorm.merge import merge_a, merge_b, pack_triu, regmean_head, regularised, task_weights
 from promptfcl.strategies.lorm.options import LoRMOptions, trained_factor

@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from promptfcl.common.partitions import client_indices
+from promptfcl.common.data.partitions import client_indices
+from promptfcl.common.model.runtime import get_runtime
 from promptfcl.common.records import arrays_of, from_array_record, to_array_record, to_torch
-from promptfcl.common.runtime import get_runtime
 from promptfcl.server import run as server_run
 from promptfcl.server.evaluation import CentralEvaluator
 from promptfcl.strategies.lorm.learner import TASK_END_STREAM, LoRMLearner

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from promptfcl.common.memory_plan import proc_status_kb
-from promptfcl.common.runtime import backbone_of, model_spec
+from promptfcl.common.model.runtime import backbone_of, model_spec
+from promptfcl.common.node.memory_plan import proc_status_kb
 
 REPO = Path(__file__).resolve().parents[1]
 #: a tiny backbone (96 wide, 3 blocks, 16 px) under large prompts: the pool is the run's memory
@@ -100,8 +100,8 @@ def serve(out: str, overrides: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.simulation
 @pytest.mark.slow
 def test_a_node_with_a_budget_trains_the_150_mb_prompt_run_within_it_or_refuses_it(tmp_path, monkeypatch):
-    from promptfcl.common.backbone import build_backbone
-    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.config.experiment import ExperimentConfig
+    from promptfcl.common.model.backbone import build_backbone
 
     monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))  # the node's cache: its backbone built once
     build_backbone(backbone_of(ExperimentConfig.from_dict(LARGE_PROMPTS)))
@@ -128,8 +128,8 @@ def train_message() -> tuple[str, dict[str, bytes], dict[str, Any]]:
     and the run config."""
     from flwr.app import ConfigRecord
 
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.model import initial_trainable_state
+    from promptfcl.common.config.experiment import ExperimentConfig
+    from promptfcl.common.model.prompted import initial_trainable_state
     from promptfcl.common.records import to_array_record
     from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
     from tests.conftest import flower_task_identity

@@ -16,17 +16,17 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 
 from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from promptfcl.client.node_policy import LIMITS, NodePolicy, NodeRefusal
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.common.errors import DataError
 from promptfcl.common.files import class_folder
-from promptfcl.common.runtime import model_spec
+from promptfcl.common.model.runtime import model_spec
 from tests.conftest import tiny_config
 from tests.helpers import client_app, run_in_process
 
 
 # ----------------------------------------------------------------------------- class names stay in the folder
 def test_class_names_from_the_server_never_leave_the_nodes_data_folder(tmp_path):
-    from promptfcl.common.data import read_class_folders
+    from promptfcl.common.data.sources import read_class_folders
 
     (node,) = export_digits(tmp_path / "data", 1)
     outside = tmp_path / "outside"
@@ -67,7 +67,7 @@ def test_a_node_reads_only_the_data_its_node_config_names(tmp_path):
 
 def message(cfg, **config) -> Message:
     """A train message of ``cfg``'s first round for client 0, with the initial prompts and head."""
-    from promptfcl.common.model import CodaPrompt, initial_trainable_state
+    from promptfcl.common.model.prompted import CodaPrompt, initial_trainable_state
     from promptfcl.common.records import to_array_record
 
     return Message(content=RecordDict({

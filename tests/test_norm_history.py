@@ -82,7 +82,7 @@ def test_the_norm_history_survives_a_resume():
 
 
 def test_bad_settings_are_refused():
-    from promptfcl.common.config import ConfigError
+    from promptfcl.common.config.experiment import ConfigError
 
     with pytest.raises(ConfigError, match="update-norm-rounds"):
         tiny_config(update_norm_rounds=0)

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.data import load_dataset
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.runtime import layout_of, partition_of
-from promptfcl.common.trust import resolve_trust
+from promptfcl.common.config.trust import resolve_trust
+from promptfcl.common.data.partitions import client_indices
+from promptfcl.common.data.sources import load_dataset
+from promptfcl.common.model.runtime import layout_of, partition_of
 from promptfcl.server.cli import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -154,7 +154,7 @@ def test_paper_config_parses_and_partitions(name, stand_in):
     assert data.num_classes == n_classes
     classes = set(layout_of(cfg, n_classes).classes(0).tolist())
     if cfg.data.task_generator == "random":  # Powder: tasks of random classes, each held by one client
-        from promptfcl.common.schedule import task_schedule
+        from promptfcl.common.data.schedule import task_schedule
 
         schedule = task_schedule(small.data, small.federation, small.run.seed)
         assert len(schedule.switch_rounds) == 4 and schedule.movers == 2
@@ -289,7 +289,7 @@ def test_hgp_config_feeds_the_authors_code_range_of_minus_one_to_one():
     import torch
     from timm.models import get_pretrained_cfg
 
-    from promptfcl.common.preprocess import InputPipeline
+    from promptfcl.common.model.preprocess import InputPipeline
 
     cfg = load_config(str(CONFIGS / "hgp-cifar100.toml"), [], None, None)
     weights = get_pretrained_cfg(cfg.model.backbone.split(":")[-1])
@@ -320,7 +320,7 @@ def test_fppl_fedcodap_row_runs_coda_p_as_published_at_tables_comm():
     are 345,800 parameters. FPPL's own prompt-tuning with L = 20 would make it 576,200."""
     import shlex
 
-    from promptfcl.common.model import CodaPrompt
+    from promptfcl.common.model.prompted import CodaPrompt
 
     docs = (CONFIGS.parent / "docs" / "benchmarks.md").read_text()
     row = next(line for line in docs.splitlines() if line.startswith("| FedCODA-P (FPPL's baseline)"))

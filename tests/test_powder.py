@@ -9,8 +9,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import ASYNCHRONOUS_TASKS
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.config.options import ASYNCHRONOUS_TASKS
+from promptfcl.common.model.runtime import get_runtime
 from promptfcl.common.records import (
     ARRAYS,
     CONFIG,
@@ -20,7 +21,6 @@ from promptfcl.common.records import (
     to_array_record,
     to_torch,
 )
-from promptfcl.common.runtime import get_runtime
 from promptfcl.strategies.platform.distillation import classic_distillation, dual_distillation
 from promptfcl.strategies.platform.learner import LocalLearner
 from promptfcl.strategies.powder.correlation import (

@@ -8,7 +8,7 @@ CODA-Prompt (models/vit.py, ``Attention.forward``; models/zoo.py splits the prom
 with q, K, V from the block's qkv projection of LN1(x), the prompt halves reshaped into the
 heads as they are (no projection, no norm, no bias), prepended to the keys and values; the
 queries and the sequence length are unchanged. The reference below is written from the block's
-weights with an explicit softmax, independently of ``common/vit.py`` (which uses
+weights with an explicit softmax, independently of ``common/model/vit.py`` (which uses
 ``scaled_dot_product_attention``).
 """
 
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from promptfcl.common.model import build_model
-from promptfcl.common.runtime import model_spec
-from promptfcl.common.vit import block_forward
+from promptfcl.common.model.prompted import build_model
+from promptfcl.common.model.runtime import model_spec
+from promptfcl.common.model.vit import block_forward
 from tests.conftest import tiny_config
 
 

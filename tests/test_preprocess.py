@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.preprocess import InputPipeline, centre_crops, random_resized_crops
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.model.preprocess import InputPipeline, centre_crops, random_resized_crops
 
 
 def images(n=4, side=32, seed=0):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.common.files import write_atomic
 from promptfcl.server.progress import MATRIX_FILE, ROUNDS_FILE, RoundsFile, RunTrackers, format_seconds
 

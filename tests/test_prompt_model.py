@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.model import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
-from promptfcl.common.runtime import backbone_of, model_spec
-from promptfcl.common.vit import block_forward as _block_forward
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.model.prompted import CodaPrompt, build_model, gram_schmidt_rows, masked_logits
+from promptfcl.common.model.runtime import backbone_of, model_spec
+from promptfcl.common.model.vit import block_forward as _block_forward
 from tests.conftest import tiny_config
 
 
@@ -155,7 +155,7 @@ def _backbones_in_use() -> list[str]:
     import tomllib
     from pathlib import Path
 
-    from promptfcl.common.config import ExperimentConfig
+    from promptfcl.common.config.experiment import ExperimentConfig
 
     names = {ExperimentConfig().model.backbone}
     for path in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"):
@@ -167,9 +167,9 @@ def _backbones_in_use() -> list[str]:
 def test_the_unprompted_path_equals_timms_own_forward(backbone):
     """With no prompt, the prefix path of every block (and the whole prompted forward with the
     prompts zeroed) gives timm's own output: nothing timm's forward does is dropped."""
-    from promptfcl.common.config import ExperimentConfig
-    from promptfcl.common.model import build_backbone
-    from promptfcl.common.vit import block_forward as _block_forward
+    from promptfcl.common.config.experiment import ExperimentConfig
+    from promptfcl.common.model.prompted import build_backbone
+    from promptfcl.common.model.vit import block_forward as _block_forward
 
     small = backbone == ExperimentConfig().model.backbone
     cfg = tiny_config(backbone=backbone, **({} if small else {"image-size": 224, "patch-size": 0, "embed-dim": 0,
@@ -186,8 +186,8 @@ def test_the_unprompted_path_equals_timms_own_forward(backbone):
 def test_a_block_the_prompted_path_cannot_reproduce_is_refused():
     from timm.models.vision_transformer import Block
 
-    from promptfcl.common.config import ConfigError
-    from promptfcl.common.model import CodaPrompt, PromptedViT, build_backbone
+    from promptfcl.common.config.experiment import ConfigError
+    from promptfcl.common.model.prompted import CodaPrompt, PromptedViT, build_backbone
 
     class OtherBlock(Block):  # a subclass may change the forward: refused, not silently run
         pass

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from promptfcl.common import metrics
-from promptfcl.common.config import ConfigError
-from promptfcl.common.data import load_dataset
-from promptfcl.common.partitions import client_indices
-from promptfcl.common.runtime import layout_of, partition_of
-from promptfcl.common.schedule import RandomTaskSchedule, task_schedule
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data.partitions import client_indices
+from promptfcl.common.data.schedule import RandomTaskSchedule, task_schedule
+from promptfcl.common.data.sources import load_dataset
+from promptfcl.common.model.runtime import layout_of, partition_of
 from tests.conftest import tiny_config
 
 RANDOM = {"task-generator": "random", "num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
@@ -239,8 +239,8 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     import torch
     from flwr.app import RecordDict
 
+    from promptfcl.common.model.runtime import get_runtime
     from promptfcl.common.records import ARRAYS, from_array_record, to_array_record
-    from promptfcl.common.runtime import get_runtime
     from promptfcl.strategies.platform.learner import LocalLearner
 
     cfg = random_config(head=head, lr=0.05)
@@ -253,7 +253,7 @@ def test_training_a_task_moves_only_the_head_rows_it_owns(head):
     moved = np.flatnonzero(np.abs(out["head.weight"] - start["head.weight"].numpy()).sum(axis=1) > 0)
     assert moved.tolist() == sorted(layout_of(cfg, 10).head_rows(g).tolist())
     # scoring: task i's classes compete through its own rows; a bias on one row decides every prediction
-    from promptfcl.common.evaluation import correct_counts
+    from promptfcl.common.model.evaluation import correct_counts
 
     state = {k: v.clone() for k, v in start.items()}
     state["head.weight"].zero_()

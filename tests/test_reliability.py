@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.server import checkpoint
 from tests.conftest import TINY, tiny_config
 from tests.helpers import make_ckpt

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, RecordDict
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.options import CAPABILITIES, MethodOptions
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.config.options import CAPABILITIES, MethodOptions
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,9 +32,9 @@ class Loaded(Exception):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Every dataset and backbone loader raises :class:`Loaded`."""
-    import promptfcl.common.data as data
-    import promptfcl.common.data_cache as data_cache
-    import promptfcl.common.runtime as runtime
+    import promptfcl.common.data.cache as data_cache
+    import promptfcl.common.data.sources as data
+    import promptfcl.common.model.runtime as runtime
     import promptfcl.server.run as server_run
 
     def load(*args, **kwargs):
@@ -79,7 +79,7 @@ def test_a_client_checks_privacy_without_the_methods_strategy():
     """The client's subset refuses what the server's check refuses, and imports no strategy."""
     code = """
 import sys
-from promptfcl.common.config import ConfigError, ExperimentConfig
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
 from promptfcl.strategies.platform.run_checks import check_client_run, check_run
 cfg = ExperimentConfig.from_dict({"strategy": "hgp", "dp.clip": 1.0, "hgp.cov-type": "lowrank"})
 for check in (check_run, check_client_run):

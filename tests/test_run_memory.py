@@ -11,12 +11,12 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.footprint import MemoryEstimate, machine_memory_gb, memory_problem
-from promptfcl.common.memory_plan import process_memory_mb, processes_line, round_after_mb
-from promptfcl.common.model import initial_trainable_state
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.model.prompted import initial_trainable_state
+from promptfcl.common.model.runtime import model_spec
+from promptfcl.common.node.footprint import MemoryEstimate, machine_memory_gb, memory_problem
+from promptfcl.common.node.memory_plan import process_memory_mb, processes_line, round_after_mb
 from promptfcl.common.records import array_view, array_views, to_array, to_array_record
-from promptfcl.common.runtime import model_spec
 from promptfcl.strategies.platform import replies
 from promptfcl.strategies.platform.replies import Update, combine, median_cosines, update_norm
 from promptfcl.strategies.platform.run_checks import load_config
@@ -161,7 +161,7 @@ def test_a_budgeted_process_hands_back_library_pages_and_still_computes(tmp_path
     import subprocess
     import sys
 
-    code = ("import torch, json; from promptfcl.common.memory_plan import release_library_pages, resident_mb\n"
+    code = ("import torch, json; from promptfcl.common.node.memory_plan import release_library_pages, resident_mb\n"
             "torch.manual_seed(0); x = torch.randn(4, 50, 64, requires_grad=True); w = torch.nn.Linear(64, 64)\n"
             "before = resident_mb(); w(x).relu().sum().backward(); g = x.grad.clone(); x.grad = None\n"
             "released = release_library_pages(); after = resident_mb()\n"

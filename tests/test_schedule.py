@@ -1,12 +1,12 @@
-"""Task arrival (common/schedule.py): the synchronous stream and asynchronous switching."""
+"""Task arrival (common/data/schedule.py): the synchronous stream and asynchronous switching."""
 
 from __future__ import annotations
 
 import pytest
 from flwr.app import ConfigRecord
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.schedule import TaskSchedule
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data.schedule import TaskSchedule
 from tests.conftest import tiny_config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.server.simulation import RayNode, plan_simulation
 from tests.conftest import tiny_config
 

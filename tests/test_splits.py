@@ -1,4 +1,4 @@
-"""Honest splits and the reproducibility kit (common/data.py's sources, common/splits.py).
+"""Honest splits and the reproducibility kit (common/data/sources.py's sources, common/data/splits.py).
 
 Hugging Face sources are real ``datasets`` objects served by a patched ``load_dataset`` (the
 hub is not reachable here); splits.npz is written and read by real in-process runs.
@@ -11,12 +11,12 @@ import json
 import numpy as np
 import pytest
 
-from promptfcl.common.config import ConfigError
-from promptfcl.common.data import DataError, load_dataset
-from promptfcl.common.partitions import client_indices, drawn_indices, drawn_shares
-from promptfcl.common.runtime import layout_of, partition_of
-from promptfcl.common.splits import read_splits
-from promptfcl.common.tasks import class_order
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.data.partitions import client_indices, drawn_indices, drawn_shares
+from promptfcl.common.data.sources import DataError, load_dataset
+from promptfcl.common.data.splits import read_splits
+from promptfcl.common.data.tasks import class_order
+from promptfcl.common.model.runtime import layout_of, partition_of
 from tests.conftest import tiny_config
 from tests.helpers import simulate_in_process
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
+from promptfcl.common.model.runtime import layout_of, model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.runtime import layout_of, model_spec
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.aggregation import weighted_average
 from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
@@ -84,7 +84,7 @@ def test_all_replies_bad_leaves_the_model_unchanged(flower_identity):
 
 
 def test_task_start_initialises_only_the_new_slice_orthogonally():
-    from promptfcl.common.model import build_model
+    from promptfcl.common.model.prompted import build_model
 
     cfg = tiny_config(num_tasks=2, pool_size=4)
     model, _ = build_model(model_spec(cfg, 10))

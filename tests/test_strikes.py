@@ -195,7 +195,7 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
 
 @pytest.mark.parametrize("bad", [-1, -3])
 def test_a_negative_strike_limit_is_refused(bad):
-    from promptfcl.common.config import ConfigError
+    from promptfcl.common.config.experiment import ConfigError
 
     with pytest.raises(ConfigError, match="update-strikes must be >= 0"):
         tiny_config(update_strikes=bad)

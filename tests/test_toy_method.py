@@ -35,8 +35,8 @@ FILES = {
         from dataclasses import dataclass
         from typing import ClassVar
 
-        from promptfcl.common.config import ConfigError
-        from promptfcl.common.options import MethodOptions
+        from promptfcl.common.config.experiment import ConfigError
+        from promptfcl.common.config.options import MethodOptions
 
 
         @dataclass(frozen=True)
@@ -50,7 +50,7 @@ FILES = {
                     raise ConfigError("toy.mu must be >= 0")
     ''',
     "prompt.py": '''
-        from promptfcl.common.model import CodaPrompt
+        from promptfcl.common.model.prompted import CodaPrompt
 
 
         class ToyPrompt(CodaPrompt):

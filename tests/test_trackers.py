@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
 from promptfcl.server.progress import RunTrackers
 from tests.conftest import tiny_config
 

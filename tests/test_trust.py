@@ -1,4 +1,4 @@
-"""Trust as a run setting (common/trust.py): the hostile-client defences apply to deployed nodes
+"""Trust as a run setting (common/config/trust.py): the hostile-client defences apply to deployed nodes
 and to runs with fault injection, never to a simulation of this project's own clients."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config import ConfigError
+from promptfcl.common.config.experiment import ConfigError
+from promptfcl.common.config.trust import resolve_trust
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
-from promptfcl.common.trust import resolve_trust
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from tests.conftest import tiny_config
 from tests.helpers import NodeList

@@ -1,4 +1,4 @@
-"""common/vit.py's ViT against timm's, and the node's built-backbone cache (``backbone-cache-disk``)."""
+"""common/model/vit.py's ViT against timm's, and the node's built-backbone cache (``backbone-cache-disk``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from promptfcl.common.config import ConfigError, ExperimentConfig
-from promptfcl.common.model import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
-from promptfcl.common.runtime import backbone_of, model_spec
-from promptfcl.common.vit import VisionTransformer, from_timm
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
+from promptfcl.common.model.prompted import CodaPrompt, PromptedViT, backbone_cache_path, build_backbone, build_model
+from promptfcl.common.model.runtime import backbone_of, model_spec
+from promptfcl.common.model.vit import VisionTransformer, from_timm
 from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,11 +95,11 @@ def test_from_timm_refuses_a_vit_outside_the_standard_one(change, reason):
 # ---------------------------------------------------------------------------- the disk cache
 _FRESH_PROCESS = """
 import json, sys, torch
-from promptfcl.common import startup
-from promptfcl.common.config import ExperimentConfig
-from promptfcl.common.model import ModelSpec, build_model
-from promptfcl.common.tasks import TaskLayout
-from promptfcl.common.weights import BackboneSpec
+from promptfcl.common.node import startup
+from promptfcl.common.config.experiment import ExperimentConfig
+from promptfcl.common.model.prompted import ModelSpec, build_model
+from promptfcl.common.data.tasks import TaskLayout
+from promptfcl.common.model.weights import BackboneSpec
 cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
 spec = ModelSpec.of(BackboneSpec.of(cfg.run, cfg.data, cfg.federation, cfg.model, cfg.caching),
                     TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, 10), cfg.run, cfg.model,
@@ -124,7 +124,7 @@ def test_a_fresh_process_reads_the_cached_backbone_without_timm(cache, tmp_path)
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == {"timm": False, "backbone": "promptfcl.common.vit", "phases": ["model_build", "weights"],
+    assert report == {"timm": False, "backbone": "promptfcl.common.model.vit", "phases": ["model_build", "weights"],
                       "source": source}
     assert torch.equal(torch.load(tmp_path / "q.pt"), model.query(x))
     assert torch.equal(model.query(x), query(timm_reference(cfg), x))

@@ -16,7 +16,7 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 
-from promptfcl.common.config import ExperimentConfig
+from promptfcl.common.config.experiment import ExperimentConfig
 from promptfcl.common.flower_internals import internal
 from tests.helpers import PushPullGrid, client_app
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...client.faults import STATISTICS_ATTACKS
-from ...common.config import ExperimentConfig
+from ...common.config.experiment import ExperimentConfig
 from ...common.records import ARRAYS, METRICS
 from ...strategies.registry import strategy_class
 from .comparison import finished_run, parse_method

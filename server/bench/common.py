@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...common.memory_plan import proc_status_kb
+from ...common.node.memory_plan import proc_status_kb
 from .. import checkpoint
 
 log = logging.getLogger("promptfcl")

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ...common.config import ExperimentConfig
-from ...common.config_files import parse_overrides
+from ...common.config.experiment import ExperimentConfig
+from ...common.config.files import parse_overrides
 from ...strategies.registry import check_method, methods
 from .grid import run_grid
 from .grid_parts import SEQUENTIAL, GridRun, Outcome, Placement

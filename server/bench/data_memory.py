@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from ...common.config import ExperimentConfig
-from ...common.data_cache import load_dataset_cached
+from ...common.config.experiment import ExperimentConfig
+from ...common.data.cache import load_dataset_cached
+from ...common.data.partitions import client_indices
 from ...common.files import write_atomic
-from ...common.partitions import client_indices
+from ...common.model.runtime import get_runtime
 from ...common.records import ARRAYS, to_array_record
-from ...common.runtime import get_runtime
 from ...strategies.fedavg.strategy import FedAvgStrategy
 from ...strategies.platform.learner import LocalLearner
 from .common import _machine

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...common.flower_internals import INTERNALS, internal
-from ...common.startup import PHASES
+from ...common.node.startup import PHASES
 from ..loopback import run_deployed
 from .common import run_simulation_subprocess
 

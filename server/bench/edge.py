@@ -27,13 +27,13 @@ from flwr.app import RecordDict
 
 from ...client.memory import apply_plan, plan_metrics
 from ...client.node_policy import BACKBONE_PRECISION_ENV, NodePolicy
-from ...common.backbone import build_backbone
-from ...common.config import ExperimentConfig
-from ...common.data import ArraySplit, Dataset
-from ...common.evaluation import accuracies, correct_counts
-from ...common.memory_plan import resident_mb
+from ...common.config.experiment import ExperimentConfig
+from ...common.data.sources import ArraySplit, Dataset
+from ...common.model.backbone import build_backbone
+from ...common.model.evaluation import accuracies, correct_counts
+from ...common.model.runtime import backbone_of, get_runtime
+from ...common.node.memory_plan import resident_mb
 from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
-from ...common.runtime import backbone_of, get_runtime
 from ...strategies.fedavg.strategy import FedAvgStrategy
 from ...strategies.platform.learner import LocalLearner
 from ...strategies.registry import prompt_class

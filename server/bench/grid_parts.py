@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...common.config import ExperimentConfig
+from ...common.config.experiment import ExperimentConfig
 from .common import run_simulation_subprocess
 
 log = logging.getLogger("promptfcl")

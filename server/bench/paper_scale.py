@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...common.schedule import task_schedule
+from ...common.data.schedule import task_schedule
 from ...strategies.platform.run_checks import load_config
 from .common import (
     PAPER_COMMUNICATION,

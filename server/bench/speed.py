@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
-from ...common.config import ExperimentConfig
-from ...common.model import masked_logits
-from ...common.partitions import client_indices
+from ...common.config.experiment import ExperimentConfig
+from ...common.data.partitions import client_indices
+from ...common.model.prompted import masked_logits
+from ...common.model.runtime import _runtime, get_runtime
 from ...common.records import ARRAYS, to_array_record
-from ...common.runtime import _runtime, get_runtime
 from ...strategies.fedavg.strategy import FedAvgStrategy
 from ...strategies.platform.learner import LocalLearner
 from ...strategies.registry import methods as registered

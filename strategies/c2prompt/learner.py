@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from ...common.partitions import client_indices
+from ...common.data.partitions import client_indices
 from ...common.privacy import clip_rows
 from ...common.records import METRICS, arrays_of, as_int, config_of, from_array_record, to_array_record
 from ..platform.distillation import classic_distillation, dual_distillation

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, DataSection, FederationSection, ModelSection
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
+from ...common.config.experiment import ConfigError, DataSection, FederationSection, ModelSection
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 from ...common.privacy import PrivacyOptions, privacy_refused
 
 GLOBAL_STATS = ("gaussian-diag", "mean-only")

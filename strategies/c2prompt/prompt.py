@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 from .options import C2PromptOptions
 
 

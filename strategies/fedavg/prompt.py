@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 
 
 class FedAvgPrompt(CodaPrompt):

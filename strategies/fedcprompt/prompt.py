@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 
 
 class FedCPromptPrompt(CodaPrompt):

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from flwr.app import RecordDict
 
+from ...common.model.runtime import Runtime
 from ...common.records import CONFIG, arrays_of, as_int, to_array_record
-from ...common.runtime import Runtime
 from ..platform.learner import Batch, LocalLearner
 from .options import FPPLOptions
 from .prompt import FPPLPrompt, task_prompt_names

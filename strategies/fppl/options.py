@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.config import ConfigError
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
+from ...common.config.experiment import ConfigError
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 
 FUSION_SCALES = ("fixed", "learnable")
 PROTOTYPE_VIEWS = ("augmented", "stored")

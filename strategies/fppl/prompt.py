@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 
 
 def task_prompt_names(layers: list[int]) -> set[str]:

@@ -9,13 +9,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...common.model.runtime import Runtime
 from ...common.records import to_array_record, to_torch
-from ...common.runtime import Runtime
 from .distill import set_sampling_mode
 from .latents import LatentGenerator, Teachers
 
 if TYPE_CHECKING:  # the runtime (data, backbone) is built by the strategy, for diagnostics only
-    from ...common.runtime import Runtime
+    from ...common.model.runtime import Runtime
 
 
 @torch.no_grad()

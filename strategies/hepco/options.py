@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, EvaluationSection, FederationSection
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
+from ...common.config.experiment import ConfigError, EvaluationSection, FederationSection
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 
 #: Table 3 rows, as names for ``hepco.ablate`` (comma-separated, composable).
 ABLATIONS = ("previous-model", "kl", "mse", "prompt-distillation", "classifier-distillation")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 
 
 class HePCoPrompt(CodaPrompt):

@@ -54,7 +54,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from ...common.errors import ConfigError
-from ...common.model import resolve_device
+from ...common.model.prompted import resolve_device
 from ...common.records import ARRAYS, METRICS, arrays_of, as_int, from_array_record, metrics_of, to_array_record
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy

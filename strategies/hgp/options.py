@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, ModelSection
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
+from ...common.config.experiment import ConfigError, ModelSection
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, MethodOptions
 from ...common.privacy import PrivacyOptions, privacy_refused
 
 COV_TYPES = ("full", "diag", "lowrank")

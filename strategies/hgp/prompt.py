@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 from .options import HGPOptions
 
 

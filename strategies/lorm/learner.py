@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-from ...common.partitions import client_indices
+from ...common.data.partitions import client_indices
 from ...common.records import METRICS, arrays_of, config_of, to_array_record, to_torch
 from ..platform.exchange import EXCHANGE, TASK_END
 from ..platform.learner import LocalLearner

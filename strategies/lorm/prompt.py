@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...common.adapters import LowRankAdapters
+from ...common.model.adapters import LowRankAdapters
 from .options import LoRMOptions
 
 
@@ -39,7 +39,7 @@ class LoRMAdapters(LowRankAdapters):
 
     ``recording()`` collects the Gram diagonals of the projections' inputs in the forwards run
     inside it (:class:`GramRecorder`): the adapters see each projection's input, so this is the
-    explicit path the note on the family asks for, the same for common/vit.py's ViT and timm's.
+    explicit path the note on the family asks for, the same for common/model/vit.py's ViT and timm's.
     """
 
     targets = ("qkv", "proj", "fc1", "fc2")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, DataSection, ModelSection
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
+from ...common.config.experiment import ConfigError, DataSection, ModelSection
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
 
 SOFTMAX_SCOPES = ("all", "task")
 REWEIGHTS = ("heterogeneity", "fedavg")

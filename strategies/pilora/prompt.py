@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...common.adapters import LowRankAdapters
+from ...common.model.adapters import LowRankAdapters
 from .options import PILoRAOptions
 
 #: floor of ||f - c||^2 before the square root (its gradient at 0 is infinite)

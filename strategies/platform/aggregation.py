@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord
 
-from ...common.config import AGGREGATIONS
+from ...common.config.experiment import AGGREGATIONS
+from ...common.data.tasks import TaskLayout
 from ...common.records import array_view, array_views, to_array_record
-from ...common.tasks import TaskLayout
 from .byzantine import SELECTIONS, assumed_malicious, select
 from .replies import capped_weights, combine
 

@@ -1,6 +1,6 @@
 """Hostile-client defences on model updates: policies the platform applies to a round's replies.
 
-They apply only where the run is defended (``defences``, common/trust.py): a simulation of this
+They apply only where the run is defended (``defences``, common/config/trust.py): a simulation of this
 project's own clients computes each paper's aggregation untouched. Each screen is one class, in
 the order the platform applies them to the replies that passed the record checks:
 

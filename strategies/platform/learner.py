@@ -40,17 +40,17 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ...common import config_sections as sections
-from ...common.augment import augment_images
-from ...common.config import ExperimentConfig
-from ...common.memory_plan import TrainingPlan
-from ...common.model import masked_logits
-from ...common.options import MethodOptions, NoOptions
-from ...common.partitions import client_indices
-from ...common.preprocess import random_resized_crops
+from ...common.config import sections as sections
+from ...common.config.experiment import ExperimentConfig
+from ...common.config.options import MethodOptions, NoOptions
+from ...common.data.augment import augment_images
+from ...common.data.partitions import client_indices
+from ...common.model.preprocess import random_resized_crops
+from ...common.model.prompted import masked_logits
+from ...common.model.runtime import Runtime
+from ...common.node.memory_plan import TrainingPlan
 from ...common.privacy import PrivacyOptions, privacy_options
 from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
-from ...common.runtime import Runtime
 from .collusion import flipped_labels
 
 log = logging.getLogger("promptfcl")

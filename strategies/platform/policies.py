@@ -12,7 +12,7 @@ its own way (a method only declares what its records hold, ``PromptStrategy.stat
    (and those of the exchange before training) bounded before the method sees them;
 4. :class:`~promptfcl.strategies.platform.aggregation.Combiner`: how the replies' arrays combine.
 
-The defences (1 and 3) are off where the run is not defended (``defences``, common/trust.py).
+The defences (1 and 3) are off where the run is not defended (``defences``, common/config/trust.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from ...common.config import FederationSection, RobustnessSection
+    from ...common.config.experiment import FederationSection, RobustnessSection
     from .rounds import Accepted, Sent
 
 

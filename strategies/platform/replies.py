@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ...common.config import AGGREGATIONS
-from ...common.startup import PHASES, metric_name
+from ...common.config.experiment import AGGREGATIONS
+from ...common.node.startup import PHASES, metric_name
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class MetricSpec:
 
 
 #: what a message's process cost (deployment): its age at the reply, and a fresh process's
-#: seconds per start-up phase (common/startup.py); train and evaluation replies carry them
+#: seconds per start-up phase (common/node/startup.py); train and evaluation replies carry them
 PROCESS_METRICS: dict[str, MetricSpec] = {
     "process-seconds": MetricSpec(float, required=False, low=0),
     **{metric_name(p): MetricSpec(float, required=False, low=0) for p in PHASES},
@@ -109,7 +109,7 @@ def check_metrics(record: Mapping[str, Any], specs: Mapping[str, MetricSpec]) ->
 
 
 #: elements of one array read at a time where the server combines or compares replies: a round's
-#: temporaries are a few chunks, not a float64 copy of every reply (ServerApp memory, common/footprint.py)
+#: temporaries are a few chunks, not a float64 copy of every reply (ServerApp memory, common/node/footprint.py)
 CHUNK = 1 << 20
 
 

@@ -4,7 +4,7 @@ The command line (:func:`load_config`: ``promptfcl simulate``, ``bench``, ``pret
 node's data ``check`` in client/node_data.py, deploy/submit-run.sh), its resume path and the
 ServerApp check a run here, before any dataset or backbone is loaded; a ClientApp checks what
 it needs before it uploads (:func:`check_client_run`). What a method supports of a run is data on its options
-(``COMPATIBILITY``, ``WHY_NOT``: common/options.py) and its own checks of its options against
+(``COMPATIBILITY``, ``WHY_NOT``: common/config/options.py) and its own checks of its options against
 the run are its options' ``check_run``, so checking a run needs the method's options and
 neither of its sides (the server's strategy, the client's learner).
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.config import ConfigError, ExperimentConfig
-from ...common.config_files import read_config
-from ...common.data import check_source
-from ...common.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
+from ...common.config.experiment import ConfigError, ExperimentConfig
+from ...common.config.files import read_config
+from ...common.config.options import ASYNCHRONOUS_TASKS, DIFFERENTIAL_PRIVACY, RANDOM_TASKS, MethodOptions
+from ...common.data.schedule import RandomTaskSchedule, TaskSchedule, task_schedule
+from ...common.data.sources import check_source
 from ...common.privacy import PrivacyOptions, check_privacy, privacy_options
-from ...common.schedule import RandomTaskSchedule, TaskSchedule, task_schedule
 from ..registry import check_method, check_namespaces, method_options
 from .run_memory import check_server_memory
 
@@ -35,7 +35,7 @@ class CheckedRun:
 def check_run(cfg: ExperimentConfig) -> CheckedRun:
     """Every check of the run ``cfg`` that needs nothing loaded (ConfigError at the first that fails):
     the method is known; every namespaced key names a method (or ``dp``) and one of its options;
-    the configuration's own values (common/config_checks.py); the dataset's name; the task
+    the configuration's own values (common/config/checks.py); the dataset's name; the task
     schedule and ``dp.*`` against what the method supports (its options' ``COMPATIBILITY``);
     the method's own checks of its options against the run (its options' ``check_run``); the
     run's memory against the server's ceilings (run_memory.py: the backbone, and a round's

@@ -1,6 +1,6 @@
 """A run's whole memory, estimated before anything is built: one estimate per side.
 
-common/footprint.py estimates the backbone (its parameters and a training step's activations);
+common/node/footprint.py estimates the backbone (its parameters and a training step's activations);
 this module adds what the method and the federation decide, so a run is refused up front with
 its figure and the limit instead of failing at its first allocation (a CODA-P pool of 4095
 components of 1024 tokens is 1.6 GB per prompted block at width 96, which a backbone-only
@@ -33,8 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, ExperimentConfig
-from ...common.footprint import (
+from ...common.config.experiment import ConfigError, ExperimentConfig
+from ...common.data.tasks import TaskLayout
+from ...common.model.weights import BackboneSpec
+from ...common.node.footprint import (
     MAX_MEMORY_ENV,
     Footprint,
     MemoryEstimate,
@@ -43,15 +45,13 @@ from ...common.footprint import (
     memory_problem,
     server_ceilings,
 )
-from ...common.tasks import TaskLayout
-from ...common.weights import BackboneSpec
 from ..registry import method_options, prompt_class, statistics_of
 from .statistics import DIAGONAL, FACTOR, PACKED_TRIU
 
 F32, F64 = 4, 8
 #: class counts of the built-in datasets, for a run that leaves ``num-classes`` to its data
 KNOWN_CLASSES = {"digits": 10, "fashion-mnist": 10}
-#: floats per token of one block a no-grad pass holds at a time (common/memory_plan.py's NO_GRAD_FLOATS)
+#: floats per token of one block a no-grad pass holds at a time (common/node/memory_plan.py's NO_GRAD_FLOATS)
 NO_GRAD_FLOATS = 12
 #: the parts that live on an accelerator where the side trains or evaluates on one (and that a
 #: node's memory budget plans: micro-batches, checkpointing); the others are always host memory
@@ -220,7 +220,7 @@ def node_memory(cfg: ExperimentConfig, sent_classes: int | None = None) -> Memor
 
 def server_memory(cfg: ExperimentConfig) -> MemoryEstimate:
     """What the ServerApp needs for a round of ``cfg`` (its backbone's activations aside: the
-    backbone ceiling is :func:`~promptfcl.common.footprint.check_server_footprint`'s)."""
+    backbone ceiling is :func:`~promptfcl.common.node.footprint.check_server_footprint`'s)."""
     sizes = run_sizes(cfg)
     upload, state = method_memory(cfg, sizes)
     t = sizes.trainable
@@ -241,7 +241,7 @@ def server_memory(cfg: ExperimentConfig) -> MemoryEstimate:
 
 def check_server_memory(cfg: ExperimentConfig) -> None:
     """Refuse, before the server builds anything, a run beyond the server's ceilings: the backbone's
-    (:func:`~promptfcl.common.footprint.check_server_footprint`), then the round's whole estimate
+    (:func:`~promptfcl.common.node.footprint.check_server_footprint`), then the round's whole estimate
     (:func:`server_memory`) against ``PROMPTFCL_MAX_MEMORY_GB`` and this machine's memory.
 
     Raises

@@ -18,8 +18,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from ...common.config import DataSection, FederationSection, RobustnessSection, RunSection
-from ...common.node_identity import grid_names, node_label
+from ...common.config.experiment import DataSection, FederationSection, RobustnessSection, RunSection
+from ...common.node.identity import grid_names, node_label
 from ...common.records import as_int
 from .rounds import Sent, SentRound
 
@@ -126,7 +126,7 @@ class Sampling:
         return nodes
 
     def node_label(self, node_id: int) -> str:
-        """``node <id>`` with its registered name or key fingerprint where known (common/node_identity.py)."""
+        """``node <id>`` with its registered name or key fingerprint where known (common/node/identity.py)."""
         return node_label(int(node_id), self._node_names.get(int(node_id), ""))
 
     def named(self, entry: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ HGP's Gaussians, FPPL's prototypes and Powder's correlation vectors travel in re
 model. A well-formed forgery (a class mean scaled or shifted, a covariance inflated, a count
 moved) passes every record check. A method declares what each array of such a record is
 (:class:`Statistics`: vectors, second moments, counts) and the platform bounds them before the
-method sees them (``stats-bound`` = b > 0, only where the run is defended; common/trust.py), so a
+method sees them (``stats-bound`` = b > 0, only where the run is defended; common/config/trust.py), so a
 new method's statistics are bounded without it doing anything:
 
 * a **vector** row (a class mean, a prototype, an alpha) whose norm is above b x the lower median

@@ -43,10 +43,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from ...common import config_sections as sections
-from ...common.config import ExperimentConfig
-from ...common.model import CodaPrompt, TrainableModule
-from ...common.options import MethodOptions, NoOptions
+from ...common.config import sections as sections
+from ...common.config.experiment import ExperimentConfig
+from ...common.config.options import MethodOptions, NoOptions
+from ...common.config.trust import resolve_trust
+from ...common.data.schedule import task_schedule
+from ...common.data.tasks import TaskLayout
+from ...common.model.prompted import CodaPrompt, TrainableModule
+from ...common.model.runtime import Runtime
 from ...common.privacy import PrivacyOptions, PrivateRecord, privacy_options
 from ...common.records import (
     ARRAYS,
@@ -59,10 +63,6 @@ from ...common.records import (
     metrics_of,
     to_array_record,
 )
-from ...common.runtime import Runtime
-from ...common.schedule import task_schedule
-from ...common.tasks import TaskLayout
-from ...common.trust import resolve_trust
 from .aggregation import average_replies
 from .checks import NO_EXAMPLES, SampleBounds, placement_of, platform_problem
 from .exchange import ROUND, Exchanges

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from ...common.partitions import client_indices
+from ...common.data.partitions import client_indices
 from ...common.records import (
     METRICS,
     arrays_of,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from ...common.model import CodaPrompt
+from ...common.model.prompted import CodaPrompt
 
 
 class PowderPrompt(CodaPrompt):

@@ -48,7 +48,7 @@ Wire additions (message config): ``powder-tasks`` (ascending task slices in the 
 distillation's per-sample weight).
 
 Tasks are the paper's per-client tasks of random classes with ``task-generator = random``
-(section 5.1's benchmark, common/schedule.py RandomTaskSchedule), or the platform's shared
+(section 5.1's benchmark, common/data/schedule.py RandomTaskSchedule), or the platform's shared
 class-incremental stream. On random tasks each task is scored with its own local pool (the
 k slices of P_hat selected for it; ``evaluation = "global"``: the raw pool with CODA-P), and
 by default (``head = "auto"``) each task has its own head block, the paper's psi_c^t.

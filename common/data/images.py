@@ -12,7 +12,7 @@ each keeps its aspect ratio as torchvision's ``Resize(int)`` + ``CenterCrop`` ke
 with ``resize-interpolation`` so that its shorter side is :func:`stored_side` (8/7 of
 ``image-size``: 256 px for 224), then its central square of that side kept. Evaluation's
 ``eval-crop = 0.875`` then takes exactly ``Resize(256)`` + ``CenterCrop(224)`` of the original
-(common/preprocess.py; ``tests/test_images.py`` compares the two on non-square images).
+(common/model/preprocess.py; ``tests/test_images.py`` compares the two on non-square images).
 Training crops (``augment = "resized-crop-flip"``) are drawn from that stored square, where the
 authors' ``RandomResizedCrop`` draws from the whole original image: the strips of a long side
 outside the central square are never seen in training, and the crop scale is a fraction of the
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
-from .files import class_folder
+from ..errors import DataError
+from ..files import class_folder
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 #: images decoded at once

@@ -1,5 +1,5 @@
 """The frozen ViT backbone: built once (timm, or this project's ViT from a checkpoint), frozen,
-and cached on disk per machine (``backbone-cache-disk``); common/model.py prompts it. A process
+and cached on disk per machine (``backbone-cache-disk``); common/model/prompted.py prompts it. A process
 maps the cache file into memory rather than reading it: its weights are the page cache's,
 shared read-only by every process of the node."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import startup
-from .config import ConfigError
-from .files import write_atomic
+from ..config.experiment import ConfigError
+from ..files import write_atomic
+from ..node import startup
 from .vit import architecture, from_state, from_timm
 from .weights import BackboneSpec, backbone_identity, cache_dir, checkpoint_meta, disk_backbone_id, resolve_weights
 
@@ -27,7 +27,7 @@ _refusals_logged: set[str] = set()  # backbones whose from_timm refusal this pro
 
 
 
-#: a frozen ViT, timm's or common/vit.py's: the code reads it by its attributes (``blocks``,
+#: a frozen ViT, timm's or common/model/vit.py's: the code reads it by its attributes (``blocks``,
 #: ``patch_embed``, ``embed_dim``...), which torch types as ``Tensor | Module``, hence ``Any``
 Backbone = Any
 
@@ -36,7 +36,7 @@ def build_backbone(spec: BackboneSpec) -> tuple[Backbone, str]:
     """The frozen backbone ``spec`` names, with a sentence saying which weights it has.
 
     With ``backbone-cache-disk`` on, a node keeps the built backbone in its cache dir
-    (:func:`backbone_cache_path`) and a fresh process reads it into common/vit.py's ViT
+    (:func:`backbone_cache_path`) and a fresh process reads it into common/model/vit.py's ViT
     without importing timm. Otherwise, on a miss, and for a ViT outside that module's
     scope, timm builds it (a miss then writes the cache file).
     """

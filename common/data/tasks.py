@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import config_sections as sections
-from .config import ConfigError
+from ..config import sections as sections
+from ..config.experiment import ConfigError
 
 
 def class_order(num_classes: int, seed: int) -> np.ndarray:
@@ -132,7 +132,7 @@ class TaskLayout:
         reply per task (Fed-CPrompt, Powder) locate a task's part with this.
         """
         if name.startswith("prompt.lora_") and value.ndim >= 1 and value.shape[0] == self.num_tasks:
-            return slice(task, task + 1)  # a low-rank adapter's sets, one per task (common/adapters.py)
+            return slice(task, task + 1)  # a low-rank adapter's sets, one per task (common/model/adapters.py)
         if name.startswith("prompt.") and value.ndim >= 1 and value.shape[0] == self.pool_size:
             return self.slice_of(task)
         if name.startswith("head.") and value.ndim >= 1 and value.shape[0] == self.head_size:

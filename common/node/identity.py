@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from .text import printable
+from ..text import printable
 
 log = logging.getLogger("promptfcl")
 

@@ -5,7 +5,7 @@ client/node_policy.py). The plan keeps the run's updates: the optimiser still st
 ``batch-size`` images, each step's gradient accumulated over micro-batches whose losses are
 weighted by their share of the batch (strategies/platform/learner.py), and where even a micro-batch of a few
 images does not fit, the frozen blocks that prompts back-propagate through are recomputed in the
-backward pass instead of kept (activation checkpointing, common/model.py). No-grad passes (the
+backward pass instead of kept (activation checkpointing, common/model/prompted.py). No-grad passes (the
 query, evaluation, statistics) run in chunks that fit as well. What stays: the process as it
 stands when the plan is made (interpreter, torch, the backbone, the node's data, the message),
 measured, not estimated; what the round adds besides its activations (the gradients and Adam's

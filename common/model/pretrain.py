@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ExperimentConfig
-from .data import load_dataset
-from .model import CodaPrompt, PromptedViT, build_backbone
+from ..config.experiment import ExperimentConfig
+from ..data.sources import load_dataset
+from .prompted import CodaPrompt, PromptedViT, build_backbone
 from .weights import BackboneSpec, checkpoint_path
 
 log = logging.getLogger("promptfcl")

@@ -2,8 +2,8 @@
 
 Every field is a run-config key (kebab-case at the edges: ``num-tasks`` is ``DataSection.num_tasks``)
 declared with :func:`key` (its default and the identities it enters). A section checks its own
-values when it is made (common/config_checks.py); checks that join sections are the whole
-configuration's (``ExperimentConfig``, common/config.py).
+values when it is made (common/config/checks.py); checks that join sections are the whole
+configuration's (``ExperimentConfig``, common/config/experiment.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import config_checks
+from . import checks as config_checks
 
 #: the sections of a run configuration (every key belongs to one), as ``ExperimentConfig`` names them
 SECTIONS = ("run", "data", "federation", "training", "model", "evaluation", "robustness", "placement", "output",
@@ -109,14 +109,14 @@ class FederationSection:
     clients_per_round: int = key(5, ("results",))
     client_fraction: float = key(0.0, ("results",))
     rounds_per_task: int = key(3, ("results",))
-    # Task arrival (common/schedule.py): every `switch-every` rounds (0: rounds-per-task) a
+    # Task arrival (common/data/schedule.py): every `switch-every` rounds (0: rounds-per-task) a
     # `switch-fraction` of the clients moves on to its next task; 1.0 is the synchronous stream.
     switch_every: int = key(0, ("results",))
     switch_fraction: float = key(1.0, ("results",))
     # "iid"; "dirichlet": label skew, each class's samples split by Dir(dirichlet-beta);
     # "quantity": label skew, k = classes-per-client classes per client; "quantity-skew": client
     # dataset SIZES drawn from Dir(dirichlet-beta), labels IID (NIID-Bench's quantity skew);
-    # "stateless": HePCo's population (below). See common/data.py.
+    # "stateless": HePCo's population (below). See common/data/sources.py.
     partition: str = key("dirichlet", ("results",))
     # beta of partition = dirichlet and of partition = quantity-skew
     dirichlet_beta: float = key(0.5, ("results",))
@@ -210,7 +210,7 @@ class ModelSection:
     # task-specific head psi_c^t of Powder's text (Algorithm 1, eq. 8) and of its authors' code.
     # "auto": per-task with random tasks, per-class on the stream (where a class has one task).
     head: str = key("auto", ("results",))
-    # Inputs (common/preprocess.py): "backbone" normalises with the backbone's pretraining mean
+    # Inputs (common/model/preprocess.py): "backbone" normalises with the backbone's pretraining mean
     # and std, "unit" feeds [0, 1] pixels (CODA-P's and FPPL's code, HePCo's text)
     input_norm: str = key("backbone", ("results",))
     # every resize to the backbone's size: "bilinear" or "bicubic" (HGP's text)
@@ -285,7 +285,7 @@ class RobustnessSection:
     # retries (with freshly sampled clients) before the run stops with an error
     round_retries: int = key(2, ("results",))
     max_reply_bytes: int = key(256_000_000, ("results",))  # replies above this size are rejected
-    # Trust is a property of the run (common/trust.py): "auto" turns the hostile-client defences
+    # Trust is a property of the run (common/config/trust.py): "auto" turns the hostile-client defences
     # below (update-norm-factor, max-update-norm, update-clip, update-min-cosine, stats-bound) off
     # in a simulation of this project's own clients with no fault injection, where every client is
     # honest and each method is computed as its paper defines it, and on for deployed nodes
@@ -433,13 +433,13 @@ class CachingSection:
 
     query_cache: bool = key(True, ("results",))
     # decode a source once per machine into memory-mapped arrays every process maps read-only
-    # (common/data_cache.py); false: each process decodes into its own memory
+    # (common/data/cache.py); false: each process decodes into its own memory
     data_cache: bool = key(True, ())
     # Persist q(x) in the node's cache dir so a fresh ClientApp process reuses it: "auto" (on
     # with population=nodes, where every message may start a new process), "on" or "off".
     query_cache_disk: str = key("auto", ())
     # Keep the built, frozen backbone in the node's cache dir as a plain state dict for
-    # common/vit.py's ViT, so a fresh ClientApp process builds it without importing timm:
+    # common/model/vit.py's ViT, so a fresh ClientApp process builds it without importing timm:
     # "auto" (on with population=nodes, where every message may start a new process), "on" or "off".
     backbone_cache_disk: str = key("auto", ())
 

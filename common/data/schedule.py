@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:  # config validates through this module; no import back at run time
-    from .config_sections import DataSection, FederationSection
+    from ..config.sections import DataSection, FederationSection
 
 
 def check_switching(switch_every: int, switch_fraction: float, zero_means: str) -> None:

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:  # config parses its values through this module; no import back at run time
-    from .config_sections import DataSection, EvaluationSection, FederationSection, ModelSection
-    from .privacy import PrivacyOptions
+    from ..privacy import PrivacyOptions
+    from .sections import DataSection, EvaluationSection, FederationSection, ModelSection
 
 # What a run may ask of a method (a method's ``COMPATIBILITY`` lists those it supports, as in
 # Mammoth's ``COMPATIBILITY``); strategies/platform/run_checks.py refuses a run that asks for more.

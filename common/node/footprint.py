@@ -36,8 +36,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config import ConfigError
-from .weights import BackboneSpec
+from ..config.experiment import ConfigError
+from ..model.weights import BackboneSpec
 
 #: default ceilings: a node's unless its node config says otherwise, the server's unless its
 #: environment does (:func:`server_ceilings`). 4096 tokens: a 1024 px image in 16 px patches.

@@ -4,7 +4,7 @@ Flower hands every ServerApp and ClientApp the same flat ``context.run_config``
 (``[tool.flwr.app.config]`` in pyproject.toml plus ``--run-config`` overrides).
 Keys are kebab-case (``num-tasks``); method-specific keys are namespaced by the
 strategy name (``hepco.lambda-kl``) and are validated by the strategy itself. Each key is a
-field of one section (common/config_sections.py); the flat keys exist only at the edges
+field of one section (common/config/sections.py); the flat keys exist only at the edges
 (``from_run_config``, ``from_dict``, ``to_dict``, ``replace``, the digest).
 """
 
@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .config_checks import (  # noqa: F401
+from ..errors import ConfigError  # re-exported: the error of configurations
+from .checks import (  # noqa: F401
     AGGREGATIONS,
     AUGMENTATIONS,
     CENTRALISED_MODES,
@@ -34,7 +35,8 @@ from .config_checks import (  # noqa: F401
     valid_ray_address,
     validate_config,
 )
-from .config_sections import (  # noqa: F401
+from .options import coerce_value
+from .sections import (  # noqa: F401
     IDENTITIES,
     SECTION_CLASSES,
     SECTIONS,
@@ -49,8 +51,6 @@ from .config_sections import (  # noqa: F401
     RunSection,
     TrainingSection,
 )
-from .errors import ConfigError  # re-exported: the error of configurations
-from .options import coerce_value
 
 DP_NAMESPACE = "dp"  # differential privacy's run-config keys, dp.* (common/privacy.py)
 
@@ -178,7 +178,7 @@ class ExperimentConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work together; checked before any training
-        (common/config_checks.py)."""
+        (common/config/checks.py)."""
         validate_config(self)
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
-from .files import write_atomic
+from ..errors import DataError
+from ..files import write_atomic
 
 FILE_NAME = "splits.npz"
 FORMAT = 1

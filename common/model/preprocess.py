@@ -9,7 +9,7 @@ follows):
   ``RandomResizedCrop(224)`` + horizontal flip (``augment = "resized-crop-flip"``; FPPL's code
   from 5% of the area, ``augment-crop-scale = 0.05``, torchvision: 8%). CODA-P's code tests
   ImageNet-type data (ImageNet-R, DomainNet) on ``Resize(256)`` + ``CenterCrop(224)``
-  (``eval-crop = 0.875``, on images stored with that margin, aspect kept: common/images.py) but
+  (``eval-crop = 0.875``, on images stored with that margin, aspect kept: common/data/images.py) but
   CIFAR-100 on the whole image resized to 224 (``eval-crop = 1.0``): its
   ``dataloaders/utils.py`` ``get_transform`` crops only datasets named ``ImageNet*`` or
   ``DomainNet``, and HePCo's and Fed-CPrompt's code resize CIFAR-100 whole alike. FPPL's code
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config_checks import INPUT_NORMS, INTERPOLATIONS
+from ..config.checks import INPUT_NORMS, INTERPOLATIONS
 
 
 def random_resized_crops(n: int, height: int, width: int, rng: np.random.Generator,
@@ -74,7 +74,7 @@ def random_resized_crops(n: int, height: int, width: int, rng: np.random.Generat
 def centre_crops(n: int, height: int, width: int, fraction: float) -> np.ndarray:
     """``n`` copies of the central crop keeping ``fraction`` of each side (no flip): the
     ``Resize(256)`` + ``CenterCrop(224)`` of a test transform is ``fraction = 224 / 256`` of an
-    image stored as the central square of its 256 px shorter side (common/images.py)."""
+    image stored as the central square of its 256 px shorter side (common/data/images.py)."""
     ch, cw = height * fraction, width * fraction
     return np.tile(np.array([(height - ch) / 2, (width - cw) / 2, ch, cw, 0.0], np.float32), (n, 1))
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import config_sections as sections
-from .config import ConfigError
+from ..config import sections as sections
+from ..config.experiment import ConfigError
 from .splits import ANY_ROUND, check_matches, read_splits
 from .tasks import TaskLayout, class_order
 
@@ -45,7 +45,7 @@ class Partition:
     category_ratio, split_ratio, imbalance_ratio, rounds_per_task
         The stateless population's draws, per round of a task.
     num_rounds, switch_every, switch_fraction
-        Random tasks: which client owns a task (common/schedule.py ``RandomTaskSchedule``).
+        Random tasks: which client owns a task (common/data/schedule.py ``RandomTaskSchedule``).
     """
 
     scheme: str
@@ -164,7 +164,7 @@ def _cut_order(order: str, num_classes: int, seed: int) -> bytes:
 def drawn_shares(labels: np.ndarray, layout: TaskLayout,
                  partition: Partition) -> dict[tuple[int, int, int], np.ndarray]:
     """Every share the partition draws, keyed (client, task, round within the task or -1 =
-    every round): what splits.npz records (common/splits.py)."""
+    every round): what splits.npz records (common/data/splits.py)."""
     p = partition
     shares: dict[tuple[int, int, int], np.ndarray] = {}
     for task in range(layout.num_tasks):

@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from . import config_sections as sections
-from .config import ConfigError, keys_of
+from ..config import sections as sections
+from ..config.experiment import ConfigError, keys_of
 
 ARCH_KEYS = keys_of("architecture")
 # Keys that decide the backbone's output; a change in any of them invalidates queries.
@@ -99,7 +99,7 @@ def resolve_weights(spec: BackboneSpec) -> Path:
 
 
 def checkpoint_meta(path: Path) -> dict:
-    import torch  # heavy: the spec, the paths and the footprint check (common/footprint.py) need none of it
+    import torch  # heavy: the spec, the paths and the footprint check (common/node/footprint.py) need none of it
 
     try:
         return dict(torch.load(path, map_location="cpu", weights_only=True).get("meta", {}))

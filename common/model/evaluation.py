@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import masked_logits
+from .prompted import masked_logits
 from .runtime import Runtime
 
 

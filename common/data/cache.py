@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from . import data as decoding
+from ..config.experiment import ExperimentConfig, keys_of
+from ..model.weights import cache_dir
 from . import images as image_decoding
-from .config import ExperimentConfig, keys_of
-from .data import ArraySplit, Dataset, DataSource, check_task_stream, read_source, source_identity
-from .row_file import RowFile
+from . import sources as decoding
+from .rows import RowFile
+from .sources import ArraySplit, Dataset, DataSource, check_task_stream, read_source, source_identity
 from .tasks import TaskLayout
-from .weights import cache_dir
 
 log = logging.getLogger("promptfcl")
 
@@ -58,7 +58,7 @@ def code_identity(*modules: object) -> str:
 def entry_dir(root: Path, key: Any) -> Path:
     """Where the arrays keyed by ``key`` (any JSON value) live under ``root``."""
     # both modules that turn sources into arrays: a change in how images are resized or cropped
-    # (common/images.py) never maps arrays decoded the old way
+    # (common/data/images.py) never maps arrays decoded the old way
     digest = hashlib.sha1(json.dumps([key, code_identity(decoding, image_decoding)], sort_keys=True,
                                      default=str).encode())
     return root / digest.hexdigest()[:20]

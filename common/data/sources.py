@@ -2,8 +2,8 @@
 
 Images are kept as uint8 arrays (N, C, H, W); the model resizes and normalises per batch, so
 one copy of the data serves any backbone. Labels are remapped once by the seeded class order
-(``common/tasks.py``), so task ``t`` owns classes ``[t*k, (t+1)*k)``. Client shares are in
-``common/partitions.py``.
+(``common/data/tasks.py``), so task ``t`` owns classes ``[t*k, (t+1)*k)``. Client shares are in
+``common/data/partitions.py``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from . import config_sections as sections
-from .config import ConfigError, ExperimentConfig
-from .errors import DataError  # re-exported: the error of datasets
+from ..config import sections as sections
+from ..config.experiment import ConfigError, ExperimentConfig
+from ..errors import DataError  # re-exported: the error of datasets
 from .images import (
     class_folder_files,
     decode_files,
     decode_rows,
     image_listing,
 )
-from .row_file import RowFile
+from .rows import RowFile
 from .splits import check_matches, read_splits
 from .tasks import TaskLayout, class_order
 
@@ -320,7 +320,7 @@ def _folder(path: str, source: DataSource) -> Source:
 def read_class_folders(split_root: Path, names: list[str], image_size: int, skip_missing: bool,
                        interpolation: str = "bilinear") -> ArraySplit:
     """Images of ``split_root/<class>/*`` labelled by position in ``names`` (a node's own folders:
-    :func:`promptfcl.common.images.class_folder_files`); no images gives an empty split."""
+    :func:`promptfcl.common.data.images.class_folder_files`); no images gives an empty split."""
     files, labels = class_folder_files(split_root, names, skip_missing)
     return ArraySplit(decode_files(files, image_size, interpolation), labels)
 
@@ -442,7 +442,7 @@ def ordered_dataset(source: DataSource, name: str, train: ArraySplit, test: Arra
     train = _cap_per_class(train, source.max_train_per_class, source.seed)
     test = _cap_per_class(test, source.max_test_per_class, source.seed)
     order = class_order(num_classes, source.seed)
-    if source.splits:  # another run's class order (common/splits.py)
+    if source.splits:  # another run's class order (common/data/splits.py)
 
         recorded = read_splits(source.splits)
         if len(recorded.class_order) != num_classes:

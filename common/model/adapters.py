@@ -1,7 +1,7 @@
 """Low-rank adapters (LoRA) on the frozen ViT's projections: the second family of trainable modules.
 
 A method's trainable part is a module family (``family``): CODA-P's prompts
-(``common/model.py: CodaPrompt``) or these adapters. Both sit in ``PromptedViT``'s ``prompt``
+(``common/model/prompted.py: CodaPrompt``) or these adapters. Both sit in ``PromptedViT``'s ``prompt``
 slot, travel under the ``prompt.`` prefix of the trainable state and keep one part per task,
 so the platform's per-task aggregation, checks, defences and privacy apply to either unchanged.
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError
+from ..config.experiment import ConfigError
 
 #: projections an adapter can target; ``q`` and ``v`` are slices of ``qkv``'s output
 TARGETS = ("qkv", "q", "v", "proj", "fc1", "fc2")

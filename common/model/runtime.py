@@ -30,14 +30,14 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import startup
-from .config import ConfigError, ExperimentConfig, keys_of
-from .data import ArraySplit, Dataset
-from .data_cache import load_dataset_cached
-from .files import write_atomic
-from .model import CodaPrompt, ModelSpec, PromptedViT, TrainableModule, build_model, resolve_device
-from .partitions import Partition
-from .tasks import TaskLayout
+from ..config.experiment import ConfigError, ExperimentConfig, keys_of
+from ..data.cache import load_dataset_cached
+from ..data.partitions import Partition
+from ..data.sources import ArraySplit, Dataset
+from ..data.tasks import TaskLayout
+from ..files import write_atomic
+from ..node import startup
+from .prompted import CodaPrompt, ModelSpec, PromptedViT, TrainableModule, build_model, resolve_device
 from .weights import BackboneSpec, cache_dir, disk_backbone_id
 
 log = logging.getLogger("promptfcl")
@@ -154,7 +154,7 @@ class Runtime:
     model_settings: str
     caches: dict[str, QueryCache] = field(default_factory=dict)
     disk_dir: Path | None = None  # where query caches persist (None: memory only)
-    precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/low_precision.py)
+    precision: str = "fp32"  # the frozen backbone's (a node's own choice: common/model/low_precision.py)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bfloat16 autocast on this device when ``mixed_precision``, else nothing."""

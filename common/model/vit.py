@@ -33,7 +33,7 @@ from torch import nn
 
 #: a low-rank adapter's hook into a block: ``adapt(name, x, y)`` is projection ``name``'s output ``y``
 #: ("qkv", "proj", "fc1" or "fc2", computed from its input ``x``) with the adapter's delta added
-#: (common/adapters.py); a projection it does not adapt comes back as it is. ``y`` is the projection's
+#: (common/model/adapters.py); a projection it does not adapt comes back as it is. ``y`` is the projection's
 #: fresh output, which the hook may update in place
 Adapt = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,7 +1,7 @@
 """Frozen ViT backbone, CODA-P decomposed prompts, and the prompted classifier.
 
 Reads top to bottom: ``CodaPrompt`` -> ``PromptedViT`` over the frozen backbone of
-``common/backbone.py`` (``build_backbone``).
+``common/model/backbone.py`` (``build_backbone``).
 Only the prompt module and the linear head are trainable; the backbone is frozen
 and never leaves the machine it runs on.
 
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import config_sections as sections
+from ..config import sections as sections
+from ..config.experiment import ConfigError
+from ..data.tasks import TaskLayout
 from .adapters import LowRankAdapters
 from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
-from .config import ConfigError
 from .low_precision import lower_precision
 from .preprocess import InputPipeline
-from .tasks import TaskLayout
 from .vit import Attention as OurAttention
 from .vit import Block as OurBlock
 from .vit import block_forward
@@ -91,7 +91,7 @@ class CodaPrompt(nn.Module):
     #: with prompt-tuning and ``prompt-tokens = "auto"``: what the method does with a block's
     #: prompt tokens after the block, "truncate" or "accumulate" (see ``PromptedViT.features``)
     prompt_tokens = "truncate"
-    #: the module family (the other: common/adapters.py's low-rank adapters)
+    #: the module family (the other: common/model/adapters.py's low-rank adapters)
     family = "prompts"
     #: whether the forward reads q(x), the unprompted backbone's feature (the runtime caches it)
     uses_query = True
@@ -176,7 +176,7 @@ def check_blocks(backbone: Backbone, layers: list[int]) -> None:
 
     ``common.vit.block_forward`` is timm's ``vision_transformer.Block`` and ``Attention``
     forward (pre-norm, layer scale, drop path; q/k norm, scale norm, gated output); blocks of
-    common/vit.py's ViT or of timm's are accepted, any other class (or a subclass, which may
+    common/model/vit.py's ViT or of timm's are accepted, any other class (or a subclass, which may
     change the forward) is refused rather than silently run without what it adds.
     """
     for i in layers:
@@ -191,7 +191,7 @@ def check_blocks(backbone: Backbone, layers: list[int]) -> None:
             raise ConfigError(
                 f"block {i} of this backbone is {type(block).__module__}.{type(block).__name__} with attention "
                 f"{type(attn).__name__}; prompts are inserted only into timm's vision_transformer "
-                "Block / Attention (or common/vit.py's), whose forward the prompted path reproduces")
+                "Block / Attention (or common/model/vit.py's), whose forward the prompted path reproduces")
 
 
 #: a method's trainable module: one of the two families
@@ -200,7 +200,7 @@ TrainableModule = CodaPrompt | LowRankAdapters
 
 class PromptedViT(nn.Module):
     """Frozen ViT + the method's trainable module (CODA-P prompts, or low-rank adapters:
-    common/adapters.py) + one linear head (over all classes, or a block per task).
+    common/model/adapters.py) + one linear head (over all classes, or a block per task).
 
     ``forward(images, query)`` returns logits over all classes; masking to the
     current task (training) or to the seen classes (evaluation) is the caller's,
@@ -215,7 +215,7 @@ class PromptedViT(nn.Module):
         if tokens not in ("truncate", "accumulate"):
             raise ValueError(f"prompt tokens {tokens!r}")
         self.tokens = tokens
-        # a node's memory plan (common/memory_plan.py): recompute the blocks prompts back-propagate
+        # a node's memory plan (common/node/memory_plan.py): recompute the blocks prompts back-propagate
         # through instead of keeping their activations, and run no-grad passes in chunks of at most
         # ``max_batch`` images (0: whole batches); neither changes what is computed
         self.checkpointed: frozenset[int] = frozenset()  # indices of the blocks recomputed in the backward pass
@@ -403,7 +403,7 @@ def build_model(
 ) -> tuple[PromptedViT, str]:
     """Backbone + prompt (CODA-P unless a method gives its own) + head (``head_size`` outputs:
     one per class, or a block per task); seeded init. ``precision``: the frozen backbone's, a
-    node's own choice (common/low_precision.py)."""
+    node's own choice (common/model/low_precision.py)."""
 
     backbone, source = build_backbone(spec.backbone)
     if precision != "fp32":

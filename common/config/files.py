@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, ExperimentConfig
+from .experiment import ConfigError, ExperimentConfig
 
 
 def toml_value(value: object) -> str:

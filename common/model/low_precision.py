@@ -14,7 +14,7 @@ stay float32 whatever the choice.
   the dequantised weight), since prompts back-propagate through frozen blocks.
 
 The float32 weights being replaced come from the node's memory-mapped backbone cache
-(common/backbone.py); their pages are handed back to the kernel layer by layer
+(common/model/backbone.py); their pages are handed back to the kernel layer by layer
 (:func:`release_pages`), so converting does not hold a float32 copy and the new one at once.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .memory_plan import file_mappings
+from ..node.memory_plan import file_mappings
 
 PRECISIONS = ("fp32", "bf16", "int8")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
-from .files import class_name_problem
-from .schedule import task_schedule
+from ..data.schedule import task_schedule
+from ..errors import ConfigError
+from ..files import class_name_problem
 
 if TYPE_CHECKING:
-    from . import config_sections as sections
-    from .config import ExperimentConfig
+    from . import sections as sections
+    from .experiment import ExperimentConfig
 
 # the values a key may take
 PARTITIONS = ("iid", "dirichlet", "quantity", "quantity-skew", "stateless")
@@ -39,7 +39,7 @@ EVALUATIONS = ("central", "federated")
 AGGREGATIONS = ("mean", "median", "trimmed-mean", "krum", "multikrum", "bulyan")
 # where a run reports while it goes, besides rounds.jsonl (server/progress.py, server/trackers.py)
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
-DEFENCES = ("auto", "on", "off")  # trust as a run setting: common/trust.py
+DEFENCES = ("auto", "on", "off")  # trust as a run setting: common/config/trust.py
 HEADS = ("auto", "per-class", "per-task")
 
 

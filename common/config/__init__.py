@@ -1,0 +1,1 @@
+"""Run configuration: the experiment's sections, their checks, files and options."""

@@ -1,0 +1,1 @@
+"""Data: sources, the decoded-data cache, the task stream, partitions and splits."""

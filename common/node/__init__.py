@@ -1,0 +1,1 @@
+"""A node's resources: its memory plan and footprint, identity and start-up phases."""
