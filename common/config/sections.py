@@ -290,13 +290,15 @@ class RobustnessSection:
     # in a simulation of this project's own clients with no fault injection, where every client is
     # honest and each method is computed as its paper defines it, and on for deployed nodes
     # (population = nodes) and whenever faults are injected; "on" / "off" force it. The record
-    # checks and the max-client-weight cap are always on: they never change an honest reply.
+    # checks are always on (they never change an honest reply); the max-client-weight cap is on
+    # for nodes and in defended simulations ("defended" means "untrusted").
     defences: str = key("auto", ("results",))
     # Defences against broken or hostile clients (strategies/platform/checks.py): a reply whose update
     # norm is above update-norm-factor x the other replies' median (0: off) or above
-    # max-update-norm (0: off) is excluded; with population = nodes no reply carries more than
-    # max-client-weight of a round's weight (from 1 / max-client-weight replies on); aggregation
-    # "median" or "trimmed-mean" (trim-fraction cut at each end) replace the weighted mean.
+    # max-update-norm (0: off) is excluded; with population = nodes or defended no reply carries
+    # more than max-client-weight of a round's weight (from 1 / max-client-weight replies on);
+    # aggregation "median", "trimmed-mean" (trim-fraction cut at each end), or Flower's "krum",
+    # "multikrum", "bulyan" replace the weighted mean.
     update_norm_factor: float = key(10.0, ("results",))
     # Norm bounding: an accepted update longer than update-clip x the lower median update norm of
     # the replies on its task is scaled down to that length (0: off): what one reply can carry.
