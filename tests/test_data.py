@@ -342,7 +342,7 @@ def test_hub_unreachable_is_a_clear_error():
     import subprocess
     import sys
 
-    code = ("from common.data import DataError, load_dataset\n"
+    code = ("from common.data.sources import DataError, load_dataset\n"
             "from tests.conftest import tiny_config\n"
             "try:\n    load_dataset(tiny_config(dataset='hf:cifar100'))\n"
             "except DataError as exc:\n    print('DataError:', exc)\n")
