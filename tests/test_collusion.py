@@ -4,6 +4,8 @@ against what its paper says, their application by the simulation's server before
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -41,6 +43,8 @@ def test_alie_shifts_every_coordinate_by_z_standard_deviations_with_the_papers_z
     assert alie_z(10, 2) == pytest.approx(0.2533, abs=1e-3)
     assert alie_z(50, 12) == pytest.approx(0.5828, abs=1e-3)  # s = 14: Phi^-1(36 / 50)
     assert alie_z(3, 0) == 0.0  # s = 2 of 3: no coordinate to move while staying above the median
+    # colluders holding the majority of a task's replies (two of three at Dirichlet 0.1) still attack:
+    assert alie_z(3, 2) == pytest.approx(NormalDist().inv_cdf(2 / 3)) and alie_z(4, 3) == pytest.approx(0.6745, abs=1e-3)
     z = alie_z(10, 2)
     bad = alie(honest, z)
     mean, std = honest.mean(axis=0), honest.std(axis=0)
