@@ -74,21 +74,49 @@ def _strategy(**overrides):
     return s, s.on_task_start(0, to_array_record(model.trainable_state()))
 
 
+#: defended, every screen off: only the aggregator stands between a hostile reply and the model
+NO_SCREENS = {"update-norm-factor": 0.0, "update-clip": 0.0, "stats-bound": 0.0, "update-min-cosine": -1.0,
+              "update-reversed-norm": 0.0, "update-strikes": 0, "update-mean-cosine": -1.0,
+              "update-strike-norm": 0.0}
+
+
 @pytest.mark.parametrize("mode", ["krum", "multikrum", "bulyan"])
 def test_a_platform_round_with_one_hostile_reply_is_not_moved_by_it(flower_identity, mode):
     n = 7 if mode == "bulyan" else 5
-    s, arrays = _strategy(aggregation=mode, defences="on", **{"byzantine-clients": 1, "num-clients": n,
-                                                              "clients-per-round": n})
+    s, arrays = _strategy(aggregation=mode, defences="on", **NO_SCREENS, **{"byzantine-clients": 1, "num-clients": n,
+                                                                            "clients-per-round": n})
     rng = np.random.default_rng(1)
     start = from_array_record(arrays)
     honest = {k: rng.normal(scale=0.01, size=v.shape) for k, v in start.items()}
-    updates = [{k: h + rng.normal(scale=0.001, size=h.shape) for k, h in honest.items()} for _ in range(n)]
-    updates[0] = {k: 50 * np.ones_like(h) for k, h in honest.items()}  # hostile, same length class as the clip
+    updates = [{k: h + rng.normal(scale=0.0005, size=h.shape) for k, h in honest.items()} for _ in range(n)]
+    # hostile in one array only (the prompt reversed x10), honest in every other: a splice array
+    # by array could still take its head; Krum and Bulyan keep or drop the reply whole
+    updates[0] = {k: (-10 * h if k == "prompt.p0" else h) for k, h in honest.items()}
     outcome, start = _round(s, arrays, updates, [10] * n)
+    assert 0 in outcome.clients  # accepted: no screen took it out, the aggregator alone did
     merged = from_array_record(outcome.arrays)
     for name in ("prompt.p0", "head.weight"):
         moved = merged[name].astype(np.float64) - start[name]
-        assert np.abs(moved - honest[name]).max() < 0.01, name  # the honest update, not the hostile one
+        assert np.abs(moved - honest[name]).max() < 0.005, name  # the honest update, not the hostile one
+    mean = sum(u["prompt.p0"] for u in updates) / n  # what the plain mean would have given
+    assert np.abs(mean - honest["prompt.p0"]).max() > 0.01
+
+
+def test_krum_keeps_a_reply_whole_across_its_arrays():
+    """Array a's most central reply is 0, array b's is 1: Krum over the whole reply returns one
+    reply's a and b together, never a's of one and b's of another (a splice)."""
+    from promptfcl.strategies.platform.aggregation import average_replies
+
+    n = 7
+    eye = np.eye(n, dtype=np.float32)
+    a = [np.zeros(n, np.float32) if i == 0 else eye[i] for i in range(n)]
+    b = [np.zeros(n, np.float32) if i == 1 else eye[i] + eye[(i + 1) % n] for i in range(n)]
+    records = [to_array_record({"a": a[i], "b": b[i]}) for i in range(n)]
+    per_array = [Combiner("krum", byzantine=2)(a, np.ones(n)), Combiner("krum", byzantine=2)(b, np.ones(n))]
+    assert np.array_equal(per_array[0], a[0]) and np.array_equal(per_array[1], b[1])  # array by array: a splice
+    out = from_array_record(average_replies(records, [0] * n, np.ones(n), "never", None, None,  # type: ignore[arg-type]
+                                            Combiner("krum", byzantine=2)))
+    assert any(np.array_equal(out["a"], a[i]) and np.array_equal(out["b"], b[i]) for i in range(n))
 
 
 def test_a_defended_simulation_caps_a_clients_share_and_an_honest_one_does_not(flower_identity):

@@ -4,6 +4,8 @@ against what its paper says, their application by the simulation's server before
 
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -41,6 +43,8 @@ def test_alie_shifts_every_coordinate_by_z_standard_deviations_with_the_papers_z
     assert alie_z(10, 2) == pytest.approx(0.2533, abs=1e-3)
     assert alie_z(50, 12) == pytest.approx(0.5828, abs=1e-3)  # s = 14: Phi^-1(36 / 50)
     assert alie_z(3, 0) == 0.0  # s = 2 of 3: no coordinate to move while staying above the median
+    # colluders holding the majority of a task's replies (two of three at Dirichlet 0.1) still attack:
+    assert alie_z(3, 2) == pytest.approx(NormalDist().inv_cdf(2 / 3)) and alie_z(4, 3) == pytest.approx(0.6745, abs=1e-3)
     z = alie_z(10, 2)
     bad = alie(honest, z)
     mean, std = honest.mean(axis=0), honest.std(axis=0)
@@ -222,3 +226,38 @@ def test_a_forged_lorm_gram_passes_the_record_checks_and_pulls_the_closed_form_m
         names = [n for n in hostile if n.startswith("prompt.lora_") and n.endswith("_b")]
         distance[forged] = sum(float(np.linalg.norm(merged[n][0] - hostile[n][0])) for n in names)
     assert distance[True] < 0.5 * distance[False]  # the hostile client's B now dominates the merge
+
+
+@pytest.mark.parametrize("method", ["hepco", "fppl"])
+def test_a_label_flipping_client_uploads_statistics_of_its_flipped_labels(method):
+    """A relabelled dataset poisons everything computed from it: HePCo's class counts and FPPL's
+    prototypes of a label-flipping client are those of its flipped labels, not its true ones."""
+    from promptfcl.common.data.partitions import client_indices
+    from promptfcl.common.model.runtime import get_runtime
+    from promptfcl.strategies.registry import build_learner, prompt_class
+
+    cfg = tiny_config(strategy=method, **({"hepco.client-weights": "class-counts"} if method == "hepco" else {}))
+    rt = get_runtime(cfg, prompt_class(method))
+    index = client_indices(rt.data.train.labels, rt.layout, rt.partition, 0, 1, 0)
+    rt.model.prompt.set_task(1)
+    uploads = {}
+    for flip in (False, True):
+        learner = build_learner(cfg, rt)
+        learner.flip_labels = flip
+        learner.client_id = 0
+        uploads[flip] = from_array_record(next(iter(learner.round_end(index, 1).values())))
+    flipped = flipped_labels(rt.data.train.labels[index], rt.layout.classes(1))
+    if method == "hepco":
+        classes, counts = np.unique(flipped, return_counts=True)
+        np.testing.assert_array_equal(uploads[True]["classes"], classes)
+        np.testing.assert_array_equal(uploads[True]["counts"], counts)
+        honest = dict(zip(uploads[False]["classes"].tolist(), uploads[False]["counts"].tolist()))
+        assert dict(zip(classes.tolist(), counts.tolist())) != honest
+    else:  # the same images' means, under the reversed classes
+        honest, hostile = uploads[False], uploads[True]
+        order = {int(c): i for i, c in enumerate(honest["classes"])}
+        reverse = dict(zip(rt.layout.classes(1).tolist(), rt.layout.classes(1)[::-1].tolist()))
+        assert sorted(hostile["classes"].tolist()) == sorted(reverse[int(c)] for c in honest["classes"])
+        for i, c in enumerate(hostile["classes"].tolist()):
+            source = [k for k, v in reverse.items() if v == c][0]
+            np.testing.assert_allclose(hostile["means"][i], honest["means"][order[source]], rtol=1e-5)

@@ -410,7 +410,7 @@ def test_learner_uploads_the_statistics_of_its_prompted_features():
     stats = decode_class_stats(from_array_record(record), rt.model.embed_dim)
     labels = rt.data.train.labels[index]
     assert stats.counts.sum() == 50 and set(stats.classes.tolist()) == set(labels.tolist())
-    feats, _ = learner.prompted_features(index)
+    feats, _ = learner.prompted_features(index, 0)
     for row, c in enumerate(stats.classes.tolist()):
         torch.testing.assert_close(stats.means[row].float(), feats[torch.from_numpy(labels == c)].mean(0),
                                    atol=1e-4, rtol=1e-4)
@@ -432,7 +432,7 @@ def test_statistics_with_augmentation_are_taken_over_seeded_augmented_views():
         learner.seed = [cfg.run.seed, 3, 0, 1]  # as fit sets it: (seed, client, task, round)
         index = np.flatnonzero(rt.data.train.labels < 5)[:40]
         rt.model.prompt.set_task(0)
-        feats[augment, stats_augment], _ = learner.prompted_features(index)
+        feats[augment, stats_augment], _ = learner.prompted_features(index, 0)
     clean = feats["none", True]
     torch.testing.assert_close(feats["crop-flip", False], clean)
     assert not torch.allclose(feats["crop-flip", True], clean)

@@ -302,17 +302,16 @@ class RobustnessSection:
     update_norm_factor: float = key(10.0, ("results",))
     # Norm bounding: an accepted update longer than update-clip x the lower median update norm of
     # the replies on its task is scaled down to that length (0: off): what one reply can carry.
-    # Default: in the honest tail (on the offline benchmark 17 of 3,091 honest replies reach 3 x,
-    # none 5 x; none reaches the count-aware bound below: docs/reliability.md), so a hostile reply
-    # on a median sample count weighs at most 3 honest ones
+    # Default: in the tail of honest replies (docs/reliability.md), so a hostile reply on a median
+    # sample count weighs at most 3 honest ones
     update_clip: float = key(3.0, ("results",))
     # The clip's bound grows with a reply's sample count (x sqrt(n / the task's lower median n),
     # never below 1): an honest update's norm grows with its local steps, so under label skew the
     # longest honest replies are those of the clients holding most of a class (false: one bound)
     update_clip_by_count: bool = key(True, ("results",))
     # An update longer than update-strike-norm x its task's lower median (times the clip's count
-    # allowance) is excluded and a strike (0: off): above every honest reply of the offline
-    # benchmark; kept clipped, two reversed ones of five replies outweighed the round's honest ones
+    # allowance) is excluded and a strike (0: off): above honest replies (docs/reliability.md);
+    # kept clipped, two reversed ones of five replies would outweigh the round's honest ones
     update_strike_norm: float = key(5.0, ("results",))
     # Direction check (3+ replies on a task): an update whose cosine with its task's coordinate-wise
     # median update is below update-min-cosine (-1: off) is flagged (a strike), one below 0 while
@@ -321,10 +320,9 @@ class RobustnessSection:
     update_reversed_norm: float = key(3.5, ("results",))
     # Strikes (strategies/platform/defences.py): a client whose updates the norm filter, the
     # direction check (excluded, or a cosine below update-min-cosine) or update-strike-norm
-    # flagged in this many rounds is
-    # excluded from then on, the reply that reached it included; below it, a cosine flag alone does
-    # not exclude (0: off, it excludes at once). Honest label-skewed clients disagree with the
-    # round once in a run at most on the offline benchmark, hostile ones in most rounds
+    # flagged in this many rounds is excluded from then on, the reply that reached it included;
+    # below it, a cosine flag alone does not exclude (0: off, it excludes at once). Honest
+    # label-skewed clients disagree with the round rarely, hostile ones in most rounds
     update_strikes: int = key(2, ("results",))
     # Direction history: a client whose cosines with its task's median update average below
     # update-mean-cosine (-1: off) over its replies so far, judged from its

@@ -163,8 +163,8 @@ def robustness_summary(rows: list[dict[str, Any]], defence: str) -> str:
 
     def change(a: dict[int, float], b: dict[int, float]) -> str:
         seeds = sorted(set(a) & set(b))
-        if not seeds:
-            return "-"
+        if not seeds:  # no clean run here to compare with (--no-clean): the attacked A_N alone
+            return f"{np.mean(list(a.values())):.1f}" if a else "-"
         return f"{np.mean([a[s] for s in seeds]):.1f} ({np.mean([a[s] - b[s] for s in seeds]):+.1f})"
 
     for method in dict.fromkeys(r["method"] for r in rows):
@@ -172,7 +172,7 @@ def robustness_summary(rows: list[dict[str, Any]], defence: str) -> str:
         on = by.get((method, "clean", defence), {})
         t = touched.get(method, {})
         cells = [change(by.get((method, a, defence), {}), on) for a in attacks]
-        lines.append(f"| {method} | {np.mean(list(off.values())) if off else float('nan'):.1f} | {change(on, off)} | "
+        lines.append(f"| {method} | {f'{np.mean(list(off.values())):.1f}' if off else '-'} | {change(on, off)} | "
                      f"{t.get('norm-filter', 0) + t.get('direction', 0) + t.get('struck-out', 0)} excluded, "
                      f"{t.get('clip', 0)} clipped, "
                      f"{t.get('stats', 0)} rows | " + " | ".join(cells) + " |")

@@ -105,7 +105,7 @@ class C2PromptLearner(LocalLearner):
     def round_end(self, index: np.ndarray, task: int) -> dict[str, ArrayRecord]:
         """The q(x) class statistics (empty unless asked) and the selection histogram."""
         queries = self.queries_of(index)
-        labels = self.rt.data.train.labels[index]
+        labels = self.labels_of(index, task)
         stats = self.statistics(queries, labels) if self.upload_stats else empty_statistics(queries.shape[1])
         return {CLASS_STATS: stats, HISTOGRAM: self.histogram(queries, labels, task)}
 

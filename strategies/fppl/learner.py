@@ -73,13 +73,14 @@ def unified_representation_loss(
 @torch.no_grad()
 def local_prototypes(
     rt: Runtime, index: np.ndarray, batch_size: int = 256,
-    inputs: Callable[[np.ndarray], torch.Tensor] | None = None,
+    inputs: Callable[[np.ndarray], torch.Tensor] | None = None, labels: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class mean prompted feature over the training samples ``index`` (eq. 3).
 
     Uses the model as it is (call after training, with the task set); eval mode. ``inputs``
     maps a uint8 batch to model inputs (an augmented view: q(x) is then computed on the view);
-    None: the stored images, preprocessed (query cache allowed).
+    None: the stored images, preprocessed (query cache allowed). ``labels``: the samples' labels as
+    the fit sees them (``LocalLearner.labels_of``: a label-flipping client's flipped); None: the data's.
 
     Returns
     -------
@@ -89,7 +90,7 @@ def local_prototypes(
     """
     model = rt.model
     model.eval()
-    labels = rt.data.train.labels[index]
+    labels = rt.data.train.labels[index] if labels is None else labels
     classes, position = np.unique(labels, return_inverse=True)
     sums = torch.zeros(len(classes), model.embed_dim, dtype=torch.float64)
     queries = rt.queries("train", index) if inputs is None else None
@@ -175,7 +176,7 @@ class FPPLLearner(LocalLearner):
         """
         augment = self.augmentation(0x9207) if self.opts.prototype_views == "augmented" else None
         inputs = None if augment is None else (lambda images: self.inputs(images, augment))
-        classes, means, counts = local_prototypes(self.rt, index, inputs=inputs)
+        classes, means, counts = local_prototypes(self.rt, index, inputs=inputs, labels=self.labels_of(index, task))
         return {
             LOCAL_PROTOTYPES: to_array_record(
                 {"classes": classes, "means": means, "counts": counts, "client": np.array([self.client_id], np.int64)}

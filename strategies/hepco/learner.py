@@ -27,4 +27,4 @@ class HePCoLearner(LocalLearner):
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:
         if self.opts.client_weights != "class-counts":
             return {}
-        return {CLASS_COUNTS: class_counts(self.rt.data.train.labels[index])}
+        return {CLASS_COUNTS: class_counts(self.labels_of(index, task))}

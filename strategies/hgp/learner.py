@@ -40,7 +40,8 @@ class HGPLearner(LocalLearner):
     opts: HGPOptions
 
     @torch.no_grad()
-    def prompted_features(self, index: np.ndarray, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    def prompted_features(self, index: np.ndarray, task: int,
+                          batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompted features (N, D) and labels (N,) of the training samples ``index``, eval mode.
 
         With ``augment`` on and ``hgp.stats-augment``, each image is seen through one augmented
@@ -57,11 +58,11 @@ class HGPLearner(LocalLearner):
             x = self.inputs(rt.data.train.images[sel], augment)
             q = queries[start : start + batch_size] if queries is not None else model.query(x)
             feats.append(model.features(x, q).float().cpu())
-        return torch.cat(feats), torch.as_tensor(rt.data.train.labels[index])
+        return torch.cat(feats), torch.as_tensor(self.labels_of(index, task))
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, ArrayRecord]:
         """Upload the generative prototypes of this client's classes."""
-        features, labels = self.prompted_features(index)
+        features, labels = self.prompted_features(index, task)
         dp = self.privacy
         if dp.enabled:  # bounded features bound the statistics (HGPStrategy.private_records says how)
             features = torch.from_numpy(clip_rows(features.numpy(), dp.clip))

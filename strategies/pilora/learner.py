@@ -133,7 +133,7 @@ class PILoRALearner(LocalLearner):
         if self.opts.class_means == "separate-pass":
             self.class_sums = self.feature_pass(index, task)
         classes, means = self.class_sums.means(self.opts.min_class_count, self.rt.model.embed_dim)
-        labels = self.rt.layout.head_targets(task, self.rt.data.train.labels[index])
+        labels = self.rt.layout.head_targets(task, self.labels_of(index, task))
         counts = np.bincount(labels, minlength=self.rt.layout.head_size)[classes].astype(np.int64)
         return {CLASS_MEANS: to_array_record({
             "classes": classes, "means": means, "counts": counts, "client": np.array([self.client_id], np.int64)})}
@@ -144,7 +144,7 @@ class PILoRALearner(LocalLearner):
         rt, model = self.rt, self.rt.model
         model.eval()
         sums = ClassSums()
-        labels = torch.as_tensor(rt.layout.head_targets(task, rt.data.train.labels[index]))
+        labels = torch.as_tensor(rt.layout.head_targets(task, self.labels_of(index, task)))
         for start in range(0, len(index), batch_size):
             images = rt.data.train.images[index[start : start + batch_size]]
             x = model.preprocess(torch.from_numpy(images).to(rt.device), evaluation=True)

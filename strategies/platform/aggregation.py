@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord
 from ...common.config.experiment import AGGREGATIONS
 from ...common.data.tasks import TaskLayout
 from ...common.records import array_view, array_views, to_array_record
-from .byzantine import SELECTIONS, assumed_malicious, select
+from .byzantine import SELECTIONS, assumed_malicious, select, select_whole
 from .replies import capped_weights, combine
 
 
@@ -98,7 +98,12 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
     (every reply trained all of them: HePCo's whole-pool training).
     """
     several = len(set(tasks)) > 1
-    if (per_task == "always" or (per_task == "in-flight" and several)) and base is not None:
+    by_task = (per_task == "always" or (per_task == "in-flight" and several)) and base is not None
+    if combiner.mode in SELECTIONS:
+        shared_names = {name for name in records[0].keys() if over_all is not None and several and over_all(name)}
+        return to_array_record(select_per_owner_set(layout, base if by_task else None, records, tasks, weights,
+                                                    combiner, shared_names))
+    if by_task and base is not None:
         updates = [(t, array_views(r), float(w)) for t, r, w in zip(tasks, records, weights)]
         out = to_array_record(aggregate_per_task(layout, array_views(base), updates, combiner))
     else:
@@ -109,6 +114,46 @@ def average_replies(records: Sequence[ArrayRecord], tasks: Sequence[int], weight
     state = array_views(out)
     state.update({name: combiner([array_view(r[name]) for r in records], weights) for name in shared})
     return to_array_record(state)
+
+
+def select_per_owner_set(layout: TaskLayout, base: ArrayRecord | None, records: Sequence[ArrayRecord],
+                         tasks: Sequence[int], weights: np.ndarray, combiner: Combiner,
+                         shared: set[str]) -> dict[str, np.ndarray]:
+    """Flower's selecting aggregators (Krum, Multi-Krum, Bulyan) choose whole replies: the rows
+    are grouped by the set of replies that trained them (with ``base``: each task's rows of the
+    task-structured arrays; the other arrays, those in ``shared`` and, without ``base``, every
+    array: all replies), and each set is one selection over everything it trained in common;
+    rows nobody trained keep ``base``."""
+    arrays = [array_views(r) for r in records]
+    n = len(arrays)
+    everyone = (True,) * n
+    out: dict[str, np.ndarray] = {}
+    pieces: dict[tuple[bool, ...], list[tuple[str, np.ndarray | None]]] = {}
+    rows: np.ndarray | None
+    for name in records[0].keys():
+        value = np.asarray(array_view(base[name])) if base is not None else np.asarray(arrays[0][name])
+        if base is None or name in shared or layout.task_rows(name, value, 0) is None:
+            pieces.setdefault(everyone, []).append((name, None))
+            continue
+        owners = np.zeros((value.shape[0], n), dtype=bool)
+        for i, task in enumerate(tasks):
+            owners[layout.task_rows(name, value, int(task)), i] = True
+        out[name] = value.copy()
+        for pattern in np.unique(owners[owners.any(axis=1)], axis=0):
+            rows = np.flatnonzero((owners == pattern).all(axis=1))
+            pieces.setdefault(tuple(bool(x) for x in pattern), []).append((name, rows))
+    for pattern, parts in pieces.items():
+        idx = [i for i, on in enumerate(pattern) if on]
+        f = assumed_malicious(combiner.byzantine, combiner.hostile_share, len(idx))
+        chosen = select_whole([[np.asarray(arrays[i][name]) if rows is None else np.asarray(arrays[i][name])[rows]
+                                for name, rows in parts] for i in idx],
+                              np.asarray(weights, dtype=np.float64)[idx], combiner.mode, f)
+        for (name, rows), value in zip(parts, chosen):
+            if rows is None:
+                out[name] = value
+            else:
+                out[name][rows] = value.astype(out[name].dtype)
+    return out
 
 
 def aggregate_per_task(

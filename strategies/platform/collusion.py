@@ -37,8 +37,10 @@ COLLUDING_ATTACKS = ("alie", "ipm", "mimic", "min-max", "min-sum")
 
 def alie_z(n: int, m: int) -> float:
     """ALIE's z (Baruch et al. 2019, Section 3): s = floor(n / 2 + 1) - m clients must be won over,
-    z = Phi^-1((n - s) / n); 0 where that is not above the median (too few clients)."""
-    s = math.floor(n / 2 + 1) - m
+    z = Phi^-1((n - s) / n); 0 where that is not above the median (too few clients). Where the
+    colluders already hold the majority (s <= 0) one honest client is still to win (s = 1): the
+    paper's bound then no longer limits z, and the smallest non-trivial one is taken."""
+    s = max(1, math.floor(n / 2 + 1) - m)
     p = (n - s) / n if n > 0 else 0.5
     return max(0.0, NormalDist().inv_cdf(p)) if 0.0 < p < 1.0 else 0.0
 

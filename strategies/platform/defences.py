@@ -27,30 +27,21 @@ replies, two of them hostile, and a round read alone then sets its own reference
 A client's cosines are also kept over the run (:class:`DirectionHistory`,
 ``update-mean-cosine``): one whose replies point against their task's median update on average,
 judged from its ``update-mean-cosine-after``-th reply on, is excluded while its mean stays below
-the threshold (its replies are still judged, and kept again once the mean is back above). A reversed
-update of ordinary length reads cosines that swing with the round (-0.7 to +0.65 on the offline
-benchmark, Fed-CPrompt's sign-flipping clients) and often stays above any per-round threshold
-honest clients also cross; its mean does not. Over 1,081 honest clients' histories of the offline
-benchmark (every method, Dirichlet 0.5 and 0.1) one mean fell below 0: a client holding the
-minority class of its 2-class tasks at Dirichlet 0.1 (-0.36, -0.69, -0.22 over its first three
-replies; the next lowest +0.02), which pointed against the round as a reversal does; 19 of 27
-sign-flipping clients' means were below 0 at their third reply (docs/reliability.md). That
-client's mean is back above 0 at its sixth reply: it is left out for three replies, not for the
-rest of the run (excluded for good, the same kind of client cost LoRM 5.5 points at Dirichlet 0.1).
+the threshold (its replies are still judged, and kept again once the mean is back above). A
+reversed update of ordinary length reads cosines that swing with the round and often stays above
+any per-round threshold honest clients also cross; its mean does not. An honest client holding a
+task's minority class can point against the round for a few replies: it is left out while its
+mean is below, not for the rest of the run (the measurements: docs/reliability.md).
 
 Every reply the norm filter or the direction check flags (excluded, or pointing against the
 round) is a strike against its client, kept for the run in :class:`Strikes` (``update-strikes``),
 and so is a reply longer than ``strike_norm`` x its task's lower median, times the clip's count
-allowance, which is also excluded (``update-strike-norm``: above every honest reply of the
-offline benchmark, while ``update-clip`` sits inside the honest tail; a reversed update scaled
-up, kept clipped, still outweighed a round's honest replies when two of five were hostile; a
-clip alone is no strike). A client whose strikes reach the limit is excluded from then on, the
-reply that reached it included. An honest
-label-skewed client disagrees with the round now and then (once in a run at most, on the
-offline benchmark: cosines down to -0.69, norms up to 4.7 x the lower median); a hostile one
-does in most rounds, and a reversed update only reads a positive cosine in the rounds where its
-client's honest update pointed against the round. So a lone disagreement is recorded, not
-punished, and a hostile client's second strike ends its part in the run.
+allowance, which is also excluded (``update-strike-norm``: above honest replies, where
+``update-clip`` sits inside their tail; a clip alone is no strike). A client whose strikes reach
+the limit is excluded from then on, the reply that reached it included. An honest label-skewed
+client disagrees with the round now and then, a hostile one in most rounds: so a lone
+disagreement is recorded, not punished, and a hostile client's second strike ends its part in
+the run.
 
 The lower median (the ceil(n/2)-th smallest) and the coordinate-wise median are honest values
 while fewer than half of the replies are hostile. :class:`UpdateScreen` runs the screens and
@@ -98,9 +89,8 @@ class DirectionCheck:
     is flagged (a strike; excluded at once where strikes are off), a cosine below 0 with a norm
     above ``reversed_norm`` x the lower median norm of the task's replies (0: off) is excluded.
 
-    Honest label-skewed updates disagree with the median too (cosines down to -0.69 on the
-    offline benchmark at Dirichlet 0.1), but not strongly and long at once (docs/reliability.md):
-    a reversed update that is also scaled up is what poisoning sends.
+    Honest label-skewed updates disagree with the median too, but not strongly and long at once
+    (docs/reliability.md): a reversed update that is also scaled up is what poisoning sends.
     """
 
     min_cosine: float = -1.0
@@ -254,10 +244,10 @@ class UpdateClip:
     its task's lower median norm; ``by_count``: times sqrt(n / the lower median n) for a reply that
     trained on more samples than that median (never less).
 
-    An honest update's norm grows with the samples its client trained on (more local steps): on the
-    offline benchmark as about n^0.13 to n^0.28 per method (docs/reliability.md), so under label skew
-    the long honest replies are those of the clients holding most of a class, whose rows the clip
-    would shorten (PILoRA's prototypes are such rows). sqrt(n) is above every measured growth.
+    An honest update's norm grows with the samples its client trained on (more local steps; the
+    measured growth per method: docs/reliability.md), so under label skew the long honest replies
+    are those of the clients holding most of a class, whose rows the clip would shorten (PILoRA's
+    prototypes are such rows); sqrt(n) bounds that growth from above.
     """
 
     factor: float = 0.0

@@ -245,9 +245,7 @@ class LocalLearner:
         # so the cache (queries of the stored images) serves only unaugmented training.
         queries = rt.queries("train", trained) if augment is None else None
         images = rt.data.train.images
-        true = rt.data.train.labels[trained]
-        labels = torch.as_tensor(rt.layout.head_targets(task, flipped_labels(true, rt.layout.classes(task))
-                                                        if self.flip_labels else true))
+        labels = torch.as_tensor(rt.layout.head_targets(task, self.labels_of(trained, task)))
 
         model.train()
         losses: list[float] = []
@@ -316,13 +314,20 @@ class LocalLearner:
         inputs (``eval-crop``). Leaves the model in eval mode."""
         return self.correct(index, task, batch_size) / max(len(index), 1)
 
+    def labels_of(self, index: np.ndarray, task: int) -> np.ndarray:
+        """The labels of training samples ``index`` as this fit sees them: its data's, or with
+        ``fault = "label-flip"`` the task's classes reversed, in everything computed from them
+        (targets, validation, every statistic a method uploads), as a relabelled dataset would."""
+        true = self.rt.data.train.labels[index]
+        return flipped_labels(true, self.rt.layout.classes(task)) if self.flip_labels else true
+
     @torch.no_grad()
     def correct(self, index: np.ndarray, task: int, batch_size: int = 256) -> int:
         """How many of training samples ``index`` the model classifies right among ``task``'s head
         rows, each image taken as evaluation takes a test image (``eval-crop``: validation scores
         what evaluation scores). Leaves the model in eval mode."""
         layout = self.rt.layout
-        targets = torch.as_tensor(layout.head_targets(task, self.rt.data.train.labels[index]))
+        targets = torch.as_tensor(layout.head_targets(task, self.labels_of(index, task)))
         correct = 0
         for rows, logits in self._validation_logits(index, layout.head_rows(task), batch_size):
             correct += int((logits.argmax(1).cpu() == targets[rows]).sum())
@@ -335,7 +340,7 @@ class LocalLearner:
         image taken as evaluation takes it. Leaves the model in eval mode."""
         layout = self.rt.layout
         seen = np.unique(np.concatenate([layout.head_rows(t) for t in range(task + 1)]))
-        targets = torch.as_tensor(layout.head_targets(task, self.rt.data.train.labels[index]))
+        targets = torch.as_tensor(layout.head_targets(task, self.labels_of(index, task)))
         total = 0.0
         for rows, logits in self._validation_logits(index, seen, batch_size):
             total += float(F.cross_entropy(logits, targets[rows].to(logits.device), reduction="sum"))
