@@ -260,7 +260,8 @@ def test_every_learner_hook_is_documented():
     from promptfcl.strategies.platform import learner
     from promptfcl.strategies.platform.learner import HOOKS, SEALED, LocalLearner
 
-    helpers = {"accuracy", "correct", "validation_loss"}  # validation helpers (Fed-CPrompt's early stopping)
+    # validation helpers (Fed-CPrompt's early stopping); the labels a fit sees (a label-flipping client's flipped)
+    helpers = {"accuracy", "correct", "validation_loss", "labels_of"}
     public = {name for name, value in vars(LocalLearner).items() if inspect.isfunction(value) and name[0] != "_"}
     assert public <= SEALED | set(HOOKS) | helpers, sorted(public - SEALED - set(HOOKS) - helpers)
     guide = (ROOT / "docs" / "extending.md").read_text()
