@@ -132,6 +132,17 @@ class SampleBounds:
         return None
 
 
+def count_and_size_problem(reply: Message, sent: Sent, n: int, bounds: SampleBounds, max_bytes: int) -> str | None:
+    """Why ``reply``'s sample count ``n`` or its size cannot be right (None: they can): no more
+    samples than its client holds (or its node declared), within ``max-reply-bytes``; a training
+    reply's and a task-end answer's alike."""
+    reason = bounds.check_train(reply, sent, n)
+    if reason is not None:
+        return reason
+    size = payload_bytes(reply.content)
+    return None if size <= max_bytes else f"reply of {size} bytes exceeds max-reply-bytes = {max_bytes}"
+
+
 def platform_problem(reply: Message, sent: Sent | None, expected: ArrayRecord | None,
                      reply_records: frozenset[str] | None, reply_metrics: Mapping[str, MetricSpec],
                      bounds: SampleBounds, max_bytes: int) -> str | None:
@@ -166,12 +177,9 @@ def platform_problem(reply: Message, sent: Sent | None, expected: ArrayRecord | 
     if reply_records is not None and names != set(reply_records):
         extra, missing = names - reply_records, reply_records - names
         return f"unexpected records {sorted(extra)}, missing records {sorted(missing)}"
-    reason = bounds.check_train(reply, sent, n)
+    reason = count_and_size_problem(reply, sent, n, bounds, max_bytes)
     if reason is not None:
         return reason
-    size = payload_bytes(content)
-    if size > max_bytes:
-        return f"reply of {size} bytes exceeds max-reply-bytes = {max_bytes}"
     arrays = arrays_of(content)
     if expected is not None:
         if set(arrays.keys()) != set(expected.keys()):

@@ -27,8 +27,8 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from ...common.records import METRICS, as_int, metrics_of, payload_bytes
-from .checks import SampleBounds
+from ...common.records import METRICS, as_int, metrics_of
+from .checks import SampleBounds, count_and_size_problem
 from .policies import RunPolicies
 from .replies import DECLARED_SIZES, MetricSpec, check_metrics
 from .rounds import Accepted, Sent, SentRound
@@ -168,9 +168,4 @@ class Exchanges:
         n = as_int(metrics_of(reply.content)["num-examples"])
         if n == 0:
             return "nothing computed (num-examples 0)"
-        reason = self.bounds.check_train(reply, sent, n)
-        if reason is not None:
-            return reason
-        size = payload_bytes(reply.content)
-        return None if size <= self.robustness.max_reply_bytes else \
-            f"reply of {size} bytes exceeds max-reply-bytes = {self.robustness.max_reply_bytes}"
+        return count_and_size_problem(reply, sent, n, self.bounds, self.robustness.max_reply_bytes)
