@@ -1,4 +1,4 @@
-"""The pooled norm reference (``update-norm-rounds``, strategies/platform/defences.py): a task's
+"""The pooled norm reference (``update-norm-rounds``, strategies/platform/screens/clip.py): a task's
 reference norm and count are the lower of the round's own and those read over its kept replies of
 the last rounds, so a round whose replies on a task are mostly hostile does not set its own
 reference, nor does a task's early rounds' larger norms set a later round's; the history stays
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-from promptfcl.strategies.platform.defences import NORM_FILTER, NormHistory, Strikes, UpdateClip, UpdateScreen
+from promptfcl.strategies.platform.screens import NORM_FILTER, LongReply, NormHistory, Strikes, UpdateClip, UpdateScreen
 from tests.conftest import tiny_config
 
 # FPPL under poison at Dirichlet 0.1 (seed 0): task 0's rounds had 3, 4 and 3 replies; in the third,
@@ -21,8 +21,7 @@ HOSTILE_ROUND = [14.46, 23.14, 1.38]
 
 
 def _screen(rounds: int) -> UpdateScreen:
-    return UpdateScreen(clip=UpdateClip(3.0, by_count=True), strikes=Strikes(2), strike_norm=5.0,
-                        norm_history=NormHistory(rounds))
+    return UpdateScreen.of(UpdateClip(3.0, by_count=True), Strikes(2), LongReply(5.0), NormHistory(rounds))
 
 
 def _play(screen: UpdateScreen, norms: list[float], task: int = 0, clients: list[int] | None = None):
@@ -60,8 +59,8 @@ def test_the_history_is_per_task_and_bounded_and_a_lone_reply_is_not_compared_wi
         _play(screen, [1.0 + 0.01 * r, 1.1, 0.9])
         if r % 5 == 0:
             _play(screen, [1.0], task=1)
-    assert [len(rounds) for rounds in screen.norm_history.kept.values()] == [2, 2]  # rounds - 1 earlier rounds
-    assert screen.norm_history.kept[0][-1] == [(1.19, 8.0), (1.1, 8.0), (0.9, 8.0)]
+    assert [len(rounds) for rounds in screen.get(NormHistory).kept.values()] == [2, 2]  # rounds - 1 earlier rounds
+    assert screen.get(NormHistory).kept[0][-1] == [(1.19, 8.0), (1.1, 8.0), (0.9, 8.0)]
     # a client alone on task 1 sending 20 x its history is not judged by norm (nothing to compare with)
     assert not _play(screen, [20.0], task=1).excluded
     # the same reply beside another one on task 1 is
@@ -71,14 +70,14 @@ def test_the_history_is_per_task_and_bounded_and_a_lone_reply_is_not_compared_wi
 def test_the_norm_history_survives_a_resume():
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on")
     s = FedAvgStrategy.of(cfg, 10)
-    assert s.policies.screen.norm_history.rounds == 3  # on where defended, by default
+    assert s.policies.screen.get(NormHistory).rounds == 3  # on where defended, by default
     for norms in HONEST_ROUNDS:
         _play(s.policies.screen, norms)
     restored = FedAvgStrategy.of(cfg, 10)
     restored.load_platform_state(s.platform_state())
-    assert restored.policies.screen.norm_history.kept == s.policies.screen.norm_history.kept
+    assert restored.policies.screen.get(NormHistory).kept == s.policies.screen.get(NormHistory).kept
     assert set(_play(restored.policies.screen, HOSTILE_ROUND, clients=[0, 1, 9]).excluded) == {0, 1}
-    assert FedAvgStrategy.of(tiny_config(defences="off"), 10).policies.screen.norm_history.rounds == 1
+    assert FedAvgStrategy.of(tiny_config(defences="off"), 10).policies.screen.get(NormHistory).rounds == 1
 
 
 def test_bad_settings_are_refused():

@@ -605,10 +605,10 @@ def test_update_norms_measure_the_clients_change_not_its_values(flower_identity)
     norms were of the values, and poisoned replies passed the filter)."""
     from dataclasses import replace
 
-    from promptfcl.strategies.platform.defences import NormFilter, UpdateScreen
+    from promptfcl.strategies.platform.screens import NormFilter, UpdateScreen
 
     _, s, state = strategy_with_pool(k=2)
-    s.policies = replace(s.policies, screen=UpdateScreen(norm_filter=NormFilter(factor=10.0)))  # its norm filter alone
+    s.policies = replace(s.policies, screen=UpdateScreen.of(NormFilter(factor=10.0)))  # its norm filter alone
     send_tasks(s, {0: 0, 1: 1, 2: 2, 3: 3})
     msgs = configure(s, 1, to_array_record(state), 0, 2, 4)
     outcome = s.aggregate_round(1, [echo(m) for m in msgs])

@@ -11,6 +11,7 @@ from promptfcl.common.model.runtime import layout_of, model_spec
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
 from promptfcl.strategies.platform.aggregation import weighted_average
+from promptfcl.strategies.platform.screens import DirectionCheck
 from tests.conftest import PLAIN_MEAN, reply_from, tiny_config
 from tests.helpers import NodeList
 
@@ -306,7 +307,7 @@ def test_direction_check_is_not_applied_under_client_side_dp_noise():
     noisy = FedAvgStrategy.of(tiny_config(defences="on", update_min_cosine=0.0,
                                        **{"dp.clip": 1.0, "dp.noise-multiplier": 1.0}), 10)
     clipped = FedAvgStrategy.of(tiny_config(defences="on", update_min_cosine=0.0, **{"dp.clip": 1.0}), 10)
-    assert (noisy.policies.screen.direction.active, clipped.policies.screen.direction.active) == (False, True)
+    assert (noisy.policies.screen.get(DirectionCheck).active, clipped.policies.screen.get(DirectionCheck).active) == (False, True)
 
 
 def test_a_long_reversed_update_is_excluded_a_short_skewed_one_kept(flower_identity):

@@ -1,4 +1,4 @@
-"""Strikes (``update-strikes``, strategies/platform/defences.py): a lone disagreement of an honest
+"""Strikes (``update-strikes``, strategies/platform/screens/strikes.py): a lone disagreement of an honest
 label-skewed client is recorded, not punished; a client the screens flag in two rounds is
 excluded from then on, and the history survives a resume."""
 
@@ -10,12 +10,13 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-from promptfcl.strategies.platform.defences import (
+from promptfcl.strategies.platform.screens import (
     CLIP,
     DIRECTION,
     NORM_FILTER,
     STRUCK_OUT,
     DirectionCheck,
+    LongReply,
     Strikes,
     UpdateClip,
     UpdateScreen,
@@ -40,7 +41,7 @@ def test_over_many_rounds_a_lone_disagreement_is_kept_and_a_hostile_client_contr
     reversed reply is kept (one strike), its second strikes it out, and from then on even its
     honest-looking reply is excluded."""
     rng = np.random.default_rng(0)
-    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(5.0), strikes=Strikes(2))
+    screen = UpdateScreen.of(DirectionCheck(-0.6, 3.5), UpdateClip(5.0), Strikes(2))
     kept_of: dict[int, list[int]] = {c: [] for c in range(5)}
     for r in range(8):
         updates = [_honest(c, rng) for c in range(5)]
@@ -58,18 +59,18 @@ def test_over_many_rounds_a_lone_disagreement_is_kept_and_a_hostile_client_contr
             assert out.excluded == {4: out.excluded[4]} and out.excluded[4][0] == STRUCK_OUT
     assert kept_of[2] == list(range(8)) and all(kept_of[c] == list(range(8)) for c in (0, 1, 3))
     assert kept_of[4] == [0]  # its first reversed reply only
-    assert screen.strikes.counts == {2: 1, 4: 2}
+    assert screen.get(Strikes).counts == {2: 1, 4: 2}
 
 
 def test_a_clip_is_not_a_strike():
     """A tight update-clip clips honest replies (half of them at 1 x the lower median): clipping
     a long reply keeps it and leaves its client's record clean, round after round."""
-    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0), clip=UpdateClip(1.0), strikes=Strikes(2))
+    screen = UpdateScreen.of(DirectionCheck(-0.6, 0.0), UpdateClip(1.0), Strikes(2))
     updates = [{"w": np.array([1.0 + 0.5 * i, 0.1 * i, 0.0])} for i in range(5)]
     for _ in range(3):
         out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=[10, 11, 12, 13, 14])
         assert not out.excluded and set(out.scales) == {3, 4}
-    assert screen.strikes.counts == {} and out.counts()[CLIP] == 2
+    assert screen.get(Strikes).counts == {} and out.counts()[CLIP] == 2
 
 
 def test_a_reply_longer_than_the_strike_norm_is_excluded_and_struck_and_an_honest_tail_is_only_clipped():
@@ -79,8 +80,7 @@ def test_a_reply_longer_than_the_strike_norm_is_excluded_and_struck_and_an_hones
     direction the round's median cannot tell apart): its first reply is excluded and struck (kept
     at 3 x, two such replies of five outweighed the round), its second strikes it out, and from
     then on it is excluded."""
-    screen = UpdateScreen(direction=DirectionCheck(-0.6, 3.5), clip=UpdateClip(3.0), strikes=Strikes(2),
-                          strike_norm=5.0)
+    screen = UpdateScreen.of(DirectionCheck(-0.6, 3.5), UpdateClip(3.0), Strikes(2), LongReply(5.0))
     rng = np.random.default_rng(1)
     for r in range(6):
         updates = [{"w": np.array([1.0, 0.5, 0.0]) + 0.1 * rng.normal(size=3)} for _ in range(5)]
@@ -92,17 +92,17 @@ def test_a_reply_longer_than_the_strike_norm_is_excluded_and_struck_and_an_hones
         assert 4 not in out.scales
         assert out.excluded[4][0] == (NORM_FILTER if r <= 1 else STRUCK_OUT)  # the second strike: still its own
         assert set(out.excluded) == {4}
-    assert screen.strikes.counts == {4: 2}
+    assert screen.get(Strikes).counts == {4: 2}
 
 
 def test_a_long_reply_the_direction_check_flagged_is_excluded_with_one_strike():
     """With update-reversed-norm off, a reply reversed and 8 x long is flagged by the direction
     check (its strike) and excluded for its length, without a second strike for the same reply."""
-    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0), clip=UpdateClip(3.0), strikes=Strikes(2), strike_norm=5.0)
+    screen = UpdateScreen.of(DirectionCheck(-0.6, 0.0), UpdateClip(3.0), Strikes(2), LongReply(5.0))
     updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-8.0, 0.0])}]
     out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=list(range(5)))
     assert set(out.excluded) == {4} and out.excluded[4][0] == NORM_FILTER and not out.scales
-    assert screen.strikes.counts == {4: 1}
+    assert screen.get(Strikes).counts == {4: 1}
 
 
 def test_the_long_reply_bound_grows_with_the_sample_count_like_the_clip():
@@ -114,11 +114,11 @@ def test_the_long_reply_bound_grows_with_the_sample_count_like_the_clip():
     counts = [8, 63, 3, 187, 8]
     updates = [{"w": np.array([n, 0.0])} for n in [1.0, 1.2, 1.0, 6.5, 6.5]]
     norms = [float(u["w"][0]) for u in updates]
-    by_count = UpdateScreen(clip=UpdateClip(3.0, by_count=True), strikes=Strikes(2), strike_norm=5.0)
+    by_count = UpdateScreen.of(UpdateClip(3.0, by_count=True), Strikes(2), LongReply(5.0))
     out = by_count(updates, norms, [0] * 5, clients=list(range(5)), counts=counts)
     assert set(out.excluded) == {4} and out.excluded[4][0] == NORM_FILTER and 3 not in out.scales
-    assert by_count.strikes.counts == {4: 1}
-    flat = UpdateScreen(clip=UpdateClip(3.0), strikes=Strikes(2), strike_norm=5.0)
+    assert by_count.get(Strikes).counts == {4: 1}
+    flat = UpdateScreen.of(UpdateClip(3.0), Strikes(2), LongReply(5.0))
     assert set(flat(updates, norms, [0] * 5, clients=list(range(5)), counts=counts).excluded) == {3, 4}
 
 
@@ -138,19 +138,19 @@ def test_the_clip_allows_a_client_holding_more_samples_sqrt_n_more_and_never_les
     scaled = by_count.scales([1.0, 1.0, 1.0, 40.0, 1.0], 1.0, counts, 8)[3]
     assert 40.0 * scaled == pytest.approx(3.0 * (187 / 8) ** 0.5)
     # the screen reads the reference count from the replies the norm filter kept
-    screen = UpdateScreen(clip=UpdateClip(3.0, by_count=True))
+    screen = UpdateScreen.of(UpdateClip(3.0, by_count=True))
     updates = [{"w": np.array([n, 0.0])} for n in norms]
     assert screen(updates, norms, [0] * 5, counts=counts).scales == {}
-    assert set(UpdateScreen(clip=UpdateClip(3.0))(updates, norms, [0] * 5, counts=counts).scales) == {3}
+    assert set(UpdateScreen.of(UpdateClip(3.0))(updates, norms, [0] * 5, counts=counts).scales) == {3}
 
 
 def test_without_strikes_a_flag_excludes_at_once_and_nothing_is_remembered():
-    screen = UpdateScreen(direction=DirectionCheck(-0.6, 0.0))  # update-strikes 0
+    screen = UpdateScreen.of(DirectionCheck(-0.6, 0.0))  # update-strikes 0
     updates = [{"w": np.array([1.0, 0.1 * i])} for i in range(4)] + [{"w": np.array([-1.0, 0.0])}]
     for _ in range(3):
         out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], [0] * 5, clients=list(range(5)))
         assert set(out.excluded) == {4} and out.excluded[4][0] == DIRECTION
-    assert screen.strikes.counts == {}
+    assert screen.get(Strikes).counts == {}
 
 
 def _replies(s: FedAvgStrategy, server_round: int, reversed_client: int) -> list[Message]:
@@ -175,7 +175,7 @@ def test_strikes_are_kept_across_a_resume_and_logged_once(flower_identity, caplo
     excludes it from its first round on."""
     cfg = tiny_config(num_clients=5, clients_per_round=5, defences="on", update_min_cosine=-0.6)
     s = FedAvgStrategy.of(cfg, 10)
-    assert s.policies.screen.strikes.limit == 2
+    assert s.policies.screen.get(Strikes).limit == 2
     with caplog.at_level("WARNING", logger="promptfcl"):
         for server_round in (1, 2):
             outcome = s.aggregate_round(server_round, _replies(s, server_round, reversed_client=3))

@@ -65,9 +65,9 @@ def test_a_client_alone_on_its_task_is_not_clipped_as_its_single_task_reference_
     on its task (random tasks: every task has one owner, and Powder's transfer reference trains it
     alone, unclipped) keeps its length, while the same length among three replies on another task
     is clipped to update-clip x their lower median."""
-    from promptfcl.strategies.platform.defences import UpdateClip, UpdateScreen
+    from promptfcl.strategies.platform.screens import UpdateClip, UpdateScreen
 
-    screen = UpdateScreen(clip=UpdateClip(5.0))
+    screen = UpdateScreen.of(UpdateClip(5.0))
     updates = [{"w": np.full(4, v)} for v in (1.0, 1.1, 9.0, 9.0)]
     out = screen(updates, [float(np.linalg.norm(u["w"])) for u in updates], tasks=[0, 0, 0, 1])
     assert set(out.scales) == {2}  # the long one among task 0's replies, not the lone task-1 reply

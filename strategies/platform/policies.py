@@ -5,8 +5,9 @@
 replies that passed the record checks, so no method screens, weighs, bounds or combines replies
 its own way (a method only declares what its records hold, ``PromptStrategy.statistics``):
 
-1. :class:`~promptfcl.strategies.platform.defences.UpdateScreen`: the update defences, each one
-   class (``NormFilter``, ``DirectionCheck``, ``UpdateClip``) with the run's ``Strikes``;
+1. :class:`~promptfcl.strategies.platform.screens.UpdateScreen`: the update defences, the
+   registered screens in order (strategies/platform/screens/registry.py), each one class with its
+   own state (the run's ``Strikes``, ``DirectionHistory``, ``NormHistory``);
 2. :class:`~promptfcl.strategies.platform.aggregation.Weighting`: each reply's weight;
 3. :class:`~promptfcl.strategies.platform.statistics.StatisticsBound`: the statistics records
    (and those of the exchange before training) bounded before the method sees them;
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .aggregation import Combiner, Weighting, aggregation_policies
 from .attack_policy import ColludingAttack
-from .defences import UpdateScreen, update_screen
+from .screens import UpdateScreen
 from .statistics import StatisticsBound
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class RunPolicies:
 
     weighting: Weighting
     combiner: Combiner
-    screen: UpdateScreen  # its strikes are the run's history (kept in the checkpoint)
+    screen: UpdateScreen  # its screens' states are the run's history (kept in the checkpoint)
     stats_bound: StatisticsBound
     attack: ColludingAttack = ColludingAttack()  # a simulation's colluding hostile clients (fault injection)
 
@@ -68,13 +69,7 @@ def run_policies(rob: RobustnessSection, defended: bool, noise_multiplier: float
     weighting, combiner = aggregation_policies(rob.aggregation, rob.trim_fraction,
                                                rob.max_client_weight if nodes or defended else 0.0,
                                                rob.byzantine_clients, share)
-    screen = update_screen(defended, noise_multiplier,
-                           norm_factor=rob.update_norm_factor, max_norm=rob.max_update_norm,
-                           clip=rob.update_clip, clip_by_count=rob.update_clip_by_count,
-                           strike_norm=rob.update_strike_norm,
-                           min_cosine=rob.update_min_cosine, reversed_norm=rob.update_reversed_norm,
-                           strikes=rob.update_strikes, mean_cosine=rob.update_mean_cosine,
-                           mean_after=rob.update_mean_cosine_after, norm_rounds=rob.update_norm_rounds)
+    screen = UpdateScreen.configured(rob, defended, noise_multiplier)
     attack = ColludingAttack(rob.fault if not nodes else "", hostile, rob.fault_knowledge, rob.fault_z,
                              rob.fault_epsilon)
     return RunPolicies(weighting, combiner, screen, StatisticsBound(rob.stats_bound if defended else 0.0), attack)

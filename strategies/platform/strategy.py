@@ -357,7 +357,7 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
     # ------------------------------------------------------------------ replies
     def _accept(self, replies: list[Message]) -> tuple[list[Accepted], list[tuple[int, str]], dict[str, int]]:
         """The replies that pass every check (platform's, then the method's), then the run's update
-        screen (:mod:`~promptfcl.strategies.platform.defences`; inactive where the run is not
+        screen (:mod:`~promptfcl.strategies.platform.screens`; inactive where the run is not
         defended); the rejected ones as (node id, reason), logged; the replies per defence."""
         rejected: list[tuple[int, str]] = []
         kept: list[Accepted] = []
@@ -462,14 +462,10 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         """What the platform keeps across a resume (the nodes' declared sizes, each client's turn)."""
         return {"node-sizes": {str(k): list(v) for k, v in self.bounds.declared.items()},
                 "schedule-slots": {str(k): int(v) for k, v in self._schedule_slots.items()},
-                "strikes": self.policies.screen.strikes.to_dict(),
-                "direction-history": self.policies.screen.history.to_dict(),
-                "norm-history": self.policies.screen.norm_history.to_dict()}
+                **self.policies.screen.to_dict()}  # each stateful screen's entry ("strikes", "norm-history"...)
 
     def load_platform_state(self, state: dict[str, Any]) -> None:
         self.bounds.declared = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("node-sizes", {}).items()}
         self._schedule_slots = {int(k): int(v) for k, v in state.get("schedule-slots", {}).items()}
-        self.policies.screen.strikes.load(state.get("strikes", {}))
-        self.policies.screen.history.load(state.get("direction-history", {}))
-        self.policies.screen.norm_history.load(state.get("norm-history", {}))
+        self.policies.screen.load(state)
 
