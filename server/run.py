@@ -29,6 +29,7 @@ from ..common.model.runtime import Runtime, get_runtime, model_spec
 from ..common.node.memory_plan import return_freed_memory
 from ..common.privacy import privacy_options
 from ..common.records import array_views, to_array_record
+from ..strategies.platform.checks import HeldSamples
 from ..strategies.platform.run_memory import check_server_memory
 from ..strategies.platform.strategy import PromptStrategy
 from ..strategies.registry import build_strategy, strategy_class
@@ -129,14 +130,13 @@ class ExperimentRun:
                  data.name, data.num_classes, cfg.data.num_tasks, len(data.train), len(data.test))
         if cfg.data.num_classes and cfg.data.num_classes != data.num_classes:
             raise ConfigError(f"num-classes = {cfg.data.num_classes} but {data.name} has {data.num_classes} classes")
-        strategy = build_strategy(cfg, data.num_classes, runtime)
-        # the server knows what each virtual client holds: counts are checked
+        held = None  # the server knows what each virtual client holds: counts are checked
         if cfg.federation.population == "virtual":
-            strategy.bounds.max_examples = len(data.train)
-            labels = data.train.labels
-            log.info("%s", partition_summary(labels, runtime.layout, runtime.partition))  # refuses what it cannot make
-            strategy.bounds.examples_of = lambda client, task, round_: strategy.trained_examples(len(
-                client_indices(labels, runtime.layout, runtime.partition, client, task, round_)))
+            labels, layout, partition = data.train.labels, runtime.layout, runtime.partition
+            log.info("%s", partition_summary(labels, layout, partition))  # refuses what it cannot make
+            held = HeldSamples(len(data.train), lambda client, task, round_: len(
+                client_indices(labels, layout, partition, client, task, round_)))
+        strategy = build_strategy(cfg, data.num_classes, runtime, held)
         self.evaluator = CentralEvaluator(runtime, strategy)
         return strategy, to_array_record(runtime.model.trainable_state())
 

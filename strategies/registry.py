@@ -174,11 +174,11 @@ def method_options(strategy: str, options: dict[str, Any]) -> Any:
     return options_class(strategy).from_options(options)
 
 
-def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None) -> Any:
+def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None, held: Any = None) -> Any:
     """The run's server strategy, with its options parsed once (``runtime``: the server's own data
-    and backbone, where it has them)."""
+    and backbone, where it has them; ``held``: what each virtual client holds, HeldSamples)."""
     options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    return strategy_class(cfg.run.strategy).of(cfg, num_classes, options, runtime)
+    return strategy_class(cfg.run.strategy).of(cfg, num_classes, options, runtime, held)
 
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:

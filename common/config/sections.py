@@ -318,7 +318,7 @@ class RobustnessSection:
     # it is longer than update-reversed-norm x the task's lower median norm (0: off) is excluded
     update_min_cosine: float = key(-0.6, ("results",))
     update_reversed_norm: float = key(3.5, ("results",))
-    # Strikes (strategies/platform/defences.py): a client whose updates the norm filter, the
+    # Strikes (strategies/platform/screens/strikes.py): a client whose updates the norm filter, the
     # direction check (excluded, or a cosine below update-min-cosine) or update-strike-norm
     # flagged in this many rounds is excluded from then on, the reply that reached it included;
     # below it, a cosine flag alone does not exclude (0: off, it excludes at once). Honest

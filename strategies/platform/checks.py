@@ -89,6 +89,15 @@ def placement_of(content: RecordDict) -> dict[str, str]:
     return {key: str(value) for key, value in config_of(content, PLACEMENT).items()}
 
 
+@dataclass(frozen=True)
+class HeldSamples:
+    """What a server holding the data knows of a virtual population: ``total`` training samples in
+    all, and how many client ``client`` holds for task ``task`` in round ``round_`` (``of``)."""
+
+    total: int
+    of: Callable[[int, int, int], int]
+
+
 @dataclass
 class SampleBounds:
     """What the server knows of how many samples a client can claim.

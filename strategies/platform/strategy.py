@@ -64,7 +64,7 @@ from ...common.records import (
     to_array_record,
 )
 from .aggregation import average_replies
-from .checks import NO_EXAMPLES, SampleBounds, placement_of, platform_problem
+from .checks import NO_EXAMPLES, HeldSamples, SampleBounds, placement_of, platform_problem
 from .exchange import ROUND, Exchanges
 from .outcome import RoundOutcome
 from .policies import run_policies
@@ -95,6 +95,9 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         (prefix removed) is parsed here, None gives the defaults.
     runtime : Runtime, optional
         The server's own data and backbone, where it has them (central evaluation).
+    held : HeldSamples, optional
+        What each virtual client holds, where the server has the data: every train reply's
+        sample count is checked against it (the method's ``trained_examples`` of it).
     """
 
     name = "fedavg"
@@ -137,19 +140,20 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, num_classes: int, options: Mapping[str, Any] | MethodOptions | None = None,
-           runtime: Runtime | None = None) -> Self:
+           runtime: Runtime | None = None, held: HeldSamples | None = None) -> Self:
         """The strategy of run ``cfg`` over ``num_classes`` classes (the one place it reads the whole)."""
         return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model,
                    robustness=cfg.robustness, placement=cfg.placement,
                    layout=TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes),
                    privacy=privacy_options(cfg), method_settings=cfg.method, config_digest=cfg.digest(),
-                   options=options, runtime=runtime)
+                   options=options, runtime=runtime, held=held)
 
     def __init__(self, *, run: sections.RunSection, data: sections.DataSection, federation: sections.FederationSection,
                  model: sections.ModelSection, robustness: sections.RobustnessSection,
                  placement: sections.PlacementSection, layout: TaskLayout,
                  privacy: PrivacyOptions, method_settings: Mapping[str, Any], config_digest: str,
-                 options: Mapping[str, Any] | MethodOptions | None = None, runtime: Runtime | None = None) -> None:
+                 options: Mapping[str, Any] | MethodOptions | None = None, runtime: Runtime | None = None,
+                 held: HeldSamples | None = None) -> None:
         # Sampling is ours (seeded, see sampling.py); Flower's fraction settings are unused.
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=1, min_available_nodes=1)
         self.run, self.data, self.federation, self.model = run, data, federation, model
@@ -159,7 +163,9 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         self.layout, self.num_classes = layout, layout.num_classes  # the run's tasks, classes, pool and head
         self.opts = self.parse_options(options)
         nodes = federation.population == "nodes"
-        self.bounds = SampleBounds(nodes=nodes)
+        self.bounds = SampleBounds(nodes=nodes) if held is None else SampleBounds(
+            max_examples=held.total, nodes=nodes,
+            examples_of=lambda client, task, round_: self.trained_examples(held.of(client, task, round_)))
         self.schedule = task_schedule(data, federation, run.seed)  # that the method can follow it: checked early
         self.trust = resolve_trust(robustness.defences, federation.population, robustness.fault)
         self.policies = run_policies(robustness, self.trust.defended, privacy.noise_multiplier, federation)
