@@ -20,6 +20,7 @@ from promptfcl.strategies.lorm.learner import TASK_END_STREAM, LoRMLearner
 from promptfcl.strategies.lorm.prompt import LoRMAdapters
 from promptfcl.strategies.lorm.records import GRAMS, SAMPLES, diagonal_name
 from promptfcl.strategies.lorm.strategy import LoRMStrategy
+from promptfcl.strategies.platform.checks import HeldSamples
 from promptfcl.strategies.platform.run_checks import load_config
 from tests.conftest import PLAIN_MEAN, TINY
 from tests.helpers import simulate_in_process as simulate
@@ -144,9 +145,9 @@ def test_task_end_answers_are_checked_as_replies_are_and_weighed_by_their_sample
 
     cfg = tiny_config(strategy="lorm", **PASS)
     rt = get_runtime(cfg, LoRMAdapters)
-    s = LoRMStrategy.of(cfg, rt.data.num_classes, cfg.method_options("lorm"))
     held = {c: client_indices(rt.data.train.labels, rt.layout, rt.partition, c, 0, 0) for c in (0, 2)}
-    s.bounds.examples_of = lambda client, task, round_: len(held[client])  # what the server's loop sets
+    s = LoRMStrategy.of(cfg, rt.data.num_classes, cfg.method_options("lorm"), None,
+                        HeldSamples(len(rt.data.train), lambda client, task, round_: len(held[client])))
     arrays = s.on_task_start(0, to_array_record(rt.model.trainable_state()))
     messages = s.configure_task_end_exchange(3, 0, arrays, [0, 2], NodeList(2))
     for m in messages:
