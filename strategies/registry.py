@@ -28,7 +28,7 @@ import importlib
 import importlib.metadata
 import pkgutil
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from ..common.config.experiment import ConfigError, ExperimentConfig
@@ -65,6 +65,8 @@ class Method:
     #: the paper to cite for the method, one BibTeX entry (venue, year and authors as the paper's
     #: text prints them); "" for a method without one
     citation: str = ""
+    #: what :meth:`declared` loaded, by field (each Method its own: a re-imported package is a new Method)
+    _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def citation_key(self) -> str | None:
@@ -94,20 +96,15 @@ class Method:
         """What the method declares under ``which``: its ``name``, its ``prompt`` module class, its
         ``options`` class (``NoOptions`` where it names none), its ``records`` or ``statistics``
         mapping (empty where it names none); imported on first use, once."""
-        key = (self.package, self.name, which)
-        if key not in _declarations:
+        if which not in self._loaded:
             if which == "name":
                 value: Any = self.name
             elif not getattr(self, which):
                 value = NoOptions if which == "options" else {}
             else:
                 value = self.load(which)
-            _declarations[key] = value
-        return _declarations[key]
-
-
-#: what each method declares, loaded (``Method.declared``), by (package, name, which)
-_declarations: dict[tuple[str, str, str], Any] = {}
+            self._loaded[which] = value
+        return self._loaded[which]
 
 T = TypeVar("T")
 
