@@ -45,7 +45,7 @@ def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
     layers = model.prompt.layers
     carried = 0
     if model.mode == "prompt":  # prompt tokens in the sequence: one prompt's, or every prompted block's
-        carried = model.prompt.length * (len(layers) if model.tokens == "accumulate" else 1)
+        carried = model.prompt.tokens_per_block * (len(layers) if model.tokens == "accumulate" else 1)
     size = backbone.patch_embed.img_size
     return StepSizes(batch=batch_size, tokens=int(backbone.patch_embed.num_patches) + 1 + carried,
                      width=model.embed_dim, graded_blocks=len(backbone.blocks) - min(layers, default=0),

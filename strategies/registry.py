@@ -5,7 +5,10 @@ naming its strategy (the server's side, a ``PromptStrategy`` subclass that fills
 hooks), its learner (the client's side, a ``LocalLearner`` subclass), its prompt module, its
 options (what both sides read, and what a run is checked against), and the privacy bounds and
 the statistics declarations of the records its clients upload, each relative to the package;
-the folder holds everything else of the method (records, losses). Every folder of
+the folder holds everything else of the method (records, losses). The ``Method`` is the one
+declaration of these: the strategy and the learner read their ``name``, ``prompt_class``,
+``options_class``, ``private_records`` and ``statistics`` from it (``Declared``: the method is
+found by the package that defines the class), so no class body repeats them. Every folder of
 ``promptfcl/strategies`` that defines ``METHOD`` is a method; so is every package another
 distribution registers under the entry-point group ``promptfcl.methods`` (``name = "package"``),
 so a method can live outside this repository. Each part is imported on first use: a client
@@ -25,8 +28,8 @@ import importlib
 import importlib.metadata
 import pkgutil
 import re
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 from ..common.config.experiment import ConfigError, ExperimentConfig
 from ..common.config.files import toml_value
@@ -44,7 +47,9 @@ class Method:
     name: str
     strategy: str  # a PromptStrategy subclass: the server's side
     learner: str  # a LocalLearner subclass: local learning
-    prompt: str  # a CodaPrompt subclass: the prompt module both sides build (the strategy's ``prompt_class``)
+    #: the trainable module both sides build (common/model/trainable.py's protocol: a CodaPrompt or a
+    #: LowRankAdapters subclass; the strategy's ``prompt_class``)
+    prompt: str
     #: the privacy bounds of what a client uploads besides its arrays (``record name -> PrivateRecord``,
     #: the strategy's ``private_records``); "": no extra upload is bounded
     records: str = ""
@@ -60,6 +65,8 @@ class Method:
     #: the paper to cite for the method, one BibTeX entry (venue, year and authors as the paper's
     #: text prints them); "" for a method without one
     citation: str = ""
+    #: what :meth:`declared` loaded, by field (each Method its own: a re-imported package is a new Method)
+    _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def citation_key(self) -> str | None:
@@ -84,6 +91,50 @@ class Method:
         """The strategy, learner, prompt or options class or the records' bounds (``which``), imported on first use."""
         module, attr = getattr(self, which).split(":")
         return getattr(importlib.import_module(module, self.package or None), attr)
+
+    def declared(self, which: str) -> Any:
+        """What the method declares under ``which``: its ``name``, its ``prompt`` module class, its
+        ``options`` class (``NoOptions`` where it names none), its ``records`` or ``statistics``
+        mapping (empty where it names none); imported on first use, once."""
+        if which not in self._loaded:
+            if which == "name":
+                value: Any = self.name
+            elif not getattr(self, which):
+                value = NoOptions if which == "options" else {}
+            else:
+                value = self.load(which)
+            self._loaded[which] = value
+        return self._loaded[which]
+
+T = TypeVar("T")
+
+
+@functools.cache
+def method_of(cls: type) -> Method | None:
+    """The method whose package defines ``cls`` or the nearest of its bases; None where none does
+    (the platform's base classes, or a class a test defines outside any method package)."""
+    packages = {method.package: method for method in methods().values()}
+    for klass in cls.__mro__:
+        module = klass.__module__
+        while module:
+            if module in packages:
+                return packages[module]
+            module = module.rpartition(".")[0]
+    return None
+
+
+class Declared(Generic[T]):
+    """A class attribute of a method's strategy or learner that the method declares once, in its
+    ``Method`` (its package's ``METHOD``), read from there: ``which`` names the ``Method`` field
+    (:meth:`Method.declared`). A class outside every method package (the platform's base, a
+    test's) gets ``default``; its own class body may set the attribute, which then hides this."""
+
+    def __init__(self, which: str, default: T) -> None:
+        self.which, self.default = which, default
+
+    def __get__(self, obj: object, owner: type) -> T:
+        method = method_of(owner)
+        return self.default if method is None else method.declared(self.which)  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -137,8 +188,7 @@ def learner_class(name: str) -> Any:
 def options_class(name: str) -> type[MethodOptions]:
     """The options of method ``name`` (without importing either of its sides)."""
     check_method(name)
-    method = methods()[name]
-    return method.load("options") if method.options else NoOptions
+    return methods()[name].declared("options")  # type: ignore[no-any-return]
 
 
 def prompt_class(name: str) -> Any:
@@ -164,8 +214,7 @@ def _declared(name: str, which: str) -> dict[str, Any]:
     """Method ``name``'s mapping ``which`` (``records`` or ``statistics``), loaded from its
     package without the strategy; empty where the method names none."""
     check_method(name)
-    method = methods()[name]
-    return dict(method.load(which)) if getattr(method, which) else {}
+    return dict(methods()[name].declared(which))
 
 
 def method_options(strategy: str, options: dict[str, Any]) -> Any:
@@ -183,7 +232,7 @@ def build_strategy(cfg: ExperimentConfig, num_classes: int, runtime: Any = None,
 
 def build_learner(cfg: ExperimentConfig, runtime: Any) -> Any:
     """The run's local learner on ``runtime``, with the method's options parsed once (by the
-    learner's ``options_class``, the strategy's: a client imports no strategy module)."""
+    method's declared options class: a client imports no strategy module)."""
     learner = learner_class(cfg.run.strategy)
     return learner.of(cfg, runtime, learner.options_class.from_options(cfg.method_options(cfg.run.strategy)))
 

@@ -156,8 +156,9 @@ def test_strategies_never_name_client_code_even_as_strings():
 
 
 def test_every_method_has_a_strategy_and_a_learner():
-    from promptfcl.common.model.adapters import LowRankAdapters
-    from promptfcl.common.model.prompted import CodaPrompt
+    import torch
+
+    from promptfcl.common.model.trainable import ModuleShape, TrainableModule
     from promptfcl.strategies.platform.learner import LocalLearner
     from promptfcl.strategies.platform.strategy import PromptStrategy
     from promptfcl.strategies.registry import (
@@ -166,18 +167,72 @@ def test_every_method_has_a_strategy_and_a_learner():
         options_class,
         private_records,
         prompt_class,
+        statistics_of,
         strategy_class,
     )
 
     assert set(methods()) == {"c2prompt", "fedavg", "fedcprompt", "fppl", "hepco", "hgp", "lorm", "pilora", "powder"}
-    for name in methods():
-        assert issubclass(strategy_class(name), PromptStrategy) and issubclass(learner_class(name), LocalLearner)
-        assert issubclass(prompt_class(name), (CodaPrompt, LowRankAdapters))  # a module family
-        # strategy and learner read the same options, those the registry names (a run is checked against
-        # them), and the client side names what the server uses
-        assert learner_class(name).options_class is strategy_class(name).options_class is options_class(name)
-        assert prompt_class(name) is strategy_class(name).prompt_class
-        assert private_records(name) == strategy_class(name).private_records
+    for name, method in methods().items():
+        strategy, learner = strategy_class(name), learner_class(name)
+        assert issubclass(strategy, PromptStrategy) and issubclass(learner, LocalLearner)
+        # both sides read what the Method declares, found by their package (no copy of their own)
+        assert strategy.name == name
+        assert strategy.prompt_class is prompt_class(name) is method.load("prompt")
+        assert learner.options_class is strategy.options_class is options_class(name)
+        assert strategy.private_records == private_records(name) and strategy.statistics == statistics_of(name)
+        # every module family implements the trainable-module protocol the prompted model uses
+        with torch.device("meta"):
+            module = prompt_class(name).of(ModuleShape(16, (0, 1), 2, 4, 2))
+        assert isinstance(module, torch.nn.Module) and isinstance(module, TrainableModule), name
+
+
+#: what a method declares once, in its Method (strategies/registry.py), and its classes read from there
+DECLARED = {"name", "prompt_class", "options_class", "private_records", "statistics"}
+
+
+def test_a_method_folder_declares_each_thing_once():
+    """A method's name, module, options, privacy bounds and statistics are its ``Method``'s (its
+    package's __init__.py): no strategy or learner class of its folder states one again."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from promptfcl.strategies.platform.learner import LocalLearner
+    from promptfcl.strategies.platform.strategy import PromptStrategy
+    from promptfcl.strategies.registry import methods
+
+    offenders, seen = [], set()
+    for method in methods().values():
+        package = importlib.import_module(method.package)
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{method.package}.{info.name}")
+            for cls in vars(module).values():
+                if (inspect.isclass(cls) and cls.__module__ == module.__name__
+                        and issubclass(cls, (PromptStrategy, LocalLearner))):
+                    seen.add(cls)
+                    offenders += [f"{cls.__module__}.{cls.__name__}.{attr}" for attr in DECLARED & set(vars(cls))
+                                  if not inspect.isfunction(vars(cls)[attr])]  # a method of that name is not one
+    assert len(seen) >= 2 * len(methods()) and not offenders, offenders
+
+
+def test_a_declaration_is_read_by_the_package_that_defines_the_class():
+    """A class outside every method package reads the platform's defaults or its own body; a subclass
+    of a method's class, wherever it is defined, reads that method's declaration."""
+    from promptfcl.common.config.options import NoOptions
+    from promptfcl.common.model.prompted import CodaPrompt
+    from promptfcl.strategies.lorm.options import LoRMOptions
+    from promptfcl.strategies.lorm.prompt import LoRMAdapters
+    from promptfcl.strategies.lorm.strategy import LoRMStrategy
+    from promptfcl.strategies.platform.strategy import PromptStrategy
+
+    class Tuned(LoRMStrategy):
+        pass
+
+    class Own(PromptStrategy):
+        name = "own"
+
+    assert (Tuned.name, Tuned.prompt_class, Tuned.options_class) == ("lorm", LoRMAdapters, LoRMOptions)
+    assert (Own.name, Own.prompt_class, Own.options_class, Own.statistics) == ("own", CodaPrompt, NoOptions, {})
 
 
 #: what every method folder holds, by the same names (extras beside them are the method's own)

@@ -63,12 +63,8 @@ FILES = {
         from promptfcl.strategies.platform.learner import LocalLearner
         from promptfcl.common.records import to_array_record
 
-        from .options import ToyOptions
-
 
         class ToyLearner(LocalLearner):
-            options_class = ToyOptions
-
             def round_start(self, content, task):
                 self.anchor = self.rt.model.head.weight.detach().clone()
 
@@ -86,17 +82,9 @@ FILES = {
         from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
         from promptfcl.strategies.platform.strategy import PromptStrategy
 
-        from .options import ToyOptions
-        from .prompt import ToyPrompt
-        from .records import STATISTICS
 
-
-        class ToyStrategy(PromptStrategy):
-            name = "toy"
-            prompt_class = ToyPrompt
-            options_class = ToyOptions
+        class ToyStrategy(PromptStrategy):  # its name, module, options and statistics: METHOD's
             reply_records = frozenset({ARRAYS, METRICS, "toy-stats"})
-            statistics = STATISTICS  # bounded by the platform
 
             def setup(self):
                 self.rounds = 0

@@ -1,9 +1,10 @@
 """Low-rank adapters (LoRA) on the frozen ViT's projections: the second family of trainable modules.
 
 A method's trainable part is a module family (``family``): CODA-P's prompts
-(``common/model/prompted.py: CodaPrompt``) or these adapters. Both sit in ``PromptedViT``'s ``prompt``
-slot, travel under the ``prompt.`` prefix of the trainable state and keep one part per task,
-so the platform's per-task aggregation, checks, defences and privacy apply to either unchanged.
+(``common/model/prompted.py: CodaPrompt``) or these adapters. Both implement the trainable-module
+protocol (common/model/trainable.py), sit in ``PromptedViT``'s ``prompt`` slot, travel under the
+``prompt.`` prefix of the trainable state and keep one part per task, so the platform's per-task
+aggregation, checks, defences and privacy apply to either unchanged.
 
 Per adapted block and projection (``qkv``, its ``q`` or ``v`` slice, ``proj``, ``fc1``, ``fc2``),
 task t owns a set ``(A_t, B_t)`` with ``A_t`` (r, in) and ``B_t`` (out, r), and a row of column
@@ -29,12 +30,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from functools import partial
+from typing import Any, Self
 
 import torch
 from torch import nn
 
 from ..config.experiment import ConfigError
+from .trainable import BlockForward, ModuleShape
+from .vit import block_forward
 
 #: projections an adapter can target; ``q`` and ``v`` are slices of ``qkv``'s output
 TARGETS = ("qkv", "q", "v", "proj", "fc1", "fc2")
@@ -43,9 +47,9 @@ TARGETS = ("qkv", "q", "v", "proj", "fc1", "fc2")
 class LowRankAdapters(nn.Module):
     """Per-task low-rank adapters for a list of blocks (see the module's docstring).
 
-    The constructor takes ``CodaPrompt``'s arguments, so ``build_model`` and the platform build
-    either family alike; ``pool_size`` and ``length`` mean nothing here. A method's subclass sets
-    the class attributes (or reads its options in :meth:`configure`, then calls :meth:`allocate`).
+    Built from a ``ModuleShape`` (:meth:`of`) as the prompt family is, reading its width, blocks
+    and tasks (a prompt pool's size and length are not its). A method's subclass sets the class
+    attributes (or reads its options in :meth:`configure`, then calls :meth:`allocate`).
 
     Parameters
     ----------
@@ -53,8 +57,6 @@ class LowRankAdapters(nn.Module):
         Token width D of the backbone.
     layers : list[int]
         Indices of the adapted blocks.
-    pool_size, length : int
-        Unused (the prompt family's).
     num_tasks : int
         Number of adapter sets per projection.
     """
@@ -69,17 +71,20 @@ class LowRankAdapters(nn.Module):
     training_sets = "all"
     #: MLP hidden width over D (every standard ViT: 4); :meth:`check_backbone` checks it
     mlp_ratio = 4.0
-    # the prompt family's attributes other parts read (memory plan, transfer metrics)
-    kinds = ""
+    #: the protocol's: no tokens enter the sequence, so there are none to truncate
     prompt_tokens = "truncate"
+    tokens_per_block = 0
 
-    def __init__(self, embed_dim: int, layers: list[int], pool_size: int, length: int, num_tasks: int) -> None:
+    def __init__(self, embed_dim: int, layers: list[int], num_tasks: int) -> None:
         super().__init__()
         self.embed_dim, self.layers, self.num_tasks = embed_dim, list(layers), num_tasks
-        self.pool_size, self.length = pool_size, 0  # no prompt tokens enter the sequence
-        self.per_task = 1
         self.task = 0
         self.allocate()
+
+    @classmethod
+    def of(cls, shape: ModuleShape) -> Self:
+        """The adapters of ``shape`` (common/model/trainable.py's protocol)."""
+        return cls(shape.embed_dim, list(shape.layers), shape.num_tasks)
 
     # ------------------------------------------------------------------ shape
     def shapes(self, target: str) -> tuple[int, int]:
@@ -130,7 +135,7 @@ class LowRankAdapters(nn.Module):
                     raise ConfigError(f"block {layer}'s {target} is {linear.in_features} -> {linear.out_features}; "
                                       f"the adapters expect {want[0]} -> {want[1]} (mlp_ratio {self.mlp_ratio})")
 
-    # ------------------------------------------------------------------ the prompt family's interface
+    # ------------------------------------------------------------------ the trainable-module protocol
     def configure(self, options: Mapping[str, Any]) -> None:
         """Read the method's options (hook, as ``CodaPrompt.configure``). Default: none."""
 
@@ -160,6 +165,11 @@ class LowRankAdapters(nn.Module):
         return torch.zeros(())
 
     # ------------------------------------------------------------------ forward
+    def in_block(self, layer: int, block: nn.Module, query: torch.Tensor) -> tuple[BlockForward, None]:
+        """The block's forward with its projections adapted (``adapt`` bound to ``layer``); no tokens
+        added, and ``query`` is not read."""
+        return partial(block_forward, block, adapt=partial(self.adapt, layer)), None
+
     def active(self) -> range:
         """The tasks whose sets this forward adds."""
         if self.training and self.training_sets == "current":

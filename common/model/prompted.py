@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +29,10 @@ from torch.utils.checkpoint import checkpoint
 from ..config import sections as sections
 from ..config.experiment import ConfigError
 from ..data.tasks import TaskLayout
-from .adapters import LowRankAdapters
 from .backbone import Backbone, backbone_cache_path, build_backbone  # noqa: F401  (re-exported)
 from .low_precision import lower_precision
 from .preprocess import InputPipeline
+from .trainable import BlockForward, ModuleShape, TrainableModule
 from .vit import Attention as OurAttention
 from .vit import Block as OurBlock
 from .vit import block_forward
@@ -110,11 +110,29 @@ class CodaPrompt(nn.Module):
             for kind in self.kinds:
                 nn.init.uniform_(getattr(self, f"{kind}{layer}"))
 
+    @classmethod
+    def of(cls, shape: ModuleShape) -> Self:
+        """The pool of ``shape`` (common/model/trainable.py's protocol; every subclass takes these
+        constructor arguments)."""
+        return cls(shape.embed_dim, list(shape.layers), shape.pool_size, shape.length, shape.num_tasks)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Prompt-tuning inserts L tokens in each prompted block."""
+        return self.length
+
     def configure(self, options: Mapping[str, Any]) -> None:
         """Read the method options that shape the forward pass from the run's namespaced options
         (``options``: ``<method>.<option>`` keys, ``ExperimentConfig.method``) (hook; called by
         ``build_model``, so clients, evaluators and the server build the same module). Default:
         nothing to read."""
+
+    def check_backbone(self, backbone: Any) -> None:
+        """Any backbone ``check_blocks`` accepts: a prompt reads no projection's shape."""
+
+    def in_block(self, layer: int, block: nn.Module, query: torch.Tensor) -> tuple[BlockForward, torch.Tensor]:
+        """The block's own forward, and this block's prompt (B, L, D) for query ``query``."""
+        return partial(block_forward, block), self(query, layer)
 
     def slice_of(self, task: int) -> slice:
         return slice(task * self.per_task, (task + 1) * self.per_task)
@@ -194,10 +212,6 @@ def check_blocks(backbone: Backbone, layers: list[int]) -> None:
                 "Block / Attention (or common/model/vit.py's), whose forward the prompted path reproduces")
 
 
-#: a method's trainable module: one of the two families
-TrainableModule = CodaPrompt | LowRankAdapters
-
-
 class PromptedViT(nn.Module):
     """Frozen ViT + the method's trainable module (CODA-P prompts, or low-rank adapters:
     common/model/adapters.py) + one linear head (over all classes, or a block per task).
@@ -226,8 +240,7 @@ class PromptedViT(nn.Module):
         if bad:
             raise ConfigError(f"prompt-layers {bad} do not exist in a backbone of depth {depth}")
         check_blocks(backbone, prompt.layers)
-        if isinstance(prompt, LowRankAdapters):
-            prompt.check_backbone(backbone)
+        prompt.check_backbone(backbone)
         if mode == "prefix" and self.embed_dim % backbone.blocks[0].attn.num_heads:
             raise ConfigError("embed dim not divisible by heads")
         self.head = nn.Linear(self.embed_dim, num_classes)
@@ -305,21 +318,19 @@ class PromptedViT(nn.Module):
         prompted = set(self.prompt.layers)
         carried = 0  # accumulated prompt tokens, right after CLS
         run = self._run_block
-        adapters = self.prompt if isinstance(self.prompt, LowRankAdapters) else None
         for i, block in enumerate(b.blocks):
             if i not in prompted:
                 tokens = run(i, block, tokens)
                 continue
-            if adapters is not None:
-                tokens = run(i, partial(block_forward, block, adapt=partial(adapters.adapt, i)), tokens)
-                continue
-            prompt = self.prompt(query, i)
-            if self.mode == "prefix":
-                tokens = run(i, partial(block_forward, block), tokens, prompt)
+            forward, prompt = self.prompt.in_block(i, block, query)
+            if prompt is None:  # a module inside the block's projections (adapters): no tokens added
+                tokens = run(i, forward, tokens)
+            elif self.mode == "prefix":
+                tokens = run(i, forward, tokens, prompt)
             else:
                 n = prompt.shape[1]
                 extended = torch.cat([tokens[:, :1], prompt, tokens[:, 1:]], dim=1)
-                out = run(i, partial(block_forward, block), extended)
+                out = run(i, forward, extended)
                 if self.tokens == "accumulate":
                     tokens, carried = out, carried + n
                 else:
@@ -412,9 +423,8 @@ def build_model(
         source += f" (frozen linear layers in {precision}, this node's choice)"
     state = torch.random.get_rng_state()
     torch.manual_seed(spec.seed)
-    prompt = (prompt_class or CodaPrompt)(
-        int(backbone.embed_dim), list(spec.layers), spec.pool_size, spec.prompt_length, spec.num_tasks
-    )
+    prompt = (prompt_class or CodaPrompt).of(
+        ModuleShape(int(backbone.embed_dim), tuple(spec.layers), spec.num_tasks, spec.pool_size, spec.prompt_length))
     prompt.configure(spec.method)
     tokens = prompt.prompt_tokens if spec.prompt_tokens == "auto" else spec.prompt_tokens
     model = PromptedViT(backbone, prompt, spec.head_size, spec.prompt_mode,

@@ -55,7 +55,6 @@ from .records import CLASS_STATS, GLOBAL_STATS, HISTOGRAM, PART, UPLOAD_STATS
 class C2PromptLearner(LocalLearner):
     """Local learning with class distribution compensation; statistics and histograms uploaded."""
 
-    options_class = C2PromptOptions
     opts: C2PromptOptions
     teacher: tuple[torch.nn.Module, torch.nn.Module] | None = None  # the round-start prompt and head (distill)
 

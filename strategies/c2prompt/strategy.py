@@ -56,8 +56,6 @@ from .records import (
     GLOBAL_STATS,
     HISTOGRAM,
     PART,
-    PRIVATE_RECORDS,
-    STATISTICS,
     UPLOAD_STATS,
 )
 
@@ -72,14 +70,9 @@ Reporter = tuple[int, int]  # (client, task) of a report of class statistics
 class C2PromptStrategy(PromptStrategy):
     """Global class distributions of q(x), then class-aware aggregation of the task's prompt slice."""
 
-    name = "c2prompt"
-    prompt_class = C2PromptPrompt
-    options_class = C2PromptOptions
     opts: C2PromptOptions
     per_task = "in-flight"  # clients on several tasks: each task's slice and head rows over its clients
     reply_records = frozenset({ARRAYS, METRICS, CLASS_STATS, HISTOGRAM})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
-    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def setup(self) -> None:
         # class -> (client, task) -> (count, mean, variance) as received (checkpointed)
@@ -262,7 +255,7 @@ class C2PromptStrategy(PromptStrategy):
                                     self.opts.cpa_tau)
                 kept.append(np.diag(matrix).mean())
                 pi = collapse_weights(hists[:, i], weights, self.opts.cpa_collapse)  # (N, K): merge only
-                for kind in self.prompt_class.kinds:
+                for kind in C2PromptPrompt.kinds:  # its pool's parameter kinds
                     name = f"prompt.{kind}{layer}"
                     copies = cpa_copies(np.stack([r[name][own] for r, own in zip(replies, rows)]), matrix)
                     if self.opts.cpa_pool == "keep-all":  # each client's rows of W P in its part

@@ -9,5 +9,4 @@ from .options import FedAvgOptions
 class FedAvgLearner(LocalLearner):
     """CODA-P local learning: the task's prompt slice and the head, cross-entropy on the current task."""
 
-    options_class = FedAvgOptions
     opts: FedAvgOptions

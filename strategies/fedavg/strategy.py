@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ..platform.strategy import PromptStrategy
 from .options import FedAvgOptions
-from .prompt import FedAvgPrompt
 
 
 class FedAvgStrategy(PromptStrategy):
@@ -14,7 +13,4 @@ class FedAvgStrategy(PromptStrategy):
     current task's classes; the server averages by sample count. No extra state.
     """
 
-    name = "fedavg"
-    prompt_class = FedAvgPrompt
-    options_class = FedAvgOptions
     opts: FedAvgOptions

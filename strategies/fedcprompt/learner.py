@@ -78,7 +78,6 @@ class FedCPromptLearner(LocalLearner):
         ``fedcprompt.*`` options.
     """
 
-    options_class = FedCPromptOptions
     opts: FedCPromptOptions
 
     def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)

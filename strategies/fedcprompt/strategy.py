@@ -67,9 +67,6 @@ class FedCPromptStrategy(PromptStrategy):
         ``fedcprompt.*`` options (the clients read the loss options).
     """
 
-    name = "fedcprompt"
-    prompt_class = FedCPromptPrompt
-    options_class = FedCPromptOptions
     opts: FedCPromptOptions
     per_task = "always"  # slice m and task m's head rows over the clients that trained m, whatever the round
     reply_metrics = {**REPLY_METRICS, **VALIDATION_METRICS}

@@ -115,7 +115,6 @@ class FPPLLearner(LocalLearner):
     (``round_start``) and returns the local prototypes (``round_end``).
     """
 
-    options_class = FPPLOptions
     opts: FPPLOptions
 
     def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)
@@ -126,7 +125,10 @@ class FPPLLearner(LocalLearner):
 
     def round_start(self, content: RecordDict, task: int) -> None:
         """Freeze or free the fusion scale; keep the global prototypes of this task's classes."""
-        self.rt.model.prompt.fusion_scale.requires_grad_(self.opts.fusion_scale == "learnable")
+        prompt = self.rt.model.prompt
+        if not isinstance(prompt, FPPLPrompt):
+            raise TypeError(f"FPPL needs the model built with FPPLPrompt, got {type(prompt).__name__}")
+        prompt.fusion_scale.requires_grad_(self.opts.fusion_scale == "learnable")
         self.proto_classes = self.proto_means = None
         config = content.config_records.get(CONFIG)
         self.client_id = as_int(config["client-id"]) if config is not None and "client-id" in config else -1

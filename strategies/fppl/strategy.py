@@ -33,9 +33,9 @@ from ..platform.partial import Rows, completed
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
 from .options import FPPLOptions
-from .prompt import FPPLPrompt, task_prompt_names
+from .prompt import task_prompt_names
 from .prototypes import PrototypeSet, debias_head
-from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES, PRIVATE_RECORDS, STATISTICS
+from .records import GLOBAL_PROTOTYPES, LOCAL_PROTOTYPES
 
 log = logging.getLogger("promptfcl")
 
@@ -54,16 +54,11 @@ class FPPLStrategy(PromptStrategy):
         ``fppl.*`` keys (see :class:`FPPLOptions`).
     """
 
-    name = "fppl"
-    prompt_class = FPPLPrompt
-    options_class = FPPLOptions
     opts: FPPLOptions
     per_task = "in-flight"  # asynchronous arrival: a task's prompt over the clients on it
     # (a client with no examples of its task replies without prototypes: the platform leaves
     # it out as "no training examples" before it checks the records)
     reply_records = frozenset({ARRAYS, METRICS, LOCAL_PROTOTYPES})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
-    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, one client's prototype: the newest (this task's local prototypes before the pool)."""

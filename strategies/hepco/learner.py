@@ -21,7 +21,6 @@ class HePCoLearner(LocalLearner):
     """Plain prompt learning (the paper's clients upload keys, prompts and head, and the
     server's per-class teacher weights need their label counts)."""
 
-    options_class = HePCoOptions
     opts: HePCoOptions
 
     def round_end(self, index: np.ndarray, task: int) -> dict[str, Any]:

@@ -62,8 +62,7 @@ from .diagnostics import RealDataProbe, sample_latents, teacher_accuracy
 from .distill import distill, train_generator
 from .latents import LatentGenerator, LatentStudent, TaskTeachers, Teachers, task_groups
 from .options import HePCoOptions
-from .prompt import HePCoPrompt
-from .records import CLASS_COUNTS, PRIVATE_RECORDS, STATISTICS, count_matrix
+from .records import CLASS_COUNTS, count_matrix
 
 log = logging.getLogger("promptfcl")
 
@@ -77,12 +76,7 @@ class HePCoStrategy(PromptStrategy):
 
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
-    name = "hepco"
-    prompt_class = HePCoPrompt
-    options_class = HePCoOptions
     opts: HePCoOptions
-    private_records = PRIVATE_RECORDS  # the label counts, with client-weights = "class-counts" (records.py)
-    statistics = STATISTICS
 
     def setup(self) -> None:
         if self.opts.client_weights == "class-counts":

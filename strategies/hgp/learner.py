@@ -36,7 +36,6 @@ class HGPLearner(LocalLearner):
         ``hgp.*`` options; the covariance encoding is read here.
     """
 
-    options_class = HGPOptions
     opts: HGPOptions
 
     @torch.no_grad()

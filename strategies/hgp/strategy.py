@@ -65,8 +65,7 @@ from .gaussians import (
     sample_features,
 )
 from .options import HGPOptions
-from .prompt import HGPPrompt
-from .records import PRIVATE_RECORDS, STATISTICS, STATS
+from .records import STATS
 
 log = logging.getLogger("promptfcl")
 
@@ -82,13 +81,8 @@ class HGPStrategy(PromptStrategy):
 
     per_task = "in-flight"  # asynchronous arrival: a task's slice over the clients on it
 
-    name = "hgp"
-    prompt_class = HGPPrompt
     reply_records = frozenset({ARRAYS, METRICS, STATS})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
-    options_class = HGPOptions
     opts: HGPOptions
-    private_records = PRIVATE_RECORDS  # (records.py: the client's side reads them there)
 
     def uploaded_features(self, classes: list[int], seed: int) -> list[dict[str, Any]]:
         """Per class, the Gaussian of the client with most samples of it: its mean and one draw from

@@ -42,7 +42,6 @@ GRAM_STREAM, TASK_END_STREAM = 0x6A4, 0x6A5
 class LoRMLearner(LocalLearner):
     """LoRM's local learning: the platform's loop with one factor frozen, then the Gram pass."""
 
-    options_class = LoRMOptions
     opts: LoRMOptions
 
     def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)

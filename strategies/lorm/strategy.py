@@ -45,7 +45,7 @@ from ..platform.strategy import PromptStrategy
 from .merge import merge_a, merge_b, regmean_head, task_weights, unpack_triu
 from .options import LoRMOptions, trained_factor
 from .prompt import LoRMAdapters
-from .records import BLOCKS, GRAMS, HEAD_GRAM, SAMPLES, STATISTICS, TOKENS, diagonal_name, factor_of
+from .records import BLOCKS, GRAMS, HEAD_GRAM, SAMPLES, TOKENS, diagonal_name, factor_of
 
 log = logging.getLogger("promptfcl")
 
@@ -58,12 +58,8 @@ class LoRMStrategy(PromptStrategy):
     finished task, per adapted projection.
     """
 
-    name = "lorm"
-    prompt_class = LoRMAdapters
-    options_class = LoRMOptions
     opts: LoRMOptions
     reply_records = frozenset({ARRAYS, METRICS, GRAMS})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
 
     def setup(self) -> None:
         self.task, self.factor = 0, "b"

@@ -69,7 +69,6 @@ class PILoRALearner(LocalLearner):
     """PILoRA's local learning (module docstring): the shared loop trains the current LoRA set and
     the head's rows (the prototypes; only the task's receive a gradient) at their own rates."""
 
-    options_class = PILoRAOptions
     opts: PILoRAOptions
 
     def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)

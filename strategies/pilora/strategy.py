@@ -28,9 +28,8 @@ from ..platform.checks import class_rows_problem
 from ..platform.rounds import Accepted, Sent
 from ..platform.strategy import PromptStrategy
 from .options import PILoRAOptions
-from .prompt import PILoRAAdapters
 from .prototypes import reweighted_prototypes
-from .records import CLASS_MEANS, PRIVATE_RECORDS, STATISTICS
+from .records import CLASS_MEANS
 
 log = logging.getLogger("promptfcl")
 
@@ -41,14 +40,9 @@ PROTOTYPE_SCALE = 0.1
 class PILoRAStrategy(PromptStrategy):
     """PILoRA's server (module docstring). Keeps, for the privacy audit, each class's newest uploaded mean."""
 
-    name = "pilora"
-    prompt_class = PILoRAAdapters
-    options_class = PILoRAOptions
     opts: PILoRAOptions
     per_task = "in-flight"  # asynchronous arrival: a task's set and prototypes over the clients on it
     reply_records = frozenset({ARRAYS, METRICS, CLASS_MEANS})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
-    private_records = PRIVATE_RECORDS
 
     def setup(self) -> None:
         self.mean_classes = np.zeros(0, np.int64)  # each class's newest uploaded mean (privacy audit)

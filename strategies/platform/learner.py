@@ -51,6 +51,7 @@ from ...common.model.runtime import Runtime
 from ...common.node.memory_plan import TrainingPlan
 from ...common.privacy import PrivacyOptions, privacy_options
 from ...common.records import ARRAYS, METRICS, as_int, to_array_record, to_torch
+from ..registry import Declared
 from .collusion import flipped_labels
 
 log = logging.getLogger("promptfcl")
@@ -98,8 +99,8 @@ class LocalLearner:
         parsed with ``options_class``; None: the defaults).
     """
 
-    #: the method's options dataclass (the same as its strategy's)
-    options_class: type[MethodOptions] = NoOptions
+    #: the method's options dataclass, declared once in its ``Method`` (the strategy's, read without it)
+    options_class: Declared[type[MethodOptions]] = Declared("options", NoOptions)
 
     @classmethod
     def of(cls, cfg: ExperimentConfig, runtime: Runtime,

@@ -90,9 +90,11 @@ def trainable_bytes(cfg: ExperimentConfig, dim: int, num_classes: int) -> int:
     meta device: shapes without memory) and the linear head."""
     import torch  # the method's module needs it; the checks that import this module need no more
 
+    from ...common.model.trainable import ModuleShape
+
     with torch.device("meta"):
-        prompt = prompt_class(cfg.run.strategy)(dim, cfg.model.layers, cfg.model.pool_size, cfg.model.prompt_length,
-                                                cfg.data.num_tasks)
+        prompt = prompt_class(cfg.run.strategy).of(ModuleShape(dim, tuple(cfg.model.layers), cfg.data.num_tasks,
+                                                               cfg.model.pool_size, cfg.model.prompt_length))
         prompt.configure(cfg.method)
     state = prompt.state_dict()
     head = TaskLayout.of(cfg.run, cfg.data, cfg.federation, cfg.model, num_classes).head_size * (dim + 1)

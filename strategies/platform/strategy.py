@@ -49,8 +49,9 @@ from ...common.config.options import MethodOptions, NoOptions
 from ...common.config.trust import resolve_trust
 from ...common.data.schedule import task_schedule
 from ...common.data.tasks import TaskLayout
-from ...common.model.prompted import CodaPrompt, TrainableModule
+from ...common.model.prompted import CodaPrompt
 from ...common.model.runtime import Runtime
+from ...common.model.trainable import ModuleShape, TrainableModule
 from ...common.privacy import PrivacyOptions, PrivateRecord, privacy_options
 from ...common.records import (
     ARRAYS,
@@ -63,6 +64,7 @@ from ...common.records import (
     metrics_of,
     to_array_record,
 )
+from ..registry import Declared
 from .aggregation import average_replies
 from .checks import NO_EXAMPLES, HeldSamples, SampleBounds, placement_of, platform_problem
 from .exchange import ROUND, Exchanges
@@ -100,12 +102,15 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         sample count is checked against it (the method's ``trained_examples`` of it).
     """
 
-    name = "fedavg"
-    #: prompt module of this method (clients build their model with it; the server uses it to
-    #: initialise task slices). Must take CodaPrompt's constructor arguments.
-    prompt_class: type[TrainableModule] = CodaPrompt
+    # declared once, in the method's ``Method`` (its package's __init__.py), and read from there
+    # (strategies/registry.py: ``Declared``); a method's class body does not repeat them
+    #: the method's name (``strategy = "<name>"``)
+    name: Declared[str] = Declared("name", "fedavg")
+    #: the trainable module of this method (clients build their model with it; the server uses it to
+    #: initialise task slices): common/model/trainable.py's protocol
+    prompt_class: Declared[type[TrainableModule]] = Declared("prompt", CodaPrompt)
     #: the method's options dataclass (``from_options(dict)`` raises ConfigError on a bad value)
-    options_class: type[MethodOptions] = NoOptions
+    options_class: Declared[type[MethodOptions]] = Declared("options", NoOptions)
     #: averaging with clients on several tasks in one round: "in-flight" averages each task's
     #: slice and head rows over the replies that trained it (Fed-CPrompt, Powder); "never":
     #: FedAvg-Prompt's plain average; "always": per task slice even with one task in the round
@@ -115,12 +120,12 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
     reply_records: frozenset[str] | None = frozenset({ARRAYS, METRICS})
     #: differential privacy (common/privacy.py): how each extra upload record is bounded (the
     #: ``arrays`` update always is); a record the client uploads and this does not name is refused
-    private_records: dict[str, PrivateRecord] = {}
+    private_records: Declared[dict[str, PrivateRecord]] = Declared("records", {})
     #: what each uploaded record of statistics holds (record name -> its arrays' kinds): the
     #: platform bounds them before the method sees them (``stats-bound``, where the run is
     #: defended; strategies/platform/statistics.py). Every record a reply or an exchange answer
     #: carries besides "arrays" and "metrics" is declared here.
-    statistics: dict[str, Statistics] = {}
+    statistics: Declared[dict[str, Statistics]] = Declared("statistics", {})
     #: the fields a train reply's metrics record may hold (strategies/platform/replies.py)
     reply_metrics: dict[str, MetricSpec] = REPLY_METRICS
 
@@ -447,8 +452,8 @@ class PromptStrategy(Sampling, Exchanges, FedAvg):
         arrays = {k[7:]: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items() if k.startswith("prompt.")}
 
         def build() -> TrainableModule:
-            prompt = self.prompt_class(dim, self.model.layers, self.model.pool_size, self.model.prompt_length,
-                                       self.data.num_tasks)
+            prompt = self.prompt_class.of(ModuleShape(dim, tuple(self.model.layers), self.data.num_tasks,
+                                                      self.model.pool_size, self.model.prompt_length))
             prompt.configure(self.method_settings)
             return prompt
 

@@ -67,7 +67,6 @@ class PowderLearner(LocalLearner):
         ``powder.*`` options (prefix removed).
     """
 
-    options_class = PowderOptions
     opts: PowderOptions
 
     def __init__(self, **inputs: Any) -> None:  # LocalLearner's keyword inputs (made by ``of``)

@@ -86,7 +86,6 @@ from .records import (
     MEASURE_METRICS,
     OWN_WEIGHTS,
     PREVIOUS,
-    STATISTICS,
 )
 
 log = logging.getLogger("promptfcl")
@@ -110,12 +109,8 @@ class PowderStrategy(PromptStrategy):
         ``powder.*`` options (the clients read the loss options).
     """
 
-    name = "powder"
-    prompt_class = PowderPrompt
-    options_class = PowderOptions
     opts: PowderOptions
     reply_records = frozenset({ARRAYS, METRICS, ALPHA})
-    statistics = STATISTICS  # what the platform bounds where the run is defended (records.py)
 
     def audit_notes(self) -> dict[str, Any]:
         """What the server's correlation weights show (the privacy audit's report)."""
