@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
 from promptfcl.client.node_policy import NodePolicy
+from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.platform.attack_policy import ColludingAttack
-from promptfcl.strategies.platform.learner import FitConditions
 from promptfcl.strategies.platform.collusion import (
     alie,
     alie_z,
@@ -25,6 +24,7 @@ from promptfcl.strategies.platform.collusion import (
     min_max,
     min_sum,
 )
+from promptfcl.strategies.platform.learner import FitConditions
 from tests.conftest import tiny_config
 from tests.helpers import NodeList, accepted_of
 
