@@ -31,12 +31,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..common.config.experiment import ExperimentConfig
 from ..common.model.evaluation import correct_counts, pooled_counts
 from ..common.model.runtime import Runtime, get_runtime
 from ..common.model.weights import cache_dir
 from ..common.node import startup
-from ..common.privacy import PrivacyOptions, privacy_options, privatise_reply
+from ..common.node.memory_plan import TrainingPlan
+from ..common.privacy import PrivacyOptions, privatise_reply
 from ..common.records import (
     ARRAYS,
     EVALUATE_TASK,
@@ -51,13 +51,14 @@ from ..common.records import (
     to_torch,
 )
 from ..common.text import escape_log_args, printable, without_paths
-from ..strategies.platform.learner import read_task_round
+from ..strategies.platform.learner import FitConditions, read_task_round
 from ..strategies.platform.run_checks import check_client_run
-from ..strategies.registry import build_learner, private_records, prompt_class
+from ..strategies.registry import learner_class, private_records, prompt_class
 from .faults import flips_labels, inject_faults
 from .memory import apply_plan, plan_metrics
+from .message_context import MessageContext, message_context, message_context_mod
 from .node_data import NodeDataError, check_classes, node_data, original_names
-from .node_policy import WEIGHTS, NodePolicy, NodeRefusal, in_ray_actor, simulated_nodes_mod
+from .node_policy import WEIGHTS, NodeRefusal, in_ray_actor, simulated_nodes_mod
 
 # what the node logs of the run config and the server's messages cannot forge log lines
 log = escape_log_args()
@@ -98,22 +99,24 @@ def public_reason(exc: BaseException, node_config: Mapping[str, Any]) -> str:
 
 # the outermost mod, so nothing the others raise reaches Flower unfiltered; simulated nodes (Ray
 # actors) are their operator's (client/node_policy.py); seeded fault injection (run-config `fault`)
-# runs only on nodes that enable it
-app = ClientApp(mods=[report_errors, simulated_nodes_mod, inject_faults])
+# runs only on nodes that enable it; the message's context is parsed once, after the mod that may
+# switch on a simulated node's options and before the mods and functions that read it
+app = ClientApp(mods=[report_errors, simulated_nodes_mod, message_context_mod, inject_faults])
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Load the global prompts and head, train on this client's share, reply the update."""
-    cfg = ExperimentConfig.from_run_config(context.run_config)
+    node = message_context(context)
+    cfg = node.cfg
     config = config_of(msg.content)
-    check_same_config(cfg.digest(), config)
+    check_same_config(node.digest, config)
     started = time.perf_counter()
-    runtime, client_id = client_runtime(cfg, context, config)
+    runtime, client_id = client_runtime(node, config)
     setup = time.perf_counter() - started
-    policy = NodePolicy.from_node_config(context.node_config)
-    learner = build_learner(cfg, runtime)
-    plan = apply_plan(cfg, runtime, policy, learner)  # the node's memory budget, before anything big runs
+    with startup.phase("context"):
+        learner = learner_class(cfg.run.strategy).of(cfg, runtime, node.options, node.privacy)
+        plan = apply_plan(node, runtime)  # the node's memory budget, before anything big runs
     # evaluate-with-train: the received model's counts, before training changes it
     evaluated = time.perf_counter()
     own_data = cfg.federation.population == "nodes"
@@ -122,27 +125,39 @@ def train(msg: Message, context: Context) -> Message:
     evaluation_seconds = time.perf_counter() - evaluated
     task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
                                          cfg.federation.num_clients)
-    learner.flip_labels = flips_labels(cfg, context.node_config, client_id, task, round_)
-    reply = learner.fit(msg.content, task, round_, client_id)
-    dp = privacy_options(cfg)
-    if dp.enabled:
-        check_client_run(cfg)  # a method that cannot bound its upload never sends one
-    # fresh OS entropy for the noise, never the run's seed (the server knows it)
-    reply = private_upload(reply, learner.update_reference(msg.content[ARRAYS], task), np.random.default_rng(),
-                           dp, cfg.run.strategy)
-    if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
-        reply.metric_records[METRICS]["setup-seconds"] = setup
-        if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
-            reply.metric_records[METRICS]["evaluation-seconds"] = evaluation_seconds
+    reply = learner.fit(msg.content, task, round_, client_id,
+                        FitConditions(plan, flips_labels(cfg, node.policy, client_id, task, round_)))
+    with startup.phase("reply"):  # the reply as it leaves: privatised, its metrics, where it was trained
+        reply = finish_reply(reply, learner.update_reference(msg.content[ARRAYS], task), node, runtime, plan)
+        if METRICS in reply.metric_records:  # the cost of this message's process (deployment overhead)
+            metrics = metrics_of(reply)
+            metrics["setup-seconds"] = setup
+            if evaluation is not None:  # not start-up: the server subtracts it from the process's overhead
+                metrics["evaluation-seconds"] = evaluation_seconds
+        reply[PLACEMENT] = placement(runtime, context, node.digest)
+        if evaluation is not None:
+            reply[EVALUATION] = evaluation
+    if METRICS in reply.metric_records:
         report_process_cost(metrics_of(reply))
-        declare_sizes(own_data, runtime, metrics_of(reply))
-        if policy.memory_budget_mb or policy.precision != "fp32":  # what the node chose within its budget
+    return Message(content=reply, reply_to=msg)
+
+
+def finish_reply(reply: RecordDict, reference: ArrayRecord, node: MessageContext, runtime: Runtime,
+                 plan: TrainingPlan) -> RecordDict:
+    """A fit's ``reply`` as it may leave this node: with ``dp.*`` on, the run checked and the upload
+    privatised (``reference``: what the update is of); the node's declared sizes and, with a
+    memory budget or its own backbone precision, what it chose (``plan``)."""
+    cfg = node.cfg
+    if node.privacy.enabled:
+        check_client_run(cfg, node.options, node.privacy)  # a method that cannot bound its upload never sends one
+    # fresh OS entropy for the noise, never the run's seed (the server knows it)
+    reply = private_upload(reply, reference, np.random.default_rng(), node.privacy, cfg.run.strategy)
+    if METRICS in reply.metric_records:
+        declare_sizes(cfg.federation.population == "nodes", runtime, metrics_of(reply))
+        if node.policy.memory_budget_mb or node.policy.precision != "fp32":  # what the node chose within its budget
             for key, value in plan_metrics(plan, runtime).items():
                 reply.metric_records[METRICS][key] = value
-    reply[PLACEMENT] = placement(runtime, context, cfg.digest())
-    if evaluation is not None:
-        reply[EVALUATION] = evaluation
-    return Message(content=reply, reply_to=msg)
+    return reply
 
 
 def evaluate_received(runtime: Runtime, content: RecordDict, num_tasks: int, own_data: bool) -> MetricRecord | None:
@@ -177,12 +192,13 @@ def private_upload(reply: RecordDict, received: ArrayRecord, rng: np.random.Gene
 def query(msg: Message, context: Context) -> Message:
     """A method's exchange before training (``PromptStrategy.configure_exchange``, e.g. Powder's
     measuring step): the method's learner answers it (``LocalLearner.answer``) without training."""
-    cfg = ExperimentConfig.from_run_config(context.run_config)
+    node = message_context(context)
+    cfg = node.cfg
     config = config_of(msg.content)
-    check_same_config(cfg.digest(), config)
-    runtime, client_id = client_runtime(cfg, context, config)
-    learner = build_learner(cfg, runtime)
-    apply_plan(cfg, runtime, NodePolicy.from_node_config(context.node_config), learner)
+    check_same_config(node.digest, config)
+    runtime, client_id = client_runtime(node, config)
+    learner = learner_class(cfg.run.strategy).of(cfg, runtime, node.options, node.privacy)
+    apply_plan(node, runtime)  # the model's no-grad chunks (the answer trains nothing)
     task, round_, client_id = assignment(config, client_id, cfg.federation.population, cfg.data.task_generator,
                                          cfg.federation.num_clients)
     return Message(content=learner.answer(msg.content, task, round_, client_id), reply_to=msg)
@@ -195,11 +211,13 @@ def evaluate(msg: Message, context: Context) -> Message:
     The reply carries counts only (``metrics``: ``correct``, ``total`` per task seen so
     far, ``num-examples``); the server sums them over nodes into accuracies.
     """
-    cfg = ExperimentConfig.from_run_config(context.run_config)
+    node = message_context(context)
+    cfg = node.cfg
     config = config_of(msg.content)
-    check_same_config(cfg.digest(), config)
-    runtime, _ = client_runtime(cfg, context, config)
-    apply_plan(cfg, runtime, NodePolicy.from_node_config(context.node_config))  # its no-grad chunks
+    check_same_config(node.digest, config)
+    runtime, _ = client_runtime(node, config)
+    with startup.phase("context"):
+        apply_plan(node, runtime)  # its no-grad chunks
     try:
         task = as_int(config["task"])
     except KeyError:
@@ -241,8 +259,9 @@ def evaluation_pools(config: ConfigRecord, task: int, slices: int) -> dict[int, 
     return pools
 
 
-def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord) -> tuple[Runtime, int]:
-    """This process's runtime and the client id it trains as (``-1``: the server assigns it).
+def client_runtime(node: MessageContext, config: ConfigRecord) -> tuple[Runtime, int]:
+    """This process's runtime for the message's context ``node`` and the client id it trains as
+    (``-1``: the server assigns it).
 
     First the node's own limits and its backbone (:class:`NodePolicy`): a run beyond them, or
     naming a weights file or hub source the node did not choose, is refused before anything is
@@ -252,10 +271,11 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
     only with ``data-from-run = true``. A simulated client (a Ray actor) given no GPU share
     trains on the CPU.
     """
-    policy = NodePolicy.from_node_config(context.node_config)
-    policy.check_run(cfg, config.get("num-classes"))
-    # the node's own weights or its cache, never a file the run names
-    cfg = cfg.replace(weights=policy.backbone_weights(cfg.model.backbone, cfg.model.weights))
+    policy, cfg = node.policy, node.cfg
+    with startup.phase("context"):
+        policy.check_run(cfg, config.get("num-classes"), node.options, node.privacy)
+        # the node's own weights or its cache, never a file the run names
+        cfg = cfg.replace(weights=policy.backbone_weights(cfg.model.backbone, cfg.model.weights))
     method_prompt = prompt_class(cfg.run.strategy)
     if cfg.placement.device == "auto" and in_ray_actor() and ray_gpu_share() == 0:
         # a client actor given no GPU trains on the CPU, even where Ray leaves the GPUs visible
@@ -268,14 +288,14 @@ def client_runtime(cfg: ExperimentConfig, context: Context, config: ConfigRecord
                               "use population = nodes (or start the node with data-from-run=true)")
         return get_runtime(cfg, method_prompt, precision=policy.precision), -1
     with startup.phase("data"):
-        node = node_data(cfg, context.node_config)
+        own = node_data(cfg, node.node_config, policy)
     sent = config.get("num-classes")
     if sent is not None:
-        check_classes(node.data.num_classes, original_names(node.data, cfg.run.seed),
-                      f"this node's data ({node.data.name})", cfg.data.num_classes or as_int(sent),
+        check_classes(own.data.num_classes, original_names(own.data, cfg.run.seed),
+                      f"this node's data ({own.data.name})", cfg.data.num_classes or as_int(sent),
                       cfg.data.class_name_list)
-    return (get_runtime(node.cfg, method_prompt, data=node.data, precision=policy.precision, partition=node.partition),
-            node.client_id)
+    return (get_runtime(own.cfg, method_prompt, data=own.data, precision=policy.precision, partition=own.partition),
+            own.client_id)
 
 
 def assignment(config: ConfigRecord, node_client: int, population: str, task_generator: str,
@@ -309,7 +329,7 @@ def declare_sizes(own_data: bool, runtime: Runtime, metrics: MetricRecord) -> No
 def report_process_cost(metrics: MetricRecord) -> None:
     """This message's process cost, for the server's deployment-overhead figures: the process's
     age now and, in a fresh process's first message, its start-up phases (common/node/startup.py)."""
-    metrics["process-seconds"] = process_age()
+    metrics["process-seconds"] = startup.process_age()
     for name, seconds in startup.take().items():
         metrics[startup.metric_name(name)] = seconds
 
@@ -332,19 +352,6 @@ def placement(runtime: Runtime, context: Context, digest: str) -> ConfigRecord:
     if visible is not None:
         fields["cuda-visible-devices"] = visible
     return ConfigRecord(fields)
-
-
-def process_age() -> float:
-    """Seconds since this process started (Linux; 0.0 elsewhere): with a fresh process per
-    message, this is the message's whole cost on the node, imports included."""
-    try:
-        with open("/proc/self/stat") as fh:
-            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as fh:
-            uptime = float(fh.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def check_same_config(digest: str, config: ConfigRecord) -> None:
@@ -370,4 +377,4 @@ __all__ = ["app", "check_same_config", "client_runtime", "evaluate", "evaluate_r
 
 # Process start to here: the interpreter, Flower's ClientApp runner and this module's imports
 # (torch, the project); in a fresh deployed process, the first part of every message's cost.
-startup.record("imports", process_age())
+startup.record("imports", startup.process_age())

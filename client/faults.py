@@ -40,6 +40,7 @@ from ..common.records import ARRAYS, CONFIG, METRICS, arrays_of, as_int, from_ar
 from ..strategies.platform.collusion import COLLUDING_ATTACKS
 from ..strategies.platform.statistics import Statistics
 from ..strategies.registry import statistics_of
+from .message_context import message_context
 from .node_policy import NodePolicy
 
 log = logging.getLogger("promptfcl")
@@ -69,13 +70,14 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
     # an exchange before training (Powder's measured alphas) carries statistics, not a model
     if kind == MessageType.QUERY and context.run_config.get("fault") not in STATISTICS_ATTACKS:
         return call_next(msg, context)
-    if not NodePolicy.from_node_config(context.node_config).fault_injection:
+    node = message_context(context)
+    if not node.policy.fault_injection:
         log.warning(
             "the run asks for fault injection (fault = %r); this node did not enable it and trains normally",
             context.run_config.get("fault"),
         )
         return call_next(msg, context)
-    cfg = ExperimentConfig.from_run_config(context.run_config)
+    cfg = node.cfg
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content.config_records else ConfigRecord()
     try:
         client, task, round_ = as_int(config["client-id"]), as_int(config["task"]), as_int(config["round"])
@@ -104,12 +106,11 @@ def inject_faults(msg: Message, context: Context, call_next: Callable[[Message, 
 HONEST_REPLIES = (*COLLUDING_ATTACKS, "label-flip")
 
 
-def flips_labels(cfg: ExperimentConfig, node_config: Mapping[str, object], client: int, task: int,
-                 round_: int) -> bool:
+def flips_labels(cfg: ExperimentConfig, policy: NodePolicy, client: int, task: int, round_: int) -> bool:
     """Whether this fit of ``client`` trains on flipped labels: ``fault = "label-flip"``, on a node
-    that enabled fault injection, for a client the fault chose (:func:`is_faulty`)."""
+    whose ``policy`` enables fault injection, for a client the fault chose (:func:`is_faulty`)."""
     rob = cfg.robustness
-    return rob.fault == "label-flip" and NodePolicy.from_node_config(node_config).fault_injection and \
+    return rob.fault == "label-flip" and policy.fault_injection and \
         is_faulty(rob.fault_client_ids, rob.fault_rate, cfg.run.seed, client, task, round_)
 
 

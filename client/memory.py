@@ -1,4 +1,4 @@
-"""A node's memory budget applied to a message: the plan, set on the model and learner, and reported.
+"""A node's memory budget applied to a message: the plan, set on the model, passed to the learner's fit, and reported.
 
 The node's operator sets ``memory-budget-mb`` (and ``backbone-precision``) in its node config
 (client/node_policy.py); before a message trains or evaluates, the node measures what its process
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from ..common.config.experiment import ExperimentConfig
 from ..common.model.backbone import backbone_cache_path
 from ..common.model.prompted import PromptedViT
 from ..common.model.runtime import Runtime
@@ -31,10 +30,9 @@ from ..common.node.memory_plan import (
     return_freed_memory,
     round_after_mb,
 )
-from ..common.privacy import privacy_options
-from ..strategies.platform.learner import LocalLearner
 from ..strategies.platform.run_memory import method_memory, run_sizes
-from .node_policy import NodePolicy, NodeRefusal
+from .message_context import MessageContext
+from .node_policy import NodeRefusal
 
 log = logging.getLogger("promptfcl")
 
@@ -53,9 +51,9 @@ def step_sizes(model: PromptedViT, batch_size: int) -> StepSizes:
                      input_floats=int(backbone.patch_embed.proj.in_channels) * int(size[0]) * int(size[1]))
 
 
-def apply_plan(cfg: ExperimentConfig, runtime: Runtime, policy: NodePolicy,
-               learner: LocalLearner | None = None) -> TrainingPlan:
-    """Plan a message of run ``cfg`` within the node's budget and set the plan on the model (and ``learner``).
+def apply_plan(node: MessageContext, runtime: Runtime) -> TrainingPlan:
+    """Plan a message of context ``node`` (its run, its node's policy) within the node's budget and set
+    the plan's chunks on the model; the plan, which a fit takes (``FitConditions``).
 
     What the process holds is measured now, with the frozen weights still to be read from the
     node's mapped cache counted as if read. Without a budget the plan is the default (whole
@@ -67,7 +65,7 @@ def apply_plan(cfg: ExperimentConfig, runtime: Runtime, policy: NodePolicy,
     NodeRefusal
         The budget is too small for one image at a time (the text names ``memory-budget-mb``).
     """
-    model = runtime.model
+    model, cfg, policy = runtime.model, node.cfg, node.policy
     if policy.memory_budget_mb:
         return_freed_memory()  # before anything large is allocated: freed activations leave the process
         release_library_pages()  # library pages a CPU never runs again (torch's CUDA libraries) leave it too
@@ -80,26 +78,24 @@ def apply_plan(cfg: ExperimentConfig, runtime: Runtime, policy: NodePolicy,
     try:
         plan = plan_training(policy.memory_budget_mb, step_sizes(model, cfg.training.batch_size), held,
                              runtime.precision, MIN_MICRO_BATCH[device],
-                             after_mb=after_plan_mb(cfg, runtime) if policy.memory_budget_mb else 0.0)
+                             after_mb=after_plan_mb(node, runtime) if policy.memory_budget_mb else 0.0)
     except BudgetError as exc:
         raise NodeRefusal(str(exc)) from None
     first = min(model.prompt.layers, default=0)
     model.checkpointed = frozenset(range(first, first + plan.checkpointed))
     model.max_batch = plan.no_grad_batch
-    if learner is not None:
-        learner.plan = plan
     return plan
 
 
-def after_plan_mb(cfg: ExperimentConfig, runtime: Runtime) -> float:
+def after_plan_mb(node: MessageContext, runtime: Runtime) -> float:
     """MB the round adds after the plan besides its activations (common/node/memory_plan.py's
     ``round_after_mb``), from the built model: its trainable parameters' gradients and Adam's
     moments, the reply's arrays, the method's statistics (strategies/platform/run_memory.py)."""
     model = runtime.model
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     sent = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
-    statistics, _ = method_memory(cfg, run_sizes(cfg, runtime.data.num_classes))
-    return round_after_mb(trained, sent, statistics, privacy_options(cfg).enabled)
+    statistics, _ = method_memory(node.cfg, run_sizes(node.cfg, runtime.data.num_classes), node.options)
+    return round_after_mb(trained, sent, statistics, node.privacy.enabled)
 
 
 def plan_metrics(plan: TrainingPlan, runtime: Runtime) -> dict[str, int | float]:

@@ -110,7 +110,7 @@ HOW_TO = ("start the SuperNode with --node-config 'data-dir=\"/path/to/images\"'
           "(a simulated share of the run's dataset)")
 
 
-def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
+def parse_node_config(node_config: Mapping[str, Any], policy: NodePolicy | None = None) -> NodeSpec:
     """Read a node's data location, device and id from its node config.
 
     Raises
@@ -129,7 +129,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSpec:
         raise NodeDataError("node-config threads must be >= 0")
     client_id = _int(node_config, "client-id", -1)
     try:
-        policy = NodePolicy.from_node_config(node_config)
+        policy = policy or NodePolicy.from_node_config(node_config)
     except NodeRefusal as exc:
         raise NodeDataError(str(exc)) from None
     common: dict[str, Any] = {"device": device, "threads": threads, "client_id": client_id if client_id >= 0 else None,
@@ -183,15 +183,16 @@ class NodeData:
 _loaded: dict[str, NodeData] = {}
 
 
-def node_data(cfg: ExperimentConfig, node_config: Mapping[str, Any]) -> NodeData:
-    """This node's data for run ``cfg`` (cached per process); checked against the run's classes.
+def node_data(cfg: ExperimentConfig, node_config: Mapping[str, Any], policy: NodePolicy | None = None) -> NodeData:
+    """This node's data for run ``cfg`` (cached per process); checked against the run's classes
+    (``policy``: the node's, already parsed from ``node_config``; None: parsed here).
 
     Raises
     ------
     NodeDataError
         The data is missing, unreadable, or not the run's classes.
     """
-    spec = parse_node_config(node_config)
+    spec = parse_node_config(node_config, policy)
     key = json.dumps([cfg.fingerprint(), dataclasses.asdict(spec)], sort_keys=True, default=str)
     if key not in _loaded:
         _loaded.clear()

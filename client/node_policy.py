@@ -65,7 +65,7 @@ from ..common.node.footprint import (
     memory_problem,
 )
 from ..common.node.memory_plan import BUDGET_KEY, MARGIN_MB, release_library_pages, resident_mb, round_after_mb
-from ..common.privacy import privacy_options
+from ..common.privacy import PrivacyOptions, privacy_options
 from ..common.text import printable
 from ..strategies.platform.run_memory import method_memory, node_memory, run_sizes
 
@@ -193,10 +193,12 @@ class NodePolicy:
         log.warning("node refuses the run: %s = %r %s", key, value, why)
         return NodeRefusal(f"node refuses the run: its {key} {why}")
 
-    def check_run(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
+    def check_run(self, cfg: ExperimentConfig, sent_num_classes: Any = None, options: Any = None,
+                  privacy: PrivacyOptions | None = None) -> None:
         """Refuse (:class:`NodeRefusal`) a run whose sizes exceed this node's limits, each alone
         (:data:`LIMITS`) or together (tokens per image and estimated memory, :data:`FOOTPRINT_LIMITS`);
-        ``sent_num_classes`` is the head size a message names (checked the same way)."""
+        ``sent_num_classes`` is the head size a message names (checked the same way); ``options``,
+        ``privacy``: the method's and the ``dp.*`` options, already parsed (None: parsed here)."""
         run = cfg.to_dict()
         sizes = {key: run[key] for key in LIMITS}
         if sent_num_classes is not None:
@@ -215,7 +217,7 @@ class NodePolicy:
             problem = footprint_problem(size, cfg.model.image_size, self.limits["tokens"], math.inf,
                                         "this node's limit")
             if problem is None:
-                estimate = node_memory(cfg, sent_num_classes)
+                estimate = node_memory(cfg, sent_num_classes, options)
                 # the backbone and its activations are a GPU's, or a memory budget's to plan (client/memory.py)
                 planned = self.memory_budget_mb > 0 or trains_on_accelerator(cfg.placement)
                 problem = memory_problem(estimate, self.limits["memory-gb"], "this node's limit",
@@ -226,19 +228,20 @@ class NodePolicy:
         if problem is not None:
             raise NodeRefusal(f"node refuses the run: {problem}")
         if self.memory_budget_mb:
-            self.check_budget(cfg, sent_num_classes)
+            self.check_budget(cfg, sent_num_classes, options, privacy)
 
-    def check_budget(self, cfg: ExperimentConfig, sent_num_classes: Any = None) -> None:
+    def check_budget(self, cfg: ExperimentConfig, sent_num_classes: Any = None, options: Any = None,
+                     privacy: PrivacyOptions | None = None) -> None:
         """Refuse (:class:`NodeRefusal`) a run whose round cannot fit ``memory-budget-mb`` whatever the
         plan: what this process holds now (the message received) and what the round adds besides its
         activations (the trainable state's gradients and Adam's moments, the reply, the statistics;
         common/node/memory_plan.py), before the runtime is built. The plan (client/memory.py) checks the
         rest once the backbone, the data and the model are there."""
         sizes = run_sizes(cfg, sent_num_classes)
-        statistics, _ = method_memory(cfg, sizes)
+        statistics, _ = method_memory(cfg, sizes, options)
         release_library_pages()  # what a CPU never runs again is not held (as the plan measures it)
-        held, after = resident_mb(), round_after_mb(sizes.trainable, sizes.trainable, statistics,
-                                                    privacy_options(cfg).enabled)
+        dp = privacy if privacy is not None else privacy_options(cfg)
+        held, after = resident_mb(), round_after_mb(sizes.trainable, sizes.trainable, statistics, dp.enabled)
         if held + after + MARGIN_MB > self.memory_budget_mb:
             raise NodeRefusal(
                 f"node refuses the run: node-config {MEMORY_BUDGET} = {self.memory_budget_mb:g} is too small for its "

@@ -257,3 +257,32 @@ def test_a_benchmarked_simulation_started_with_sigint_ignored_still_stops_on_sig
     env = {k: v for k, v in os.environ.items() if k != RUN_MARK}
     assert run({**env, RUN_MARK: "x"}) == ["True", "interrupted"]
     assert run(env) == ["False", "kept-going"]  # not a benchmark's child: left as its parent set it
+
+
+def test_bench_deploy_attributes_a_messages_time_to_named_phases():
+    """``bench deploy``'s breakdown: every start-up phase a reply reports (common/node/startup.py),
+    ``other`` only what none covers, and Flower's transport as the round's wait beyond the slowest
+    message's process."""
+    from promptfcl.common.node.startup import PHASES
+    from promptfcl.server.bench.deploy import PHASE_NAMES, _path_figures, deploy_table
+
+    phases = {"imports": 1.0, "flower_receive": 0.25, "context": 0.125, "model_build": 0.5, "data": 0.25,
+              "reply": 0.0625}
+    rounds = [{"client_overhead_seconds": 2.5, "client_startup": phases, "client_seconds": 3.0, "eval_seconds": 0.5,
+               "round_seconds": 7.0, "server_seconds": 0.5, "client_process_seconds_max": 6.0, "eval_carried": False}
+              for _ in range(3)]
+    figures = _path_figures({"rounds": rounds, "accuracy_matrix": [[1.0]]})
+    breakdown = figures["overhead_breakdown"]
+    assert set(breakdown) == {*PHASES, "other"}
+    assert breakdown["weights"] == breakdown["query_cache"] == 0.0  # not timed: none
+    assert breakdown["other"] == pytest.approx(2.5 - sum(phases.values()))
+    assert figures["flower_transport_seconds"] == pytest.approx(0.5)  # 7 - 0.5 (server) - 6 (slowest process)
+    report = {**figures, "stock": figures, "deployed_round_seconds": 7.5, "deployed_eval_seconds": 0.5,
+              "simulated_round_seconds": 5.0, "simulated_eval_seconds": 0.4, "rounds": 3, "ratio": 1.5,
+              "same_accuracy_matrix": True, "empty_clientapp_process_seconds": 0.75,
+              "torch_clientapp_process_seconds": 1.5}
+    figures["ratio"] = 1.5
+    table = deploy_table(report)
+    assert all(f"| {PHASE_NAMES[name]} |" in table for name in (*PHASES, "other"))
+    assert "| Flower transport: the round's wait beyond the slowest message's process | 0.50 | 0.50 |" in table
+    assert "above the first: 1.75 s (warm)" in table

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
+from promptfcl.client.node_policy import NodePolicy
 from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
 from promptfcl.common.records import ARRAYS, METRICS, from_array_record, to_array_record
 from promptfcl.strategies.platform.attack_policy import ColludingAttack
@@ -23,6 +24,7 @@ from promptfcl.strategies.platform.collusion import (
     min_max,
     min_sum,
 )
+from promptfcl.strategies.platform.learner import FitConditions
 from tests.conftest import tiny_config
 from tests.helpers import NodeList, accepted_of
 
@@ -97,14 +99,14 @@ def test_label_flip_changes_the_labels_a_hostile_client_trains_on_and_only_its()
     from promptfcl.strategies.registry import build_learner, prompt_class
 
     cfg = tiny_config(fault="label-flip", **{"fault-clients": "0"})
-    enabled, disabled = {"fault-injection": True}, {}
+    enabled, disabled = NodePolicy.from_node_config({"fault-injection": True}), NodePolicy.from_node_config({})
     assert flips_labels(cfg, enabled, 0, 1, 0) and not flips_labels(cfg, enabled, 1, 1, 0)
     assert not flips_labels(cfg, disabled, 0, 1, 0)
     rt = get_runtime(cfg, prompt_class("fedavg"))
     seen: dict[int, list[int]] = {}
     for client in (0, 1):
         learner = build_learner(cfg, rt)
-        learner.flip_labels = flips_labels(cfg, enabled, client, 1, 0)
+        conditions = FitConditions(flip_labels=flips_labels(cfg, enabled, client, 1, 0))
         step, labels = learner.step, []
 
         def recording(x, y, queries, allowed, task, step=step, labels=labels):
@@ -114,7 +116,7 @@ def test_label_flip_changes_the_labels_a_hostile_client_trains_on_and_only_its()
         learner.step = recording
         content = RecordDict({ARRAYS: to_array_record(rt.model.trainable_state()),
                               "config": ConfigRecord({"client-id": client})})
-        learner.fit(content, task=1, round_=0, client_id=client)
+        learner.fit(content, task=1, round_=0, client_id=client, conditions=conditions)
         seen[client] = labels
     classes = rt.layout.classes(1)
     assert set(seen[1]) <= set(classes.tolist()) and seen[0] and seen[1]
@@ -243,7 +245,7 @@ def test_a_label_flipping_client_uploads_statistics_of_its_flipped_labels(method
     uploads = {}
     for flip in (False, True):
         learner = build_learner(cfg, rt)
-        learner.flip_labels = flip
+        learner.conditions = FitConditions(flip_labels=flip)  # the hook alone, as a fit would run it
         learner.client_id = 0
         uploads[flip] = from_array_record(next(iter(learner.round_end(index, 1).values())))
     flipped = flipped_labels(rt.data.train.labels[index], rt.layout.classes(1))

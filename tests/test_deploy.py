@@ -579,13 +579,13 @@ def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
 DISK_CACHE_PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import ConfigRecord
 from promptfcl.client.app import client_runtime
+from promptfcl.client.message_context import MessageContext
 from promptfcl.common.config.experiment import ExperimentConfig
 cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
-ctx = Context(run_id=1, node_id=1, node_config={"data-dir": sys.argv[2]}, state=RecordDict(), run_config={})
 t1 = time.perf_counter()
-rt, _ = client_runtime(cfg, ctx, ConfigRecord({"num-classes": 10}))
+rt, _ = client_runtime(MessageContext.of(cfg, {"data-dir": sys.argv[2]}), ConfigRecord({"num-classes": 10}))
 q = rt.queries("train", __import__("numpy").arange(len(rt.data.train)))
 t2 = time.perf_counter()
 c = rt.query_cache("train")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from promptfcl.client.memory import apply_plan, step_sizes
+from promptfcl.client.message_context import MessageContext
 from promptfcl.client.node_policy import NodePolicy, NodeRefusal
 from promptfcl.common.model import prompted as model_module
 from promptfcl.common.model.backbone import backbone_cache_path, build_backbone
@@ -29,18 +32,17 @@ from promptfcl.strategies.fppl.learner import FPPLLearner
 from promptfcl.strategies.fppl.prompt import FPPLPrompt
 from promptfcl.strategies.fppl.records import GLOBAL_PROTOTYPES
 from promptfcl.strategies.fppl.strategy import FPPLStrategy
-from promptfcl.strategies.platform.learner import LocalLearner
+from promptfcl.strategies.platform.learner import FitConditions, LocalLearner
 from tests.conftest import tiny_config
 
 #: a budgeted step differs from the whole batch's only by float rounding (micro-batch sums)
 ATOL = 2e-5
 
 
-def budgeted(learner: LocalLearner, micro: int, checkpointed: int) -> LocalLearner:
-    """``learner`` with a plan of ``micro``-image micro-batches, the first ``checkpointed`` blocks recomputed."""
-    learner.plan = TrainingPlan(1000.0, micro, checkpointed)
-    learner.rt.model.checkpointed = frozenset(range(checkpointed))
-    return learner
+def budgeted(model: Any, micro: int, checkpointed: int) -> FitConditions:
+    """A fit's plan of ``micro``-image micro-batches, the first ``checkpointed`` blocks of ``model`` recomputed."""
+    model.checkpointed = frozenset(range(checkpointed))
+    return FitConditions(TrainingPlan(1000.0, micro, checkpointed))
 
 
 def assert_same_upload(a: RecordDict, b: RecordDict) -> None:
@@ -72,8 +74,8 @@ def test_a_budgeted_round_uploads_the_arrays_of_the_unbudgeted_one(count_checkpo
     whole = LocalLearner.of(cfg, rt).fit(content, 0, 0, 0)
     assert not count_checkpoints
     try:
-        micro = budgeted(LocalLearner.of(cfg, rt), 5, 2).fit(content, 0, 0, 0)
-        plain_micro = budgeted(LocalLearner.of(cfg, rt), 7, 0).fit(content, 0, 0, 0)
+        micro = LocalLearner.of(cfg, rt).fit(content, 0, 0, 0, budgeted(rt.model, 5, 2))
+        plain_micro = LocalLearner.of(cfg, rt).fit(content, 0, 0, 0, budgeted(rt.model, 7, 0))
     finally:
         rt.model.checkpointed = frozenset()
     assert count_checkpoints  # the blocks were recomputed, not kept
@@ -98,7 +100,7 @@ def test_fppl_micro_batches_average_over_the_steps_samples_with_a_prototype():
     content = RecordDict({ARRAYS: arrays, CONFIG: ConfigRecord({"client-id": 0}), GLOBAL_PROTOTYPES: protos})
     whole = FPPLLearner.of(cfg, rt).fit(content, 1, 0, 0)
     try:
-        micro = budgeted(FPPLLearner.of(cfg, rt), 3, 1).fit(content, 1, 0, 0)
+        micro = FPPLLearner.of(cfg, rt).fit(content, 1, 0, 0, budgeted(rt.model, 3, 1))
     finally:
         rt.model.checkpointed = frozenset()
     assert_same_upload(whole, micro)
@@ -114,8 +116,8 @@ def test_powder_dual_distillation_weights_the_steps_samples_not_the_micro_batchs
 
     whole = PowderLearner.of(cfg, rt, {}).fit(msg.content, 1, 1, 0)
     try:
-        learner = budgeted(PowderLearner.of(cfg, rt, {}), 4, 2)
-        micro = learner.fit(msg.content, 1, 1, 0)
+        learner = PowderLearner.of(cfg, rt, {})
+        micro = learner.fit(msg.content, 1, 1, 0, budgeted(rt.model, 4, 2))
     finally:
         rt.model.checkpointed = frozenset()
     assert learner.last_distillation is not None
@@ -159,10 +161,10 @@ def test_node_config_keys_are_checked_and_a_refusal_names_them():
     cfg = tiny_config()
     rt = get_runtime(cfg)
     with pytest.raises(NodeRefusal, match="memory-budget-mb"):
-        apply_plan(cfg, rt, NodePolicy.from_node_config({"memory-budget-mb": 10}))
-    plan = apply_plan(cfg, rt, NodePolicy.from_node_config({"memory-budget-mb": resident_mb() + 4000}))
+        apply_plan(MessageContext.of(cfg, {"memory-budget-mb": 10}), rt)
+    plan = apply_plan(MessageContext.of(cfg, {"memory-budget-mb": resident_mb() + 4000}), rt)
     assert plan.micro_batch == cfg.training.batch_size and not rt.model.checkpointed
-    apply_plan(cfg, rt, NodePolicy.from_node_config({}))
+    apply_plan(MessageContext.of(cfg, {}), rt)
     assert rt.model.max_batch == 0  # no budget: nothing of another node's plan stays
 
 

@@ -250,10 +250,11 @@ def test_every_method_is_one_folder_laid_out_alike():
             ".strategy:" + method.load("strategy").__name__, ".learner:" + method.load("learner").__name__,
             ".prompt:" + method.load("prompt").__name__)
         assert method.records in ("", ".records:PRIVATE_RECORDS")
-    # no method code outside its folder: client/ holds the ClientApp, the node's own rules (its memory
-    # plan among them) and its executor
-    assert {p.stem for p in (ROOT / "client").glob("*.py")} == {"__init__", "app", "faults", "memory", "node_data",
-                                                                "node_policy", "warm_executor", "zygote"}
+    # no method code outside its folder: client/ holds the ClientApp, a message's context, the node's own
+    # rules (its memory plan among them) and its executor
+    assert {p.stem for p in (ROOT / "client").glob("*.py")} == {"__init__", "app", "faults", "memory",
+                                                                "message_context", "node_data", "node_policy",
+                                                                "warm_executor", "zygote"}
 
 
 def test_no_method_reads_the_whole_configuration():

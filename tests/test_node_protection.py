@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
+from promptfcl.client.message_context import MessageContext
 from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
 from promptfcl.client.node_policy import LIMITS, NodePolicy, NodeRefusal
 from promptfcl.common.config.experiment import ConfigError
@@ -83,7 +84,7 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
     ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "max-image-size": 8}, state=RecordDict(),
                   run_config=cfg.to_dict())
     with pytest.raises(NodeRefusal, match="image-size = 16 exceeds this node's limit max-image-size = 8"):
-        client_runtime(cfg, ctx, ConfigRecord({}))
+        client_runtime(MessageContext.from_flower(ctx), ConfigRecord({}))
     # the defaults take a paper-scale run (ViT-B/16, 224 px, pools of 100 x 20) and refuse absurd ones
     paper = {"image-size": 224, "batch-size": 128, "pool-size": 100, "prompt-length": 20, "num-classes": 345,
              "embed-dim": 768, "depth": 12, "num-heads": 12, "local-epochs": 10, "num-tasks": 20}
@@ -101,7 +102,7 @@ def test_a_node_refuses_runs_beyond_its_own_limits(flower_identity):
     virtual = tiny_config()
     ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits"}, state=RecordDict(), run_config=virtual.to_dict())
     with pytest.raises(NodeRefusal, match="population = virtual loads the run's own dataset"):
-        client_runtime(virtual, ctx, ConfigRecord({}))
+        client_runtime(MessageContext.from_flower(ctx), ConfigRecord({}))
 
 
 def test_a_node_bounds_the_tokens_and_estimated_memory_a_run_asks_for(flower_identity):
@@ -133,7 +134,7 @@ def test_a_node_bounds_the_tokens_and_estimated_memory_a_run_asks_for(flower_ide
     ctx = Context(run_id=1, node_id=1, node_config={"dataset": "digits", "max-tokens": 8}, state=RecordDict(),
                   run_config=cfg.to_dict())
     with pytest.raises(NodeRefusal, match="16 tokens per image, above this node's limit max-tokens = 8"):
-        client_runtime(cfg, ctx, ConfigRecord({}))
+        client_runtime(MessageContext.from_flower(ctx), ConfigRecord({}))
 
 
 def test_the_server_checks_a_runs_footprint_before_building_anything(tmp_path, monkeypatch):

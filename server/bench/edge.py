@@ -26,7 +26,8 @@ import torch
 from flwr.app import RecordDict
 
 from ...client.memory import apply_plan, plan_metrics
-from ...client.node_policy import BACKBONE_PRECISION_ENV, NodePolicy
+from ...client.message_context import MessageContext
+from ...client.node_policy import BACKBONE_PRECISION_ENV
 from ...common.config.experiment import ExperimentConfig
 from ...common.data.sources import ArraySplit, Dataset
 from ...common.model.backbone import build_backbone
@@ -35,7 +36,7 @@ from ...common.model.runtime import backbone_of, get_runtime
 from ...common.node.memory_plan import resident_mb
 from ...common.records import ARRAYS, arrays_of, from_array_record, to_array_record
 from ...strategies.fedavg.strategy import FedAvgStrategy
-from ...strategies.platform.learner import LocalLearner
+from ...strategies.platform.learner import FitConditions, LocalLearner
 from ...strategies.registry import prompt_class
 from .. import checkpoint
 from .common import _machine, run_simulation_subprocess
@@ -87,13 +88,13 @@ def train_one_round(precision: str, budget_mb: float, batch_size: int, threads: 
     imports = resident_mb()  # the interpreter, torch, Flower and promptfcl: what the node's zygote holds
     cfg = edge_config(batch_size, threads)
     runtime = get_runtime(cfg, data=stand_in(batch_size), precision=precision)
-    policy = NodePolicy.from_node_config({"memory-budget-mb": budget_mb, "backbone-precision": precision})
-    learner = LocalLearner.of(cfg, runtime)
-    plan = apply_plan(cfg, runtime, policy, learner)
+    node = MessageContext.of(cfg, {"memory-budget-mb": budget_mb, "backbone-precision": precision})
+    learner = LocalLearner.of(cfg, runtime, node.options, node.privacy)
+    plan = apply_plan(node, runtime)
     strategy = FedAvgStrategy.of(cfg, runtime.data.num_classes)
     arrays = strategy.on_task_start(0, to_array_record(runtime.model.trainable_state()))
     started, cpu = time.perf_counter(), time.process_time()
-    reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0)
+    reply = learner.fit(RecordDict({ARRAYS: arrays}), 0, 0, 0, FitConditions(plan))
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     sent, trained = from_array_record(arrays), from_array_record(arrays_of(reply))
     np.savez(arrays_out, **{name: trained[name] - sent[name] for name in trained})

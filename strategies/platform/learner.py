@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import numpy as np
@@ -84,6 +84,16 @@ class Batch:
     rows: slice | None = None
 
 
+@dataclass(frozen=True)
+class FitConditions:
+    """What the node decides for one fit, passed to it (:meth:`LocalLearner.fit`): its memory
+    ``plan`` (micro-batches; the default: whole batches) and whether it trains on its task's
+    classes reversed (``flip_labels``: ``fault = "label-flip"`` chose this client)."""
+
+    plan: TrainingPlan = field(default_factory=TrainingPlan)
+    flip_labels: bool = False
+
+
 class LocalLearner:
     """FedAvg-Prompt local learning (CODA-P prompts + linear head, CE on the current task).
 
@@ -103,11 +113,13 @@ class LocalLearner:
     options_class: Declared[type[MethodOptions]] = Declared("options", NoOptions)
 
     @classmethod
-    def of(cls, cfg: ExperimentConfig, runtime: Runtime,
-           options: MethodOptions | Mapping[str, Any] | None = None) -> Self:
-        """The learner of run ``cfg`` on ``runtime`` (the one place it reads the whole configuration)."""
+    def of(cls, cfg: ExperimentConfig, runtime: Runtime, options: MethodOptions | Mapping[str, Any] | None = None,
+           privacy: PrivacyOptions | None = None) -> Self:
+        """The learner of run ``cfg`` on ``runtime`` (the one place it reads the whole configuration;
+        ``privacy``: its ``dp.*`` options, already parsed, or None: parsed here)."""
         return cls(run=cfg.run, data=cfg.data, federation=cfg.federation, model=cfg.model, training=cfg.training,
-                   evaluation=cfg.evaluation, privacy=privacy_options(cfg), runtime=runtime, options=options)
+                   evaluation=cfg.evaluation, privacy=privacy if privacy is not None else privacy_options(cfg),
+                   runtime=runtime, options=options)
 
     def __init__(self, *, run: sections.RunSection, data: sections.DataSection,
                  federation: sections.FederationSection, model: sections.ModelSection,
@@ -120,8 +132,7 @@ class LocalLearner:
         self.opts: Any = options if isinstance(options, MethodOptions) else \
             self.options_class.from_options(options or {})
         self.seed: list[int] = [self.run.seed]  # [seed, client, task, round] of the current fit (set by fit)
-        self.plan = TrainingPlan()  # the node's memory plan (micro-batches); the default: whole batches
-        self.flip_labels = False  # fault = "label-flip" on this fit: train on the task's classes reversed
+        self.conditions = FitConditions()  # the current fit's (set by fit for its duration; the default outside)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -196,16 +207,20 @@ class LocalLearner:
         raise NotImplementedError(f"{type(self).__name__} takes no exchange before training")
 
     # ------------------------------------------------------------------ the loop
-    def fit(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
+    def fit(self, content: RecordDict, task: int, round_: int, client_id: int,
+            conditions: FitConditions | None = None) -> RecordDict:
         """Train on this client's share of ``task`` starting from the arrays received; the reply.
+        ``conditions``: the node's memory plan and label flipping for this fit (None: the defaults).
 
         The platform's loop (sealed): it calls the hooks (the module's docstring lists them, in
         order) and, however the fit ends, :meth:`round_cleanup`.
         """
+        self.conditions = conditions or FitConditions()
         try:
             return self._train(content, task, round_, client_id)
         finally:
             self.round_cleanup()
+            self.conditions = FitConditions()  # a later fit or answer starts from the defaults
 
     def _train(self, content: RecordDict, task: int, round_: int, client_id: int) -> RecordDict:
         """The fit but its cleanup (:meth:`fit`)."""
@@ -288,7 +303,7 @@ class LocalLearner:
         whole batch's (cross-entropy and every per-sample mean; float rounding aside).
         """
         rt, model = self.rt, self.rt.model
-        micro = self.plan.micro_batch or len(y)
+        micro = self.conditions.plan.micro_batch or len(y)
         total = 0.0
         for start in range(0, len(y), micro):
             rows = slice(start, start + micro)
@@ -320,7 +335,7 @@ class LocalLearner:
         ``fault = "label-flip"`` the task's classes reversed, in everything computed from them
         (targets, validation, every statistic a method uploads), as a relabelled dataset would."""
         true = self.rt.data.train.labels[index]
-        return flipped_labels(true, self.rt.layout.classes(task)) if self.flip_labels else true
+        return flipped_labels(true, self.rt.layout.classes(task)) if self.conditions.flip_labels else true
 
     @torch.no_grad()
     def correct(self, index: np.ndarray, task: int, batch_size: int = 256) -> int:

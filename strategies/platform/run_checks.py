@@ -54,14 +54,17 @@ def check_run(cfg: ExperimentConfig) -> CheckedRun:
     return CheckedRun(options, schedule, privacy)
 
 
-def check_client_run(cfg: ExperimentConfig) -> PrivacyOptions:
+def check_client_run(cfg: ExperimentConfig, options: MethodOptions | None = None,
+                     privacy: PrivacyOptions | None = None) -> PrivacyOptions:
     """What a client checks of a run before it uploads: the method is known, ``dp.*`` against
     what the method supports, and the method's own checks (the schedule and the dataset are
-    the server's); the method's strategy is not imported."""
+    the server's); the method's strategy is not imported. ``options``, ``privacy``: the method's
+    and the ``dp.*`` options, already parsed (None: parsed here)."""
     check_method(cfg.run.strategy)
-    options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
-    privacy = check_privacy(privacy_options(cfg), cfg.federation.num_clients, cfg.run.strategy,
-                            _privacy_refusal(options))
+    if options is None:
+        options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
+    privacy = check_privacy(privacy if privacy is not None else privacy_options(cfg), cfg.federation.num_clients,
+                            cfg.run.strategy, _privacy_refusal(options))
     check_options(options, cfg, privacy)
     return privacy
 

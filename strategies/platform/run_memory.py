@@ -196,20 +196,24 @@ def _declared(s: RunSizes, strategy: str) -> tuple[float, float]:
     return s.per_task * per_class * F32, s.classes * s.clients * per_class * F32
 
 
-def method_memory(cfg: ExperimentConfig, sizes: RunSizes) -> tuple[float, float]:
-    """(bytes of one reply's statistics, bytes of the server's method state) of ``cfg``'s method."""
+def method_memory(cfg: ExperimentConfig, sizes: RunSizes, options: Any = None) -> tuple[float, float]:
+    """(bytes of one reply's statistics, bytes of the server's method state) of ``cfg``'s method
+    (``options``: its options, already parsed; None: parsed here)."""
     estimate = METHOD_MEMORY.get(cfg.run.strategy)
     if estimate is None:
         return _declared(sizes, cfg.run.strategy)
-    return estimate(sizes, method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy)))
+    if options is None:
+        options = method_options(cfg.run.strategy, cfg.method_options(cfg.run.strategy))
+    return estimate(sizes, options)
 
 
 # ------------------------------------------------------------------ the two sides
-def node_memory(cfg: ExperimentConfig, sent_classes: int | None = None) -> MemoryEstimate:
-    """What a node's message process needs for one training message of ``cfg``."""
+def node_memory(cfg: ExperimentConfig, sent_classes: int | None = None, options: Any = None) -> MemoryEstimate:
+    """What a node's message process needs for one training message of ``cfg`` (``options``: the
+    method's, already parsed; None: parsed here)."""
     sizes = run_sizes(cfg, sent_classes)
     backbone = _backbone_footprint(cfg)
-    upload, _ = method_memory(cfg, sizes)
+    upload, _ = method_memory(cfg, sizes, options)
     t = sizes.trainable
     return MemoryEstimate((
         (BACKBONE, backbone.parameters * F32),
