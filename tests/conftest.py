@@ -22,7 +22,7 @@ PLAIN_MEAN: dict[str, Any] = {"defences": "off"}
 #: first and the many short files fill in after, instead of a long file starting last
 #: (pytest-xdist's own order is by number of tests, which put the few-test long ones at the end)
 LONGEST_FILES = (
-    "test_deploy.py", "test_async_resume.py", "test_bench.py", "test_reliability.py", "test_warm_executor.py",
+    "test_deploy_methods.py", "test_deploy.py", "test_async_resume.py", "test_bench.py", "test_reliability.py", "test_warm_executor.py",
     "test_powder.py", "test_ray_cluster.py", "test_edge_deploy.py", "test_memory_bounds.py",
     "test_node_replies.py", "test_simulation_e2e.py", "test_hostile.py", "test_layers.py",
 )

@@ -1,227 +1,57 @@
 """Deployment across machines, tried on loopback with real processes (deploy/README.md).
 
-A SuperLink with TLS (an openssl CA and server certificate) and SuperNode authentication,
-three SuperNodes each with its own image folder, started and driven by the deploy/
-scripts exactly as the README says; a recording TLS proxy (tests/wiretap.py) between the
-nodes and the SuperLink sees every byte of every message. Also: the server side killed
-mid-run and restarted resumes the run to the same results, an unregistered node key
-is refused, a node without the CA cannot connect, a node with missing or foreign data
-refuses to start, and the pieces underneath (node data, the on-disk query cache,
-federated evaluation, node sampling) are checked in-process.
+The federation of tests/deployment.py (TLS, SuperNode authentication, three SuperNodes with image
+folders of their own and a hostile one, a recording TLS proxy that sees every byte) runs its tiny
+FedAvg run; then: what crossed the wire, a node speaking as the server, an unregistered key, a
+node without the CA, a crashed node rejoining, the node-facing gate under floods, and the server
+killed mid-run resuming to the same results. The methods' deployed runs: test_deploy_methods.py;
+the pieces underneath, in process: test_deploy_pieces.py.
 
-The end-to-end tests are marked ``deploy`` (about 5 minutes on 2 cores):
-``make test PYTEST_ARGS='-m "not deploy"'`` leaves them out. They use free ports, their own
-FLWR_HOME and cache directories, and stop every process they started (and its
-descendants) even when a test fails.
+Marked ``deploy`` (minutes on 2 cores): ``make test PYTEST_ARGS='-m "not deploy"'`` leaves them
+out. They use free ports, their own FLWR_HOME and cache directories, and stop every process they
+started (and its descendants) even when a test fails.
 """
-
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from promptfcl.client.node_data import NodeDataError, export_digits, node_data, parse_node_config
-from promptfcl.common.config.experiment import ConfigError, ExperimentConfig
-from promptfcl.common.data.tasks import class_order
+from promptfcl.common.config.experiment import ExperimentConfig
 from promptfcl.common.node.startup import PHASES, metric_name
 from promptfcl.server.loopback import (
     DEPLOY,
-    ROOT,
     VENV_BIN,
-    Ports,
-    Processes,
-    descendants,
     free_port,
-    make_credentials,
-    register_node,
     run_script,
     script_env,
     start_node,
     start_superlink,
-    submit,
     toml_file,
-    wait_for_node,
 )
-from tests.conftest import TINY, tiny_config
-from tests.helpers import PushPullGrid
-
-NUM_HONEST = 3  # nodes with a share of the digits each
-NUM_NODES = NUM_HONEST + 1  # and one hostile node (tests/hostile_app.py): inflated counts, bounded by the server
-HOSTILE = NUM_NODES  # node<HOSTILE> is the hostile one
-
-# The tiny two-task run the deployed federation executes (deploy/run.toml's keys, tiny sizes).
-RUN = {
-    **{k: v for k, v in TINY.items() if k not in ("num-clients", "clients-per-round")},
-    "population": "nodes", "evaluation": "federated", "num-classes": 10,
-    "class-names": ",".join(str(d) for d in range(10)), "num-clients": NUM_NODES, "clients-per-round": NUM_NODES,
-    # one task of two rounds: round 1 is evaluated with round 2's training (evaluate-with-train),
-    # round 2 by evaluate messages; several tasks over the wire: test_random_tasks_run_on_deployed_nodes
-    "num-tasks": 1, "rounds-per-task": 2, "out-dir": "runs/deployed", "round-timeout": 600.0,
-}
-
-
-# ----------------------------------------------------------------------------- the deployed federation
-@dataclass
-class Deployment:
-    root: Path
-    ports: Ports  # the SuperLink's: node-facing (Fleet API only) and control (the operator's)
-    tap_port: int
-    results: dict
-    submit_output: str
-    exchanges: list
-    started: float
-    finished: float
-    processes: Processes
-    superlink: subprocess.Popen  # the SuperLink now serving ``port`` ...
-    superlink_log: Path  # ... and its log
-    forged: dict  # finding 1 of issue 54, pushed during the run with the hostile node's key: name -> (status, answer)
+from tests.deployment import (
+    HOSTILE,
+    NUM_HONEST,
+    NUM_NODES,
+    RUN,
+    Deployment,
+    PeakRss,
+    federation,
+    hostile_node_id,
+    kill_hard,
+    node_headers,
+    node_id_of,
+    seen_test_images,
+    train_messages_received,
+    upload,
+)
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Deployment:
-    import shutil
-
-    from tests.wiretap import WireTap
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make the TLS certificates (deploy/make-certs.sh)")
-
-    root = tmp_path_factory.mktemp("deploy")
-    env = script_env(FLWR_HOME=str(root / "cli-home"))
-    # Each node's data directory: a disjoint share of the digits as PNG folders.
-    export_digits(root / "data", NUM_HONEST)
-    app = hostile_app_dir(root / "app")
-    make_credentials(root, env, [f"node{i}" for i in range(1, NUM_NODES + 1)] + ["stranger"])
-    run_toml = toml_file(root / "run.toml", RUN)
-
-    procs = Processes()
-    tap = None
-    try:
-        ports = Ports.free()
-        link = start_superlink(root, procs, env, ports)
-        for i in range(1, NUM_NODES + 1):
-            register_node(root, env, ports.control, f"node{i}")
-
-        # Every node talks to the SuperLink's node-facing address through the recording proxy.
-        tap = WireTap(("127.0.0.1", ports.fleet), str(root / "certs/server.pem"), str(root / "certs/server.key"),
-                      str(root / "certs/ca.crt"))
-        tap_port = tap.start()
-        nodes = []
-        for i in range(1, NUM_NODES + 1):
-            node_env = script_env(PROMPTFCL_CACHE=str(root / f"cache{i}"),
-                                  PROMPTFCL_TEST_HOSTILE="1" if i == HOSTILE else "0")
-            data = f"data/node{i - 1}" if i != HOSTILE else "data/node0"  # a copy of someone's data
-            extra = ["--threads", "1"] + (["--device", "cpu"] if i == 1 else [])  # the others: device auto
-            nodes.append(start_node(root, procs, node_env, f"127.0.0.1:{tap_port}", f"node{i}", data, run_toml,
-                                    extra, wait=False))
-        for i, node in enumerate(nodes, start=1):
-            wait_for_node(root, f"node{i}", node)
-
-        forged: dict = {}
-        forger = forge_during_the_run(root, ports.fleet, forged)
-        started = time.time()
-        submitted = submit(root, env, ports.control, run_toml, app)
-        finished = time.time()
-        forger.join(timeout=60)
-        procs.remember_descendants()
-        output = submitted.stdout + submitted.stderr
-        superlink_log = (root / "superlink.log").read_text(errors="replace")
-        assert submitted.returncode == 0, f"{output[-4000:]}\n--- superlink.log (tail) ---\n{superlink_log[-6000:]}"
-        results_path = root / "server" / RUN["out-dir"] / "results.json"
-        assert results_path.is_file(), f"no results.json; submit output:\n{output[-4000:]}"
-        yield Deployment(root, ports, tap_port, json.loads(results_path.read_text()), output, list(tap.exchanges),
-                         started, finished, procs, link, root / "superlink.log", forged)
-    finally:
-        if tap is not None:
-            tap.stop()
-        procs.stop_all()
-
-
-def node_id_of(root: Path, name: str) -> int:
-    """The Flower node id a SuperNode started as ``name`` was given (its log says)."""
-    import re
-
-    return int(re.search(r"SuperNode ID:? *(\d+)", (root / f"{name}.log").read_text(errors="replace")).group(1))
-
-
-def post(port: int, cafile: Path, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-    """One HTTPS POST of ``body`` to 127.0.0.1:``port``; (status, answer)."""
-    import http.client
-    import ssl
-
-    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ssl.create_default_context(cafile=str(cafile)),
-                                       timeout=30)
-    try:
-        conn.request("POST", path, body=body, headers={"content-type": "application/protobuf", **headers})
-        reply = conn.getresponse()
-        return reply.status, reply.read()
-    finally:
-        conn.close()
-
-
-def forge_during_the_run(root: Path, fleet: int, out: dict) -> threading.Thread:
-    """Finding 1 of issue 54, replayed with the hostile node's own key and signed headers while the
-    run is running (once its SuperNode has its first train message): a train message "from the
-    server" (src = the SuperLink, no reply_to) to node1, and an error message "from the server" to
-    the ServerApp (dst = the SuperLink). ``out``: name -> (status, answer), or "error"."""
-    import re
-
-    from promptfcl.common.flower_internals import internal
-    from tests.test_fleet_gate import push_body
-
-    def forge() -> None:
-        log, deadline = root / f"node{HOSTILE}.log", time.time() + 1200
-        while "Receiving: train message" not in log.read_text(errors="replace"):
-            if time.time() > deadline:
-                out["error"] = "the hostile node never received a train message"
-                return
-            time.sleep(0.2)
-        run_id = int(re.search(r"\[RUN (\d+)", log.read_text(errors="replace")).group(1))
-        own, victim, superlink = node_id_of(root, f"node{HOSTILE}"), node_id_of(root, "node1"), \
-            internal("superlink_node_id")
-        messages = {"a train message from the server to node1": push_body(own, superlink, victim, run_id),
-                    "an error to the ServerApp": push_body(own, superlink, superlink, run_id,
-                                                           error=f"forged by node{HOSTILE}")}
-        for name, body in messages.items():
-            out[name] = post(fleet, root / "certs" / "ca.crt", "/v1/fleet/push-messages", body,
-                             node_headers(root / "keys" / f"node{HOSTILE}"))
-
-    thread = threading.Thread(target=forge, daemon=True)
-    thread.start()
-    return thread
-
-
-def hostile_app_dir(out: Path) -> Path:
-    """This app with tests/hostile_app.py as its ClientApp (every node runs it; only the node whose
-    environment says so misbehaves). The app's code is the installed ``promptfcl`` on every machine;
-    the bundle carries the configuration and the test's own ClientApp."""
-    import shutil
-
-    (out / "tests").mkdir(parents=True)
-    for name in ("__init__.py", "helpers.py", "hostile_app.py"):
-        if (ROOT / "tests" / name).exists():
-            shutil.copy(ROOT / "tests" / name, out / "tests" / name)
-    text = (ROOT / "pyproject.toml").read_text()
-    (out / "pyproject.toml").write_text(text.replace('clientapp = "promptfcl.client.app:app"', 'clientapp = "tests.hostile_app:app"'))
-    return out
-
-
-def seen_test_images(data_root: Path, task: int, seed: int = 0) -> int:
-    """Held-out images of the classes seen up to ``task`` across the honest nodes' folders."""
-    per_task = 10 // RUN["num-tasks"]
-    seen = class_order(10, seed)[: (task + 1) * per_task]  # original digits of remapped classes seen so far
-    return sum(len(list((data_root / f"node{i}" / "test" / str(d)).glob("*.png")))
-               for i in range(NUM_HONEST) for d in seen)
+    yield from federation(tmp_path_factory)
 
 
 @pytest.mark.deploy
@@ -288,15 +118,6 @@ def test_a_node_cannot_speak_as_the_server(deployment):
     for record in deployment.results["rounds"]:
         assert {x["node"] for x in record["rejected"] + record["eval_failed"]} == {hostile}
     assert "forged" not in json.dumps(deployment.results)
-
-
-def hostile_node_id(deployment: Deployment) -> int:
-    """The Flower node id of the hostile SuperNode (its log names it)."""
-    import re
-
-    text = (deployment.root / f"node{HOSTILE}.log").read_text(errors="replace")
-    return int(re.search(r"SuperNode ID:? *(\d+)", text).group(1))
-
 
 COUNTS = {"correct", "total", "num-examples", "train-size", "test-size"}
 STARTUP = {"process-seconds", *(metric_name(p) for p in PHASES)}
@@ -482,264 +303,6 @@ def test_node_without_the_ca_certificate_cannot_connect(deployment):
     assert code != 0
     assert "CERTIFICATE_VERIFY_FAILED" in out, out[-3000:]
 
-
-# ----------------------------------------------------------------------------- refusing bad node data
-@pytest.mark.simulation
-def test_start_client_refuses_missing_or_foreign_data(tmp_path):
-    env = script_env(PROMPTFCL_CACHE=str(tmp_path / "cache"))
-    run_toml = toml_file(tmp_path / "run.toml", RUN)
-    common = ["--superlink", "127.0.0.1:1", "--ca", str(tmp_path / "ca.crt"), "--key", str(tmp_path / "k"),
-              "--config", str(run_toml)]
-    (tmp_path / "ca.crt").write_text("x")
-    (tmp_path / "k").write_text("x")
-    done = run_script("start-client.sh", *common, "--data-dir", str(tmp_path / "nowhere"), env=env, cwd=tmp_path)
-    assert done.returncode != 0 and "does not exist" in done.stderr
-    done = run_script("start-client.sh", *common, env=env, cwd=tmp_path)
-    assert done.returncode != 0 and "needs data" in done.stderr
-    foreign = tmp_path / "pets"
-    export_digits(tmp_path / "digits", 1)
-    (tmp_path / "digits/node0/train/cat").mkdir()
-    done = run_script("start-client.sh", *common, "--data-dir", str(tmp_path / "digits/node0"), env=env, cwd=tmp_path)
-    assert done.returncode != 0 and "['cat'] that are not among the run's classes" in done.stderr, done.stderr
-    del foreign
-
-
-# ----------------------------------------------------------------------------- in-process pieces
-def nodes_config(**overrides) -> ExperimentConfig:
-    return tiny_config(**{"population": "nodes", "num-clients": 3, "clients-per-round": 3, **overrides})
-
-
-def test_node_config_errors_say_what_to_do(tmp_path):
-    with pytest.raises(NodeDataError, match="started without data"):
-        parse_node_config({})
-    with pytest.raises(NodeDataError, match="does not exist"):
-        parse_node_config({"data-dir": str(tmp_path / "missing")})
-    with pytest.raises(NodeDataError, match="unknown node-config keys \\['data_dir'\\]"):
-        parse_node_config({"data_dir": str(tmp_path)})
-    with pytest.raises(NodeDataError, match="partition-id"):
-        parse_node_config({"partition-id": 3, "num-partitions": 3})
-    with pytest.raises(NodeDataError, match="device"):
-        parse_node_config({"partition-id": 0, "num-partitions": 3, "device": "tpu"})
-    spec = parse_node_config({"data-dir": str(tmp_path), "device": "cpu"})
-    assert spec.kind == "local" and spec.dataset == f"folder:{tmp_path}" and spec.device == "cpu"
-    with pytest.raises(NodeDataError, match="num-clients = 3"):
-        node_data(nodes_config(), {"partition-id": 0, "num-partitions": 4})
-
-
-def test_config_requires_what_federated_evaluation_needs():
-    with pytest.raises(ConfigError, match="needs population=nodes"):
-        tiny_config(evaluation="federated", num_classes=10)
-    with pytest.raises(ConfigError, match="set num-classes"):
-        nodes_config(evaluation="federated")
-    with pytest.raises(ConfigError, match="class-names lists 3 classes"):
-        nodes_config(num_classes=10, class_names="a,b,c")
-
-
-def test_folder_data_is_matched_to_the_run_classes_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("PROMPTFCL_CACHE", str(tmp_path / "cache"))
-    (node,) = export_digits(tmp_path / "data", 1)
-    names = ",".join(str(d) for d in range(10))
-    cfg = nodes_config(num_classes=10, class_names=names)
-    full = node_data(cfg, {"data-dir": str(node)})
-    assert full.data.num_classes == 10 and len(full.data.train) + len(full.data.test) == 1797
-    assert full.partition.whole and full.partition.own_data and not full.cfg.federation.centralised  # its own data: all its share
-    # a node that lacks some classes keeps the others' labels (matched by name, not position)
-    import shutil
-
-    from promptfcl.client import node_data as node_data_module
-
-    shutil.rmtree(node / "train" / "0")
-    shutil.rmtree(node / "test" / "0")
-    node_data_module._loaded.clear()  # a new process, as in deployment (the file listing changed)
-    partial = node_data(cfg, {"data-dir": str(node)})
-    order = list(class_order(10, 0))
-    assert partial.data.num_classes == 10 and order.index(0) not in set(partial.data.train.labels.tolist())
-    label_of_7 = order.index(7)
-    assert (partial.data.train.labels == label_of_7).sum() == (full.data.train.labels == label_of_7).sum()
-    # without class-names the folders define the classes, and the server's count is enforced
-    from promptfcl.client.node_data import check_classes, original_names
-
-    sorted_cfg = nodes_config()
-    nine = node_data(sorted_cfg, {"data-dir": str(node)})
-    with pytest.raises(NodeDataError, match="has 9 classes but the run has 10"):
-        check_classes(nine.data.num_classes, original_names(nine.data, 0), "this node",
-                      sorted_cfg.data.num_classes or 10, sorted_cfg.data.class_name_list)
-
-
-def test_partition_nodes_evaluate_disjoint_shards_covering_the_test_split():
-    cfg = nodes_config()
-    shards = [node_data(cfg, {"partition-id": i, "num-partitions": 3, "dataset": "digits"}).data.test for i in range(3)]
-    from promptfcl.common.data.cache import load_dataset_cached
-
-    full = load_dataset_cached(cfg).test
-    assert sum(len(s) for s in shards) == len(full)
-    assert sorted(np.concatenate([s.labels for s in shards]).tolist()) == sorted(full.labels.tolist())
-
-
-DISK_CACHE_PROBE = r"""
-import json, sys, time
-t0 = time.perf_counter()
-from flwr.app import ConfigRecord
-from promptfcl.client.app import client_runtime
-from promptfcl.client.message_context import MessageContext
-from promptfcl.common.config.experiment import ExperimentConfig
-cfg = ExperimentConfig.from_dict(json.loads(sys.argv[1]))
-t1 = time.perf_counter()
-rt, _ = client_runtime(MessageContext.of(cfg, {"data-dir": sys.argv[2]}), ConfigRecord({"num-classes": 10}))
-q = rt.queries("train", __import__("numpy").arange(len(rt.data.train)))
-t2 = time.perf_counter()
-c = rt.query_cache("train")
-print(json.dumps({"computed": c.computed, "loaded": c.loaded, "imports_s": t1 - t0, "setup_s": t2 - t1,
-                  "checksum": float(q.sum())}))
-"""
-
-
-@pytest.mark.simulation
-def test_a_fresh_clientapp_process_reuses_the_disk_caches(tmp_path):
-    """Two fresh processes, as two messages in deployment: the second decodes and computes nothing."""
-    (node,) = export_digits(tmp_path / "data", 1)
-    cfg = nodes_config(num_classes=10, class_names=",".join(str(d) for d in range(10)))
-    env = script_env(PROMPTFCL_CACHE=str(tmp_path / "cache"))
-    runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", DISK_CACHE_PROBE, json.dumps(cfg.to_dict()), str(node)],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    first, second = runs
-    assert first["computed"] > 1000 and first["loaded"] == 0
-    assert second["computed"] == 0 and second["loaded"] == first["computed"]
-    assert second["checksum"] == first["checksum"]  # exactly the same queries
-    assert list((tmp_path / "cache" / "data").glob("*/meta.json")), "decoded images are cached too"
-    print(f"\nfresh ClientApp process: cold {first['setup_s']:.2f} s, warm {second['setup_s']:.2f} s "
-          f"(imports {first['imports_s']:.2f} / {second['imports_s']:.2f} s)")
-
-
-def test_disk_query_cache_merges_concurrent_writers_and_survives_bad_files(tmp_path):
-    import torch
-
-    from promptfcl.common.data.sources import ArraySplit
-    from promptfcl.common.model.runtime import QueryCache
-
-    class Model:  # q(x) = mean pixel, enough to tell entries apart
-        def preprocess(self, x, evaluation=False):
-            return x.float()
-
-        def query(self, x):
-            return x.mean(dim=(1, 2, 3), keepdim=False)[:, None].repeat(1, 4)
-
-    split = ArraySplit(np.arange(10 * 4, dtype=np.uint8).reshape(10, 1, 2, 2), np.zeros(10, np.int64))
-    path = tmp_path / "q.npz"
-    a, b = QueryCache(split, 4, path), QueryCache(split, 4, path)
-    a.get(Model(), np.array([0, 1, 2]), torch.device("cpu"))
-    b.get(Model(), np.array([7, 8]), torch.device("cpu"))  # b merges a's entries before writing
-    c = QueryCache(split, 4, path)
-    assert c.loaded == 5 and c.filled.sum() == 5
-    torch.testing.assert_close(c.get(Model(), np.array([8]), torch.device("cpu"))[0],
-                               torch.full((4,), float(split.images[8].mean())))
-    assert c.computed == 0  # read from disk, not computed again
-    path.write_bytes(b"not a cache")
-    assert QueryCache(split, 4, path).loaded == 0  # unreadable: recomputed, not a crash
-
-
-class FakeGrid(PushPullGrid):
-    """A Grid whose nodes answer evaluation messages with given counts (or an error), declaring
-    ``test_size`` held-out samples (default: the sum of their totals)."""
-
-    def __init__(self, answers: dict[int, tuple[list[int], list[int]] | str], test_size: dict[int, int] | None = None) -> None:
-        self.answers = answers
-        self.test_size = test_size or {}
-        self.sent: list = []
-
-    def get_node_ids(self):
-        return list(self.answers)
-
-    def send_and_receive(self, messages, timeout=None):
-        from flwr.app import Error, Message, MetricRecord, RecordDict
-
-        self.sent = list(messages)
-        out = []
-        for m in self.sent:
-            answer = self.answers[m.metadata.dst_node_id]
-            if isinstance(answer, str):
-                out.append(Message(Error(code=0, reason=answer), reply_to=m))
-            else:
-                correct, total = answer
-                node = m.metadata.dst_node_id
-                out.append(Message(RecordDict({"metrics": MetricRecord(
-                    {"correct": correct, "total": total, "num-examples": sum(total), "train-size": 100,
-                     "test-size": self.test_size.get(node, sum(total))})}), reply_to=m))
-        return out
-
-
-def test_federated_evaluation_sums_counts_over_nodes(flower_identity):
-    from promptfcl.common.records import to_array_record
-    from promptfcl.server.evaluation import FederatedEvaluator
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-
-    cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy.of(cfg, 10)
-    grid = FakeGrid({11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: "node 13 crashed", 14: ([1], [1])})
-    acc = FederatedEvaluator(grid, strategy)(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
-    # (5 + 10) / 30 and (1 + 9) / 20; the crashed node and the malformed reply are left out
-    np.testing.assert_allclose(acc, [50.0, 50.0])
-    assert {m.metadata.message_type for m in grid.sent} == {"evaluate"}
-    evaluator = FederatedEvaluator(grid, strategy)
-    evaluator(to_array_record({"head.weight": np.zeros((10, 4), np.float32)}), 1)
-    rec = evaluator.last_record
-    assert rec["eval_nodes"] == 2 and rec["eval_test_size"] == 50 and len(rec["eval_failed"]) == 2
-
-
-def test_federated_evaluation_bounds_what_a_node_can_claim(flower_identity):
-    """Counts beyond what a node declared, correct above total, and one node's weight above
-    max-client-weight: none of them decides the accuracy."""
-    from promptfcl.common.records import to_array_record
-    from promptfcl.server.evaluation import FederatedEvaluator
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-
-    cfg = nodes_config(evaluation="federated", num_classes=10)
-    strategy = FedAvgStrategy.of(cfg, 10)
-    head = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
-    honest = {11: ([5, 1], [10, 10]), 12: ([10, 9], [20, 10]), 13: ([3, 3], [10, 10])}
-    FederatedEvaluator(FakeGrid(honest), strategy)(head, 1)  # each node declares its sizes once
-    inflated = {**honest, 14: ([10**9, 10**9], [10**9, 10**9])}
-    evaluator = FederatedEvaluator(FakeGrid(inflated, test_size={14: 20}), strategy)
-    acc = evaluator(head, 1)
-    np.testing.assert_allclose(acc, [100 * 18 / 40, 100 * 13 / 30])  # node 14 left out
-    assert [f["node"] for f in evaluator.last_record["eval_failed"]] == [14]
-    assert "declared test-size 20" in evaluator.last_record["eval_failed"][0]["reason"]
-    # a node within its declaration but holding most of a task's samples weighs at most one half
-    big = {**honest, 15: ([0, 0], [1000, 10])}
-    acc = FederatedEvaluator(FakeGrid(big), strategy)(head, 1)
-    assert acc[0] == pytest.approx(100 * (0.5 * 0.0 + 0.5 * 18 / 40))  # capped: the others share the rest
-    assert acc[1] == pytest.approx(100 * 13 / 40)  # no node above half of task 2's samples: pooled as is
-    bad = {**honest, 16: ([11, 0], [10, 10])}
-    evaluator = FederatedEvaluator(FakeGrid(bad), strategy)
-    evaluator(head, 1)
-    assert "correct > total" in evaluator.last_record["eval_failed"][0]["reason"]
-
-
-def test_node_population_sampling_is_seeded_over_sorted_node_ids(flower_identity):
-    from flwr.app import ConfigRecord
-
-    from promptfcl.common.records import to_array_record
-    from promptfcl.strategies.fedavg.strategy import FedAvgStrategy
-
-    cfg = nodes_config(clients_per_round=2, num_clients=3)
-    strategy = FedAvgStrategy.of(cfg, 10)
-    grid = FakeGrid({30: "", 10: "", 20: ""})
-    arrays = to_array_record({"head.weight": np.zeros((10, 4), np.float32)})
-    msgs = strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), grid)
-    chosen = sorted(m.metadata.dst_node_id for m in msgs)
-    assert len(chosen) == 2 and set(chosen) <= {10, 20, 30}
-    assert chosen == strategy.sample_nodes([10, 20, 30], 0, 0)  # a pure function of the sorted ids
-    assert all(m.content["config"]["num-classes"] == 10 for m in msgs)
-    # fewer nodes than the population: the first round waits, then says how many came
-    strategy = FedAvgStrategy.of(nodes_config(num_clients=3, round_timeout=1.5), 10)
-    with pytest.raises(RuntimeError, match="only 2 of the 3 nodes"):
-        strategy.configure_train(1, arrays, ConfigRecord({"task": 0, "round": 0}), FakeGrid({1: "", 2: ""}))
-
-
 @pytest.mark.deploy
 def test_superlink_keeps_idle_connections_longer_than_its_clients(deployment):
     """Idle past httpx's 5 s keep-alive expiry, a connection to the SuperLink still serves requests.
@@ -803,79 +366,6 @@ def test_node_facing_address_serves_the_fleet_api_only(deployment):
     assert done.returncode != 0 and "registered successfully" not in done.stdout
     # the nodes themselves came in over the node-facing address (through the tap) and trained
     assert deployment.results["rounds"][-1]["clients_aggregated"] == NUM_HONEST
-
-
-def node_headers(private_key_file: Path) -> dict[str, str]:
-    """The node-authentication headers a SuperNode holding ``private_key_file`` sends (a signed
-    fresh timestamp), made as flwr's NodeAuthHttpInterceptor makes them."""
-    import base64
-    import datetime
-
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = serialization.load_ssh_private_key(private_key_file.read_bytes(), password=None)
-    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    stamp = datetime.datetime.now(datetime.UTC).isoformat()
-    return {"flwr-public-key": base64.b64encode(public).decode(), "flwr-timestamp": stamp,
-            "flwr-signature": base64.b64encode(key.sign(stamp.encode(), ec.ECDSA(hashes.SHA256()))).decode()}
-
-
-def upload(port: int, cafile: Path, path: str, size: int, headers: dict[str, str], chunked: bool = False,
-           body: bytes | None = None) -> int:
-    """POST ``size`` bytes (zeros, or ``body``) to ``path`` on 127.0.0.1:``port`` (TLS) in 1 MiB
-    chunks until the server stops reading; the status it answered (0: none readable, the
-    connection was cut)."""
-    import socket
-    import ssl
-
-    zeros = b"\0" * (1 << 20)
-    total = size if body is None else len(body)
-    context = ssl.create_default_context(cafile=str(cafile))
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, \
-            context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
-        length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
-        head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/protobuf", length,
-                *(f"{k}: {v}" for k, v in headers.items())]
-        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
-        try:
-            for start in range(0, total, 1 << 20):  # bounded: the whole body at most
-                chunk = zeros[:total - start] if body is None else body[start:start + (1 << 20)]
-                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
-        except OSError:  # the server answered and closed without reading the rest
-            pass
-        try:
-            reply = conn.recv(4096)
-        except OSError:
-            return 0
-    return int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
-
-
-class PeakRss:
-    """A process's resident MB now (``idle``) and, while the block runs, its highest (``peak``),
-    sampled every 20 ms from /proc (the SuperLink's memory under hostile uploads)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.done = pid, threading.Event()
-        self.idle = self.peak = self.now()
-        self.sampler = threading.Thread(target=self._sample, daemon=True)
-
-    def now(self) -> float:
-        status = Path(f"/proc/{self.pid}/status").read_text()
-        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
-
-    def _sample(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.02)
-
-    def __enter__(self) -> PeakRss:
-        self.sampler.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.sampler.join()
 
 
 @pytest.mark.deploy
@@ -963,88 +453,7 @@ def test_one_node_cannot_make_the_superlink_hold_more_than_its_share(deployment,
     assert len(busy) >= 4 and all(f"of node {hostile_node_id(deployment)} (node{HOSTILE}))" in line for line in busy)
     assert log.count("control address: refused POST /v1/fleet/push-object from 127.0.0.1") == 8
 
-
 # ----------------------------------------------------------------------------- the server machine dies mid-run
-def kill_hard(proc: subprocess.Popen) -> list[str]:
-    """SIGKILL ``proc``, its process group and every descendant at once, as a dying machine would;
-    return their command lines. Descendants are listed first: once their parent dies, nothing
-    links them to it (SuperExec and ServerApp run in sessions of their own)."""
-    pids = [proc.pid, *descendants(proc.pid)]
-    commands = []
-    for pid in pids:
-        try:
-            commands.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            os.kill(pid, signal.SIGKILL)
-        except OSError:  # gone already
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    return commands
-
-
-def train_messages_received(root: Path) -> list[int]:
-    """Per node, the training messages its SuperNode has pulled so far (its log)."""
-    return [(root / f"node{i}.log").read_text(errors="replace").count("Receiving: train message")
-            for i in range(1, NUM_NODES + 1)]
-
-
-@pytest.mark.deploy
-def test_random_tasks_run_on_deployed_nodes(deployment):
-    """Powder's benchmark (random tasks, Powder section 5.1) with ``population = "nodes"``: each node
-    plays the schedule's client of its turn, trains its task on its own images, and scores every
-    task through the task's own local pool on its held-out data (the hostile node included: its
-    replies are rejected or bounded, never fatal)."""
-    root = deployment.root
-    env = script_env(FLWR_HOME=str(root / "cli-home"))
-    run = {**RUN, "strategy": "powder", "task-generator": "random", "num-rounds": 2, "switch-every": 1,
-           "switch-fraction": 0.25, "num-tasks": 5, "classes-per-task": 3, "min-overlap": 0.34,
-           "task-data-fraction": 0.25, "pool-size": 10, "out-dir": "runs/random", "rounds-per-task": 1}
-    done = submit(root, env, deployment.ports.control, toml_file(root / "random.toml", run), root / "app")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    results = json.loads((root / "server" / "runs" / "random" / "results.json").read_text())
-    rounds = results["rounds"]
-    assert len(rounds) == 2
-    # round 1: every node on its own first task; round 2: one node moved on to a new task
-    assert sorted(rounds[0]["client_tasks"]) == [0, 1, 2, 3] and len(set(rounds[1]["client_tasks"])) == 4
-    assert max(rounds[1]["client_tasks"]) == 4
-    for record in rounds:
-        assert record["eval_nodes"] >= NUM_HONEST
-        assert all(a is not None and 0 <= a <= 100 for a in record["task_accuracies"])
-    assert len(rounds[1]["task_accuracies"]) == 5
-    assert results["asynchronous"]["average_incremental_accuracy"] is not None
-    assert all(None not in row for row in results["client_accuracy_by_round"])
-
-
-@pytest.mark.deploy
-def test_method_options_and_differential_privacy_run_deployed(deployment):
-    """Namespaced run-config keys pass Flower's own check on the SuperLink and reach every node:
-    HGP with a non-default option (``hgp.cov-type = "diag"``: a node without it would upload
-    full covariances, which the server refuses) and differential privacy on (``dp.*``)."""
-    root = deployment.root
-    env = script_env(FLWR_HOME=str(root / "cli-home"))
-    run = {**RUN, "strategy": "hgp", "hgp.cov-type": "diag", "hgp.rebalance-epochs": 1,
-           "dp.clip": 1.0, "dp.noise-multiplier": 0.5, "dp.delta": 1e-3, "rounds-per-task": 1,
-           "out-dir": "runs/hgp-dp"}
-    done = submit(root, env, deployment.ports.control, toml_file(root / "hgp-dp.toml", run), root / "app")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    results = json.loads((root / "server" / "runs" / "hgp-dp" / "results.json").read_text())
-    cfg = results["config"]
-    assert cfg["strategy"] == "hgp" and cfg["hgp.cov-type"] == "diag" and cfg["hgp.rebalance-epochs"] == 1
-    assert cfg["dp.clip"] == 1.0 and cfg["dp.noise-multiplier"] == 0.5
-    assert not any(k.startswith(("powder.", "fppl.", "hepco.", "fedcprompt.")) for k in cfg)
-    (record,) = results["rounds"]
-    # every honest node trained under exactly the server's configuration, and its diagonal
-    # statistics were accepted (the hostile node's inflated count is refused as before)
-    assert record["clients_aggregated"] == NUM_HONEST
-    placed = [p for p in record["placement"] if p["node"] is not None]
-    assert len(placed) == NUM_HONEST and {p["config_digest"] for p in placed} == {results["config_digest"]}
-    assert not any("covariance" in x["reason"] for x in record["rejected"])
-    assert results["privacy"]["epsilon"] is not None and results["privacy"]["delta"] == 1e-3
-
-
 @pytest.mark.deploy
 def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     """The server machine dies mid-run and the run is resumed: no round lost, none applied twice,
@@ -1101,45 +510,3 @@ def test_server_killed_mid_run_resumes_to_the_same_accuracy_matrix(deployment):
     assert [r["task_accuracies"] for r in results["rounds"]] == \
         [r["task_accuracies"] for r in deployment.results["rounds"]]
     assert not (out / checkpoint.FILENAME).exists()
-
-
-NEWER_METHOD_ROUNDS = {"lorm": 2, "pilora": 1, "c2prompt": 2, "lorm-task-end-pass": 2}
-#: a variant's method and options: LoRM with the platform's task-end exchange (its Gram pass)
-VARIANTS = {"lorm-task-end-pass": ("lorm", {"lorm.task-grams": "task-end-pass"})}
-
-
-@pytest.mark.deploy
-@pytest.mark.parametrize("method", sorted(NEWER_METHOD_ROUNDS))
-def test_the_newer_methods_run_deployed(deployment, method):
-    """The methods beyond the seed papers on real SuperLink and SuperNodes: LoRM's and PILoRA's
-    low-rank adapters (their sets, Grams, prototypes and class means) and C2Prompt's class
-    statistics and histograms travel, pass the server's checks from every honest node, and the
-    run ends with its accuracy matrix (LoRM's read after its merge across tasks)."""
-    root = deployment.root
-    env = script_env(FLWR_HOME=str(root / "cli-home"))
-    # two tasks (LoRM's merge across them); two rounds each where a task's second round differs
-    # from its first (LoRM trains B, then A; C2Prompt's exchange is its first round's only), one
-    # for PILoRA (every round of a task carries the same records)
-    rounds = NEWER_METHOD_ROUNDS[method]
-    strategy, options = VARIANTS.get(method, (method, {}))
-    run = {**RUN, "strategy": strategy, **options, "num-tasks": 2, "rounds-per-task": rounds,
-           "out-dir": f"runs/{method}"}
-    done = submit(root, env, deployment.ports.control, toml_file(root / f"{method}.toml", run), root / "app")
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    results = json.loads((root / "server" / "runs" / method / "results.json").read_text())
-    assert results["config"]["strategy"] == strategy
-    assert [r["task"] for r in results["rounds"]] == [t for t in (0, 1) for _ in range(rounds)]
-    for index, record in enumerate(results["rounds"]):
-        assert record["clients_aggregated"] == NUM_HONEST, record["rejected"]
-        assert record["eval_nodes"] >= NUM_HONEST
-        # the task-end exchange (QUERY messages after a task's last round): every honest node that
-        # trained the task answers, and every answer passes the checks; none for the other methods
-        exchange = record.get("task_end_exchange")
-        if options and index % rounds == rounds - 1:
-            assert exchange is not None and exchange["clients"] == exchange["answers"] == NUM_HONEST, exchange
-            assert not exchange["rejected"]
-        else:
-            assert exchange is None
-    matrix = results["accuracy_matrix"]
-    assert all(v is not None and 0 <= v <= 100 for row in matrix for v in row if v is not None)
-    assert results["final_average_accuracy"] is not None

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_deploy import RUN
+from tests.deployment import RUN
 
 
 @pytest.mark.deploy
 def test_a_budgeted_node_trains_within_its_budget_and_a_starved_one_refuses_to_start(tmp_path):
     from promptfcl.server.loopback import run_deployed, run_script, script_env, toml_file
 
-    run = {**RUN, "num-clients": 3, "clients-per-round": 3, "min-replies": 1, "out-dir": "runs/edge"}
+    # one round: the budget is the node's, the same for every message it runs
+    run = {**RUN, "num-clients": 3, "clients-per-round": 3, "min-replies": 1, "rounds-per-task": 1,
+           "out-dir": "runs/edge"}
     budget = 2500
     results = run_deployed(tmp_path, run, 3, node_args={1: ["--node", f"memory-budget-mb={budget}"]})
-    assert len(results["rounds"]) == 2
+    assert len(results["rounds"]) == 1
     for record in results["rounds"]:
         plans = record["memory_plans"]
         assert len(plans) == 1, plans  # node 1's reply; nodes 2 and 3 have no budget

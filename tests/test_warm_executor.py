@@ -203,12 +203,19 @@ def test_warm_executor_trains_exactly_what_the_stock_executor_trains(tmp_path):
     """The same run deployed twice: nodes with the warm forking executor (deploy/start-client.sh's
     default) and with Flower's stock one (--no-warm) reach the same accuracy matrix; only the
     stock path's messages pay the imports (a fresh interpreter each), the warm one's never do."""
-    from promptfcl.server.loopback import run_deployed
-    from tests.test_deploy import RUN
+    from concurrent.futures import ThreadPoolExecutor
 
-    run = {**RUN, "num-clients": 2, "clients-per-round": 2, "out-dir": "runs/warm-vs-stock"}
-    warm = run_deployed(tmp_path / "warm", run, 2)
-    stock = run_deployed(tmp_path / "stock", run, 2, warm=False)
+    from promptfcl.server.loopback import run_deployed
+    from tests.deployment import RUN
+
+    # one round (a train and an evaluate message per node: both kinds of message start a process);
+    # the two federations side by side (their own ports, folders and processes): each spends
+    # most of its time waiting on its processes' start-ups and polls
+    run = {**RUN, "num-clients": 2, "clients-per-round": 2, "rounds-per-task": 1, "out-dir": "runs/warm-vs-stock"}
+    with ThreadPoolExecutor(2) as pool:
+        warm_run = pool.submit(run_deployed, tmp_path / "warm", run, 2)
+        stock_run = pool.submit(run_deployed, tmp_path / "stock", run, 2, warm=False)
+        warm, stock = warm_run.result(), stock_run.result()
     assert warm["accuracy_matrix"] == stock["accuracy_matrix"]
     assert warm["config_digest"] == stock["config_digest"]
     warm_imports = [r["client_startup"].get("imports", 0.0) for r in warm["rounds"]]
