@@ -58,11 +58,6 @@ class MessageContext:
         """The context of Flower's ``context`` (its run config and node config)."""
         return cls.of(ExperimentConfig.from_run_config(context.run_config), context.node_config)
 
-    def with_cfg(self, cfg: ExperimentConfig) -> MessageContext:
-        """This context with the run config the node decided to run (its own weights, its own device):
-        the options, policy and digest stay those of the message."""
-        return MessageContext(cfg, self.digest, self.options, self.privacy, self.policy, self.node_config)
-
 
 # the context of the message being handled in this thread (set by the mod, for the mods and the function)
 _current: ContextVar[tuple[Context, MessageContext] | None] = ContextVar("promptfcl_message_context", default=None)
