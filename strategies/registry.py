@@ -106,6 +106,7 @@ class Method:
             self._loaded[which] = value
         return self._loaded[which]
 
+
 T = TypeVar("T")
 
 
